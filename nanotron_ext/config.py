@@ -1,0 +1,306 @@
+"""Read a Nanotron YAML: the model and run shape the planner needs, plus our own keys.
+
+Our keys live in the same file so a user keeps one config:
+
+* ``parallelism.cost_strategy`` — next to ``pp``, the one key most users set;
+* a top-level ``nanotron_ext:`` section for everything else (strategy options, freezing, memory cap).
+
+Both are removed from the dict handed to Nanotron's strict (dacite) loader, which would reject them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+
+from nanotron_ext.errors import ConfigError
+
+Engine = Literal["1f1b", "afab"]
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+EXT_SECTION = "nanotron_ext"
+DEFAULT_STRATEGY = "constrained"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama-family shape fields the planner prices (Nanotron's ``LlamaConfig`` names)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            _check_positive_int(f"model_config.{name}", getattr(self, name))
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        _check_positive_int("model_config.num_key_value_heads", self.num_key_value_heads)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model_config.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; pick a head count that divides it"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model_config.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; GQA needs an integer group size"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Parallelism and batch shape of one training step."""
+
+    dp: int
+    pp: int
+    tp: int
+    sequence_length: int
+    micro_batch_size: int
+    n_micro_batches: int  # Nanotron's tokens.batch_accumulation_per_replica
+    engine: Engine = "afab"  # Nanotron's default pp_engine
+    dtype: DType = "bfloat16"
+    zero_stage: int = 0
+    accumulate_grad_in_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
+            _check_positive_int(name, getattr(self, name))
+        _check_choice("parallelism.pp_engine", self.engine, Engine)
+        _check_choice("model.dtype", self.dtype, DType)
+        if self.zero_stage not in (0, 1):
+            raise ConfigError(f"optimizer.zero_stage={self.zero_stage!r}: Nanotron supports 0 or 1")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.sequence_length * self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class ExtConfig:
+    """Our keys: how to split the model across pipeline stages.
+
+    Attributes:
+        cost_strategy: registered strategy name or ``package.module:attr``.
+        base_strategy: what ``constrained`` balances (``flops``, ``memory``, ``uniform``...).
+        layout: per-stage layout string for the ``layout`` strategy, e.g. ``"E,t*5|t*6,L"``.
+        memory_cap_gib: optional per-stage memory ceiling the partitioner must respect.
+        allow_frozen_stages: let a stage hold only frozen blocks (no optimizer, no DDP there).
+        projector: add a trainable projector block after the embedding (CPU model only).
+        freeze: which modules to freeze (see ``nanotron_ext.freeze``); ``None`` trains everything.
+        profile_cache: directory of the ``profiled`` strategy's timing cache.
+    """
+
+    cost_strategy: str = DEFAULT_STRATEGY
+    base_strategy: str = "flops"
+    layout: str | None = None
+    memory_cap_gib: float | None = None
+    allow_frozen_stages: bool = False
+    projector: bool = False
+    freeze: dict[str, Any] | None = None
+    profile_cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost_strategy, str) or not self.cost_strategy:
+            raise ConfigError(f"cost_strategy={self.cost_strategy!r} must be a non-empty strategy name")
+        if self.base_strategy == "constrained":
+            raise ConfigError("nanotron_ext.base_strategy='constrained' would recurse; use flops, memory or uniform")
+        if self.memory_cap_gib is not None and not (
+            isinstance(self.memory_cap_gib, (int, float)) and math.isfinite(self.memory_cap_gib) and self.memory_cap_gib > 0
+        ):
+            raise ConfigError(f"nanotron_ext.memory_cap_gib={self.memory_cap_gib!r} must be a positive number of GiB")
+        for name in ("allow_frozen_stages", "projector"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"nanotron_ext.{name}={getattr(self, name)!r} must be true or false")
+        if self.freeze is not None and not isinstance(self.freeze, dict):
+            raise ConfigError(f"nanotron_ext.freeze must be a mapping, got {type(self.freeze).__name__}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Everything the planner reads from one YAML file.
+
+    Attributes:
+        model: the model shape.
+        run: parallelism and batch shape.
+        ext: our keys.
+        nanotron: the YAML as a dict with our keys removed, ready for Nanotron's loader.
+        source: where it came from, for messages.
+    """
+
+    model: ModelShape
+    run: RunShape
+    ext: ExtConfig = field(default_factory=ExtConfig)
+    nanotron: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    source: str = "<dict>"
+
+    def with_overrides(self, *, cost_strategy: str | None = None, pp: int | None = None, **ext: Any) -> PlannerConfig:
+        """A copy with command-line overrides applied (they win over the YAML)."""
+        run = self.run if pp is None else dataclasses.replace(self.run, pp=pp)
+        changes = {k: v for k, v in ext.items() if v is not None}
+        if cost_strategy is not None:
+            changes["cost_strategy"] = cost_strategy
+        new_ext = dataclasses.replace(self.ext, **changes) if changes else self.ext
+        nanotron = copy.deepcopy(self.nanotron)
+        if pp is not None and "parallelism" in nanotron:
+            nanotron["parallelism"]["pp"] = pp
+        return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
+
+
+def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int | None = None) -> PlannerConfig:
+    """Load a Nanotron YAML with our keys.
+
+    Args:
+        path: the YAML file.
+        cost_strategy: overrides the YAML's ``cost_strategy`` (the ``--cost-strategy`` flag).
+        pp: overrides ``parallelism.pp``.
+
+    Returns:
+        The parsed config; ``.nanotron`` holds the dict Nanotron's own loader accepts.
+
+    Raises:
+        ConfigError: the file is missing or malformed, a required key is missing, or one of our keys is unknown.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a Nanotron YAML")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML: {exc}") from exc
+    cfg = config_from_dict(raw, source=str(path))
+    if cost_strategy is not None or pp is not None:
+        cfg = cfg.with_overrides(cost_strategy=cost_strategy, pp=pp)
+    return cfg
+
+
+def config_from_dict(raw: Any, *, source: str = "<dict>") -> PlannerConfig:
+    """Parse an already-loaded YAML dict; see :func:`load_config`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    nanotron, ext = split_ext_keys(raw, source=source)
+    get = _Getter(nanotron, source)
+
+    model_cfg = get.section("model.model_config")
+    model = ModelShape(
+        hidden_size=get("model.model_config.hidden_size"),
+        intermediate_size=get("model.model_config.intermediate_size"),
+        num_hidden_layers=get("model.model_config.num_hidden_layers"),
+        num_attention_heads=get("model.model_config.num_attention_heads"),
+        vocab_size=_padded_vocab(
+            get("model.model_config.vocab_size"),
+            get("model.make_vocab_size_divisible_by", default=1),
+            get("parallelism.tp"),
+        ),
+        num_key_value_heads=model_cfg.get("num_key_value_heads"),
+        tie_word_embeddings=bool(model_cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=model_cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(model_cfg.get("rms_norm_eps", 1e-6)),
+    )
+    run = RunShape(
+        dp=get("parallelism.dp"),
+        pp=get("parallelism.pp"),
+        tp=get("parallelism.tp"),
+        sequence_length=get("tokens.sequence_length"),
+        micro_batch_size=get("tokens.micro_batch_size"),
+        n_micro_batches=get("tokens.batch_accumulation_per_replica"),
+        engine=str(get("parallelism.pp_engine", default="afab")).lower(),
+        dtype=str(get("model.dtype", default="bfloat16")),
+        zero_stage=get("optimizer.zero_stage", default=0),
+        accumulate_grad_in_fp32=bool(get("optimizer.accumulate_grad_in_fp32", default=False)),
+    )
+    return PlannerConfig(model=model, run=run, ext=ext, nanotron=nanotron, source=source)
+
+
+def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict[str, Any], ExtConfig]:
+    """Remove our keys from a Nanotron YAML dict.
+
+    Returns:
+        (the dict for Nanotron's strict loader, our parsed keys).
+
+    Raises:
+        ConfigError: an unknown key in our section, or ``cost_strategy`` given twice with different values.
+    """
+    nanotron = copy.deepcopy(raw)
+    section = nanotron.pop(EXT_SECTION, None) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: '{EXT_SECTION}:' must be a mapping of our options")
+    known = {f.name for f in dataclasses.fields(ExtConfig)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)} in '{EXT_SECTION}:'; "
+            f"known keys are {', '.join(sorted(known))}"
+        )
+    parallelism = nanotron.get("parallelism")
+    if isinstance(parallelism, dict) and "cost_strategy" in parallelism:
+        value = parallelism.pop("cost_strategy")
+        if "cost_strategy" in section and section["cost_strategy"] != value:
+            raise ConfigError(
+                f"{source}: cost_strategy is {value!r} under 'parallelism:' but {section['cost_strategy']!r} "
+                f"under '{EXT_SECTION}:'; keep one of them"
+            )
+        section = {**section, "cost_strategy": value}
+    return nanotron, ExtConfig(**section)
+
+
+class _Getter:
+    """Dotted-path access with errors that name the missing key and the file."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data, self.source = data, source
+
+    def section(self, dotted: str) -> dict[str, Any]:
+        value = self(dotted)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.source}: '{dotted}' must be a mapping, got {type(value).__name__}")
+        return value
+
+    _MISSING = object()
+
+    def __call__(self, dotted: str, default: Any = _MISSING) -> Any:
+        node: Any = self.data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node or node[part] is None:
+                if default is not _Getter._MISSING:
+                    return default
+                raise ConfigError(
+                    f"{self.source}: required key '{dotted}' is missing; add it to the YAML "
+                    f"(see examples/configs/tiny_llama_large_vocab.yaml)"
+                )
+            node = node[part]
+        return node
+
+
+def _padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    # Nanotron's trainer pads the vocabulary before building the model; plan what it will build.
+    _check_positive_int("model_config.vocab_size", vocab)
+    multiple = max(1, int(divisible_by)) * max(1, int(tp))
+    return -(-vocab // multiple) * multiple
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")

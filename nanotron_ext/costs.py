@@ -1,0 +1,138 @@
+"""The cost model: FLOPs and bytes per block and micro-batch (DESIGN.md, "Cost model").
+
+With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vocabulary:
+
+* a linear layer with ``P`` weights: forward ``2·t·P``, input-gradient ``2·t·P``, weight-gradient ``2·t·P``;
+* attention scores and weighted sum: forward ``4·t·s·h``, input-gradient ``8·t·s·h``, no weights
+  (full, not causal-halved: torch SDPA on CPU computes the whole square);
+* lm_head forward ``2·t·h·V``; cast ``t·V``; cross-entropy about ``5·t·V`` forward, ``3·t·V`` backward.
+
+Training work of a block depends on what is trainable (DESIGN.md): a frozen block pays no weight-gradient
+work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
+it), so a fully frozen prefix costs forward only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanotron_ext.config import DTYPE_BYTES, Engine, ModelShape, RunShape
+
+if TYPE_CHECKING:
+    from nanotron_ext.inventory import BlockInfo, Role
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """Analytic work of one block for one micro-batch."""
+
+    flops_fwd: float
+    flops_bwd_input: float
+    flops_bwd_weight: float
+    activation_bytes: float  # kept for backward, per micro-batch in flight
+    output_bytes: float  # sent to the next stage per micro-batch
+
+
+def decoder_linear_params(m: ModelShape) -> int:
+    """Weights of the matmuls in one decoder layer (qkv, o, gate_up, down), norms excluded."""
+    d = m.head_dim
+    return m.hidden_size * d * (m.num_attention_heads + 2 * m.num_key_value_heads) + (
+        m.num_attention_heads * d * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    )
+
+
+def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> BlockWork:
+    """Work of a block by role.
+
+    Args:
+        role: the block's role (see ``nanotron_ext.inventory.Role``).
+        m: model shape.
+        run: batch shape and dtype.
+        params: the block's parameter count; prices ``projector``/``other`` blocks as a linear layer.
+
+    Returns:
+        FLOPs of forward / input-gradient / weight-gradient, activation and output bytes.
+    """
+    t, s, h, v = run.tokens_per_micro_batch, run.sequence_length, m.hidden_size, m.vocab_size
+    w = DTYPE_BYTES[run.dtype]
+    if role == "embedding":
+        # A gather: no matmul; the weight gradient is a scatter-add of t rows.
+        return BlockWork(t * h, 0.0, t * h, 8.0 * t, w * t * h)
+    if role == "decoder":
+        lin = decoder_linear_params(m)
+        kv = m.num_key_value_heads * m.head_dim
+        attn = 4.0 * t * s * h
+        norms = 2 * 4.0 * t * h
+        act = w * t * (7 * h + 2 * kv + 3 * m.intermediate_size)
+        return BlockWork(2.0 * t * lin + attn + norms, 2.0 * t * lin + 2 * attn + 2 * norms,
+                         2.0 * t * lin + norms / 2, act, w * t * h)
+    if role == "final_norm":
+        return BlockWork(4.0 * t * h, 8.0 * t * h, 2.0 * t * h, w * t * h, w * t * h)
+    if role == "lm_head":
+        mm = 2.0 * t * h * v
+        return BlockWork(mm, mm, mm, w * t * h, w * t * v)
+    if role == "cast":
+        return BlockWork(1.0 * t * v, 1.0 * t * v, 0.0, 0.0, 4.0 * t * v)
+    if role == "loss":
+        # Cross-entropy keeps fp32 logits (or their softmax) alive until backward.
+        return BlockWork(5.0 * t * v, 3.0 * t * v, 0.0, 4.0 * t * v, 4.0)
+    # projector / other: a linear layer of the given size.
+    return BlockWork(2.0 * t * params, 2.0 * t * params, 2.0 * t * params, w * t * h, w * t * h)
+
+
+def training_flops(blocks: Sequence[BlockInfo]) -> list[float]:
+    """FLOPs of one micro-batch's forward and backward per block, aware of what is trainable.
+
+    A block pays weight-gradient work in proportion to its trainable share, and input-gradient work
+    only when some block before it is trainable.
+
+    Example:
+        Frozen embedding, frozen decoder, trainable lm_head: the first two cost forward only, the head
+        forward + weight-gradient.
+    """
+    out: list[float] = []
+    trainable_before = False
+    for b in blocks:
+        cost = b.flops_fwd
+        if trainable_before:
+            cost += b.flops_bwd_input
+        if b.params:
+            cost += b.flops_bwd_weight * (b.trainable / b.params)
+        out.append(cost)
+        trainable_before = trainable_before or b.trainable > 0
+    return out
+
+
+def in_flight(engine: Engine, pp: int, n_micro_batches: int) -> list[int]:
+    """Micro-batches whose activations a stage holds at its peak.
+
+    AFAB runs every forward first, so each stage holds all ``m``; 1F1B holds at most ``pp − stage``.
+    """
+    if engine == "afab":
+        return [n_micro_batches] * pp
+    return [min(n_micro_batches, pp - stage) for stage in range(pp)]
+
+
+def static_bytes(block: BlockInfo, run: RunShape) -> float:
+    """Weights + gradients + optimizer state (+ fp32 master weights) of a block, ZeRO-1 aware.
+
+    Frozen weights carry no gradient or optimizer state.
+    """
+    w = DTYPE_BYTES[run.dtype]
+    grad = 4 if (run.accumulate_grad_in_fp32 or w == 4) else w
+    master = 4 if w < 4 else 0  # Nanotron keeps fp32 master weights for a 16-bit model
+    optimizer = 8.0 + master  # AdamW exp_avg and exp_avg_sq in fp32
+    if run.zero_stage >= 1:
+        optimizer /= run.dp
+    return block.params * w + block.trainable * (grad + optimizer)
+
+
+def stage_memory_bytes(blocks: Sequence[BlockInfo], run: RunShape, stage: int, pp: int | None = None) -> float:
+    """Estimated peak memory of a stage holding ``blocks`` (static + activations in flight)."""
+    pp = run.pp if pp is None else pp
+    n = in_flight(run.engine, pp, run.n_micro_batches)[stage]
+    return sum(static_bytes(b, run) for b in blocks) + n * sum(b.activation_bytes for b in blocks)

@@ -1,0 +1,113 @@
+"""Explicit per-stage layouts, Megatron style: ``"E,t*5|t*6,L"``.
+
+Syntax:
+
+* ``|`` separates stages, ``,`` separates items within a stage; spaces are ignored;
+* ``E`` embedding, ``P`` projector, ``t`` one decoder layer, ``t*K`` K decoder layers;
+* ``L`` the output group: final norm, lm_head, cast and loss; or, one by one,
+  ``N`` final norm, ``H`` lm_head, ``C`` cast to fp32, ``X`` loss.
+
+Every block of the model must appear exactly once, in forward order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from nanotron_ext.errors import LayoutError
+
+SYMBOLS: dict[str, tuple[str, ...]] = {
+    "E": ("embedding",),
+    "P": ("projector",),
+    "t": ("decoder",),
+    "N": ("final_norm",),
+    "H": ("lm_head",),
+    "C": ("cast",),
+    "X": ("loss",),
+    "L": ("final_norm", "lm_head", "cast", "loss"),
+}
+_ITEM = re.compile(r"\s*([A-Za-z])\s*(?:\*\s*(\d*))?\s*")
+
+
+def parse_layout(layout: str) -> list[list[str]]:
+    """Parse a layout string into the roles of each stage.
+
+    Args:
+        layout: e.g. ``"E,t*5|t*6,L"``.
+
+    Returns:
+        One list of roles per stage, e.g. ``[["embedding", "decoder", ...], [..., "loss"]]``.
+
+    Raises:
+        LayoutError: unknown symbol, bad repeat count or empty stage; the message points at the character.
+    """
+    if not isinstance(layout, str) or not layout.strip():
+        raise LayoutError(f"layout={layout!r} is empty; write one stage per '|', e.g. 'E,t*5|t*6,L'")
+    stages: list[list[str]] = []
+    pos = 0
+    for stage_text in layout.split("|"):
+        roles: list[str] = []
+        item_pos = pos
+        for item in stage_text.split(","):
+            if not item.strip():
+                raise _error(layout, item_pos + len(item) - len(item.lstrip()), "empty item or stage")
+            match = _ITEM.fullmatch(item)
+            if match is None:
+                bad = item_pos + _first_bad(item)
+                raise _error(layout, bad, "expected a symbol (E, P, t, N, H, C, X, L) optionally followed by *K")
+            symbol, count = match.group(1), match.group(2)
+            at = item_pos + match.start(1)
+            if symbol not in SYMBOLS:
+                raise _error(layout, at, f"unknown symbol {symbol!r}; known: {', '.join(SYMBOLS)}")
+            if count is not None and (count == "" or int(count) < 1):
+                raise _error(layout, item_pos + item.index("*") + 1, "a repeat count after '*' must be >= 1")
+            roles += list(SYMBOLS[symbol]) * (int(count) if count else 1)
+            item_pos += len(item) + 1
+        stages.append(roles)
+        pos += len(stage_text) + 1
+    return stages
+
+
+def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
+    """Stage of each block for a layout.
+
+    Args:
+        layout: the layout string.
+        roles: the model's block roles in forward order.
+
+    Returns:
+        The stage of each block.
+
+    Raises:
+        LayoutError: the layout does not name the model's blocks in order (says which block differs).
+    """
+    stages = parse_layout(layout)
+    flat = [(stage, role) for stage, rs in enumerate(stages) for role in rs]
+    want_dec, got_dec = sum(r == "decoder" for r in roles), sum(r == "decoder" for _, r in flat)
+    if want_dec != got_dec:
+        raise LayoutError(f"layout {layout!r} has {got_dec} decoder layers but the model has {want_dec}")
+    for i, role in enumerate(roles):
+        if i >= len(flat):
+            raise LayoutError(f"layout {layout!r} stops before block {i} ({role}); add the remaining blocks")
+        if flat[i][1] != role:
+            raise LayoutError(
+                f"layout {layout!r}: block {i} of the model is {role!r} but the layout says {flat[i][1]!r}; "
+                f"the model's blocks in order are {' '.join(roles)}"
+            )
+    if len(flat) > len(roles):
+        raise LayoutError(f"layout {layout!r} names {len(flat)} blocks but the model has {len(roles)}")
+    return [stage for stage, _ in flat]
+
+
+def _first_bad(item: str) -> int:
+    stripped = item.lstrip()
+    offset = len(item) - len(stripped)
+    if stripped and stripped[0].isalpha():
+        rest = stripped[1:].lstrip()
+        return offset + (len(stripped) - len(rest)) if rest else offset
+    return offset
+
+
+def _error(layout: str, at: int, why: str) -> LayoutError:
+    return LayoutError(f"malformed layout at character {at + 1}: {why}\n  {layout}\n  {' ' * at}^")

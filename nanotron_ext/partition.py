@@ -1,0 +1,248 @@
+"""Optimal contiguous partition of blocks into pipeline stages, under constraints.
+
+Objective, in order: minimise the slowest stage (the pipeline's pace), then among those splits minimise the
+sum of squared stage costs (the most even one). Both are exact dynamic programmes over split points,
+``O(pp · n²)`` vectorised with numpy (the linear-partition problem; cf. torchgpipe's ``balance``, which
+uses the same block-partition objective).
+
+A stage's cost may depend on its position: ``cost + in_flight[stage] · per_in_flight`` prices activation
+memory under 1F1B, where stage ``k`` holds ``pp − k`` micro-batches.
+
+Constraints: no empty stage; every stage holds at least one block flagged by each :class:`Requirement`;
+optionally, every stage's memory stays under a cap. Ties are broken towards the smallest split index, so the
+result is deterministic: every rank computes the same plan from the same input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanotron_ext.errors import PlanningError
+
+_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """Every stage must hold at least one block whose flag is true.
+
+    Attributes:
+        what: plural noun for messages, e.g. ``"blocks with parameters"``.
+        flags: one flag per block.
+        fix: what the user can change when too few blocks are flagged.
+    """
+
+    what: str
+    flags: tuple[bool, ...]
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """Per-stage memory ceiling: ``sum(static) + in_flight[stage] · sum(activation) <= cap`` (bytes)."""
+
+    static: tuple[float, ...]
+    activation: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    cap: float
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A contiguous split: stage ``k`` holds blocks ``bounds[k]:bounds[k+1]``."""
+
+    bounds: tuple[int, ...]
+    stage_costs: tuple[float, ...] = field(compare=False)
+
+    @property
+    def pp(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.stage_costs)
+
+    def ranks(self) -> list[int]:
+        """Stage of each block, in block order."""
+        return [k for k in range(self.pp) for _ in range(self.bounds[k], self.bounds[k + 1])]
+
+    @staticmethod
+    def from_ranks(ranks: Sequence[int], costs: Sequence[float]) -> Partition:
+        """The partition of a block→stage map; raises if the map is not contiguous and ordered."""
+        pp = max(ranks) + 1 if ranks else 0
+        if any(b < a for a, b in zip(ranks, ranks[1:])):
+            raise PlanningError(f"block→stage map {list(ranks)} is not in forward order; stages must be contiguous")
+        bounds = [0] + [sum(1 for r in ranks if r <= k) for k in range(pp)]
+        stage_costs = tuple(float(sum(costs[bounds[k] : bounds[k + 1]])) for k in range(pp))
+        return Partition(tuple(bounds), stage_costs)
+
+
+def partition(
+    costs: Sequence[float],
+    pp: int,
+    *,
+    per_in_flight: Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+    requirements: Sequence[Requirement] = (),
+    memory: MemoryCap | None = None,
+    names: Sequence[str] | None = None,
+) -> Partition:
+    """Split blocks into ``pp`` contiguous, non-empty stages, minimising the slowest stage.
+
+    Args:
+        costs: cost of each block, in forward order; finite and non-negative.
+        pp: number of stages.
+        per_in_flight: extra cost per micro-batch in flight (activation memory), per block.
+        in_flight: micro-batches in flight per stage; required with ``per_in_flight`` or ``memory``.
+        requirements: every stage must hold a flagged block of each requirement.
+        memory: optional per-stage memory cap.
+        names: block names, for error messages.
+
+    Returns:
+        The optimal :class:`Partition` (ties: most even, then earliest split points).
+
+    Raises:
+        PlanningError: bad costs, or no split satisfies the constraints (the message says which and what
+        to change).
+
+    Example:
+        >>> partition([1, 1, 1, 3], 2).bounds
+        (0, 3, 4)
+    """
+    n = len(costs)
+    names = list(names) if names is not None else [f"block {i}" for i in range(n)]
+    c = _check_costs("cost", costs, names)
+    a = _check_costs("per-in-flight cost", per_in_flight, names) if per_in_flight is not None else np.zeros(n)
+    _check_pp(pp, n)
+    mult = _stage_multipliers(in_flight, pp)
+    for req in requirements:
+        _check_requirement(req, pp, names)
+
+    flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
+    valid = _segment_validity(n, pp, flag_prefix, memory)
+
+    # Normalise so that tolerances are relative and squares stay in range.
+    scale = float(c.sum() + a.sum() * max(mult)) or 1.0
+    cp = np.concatenate([[0.0], np.cumsum(c / scale)])
+    ap = np.concatenate([[0.0], np.cumsum(a / scale)])
+
+    def seg(k: int) -> np.ndarray:
+        return (cp[None, :] - cp[:, None]) + mult[k] * (ap[None, :] - ap[:, None])
+
+    best, _ = _dp(pp, n, seg, valid, combine="max")
+    if not math.isfinite(best):
+        raise _infeasible(costs, pp, requirements, memory, names, in_flight)
+    bound = best * (1 + _RTOL) + 1e-15
+    _, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound)
+    stage_costs = tuple(
+        float(c[bounds[k] : bounds[k + 1]].sum() + mult[k] * a[bounds[k] : bounds[k + 1]].sum()) for k in range(pp)
+    )
+    return Partition(tuple(bounds), stage_costs)
+
+
+def _dp(pp, n, seg, valid, combine: str, cap: float | None = None) -> tuple[float, list[int]]:
+    inf = math.inf
+    value = np.full(n + 1, inf)
+    value[0] = 0.0
+    choices = []
+    for k in range(pp):
+        s = seg(k)
+        ok = valid(k)
+        if cap is not None:
+            ok = ok & (s <= cap)
+        cand = np.maximum(value[:, None], s) if combine == "max" else value[:, None] + s * s
+        cand = np.where(ok, cand, inf)
+        choices.append(np.argmin(cand, axis=0))  # first minimum: deterministic tie-break
+        value = cand.min(axis=0)
+    total = float(value[n])
+    if not math.isfinite(total):
+        return total, []
+    bounds = [n]
+    for k in range(pp - 1, -1, -1):
+        bounds.append(int(choices[k][bounds[-1]]))
+    return total, bounds[::-1]
+
+
+def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: MemoryCap | None):
+    idx = np.arange(n + 1)
+    base = idx[:, None] < idx[None, :]  # non-empty
+    for fp in flag_prefix:
+        base = base & ((fp[None, :] - fp[:, None]) >= 1)
+    if memory is None:
+        return lambda k: base
+    sp = np.concatenate([[0.0], np.cumsum(memory.static)])
+    ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
+    limit = memory.cap * (1 + _RTOL)
+
+    def valid(k: int) -> np.ndarray:
+        mem = (sp[None, :] - sp[:, None]) + memory.in_flight[k] * (ap[None, :] - ap[:, None])
+        return base & (mem <= limit)
+
+    return valid
+
+
+def _check_costs(what: str, values: Sequence[float] | None, names: Sequence[str]) -> np.ndarray:
+    arr = np.asarray(list(values if values is not None else []), dtype=np.float64)
+    if len(arr) != len(names):
+        raise PlanningError(f"got {len(arr)} {what}s for {len(names)} blocks; give one per block")
+    for i, v in enumerate(arr):
+        if not math.isfinite(v) or v < 0:
+            raise PlanningError(
+                f"{what} of {names[i]} is {v!r}; costs must be finite and non-negative — check the strategy "
+                f"that produced it"
+            )
+    return arr
+
+
+def _check_pp(pp: int, n: int) -> None:
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise PlanningError(f"pp={pp!r} must be a positive integer")
+    if pp > n:
+        raise PlanningError(f"pp={pp} stages but the model has only {n} blocks; use pp <= {n}")
+
+
+def _check_requirement(req: Requirement, pp: int, names: Sequence[str]) -> None:
+    if len(req.flags) != len(names):
+        raise PlanningError(f"requirement '{req.what}' has {len(req.flags)} flags for {len(names)} blocks")
+    flagged = [names[i] for i, f in enumerate(req.flags) if f]
+    if len(flagged) < pp:
+        listed = ", ".join(flagged) if flagged else "none"
+        raise PlanningError(
+            f"pp={pp} needs {pp} {req.what} (one per stage) but the model has {len(flagged)} ({listed}); "
+            f"the largest pp that works is {len(flagged)}" + (f"; {req.fix}" if req.fix else "")
+        )
+
+
+def _stage_multipliers(in_flight: Sequence[int] | None, pp: int) -> list[float]:
+    if in_flight is None:
+        return [1.0] * pp
+    if len(in_flight) != pp:
+        raise PlanningError(f"in_flight has {len(in_flight)} entries for pp={pp}")
+    return [float(x) for x in in_flight]
+
+
+def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningError:
+    if memory is None:
+        whats = " and ".join(r.what for r in requirements) or "non-empty stages"
+        return PlanningError(f"no contiguous split into {pp} stages gives every stage {whats}; lower pp")
+    # Which peak memory is reachable at all under the other constraints?
+    mem = partition(
+        memory.static,
+        pp,
+        per_in_flight=memory.activation,
+        in_flight=memory.in_flight,
+        requirements=requirements,
+        names=names,
+    )
+    worst = int(np.argmax(mem.stage_costs))
+    gib = float(1 << 30)
+    return PlanningError(
+        f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
+        f"{mem.max_cost / gib:.3g} GiB on stage {worst} ({(mem.max_cost - memory.cap) / gib:.3g} GiB over); "
+        f"raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer micro-batches "
+        f"in flight)"
+    )

@@ -1,0 +1,83 @@
+"""Plain-text and markdown tables that line up, and human-readable numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
+    """Format rows under headers; numbers right-aligned, text left-aligned.
+
+    Args:
+        headers: column titles.
+        rows: cells; anything with ``str()``.
+        markdown: emit a GitHub markdown table instead of plain columns.
+
+    Returns:
+        The table, lines joined by newlines.
+    """
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(_looks_numeric(r[i]) for r in cells) and bool(cells) for i in range(len(headers))]
+
+    def fmt(row: Sequence[str]) -> list[str]:
+        return [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)]
+
+    if markdown:
+        rule = ["-" * (w - 1) + ":" if num else "-" * w for w, num in zip(widths, numeric)]
+        lines = [fmt(list(headers)), rule] + [fmt(r) for r in cells]
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+    lines = [fmt(list(headers)), ["-" * w for w in widths]] + [fmt(r) for r in cells]
+    return "\n".join("  ".join(line).rstrip() for line in lines)
+
+
+def _looks_numeric(text: str) -> bool:
+    t = text.strip().rstrip("%x×").replace(",", "")
+    for suffix in ("KiB", "MiB", "GiB", "TiB", "B", "K", "M", "G", "T", "P", "ms", "s"):
+        if t.endswith(suffix):
+            t = t[: -len(suffix)].strip()
+            break
+    try:
+        float(t)
+    except ValueError:
+        return t in ("-", "inf")
+    return True
+
+
+def human_count(n: float) -> str:
+    """``1234567`` → ``1.23M``."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    """``3.5 · 2**30`` → ``3.5 GiB``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def compact_names(shorts: Sequence[str]) -> str:
+    """``["embedding", "decoder.0", "decoder.1", "decoder.2"]`` → ``"embedding, decoder.0-2"``."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            parts.append(f"decoder.{run[0]}" if len(run) == 1 else f"decoder.{run[0]}-{run[-1]}")
+            run.clear()
+
+    for name in shorts:
+        if name.startswith("decoder.") and name[8:].isdigit():
+            i = int(name[8:])
+            if run and i != run[-1] + 1:
+                flush()
+            run.append(i)
+        else:
+            flush()
+            parts.append(name)
+    flush()
+    return ", ".join(parts) if parts else "(empty)"

@@ -1,0 +1,138 @@
+"""Static validation of a plan, before any weight is allocated.
+
+Each finding says what is wrong, why (in the model's own numbers) and what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs import GIB
+from nanotron_ext.inventory import BlockInfo
+from nanotron_ext.report import compact_names
+
+if TYPE_CHECKING:
+    from nanotron_ext.plan import Plan
+
+Severity = Literal["error", "warning"]
+FIX_STRATEGY = "use `--cost-strategy constrained` (or `cost_strategy: constrained` under `parallelism:`)"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem with a plan.
+
+    Attributes:
+        severity: ``error`` (training would fail) or ``warning`` (it would run, badly).
+        code: stable identifier, e.g. ``no-params``.
+        stage: the PP rank concerned, or ``None`` for the whole plan.
+        message: what is wrong and why.
+        fix: what to change.
+    """
+
+    severity: Severity
+    code: str
+    stage: int | None
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = f"stage {self.stage}" if self.stage is not None else "plan"
+        return f"{self.severity.upper()} [{where}] {self.message}\n  fix: {self.fix}"
+
+
+def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> list[Finding]:
+    """Check a plan statically.
+
+    Checks: empty stage, stage without parameters, stage without trainable parameters, memory over
+    ``memory_cap_gib``, fewer micro-batches than stages under 1F1B (warning).
+
+    Args:
+        plan: the plan to check.
+        blocks: the inventory it was made from.
+        cfg: the config (engine, micro-batches, our options).
+
+    Returns:
+        Findings, errors first; an empty list means the plan can train.
+    """
+    findings: list[Finding] = []
+    any_trainable = any(b.trainable for b in blocks)
+    for s in plan.stages:
+        if not s.blocks:
+            findings.append(Finding("error", "empty-stage", s.stage, f"stage {s.stage} holds no block",
+                                    f"{FIX_STRATEGY}, or lower pp"))
+        elif s.params == 0:
+            findings.append(Finding(
+                "error", "no-params", s.stage,
+                f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
+                f"\"Can't use DDP because model in PP={s.stage} has no gradient\" (dp>1) or \"optimizer got an "
+                f"empty parameter list\" (dp=1). Cause: {_cause(plan, blocks, cfg)}",
+                f"{FIX_STRATEGY} — every stage then gets a block with parameters; or lower pp to "
+                f"{_largest_working_pp(plan, blocks)}",
+            ))
+        elif s.trainable == 0 and any_trainable:
+            severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"
+            findings.append(Finding(
+                severity, "no-trainable", s.stage,
+                f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
+                + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
+                f"{FIX_STRATEGY} to put a trainable block on every stage, or set `allow_frozen_stages: true` "
+                f"under `nanotron_ext:`, or lower pp",
+            ))
+        cap = cfg.ext.memory_cap_gib
+        if cap is not None and s.memory_bytes > cap * GIB:
+            findings.append(Finding(
+                "error", "memory", s.stage,
+                f"stage {s.stage} needs about {s.memory_bytes / GIB:.3g} GiB, over memory_cap_gib={cap:g} by "
+                f"{s.memory_bytes / GIB - cap:.3g} GiB",
+                "use `--cost-strategy memory` or `constrained` (they respect the cap), a larger pp, or zero_stage 1",
+            ))
+    if cfg.run.engine == "1f1b" and cfg.run.n_micro_batches < plan.pp:
+        findings.append(Finding(
+            "warning", "few-micro-batches", None,
+            f"1F1B with {cfg.run.n_micro_batches} micro-batches on {plan.pp} stages: the pipeline never fills "
+            f"(bubble at least {(plan.pp - 1) / (cfg.run.n_micro_batches + plan.pp - 1):.0%})",
+            f"set tokens.batch_accumulation_per_replica >= {plan.pp}",
+        ))
+    return sorted(findings, key=lambda f: (f.severity != "error", f.stage if f.stage is not None else -1))
+
+
+def _cause(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> str:
+    """Why a stage ended up weightless, in the strategy's own numbers."""
+    costs = plan.block_costs
+    total = sum(costs)
+    if not total:
+        return f"strategy {plan.strategy!r} gives every block zero cost"
+    heavy = max(range(len(costs)), key=lambda i: costs[i])
+    share = costs[heavy] / total
+    b = blocks[heavy]
+    text = f"{b.short} is {100 * share:.0f} % of the cost under {plan.strategy!r}"
+    decoders = [i for i, x in enumerate(blocks) if x.role == "decoder"]
+    dec_cost = sum(costs[i] for i in decoders)
+    if b.role == "lm_head" and costs[heavy] > dec_cost and decoders:
+        many = "both" if len(decoders) == 2 else f"all {len(decoders)}"
+        text += (f"; vocabulary {cfg.model.vocab_size} × hidden {cfg.model.hidden_size} outweighs {many} decoder layers "
+                 f"({len(decoders)} × {costs[decoders[0]]:g})")
+    if share > 1 / plan.pp:
+        text += (f", more than one stage's share (1/{plan.pp}), so the greedy thresholds put it and every "
+                 f"block before it on one stage")
+    free = [x.short for x, c in zip(blocks, costs) if x.params and c == 0]
+    if free:
+        text += f"; blocks with weights priced at zero: {compact_names(free)}"
+    return text
+
+
+def _largest_working_pp(plan: Plan, blocks: Sequence[BlockInfo]) -> int:
+    """Largest pp below the current one at which this strategy gives every stage weights."""
+    if plan.strategy == "nanotron":
+        from nanotron_ext.strategies import nanotron_greedy_ranks
+
+        for pp in range(plan.pp - 1, 0, -1):
+            ranks = nanotron_greedy_ranks(list(plan.block_costs), pp)
+            if all(any(b.params for b, r in zip(blocks, ranks) if r == k) for k in range(pp)):
+                return pp
+        return 1
+    return min(plan.pp - 1, sum(b.params > 0 for b in blocks)) or 1
