@@ -1,0 +1,214 @@
+"""PNG pictures of simulated pipeline schedules and of per-stage loads.
+
+matplotlib is imported inside the functions, so importing this module stays cheap; figures are drawn on
+an Agg canvas directly (no pyplot), which leaves the caller's backend and pyplot state alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nanotron_ext.simulate import SimResult
+
+DPI = 150
+FORWARD_COLOR = "#4C72B0"
+BACKWARD_COLOR = "#DD8452"
+IDLE_FACE = "#F2F2F2"
+IDLE_HATCH = "#C8C8C8"
+_LABEL_PT = 8
+
+
+def plot_timeline(
+    result: SimResult,
+    path: str | os.PathLike[str],
+    title: str | None = None,
+    stage_labels: list[str] | None = None,
+) -> Path:
+    """Draw one row per stage (stage 0 on top) with forward/backward boxes over a hatched idle background.
+
+    Args:
+        result: output of :func:`nanotron_ext.simulate.simulate`.
+        path: where to write the PNG (parent folders are created).
+        title: first title line; the bubble fraction and step time are always added below it.
+        stage_labels: one label per stage; default ``"stage s (PP rank s)"``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: if ``stage_labels`` does not have one entry per stage.
+    """
+    from matplotlib.patches import Patch
+
+    from nanotron_ext.simulate import ideal_bubble_fraction
+
+    pp = result.pp
+    labels = (
+        list(stage_labels) if stage_labels is not None else [f"stage {s} (PP rank {s})" for s in range(pp)]
+    )
+    if len(labels) != pp:
+        raise ValueError(f"stage_labels has {len(labels)} entries for {pp} stages; pass one label per stage")
+
+    fig = _new_figure(width=11.0, height=1.6 + 0.5 * pp)
+    ax = fig.add_subplot()
+    span = result.step_time * 1e3 or 1.0  # ms; a zero-length step still gets a visible axis
+    # Idle is whatever part of the grey row the compute boxes do not cover.
+    ax.barh(range(pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0)
+    for op in result.ops:
+        ax.barh(
+            op.stage,
+            op.duration * 1e3,
+            left=op.start * 1e3,
+            height=0.8,
+            color=FORWARD_COLOR if op.kind == "F" else BACKWARD_COLOR,
+            edgecolor="white",
+            linewidth=0.6,
+        )
+
+    ax.set_ylim(pp - 0.5, -0.5)  # stage 0 on top, like the usual pipeline diagrams
+    ax.set_yticks(range(pp), labels)
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+    right = ax.twinx()  # per-stage idle share, next to the row it describes
+    right.set_ylim(ax.get_ylim())
+    right.set_yticks(range(pp), [f"idle {result.idle[s] / span * 1e3:.0%}" for s in range(pp)])
+    right.tick_params(length=0, labelsize=8, labelcolor="#555555")
+    for side in ("top", "right", "left", "bottom"):
+        right.spines[side].set_visible(False)
+
+    fig.legend(
+        handles=[
+            Patch(color=FORWARD_COLOR, label="forward"),
+            Patch(color=BACKWARD_COLOR, label="backward"),
+            Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label="idle (bubble)"),
+        ],
+        loc="outside lower center",
+        ncols=3,
+        frameon=False,
+    )
+    head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
+    ideal = ideal_bubble_fraction(pp, result.n_micro_batches)
+    ax.set_title(
+        f"{head}\nbubble {result.bubble_fraction:.1%} (equal-stage ideal {ideal:.1%}), "
+        f"step {_ms(result.step_time)} ms"
+    )
+
+    # Numbers go in only once the layout is final, so box widths in pixels are known.
+    fig.canvas.draw()
+    px_per_ms = ax.get_window_extent().width / span
+    digit_px = 0.62 * _LABEL_PT * DPI / 72
+    for op in result.ops:
+        text = str(op.micro_batch)
+        if op.duration * 1e3 * px_per_ms >= digit_px * len(text) + 4:
+            ax.text(
+                (op.start + op.end) / 2 * 1e3,
+                op.stage,
+                text,
+                ha="center",
+                va="center",
+                fontsize=_LABEL_PT,
+                color="white",
+                fontweight="bold",
+            )
+    return _save(fig, path)
+
+
+def plot_stage_loads(
+    labels: list[str],
+    loads_by_strategy: dict[str, list[float]],
+    path: str | os.PathLike[str],
+    title: str | None = None,
+    ylabel: str = "load per stage",
+) -> Path:
+    """Grouped bar chart of per-stage load for each strategy, with a dashed line at each strategy's max.
+
+    Args:
+        labels: one x-axis label per stage.
+        loads_by_strategy: strategy name -> one load per stage (same order as ``labels``).
+        path: where to write the PNG (parent folders are created).
+        title: figure title; a generic one by default.
+        ylabel: y-axis label, e.g. with the unit of the loads.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: on no labels, no strategy, a load list of the wrong length, or a non-finite load.
+    """
+    if not labels:
+        raise ValueError("labels is empty; pass one label per stage")
+    if not loads_by_strategy:
+        raise ValueError("loads_by_strategy is empty; pass {strategy name: [load per stage]}")
+    for name, loads in loads_by_strategy.items():
+        if len(loads) != len(labels):
+            raise ValueError(
+                f"strategy {name!r} has {len(loads)} loads for {len(labels)} labels; pass one load per stage"
+            )
+        if not all(math.isfinite(x) for x in loads):
+            raise ValueError(f"strategy {name!r} has a non-finite load in {list(loads)}; pass finite numbers")
+
+    from matplotlib import colormaps
+
+    n_stages, n_strats = len(labels), len(loads_by_strategy)
+    fig = _new_figure(width=max(8.0, 0.35 * n_stages * n_strats + 2.5), height=4.8)
+    ax = fig.add_subplot()
+    colors = colormaps["tab10"].colors
+    width = 0.8 / n_strats
+    for i, (name, loads) in enumerate(loads_by_strategy.items()):
+        color = colors[i % len(colors)]
+        xs = [s - 0.4 + width * (i + 0.5) for s in range(n_stages)]
+        peak = max(loads)
+        ax.bar(xs, loads, width=width, color=color, label=f"{name} (max {peak:.4g})")
+        ax.axhline(peak, color=color, linestyle="--", linewidth=1.2)
+
+    crowded = n_stages > 8  # long rows of labels overlap unless slanted
+    ax.set_xticks(range(n_stages), labels, rotation=30 if crowded else 0, ha="right" if crowded else "center")
+    ax.set_xlim(-0.6, n_stages - 0.4)
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", color="#DDDDDD", linewidth=0.5)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(
+        title="strategy\n(dashed: its slowest stage)",
+        fontsize=8,
+        title_fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        frameon=False,
+    )
+    ax.set_title(title or "Per-stage load by strategy")
+    return _save(fig, path)
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.4g}" if ms < 1e3 else f"{ms:.0f}"  # 4 significant digits, never scientific notation
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI, format="png")
+    return out

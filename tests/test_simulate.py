@@ -1,0 +1,278 @@
+"""Tests for the pipeline-schedule simulator (nanotron_ext.simulate)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanotron_ext.simulate import (
+    Op,
+    StageTimes,
+    engine_order,
+    ideal_bubble_fraction,
+    simulate,
+)
+
+ENGINES = ("afab", "1f1b")
+
+
+def _ops(result):
+    return [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in result.ops]
+
+
+# --- equal stages: closed form -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("pp", "m", "f", "b"),
+    [(1, 1, 1.0, 2.0), (1, 5, 0.3, 0.7), (2, 1, 1.0, 1.0), (2, 4, 1.0, 2.0), (4, 3, 0.01, 0.02),
+     (4, 8, 0.0123, 0.0456), (8, 32, 1e-3, 2.5e-3), (3, 7, 2.0, 0.0)],
+)  # fmt: skip
+def test_equal_stages_match_closed_form(engine, pp, m, f, b):
+    r = simulate([StageTimes(f, b)] * pp, m, engine)
+    assert math.isclose(r.step_time, (m + pp - 1) * (f + b), rel_tol=1e-12)
+    assert math.isclose(r.bubble_fraction, (pp - 1) / (m + pp - 1), rel_tol=1e-12, abs_tol=1e-15)
+    assert math.isclose(r.bubble_fraction, ideal_bubble_fraction(pp, m), rel_tol=1e-12, abs_tol=1e-15)
+    for s in range(pp):
+        assert math.isclose(r.busy[s], m * (f + b), rel_tol=1e-12)
+        assert math.isclose(r.idle[s], (pp - 1) * (f + b), rel_tol=1e-12, abs_tol=1e-15)
+
+
+def test_ideal_bubble_fraction_values():
+    assert ideal_bubble_fraction(4, 8) == 3 / 11
+    assert ideal_bubble_fraction(2, 2) == 1 / 3
+    assert ideal_bubble_fraction(1, 5) == 0.0
+    with pytest.raises(ValueError, match="pp=0"):
+        ideal_bubble_fraction(0, 4)
+
+
+# --- Nanotron's per-rank order -------------------------------------------------------------------
+
+
+def test_afab_order_is_all_forwards_then_all_backwards():
+    assert engine_order("afab", 3, 1, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+
+
+def test_1f1b_order_matches_nanotron_warmup_steady_cooldown():
+    # pp=4, rank 1: warm-up range(pp - rank - 1) = 2 forwards, then F/B pairs, then 2 cool-down backwards.
+    assert engine_order("1f1b", 4, 1, 6) == [
+        ("F", 0), ("F", 1),
+        ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
+        ("B", 4), ("B", 5),
+    ]  # fmt: skip
+    # Last rank: no warm-up, strict alternation.
+    assert engine_order("1f1b", 4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    # m == pp - 1: rank 0's warm-up eats every micro-batch, so it has no steady phase at all.
+    assert engine_order("1f1b", 4, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+
+
+def test_engine_order_rejects_stage_outside_pipeline():
+    with pytest.raises(ValueError, match="stage 4 is outside 0..3"):
+        engine_order("1f1b", 4, 4, 8)
+
+
+def test_1f1b_rejects_fewer_than_pp_minus_1_micro_batches_like_nanotron():
+    with pytest.raises(ValueError, match=r"at least pp - 1 = 3 micro-batches, got 2.*afab"):
+        simulate([StageTimes(1, 1)] * 4, 2, "1f1b")
+    # AFAB has no such assertion in Nanotron.
+    assert simulate([StageTimes(1, 1)] * 4, 2, "afab").step_time == 10.0
+
+
+def test_1f1b_with_m_equal_pp_minus_1_runs():
+    r = simulate([StageTimes(1.0, 1.0)] * 3, 2, "1f1b")
+    assert r.step_time == 8.0  # (m + pp - 1) * (f + b)
+    assert r.peak_in_flight == [2, 2, 1]
+
+
+# --- micro-batches in flight ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 1), (2, 2), (4, 3), (4, 4), (4, 9), (8, 16)])
+def test_peak_in_flight_afab_vs_1f1b(pp, m):
+    stages = [StageTimes(1.0 + 0.1 * s, 2.0 - 0.1 * s) for s in range(pp)]
+    assert simulate(stages, m, "afab").peak_in_flight == [m] * pp
+    assert simulate(stages, m, "1f1b").peak_in_flight == [min(m, pp - s) for s in range(pp)]
+
+
+# --- hand-computed unequal case ------------------------------------------------------------------
+
+TWO_STAGES = [StageTimes(forward=1.0, backward=2.0), StageTimes(forward=3.0, backward=1.0)]
+
+
+def test_two_unequal_stages_afab_op_by_op():
+    r = simulate(TWO_STAGES, 2, "afab")
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "F", 1, 1.0, 2.0),
+        (0, "B", 0, 8.0, 10.0),  # waits for stage 1's B0 (ends at 8)
+        (0, "B", 1, 10.0, 12.0),
+        (1, "F", 0, 1.0, 4.0),
+        (1, "F", 1, 4.0, 7.0),
+        (1, "B", 0, 7.0, 8.0),
+        (1, "B", 1, 8.0, 9.0),
+    ]
+    assert r.step_time == 12.0
+    assert r.busy == [6.0, 8.0]
+    assert r.idle == [6.0, 4.0]
+    assert r.bubble_fraction == 10.0 / 24.0
+    assert r.peak_in_flight == [2, 2]
+
+
+def test_two_unequal_stages_1f1b_op_by_op():
+    r = simulate(TWO_STAGES, 2, "1f1b")
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "F", 1, 1.0, 2.0),  # rank 0 warm-up is pp - 0 - 1 = 1, then F1 of the steady pair
+        (0, "B", 0, 5.0, 7.0),
+        (0, "B", 1, 9.0, 11.0),
+        (1, "F", 0, 1.0, 4.0),
+        (1, "B", 0, 4.0, 5.0),  # last rank backs off straight after each forward
+        (1, "F", 1, 5.0, 8.0),
+        (1, "B", 1, 8.0, 9.0),
+    ]
+    assert r.step_time == 11.0
+    assert r.idle == [5.0, 3.0]
+    assert r.bubble_fraction == 8.0 / 22.0
+    assert r.peak_in_flight == [2, 1]
+
+
+# --- p2p -----------------------------------------------------------------------------------------
+
+
+def test_p2p_delays_each_hop_single_micro_batch():
+    stages = [StageTimes(1.0, 1.0)] * 2
+    assert simulate(stages, 1, "1f1b").step_time == 4.0
+    r = simulate(stages, 1, "1f1b", p2p_time=0.5)
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "B", 0, 4.0, 5.0),
+        (1, "F", 0, 1.5, 2.5),
+        (1, "B", 0, 2.5, 3.5),
+    ]
+    assert r.step_time == 5.0  # one activation hop + one gradient hop
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_p2p_two_micro_batches_adds_two_hops(engine):
+    stages = [StageTimes(1.0, 1.0)] * 2
+    assert simulate(stages, 2, engine).step_time == 6.0
+    assert simulate(stages, 2, engine, p2p_time=0.25).step_time == 6.5
+
+
+def test_p2p_on_critical_path_of_four_stages():
+    # One micro-batch crosses 3 links forward and 3 back: 4 * (1 + 1) + 6 * 0.1.
+    r = simulate([StageTimes(1.0, 1.0)] * 4, 1, "afab", p2p_time=0.1)
+    assert math.isclose(r.step_time, 8.6, rel_tol=1e-12)
+
+
+# --- input validation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stages", "m", "engine", "p2p", "match"),
+    [
+        ([], 4, "1f1b", 0.0, "stages is empty"),
+        ([StageTimes(-1.0, 1.0)], 4, "1f1b", 0.0, r"stages\[0\]\.forward = -1\.0.*non-negative"),
+        ([StageTimes(1.0, 1.0), StageTimes(1.0, math.nan)], 4, "1f1b", 0.0, r"stages\[1\]\.backward = nan"),
+        ([StageTimes(1.0, float("inf"))], 4, "afab", 0.0, r"stages\[0\]\.backward = inf.*finite"),
+        ([(1.0, 1.0)], 4, "afab", 0.0, r"stages\[0\] is \(1\.0, 1\.0\).*StageTimes"),
+        ([StageTimes(1.0, 1.0)], 0, "afab", 0.0, r"n_micro_batches = 0.*integer >= 1"),
+        ([StageTimes(1.0, 1.0)], 2.5, "afab", 0.0, r"n_micro_batches = 2\.5"),
+        ([StageTimes(1.0, 1.0)], True, "afab", 0.0, r"n_micro_batches = True"),
+        ([StageTimes(1.0, 1.0)], 4, "gpipe", 0.0, r"unknown engine 'gpipe'.*'1f1b', 'afab'"),
+        ([StageTimes(1.0, 1.0)], 4, "1F1B", 0.0, r"unknown engine '1F1B'"),
+        ([StageTimes(1.0, 1.0)], 4, "afab", -0.1, r"p2p_time = -0\.1.*non-negative"),
+        ([StageTimes(1.0, 1.0)], 4, "afab", float("nan"), r"p2p_time = nan"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_value_and_fix(stages, m, engine, p2p, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(stages, m, engine, p2p_time=p2p)
+
+
+def test_zero_times_are_allowed_and_give_no_bubble():
+    # A stage with nothing trainable before or in it has no backward at all.
+    r = simulate([StageTimes(0.0, 0.0)] * 3, 4, "1f1b")
+    assert r.step_time == 0.0
+    assert r.bubble_fraction == 0.0
+
+
+# --- result object -------------------------------------------------------------------------------
+
+
+def test_to_dict_is_json_ready_and_complete():
+    d = json.loads(json.dumps(simulate(TWO_STAGES, 2, "1f1b").to_dict()))
+    assert d["engine"] == "1f1b"
+    assert d["pp"] == 2
+    assert d["n_micro_batches"] == 2
+    assert d["step_time"] == 11.0
+    assert d["peak_in_flight"] == [2, 1]
+    assert d["ops"][2] == {"stage": 0, "kind": "B", "micro_batch": 0, "start": 5.0, "end": 7.0}
+    assert d["stages"][1] == {"forward": 3.0, "backward": 1.0}
+
+
+def test_str_and_table_are_aligned():
+    r = simulate(TWO_STAGES, 2, "1f1b")
+    text = str(r)
+    assert text.splitlines()[0] == (
+        "1f1b: pp=2, micro-batches=2, p2p=0.000 ms, step=11000.000 ms, bubble=36.4% (ideal 33.3%)"
+    )
+    table = r.table().splitlines()
+    assert table[0].split() == ["stage", "busy", "ms", "idle", "ms", "idle", "%", "peak", "in", "flight"]
+    assert table[2].split() == ["0", "6000.000", "5000.000", "45.5%", "2"]
+    assert table[3].split() == ["1", "8000.000", "3000.000", "27.3%", "1"]
+    assert len({len(line) for line in table}) == 1
+
+
+# --- properties over random pipelines ------------------------------------------------------------
+
+times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
+
+
+@st.composite
+def pipelines(draw):
+    pp = draw(st.integers(1, 6))
+    stages = [StageTimes(draw(times), draw(times)) for _ in range(pp)]
+    engine = draw(st.sampled_from(ENGINES))
+    m = draw(st.integers(max(1, pp - 1) if engine == "1f1b" else 1, 12))
+    return stages, m, engine, draw(st.floats(0.0, 2.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pipelines())
+def test_schedule_respects_engine_order_and_dependencies(case):
+    stages, m, engine, p2p = case
+    r = simulate(stages, m, engine, p2p_time=p2p)
+    pp = len(stages)
+    by_key: dict[tuple[str, int, int], Op] = {(o.kind, o.stage, o.micro_batch): o for o in r.ops}
+    assert len(by_key) == len(r.ops) == 2 * pp * m
+    for s in range(pp):
+        mine = [o for o in r.ops if o.stage == s]
+        assert [(o.kind, o.micro_batch) for o in mine] == engine_order(engine, pp, s, m)
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
+        assert math.isclose(r.busy[s] + r.idle[s], r.step_time, rel_tol=1e-9, abs_tol=1e-9)
+    for (kind, s, j), op in by_key.items():
+        assert op.end - op.start == pytest.approx(stages[s].forward if kind == "F" else stages[s].backward)
+        src = s - 1 if kind == "F" else s + 1
+        if 0 <= src < pp:
+            assert op.start >= by_key[(kind, src, j)].end + p2p
+        if kind == "B":
+            assert op.start >= by_key[("F", s, j)].end
+    assert r.step_time == max(o.end for o in r.ops)
+    assert 0.0 <= r.bubble_fraction <= 1.0  # 1.0 when all stages are zero-time and only p2p takes time
+
+
+@settings(max_examples=100, deadline=None)
+@given(pipelines(), st.floats(0.0, 1.0))
+def test_more_p2p_never_speeds_up_and_1f1b_never_holds_more(case, extra):
+    stages, m, engine, p2p = case
+    assert simulate(stages, m, engine, p2p + extra).step_time >= simulate(stages, m, engine, p2p).step_time
+    if m >= len(stages) - 1:
+        afab = simulate(stages, m, "afab", p2p).peak_in_flight
+        ofob = simulate(stages, m, "1f1b", p2p).peak_in_flight
+        assert all(o <= a for o, a in zip(ofob, afab, strict=True))
