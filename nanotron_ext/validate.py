@@ -90,12 +90,16 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 f"{s.memory_bytes / GIB - cap:.3g} GiB",
                 "use `--cost-strategy memory` or `constrained` (they respect the cap), a larger pp, or zero_stage 1",
             ))
-    if cfg.run.engine == "1f1b" and cfg.run.n_micro_batches < plan.pp:
+    m = cfg.run.n_micro_batches
+    if cfg.run.engine == "1f1b" and m < plan.pp:
+        # Nanotron 0.2's 1F1B engine asserts m >= pp - 1; at m = pp - 1 it runs but never fills.
+        fatal = m < plan.pp - 1
         findings.append(Finding(
-            "warning", "few-micro-batches", None,
-            f"1F1B with {cfg.run.n_micro_batches} micro-batches on {plan.pp} stages: the pipeline never fills "
-            f"(bubble at least {(plan.pp - 1) / (cfg.run.n_micro_batches + plan.pp - 1):.0%})",
-            f"set tokens.batch_accumulation_per_replica >= {plan.pp}",
+            "error" if fatal else "warning", "few-micro-batches", None,
+            f"1F1B with {m} micro-batches on {plan.pp} stages: "
+            + ("Nanotron's engine asserts nb_microbatches >= pp - 1 and stops" if fatal else
+               f"the pipeline never fills (bubble at least {(plan.pp - 1) / (m + plan.pp - 1):.0%})"),
+            f"set tokens.batch_accumulation_per_replica >= {plan.pp}, or pp_engine: afab",
         ))
     return sorted(findings, key=lambda f: (f.severity != "error", f.stage if f.stage is not None else -1))
 

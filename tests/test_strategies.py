@@ -1,0 +1,135 @@
+"""The strategy registry and the built-in strategies on the bundled example."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nanotron_ext import make_plan
+from nanotron_ext.cli import bundled_config
+from nanotron_ext.config import load_config
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.strategies import (
+    Assignment,
+    available_strategies,
+    get_strategy,
+    nanotron_greedy_ranks,
+    register_strategy,
+)
+
+
+@pytest.fixture
+def tiny():
+    cfg = load_config(bundled_config())
+    return cfg, inventory_from_config(cfg)
+
+
+def test_tiny_inventory_written_out(tiny):
+    cfg, blocks = tiny
+    assert [b.short for b in blocks] == ["embedding", "decoder.0", "decoder.1", "final_norm", "lm_head", "cast", "loss"]
+    # decoder: 2 norms (2·16) + qkv (4+2·4)·4·16 + o 16·16 + gate_up 2·64·16 + down 64·16
+    assert [b.params for b in blocks] == [50_277 * 16, 4_128, 4_128, 16, 50_277 * 16, 0, 0]
+    assert [b.nanotron_cost for b in blocks] == [0, 4_096, 4_096, 0, 804_432, 0, 0]
+
+
+def test_nanotron_rule_reproduces_the_weightless_stage(tiny):
+    cfg, blocks = tiny
+    plan = make_plan(blocks, cfg, "nanotron")
+    assert plan.block_ranks == (0, 0, 0, 0, 0, 1, 1)
+    assert not plan.ok
+    assert [f.code for f in plan.findings] == ["no-params"]
+
+
+def test_greedy_rule_step_by_step():
+    # cumulative [1, 2, 3, 10], thresholds [5, 10]: block 3 crosses nothing after being assigned to rank 0? no:
+    # 1 <= 5, 2 <= 5, 3 <= 5 stay on 0; block 3 is assigned to rank 0 *before* 10 > 5 is checked.
+    assert nanotron_greedy_ranks([1, 1, 1, 7], 2) == [0, 0, 0, 0]
+    assert nanotron_greedy_ranks([1, 1, 1, 1], 2) == [0, 0, 0, 1]  # 3 > 2 only after block 2 is placed
+
+
+@pytest.mark.parametrize("name", ["uniform", "flops", "memory", "constrained"])
+def test_optimal_strategies_give_every_stage_weights(tiny, name):
+    cfg, blocks = tiny
+    plan = make_plan(blocks, cfg, name)
+    assert plan.ok and all(s.params > 0 for s in plan.stages)
+
+
+def test_constrained_puts_a_trainable_block_on_every_stage(tiny):
+    cfg, blocks = tiny
+    # Train only the embedding and decoder.0: flops happily leaves stage 1 frozen, constrained does not.
+    trainable = {"embedding", "decoder.0"}
+    blocks = [dataclasses.replace(b, trainable=b.params if b.short in trainable else 0) for b in blocks]
+    flops = make_plan(blocks, cfg, "flops")
+    assert [f.code for f in flops.findings] == ["no-trainable"]
+    plan = make_plan(blocks, cfg, "constrained")
+    assert plan.ok and plan.block_ranks == (0, 1, 1, 1, 1, 1, 1)
+
+
+def test_constrained_with_too_few_trainable_blocks_explains_both_ways_out(tiny):
+    cfg, blocks = tiny
+    blocks = [dataclasses.replace(b, trainable=b.params if b.role == "lm_head" else 0) for b in blocks]
+    with pytest.raises(PlanningError, match=r"only 1 blocks are trainable \(lm_head\).*\(1\) lower pp.*\(2\) set `allow_frozen_stages: true`"):
+        make_plan(blocks, cfg, "constrained")
+    allowed = cfg.with_overrides(allow_frozen_stages=True)
+    plan = make_plan(blocks, allowed, "constrained")
+    assert plan.ok and [f.code for f in plan.findings] == ["no-trainable"]  # a warning now
+
+
+def test_memory_cap_is_respected_or_explained(tiny):
+    cfg, blocks = tiny
+    roomy = cfg.with_overrides(memory_cap_gib=1.0)
+    assert make_plan(blocks, roomy, "flops").ok
+    tight = cfg.with_overrides(memory_cap_gib=0.01)
+    with pytest.raises(PlanningError, match=r"no split fits memory_cap_gib=0.01.*GiB over"):
+        make_plan(blocks, tight, "flops")
+    assert {f.code for f in make_plan(blocks, tight, "nanotron").findings} == {"no-params", "memory"}
+
+
+def test_layout_strategy(tiny):
+    cfg, blocks = tiny
+    plan = make_plan(blocks, cfg.with_overrides(layout="E,t|t,L"), "layout")
+    assert plan.block_ranks == (0, 0, 1, 1, 1, 1, 1)
+    with pytest.raises(ConfigError, match="has 3 stages but pp=2"):
+        make_plan(blocks, cfg.with_overrides(layout="E,t|t|L"), "layout")
+    with pytest.raises(ConfigError, match="needs `layout:`"):
+        make_plan(blocks, cfg, "layout")
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown cost strategy 'flop'; known strategies: nanotron, uniform, flops"):
+        get_strategy("flop")
+
+
+def test_register_and_import_path(tiny):
+    cfg, blocks = tiny
+
+    @register_strategy("test-last-block-alone")
+    class LastAlone:
+        name = "test-last-block-alone"
+
+        def assign(self, blocks, cfg):
+            return Assignment([0] * (len(blocks) - 1) + [1], [1.0] * len(blocks), "blocks")
+
+    assert "test-last-block-alone" in available_strategies()
+    assert make_plan(blocks, cfg, "test-last-block-alone").block_ranks == (0, 0, 0, 0, 0, 0, 1)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_strategy("flops")(LastAlone)
+    by_path = make_plan(blocks, cfg, "nanotron_ext.strategies:Uniform")
+    assert by_path.block_ranks == make_plan(blocks, cfg, "uniform").block_ranks
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        get_strategy("nanotron_ext.nope:Thing")
+
+
+def test_pp_larger_than_weighted_blocks_says_the_largest_that_works(tiny):
+    cfg, blocks = tiny
+    with pytest.raises(PlanningError, match=r"pp=6 needs 6 blocks with parameters .* has 5 .*largest pp that works is 5"):
+        make_plan(blocks, cfg.with_overrides(pp=6), "flops")
+
+
+def test_plans_are_deterministic_and_serialise(tiny):
+    cfg, blocks = tiny
+    a, b = make_plan(blocks, cfg, "constrained"), make_plan(blocks, cfg, "constrained")
+    assert a == b and a.to_json() == b.to_json()
+    assert '"block_ranks": [' in a.to_json()
