@@ -1,0 +1,66 @@
+"""`nanotron-ext plan`: exit codes, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from nanotron_ext.cli import bundled_config, main
+
+
+def test_nanotron_rule_exits_1_with_cause_and_fix(capsys):
+    assert main(["plan", str(bundled_config()), "--cost-strategy", "nanotron"]) == 1
+    out = capsys.readouterr().out
+    assert "block -> stage: [0, 0, 0, 0, 0, 1, 1]" in out
+    assert "stage 1 holds no parameters (cast, loss)" in out
+    assert "vocabulary 50277 × hidden 16 outweighs both decoder layers" in out
+    assert "--cost-strategy constrained" in out and "INVALID" in out
+
+
+def test_constrained_exits_0_and_every_stage_trains(capsys):
+    assert main(["plan", "--cost-strategy", "constrained", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ok"] and all(s["trainable"] > 0 for s in plan["stages"])
+    assert plan["block_ranks"] == [0, 0, 0, 0, 1, 1, 1]
+
+
+def test_compare_table_lists_every_strategy(capsys):
+    assert main(["plan", "--compare"]) == 0
+    out = capsys.readouterr().out
+    for name in ("nanotron", "uniform", "flops", "memory", "constrained", "layout"):
+        assert f"\n{name} " in out
+    assert "INVALID (no-params@1)" in out
+
+
+def test_stage_table_uses_compact_ranges(capsys):
+    main(["plan", str(bundled_config("llama_3_8b.yaml")), "--pp", "4"])
+    out = capsys.readouterr().out
+    assert "embedding, decoder.0-" in out and "lm_head, cast, loss" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--cost-strategy", "bogus"], "known strategies: nanotron, uniform"),
+        (["plan", "no/such/file.yaml"], "does not exist"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_infeasible_request_exits_1(capsys):
+    assert main(["plan", "--pp", "6", "--cost-strategy", "flops"]) == 1
+    assert "largest pp that works is 5" in capsys.readouterr().out
+
+
+def test_console_script_installed():
+    exe = shutil.which("nanotron-ext") or f"{sys.executable} -m nanotron_ext.cli"
+    proc = subprocess.run(f"{exe} plan", shell=True, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "VALID" in proc.stdout
