@@ -199,7 +199,17 @@ def inventory_from_config(cfg: PlannerConfig) -> list[BlockInfo]:
     for i, (name, builder, params) in enumerate(llama_block_layout(m, projector=cfg.ext.projector)):
         shards = [ParamInfo(f"{name}.pp_block.{p}", _tp_shard(p, n, run.tp, name)) for p, n in params]
         blocks.append(make_block(i, name, builder, shards, m, run, costs.get(builder, 0.0)))
-    return blocks
+    return with_config_freeze(blocks, cfg)
+
+
+def with_config_freeze(blocks: list[BlockInfo], cfg: PlannerConfig) -> list[BlockInfo]:
+    """Apply ``nanotron_ext.freeze`` from the config, so the planner knows what trains before it splits."""
+    from nanotron_ext.freeze import FreezeSpec, apply_freeze, tied_embedding_names
+
+    spec = FreezeSpec.from_dict(cfg.ext.freeze)
+    if spec is None:
+        return blocks
+    return apply_freeze(blocks, spec, tied=tied_embedding_names(blocks, cfg.model.tie_word_embeddings))
 
 
 _TP_SHARDED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "token_embedding.weight")
@@ -215,7 +225,8 @@ def inventory_from_model(model: Any, cfg: PlannerConfig) -> list[BlockInfo]:
     """Blocks of a real (unbuilt or built) Nanotron model, in forward order.
 
     Each block whose module is not yet built is instantiated on the ``meta`` device, so no weight memory is
-    allocated; an already built block is read as it is (its ``requires_grad`` flags give trainable counts).
+    allocated; an already built block is read as it is. Trainable counts come from ``requires_grad`` and then
+    from the config's freeze spec, as in :func:`inventory_from_config`.
 
     Args:
         model: a ``NanotronModel`` whose blocks are ``PipelineBlock``s.
@@ -241,4 +252,4 @@ def inventory_from_model(model: Any, cfg: PlannerConfig) -> list[BlockInfo]:
         params = [ParamInfo(f"{name}.pp_block.{p}", p_t.numel(), bool(p_t.requires_grad)) for p, p_t in named]
         builder = getattr(block.module_builder, "__name__", type(block.module_builder).__name__)
         blocks.append(make_block(len(blocks), name, builder, params, cfg.model, cfg.run, costs.get(builder, 0.0)))
-    return blocks
+    return with_config_freeze(blocks, cfg)

@@ -1,0 +1,100 @@
+"""Freeze specs: patterns, exceptions, errors, and what the planner does with them."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotron_ext import make_plan
+from nanotron_ext.cli import bundled_config
+from nanotron_ext.config import load_config
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.freeze import FreezeSpec, frozen_names
+from nanotron_ext.inventory import inventory_from_config
+
+
+def planned(freeze, pp=2, projector=False, **ext):
+    cfg = load_config(bundled_config()).with_overrides(pp=pp, freeze=freeze, projector=projector or None, **ext)
+    return cfg, inventory_from_config(cfg)
+
+
+def trainable(blocks):
+    return {b.short: b.trainable for b in blocks if b.params}
+
+
+def test_freeze_the_decoder():
+    _, blocks = planned({"modules": ["decoder"]})
+    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 0, "decoder.1": 0, "final_norm": 16, "lm_head": 804_432}
+
+
+def test_freeze_embedding_and_output():
+    _, blocks = planned({"modules": ["embedding", "lm_head"]})
+    assert trainable(blocks) == {"embedding": 0, "decoder.0": 4_128, "decoder.1": 4_128, "final_norm": 16, "lm_head": 0}
+
+
+def test_train_only_output_layer_and_last_layer():
+    _, blocks = planned({"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_layers": 1})
+    assert trainable(blocks) == {"embedding": 0, "decoder.0": 0, "decoder.1": 4_128, "final_norm": 0, "lm_head": 804_432}
+
+
+def test_projector_only():
+    _, blocks = planned({"modules": ["*"], "unfreeze": ["projector"]}, projector=True)
+    assert trainable(blocks) == {"embedding": 0, "projector": 16 * 16 + 16, "decoder.0": 0, "decoder.1": 0,
+                                 "final_norm": 0, "lm_head": 0}
+
+
+def test_parameter_glob_freezes_inside_a_block():
+    _, blocks = planned({"modules": ["model.decoder.*.pp_block.mlp.*"]})
+    # gate_up 2·64·16 + down 64·16 = 3072 frozen of 4128
+    assert trainable(blocks)["decoder.0"] == 4_128 - 3_072
+
+
+def test_constrained_gives_each_stage_a_trainable_block_at_pp2_and_pp4():
+    spec = {"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_layers": 1}
+    cfg, blocks = planned(spec)
+    plan = make_plan(blocks, cfg, "constrained")
+    assert plan.ok and all(s.trainable for s in plan.stages)
+    # pp=4 has only 2 trainable blocks: an error that names both ways out, or frozen stages if allowed.
+    cfg4, blocks4 = planned(spec, pp=4, allow_frozen_stages=None)
+    with pytest.raises(PlanningError, match="Two ways out"):
+        make_plan(blocks4, cfg4, "constrained")
+    cfg4, blocks4 = planned(spec, pp=4, allow_frozen_stages=True)
+    plan4 = make_plan(blocks4, cfg4, "constrained")
+    assert plan4.ok and sum(1 for s in plan4.stages if s.trainable) == 2
+
+
+def test_flops_prices_frozen_work():
+    cfg, blocks = planned({"modules": ["*"], "unfreeze": ["lm_head"]})
+    _, full = planned(None)
+    from nanotron_ext.costs import training_flops
+
+    frozen_costs, full_costs = training_flops(blocks), training_flops(full)
+    # Everything before the lm_head is a frozen prefix: forward only.
+    assert frozen_costs[:4] == [b.flops_fwd for b in blocks[:4]]
+    assert all(f < g for f, g in zip(frozen_costs[:4], full_costs[:4]))
+    # The cast and loss after the trainable lm_head still pass gradients back.
+    assert frozen_costs[5] == blocks[5].flops_fwd + blocks[5].flops_bwd_input
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"modules": ["decoder.9"]}, r"freeze pattern 'decoder.9' matches no module; modules are: embedding, decoder.0-1"),
+        ({"modules": ["decoder"], "unfreeze": ["lm_head"]}, r"unfreeze 'lm_head': it is not frozen"),
+        ({"modules": ["*"]}, "freezes every parameter"),
+        ({"modules": ["*"], "unfreeze_last_decoder_layers": 3}, "has 2 decoder layers"),
+        ({"modulez": ["*"]}, r"unknown key\(s\) 'modulez' in 'freeze:'"),
+        ({"modules": [""]}, "non-empty patterns"),
+    ],
+)
+def test_bad_specs(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        planned(spec)
+
+
+def test_tied_weights_frozen_together():
+    cfg = load_config(bundled_config("smollm_135m.yaml"))
+    blocks = inventory_from_config(cfg)
+    tied = [("model.token_position_embeddings.pp_block.token_embedding.weight", "model.lm_head.pp_block.weight")]
+    with pytest.raises(ConfigError, match="tied .* only one is frozen"):
+        frozen_names(FreezeSpec(modules=("embedding",)), blocks, tied=tied)
+    assert len(frozen_names(FreezeSpec(modules=("embedding", "lm_head")), blocks, tied=tied)) == 2
