@@ -19,7 +19,7 @@ from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import Plan, make_plan
-from nanotron_ext.report import table
+from nanotron_ext.report import human_count, table
 from nanotron_ext.strategies import available_strategies
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -85,12 +85,12 @@ def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
         try:
             plan = make_plan(blocks, cfg, name)
         except NanotronExtError as exc:
-            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {str(exc).splitlines()[0][:70]}"])
+            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {_first_line(exc)}"])
             out.append({"strategy": name, "ok": False, "error": str(exc)})
             continue
         codes = ", ".join(f"{f.code}@{f.stage}" if f.stage is not None else f.code for f in plan.findings)
         rows.append([name, _stage_map(plan), f"{plan.vs_optimum:.3f}x", f"{100 * plan.spread:.0f}%",
-                     f"{100 * plan.bubble_estimate:.1f}%", min(s.trainable for s in plan.stages),
+                     f"{100 * plan.bubble_estimate:.1f}%", human_count(min(s.trainable for s in plan.stages)),
                      ("OK" if plan.ok else "INVALID") + (f" ({codes})" if codes else "")])
         out.append(plan.to_dict())
         selected_ok |= name == cfg.ext.cost_strategy and plan.ok
@@ -101,6 +101,11 @@ def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
         print(table(["strategy", "stages (block ranges)", "slowest/opt", "spread", "bubble est.",
                      "min trainable", "verdict"], rows))
     return EXIT_OK if selected_ok else EXIT_INVALID
+
+
+def _first_line(exc: Exception, width: int = 72) -> str:
+    line = str(exc).splitlines()[0]
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _stage_map(plan: Plan) -> str:
