@@ -1,0 +1,44 @@
+"""CPU runtime for Nanotron 0.2: gloo context, flash-attn-free Llama, block placement, training steps.
+
+Everything parallel is Nanotron's own code (PipelineBlock, P2P, pipeline engines, tensor-parallel layers,
+optimizer builders); only the parallel context and the model's attention/norm kernels are replaced.
+"""
+
+from nanotron_ext.runtime.build import (
+    assign_blocks,
+    build_cpu_llama,
+    init_weights,
+    mark_tied_parameters,
+    nanotron_block_ranks,
+    pipeline_blocks,
+    wrap_ddp,
+)
+from nanotron_ext.runtime.context import GlooParallelContext
+from nanotron_ext.runtime.engine import (
+    build_optimizer,
+    make_engine,
+    make_micro_batch,
+    train_step,
+    train_steps,
+)
+from nanotron_ext.runtime.llama import CPULlamaForTraining
+from nanotron_ext.runtime.p2p import CPUP2P, wait_pending_sends
+
+__all__ = [
+    "CPULlamaForTraining",
+    "CPUP2P",
+    "GlooParallelContext",
+    "assign_blocks",
+    "build_cpu_llama",
+    "build_optimizer",
+    "init_weights",
+    "make_engine",
+    "make_micro_batch",
+    "mark_tied_parameters",
+    "nanotron_block_ranks",
+    "pipeline_blocks",
+    "train_step",
+    "train_steps",
+    "wait_pending_sends",
+    "wrap_ddp",
+]

@@ -1,0 +1,315 @@
+"""Building a Nanotron model on CPU: block-to-rank assignment, parameter tying, initialisation.
+
+``assign_blocks`` is the thin adapter the planner needs: it does what ``nanotron.models.base.build_model``
+does after its greedy split, but with the ranks given explicitly. ``nanotron_block_ranks`` reports what
+Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
+trainer's function of the same name (``nanotron.trainer`` imports flash-attn and cannot be imported on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from nanotron import distributed as dist
+from nanotron.config import LlamaConfig, ParallelismArgs
+from nanotron.models.base import NanotronModel, build_model, init_on_device_and_dtype
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.parameters import NanotronParameter, sanity_check
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.utils import get_pp_rank_of
+from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode, TensorParallelRowLinear
+from nanotron.parallel.tied_parameters import create_pg_for_tied_weights, get_tied_id_to_param, tie_parameters
+from nanotron.utils import init_method_normal, scaled_init_method_normal
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from nanotron_ext.runtime.llama import CPULlamaForTraining
+
+__all__ = [
+    "assign_blocks",
+    "build_cpu_llama",
+    "init_weights",
+    "mark_tied_parameters",
+    "nanotron_block_ranks",
+    "pipeline_blocks",
+    "wrap_ddp",
+]
+
+CPU = torch.device("cpu")
+
+
+def pipeline_blocks(model: nn.Module) -> list[tuple[str, PipelineBlock]]:
+    """The model's ``PipelineBlock``s in ``named_modules()`` order, which Nanotron assumes is forward order.
+
+    Args:
+        model: a Nanotron model (DDP-wrapped or not).
+
+    Returns:
+        ``[(module path, block), ...]``, e.g. ``("model.decoder.0", block)``.
+    """
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, PipelineBlock)]
+
+
+def assign_blocks(
+    model: NanotronModel,
+    parallel_context: ParallelContext,
+    block_ranks: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+) -> NanotronModel:
+    """Build each pipeline block on its given PP rank, exactly as ``build_model`` does after choosing ranks.
+
+    Args:
+        model: an unbuilt model (no ``build_and_set_rank`` called yet), identical on every rank.
+        parallel_context: the context whose ``pp_pg`` the model's P2P uses.
+        block_ranks: one PP rank per block, in ``pipeline_blocks(model)`` order. Must be non-decreasing
+            (a pipeline is a contiguous split) and within ``[0, pp_size)``.
+        dtype: parameter dtype.
+        device: parameter device (CPU here).
+
+    Returns:
+        The same model, with ``input_pp_rank`` / ``output_pp_rank`` set as Nanotron sets them.
+
+    Raises:
+        ValueError: wrong number of ranks, a rank out of range, or ranks that go backwards.
+    """
+    blocks = pipeline_blocks(model)
+    ranks = [int(r) for r in block_ranks]
+    pp_size = parallel_context.pp_pg.size()
+    if len(ranks) != len(blocks):
+        names = ", ".join(name for name, _ in blocks)
+        raise ValueError(
+            f"block_ranks has {len(ranks)} entries but the model has {len(blocks)} pipeline blocks "
+            f"({names}); give exactly one PP rank per block, in this order."
+        )
+    bad = [(name, r) for (name, _), r in zip(blocks, ranks) if not 0 <= r < pp_size]
+    if bad:
+        raise ValueError(
+            f"PP ranks must be in [0, {pp_size}) for pipeline_parallel_size={pp_size}; got "
+            + ", ".join(f"{name}->{r}" for name, r in bad)
+        )
+    backwards = [
+        (blocks[i - 1][0], ranks[i - 1], blocks[i][0], ranks[i])
+        for i in range(1, len(ranks))
+        if ranks[i] < ranks[i - 1]
+    ]
+    if backwards:
+        a, ra, b, rb = backwards[0]
+        raise ValueError(
+            f"block_ranks must be non-decreasing (contiguous pipeline stages): {a} is on rank {ra} but the "
+            f"next block {b} is on rank {rb}. Full assignment: {ranks}."
+        )
+    with init_on_device_and_dtype(device=device, dtype=dtype):
+        for (_, block), rank in zip(blocks, ranks):
+            block.build_and_set_rank(rank)
+    # build_model sets input to the first target rank and output to the rank its walk ended on, i.e. the
+    # last block's rank; with an explicit contiguous assignment both are simply the ends.
+    model.input_pp_rank = ranks[0]
+    model.output_pp_rank = ranks[-1]
+    return model
+
+
+def nanotron_block_ranks(
+    config: LlamaConfig, pp: int, parallel_context: ParallelContext | None = None
+) -> list[int]:
+    """The PP rank Nanotron 0.2's own ``build_model`` gives each block of ``CPULlamaForTraining(config)``.
+
+    Must run inside an initialised world whose PP size is ``pp`` (every rank computes the same list).
+    Blocks are built on the ``meta`` device, so this allocates no weights whatever the model size.
+
+    Args:
+        config: the model config.
+        pp: pipeline-parallel size (checked against the context).
+        parallel_context: the context to use; when None, a ``GlooParallelContext(1, pp, world/pp)`` is made
+            (and left alive, as process groups cannot be cheaply torn down mid-test).
+
+    Returns:
+        One rank per pipeline block in ``named_modules()`` order.
+
+    Raises:
+        ValueError: the context's PP size differs from ``pp``.
+    """
+    if parallel_context is None:
+        from nanotron_ext.runtime.context import GlooParallelContext
+
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        if world % pp != 0:
+            raise ValueError(f"World size {world} is not a multiple of pp={pp}.")
+        parallel_context = GlooParallelContext(1, pp, world // pp)
+    if parallel_context.pp_pg.size() != pp:
+        raise ValueError(
+            f"pp={pp} but the parallel context has pipeline_parallel_size={parallel_context.pp_pg.size()}."
+        )
+    model = build_model(
+        model_builder=lambda: CPULlamaForTraining(
+            config=config, parallel_context=parallel_context, parallel_config=None
+        ),
+        parallel_context=parallel_context,
+        dtype=torch.float32,
+        device=torch.device("meta"),
+    )
+    return [block.rank for _, block in pipeline_blocks(model)]
+
+
+def mark_tied_parameters(
+    model: NanotronModel, parallel_context: ParallelContext, parallel_config: ParallelismArgs | None = None
+) -> None:
+    """Nanotron trainer's ``mark_tied_parameters``: tie embeddings/lm_head and mark replicated params as tied.
+
+    After this every parameter is a ``NanotronParameter`` (Nanotron's ``sanity_check`` passes) and the process
+    groups for tied weights exist in ``parallel_context.world_ranks_to_pg``. Collective over the world.
+
+    Args:
+        model: a built model (ranks assigned), not DDP-wrapped.
+        parallel_context: its context.
+        parallel_config: decides whether TP-replicated weights need a gradient reduction (REDUCE_SCATTER).
+    """
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("mark_tied_parameters must run before the model is wrapped in DDP.")
+    tied_names = model.get_embeddings_lm_head_tied_names()
+    if len(tied_names) > 0:
+        shared_embeddings = [
+            (
+                target,
+                (
+                    int(
+                        parallel_context.world_rank_matrix[
+                            dist.get_rank(parallel_context.expert_pg),
+                            get_pp_rank_of(target, module=model),
+                            dist.get_rank(parallel_context.dp_pg),
+                            dist.get_rank(parallel_context.tp_pg),
+                        ]
+                    ),
+                ),
+            )
+            for target in tied_names
+        ]
+        tie_parameters(
+            root_module=model,
+            ties=shared_embeddings,
+            parallel_context=parallel_context,
+            reduce_op=dist.ReduceOp.SUM,
+        )
+    model.tie_custom_params()
+
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(param, NanotronParameter) and (param.is_sharded or param.is_tied):
+                continue
+            if isinstance(module, TensorParallelRowLinear) and param_name == "bias":
+                continue
+            name = f"{module_name}.{param_name}"
+            shared_weights = [(name, tuple(sorted(dist.get_process_group_ranks(parallel_context.tp_pg))))]
+            if parallel_config is None or parallel_config.tp_mode is TensorParallelLinearMode.ALL_REDUCE:
+                reduce_op = None  # replicated across TP by construction, nothing to reduce
+            else:
+                reduce_op = dist.ReduceOp.SUM
+            tie_parameters(
+                root_module=model, ties=shared_weights, parallel_context=parallel_context, reduce_op=reduce_op
+            )
+
+    create_pg_for_tied_weights(root_module=model, parallel_context=parallel_context)
+
+
+def _all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # gloo has no ReduceOp.AVG (Nanotron uses AVG, which only NCCL implements): SUM then divide.
+    if group.size() == 1:
+        return
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    tensor.div_(group.size())
+
+
+@torch.no_grad()
+def init_weights(
+    model: NanotronModel | DistributedDataParallel, parallel_context: ParallelContext, std: float = 0.02
+) -> None:
+    """Initialise like Nanotron's trainer (``RandomInit``): random init, then DP sync, then tied-weight sync.
+
+    Args:
+        model: built and tied model (DDP-wrapped or not).
+        parallel_context: its context.
+        std: normal std; output projections get ``std / sqrt(2 * num_layers)``.
+    """
+    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    unwrapped.init_model_randomly(
+        init_method=init_method_normal(std),
+        scaled_init_method=scaled_init_method_normal(std, unwrapped.config.num_hidden_layers),
+    )
+    for _, param in sorted(unwrapped.named_parameters(), key=lambda x: x[0]):
+        _all_reduce_mean(param.data, parallel_context.dp_pg)
+    tied = get_tied_id_to_param(parameters=list(unwrapped.parameters()), root_module=unwrapped)
+    for (_, group_ranks), param in sorted(tied.items(), key=lambda x: x[0]):
+        _all_reduce_mean(param.data, parallel_context.world_ranks_to_pg[group_ranks])
+
+
+def wrap_ddp(
+    model: NanotronModel, parallel_context: ParallelContext
+) -> NanotronModel | DistributedDataParallel:
+    """Wrap in DDP over ``dp_pg`` like Nanotron's trainer, only if DP > 1 and the rank trains something.
+
+    A rank whose parameters are all frozen (or absent) is left unwrapped: DDP refuses modules without
+    gradients, and the engine then simply skips the DP gradient sync on that rank.
+
+    Returns:
+        The DDP-wrapped model, or the model itself.
+    """
+    if parallel_context.data_parallel_size <= 1 or not any(p.requires_grad for p in model.parameters()):
+        return model
+    return DistributedDataParallel(model, process_group=parallel_context.dp_pg, broadcast_buffers=False)
+
+
+def build_cpu_llama(
+    config: LlamaConfig,
+    parallel_context: ParallelContext,
+    block_ranks: Sequence[int] | None = None,
+    parallel_config: ParallelismArgs | None = None,
+    dtype: torch.dtype = torch.float32,
+    std: float = 0.02,
+    projector: bool = False,
+    freeze: Callable[[str, nn.Parameter], bool] | None = None,
+    ddp: bool = True,
+) -> NanotronModel | DistributedDataParallel:
+    """Everything Nanotron's trainer does to get a trainable model, on CPU.
+
+    Construct ``CPULlamaForTraining``; place blocks (``block_ranks`` via ``assign_blocks``, or Nanotron's
+    greedy ``build_model`` when None); tie parameters; initialise; optionally freeze; optionally wrap in DDP.
+
+    Args:
+        config: model config.
+        parallel_context: the context.
+        block_ranks: explicit per-block PP ranks, or None for Nanotron's own split.
+        parallel_config: Nanotron ``ParallelismArgs`` or None.
+        dtype: parameter dtype.
+        std: init std.
+        projector: add the ``model.projector`` block.
+        freeze: ``freeze(name, param) -> True`` to set ``requires_grad=False`` on that (local) parameter.
+        ddp: wrap in DDP when DP > 1 (see ``wrap_ddp``).
+
+    Returns:
+        The model (DDP-wrapped where applicable).
+    """
+
+    def builder() -> CPULlamaForTraining:
+        return CPULlamaForTraining(
+            config=config,
+            parallel_context=parallel_context,
+            parallel_config=parallel_config,
+            projector=projector,
+        )
+
+    if block_ranks is None:
+        model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=CPU)
+    else:
+        model = assign_blocks(builder(), parallel_context, block_ranks, dtype=dtype, device=CPU)
+    mark_tied_parameters(model, parallel_context, parallel_config)
+    sanity_check(root_module=model)
+    init_weights(model, parallel_context, std=std)
+    if freeze is not None:
+        for name, param in model.named_parameters():
+            if freeze(name, param):
+                param.requires_grad_(False)
+    return wrap_ddp(model, parallel_context) if ddp else model

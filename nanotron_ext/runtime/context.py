@@ -1,0 +1,146 @@
+"""A Nanotron ``ParallelContext`` that runs on CPU over gloo.
+
+Nanotron 0.2's ``ParallelContext.__init__`` calls ``torch.cuda.set_device`` and asserts the NCCL backend, so
+it cannot be constructed on a machine without a GPU. The process-group layout itself
+(``_init_parallel_groups``) is backend-agnostic, so this subclass sets the same attributes, brings up gloo
+itself and then reuses Nanotron's layout code unchanged: ``tp_pg``, ``dp_pg``, ``pp_pg``, ``expert_pg``,
+``mp_pg``, ``world_rank_matrix`` and ``world_ranks_to_pg`` are exactly what Nanotron would build on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import numpy as np
+import torch.distributed as torch_dist
+from nanotron import distributed as dist
+from nanotron.parallel.context import ParallelContext
+
+__all__ = ["GlooParallelContext", "DEFAULT_TIMEOUT_S"]
+
+# Nanotron's groups default to a 10 minute timeout; a CPU test that deadlocks should fail much sooner.
+DEFAULT_TIMEOUT_S = 60.0
+
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class GlooParallelContext(ParallelContext):
+    """Nanotron ``ParallelContext`` over gloo on CPU, with the same process-group layout as Nanotron's.
+
+    Args:
+        tensor_parallel_size: TP degree.
+        pipeline_parallel_size: PP degree.
+        data_parallel_size: DP degree.
+        expert_parallel_size: expert-parallel degree (1 unless you know you need it).
+        timeout_s: timeout of every process group created here, so that a deadlocked collective raises
+            instead of hanging for Nanotron's default 10 minutes.
+
+    Raises:
+        ValueError: a size is not a positive integer, the torchrun environment variables are missing, or
+            ``WORLD_SIZE`` differs from ``tp * pp * dp * ep``.
+        RuntimeError: a default process group already exists with a backend other than gloo.
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        data_parallel_size: int,
+        expert_parallel_size: int = 1,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        # Deliberately no super().__init__(): it calls torch.cuda.set_device and asserts NCCL.
+        sizes = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "data_parallel_size": data_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
+        }
+        for name, value in sizes.items():
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        missing = [key for key in _REQUIRED_ENV if key not in os.environ]
+        if missing:
+            raise ValueError(
+                f"GlooParallelContext needs the torchrun environment variables {', '.join(_REQUIRED_ENV)}; "
+                f"missing: {', '.join(missing)}. Launch with `torchrun --nproc_per_node=N ...` or set them."
+            )
+
+        world_size = int(os.environ["WORLD_SIZE"])
+        needed = tensor_parallel_size * pipeline_parallel_size * data_parallel_size * expert_parallel_size
+        if needed != world_size:
+            raise ValueError(
+                f"WORLD_SIZE={world_size} but tp*pp*dp*ep = {tensor_parallel_size}*{pipeline_parallel_size}*"
+                f"{data_parallel_size}*{expert_parallel_size} = {needed}. Launch {needed} processes "
+                f"(torchrun --nproc_per_node={needed}) or change the parallel sizes so their product is "
+                f"{world_size}."
+            )
+
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.pipeline_parallel_size = int(pipeline_parallel_size)
+        self.data_parallel_size = int(data_parallel_size)
+        self.expert_parallel_size = int(expert_parallel_size)
+        self._groups: dict = {}
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+        if not torch_dist.is_initialized():
+            torch_dist.init_process_group(
+                backend="gloo",
+                rank=int(os.environ["RANK"]),
+                world_size=world_size,
+                timeout=self.timeout,
+            )
+        elif torch_dist.get_backend() != "gloo":
+            raise RuntimeError(
+                f"A default process group with backend {torch_dist.get_backend()!r} already exists; "
+                "GlooParallelContext needs gloo (CPU). Destroy the existing group first."
+            )
+
+        # Same as Nanotron: a dedicated group spanning every rank.
+        self.world_pg = dist.new_group(ranks=list(range(world_size)), timeout=self.timeout, backend="gloo")
+        self._init_parallel_groups()
+
+    def create_new_group(self, all_groups_ranks: np.ndarray) -> dist.ProcessGroup:
+        """Nanotron's ``create_new_group`` with this context's timeout instead of the 10 minute default.
+
+        Args:
+            all_groups_ranks: one row of global ranks per group; every rank must call this with the same rows.
+
+        Returns:
+            The group among them that contains this rank.
+        """
+        dist.barrier()
+        rank = int(os.environ["RANK"])
+        new_group_containing_rank = None
+        for group_ranks in all_groups_ranks:
+            sorted_ranks = tuple(sorted(int(r) for r in group_ranks))
+            if sorted_ranks not in self.world_ranks_to_pg:
+                new_group = dist.new_group(ranks=[int(r) for r in group_ranks], timeout=self.timeout)
+                self.world_ranks_to_pg[sorted_ranks] = new_group
+            else:
+                new_group = self.world_ranks_to_pg[sorted_ranks]
+            if rank in sorted_ranks:
+                new_group_containing_rank = new_group
+        dist.barrier()
+        return new_group_containing_rank
+
+    def set_device(self) -> None:
+        """No-op: no accelerator to select on CPU (Nanotron's version calls ``torch.cuda.set_device``)."""
+
+    def destroy(self, barrier: bool = True) -> None:
+        """Tear down the process groups; safe to call more than once or after a failed start.
+
+        Args:
+            barrier: wait for every rank first, as Nanotron does. Pass False when another rank may be dead.
+        """
+        if not torch_dist.is_initialized():
+            return
+        if barrier:
+            try:
+                torch_dist.barrier()
+            except RuntimeError:
+                # A peer already left (or timed out); still release our own resources.
+                pass
+        torch_dist.destroy_process_group()

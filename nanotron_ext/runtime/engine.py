@@ -1,0 +1,334 @@
+"""Training steps through Nanotron's real pipeline engines, as ``DistributedTrainer`` does them.
+
+``train_step`` mirrors ``DistributedTrainer.training_step``: ``engine.train_batch_iter`` over ``pp_pg``, DP
+gradient sync (DDP, or a manual all-reduce when the model is not DDP-wrapped), tied-weight gradient sync,
+optional clipping with Nanotron's ``clip_grad_norm``, optimizer step, ``zero_grad``. The optimizer comes from
+Nanotron's ``init_optimizer_and_grad_accumulator`` (``NamedOptimizer`` around ``torch.optim.AdamW`` with
+``fused=False``).
+
+CPU/gloo workarounds (Nanotron's code is used unmodified otherwise):
+- gloo has no ``ReduceOp.AVG``: DP averages are SUM then divide.
+- ``clip_grad_norm`` allocates a CUDA tensor when a rank has no gradient; such ranks join the same collective
+  with a CPU zero instead.
+- ``FP32GradientAccumulator`` allocates CUDA buffers, so ``accumulate_grad_in_fp32`` is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from nanotron import distributed as dist
+from nanotron.config import LRSchedulerArgs, OptimizerArgs
+from nanotron.helpers import init_optimizer_and_grad_accumulator
+from nanotron.models.base import NanotronModel
+from nanotron.optim.base import BaseOptimizer
+from nanotron.optim.clip_grads import clip_grad_norm
+from nanotron.optim.gradient_accumulator import GradientAccumulator
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.pipeline_parallel.engine import (
+    AllForwardAllBackwardPipelineEngine,
+    OneForwardOneBackwardPipelineEngine,
+    PipelineEngine,
+)
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
+from torch.nn.parallel import DistributedDataParallel
+
+from nanotron_ext.runtime.p2p import wait_pending_sends
+
+__all__ = [
+    "EngineName",
+    "MicroBatch",
+    "build_optimizer",
+    "make_engine",
+    "make_micro_batch",
+    "train_step",
+    "train_steps",
+]
+
+EngineName = Literal["1f1b", "afab"]
+MicroBatch = dict[str, torch.Tensor | TensorPointer]
+
+_ENGINES: dict[str, type[PipelineEngine]] = {
+    "1f1b": OneForwardOneBackwardPipelineEngine,
+    "afab": AllForwardAllBackwardPipelineEngine,
+}
+
+
+def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
+    """Nanotron pipeline engine from a name.
+
+    Args:
+        engine: ``"1f1b"`` (OneForwardOneBackward), ``"afab"`` (AllForwardAllBackward), or an engine instance.
+
+    Returns:
+        The engine.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(engine, PipelineEngine):
+        return engine
+    key = str(engine).lower()
+    if key not in _ENGINES:
+        raise ValueError(f"Unknown pipeline engine {engine!r}; use one of {sorted(_ENGINES)}.")
+    return _ENGINES[key]()
+
+
+def _unwrap(model: NanotronModel | DistributedDataParallel) -> NanotronModel:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def make_micro_batch(
+    model: NanotronModel | DistributedDataParallel,
+    parallel_context: ParallelContext,
+    input_ids: torch.Tensor,
+    label_ids: torch.Tensor,
+    input_mask: torch.Tensor | None = None,
+    label_mask: torch.Tensor | None = None,
+) -> MicroBatch:
+    """A micro-batch as Nanotron's data loader hands it to the engine.
+
+    Inputs live only on ``model.input_pp_rank`` and labels only on ``model.output_pp_rank``; every other rank
+    gets ``TensorPointer``s (a real tensor on a rank that does not own its block would be *sent* to that
+    block).
+
+    Args:
+        model: built model (``input_pp_rank`` / ``output_pp_rank`` set).
+        parallel_context: its context.
+        input_ids: ``[batch, seq]`` token ids.
+        label_ids: ``[batch, seq]`` target ids.
+        input_mask: bool ``[batch, seq]``; all True when None.
+        label_mask: bool ``[batch, seq]``; all True when None.
+
+    Returns:
+        ``{"input_ids", "input_mask", "label_ids", "label_mask"}``.
+    """
+    unwrapped = _unwrap(model)
+    pp_rank = dist.get_rank(parallel_context.pp_pg)
+    if input_mask is None:
+        input_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    if label_mask is None:
+        label_mask = torch.ones_like(label_ids, dtype=torch.bool)
+    in_rank, out_rank = unwrapped.input_pp_rank, unwrapped.output_pp_rank
+    return {
+        "input_ids": input_ids if pp_rank == in_rank else TensorPointer(group_rank=in_rank),
+        "input_mask": input_mask if pp_rank == in_rank else TensorPointer(group_rank=in_rank),
+        "label_ids": label_ids if pp_rank == out_rank else TensorPointer(group_rank=out_rank),
+        "label_mask": label_mask if pp_rank == out_rank else TensorPointer(group_rank=out_rank),
+    }
+
+
+def build_optimizer(
+    model: NanotronModel | DistributedDataParallel,
+    parallel_context: ParallelContext,
+    learning_rate: float = 1e-3,
+    weight_decay: float = 0.0,
+    adam_eps: float = 1e-8,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    zero_stage: int = 0,
+    accumulate_grad_in_fp32: bool = False,
+) -> tuple[BaseOptimizer | None, GradientAccumulator | None]:
+    """Nanotron's optimizer (``init_optimizer_and_grad_accumulator``) with CPU-safe settings.
+
+    A rank with no trainable parameter gets ``(None, None)``: torch refuses an optimizer over an empty
+    parameter list, and such a rank has nothing to update.
+
+    Args:
+        model: built model, DDP-wrapped or not.
+        parallel_context: its context.
+        learning_rate: AdamW learning rate (constant; pass an LR scheduler to ``train_step`` to vary it).
+        weight_decay: AdamW weight decay.
+        adam_eps: AdamW eps.
+        adam_betas: AdamW betas.
+        zero_stage: 0, or 1 for Nanotron's ZeRO-1 (untested on CPU).
+        accumulate_grad_in_fp32: must be False on CPU.
+
+    Returns:
+        ``(optimizer, grad_accumulator)``; the accumulator is None as fp32 accumulation is unavailable.
+
+    Raises:
+        NotImplementedError: ``accumulate_grad_in_fp32=True`` (Nanotron's FP32 accumulator is CUDA-only).
+        ValueError: ``zero_stage`` not 0 or 1.
+    """
+    if accumulate_grad_in_fp32:
+        raise NotImplementedError(
+            "accumulate_grad_in_fp32=True uses Nanotron's FP32GradientAccumulator, which allocates CUDA "
+            "buffers; use accumulate_grad_in_fp32=False on CPU (parameters are already fp32 here)."
+        )
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage must be 0 or 1 (Nanotron 0.2 supports ZeRO-1 only), got {zero_stage}.")
+    if not any(p.requires_grad for p in _unwrap(model).parameters()):
+        return None, None
+    optimizer_args = OptimizerArgs(
+        zero_stage=zero_stage,
+        weight_decay=weight_decay,
+        clip_grad=None,
+        accumulate_grad_in_fp32=False,
+        adam_eps=adam_eps,
+        adam_beta1=adam_betas[0],
+        adam_beta2=adam_betas[1],
+        torch_adam_is_fused=False,  # fused AdamW is CUDA-only
+        learning_rate_scheduler=LRSchedulerArgs(
+            learning_rate=learning_rate, lr_warmup_style="linear", lr_decay_style="linear"
+        ),
+    )
+    return init_optimizer_and_grad_accumulator(
+        model=model, optimizer_args=optimizer_args, parallel_context=parallel_context
+    )
+
+
+def _sync_dp_gradients_manually(model: NanotronModel, parallel_context: ParallelContext) -> None:
+    # Nanotron's sync_gradients_across_dp uses ReduceOp.AVG (NCCL-only) and touches frozen params' None grads.
+    dp_pg = parallel_context.dp_pg
+    if dp_pg.size() == 1:
+        return
+    for _, param in sorted(model.named_parameters(), key=lambda x: x[0]):
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            # Every DP replica must join each all-reduce; a missing grad counts as zero.
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=dp_pg)
+        param.grad.div_(dp_pg.size())
+
+
+def _clip_gradients(model: NanotronModel, parallel_context: ParallelContext, max_norm: float) -> torch.Tensor:
+    named_parameters = [(n, p) for n, p in model.get_named_params_with_correct_tied() if p.requires_grad]
+    if len(named_parameters) > 0:
+        return clip_grad_norm(
+            mp_pg=parallel_context.mp_pg,
+            named_parameters=named_parameters,
+            max_norm=max_norm,
+            grad_accumulator=None,
+        )
+    # Nanotron's clip_grad_norm would allocate torch.zeros(device="cuda") here; join its all-reduce from CPU.
+    total_norm = torch.zeros([], dtype=torch.float)
+    dist.all_reduce(total_norm, group=parallel_context.mp_pg, op=dist.ReduceOp.SUM)
+    return total_norm.pow_(0.5)
+
+
+def train_step(
+    model: NanotronModel | DistributedDataParallel,
+    parallel_context: ParallelContext,
+    engine: EngineName | PipelineEngine,
+    micro_batches: Iterable[MicroBatch],
+    n_micro_batches: int,
+    optimizer: BaseOptimizer | torch.optim.Optimizer | None,
+    grad_accumulator: GradientAccumulator | None = None,
+    clip_grad: float | None = None,
+    lr_scheduler: Any | None = None,
+) -> float:
+    """One optimisation step, the way ``DistributedTrainer.training_step`` does it. Collective on every rank.
+
+    Args:
+        model: built, tied, initialised model (DDP-wrapped when DP > 1 and the rank trains something).
+        parallel_context: its context.
+        engine: ``"1f1b"``, ``"afab"`` or a Nanotron engine instance.
+        micro_batches: iterator/iterable of micro-batches (see ``make_micro_batch``); ``n_micro_batches`` are
+            consumed.
+        n_micro_batches: micro-batches per step (gradient accumulation).
+        optimizer: Nanotron/torch optimizer, or None on a rank with nothing trainable (step skipped).
+        grad_accumulator: Nanotron gradient accumulator or None.
+        clip_grad: max global grad norm, or None for no clipping.
+        lr_scheduler: object with ``step()``, called after the optimizer step.
+
+    Returns:
+        The step's loss (mean over micro-batches and DP replicas), identical on every rank.
+
+    Raises:
+        ValueError: ``n_micro_batches`` < 1, or too few for 1F1B (needs at least ``pp - 1``).
+    """
+    pp_pg = parallel_context.pp_pg
+    if n_micro_batches < 1:
+        raise ValueError(f"n_micro_batches must be >= 1, got {n_micro_batches}.")
+    pipeline_engine = make_engine(engine)
+    if (
+        isinstance(pipeline_engine, OneForwardOneBackwardPipelineEngine)
+        and n_micro_batches < pp_pg.size() - 1
+    ):
+        raise ValueError(
+            f"The 1F1B engine needs at least pp-1={pp_pg.size() - 1} micro-batches per step, got "
+            f"{n_micro_batches}; raise batch_accumulation_per_replica or use 'afab'."
+        )
+    unwrapped = _unwrap(model)
+    iterator: Iterator[MicroBatch] = iter(micro_batches)
+    outputs = pipeline_engine.train_batch_iter(
+        model=model,
+        pg=pp_pg,
+        batch=(next(iterator) for _ in range(n_micro_batches)),
+        nb_microbatches=n_micro_batches,
+        grad_accumulator=grad_accumulator,
+    )
+    # Sends were posted asynchronously (CPUP2P); make sure the peer has taken them before buffers are reused.
+    wait_pending_sends(unwrapped)
+
+    if not isinstance(model, DistributedDataParallel):
+        # DDP already averaged gradients in the last backward; otherwise do it here, as the trainer does.
+        _sync_dp_gradients_manually(unwrapped, parallel_context)
+    sync_tied_weights_gradients(
+        module=unwrapped, parallel_context=parallel_context, grad_accumulator=grad_accumulator
+    )
+
+    if clip_grad is not None:
+        _clip_gradients(unwrapped, parallel_context, clip_grad)
+
+    # Loss: summed over micro-batches (the engine already divided each by n_micro_batches), averaged over DP.
+    loss = torch.zeros([], dtype=torch.float)
+    if len(outputs) > 0 and isinstance(outputs[0]["loss"], torch.Tensor):
+        loss = torch.stack([output["loss"].detach().float() for output in outputs]).sum()
+        dp_pg = parallel_context.dp_pg
+        if dp_pg.size() > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_pg)
+            loss.div_(dp_pg.size())
+    # Every rank of the PP group gets the output stage's value, so any rank can log it.
+    dist.broadcast(loss, src=dist.get_global_rank(pp_pg, unwrapped.output_pp_rank), group=pp_pg)
+
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    return float(loss.item())
+
+
+def train_steps(
+    model: NanotronModel | DistributedDataParallel,
+    parallel_context: ParallelContext,
+    engine: EngineName | PipelineEngine,
+    batches_iter: Iterable[MicroBatch],
+    n_micro_batches: int,
+    optimizer: BaseOptimizer | torch.optim.Optimizer | None,
+    grad_accumulator: GradientAccumulator | None = None,
+    n_steps: int = 1,
+    clip_grad: float | None = None,
+    lr_scheduler: Any | None = None,
+) -> list[float]:
+    """``n_steps`` calls of ``train_step`` over one micro-batch stream.
+
+    Args:
+        batches_iter: micro-batch stream; ``n_steps * n_micro_batches`` micro-batches are consumed.
+        n_steps: number of optimisation steps.
+        Others: as in ``train_step``.
+
+    Returns:
+        The loss of every step (identical on every rank).
+    """
+    pipeline_engine = make_engine(engine)
+    iterator = iter(batches_iter)
+    return [
+        train_step(
+            model,
+            parallel_context,
+            pipeline_engine,
+            iterator,
+            n_micro_batches,
+            optimizer,
+            grad_accumulator=grad_accumulator,
+            clip_grad=clip_grad,
+            lr_scheduler=lr_scheduler,
+        )
+        for _ in range(n_steps)
+    ]

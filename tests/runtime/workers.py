@@ -1,0 +1,207 @@
+"""Functions executed inside the spawned ranks of the runtime tests (see ``spawn.py``).
+
+Kept free of pytest imports: each rank loads this file by path and calls one function. Several scenarios share
+one world (one process start-up each) to keep the suite fast on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+TINY = {
+    "hidden_size": 16,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 50277,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+SEQ_LEN = 32
+MICRO_BATCH = 2
+N_MICRO = 4
+SUB_VOCAB = 256  # tokens are drawn from a small id range so a tiny model has something learnable
+POOL = 16  # distinct random sequences, cycled
+
+
+def tiny_config(**overrides: Any):
+    from nanotron.config import LlamaConfig
+
+    return LlamaConfig(**{**TINY, **overrides})
+
+
+def token_stream(seed: int) -> Iterator[Any]:
+    """Endless ``[MICRO_BATCH, SEQ_LEN + 1]`` token batches, identical on every rank for a given seed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, SUB_VOCAB, (POOL, MICRO_BATCH, SEQ_LEN + 1), generator=generator)
+    i = 0
+    while True:
+        yield pool[i % POOL]
+        i += 1
+
+
+def micro_batches(model, ctx, seed: int):
+    from nanotron_ext.runtime import make_micro_batch
+
+    for tokens in token_stream(seed):
+        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
+
+
+_CONTEXTS: dict[tuple[int, int, int], Any] = {}
+
+
+def _context(tp: int, pp: int, dp: int):
+    # Several layouts can live in one world: each context only adds process groups.
+    from nanotron_ext.runtime import GlooParallelContext
+
+    key = (tp, pp, dp)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = GlooParallelContext(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
+        )
+    return _CONTEXTS[key]
+
+
+def _destroy_contexts() -> None:
+    for ctx in _CONTEXTS.values():
+        ctx.destroy()
+        break  # one destroy tears down the whole default group
+    _CONTEXTS.clear()
+
+
+def train_case(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    block_ranks: list[int] | None = None,
+    engine: str = "1f1b",
+    n_steps: int = 5,
+    seed: int = 1234,
+    lr: float = 1e-2,
+    config: dict[str, Any] | None = None,
+    projector: bool = False,
+    check_tied: bool = False,
+) -> dict[str, Any]:
+    """Build the tiny model (``block_ranks`` via assign_blocks, None = Nanotron's split), train, report."""
+    import torch
+    from nanotron import distributed as dist
+
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, pipeline_blocks, train_steps
+
+    ctx = _context(tp, pp, dp)
+    torch.manual_seed(seed)
+    model = build_cpu_llama(tiny_config(**(config or {})), ctx, block_ranks=block_ranks, projector=projector)
+    optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=lr)
+    unwrapped = model.module if hasattr(model, "module") else model
+    out: dict[str, Any] = {
+        "block_names": [name for name, _ in pipeline_blocks(model)],
+        "block_ranks": [block.rank for _, block in pipeline_blocks(model)],
+        "local_params": sum(p.numel() for p in unwrapped.parameters()),
+        "has_optimizer": optimizer is not None,
+        "is_ddp": model is not unwrapped,
+    }
+    out["losses"] = train_steps(
+        model,
+        ctx,
+        engine,
+        micro_batches(model, ctx, seed),
+        n_micro_batches=N_MICRO,
+        optimizer=optimizer,
+        grad_accumulator=grad_acc,
+        n_steps=n_steps,
+        clip_grad=1.0,
+    )
+    if check_tied:
+        # Embedding and lm_head may live on different PP ranks; gather both copies and compare.
+        blocks = dict(pipeline_blocks(unwrapped))
+        pp_rank = dist.get_rank(ctx.pp_pg)
+        if blocks["model.token_position_embeddings"].rank == pp_rank:
+            weight = unwrapped.model.token_position_embeddings.pp_block.token_embedding.weight
+        else:
+            weight = unwrapped.model.lm_head.pp_block.weight
+        gathered = [torch.empty_like(weight.data) for _ in range(ctx.pp_pg.size())]
+        dist.all_gather(gathered, weight.data.contiguous(), group=ctx.pp_pg)
+        out["tied"] = bool(weight.is_tied)
+        out["tied_max_abs_diff"] = max(float((g - gathered[0]).abs().max()) for g in gathered)
+    return out
+
+
+def run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Run several ``train_case``s in this world, in order; returns ``{case name: result}`` for this rank."""
+    try:
+        return {
+            "rank": int(os.environ["RANK"]),
+            **{name: train_case(**kwargs) for name, kwargs in cases.items()},
+        }
+    finally:
+        _destroy_contexts()
+
+
+def nanotron_split(pp: int) -> dict[str, Any]:
+    """Test a: Nanotron's own build_model on CPULlamaForTraining, assign_blocks' input checks, and training
+    with Nanotron's split (the rank without parameters builds no optimizer and must not crash)."""
+    import torch
+    from nanotron.models.base import build_model
+
+    from nanotron_ext.runtime import CPULlamaForTraining, assign_blocks, nanotron_block_ranks, pipeline_blocks
+
+    ctx = _context(1, pp, 1)
+    try:
+        config = tiny_config()
+        model = build_model(
+            model_builder=lambda: CPULlamaForTraining(
+                config=config, parallel_context=ctx, parallel_config=None
+            ),
+            parallel_context=ctx,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        blocks = pipeline_blocks(model)
+        errors = {}
+        bad_inputs = {
+            "too_short": [0, 1],
+            "out_of_range": [0, 0, 0, 0, 0, 0, pp],
+            "backwards": [0, 1, 0, 1, 1, 1, 1],
+        }
+        for label, ranks in bad_inputs.items():
+            try:
+                assign_blocks(
+                    CPULlamaForTraining(config=config, parallel_context=ctx, parallel_config=None), ctx, ranks
+                )
+            except ValueError as exc:
+                errors[label] = str(exc)
+        return {
+            "names": [name for name, _ in blocks],
+            "ranks": [block.rank for _, block in blocks],
+            "helper_ranks": nanotron_block_ranks(config, pp, ctx),
+            "input_pp_rank": model.input_pp_rank,
+            "output_pp_rank": model.output_pp_rank,
+            "local_params": sum(p.numel() for p in model.parameters()),
+            "param_names": sorted(name for name, _ in model.named_parameters()),
+            "errors": errors,
+            "train": train_case(pp=pp, block_ranks=None, n_steps=2),
+        }
+    finally:
+        _destroy_contexts()
+
+
+def echo_env() -> dict[str, str]:
+    """Spawn-helper self-test: report the torchrun-like environment."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    return {key: os.environ[key] for key in keys}
+
+
+def fail_on_rank_one_else_hang() -> None:
+    """Spawn-helper self-test: rank 1 raises, rank 0 blocks forever (like a peer stuck in a collective)."""
+    import time
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom on rank 1")
+    while True:
+        time.sleep(0.1)
