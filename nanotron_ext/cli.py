@@ -61,6 +61,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(_header(cfg, plan))
         print(plan.table())
         print(_verdict(plan))
+        tradeoff = frozen_tradeoff(cfg, blocks)
+        if tradeoff:
+            print(tradeoff)
     return EXIT_OK if plan.ok else EXIT_INVALID
 
 
@@ -76,6 +79,27 @@ def _verdict(plan: Plan) -> str:
              f"slowest stage vs optimum: {plan.vs_optimum:.3f}x   1F1B bubble estimate: {plan.bubble_estimate:.1%}"]
     lines += [str(f) for f in plan.findings]
     lines.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
+    return "\n".join(lines)
+
+
+def frozen_tradeoff(cfg: PlannerConfig, blocks) -> str | None:
+    """For frozen setups: the constrained plan's slowest stage next to the optimum with frozen stages allowed."""
+    if all(b.trainable == b.params for b in blocks):
+        return None
+    lines = ["", "frozen setup: what a trainable block on every stage costs"]
+    try:
+        constrained = make_plan(blocks, cfg, "constrained")
+        free = make_plan(blocks, cfg.with_overrides(allow_frozen_stages=True), "flops")
+    except NanotronExtError as exc:
+        return "\n".join(lines + [f"  constrained: cannot plan ({_first_line(exc, 200)})"])
+    ratio = constrained.slowest_flops / free.slowest_flops if free.slowest_flops else float("nan")
+    lines.append(table(
+        ["plan", "stages", "slowest stage (train FLOPs/mb)", "stages with trainable", "vs frozen-allowed"],
+        [["constrained", _stage_map(constrained), human_count(constrained.slowest_flops),
+          sum(1 for s in constrained.stages if s.trainable), f"{ratio:.3f}x"],
+         ["optimum, frozen stages allowed", _stage_map(free), human_count(free.slowest_flops),
+          sum(1 for s in free.stages if s.trainable), "1.000x"]],
+    ))
     return "\n".join(lines)
 
 

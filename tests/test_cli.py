@@ -64,3 +64,19 @@ def test_console_script_installed():
     proc = subprocess.run(f"{exe} plan", shell=True, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "VALID" in proc.stdout
+
+
+def test_frozen_setup_shows_the_tradeoff(tmp_path, capsys):
+    import yaml
+
+    raw = yaml.safe_load(bundled_config("smollm_135m.yaml").read_text())
+    raw["model"]["model_config"]["tie_word_embeddings"] = False
+    raw["nanotron_ext"]["freeze"] = {"modules": ["*"], "unfreeze": ["decoder.0", "decoder.1"]}
+    path = tmp_path / "frozen.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(path), "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    # Only decoder.0-1 train: constrained must split right after them, doubling the slowest stage.
+    assert "constrained                     0-1|2-34" in out
+    assert "optimum, frozen stages allowed  0-17|18-34" in out
+    assert "1.955x" in out
