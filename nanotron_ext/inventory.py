@@ -125,7 +125,7 @@ def llama_block_layout(m: ModelShape, projector: bool = False) -> list[tuple[str
     ]
     blocks = [("model.token_position_embeddings", "Embedding", [("token_embedding.weight", v * h)])]
     if projector:
-        blocks.append(("model.projector", "Projector", [("proj.weight", h * h), ("proj.bias", h)]))
+        blocks.append(("model.projector", "Projector", [("proj.weight", h * h)]))
     blocks += [(f"model.decoder.{i}", "LlamaDecoderLayer", list(layer)) for i in range(m.num_hidden_layers)]
     blocks += [
         ("model.final_layer_norm", "RMSNorm", [("weight", h)]),

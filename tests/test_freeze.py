@@ -38,7 +38,7 @@ def test_train_only_output_layer_and_last_layer():
 
 def test_projector_only():
     _, blocks = planned({"modules": ["*"], "unfreeze": ["projector"]}, projector=True)
-    assert trainable(blocks) == {"embedding": 0, "projector": 16 * 16 + 16, "decoder.0": 0, "decoder.1": 0,
+    assert trainable(blocks) == {"embedding": 0, "projector": 16 * 16, "decoder.0": 0, "decoder.1": 0,
                                  "final_norm": 0, "lm_head": 0}
 
 
