@@ -1,0 +1,266 @@
+"""Tests for ``nanotron-ext simulate`` and the FLOP-rate stage-time model (nanotron_ext.simulate_cli)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import yaml
+
+from nanotron_ext.cli import bundled_config, main
+from nanotron_ext.config import load_config
+from nanotron_ext.costs import training_flops
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import BlockInfo, inventory_from_config
+from nanotron_ext.plan import Plan
+from nanotron_ext.simulate import StageTimes, simulate
+from nanotron_ext.simulate_cli import format_seconds, stage_times_from_plan
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+T = 1e12  # FLOPs of one unit in the hand-made blocks below
+
+
+def _block(
+    i: int, fwd: float, bwd_in: float, bwd_w: float, params: int, trainable: int, out: float
+) -> BlockInfo:
+    return BlockInfo(
+        index=i,
+        name=f"b{i}",
+        role="other",
+        builder="X",
+        params=params,
+        trainable=trainable,
+        param_bytes=2 * params,
+        activation_bytes=0.0,
+        output_bytes=out,
+        flops_fwd=fwd * T,
+        flops_bwd_input=bwd_in * T,
+        flops_bwd_weight=bwd_w * T,
+    )
+
+
+def _plan(blocks: list[BlockInfo], ranks: list[int]) -> Plan:
+    return Plan(
+        strategy="hand",
+        pp=max(ranks) + 1,
+        engine="1f1b",
+        n_micro_batches=2,
+        unit="FLOPs",
+        block_names=tuple(b.name for b in blocks),
+        block_ranks=tuple(ranks),
+        block_costs=tuple(training_flops(blocks)),
+        stages=(),
+    )
+
+
+# A (trainable) B (frozen) | C (trainable) D (weightless, like the loss); FLOPs in units of 1e12.
+HAND = [
+    _block(0, 1, 2, 2, 10, 10, 100.0),
+    _block(1, 3, 6, 6, 10, 0, 200.0),
+    _block(2, 2, 4, 4, 10, 10, 400.0),
+    _block(3, 1, 1, 0, 0, 0, 4.0),
+]
+
+
+def test_stage_times_of_a_hand_made_two_stage_plan():
+    # training FLOPs: A = 1 + 2 (weights; no input-grad, nothing trainable before it) = 3;
+    # B = 3 + 6 (input-grad) + 0 (frozen) = 9; C = 2 + 4 + 4 = 10; D = 1 + 1 = 2.
+    # stage 0: forward 1 + 3 = 4, backward 3 + 9 - 4 = 8; stage 1: forward 2 + 1 = 3, backward 10 + 2 - 3 = 9.
+    # p2p: stage 0's last block (B) sends 200 bytes; at 100 B/s that is 2 s. Stage 1 sends nothing.
+    stages, p2p = stage_times_from_plan(
+        _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=100.0
+    )
+    assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
+    assert p2p == 2.0
+
+
+def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
+    stages, p2p = stage_times_from_plan(
+        _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=100.0
+    )
+    r = simulate(stages, 2, "1f1b", p2p)
+    # stage 0: F0 [0,4] F1 [4,8]; stage 1: F0 [6,9] B0 [9,18] F1 [18,21] B1 [21,30];
+    # stage 0: B0 [20,28] B1 [32,40]. Step 40 s, busy 24 s each, bubble 32/80.
+    assert [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in r.ops] == [
+        (0, "F", 0, 0.0, 4.0),
+        (0, "F", 1, 4.0, 8.0),
+        (0, "B", 0, 20.0, 28.0),
+        (0, "B", 1, 32.0, 40.0),
+        (1, "F", 0, 6.0, 9.0),
+        (1, "B", 0, 9.0, 18.0),
+        (1, "F", 1, 18.0, 21.0),
+        (1, "B", 1, 21.0, 30.0),
+    ]
+    assert r.step_time == 40.0
+    assert r.busy == [24.0, 24.0]
+    assert r.bubble_fraction == 0.4
+
+
+def test_p2p_ignored_without_bandwidth_and_on_one_stage():
+    assert (
+        stage_times_from_plan(
+            _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=None
+        )[1]
+        == 0.0
+    )
+    stages, p2p = stage_times_from_plan(
+        _plan(HAND, [0, 0, 0, 0]), HAND, flops_per_second=2e12, p2p_bytes_per_second=1.0
+    )
+    assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
+
+
+def test_frozen_prefix_pays_no_backward():
+    frozen = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 3, 6, 6, 10, 0, 8.0), _block(2, 2, 4, 4, 10, 10, 8.0)]
+    stages, _ = stage_times_from_plan(
+        _plan(frozen, [0, 1, 2]), frozen, flops_per_second=1e12, p2p_bytes_per_second=None
+    )
+    assert stages == [StageTimes(1.0, 0.0), StageTimes(3.0, 0.0), StageTimes(2.0, 4.0)]
+
+
+def test_stage_times_reject_bad_rates_and_foreign_blocks():
+    plan = _plan(HAND, [0, 0, 1, 1])
+    with pytest.raises(ConfigError, match="flops_per_second"):
+        stage_times_from_plan(plan, HAND, flops_per_second=0.0, p2p_bytes_per_second=None)
+    with pytest.raises(ConfigError, match="p2p_bytes_per_second"):
+        stage_times_from_plan(plan, HAND, flops_per_second=1.0, p2p_bytes_per_second=float("inf"))
+    with pytest.raises(PlanningError, match="inventory the plan was made from"):
+        stage_times_from_plan(plan, HAND[:3], flops_per_second=1.0, p2p_bytes_per_second=None)
+
+
+def test_format_seconds():
+    assert [format_seconds(x) for x in (2.5, 0.0123, 4.2e-6, 3e-9, 0.0)] == [
+        "2.5 s",
+        "12.3 ms",
+        "4.2 µs",
+        "3 ns",
+        "0 s",
+    ]
+
+
+# --- the command, in process -------------------------------------------------------------------
+
+
+def _png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_simulate_prints_table_bubble_and_writes_timeline(tmp_path, capsys):
+    out = tmp_path / "tl.png"
+    assert main(["simulate", "--tflops", "0.001", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "strategy: constrained" in text
+    assert "1f1b: pp=2, micro-batches=4" in text
+    assert "ideal (p-1)/(m+p-1) = 20.0%" in text
+    # Stage 1 (lm_head, cast, loss) of the tiny model, t = 2·32 tokens, h = 16, V = 50277, at 1e9 FLOP/s:
+    # forward 2·t·h·V + t·V + 5·t·V = 122,273,664 FLOPs; backward 4·t·h·V + t·V + 3·t·V = 218,805,504.
+    row = next(line for line in text.splitlines() if "lm_head, cast, loss" in line)
+    assert row.split()[0] == "1" and row.split()[-2:] == ["122.3", "218.8"]  # ms per micro-batch
+    assert "VALID" in text and f"timeline: {out}" in text
+    assert _png(out)
+
+
+def test_simulate_json_matches_independent_sums(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "simulate",
+                "--json",
+                "--tflops",
+                "1",
+                "--p2p-gbps",
+                "0.000001",
+                "--out",
+                str(tmp_path / "t.png"),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is True and data["strategy"] == "constrained"
+    assert data["ideal_bubble_fraction"] == 0.2
+    ranks = data["plan"]["block_ranks"]
+    assert ranks == [0, 0, 0, 0, 1, 1, 1]
+    blocks = inventory_from_config(load_config(bundled_config()))
+    train = training_flops(blocks)
+    sim = data["simulation"]
+    for k, st in enumerate(sim["stages"]):
+        fwd = sum(b.flops_fwd for b, r in zip(blocks, ranks) if r == k)
+        tot = sum(t for t, r in zip(train, ranks) if r == k)
+        assert math.isclose(st["forward"], fwd / 1e12, rel_tol=1e-12)
+        assert math.isclose(st["backward"], (tot - fwd) / 1e12, rel_tol=1e-12)
+    t, h, v = 64, 16, 50277
+    assert sim["stages"][1]["forward"] == pytest.approx((2 * t * h * v + t * v + 5 * t * v) / 1e12, rel=1e-12)
+    # stage 0 ends with the final norm: fp32 activations of 64 tokens × 16 = 4096 bytes, at 1000 B/s.
+    assert sim["p2p_time"] == pytest.approx(4.096, rel=1e-12)
+    again = simulate([StageTimes(**s) for s in sim["stages"]], 4, "1f1b", sim["p2p_time"])
+    assert sim["step_time"] == again.step_time
+    assert sim["bubble_fraction"] == again.bubble_fraction
+
+
+def test_simulate_compare_table_and_stage_loads(tmp_path, capsys):
+    tl, loads = tmp_path / "tl.png", tmp_path / "loads.png"
+    assert main(["simulate", "--compare", "--out", str(tl), "--loads-out", str(loads)]) == 0
+    text = capsys.readouterr().out
+    table = text.split("every strategy", 1)[1]
+    for name in ("nanotron", "uniform", "flops", "memory", "constrained"):
+        assert f"\n{name} " in table
+    assert "INVALID (no-params@1)" in table  # Nanotron's rule leaves stage 1 without weights
+    assert (
+        re.search(r"^layout\s+-", table, re.M)
+        and "cannot plan: cost_strategy 'layout' needs `layout:`" in table
+    )
+    assert "1.000x" in table
+    assert _png(tl) and _png(loads)
+
+
+def test_simulate_compare_json_lists_every_strategy(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "simulate",
+                "--compare",
+                "--json",
+                "--out",
+                str(tmp_path / "a.png"),
+                "--loads-out",
+                str(tmp_path / "b.png"),
+            ]
+        )
+        == 0
+    )
+    entries = {e["strategy"]: e for e in json.loads(capsys.readouterr().out)["compare"]}
+    assert entries["nanotron"]["ok"] is False and entries["nanotron"]["block_ranks"] == [0, 0, 0, 0, 0, 1, 1]
+    assert entries["constrained"]["ok"] is True and "error" in entries["layout"]
+
+
+def test_invalid_plan_exits_1_but_is_still_drawn(tmp_path, capsys):
+    out = tmp_path / "nanotron.png"
+    assert main(["simulate", "--cost-strategy", "nanotron", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "ERROR [stage 1]" in text and "INVALID: this plan cannot train" in text
+    assert _png(out)
+
+
+def test_unplannable_strategy_exits_1(tmp_path, capsys):
+    assert main(["simulate", "--pp", "7", "--out", str(tmp_path / "x.png")]) == 1
+    assert "no valid plan" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("argv", [["--tflops", "0"], ["--p2p-gbps", "-1"], ["--pp", "0"], ["missing.yaml"]])
+def test_usage_errors_exit_2(tmp_path, capsys, argv):
+    assert main(["simulate", *argv, "--out", str(tmp_path / "x.png")]) == 2
+    assert "nanotron-ext: error:" in capsys.readouterr().err
+
+
+def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
+    raw = yaml.safe_load(bundled_config().read_text())
+    raw["model"]["model_config"]["num_hidden_layers"] = 8
+    raw["parallelism"]["pp"] = 6
+    raw["tokens"]["batch_accumulation_per_replica"] = 2
+    path = tmp_path / "few.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["simulate", str(path), "--out", str(tmp_path / "x.png")]) == 2
+    assert "1f1b needs at least pp - 1 = 5 micro-batches, got 2" in capsys.readouterr().err
