@@ -1,0 +1,626 @@
+"""``nanotron-ext train``: train a Nanotron YAML's model on CPU through Nanotron 0.2's real pipeline engines.
+
+Launch one process per rank (``dp × pp × tp`` of them) with torchrun::
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli train \\
+        --config-file nanotron_ext/configs/tiny_llama_large_vocab.yaml --steps 20
+
+(``torchrun --nproc_per_node=2 --no-python nanotron-ext train ...`` runs the console script instead; a
+one-process config, ``dp = pp = tp = 1``, also runs without torchrun.)
+
+Every rank does the same thing:
+
+1. load the YAML and check everything that needs no process group — the strategy, the static plan (built
+   from the config alone, so ``--cost-strategy nanotron`` on the tiny example fails here), the world size,
+   1F1B's micro-batch count, the data files — so a bad input makes *every* rank fail at once with the same
+   message and nothing can hang;
+2. create the gloo ``ParallelContext``, build the model with :func:`nanotron_ext.integration.build_model`
+   (plan + static validation before allocation), tie, initialise, freeze, and run the collective
+   :func:`~nanotron_ext.integration.check_every_rank_trains`;
+3. wrap in DDP, build Nanotron's optimizer and LR schedule, and run ``--steps`` training steps with the
+   YAML's engine, micro-batch count and gradient clipping.
+
+Rank 0 prints per-step loss, gradient norm, step time and tokens per second, then a summary table.
+``--metrics-out`` writes them as JSON with the block→rank map, per-rank parameter counts, per-rank losses
+and a SHA-256 of every parameter before and after training; ``--plan-out`` writes the plan. Any error prints
+``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits non-zero (2 for a
+config/usage error, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from nanotron_ext.config import PlannerConfig, load_config
+from nanotron_ext.data import ByteTokenizer, PackedTextData, data_files_from_config, load_packed_windows
+from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
+from nanotron_ext.plan import Plan
+from nanotron_ext.report import human_count, table
+
+__all__ = ["TrainSettings", "add_subcommand", "cmd_train", "preflight", "run_training"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _default_config() -> Path:
+    return Path(str(resources.files("nanotron_ext") / "configs" / "tiny_llama_large_vocab.yaml"))
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``train`` on the ``nanotron-ext`` parser."""
+    p = subparsers.add_parser(
+        "train",
+        help="train on CPU through Nanotron's pipeline engines (run under torchrun)",
+        description="Train a Nanotron YAML's Llama on CPU (gloo) with Nanotron 0.2's 1F1B/AFAB engines. Run "
+        "under `torchrun --nproc_per_node=<dp*pp*tp> -m nanotron_ext.cli train ...`.",
+    )
+    p.add_argument("--config-file", dest="config_file", metavar="YAML",
+                   help="Nanotron YAML (default: the bundled tiny large-vocab example)")
+    p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME", help="overrides the YAML's strategy")
+    p.add_argument("--steps", type=int, help="training steps (default: tokens.train_steps)")
+    p.add_argument("--seed", type=int, help="overrides general.seed (weights) and data.seed (data order)")
+    p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
+    p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
+
+    Returns:
+        0 on success, 2 on a config/usage error, 1 on any other failure.
+    """
+    rank = os.environ.get("RANK", "0")
+    try:
+        run_training(
+            args.config_file or _default_config(),
+            cost_strategy=args.cost_strategy,
+            steps=args.steps,
+            seed=args.seed,
+            metrics_out=args.metrics_out,
+            plan_out=args.plan_out,
+        )
+    except Exception as exc:  # every failure must end this rank with a message, never a hang
+        if not isinstance(exc, NanotronExtError):
+            traceback.print_exc(file=sys.stderr)  # an unexpected error: the stack helps whoever debugs it
+        print(f"nanotron-ext train: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
+    return EXIT_OK
+
+
+@dataclass
+class TrainSettings:
+    """Everything a run needs, resolved and checked before any process group exists.
+
+    Attributes:
+        cfg: the planner config (command-line overrides applied).
+        plan: the static plan computed from the config alone (the built model re-plans identically).
+        steps: optimisation steps.
+        seed: weight-init seed; ``data_seed``: data-order seed.
+        world_size / rank: from the torchrun environment.
+        model_config: Nanotron ``LlamaConfig`` (vocabulary padded as Nanotron's trainer pads it).
+        parallel_config: Nanotron ``ParallelismArgs`` from the YAML.
+        optimizer: AdamW settings and the LR schedule arguments.
+        clip_grad: max global gradient norm or None.
+        init_std: weight-init standard deviation.
+        data_files / windows: the text files and their packed token windows.
+        notes: things rank 0 prints before training (settings the CPU runtime changes).
+    """
+
+    cfg: PlannerConfig
+    plan: Plan
+    steps: int
+    seed: int
+    data_seed: int
+    world_size: int
+    rank: int
+    model_config: Any
+    parallel_config: Any
+    optimizer: dict[str, Any]
+    lr_schedule: Any
+    clip_grad: float | None
+    init_std: float
+    data_files: list[Path]
+    windows: Any
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        r = self.cfg.run
+        return r.dp * r.n_micro_batches * r.micro_batch_size * r.sequence_length
+
+
+def preflight(
+    config_file: str | Path,
+    *,
+    cost_strategy: str | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> TrainSettings:
+    """Every check that needs no process group, in the order a user would fix them.
+
+    All ranks read the same YAML, so all raise the same error here together; nothing is left waiting.
+
+    Raises:
+        ConfigError: malformed or incomplete YAML, unknown strategy, world size ≠ dp×pp×tp, 1F1B with fewer
+            than pp-1 micro-batches, missing data, a setting the CPU runtime cannot honour.
+        PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
+    """
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+
+    cfg = load_config(config_file, cost_strategy=cost_strategy)
+    raw, run = cfg.nanotron, cfg.run
+    notes: list[str] = []
+
+    steps = steps if steps is not None else _get(raw, "tokens.train_steps", 1)
+    _positive_int("--steps (tokens.train_steps)", steps)
+    general_seed = _get(raw, "general.seed", 42)
+    data_seed = seed if seed is not None else _get(raw, "data.seed", general_seed)
+    seed = seed if seed is not None else general_seed
+    for name, value in (("seed", seed), ("data.seed", data_seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+
+    # 1F1B: Nanotron's engine asserts nb_microbatches >= pp - 1. At exactly pp - 1 it runs, never filling the
+    # pipeline; the plan carries a warning for that, printed before training.
+    if run.engine == "1f1b" and run.n_micro_batches < run.pp - 1:
+        raise ConfigError(
+            f"pp_engine 1f1b with pp={run.pp} needs at least pp-1={run.pp - 1} micro-batches per step "
+            f"(tokens.batch_accumulation_per_replica), got {run.n_micro_batches}: Nanotron's 1F1B engine asserts "
+            f"it. Set batch_accumulation_per_replica >= {run.pp} (>= pp fills the pipeline) or pp_engine: afab"
+        )
+
+    world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
+    ByteTokenizer().check_model_vocab(cfg.model.vocab_size)
+
+    files = data_files_from_config(raw, config_path=None if cfg.source.startswith("<") else cfg.source)
+
+    # The static plan, from the config alone: a plan that cannot train stops every rank here, before a
+    # process group or a weight exists. build_model() re-plans from the real model and must agree.
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    if not plan.ok:
+        raise PlanningError(_plan_failure(plan))
+
+    # Nanotron's own config classes (importing nanotron pulls in torch: a second or two) validate the rest.
+    from nanotron.config import LlamaConfig, LRSchedulerArgs, ParallelismArgs
+
+    model_config_raw = dict(_get(raw, "model.model_config", {}))
+    try:
+        model_config = LlamaConfig(**{**model_config_raw, "vocab_size": cfg.model.vocab_size})
+    except TypeError as exc:
+        raise ConfigError(f"{cfg.source}: model.model_config is not a Nanotron 0.2 LlamaConfig: {exc}") from exc
+
+    par = raw.get("parallelism") or {}
+    try:
+        parallel_config = ParallelismArgs(
+            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine,
+            tp_mode=par.get("tp_mode"), tp_linear_async_communication=par.get("tp_linear_async_communication"),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
+
+    opt = _get(raw, "optimizer", {}) or {}
+    lr_raw = opt.get("learning_rate_scheduler")
+    if not isinstance(lr_raw, dict) or "learning_rate" not in lr_raw:
+        raise ConfigError(f"{cfg.source}: required key 'optimizer.learning_rate_scheduler.learning_rate' is missing")
+    try:
+        lr_schedule = LRSchedulerArgs(**lr_raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg.source}: invalid optimizer.learning_rate_scheduler: {exc}") from exc
+    optimizer = {
+        "learning_rate": float(lr_schedule.learning_rate),
+        "weight_decay": float(opt.get("weight_decay", 0.0) or 0.0),
+        "adam_eps": float(opt.get("adam_eps", 1e-8)),
+        "adam_betas": (float(opt.get("adam_beta1", 0.9)), float(opt.get("adam_beta2", 0.95))),
+    }
+    if run.zero_stage != 0:
+        # ZeRO-1 only shards optimizer state (same updates); Nanotron's ZeRO optimizer is not exercised over gloo.
+        notes.append(f"optimizer.zero_stage={run.zero_stage} ignored: the CPU trainer keeps full optimizer "
+                     "state on every DP replica (same updates, no sharding)")
+    if run.accumulate_grad_in_fp32:
+        notes.append("optimizer.accumulate_grad_in_fp32 ignored: Nanotron's fp32 accumulator is CUDA-only and "
+                     "the CPU trainer's parameters are fp32 already")
+    if run.dtype != "float32":
+        notes.append(f"model.dtype={run.dtype} ignored: the CPU trainer computes in float32")
+    clip = opt.get("clip_grad")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
+    init_std = float((_get(raw, "model.init_method", {}) or {}).get("std", 0.02))
+
+    windows = load_packed_windows(files, run.sequence_length)
+    PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
+    return TrainSettings(
+        cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
+        model_config=model_config, parallel_config=parallel_config, optimizer=optimizer,
+        lr_schedule=lr_schedule, clip_grad=None if clip is None else float(clip), init_std=init_std,
+        data_files=files, windows=windows, notes=notes,
+    )
+
+
+def _plan_failure(plan: Plan) -> str:
+    # Same wording as integration.plan_for_model, which raises it again if the built model disagrees.
+    return (
+        f"nanotron_ext: the {plan.strategy!r} plan for pp={plan.pp} cannot train; nothing was allocated.\n"
+        + plan.table() + "\n" + "\n".join(str(f) for f in plan.findings if f.severity == "error")
+    )
+
+
+def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
+    """``(world_size, rank)`` from torchrun's variables; a 1-process run may go without torchrun."""
+    r = cfg.run
+    shape = f"dp×pp×tp = {r.dp}×{r.pp}×{r.tp} = {needed}"
+    if not any(k in os.environ for k in _TORCHRUN_ENV):
+        if needed != 1:
+            raise ConfigError(
+                f"{cfg.source} asks for {shape} processes; launch them with torchrun: "
+                f"`torchrun --nproc_per_node={needed} -m nanotron_ext.cli train --config-file {cfg.source}`"
+            )
+        # A single process needs no launcher: stand in for torchrun's rendezvous variables.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise ConfigError(f"torchrun environment incomplete: {', '.join(missing)} not set; launch with torchrun")
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world_size != needed:
+        raise ConfigError(
+            f"WORLD_SIZE={world_size} but {cfg.source} asks for {shape} processes: launch "
+            f"`torchrun --nproc_per_node={needed} ...`, or change parallelism.dp/pp/tp so that their product "
+            f"is {world_size}"
+        )
+    return world_size, rank
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(raw: dict[str, Any], dotted: str, default: Any) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or node.get(part) is None:
+            return default
+        node = node[part]
+    return node
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+class _ClipThenStep:
+    """Stands in for the optimizer on *every* rank so the gradient norm is logged where it is computed.
+
+    ``train_step`` calls ``step()`` on every rank that has an optimizer object; this one exists everywhere,
+    so Nanotron's global-norm all-reduce (over the model-parallel group) is joined by every rank, frozen
+    ones included, and each rank records the same norm. Clipping here instead of inside ``train_step``
+    changes nothing: the loss is computed from the forward pass, and the gradients are clipped before the
+    update either way.
+    """
+
+    def __init__(self, model: Any, ctx: Any, optimizer: Any | None, clip_grad: float | None) -> None:
+        self.model, self.ctx, self.optimizer = model, ctx, optimizer
+        self.max_norm = clip_grad if clip_grad is not None else math.inf  # inf: measure, never scale
+        self.norms: list[float] = []
+
+    def step(self) -> None:
+        from nanotron_ext.runtime.engine import _clip_gradients  # the CPU-safe clipping train_step uses
+
+        self.norms.append(float(_clip_gradients(self.model, self.ctx, self.max_norm)))
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+
+def _lr_schedule(schedule: Any, total_steps: int) -> Callable[[int], float]:
+    """``lr(step)`` of Nanotron's schedule, on every rank, frozen ones (no optimizer) included.
+
+    Nanotron's ``lr_scheduler_builder`` hides the formula in a closure; build it on a one-weight probe
+    optimizer (never stepped) and read the factor back, rather than copy the formula.
+    """
+    import torch
+    from nanotron.helpers import lr_scheduler_builder
+
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=schedule.learning_rate)
+
+    class _Named:  # lr_scheduler_builder wants Nanotron's optimizer interface
+        @staticmethod
+        def get_base_optimizer() -> torch.optim.Optimizer:
+            return probe
+
+    factor = lr_scheduler_builder(_Named(), schedule, total_steps).lr_lambdas[0]
+    return lambda step: float(schedule.learning_rate * factor(step))
+
+
+def _checksums(model: Any) -> dict[str, dict[str, Any]]:
+    """SHA-256 of every local parameter's bytes (bit-identical ⇔ equal hashes)."""
+    out = {}
+    for name, param in model.named_parameters():
+        data = param.detach().contiguous().cpu().numpy().tobytes()
+        out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "trainable": bool(param.requires_grad),
+                     "numel": int(param.numel())}
+    return out
+
+
+def run_training(
+    config_file: str | Path,
+    *,
+    cost_strategy: str | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    metrics_out: str | Path | None = None,
+    plan_out: str | Path | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Train on this rank; collective, so every rank of the world must call it.
+
+    Args:
+        config_file: Nanotron YAML with our keys.
+        cost_strategy: overrides the YAML's strategy.
+        steps: overrides ``tokens.train_steps``.
+        seed: overrides ``general.seed`` and ``data.seed``.
+        metrics_out: JSON file rank 0 writes (see module docstring).
+        plan_out: JSON file rank 0 writes with the plan the model was built with.
+        progress: show a tqdm bar on rank 0; default: when stderr is a terminal.
+
+    Returns:
+        The metrics dict: losses, gradient norms and the per-rank table are the same on every rank; step
+        times and tokens/s are this rank's own.
+
+    Raises:
+        ConfigError / PlanningError: from :func:`preflight` (before any process group).
+        PipelineValidationError: some rank would have no gradient (raised on every rank).
+    """
+    settings = preflight(config_file, cost_strategy=cost_strategy, steps=steps, seed=seed)
+    ctx = None
+    try:
+        import torch
+
+        from nanotron_ext.runtime import GlooParallelContext
+
+        run = settings.cfg.run
+        ctx = GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
+                                  data_parallel_size=run.dp)
+        torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
+        metrics = _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
+        ctx.destroy()
+        ctx = None
+        return metrics
+    finally:
+        if ctx is not None:
+            # Failing: do not wait in a barrier for ranks that may have died.
+            ctx.destroy(barrier=False)
+
+
+def _train(
+    s: TrainSettings,
+    ctx: Any,
+    *,
+    metrics_out: str | Path | None,
+    plan_out: str | Path | None,
+    progress: bool | None,
+) -> dict[str, Any]:
+    """Build, freeze, validate, wrap and train on an existing context; rank 0 prints and writes files."""
+    import torch
+    from nanotron import distributed as dist
+    from nanotron.helpers import lr_scheduler_builder
+    from nanotron.parallel.parameters import sanity_check
+
+    from nanotron_ext import integration
+    from nanotron_ext.runtime import (
+        CPULlamaForTraining,
+        build_optimizer,
+        init_weights,
+        make_micro_batch,
+        mark_tied_parameters,
+        pipeline_blocks,
+        train_step,
+        wrap_ddp,
+    )
+
+    cfg, run = s.cfg, s.cfg.run
+    is_main = s.rank == 0
+    model = integration.build_model(
+        lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
+                                    projector=cfg.ext.projector),
+        ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
+    )
+    plan: Plan = model.nanotron_ext_plan
+    if plan.block_ranks != s.plan.block_ranks:  # the config inventory and the model must agree exactly
+        raise PlanningError(f"the built model's plan {list(plan.block_ranks)} differs from the config's "
+                            f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree")
+    mark_tied_parameters(model, ctx, s.parallel_config)
+    sanity_check(root_module=model)
+    init_weights(model, ctx, std=s.init_std)
+    integration.apply_freeze_to_model(model, cfg)
+    rank_rows = integration.check_every_rank_trains(model, ctx, allow_frozen_stages=cfg.ext.allow_frozen_stages)
+    before = _checksums(model) if metrics_out else {}
+
+    model = wrap_ddp(model, ctx)
+    unwrapped = getattr(model, "module", model)
+    opt = s.optimizer
+    optimizer, grad_accumulator = build_optimizer(
+        model, ctx, learning_rate=opt["learning_rate"], weight_decay=opt["weight_decay"], adam_eps=opt["adam_eps"],
+        adam_betas=opt["adam_betas"],
+    )
+    scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
+    lr_at = _lr_schedule(s.lr_schedule, s.steps)
+    stepper = _ClipThenStep(unwrapped, ctx, optimizer, s.clip_grad)
+
+    dp_rank = dist.get_rank(ctx.dp_pg)
+    data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dp_rank, dp_size=run.dp, seed=s.data_seed)
+
+    def micro_batches() -> Iterator[dict[str, Any]]:
+        for input_ids, label_ids in data:
+            yield make_micro_batch(model, ctx, input_ids=input_ids, label_ids=label_ids)
+
+    block_map = {name: int(block.rank) for name, block in pipeline_blocks(unwrapped)}
+    if is_main:
+        _print_header(s, plan)
+
+    bar = None
+    if is_main and (progress if progress is not None else sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        bar = tqdm(total=s.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    losses, times, lrs = [], [], []
+    stream = micro_batches()
+    for step in range(1, s.steps + 1):
+        lr = lr_at(step - 1)
+        start = time.perf_counter()
+        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, stepper,
+                          grad_accumulator=grad_accumulator, clip_grad=None, lr_scheduler=scheduler)
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        times.append(elapsed)
+        lrs.append(lr)
+        if not math.isfinite(loss):
+            raise NanotronExtError(f"loss is {loss} at step {step}; lower the learning rate")  # same on all ranks
+        if is_main:
+            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {stepper.norms[-1]:.3g}"
+                    f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s")
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.tokens_per_step / elapsed:,.0f}")
+                bar.update(1)
+                bar.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
+    if bar is not None:
+        bar.close()
+
+    after = _checksums(unwrapped) if metrics_out else {}
+    local = {
+        "world_rank": s.rank,
+        "losses": losses,
+        "grad_norms": stepper.norms,
+        "step_times_s": times,
+        "has_optimizer": optimizer is not None,
+        "is_ddp": model is not unwrapped,
+        "checksums": {n: {**before[n], "sha256_after": after[n]["sha256"]} for n in before},
+    }
+    gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
+    dist.all_gather_object(gathered, local, group=ctx.world_pg)
+    per_rank = []
+    for row, g in zip(rank_rows, gathered):
+        per_rank.append({**row, **{k: v for k, v in g.items() if k != "world_rank"}})
+
+    steady = times[1:] or times  # step 1 pays one-off costs (allocations, first P2P handshakes)
+    metrics = {
+        "config": str(cfg.source),
+        "strategy": plan.strategy,
+        "engine": run.engine,
+        "dp": run.dp, "pp": run.pp, "tp": run.tp,
+        "n_micro_batches": run.n_micro_batches,
+        "micro_batch_size": run.micro_batch_size,
+        "sequence_length": run.sequence_length,
+        "steps": s.steps,
+        "seed": s.seed,
+        "data_seed": s.data_seed,
+        "data_files": [str(f) for f in s.data_files],
+        "tokens_per_step": s.tokens_per_step,
+        "losses": losses,
+        "grad_norms": stepper.norms,
+        "learning_rates": lrs,
+        "step_times_s": times,
+        "tokens_per_s": [s.tokens_per_step / t for t in times],
+        "mean_tokens_per_s": s.tokens_per_step * len(steady) / sum(steady),
+        "block_names": list(block_map),
+        "block_ranks": list(block_map.values()),
+        "block_to_rank": block_map,
+        "ranks": per_rank,
+    }
+    if is_main:
+        print(_summary(metrics), flush=True)
+        if metrics_out:
+            _write_json(metrics_out, metrics)
+        if plan_out:
+            _write_json(plan_out, plan.to_dict())
+    return metrics
+
+
+def _write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _print_header(s: TrainSettings, plan: Plan) -> None:
+    r = s.cfg.run
+    files = ", ".join(f.name for f in s.data_files)
+    print(
+        f"nanotron-ext train: {s.cfg.source}\n"
+        f"  world {s.world_size} = dp {r.dp} × pp {r.pp} × tp {r.tp} | engine {r.engine} | {r.n_micro_batches} "
+        f"micro-batches × {r.micro_batch_size} × {r.sequence_length} tokens | strategy {plan.strategy} | "
+        f"{s.steps} steps | seed {s.seed}\n"
+        f"  data: {files} ({human_count(s.windows.size)} tokens, {len(s.windows)} windows), byte tokenizer\n",
+        flush=True,
+    )
+    print(plan.table())
+    print(f"\nblock -> stage: {list(plan.block_ranks)}")
+    for finding in plan.findings:
+        print(finding)
+    for note in s.notes:
+        print(f"note: {note}")
+    print(flush=True)
+
+
+def _summary(m: dict[str, Any]) -> str:
+    losses, times = m["losses"], m["step_times_s"]
+    k = min(3, len(losses))
+    rows = [
+        ["steps", m["steps"]],
+        [f"loss, first {k} steps (mean)", f"{sum(losses[:k]) / k:.4f}"],
+        [f"loss, last {k} steps (mean)", f"{sum(losses[-k:]) / k:.4f}"],
+        ["final loss", f"{losses[-1]:.4f}"],
+        ["mean step time (after step 1)", f"{1e3 * sum(times[1:] or times) / len(times[1:] or times):.0f} ms"],
+        ["tokens per step", m["tokens_per_step"]],
+        ["tokens/s (after step 1)", f"{m['mean_tokens_per_s']:,.0f}"],
+    ]
+    ranks = [
+        [r["world_rank"], r["pp_rank"], r["dp_rank"], r["tp_rank"], _blocks_label(r["blocks"]),
+         human_count(r["params"]), human_count(r["trainable"]), "yes" if r["has_optimizer"] else "no (frozen)",
+         "yes" if r["is_ddp"] else "no"]
+        for r in m["ranks"]
+    ]
+    return (
+        "\nsummary\n" + table(["metric", "value"], rows) + "\n\n"
+        + table(["world", "pp", "dp", "tp", "blocks", "params", "trainable", "optimizer", "DDP"], ranks)
+    )
+
+
+def _blocks_label(names: list[str]) -> str:
+    from nanotron_ext.inventory import role_of
+    from nanotron_ext.report import compact_names
+
+    return compact_names([f"decoder.{n.rsplit('.', 1)[-1]}" if role_of(n) == "decoder" else role_of(n)
+                          for n in names])

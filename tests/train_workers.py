@@ -1,0 +1,299 @@
+"""Helpers for the trainer tests: run ``nanotron-ext train`` as real processes, write YAML variants, and the
+functions that spawned ranks run for ``test_integration.py``.
+
+Two launchers:
+
+* :func:`launch_ranks` starts one ``python -m nanotron_ext.cli train`` process per rank with torchrun's
+  environment variables and keeps each rank's stdout/stderr apart, so a test can check that *every* rank
+  printed its error (torchrun itself stops the other workers as soon as one fails, which can cut a slower
+  rank's message short);
+* :func:`torchrun` runs the documented command, ``torchrun --standalone --nproc_per_node=N -m
+  nanotron_ext.cli train ...``.
+
+Both have a hard timeout: a rank that hangs is killed and reported, never waited on forever. Kept free of
+pytest imports: spawned ranks load this file by path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
+
+
+@dataclass
+class RankRun:
+    """One rank's process: exit code (None if killed at the deadline) and its output."""
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+@dataclass
+class Launch:
+    """A whole launch: every rank, the wall time, and rank 0's metrics/plan files if asked for."""
+
+    ranks: list[RankRun]
+    elapsed_s: float
+    metrics: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.returncode == 0 for r in self.ranks)
+
+    def describe(self) -> str:
+        """Every rank's exit code and output tail, for assertion messages."""
+        parts = []
+        for r in self.ranks:
+            tail = "\n".join((r.stdout + "\n" + r.stderr).strip().splitlines()[-30:])
+            parts.append(f"--- rank {r.rank}: returncode={r.returncode} timed_out={r.timed_out}\n{tail}")
+        return "\n".join(parts)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    # Each process runs in its own session: its process group is its pid, so only it and its children die.
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _with_outputs(args: list[str], out_dir: Path) -> tuple[list[str], Path, Path]:
+    metrics, plan = out_dir / "metrics.json", out_dir / "plan.json"
+    return [*args, "--metrics-out", str(metrics), "--plan-out", str(plan)], metrics, plan
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def launch_ranks(
+    args: list[str],
+    world_size: int,
+    *,
+    timeout: float = 60.0,
+    torchrun_env: bool = True,
+    outputs: bool = True,
+) -> Launch:
+    """Run ``python -m nanotron_ext.cli train *args`` as ``world_size`` ranks (torchrun's environment).
+
+    Args:
+        args: arguments after ``train``.
+        world_size: number of rank processes.
+        timeout: wall-clock limit for the whole launch; ranks still running then are killed.
+        torchrun_env: set RANK/WORLD_SIZE/MASTER_*; False runs one bare process (no launcher at all).
+        outputs: add ``--metrics-out``/``--plan-out`` in a temporary folder and read them back.
+
+    Returns:
+        Every rank's outcome, and rank 0's metrics and plan when written.
+    """
+    with tempfile.TemporaryDirectory(prefix="nanotron_ext_train_") as tmp:
+        tmp_path = Path(tmp)
+        argv, metrics_path, plan_path = _with_outputs(args, tmp_path) if outputs else (args, None, None)
+        port = str(free_port())
+        procs, files = [], []
+        start = time.monotonic()
+        for rank in range(world_size):
+            extra = {}
+            if torchrun_env:
+                extra = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            out = open(tmp_path / f"rank{rank}.out", "w+")  # closed below
+            err = open(tmp_path / f"rank{rank}.err", "w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "nanotron_ext.cli", "train", *argv],
+                env=_env(extra), cwd=str(REPO_ROOT), stdout=out, stderr=err, start_new_session=True,
+            ))
+        deadline = start + timeout
+        timed_out: set[int] = set()
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() >= deadline:
+                    for rank, proc in enumerate(procs):
+                        if proc.poll() is None:
+                            timed_out.add(rank)
+                            _kill(proc)
+                    break
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                _kill(proc)
+        elapsed = time.monotonic() - start
+        ranks = []
+        for rank, (proc, (out, err)) in enumerate(zip(procs, files)):
+            out.seek(0)
+            err.seek(0)
+            ranks.append(RankRun(rank, None if rank in timed_out else proc.returncode, out.read(), err.read(),
+                                 rank in timed_out))
+            out.close()
+            err.close()
+        return Launch(ranks, elapsed,
+                      _read_json(metrics_path) if metrics_path else None,
+                      _read_json(plan_path) if plan_path else None)
+
+
+def torchrun(args: list[str], nproc: int, *, timeout: float = 90.0) -> Launch:
+    """The documented command: ``torchrun --standalone --nproc_per_node=N -m nanotron_ext.cli train *args``.
+
+    Returns:
+        A :class:`Launch` with a single entry holding torchrun's own exit code and (merged) output.
+    """
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    with tempfile.TemporaryDirectory(prefix="nanotron_ext_torchrun_") as tmp:
+        argv, metrics_path, plan_path = _with_outputs(args, Path(tmp))
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron_ext.cli", "train", *argv],
+            env=_env(), cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            stdout, stderr = proc.communicate()
+            timed_out = True
+        return Launch([RankRun(0, None if timed_out else proc.returncode, stdout, stderr, timed_out)],
+                      time.monotonic() - start, _read_json(metrics_path), _read_json(plan_path))
+
+
+def _deep_update(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def write_config(path: Path, changes: dict[str, Any] | None = None) -> Path:
+    """A copy of the bundled tiny large-vocab YAML with ``changes`` merged in (nested dicts merge)."""
+    import yaml
+
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    path.write_text(yaml.safe_dump(_deep_update(copy.deepcopy(raw), copy.deepcopy(changes or {}))))
+    return path
+
+
+def constant_lr(lr: float) -> dict[str, Any]:
+    """YAML changes for a constant learning rate (no warm-up, no decay)."""
+    return {"optimizer": {"learning_rate_scheduler": {
+        "learning_rate": lr, "lr_warmup_steps": 0, "lr_warmup_style": "constant", "min_decay_lr": lr}}}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Functions spawned ranks run (tests/runtime/spawn.py loads this file by path in each rank).
+
+
+def _planner_config(changes: dict[str, Any] | None = None):
+    import yaml
+
+    from nanotron_ext.config import config_from_dict
+
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    return config_from_dict(_deep_update(raw, copy.deepcopy(changes or {})), source="tiny")
+
+
+def _llama_config(cfg):
+    from nanotron.config import LlamaConfig
+
+    return LlamaConfig(**{**cfg.nanotron["model"]["model_config"], "vocab_size": cfg.model.vocab_size})
+
+
+def _inventory_rows(blocks) -> list[dict[str, Any]]:
+    return [{"name": b.name, "role": b.role, "params": b.params, "trainable": b.trainable,
+             "parameters": [(p.name, p.numel, p.trainable) for p in b.parameters]} for b in blocks]
+
+
+def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """In a 2-rank world (pp=2): the runtime validator on Nanotron's greedy split, ``patch_nanotron`` driving
+    Nanotron's own ``build_model`` call, and model-vs-config inventories for each config variant."""
+    import torch
+    from nanotron.models import base as nanotron_base
+
+    from nanotron_ext import integration
+    from nanotron_ext.inventory import inventory_from_config, inventory_from_model
+    from nanotron_ext.runtime import CPULlamaForTraining, GlooParallelContext, assign_blocks, pipeline_blocks
+
+    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
+    out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
+    try:
+        cfg = _planner_config()
+        config = _llama_config(cfg)
+
+        def builder(projector: bool = False, llama=config):
+            return CPULlamaForTraining(config=llama, parallel_context=ctx, parallel_config=None, projector=projector)
+
+        # 1. Nanotron's greedy ranks: every weight on PP rank 0. The collective check must fail on both ranks.
+        greedy = assign_blocks(builder(), ctx, [0, 0, 0, 0, 0, 1, 1])
+        try:
+            integration.check_every_rank_trains(greedy, ctx)
+            out["validator"] = None
+        except integration.PipelineValidationError as exc:
+            out["validator"] = str(exc)
+        out["validator_allowed_rows"] = integration.check_every_rank_trains(greedy, ctx, allow_frozen_stages=True)
+
+        # 2. patch_nanotron: Nanotron's own build_model call now places blocks with our plan.
+        original = nanotron_base.build_model
+        undo = integration.patch_nanotron(cfg)
+        out["patched_is_ours"] = nanotron_base.build_model is integration.build_model
+        try:
+            model = nanotron_base.build_model(model_builder=builder, parallel_context=ctx, dtype=torch.float32,
+                                              device=torch.device("cpu"))
+        finally:
+            undo()
+        out["restored"] = nanotron_base.build_model is original
+        out["patched_ranks"] = [block.rank for _, block in pipeline_blocks(model)]
+        out["patched_plan_ranks"] = list(model.nanotron_ext_plan.block_ranks)
+        out["patched_local_params"] = sum(p.numel() for p in model.parameters())
+
+        # 3. inventory_from_model (blocks built on meta) vs inventory_from_config, per variant.
+        out["inventories"] = {}
+        for name, changes in variants.items():
+            vcfg = _planner_config(changes)
+            unbuilt = builder(projector=vcfg.ext.projector, llama=_llama_config(vcfg))
+            out["inventories"][name] = {
+                "model": _inventory_rows(inventory_from_model(unbuilt, vcfg)),
+                "config": _inventory_rows(inventory_from_config(vcfg)),
+                "allocated": sum(p.numel() for p in unbuilt.parameters()),
+            }
+        return out
+    finally:
+        ctx.destroy()
