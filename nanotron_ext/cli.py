@@ -20,7 +20,7 @@ from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import Plan, make_plan
 from nanotron_ext.report import human_count, table
-from nanotron_ext.strategies import available_strategies
+from nanotron_ext.strategies import available_strategies, comparable_strategies
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
@@ -105,7 +105,7 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks) -> str | None:
 
 def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
     rows, out, selected_ok = [], [], False
-    for name in available_strategies():
+    for name in comparable_strategies(cfg.ext.cost_strategy):
         try:
             plan = make_plan(blocks, cfg, name)
         except NanotronExtError as exc:

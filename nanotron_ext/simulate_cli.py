@@ -32,7 +32,7 @@ from nanotron_ext.inventory import BlockInfo, inventory_from_config
 from nanotron_ext.plan import Plan, make_plan
 from nanotron_ext.report import table
 from nanotron_ext.simulate import SimResult, StageTimes, ideal_bubble_fraction, simulate
-from nanotron_ext.strategies import available_strategies
+from nanotron_ext.strategies import comparable_strategies
 
 #: Default throughput, TFLOP/s: roughly what a bf16 training run achieves on one H100 (about 40 % of its
 #: 989 TFLOP/s dense peak). Only ratios between splits matter for comparisons; absolute times scale with it.
@@ -315,7 +315,7 @@ def _compare(
     cfg: PlannerConfig, blocks: Sequence[BlockInfo], rate: float, bandwidth: float | None
 ) -> tuple[list[list[object]], dict[str, list[float]], list[dict[str, Any]]]:
     runs: list[tuple[str, Plan | None, SimResult | None, str]] = []
-    for name in available_strategies():
+    for name in comparable_strategies(cfg.ext.cost_strategy):
         try:
             plan = make_plan(blocks, cfg, name)
         except NanotronExtError as exc:

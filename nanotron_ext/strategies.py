@@ -81,6 +81,15 @@ def available_strategies() -> list[str]:
     return list(_REGISTRY)
 
 
+#: Strategies that time blocks on this machine: left out of side-by-side comparisons unless asked for.
+MEASURING = frozenset({"profiled"})
+
+
+def comparable_strategies(selected: str | None = None) -> list[str]:
+    """Registered strategies for a side-by-side table: every analytic one, plus ``selected``."""
+    return [n for n in available_strategies() if n not in MEASURING or n == selected]
+
+
 def get_strategy(name: str) -> Strategy:
     """A strategy by registered name or ``package.module:attr``.
 
@@ -278,3 +287,7 @@ class Layout:
         if max(ranks) + 1 != cfg.run.pp:
             raise ConfigError(f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}")
         return Assignment(ranks, training_flops(blocks), "FLOPs")
+
+
+# Registers "profiled" (imported last: it builds on the names above).
+from nanotron_ext import profiled as _profiled  # noqa: E402,F401

@@ -197,17 +197,26 @@ def _sync_dp_gradients_manually(model: NanotronModel, parallel_context: Parallel
 
 def _clip_gradients(model: NanotronModel, parallel_context: ParallelContext, max_norm: float) -> torch.Tensor:
     named_parameters = [(n, p) for n, p in model.get_named_params_with_correct_tied() if p.requires_grad]
-    if len(named_parameters) > 0:
+    world_rank = dist.get_rank()
+    # clip_grad_norm counts a tied weight only on the first rank of its tie; a rank whose trainable weights are
+    # all tied copies owned elsewhere (a tied lm_head alone on the last stage) has no gradient of its own there
+    # and would allocate torch.zeros(device="cuda").
+    if any(not p.is_tied or p.get_tied_info().global_ranks[0] == world_rank for _, p in named_parameters):
         return clip_grad_norm(
             mp_pg=parallel_context.mp_pg,
             named_parameters=named_parameters,
             max_norm=max_norm,
             grad_accumulator=None,
         )
-    # Nanotron's clip_grad_norm would allocate torch.zeros(device="cuda") here; join its all-reduce from CPU.
+    # Join clip_grad_norm's all-reduce from CPU with a zero, then scale this rank's gradients as it does.
     total_norm = torch.zeros([], dtype=torch.float)
     dist.all_reduce(total_norm, group=parallel_context.mp_pg, op=dist.ReduceOp.SUM)
-    return total_norm.pow_(0.5)
+    total_norm.pow_(0.5)
+    clip_coef = torch.clamp(max_norm / (total_norm + 1.0e-6), max=1.0)
+    for _, param in named_parameters:
+        if param.grad is not None:
+            param.grad.detach().mul_(clip_coef)
+    return total_norm
 
 
 def train_step(

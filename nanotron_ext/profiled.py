@@ -1,0 +1,463 @@
+"""The ``profiled`` cost strategy: each block's forward and backward time, measured on this machine.
+
+Analytic FLOPs miss what real kernels do: a thin ``[t, h] × [h, V]`` lm_head is memory-bound, attention and
+the loss are slower per FLOP than large matmuls, the embedding's backward fills a dense ``V × h`` gradient.
+``profiled`` builds each block's module standalone (the CPU Llama modules of
+:mod:`nanotron_ext.runtime.llama`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
+inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
+hidden]`` layout), and times forward and backward separately: a few warm-up runs, then the median of
+``repeats``. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
+only asks for a gradient when some block before it is trainable, so a frozen prefix costs forward only
+(the same rule as :func:`nanotron_ext.costs.training_flops`).
+
+Timings are cached on disk as one small JSON file per measurement, keyed by a hash of everything a block's
+time depends on (model shape, batch shape, dtype, torch version, device, thread count, block role, which
+parameters train, whether the input needs a gradient); identical decoder layers share one key and are
+measured once. The cache lives in ``nanotron_ext.profile_cache`` or ``~/.cache/nanotron_ext``.
+
+In a distributed run only global rank 0 measures; the timings are broadcast, so every rank computes the same
+plan even when their machines (or their load) differ. Without a process group it measures locally.
+
+Limitations: blocks are measured unsharded (tensor-parallel size 1): with ``tp > 1`` every matmul block
+shrinks about alike, so the split stays balanced, but TP communication is not measured. Measurement runs
+on CUDA when it is available, otherwise on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import BlockInfo
+from nanotron_ext.strategies import Assignment, optimal_assignment, register_strategy
+
+if TYPE_CHECKING:
+    import torch
+    from nanotron.config import LlamaConfig
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "BlockTiming",
+    "Profiled",
+    "block_timings",
+    "cache_dir_for",
+    "llama_config_from_shape",
+    "measure_block",
+    "profile_blocks",
+    "profile_key",
+]
+
+#: Bump when the way blocks are measured changes, so that older cache entries are not reused.
+PROFILE_VERSION = 1
+DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
+DEFAULT_WARMUP = 2
+DEFAULT_REPEATS = 5
+MEASURABLE_ROLES = ("embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss")
+
+#: The clock every measurement reads (a module attribute so that tests can substitute a fake one).
+clock: Callable[[], float] = time.perf_counter
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    """Measured time of one block for one micro-batch, in seconds.
+
+    Attributes:
+        forward: median forward time.
+        backward: median backward time (0 when no gradient flows through the block).
+    """
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+# --- keys and cache ------------------------------------------------------------------------------------
+
+
+def _input_grads(blocks: Sequence[BlockInfo]) -> list[bool]:
+    # A block's input asks for a gradient only when something before it trains (autograd never asks for it
+    # otherwise); the same rule as costs.training_flops.
+    out, before = [], False
+    for b in blocks:
+        out.append(before)
+        before = before or b.trainable > 0
+    return out
+
+
+def _trainable_flags(block: BlockInfo) -> list[tuple[str, bool]]:
+    """``(local parameter name, trainable)`` pairs, names relative to the block's module."""
+    if not block.parameters:
+        return [("*", block.trainable > 0)] if block.params else []
+    marker = ".pp_block."
+    return sorted(
+        (p.name.split(marker, 1)[1] if marker in p.name else p.name, bool(p.trainable)) for p in block.parameters
+    )
+
+
+def _device() -> torch.device:
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def profile_key(block: BlockInfo, cfg: PlannerConfig, *, input_grad: bool) -> dict[str, Any]:
+    """Everything a block's measured time depends on, as a JSON-able dict (its hash is the cache key).
+
+    The layer count is left out (one decoder layer does not depend on how many there are), so is the block's
+    name: identical decoder layers share one key.
+
+    Args:
+        block: the block.
+        cfg: the config (model shape, batch shape, dtype).
+        input_grad: whether the block's input needs a gradient (something before it trains).
+
+    Returns:
+        The key's fields.
+    """
+    import torch
+
+    shape = dataclasses.asdict(cfg.model)
+    shape.pop("num_hidden_layers")
+    return {
+        "version": PROFILE_VERSION,
+        "role": block.role,
+        "params": block.params,
+        "model": shape,
+        "micro_batch_size": cfg.run.micro_batch_size,
+        "sequence_length": cfg.run.sequence_length,
+        "dtype": cfg.run.dtype,
+        "torch": torch.__version__,
+        "device": _device().type,
+        "threads": torch.get_num_threads(),
+        "trainable": _trainable_flags(block),
+        "input_grad": bool(input_grad),
+    }
+
+
+def _hash(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:32]
+
+
+def cache_dir_for(cfg: PlannerConfig) -> Path:
+    """The timing cache directory: ``nanotron_ext.profile_cache`` or ``~/.cache/nanotron_ext``."""
+    return Path(cfg.ext.profile_cache or DEFAULT_CACHE_DIR).expanduser()
+
+
+def _read_cache(path: Path) -> BlockTiming | None:
+    try:
+        data = json.loads(path.read_text())
+        timing = BlockTiming(float(data["forward"]), float(data["backward"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or corrupt entries are measured again
+    return timing if timing.forward >= 0 and timing.backward >= 0 else None
+
+
+def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a concurrent reader never sees half a file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"forward": timing.forward, "backward": timing.backward, "key": key}, f, indent=1)
+    os.replace(tmp, path)
+
+
+# --- building and measuring one block ------------------------------------------------------------------
+
+
+def llama_config_from_shape(cfg: PlannerConfig) -> LlamaConfig:
+    """Nanotron's ``LlamaConfig`` for the config's model shape (what ``build_cpu_llama`` takes)."""
+    from nanotron.config import LlamaConfig
+
+    m = cfg.model
+    return LlamaConfig(
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        vocab_size=m.vocab_size,
+        max_position_embeddings=max(m.max_position_embeddings, cfg.run.sequence_length),
+        tie_word_embeddings=m.tie_word_embeddings,
+        rms_norm_eps=m.rms_norm_eps,
+    )
+
+
+def _build_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any) -> Callable[..., Any]:
+    from nanotron.parallel.tensor_parallel.nn import TensorParallelColumnLinear, TensorParallelLinearMode
+
+    from nanotron_ext.runtime.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
+
+    lcfg = llama_config_from_shape(cfg)
+    role = block.role
+    if role == "embedding":
+        return Embedding(tp_pg=tp_pg, config=lcfg, parallel_config=None)
+    if role == "projector":
+        return Projector(lcfg.hidden_size)
+    if role == "decoder":
+        return LlamaDecoderLayer(config=lcfg, parallel_config=None, tp_pg=tp_pg, layer_idx=0)
+    if role == "final_norm":
+        return RMSNorm(lcfg.hidden_size, eps=lcfg.rms_norm_eps)
+    if role == "lm_head":
+        return TensorParallelColumnLinear(
+            lcfg.hidden_size, lcfg.vocab_size, pg=tp_pg, mode=TensorParallelLinearMode.ALL_REDUCE, bias=False
+        )
+    if role == "cast":
+        return lambda x: x.float()  # Nanotron's cast_to_fp32 builder, exactly
+    if role == "loss":
+        return Loss(tp_pg=tp_pg)
+    raise PlanningError(
+        f"the profiled strategy cannot build block {block.name} (role {role!r}); it measures the Llama blocks "
+        f"({', '.join(MEASURABLE_ROLES)}). Use cost_strategy: flops for other architectures"
+    )
+
+
+def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_grad: bool, gen: Any) -> dict:
+    import torch
+
+    b, s = cfg.run.micro_batch_size, cfg.run.sequence_length
+    h, v = cfg.model.hidden_size, cfg.model.vocab_size
+    mask = torch.ones(b, s, dtype=torch.bool, device=device)
+
+    def act(*shape: int, float_dtype: Any = dtype) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=float_dtype)
+        return x.requires_grad_(input_grad)
+
+    if role == "embedding":
+        return {"input_ids": torch.randint(0, v, (b, s), generator=gen).to(device), "input_mask": mask}
+    if role == "projector":
+        return {"input_embeds": act(s, b, h)}
+    if role == "decoder":
+        return {"hidden_states": act(s, b, h), "sequence_mask": mask}
+    if role == "final_norm":
+        return {"input": act(s, b, h)}
+    if role == "lm_head":
+        return {"x": act(s, b, h)}
+    if role == "cast":
+        return {"x": act(s, b, v)}
+    # loss: Nanotron's cast_to_fp32 hands it fp32 logits.
+    labels = torch.randint(0, v, (b, s), generator=gen).to(device)
+    return {"sharded_logits": act(s, b, v, float_dtype=torch.float32), "label_ids": labels, "label_mask": mask}
+
+
+def _outputs_needing_backward(out: Any) -> list[torch.Tensor]:
+    import torch
+
+    values = list(out.values()) if isinstance(out, dict) else [out]
+    # Only tensors with a graph behind them: the cast of an fp32 tensor returns its input, a leaf.
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_block(
+    block: BlockInfo,
+    cfg: PlannerConfig,
+    *,
+    input_grad: bool,
+    tp_pg: Any,
+    warmup: int = DEFAULT_WARMUP,
+    repeats: int = DEFAULT_REPEATS,
+    device: torch.device | None = None,
+) -> BlockTiming:
+    """Build one block's module standalone and time its forward and backward for one micro-batch.
+
+    Args:
+        block: the block (its role and which parameters train).
+        cfg: model and batch shape, dtype.
+        input_grad: whether the block's input needs a gradient.
+        tp_pg: a one-process group for Nanotron's tensor-parallel layers.
+        warmup: untimed runs first (allocator, kernel selection, caches).
+        repeats: timed runs; the median is kept.
+        device: where to run; CUDA when available, else CPU.
+
+    Returns:
+        Median forward and backward seconds.
+
+    Raises:
+        PlanningError: a block role that cannot be built standalone.
+        ConfigError: ``warmup < 0`` or ``repeats < 1``.
+    """
+    import torch
+
+    if warmup < 0 or repeats < 1:
+        raise ConfigError(f"profiling needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    device = device or _device()
+    dtype = getattr(torch, cfg.run.dtype)
+    module = _build_module(block, cfg, tp_pg)
+    if isinstance(module, torch.nn.Module):
+        module = module.to(device=device, dtype=dtype)
+        trainable = dict(_trainable_flags(block))
+        for name, param in module.named_parameters():
+            param.requires_grad_(trainable.get(name, trainable.get("*", block.trainable > 0)))
+    gen = torch.Generator().manual_seed(0)
+    forward, backward = [], []
+    for i in range(warmup + repeats):
+        inputs = _make_inputs(block.role, cfg, dtype, device, input_grad, gen)
+        _sync(device)
+        t0 = clock()
+        out = module(**inputs)
+        _sync(device)
+        t1 = clock()
+        tensors = _outputs_needing_backward(out)
+        t2 = t3 = 0.0
+        if tensors:
+            grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in tensors]
+            _sync(device)
+            t2 = clock()
+            torch.autograd.backward(tensors, grads)
+            _sync(device)
+            t3 = clock()
+        if i >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t3 - t2)
+        del out, tensors, inputs
+    # Weight gradients accumulate across repeats, as they do across micro-batches within a step.
+    return BlockTiming(max(0.0, statistics.median(forward)), max(0.0, statistics.median(backward)))
+
+
+# --- many blocks, cache, distributed -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _local_group() -> Iterator[Any]:
+    """A one-process gloo group when no process group exists; torn down afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("_local_group is only for processes without a process group")
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_blocks(
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    *,
+    tp_pg: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    warmup: int = DEFAULT_WARMUP,
+    repeats: int = DEFAULT_REPEATS,
+) -> list[BlockTiming]:
+    """Per-block timings on this process: from the cache where present, measured (and cached) otherwise.
+
+    Each distinct key (see :func:`profile_key`) is measured once, so identical decoder layers cost one
+    measurement.
+
+    Args:
+        blocks: the inventory, in forward order.
+        cfg: the config.
+        tp_pg: a one-process group to build tensor-parallel layers on; when None and nothing is initialised, a
+            temporary one is made.
+        cache_dir: overrides :func:`cache_dir_for`.
+        warmup: untimed runs per measurement.
+        repeats: timed runs per measurement.
+
+    Returns:
+        One :class:`BlockTiming` per block.
+    """
+    directory = Path(cache_dir).expanduser() if cache_dir is not None else cache_dir_for(cfg)
+    keys = [profile_key(b, cfg, input_grad=g) for b, g in zip(blocks, _input_grads(blocks))]
+    found: dict[str, BlockTiming] = {}
+    missing: dict[str, tuple[BlockInfo, dict[str, Any]]] = {}
+    for block, key in zip(blocks, keys):
+        digest = _hash(key)
+        if digest in found or digest in missing:
+            continue
+        cached = _read_cache(directory / f"{digest}.json")
+        if cached is not None:
+            found[digest] = cached
+        else:
+            missing[digest] = (block, key)
+    if missing:
+        # A group is only needed (and only made) when something must be measured.
+        group_cm = contextlib.nullcontext(tp_pg) if tp_pg is not None else _local_group()
+        with group_cm as group:
+            for digest, (block, key) in missing.items():
+                timing = measure_block(
+                    block, cfg, input_grad=key["input_grad"], tp_pg=group, warmup=warmup, repeats=repeats
+                )
+                found[digest] = timing
+                with contextlib.suppress(OSError):  # an unwritable cache only costs a re-measurement
+                    _write_cache(directory / f"{digest}.json", key, timing)
+    return [found[_hash(key)] for key in keys]
+
+
+def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: Any) -> list[BlockTiming]:
+    """Per-block timings that are identical on every rank.
+
+    With an initialised process group, global rank 0 measures (or reads its cache) and broadcasts the result;
+    every rank must call this (it is collective). Without one, this process measures.
+
+    Args:
+        blocks: the inventory.
+        cfg: the config.
+        **kwargs: passed to :func:`profile_blocks` on the measuring rank (``cache_dir``, ``warmup``, ``repeats``).
+
+    Returns:
+        One :class:`BlockTiming` per block.
+
+    Raises:
+        PlanningError: measuring failed (on every rank, with rank 0's reason).
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:  # the planner core itself does not need torch
+        raise PlanningError(f"the profiled strategy needs torch and nanotron installed: {exc}") from exc
+    if not dist.is_initialized():
+        return profile_blocks(blocks, cfg, **kwargs)
+    # Every rank joins the group's creation (torch requires it); only rank 0 uses it. gloo, because the blocks
+    # may be measured on CPU whatever the default backend is.
+    group = dist.new_group(ranks=[0], backend="gloo")
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            timings = profile_blocks(blocks, cfg, tp_pg=group, **kwargs)
+            payload[0] = {"ok": [(t.forward, t.backward) for t in timings]}
+        except Exception as exc:  # every rank must leave the broadcast, and raise the same error
+            payload[0] = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.broadcast_object_list(payload, src=0)
+    result = payload[0]
+    if "error" in result:
+        raise PlanningError(f"profiling on global rank 0 failed: {result['error']}")
+    return [BlockTiming(f, b) for f, b in result["ok"]]
+
+
+@register_strategy("profiled")
+class Profiled:
+    """Measured forward + backward seconds per block (rank 0 measures, every rank plans), optimal split.
+
+    Every stage gets a block with parameters, and a trainable block whenever the model has ``pp`` of them.
+    """
+
+    name = "profiled"
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        timings = block_timings(blocks, cfg)
+        n_trainable = sum(b.trainable > 0 for b in blocks)
+        return optimal_assignment(
+            blocks, cfg, [t.total for t in timings], "seconds", trainable_per_stage=n_trainable >= cfg.run.pp
+        )

@@ -1,0 +1,154 @@
+"""The ``profiled`` strategy: measured per-block times, the on-disk cache, and one plan for every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import timing_workers
+from runtime.spawn import run_distributed
+
+from nanotron_ext import profiled
+from nanotron_ext.cli import bundled_config
+from nanotron_ext.config import load_config
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.plan import make_plan
+from nanotron_ext.strategies import available_strategies
+
+FAST = {"warmup": 1, "repeats": 3}
+
+
+def _tiny(cache: Path, **ext):
+    cfg = load_config(bundled_config()).with_overrides(profile_cache=str(cache), **ext)
+    return cfg, inventory_from_config(cfg)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the blocks ``measure_block`` is called for."""
+    calls: list[str] = []
+    real = profiled.measure_block
+
+    def measure(block, cfg, **kwargs):
+        calls.append(block.short)
+        return real(block, cfg, **kwargs)
+
+    monkeypatch.setattr(profiled, "measure_block", measure)
+    return calls
+
+
+def test_registered() -> None:
+    assert "profiled" in available_strategies()
+
+
+def test_cache_hit_does_not_measure_again(tmp_path: Path, counted: list[str]) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    first = profiled.profile_blocks(blocks, cfg, **FAST)
+    # Both decoder layers share one key: measured once.
+    assert counted == ["embedding", "decoder.0", "final_norm", "lm_head", "cast", "loss"]
+    assert len(list(tmp_path.glob("*.json"))) == 6
+    counted.clear()
+    assert profiled.profile_blocks(blocks, cfg, **FAST) == first
+    assert counted == []
+    # The strategy reads the same cache.
+    assert make_plan(blocks, cfg, "profiled").block_costs == tuple(t.total for t in first)
+    assert counted == []
+
+
+def test_cache_misses_on_a_different_key(tmp_path: Path, counted: list[str]) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    profiled.profile_blocks(blocks, cfg, **FAST)
+    counted.clear()
+    # Freezing the embedding changes its trainable flags and what the decoder must send back (no input
+    # gradient any more for decoder.0): exactly those keys are measured again.
+    frozen_cfg, frozen_blocks = _tiny(tmp_path, freeze={"modules": ["embedding"]})
+    profiled.profile_blocks(frozen_blocks, frozen_cfg, **FAST)
+    assert counted == ["embedding", "decoder.0"]
+    # A corrupt entry is measured again, not trusted.
+    counted.clear()
+    key = profiled.profile_key(blocks[4], cfg, input_grad=True)
+    path = tmp_path / f"{profiled._hash(key)}.json"
+    assert json.loads(path.read_text())["key"]["role"] == "lm_head"
+    path.write_text("{not json")
+    profiled.profile_blocks(blocks, cfg, **FAST)
+    assert counted == ["lm_head"]
+
+
+def test_keys() -> None:
+    cfg, blocks = _tiny(Path("/nonexistent"))
+    key = profiled.profile_key
+    assert key(blocks[1], cfg, input_grad=True) == key(blocks[2], cfg, input_grad=True)
+    assert key(blocks[1], cfg, input_grad=True) != key(blocks[1], cfg, input_grad=False)
+    assert key(blocks[1], cfg, input_grad=True)["role"] == "decoder"
+    longer = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sequence_length=64))
+    assert key(blocks[1], cfg, input_grad=True) != key(blocks[1], longer, input_grad=True)
+
+
+def test_timings_positive_and_lm_head_dominates(tmp_path: Path) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    timings = dict(zip((b.short for b in blocks), profiled.profile_blocks(blocks, cfg, **FAST)))
+    assert all(t.forward > 0 for t in timings.values()), timings
+    # Every block but the cast has a backward (the fp32 cast of fp32 logits returns its input).
+    assert all(t.backward > 0 for name, t in timings.items() if name != "cast"), timings
+    assert timings["cast"].backward == 0
+    # 50277-token vocabulary × hidden 16: the lm_head outweighs a decoder layer (4128 weights) by far (about 8x
+    # on an idle machine; only "more" is asserted so that a loaded CI box cannot flip it).
+    assert timings["lm_head"].total > timings["decoder.0"].total, timings
+
+
+def test_frozen_prefix_costs_forward_only(tmp_path: Path) -> None:
+    cfg, blocks = _tiny(tmp_path, freeze={"modules": ["*"], "unfreeze": ["lm_head"]})
+    timings = dict(zip((b.short for b in blocks), profiled.profile_blocks(blocks, cfg, **FAST)))
+    for name in ("embedding", "decoder.0", "decoder.1", "final_norm"):
+        assert timings[name].forward > 0 and timings[name].backward == 0, (name, timings[name])
+    assert timings["lm_head"].backward > 0  # weight gradient only
+    assert timings["loss"].backward > 0
+
+
+def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    # Per iteration the clock is read before/after forward and before/after backward.
+    forward, backward = [100.0, 3.0, 1.0, 2.0], [100.0, 6.0, 4.0, 5.0]  # first iteration is the warm-up
+    ticks = []
+    now = 0.0
+    for f, b in zip(forward, backward):
+        ticks += [now, now + f, now + f + 1, now + f + 1 + b]
+        now += f + b + 10
+    readings = iter(ticks)
+    monkeypatch.setattr(profiled, "clock", lambda: next(readings))
+    # The final norm needs no process group; its input and weight both want gradients, so backward runs.
+    timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=3)
+    assert (timing.forward, timing.backward) == (2.0, 5.0)
+
+
+def test_plan_is_valid(tmp_path: Path) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    plan = make_plan(blocks, cfg, "profiled")
+    assert plan.ok, plan.table()
+    assert plan.unit == "seconds"
+    # The measured lm_head + loss outweigh everything else, so they form stage 1 (with the cast).
+    assert plan.block_ranks == (0, 0, 0, 0, 1, 1, 1)
+
+
+def test_unbuildable_block_is_a_clear_error(tmp_path: Path) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    odd = [dataclasses.replace(b, role="other") if b.short == "final_norm" else b for b in blocks]
+    with pytest.raises(PlanningError, match="cannot build block model.final_layer_norm"):
+        profiled.profile_blocks(odd, cfg, **FAST)
+
+
+def test_same_plan_on_every_rank_when_one_rank_measures_differently(tmp_path: Path) -> None:
+    """Rank 1's own measurements are skewed (decoders 1000× slower); rank 0 measures and broadcasts."""
+    results = run_distributed(timing_workers.profiled_plan, 2, args=(str(tmp_path), 1), timeout=60)
+    r0, r1 = results
+    assert r0["plan_ranks"] == r1["plan_ranks"]
+    assert r0["plan_costs"] == r1["plan_costs"]
+    assert r0["plan_ok"] and r1["plan_ok"]
+    assert r0["measured_while_planning"] == 6 and r1["measured_while_planning"] == 0
+    # The test can fail: planning from its own measurements, rank 1 would choose another split.
+    assert r0["local_ranks"] == r0["plan_ranks"]
+    assert r1["local_ranks"] != r0["plan_ranks"]
+    assert not (tmp_path / "rank1").exists(), "only rank 0 touches the timing cache"
