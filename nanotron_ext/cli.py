@@ -95,9 +95,9 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks) -> str | None:
     ratio = constrained.slowest_flops / free.slowest_flops if free.slowest_flops else float("nan")
     lines.append(table(
         ["plan", "stages", "slowest stage (train FLOPs/mb)", "stages with trainable", "vs frozen-allowed"],
-        [["constrained", _stage_map(constrained), human_count(constrained.slowest_flops),
+        [["constrained", constrained.stage_map(), human_count(constrained.slowest_flops),
           sum(1 for s in constrained.stages if s.trainable), f"{ratio:.3f}x"],
-         ["optimum, frozen stages allowed", _stage_map(free), human_count(free.slowest_flops),
+         ["optimum, frozen stages allowed", free.stage_map(), human_count(free.slowest_flops),
           sum(1 for s in free.stages if s.trainable), "1.000x"]],
     ))
     return "\n".join(lines)
@@ -113,7 +113,7 @@ def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
             out.append({"strategy": name, "ok": False, "error": str(exc)})
             continue
         codes = ", ".join(f"{f.code}@{f.stage}" if f.stage is not None else f.code for f in plan.findings)
-        rows.append([name, _stage_map(plan), f"{plan.vs_optimum:.3f}x", f"{100 * plan.spread:.0f}%",
+        rows.append([name, plan.stage_map(), f"{plan.vs_optimum:.3f}x", f"{100 * plan.spread:.0f}%",
                      f"{100 * plan.bubble_estimate:.1f}%", human_count(min(s.trainable for s in plan.stages)),
                      ("OK" if plan.ok else "INVALID") + (f" ({codes})" if codes else "")])
         out.append(plan.to_dict())
@@ -132,15 +132,6 @@ def _first_line(exc: Exception, width: int = 72) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def _stage_map(plan: Plan) -> str:
-    """``0-4|5-6``: block index range of each stage."""
-    parts = []
-    for k in range(plan.pp):
-        idx = [i for i, r in enumerate(plan.block_ranks) if r == k]
-        parts.append("-" if not idx else (f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"))
-    return "|".join(parts)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron-ext", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,14 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
-    for extra in ("nanotron_ext.train", "nanotron_ext.simulate_cli"):
-        try:
-            module = __import__(extra, fromlist=["add_subcommand"])
-        except ModuleNotFoundError as exc:
-            if exc.name != extra:  # a real import error inside the module must surface
-                raise
-            continue
-        module.add_subcommand(sub)
+    # Imported here: both subcommands import this module for its config helpers.
+    from nanotron_ext import simulate_cli, train
+
+    train.add_subcommand(sub)
+    simulate_cli.add_subcommand(sub)
     return parser
 
 

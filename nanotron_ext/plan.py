@@ -96,6 +96,14 @@ class Plan:
         step = (m - 1) * max(loads) + total
         return 1.0 - m * total / (p * step) if step else 0.0
 
+    def stage_map(self) -> str:
+        """``0-4|5-6``: the block index range of each stage (``-`` for an empty one)."""
+        parts = []
+        for k in range(self.pp):
+            idx = [i for i, r in enumerate(self.block_ranks) if r == k]
+            parts.append("-" if not idx else (f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"))
+        return "|".join(parts)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(ok=self.ok, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,

@@ -148,15 +148,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e9:.3g} ns" if seconds else "0 s"
 
 
-def stage_map(plan: Plan) -> str:
-    """``0-4|5-6``: block index range of each stage."""
-    parts = []
-    for k in range(plan.pp):
-        idx = [i for i, r in enumerate(plan.block_ranks) if r == k]
-        parts.append("-" if not idx else (f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"))
-    return "|".join(parts)
-
-
 def stage_labels(plan: Plan, width: int = 34) -> list[str]:
     """``stage 0: embedding, decoder.0-2`` per stage, cut to ``width`` characters for plots."""
     out = []
@@ -344,7 +335,7 @@ def _compare(
         rows.append(
             [
                 name,
-                stage_map(plan),
+                plan.stage_map(),
                 _ms(max(per_stage)),
                 _ms(result.step_time),
                 f"{result.step_time / best:.3f}x" if best else "-",

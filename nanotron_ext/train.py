@@ -307,33 +307,6 @@ def _positive_int(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
-class _ClipThenStep:
-    """Stands in for the optimizer on *every* rank so the gradient norm is logged where it is computed.
-
-    ``train_step`` calls ``step()`` on every rank that has an optimizer object; this one exists everywhere,
-    so Nanotron's global-norm all-reduce (over the model-parallel group) is joined by every rank, frozen
-    ones included, and each rank records the same norm. Clipping here instead of inside ``train_step``
-    changes nothing: the loss is computed from the forward pass, and the gradients are clipped before the
-    update either way.
-    """
-
-    def __init__(self, model: Any, ctx: Any, optimizer: Any | None, clip_grad: float | None) -> None:
-        self.model, self.ctx, self.optimizer = model, ctx, optimizer
-        self.max_norm = clip_grad if clip_grad is not None else math.inf  # inf: measure, never scale
-        self.norms: list[float] = []
-
-    def step(self) -> None:
-        from nanotron_ext.runtime.engine import _clip_gradients  # the CPU-safe clipping train_step uses
-
-        self.norms.append(float(_clip_gradients(self.model, self.ctx, self.max_norm)))
-        if self.optimizer is not None:
-            self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
-
-
 def _lr_schedule(schedule: Any, total_steps: int) -> Callable[[int], float]:
     """``lr(step)`` of Nanotron's schedule, on every rank, frozen ones (no optimizer) included.
 
@@ -467,7 +440,7 @@ def _train(
     )
     scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
     lr_at = _lr_schedule(s.lr_schedule, s.steps)
-    stepper = _ClipThenStep(unwrapped, ctx, optimizer, s.clip_grad)
+    grad_norms: list[float] = []
 
     dp_rank = dist.get_rank(ctx.dp_pg)
     data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dp_rank, dp_size=run.dp, seed=s.data_seed)
@@ -490,8 +463,9 @@ def _train(
     for step in range(1, s.steps + 1):
         lr = lr_at(step - 1)
         start = time.perf_counter()
-        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, stepper,
-                          grad_accumulator=grad_accumulator, clip_grad=None, lr_scheduler=scheduler)
+        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
+                          grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
+                          grad_norms=grad_norms)
         elapsed = time.perf_counter() - start
         losses.append(loss)
         times.append(elapsed)
@@ -499,7 +473,7 @@ def _train(
         if not math.isfinite(loss):
             raise NanotronExtError(f"loss is {loss} at step {step}; lower the learning rate")  # same on all ranks
         if is_main:
-            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {stepper.norms[-1]:.3g}"
+            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {grad_norms[-1]:.3g}"
                     f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s")
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.tokens_per_step / elapsed:,.0f}")
@@ -514,7 +488,7 @@ def _train(
     local = {
         "world_rank": s.rank,
         "losses": losses,
-        "grad_norms": stepper.norms,
+        "grad_norms": grad_norms,
         "step_times_s": times,
         "has_optimizer": optimizer is not None,
         "is_ddp": model is not unwrapped,
@@ -541,7 +515,7 @@ def _train(
         "data_files": [str(f) for f in s.data_files],
         "tokens_per_step": s.tokens_per_step,
         "losses": losses,
-        "grad_norms": stepper.norms,
+        "grad_norms": grad_norms,
         "learning_rates": lrs,
         "step_times_s": times,
         "tokens_per_s": [s.tokens_per_step / t for t in times],

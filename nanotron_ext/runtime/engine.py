@@ -15,6 +15,7 @@ CPU/gloo workarounds (Nanotron's code is used unmodified otherwise):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
@@ -229,6 +230,7 @@ def train_step(
     grad_accumulator: GradientAccumulator | None = None,
     clip_grad: float | None = None,
     lr_scheduler: Any | None = None,
+    grad_norms: list[float] | None = None,
 ) -> float:
     """One optimisation step, the way ``DistributedTrainer.training_step`` does it. Collective on every rank.
 
@@ -243,6 +245,8 @@ def train_step(
         grad_accumulator: Nanotron gradient accumulator or None.
         clip_grad: max global grad norm, or None for no clipping.
         lr_scheduler: object with ``step()``, called after the optimizer step.
+        grad_norms: when given, the global gradient norm (before clipping) is appended to it; every rank of
+            the model-parallel group joins the reduction, frozen ones included, so all log the same value.
 
     Returns:
         The step's loss (mean over micro-batches and DP replicas), identical on every rank.
@@ -281,8 +285,11 @@ def train_step(
         module=unwrapped, parallel_context=parallel_context, grad_accumulator=grad_accumulator
     )
 
-    if clip_grad is not None:
-        _clip_gradients(unwrapped, parallel_context, clip_grad)
+    if clip_grad is not None or grad_norms is not None:
+        # max_norm=inf measures without scaling.
+        norm = _clip_gradients(unwrapped, parallel_context, clip_grad if clip_grad is not None else math.inf)
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
 
     # Loss: summed over micro-batches (the engine already divided each by n_micro_batches), averaged over DP.
     loss = torch.zeros([], dtype=torch.float)
