@@ -1,34 +1,42 @@
-"""Discrete-event simulator of Nanotron 0.2's two pipeline engines.
+"""Discrete-event simulator of Nanotron 0.2's two pipeline engines, sends and receives included.
 
-Each stage runs its forwards (``F``) and backwards (``B``) strictly in the order Nanotron's engine issues
-them (``nanotron.parallel.pipeline_parallel.engine``):
+Each PP rank runs a *program*: its forwards (``F``), backwards (``B``), activation and gradient sends and
+receives, in exactly the order Nanotron's engine code issues them (:func:`engine_program`):
 
-* ``afab`` (``AllForwardAllBackwardPipelineEngine``): every forward, then every backward.
-* ``1f1b`` (``OneForwardOneBackwardPipelineEngine``): ``pp - rank - 1`` warm-up forwards, then one
-  forward and one backward per remaining micro-batch, then the left-over backwards.
+* ``afab`` (``AllForwardAllBackwardPipelineEngine``): every forward, each followed by the send of its
+  activation; then every backward, each followed by the send of its input gradient.
+* ``1f1b`` (``OneForwardOneBackwardPipelineEngine``): ``pp - rank - 1`` warm-up forwards (sent at once), then
+  one forward and one backward per remaining micro-batch, then the left-over backwards. In the steady phase
+  sends are *deferred*: Nanotron only queues them, and ``PipelineTrainBatchState.run_communication`` runs
+  them at the rank's next receive, in the order send activation, receive activation, send gradient, receive
+  gradient. So the last stage sends micro-batch ``j``'s gradient only after it has received micro-batch
+  ``j + 1``'s activation, and stage 0 sends micro-batch ``j``'s activation when its backward of ``j - 1``
+  asks for a gradient.
 
-Backwards pop micro-batches first-in-first-out in both engines, so backward ``j`` always follows backward
-``j - 1``. Forward ``j`` on stage ``s`` waits for forward ``j`` on stage ``s - 1`` plus one p2p transfer
-(the receiving rank blocks on ``recv``); backward ``j`` on stage ``s`` waits likewise for backward ``j`` on
-stage ``s + 1``. Transfers are modelled as starting the moment the producer's op ends and as costing no
-compute time on either side.
+Backwards pop micro-batches first-in-first-out in both engines. A transfer is a rendezvous, as gloo's
+(``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
+point-to-point are: it starts when the sender has posted the send *and* the receiver has posted the matching
+receive, takes ``p2p_time``, and the receiver waits in its receive until it ends. Sends do not block the
+sender (NCCL's host semantics; :class:`nanotron_ext.runtime.CPUP2P` on CPU). All tensors crossing a cut for one
+micro-batch (``hidden_states`` and ``sequence_mask``, say) are one transfer.
 
-With ``p2p_time = 0`` this reproduces Nanotron's timing. With ``p2p_time > 0`` it is optimistic for 1F1B:
-Nanotron's steady phase defers a rank's gradient send until that rank has received the activation of
-its next forward (``PipelineTrainBatchState.run_communication`` runs send-act, recv-act, send-grad,
-recv-grad in that order), so a gradient can arrive up to one extra transfer later than modelled here.
+With ``p2p_time = 0`` nothing waits on communication but on the producing op, and equal stages reproduce
+``(p - 1) / (m + p - 1)`` exactly.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Engine = Literal["1f1b", "afab"]
 ENGINES: tuple[str, ...] = ("1f1b", "afab")
+#: The actions of a rank's program: compute, and the four kinds of communication of Nanotron's engines.
+Action = Literal["F", "B", "send_act", "recv_act", "send_grad", "recv_grad"]
 
 
 @dataclass(frozen=True)
@@ -123,32 +131,99 @@ def ideal_bubble_fraction(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
-def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[str, int]]:
-    """The ``(kind, micro_batch)`` sequence that Nanotron's engine runs on PP rank ``stage``.
+def _check_stage(engine: str, pp: int, stage: int, n_micro_batches: int) -> None:
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}; pass a PP rank of the {pp}-stage pipeline")
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
+    if engine == "1f1b" and n_micro_batches < pp - 1:
+        # Nanotron asserts nb_microbatches >= pg.size() - 1; m == pp - 1 runs (rank 0 has no steady phase).
+        raise ValueError(
+            f"1f1b needs at least pp - 1 = {pp - 1} micro-batches, got {n_micro_batches} (Nanotron's engine "
+            f"asserts this); raise the number of micro-batches (batch_accumulation_per_replica) or use "
+            f"engine='afab'"
+        )
+
+
+def engine_program(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[Action, int]]:
+    """The ``(action, micro_batch)`` sequence Nanotron's engine runs on PP rank ``stage``, communication included.
+
+    Mirrors ``nanotron.parallel.pipeline_parallel.engine`` and ``PipelineTrainBatchState.run_communication``:
+    a forward on a rank after the first starts by receiving its activation, which first runs one queued
+    activation send and is followed by one queued gradient send; a backward on a rank before the last starts by
+    receiving its gradient, after every queued activation send. Warm-up forwards (1F1B), every forward and
+    backward under AFAB, and the 1F1B cool-down send at once.
+
+    Example:
+        >>> engine_program("1f1b", 2, 1, 2)  # doctest: +NORMALIZE_WHITESPACE
+        [('recv_act', 0), ('F', 0), ('B', 0), ('recv_act', 1), ('send_grad', 0), ('F', 1), ('B', 1),
+         ('send_grad', 1)]
 
     Raises:
         ValueError: for a stage outside ``0..pp-1``, an unknown engine, or under 1F1B with fewer than
             ``pp - 1`` micro-batches.
     """
-    m = n_micro_batches
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} is outside 0..{pp - 1}; pass a PP rank of the {pp}-stage pipeline")
+    _check_stage(engine, pp, stage, n_micro_batches)
+    m, first, last = n_micro_batches, stage == 0, stage == pp - 1
+    program: list[tuple[Action, int]] = []
+    acts_to_send: deque[int] = deque()
+    grads_to_send: deque[int] = deque()
+
+    def forward(j: int) -> None:
+        if not first:  # recv_from_pipeline_state_buffer -> run_communication()
+            if acts_to_send:
+                program.append(("send_act", acts_to_send.popleft()))
+            program.append(("recv_act", j))
+            if grads_to_send:
+                program.append(("send_grad", grads_to_send.popleft()))
+        program.append(("F", j))
+        if not last:
+            acts_to_send.append(j)
+
+    def backward(j: int) -> None:
+        if not last:  # SendTensorToPipelineBuffer.backward -> run_communication()
+            while acts_to_send:
+                program.append(("send_act", acts_to_send.popleft()))
+            if grads_to_send:
+                program.append(("send_grad", grads_to_send.popleft()))
+            program.append(("recv_grad", j))
+        program.append(("B", j))
+        if not first:
+            grads_to_send.append(j)
+
+    def flush(queue: deque[int], action: Action) -> None:
+        while queue:
+            program.append((action, queue.popleft()))
+
     if engine == "afab":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    if engine != "1f1b":
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
-    if m < pp - 1:
-        # Nanotron asserts nb_microbatches >= pg.size() - 1; m == pp - 1 runs (rank 0 has no steady phase).
-        raise ValueError(
-            f"1f1b needs at least pp - 1 = {pp - 1} micro-batches, got {m} (Nanotron's engine asserts this); "
-            f"raise the number of micro-batches (batch_accumulation_per_replica) or use engine='afab'"
-        )
+        for j in range(m):
+            forward(j)
+            flush(acts_to_send, "send_act")
+        for j in range(m):
+            backward(j)
+            flush(grads_to_send, "send_grad")
+        return program
     warmup = pp - stage - 1
-    order = [("F", j) for j in range(warmup)]
+    for j in range(warmup):
+        forward(j)
+        flush(acts_to_send, "send_act")
     for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", j) for j in range(m - warmup, m)]
-    return order
+        forward(warmup + i)
+        backward(i)
+    flush(grads_to_send, "send_grad")
+    for j in range(m - warmup, m):
+        backward(j)
+        flush(grads_to_send, "send_grad")
+    return program
+
+
+def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[str, int]]:
+    """The ``(kind, micro_batch)`` sequence of forwards and backwards that Nanotron's engine runs on ``stage``.
+
+    Raises:
+        ValueError: as :func:`engine_program`.
+    """
+    return [(a, j) for a, j in engine_program(engine, pp, stage, n_micro_batches) if a in ("F", "B")]
 
 
 def simulate(
@@ -157,13 +232,14 @@ def simulate(
     engine: Engine,
     p2p_time: float = 0.0,
 ) -> SimResult:
-    """Simulate one training step (all micro-batches) of a pipeline under Nanotron's engine order.
+    """Simulate one training step (all micro-batches) under Nanotron's engine order, sends and receives included.
 
     Args:
         stages: per-stage forward/backward time of one micro-batch, PP rank 0 first.
         n_micro_batches: micro-batches per step (Nanotron's ``batch_accumulation_per_replica``).
         engine: ``"1f1b"`` or ``"afab"`` (the values of Nanotron's ``pp_engine``).
-        p2p_time: seconds to move one activation or gradient between neighbouring stages.
+        p2p_time: seconds one transfer of a micro-batch's activation or gradient takes between neighbouring
+            stages once both sides are ready (see the module docstring).
 
     Returns:
         The schedule, step time, per-stage busy/idle time, bubble fraction and peak in-flight micro-batches.
@@ -174,35 +250,38 @@ def simulate(
     """
     stages = _validate(stages, n_micro_batches, engine, p2p_time)
     pp, m = len(stages), int(n_micro_batches)
-    orders = [engine_order(engine, pp, s, m) for s in range(pp)]
+    programs = [engine_program(engine, pp, s, m) for s in range(pp)]
 
-    end: dict[tuple[str, int, int], float] = {}
+    # When each send was posted, keyed by (kind, sender, micro-batch); a receive completes p2p_time after
+    # both sides are there (rendezvous).
+    posted: dict[tuple[str, int, int], float] = {}
     per_stage: list[list[Op]] = [[] for _ in range(pp)]
-    free_at = [0.0] * pp
+    clock = [0.0] * pp
     pos = [0] * pp
-    while any(pos[s] < len(orders[s]) for s in range(pp)):
+    while any(pos[s] < len(programs[s]) for s in range(pp)):
         progressed = False
         for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
-                # Upstream producer of this op's input: previous stage for F, next stage for B.
-                src = s - 1 if kind == "F" else s + 1
-                ready = 0.0
-                if 0 <= src < pp:
-                    if (kind, src, j) not in end:
-                        break
-                    ready = end[(kind, src, j)] + p2p_time
-                start = max(free_at[s], ready)
-                dur = stages[s].forward if kind == "F" else stages[s].backward
-                op = Op(stage=s, kind=kind, micro_batch=j, start=start, end=start + dur)
-                per_stage[s].append(op)
-                end[(kind, s, j)] = free_at[s] = op.end
+            while pos[s] < len(programs[s]):
+                action, j = programs[s][pos[s]]
+                if action in ("F", "B"):
+                    dur = stages[s].forward if action == "F" else stages[s].backward
+                    op = Op(stage=s, kind=action, micro_batch=j, start=clock[s], end=clock[s] + dur)
+                    per_stage[s].append(op)
+                    clock[s] = op.end
+                elif action in ("send_act", "send_grad"):
+                    posted[(action[5:], s, j)] = clock[s]
+                else:
+                    src = s - 1 if action == "recv_act" else s + 1
+                    sent = posted.get((action[5:], src, j))
+                    if sent is None:
+                        break  # the sender has not got there yet
+                    clock[s] = max(clock[s], sent) + p2p_time
                 pos[s] += 1
                 progressed = True
-        if not progressed:  # pragma: no cover - the two engine orders cannot deadlock
-            raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_order")
+        if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
+            raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_program")
 
-    step_time = max(free_at)
+    step_time = max(clock)
     busy = [math.fsum(op.duration for op in ops) for ops in per_stage]
     idle = [step_time - b for b in busy]
     return SimResult(

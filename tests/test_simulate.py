@@ -13,6 +13,7 @@ from nanotron_ext.simulate import (
     Op,
     StageTimes,
     engine_order,
+    engine_program,
     ideal_bubble_fraction,
     simulate,
 )
@@ -157,11 +158,64 @@ def test_p2p_delays_each_hop_single_micro_batch():
     assert r.step_time == 5.0  # one activation hop + one gradient hop
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_p2p_two_micro_batches_adds_two_hops(engine):
-    stages = [StageTimes(1.0, 1.0)] * 2
-    assert simulate(stages, 2, engine).step_time == 6.0
-    assert simulate(stages, 2, engine, p2p_time=0.25).step_time == 6.5
+def test_p2p_1f1b_defers_the_gradient_send_until_the_next_activation_arrives():
+    # pp=2, m=2, F=B=1, p2p=0.25. Stage 1 finishes B0 at 3.25 but, as Nanotron's run_communication does,
+    # sends gradient 0 only after receiving activation 1: that receive is posted at 3.25 (rendezvous) and
+    # ends at 3.5, so gradient 0 reaches stage 0 at 3.75, not 3.5.
+    r = simulate([StageTimes(1.0, 1.0)] * 2, 2, "1f1b", p2p_time=0.25)
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "F", 1, 1.0, 2.0),
+        (0, "B", 0, 3.75, 4.75),
+        (0, "B", 1, 5.75, 6.75),  # gradient 1 is sent in the cool-down, at 5.5, received from 5.5
+        (1, "F", 0, 1.25, 2.25),
+        (1, "B", 0, 2.25, 3.25),
+        (1, "F", 1, 3.5, 4.5),
+        (1, "B", 1, 4.5, 5.5),
+    ]
+    assert r.step_time == 6.75
+    assert simulate([StageTimes(1.0, 1.0)] * 2, 2, "1f1b").step_time == 6.0
+
+
+def test_p2p_is_a_rendezvous_a_late_receive_pays_the_whole_transfer():
+    # AFAB, same pipeline: activation 1 is sent at 2.0, but stage 1 posts its receive only at 2.25 (after F0),
+    # so the transfer runs 2.25-2.5. Likewise gradient 1 (sent 5.5, receive posted 5.75): 5.75-6.0.
+    r = simulate([StageTimes(1.0, 1.0)] * 2, 2, "afab", p2p_time=0.25)
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "F", 1, 1.0, 2.0),
+        (0, "B", 0, 4.75, 5.75),
+        (0, "B", 1, 6.0, 7.0),
+        (1, "F", 0, 1.25, 2.25),
+        (1, "F", 1, 2.5, 3.5),
+        (1, "B", 0, 3.5, 4.5),
+        (1, "B", 1, 4.5, 5.5),
+    ]
+    assert r.step_time == 7.0
+
+
+def test_engine_program_pp2_1f1b_both_ranks():
+    assert engine_program("1f1b", 2, 0, 3) == [
+        ("F", 0), ("send_act", 0),  # warm-up forward: sent at once
+        ("F", 1), ("send_act", 1), ("recv_grad", 0), ("B", 0),  # queued send runs when B0 asks for its gradient
+        ("F", 2), ("send_act", 2), ("recv_grad", 1), ("B", 1),
+        ("recv_grad", 2), ("B", 2),
+    ]  # fmt: skip
+    assert engine_program("1f1b", 2, 1, 3) == [
+        ("recv_act", 0), ("F", 0), ("B", 0),
+        ("recv_act", 1), ("send_grad", 0), ("F", 1), ("B", 1),  # gradient 0 leaves after activation 1 arrives
+        ("recv_act", 2), ("send_grad", 1), ("F", 2), ("B", 2),
+        ("send_grad", 2),
+    ]  # fmt: skip
+
+
+def test_engine_program_middle_stage_afab():
+    assert engine_program("afab", 3, 1, 2) == [
+        ("recv_act", 0), ("F", 0), ("send_act", 0),
+        ("recv_act", 1), ("F", 1), ("send_act", 1),
+        ("recv_grad", 0), ("B", 0), ("send_grad", 0),
+        ("recv_grad", 1), ("B", 1), ("send_grad", 1),
+    ]  # fmt: skip
 
 
 def test_p2p_on_critical_path_of_four_stages():

@@ -81,21 +81,23 @@ def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
         _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=100.0
     )
     r = simulate(stages, 2, "1f1b", p2p)
-    # stage 0: F0 [0,4] F1 [4,8]; stage 1: F0 [6,9] B0 [9,18] F1 [18,21] B1 [21,30];
-    # stage 0: B0 [20,28] B1 [32,40]. Step 40 s, busy 24 s each, bubble 32/80.
+    # Transfers take 2 s and start once both sides are there. Stage 0: F0 [0,4] F1 [4,8], sending each at once.
+    # Stage 1: activation 0 arrives at 6; F0 [6,9] B0 [9,18]; activation 1 (sent at 8) is only received from
+    # 18, so F1 [20,23] B1 [23,32]; gradient 0 leaves at 20 (after activation 1 arrived), gradient 1 at 32.
+    # Stage 0: B0 [22,30] B1 [34,42]. Step 42 s, busy 24 s each, bubble 36/84.
     assert [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in r.ops] == [
         (0, "F", 0, 0.0, 4.0),
         (0, "F", 1, 4.0, 8.0),
-        (0, "B", 0, 20.0, 28.0),
-        (0, "B", 1, 32.0, 40.0),
+        (0, "B", 0, 22.0, 30.0),
+        (0, "B", 1, 34.0, 42.0),
         (1, "F", 0, 6.0, 9.0),
         (1, "B", 0, 9.0, 18.0),
-        (1, "F", 1, 18.0, 21.0),
-        (1, "B", 1, 21.0, 30.0),
+        (1, "F", 1, 20.0, 23.0),
+        (1, "B", 1, 23.0, 32.0),
     ]
-    assert r.step_time == 40.0
+    assert r.step_time == 42.0
     assert r.busy == [24.0, 24.0]
-    assert r.bubble_fraction == 0.4
+    assert r.bubble_fraction == 36.0 / 84.0
 
 
 def test_p2p_ignored_without_bandwidth_and_on_one_stage():

@@ -144,3 +144,27 @@ def test_dp2_ddp_matches_single_replica(two_rank_runs: list[dict], one_rank_refe
         assert all(
             _rel(a, b) < 1e-5 for a, b in zip(res["dp2"]["losses"], one_rank_reference["plain"]["losses"])
         )
+
+
+# Cuts where exactly one tensor crosses (final norm -> lm_head, cast -> loss), so that one transfer per
+# micro-batch and cut is one CPUP2P call, as the simulator counts it.
+TRACE_CASES = {
+    "pp2-1f1b": {"pp": 2, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
+    "pp2-afab": {"pp": 2, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 3},
+}
+TRACE_CASES_PP3 = {
+    "pp3-1f1b": {"pp": 3, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 4},
+    "pp3-afab": {"pp": 3, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 2},
+}
+
+
+@pytest.mark.parametrize(("world", "cases"), [(2, TRACE_CASES), (3, TRACE_CASES_PP3)])
+def test_simulator_program_is_what_nanotron_engine_runs(world: int, cases: dict) -> None:
+    """The simulator's per-rank order of forwards, backwards, sends and receives is Nanotron's, call by call."""
+    from nanotron_ext.simulate import engine_program
+
+    traces = run_distributed(workers.engine_trace, world, args=(cases,), timeout=120)
+    for name, case in cases.items():
+        for rank, trace in enumerate(traces):
+            expected = engine_program(case["engine"], case["pp"], rank, case["n_micro_batches"])
+            assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"

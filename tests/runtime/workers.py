@@ -191,6 +191,80 @@ def nanotron_split(pp: int) -> dict[str, Any]:
         _destroy_contexts()
 
 
+def engine_trace(cases: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
+    """Record, on this rank, the program Nanotron's real engine runs in one training step, per case.
+
+    Each case is ``{"pp", "engine", "block_ranks", "n_micro_batches"}``. Sends and receives are recorded at
+    the ``CPUP2P`` calls (an activation goes to a higher PP rank, a gradient to a lower one), forwards and
+    backwards when the engine's ``forward`` / ``backward`` return (a forward's receive happens inside it).
+    The k-th record of a kind is micro-batch k: every queue in Nanotron's engine is first-in-first-out.
+    """
+    try:
+        return {name: _trace_one_step(**case) for name, case in cases.items()}
+    finally:
+        _destroy_contexts()
+
+
+def _trace_one_step(pp: int, engine: str, block_ranks: list[int], n_micro_batches: int) -> list[tuple[str, int]]:
+    import collections
+
+    import torch
+    from nanotron import distributed as dist
+    from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
+
+    from nanotron_ext.runtime import CPUP2P, build_cpu_llama, build_optimizer, train_step
+
+    ctx = _context(1, pp, 1)
+    me = dist.get_rank(ctx.pp_pg)
+    trace: list[tuple[str, int]] = []
+    counts: collections.Counter[str] = collections.Counter()
+
+    def record(kind: str) -> None:
+        trace.append((kind, counts[kind]))
+        counts[kind] += 1
+
+    def recording(original: Any, before: Any = None, after: Any = None) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before(*args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if after is not None:
+                after()
+            return result
+
+        return wrapper
+
+    originals = {
+        (CPUP2P, "send_tensors"): CPUP2P.send_tensors,
+        (CPUP2P, "recv_tensors"): CPUP2P.recv_tensors,
+        (PipelineEngine, "forward"): PipelineEngine.forward,
+        (PipelineEngine, "backward"): PipelineEngine.backward,
+    }
+    wrappers = {
+        (CPUP2P, "send_tensors"): recording(
+            CPUP2P.send_tensors, before=lambda tensors, to_rank, **_: record("send_act" if to_rank > me else "send_grad")
+        ),
+        (CPUP2P, "recv_tensors"): recording(
+            CPUP2P.recv_tensors,
+            before=lambda num_tensors, from_rank, **_: record("recv_act" if from_rank < me else "recv_grad"),
+        ),
+        (PipelineEngine, "forward"): recording(PipelineEngine.forward, after=lambda: record("F")),
+        (PipelineEngine, "backward"): recording(PipelineEngine.backward, after=lambda: record("B")),
+    }
+    torch.manual_seed(0)
+    model = build_cpu_llama(tiny_config(), ctx, block_ranks=block_ranks)
+    optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
+    for (cls, attr), wrapper in wrappers.items():
+        setattr(cls, attr, wrapper)
+    try:
+        train_step(model, ctx, engine, micro_batches(model, ctx, 0), n_micro_batches, optimizer,
+                   grad_accumulator=grad_acc)
+    finally:
+        for (cls, attr), original in originals.items():
+            setattr(cls, attr, original)
+    return trace
+
+
 def echo_env() -> dict[str, str]:
     """Spawn-helper self-test: report the torchrun-like environment."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
