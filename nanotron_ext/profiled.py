@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: Bump when the way blocks are measured changes, so that older cache entries are not reused.
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the optimizer step is timed too
 DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 5
@@ -77,13 +77,17 @@ class BlockTiming:
     Attributes:
         forward: median forward time.
         backward: median backward time (0 when no gradient flows through the block).
+        optimizer: median time of an AdamW step over the block's trainable parameters (0 when none train);
+            once per training step, not per micro-batch.
     """
 
     forward: float
     backward: float
+    optimizer: float = 0.0
 
     @property
     def total(self) -> float:
+        """Forward + backward: the per-micro-batch pipeline work the planner balances."""
         return self.forward + self.backward
 
 
@@ -162,10 +166,10 @@ def cache_dir_for(cfg: PlannerConfig) -> Path:
 def _read_cache(path: Path) -> BlockTiming | None:
     try:
         data = json.loads(path.read_text())
-        timing = BlockTiming(float(data["forward"]), float(data["backward"]))
+        timing = BlockTiming(float(data["forward"]), float(data["backward"]), float(data["optimizer"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing or corrupt entries are measured again
-    return timing if timing.forward >= 0 and timing.backward >= 0 else None
+    return timing if min(timing.forward, timing.backward, timing.optimizer) >= 0 else None
 
 
 def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
@@ -173,7 +177,7 @@ def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
     # Write then rename, so a concurrent reader never sees half a file.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump({"forward": timing.forward, "backward": timing.backward, "key": key}, f, indent=1)
+        json.dump(dataclasses.asdict(timing) | {"key": key}, f, indent=1)
     os.replace(tmp, path)
 
 
@@ -280,7 +284,8 @@ def measure_block(
     repeats: int = DEFAULT_REPEATS,
     device: torch.device | None = None,
 ) -> BlockTiming:
-    """Build one block's module standalone and time its forward and backward for one micro-batch.
+    """Build one block's module standalone; time its forward and backward for one micro-batch, then its
+    optimizer step (AdamW, as Nanotron's default optimizer, over the parameters that train).
 
     Args:
         block: the block (its role and which parameters train).
@@ -292,7 +297,7 @@ def measure_block(
         device: where to run; CUDA when available, else CPU.
 
     Returns:
-        Median forward and backward seconds.
+        Median forward, backward and optimizer-step seconds.
 
     Raises:
         PlanningError: a block role that cannot be built standalone.
@@ -333,7 +338,32 @@ def measure_block(
             backward.append(t3 - t2)
         del out, tensors, inputs
     # Weight gradients accumulate across repeats, as they do across micro-batches within a step.
-    return BlockTiming(max(0.0, statistics.median(forward)), max(0.0, statistics.median(backward)))
+    return BlockTiming(
+        max(0.0, statistics.median(forward)),
+        max(0.0, statistics.median(backward)),
+        _time_optimizer_step(module, device, warmup, repeats),
+    )
+
+
+def _time_optimizer_step(module: Any, device: Any, warmup: int, repeats: int) -> float:
+    """Median seconds of ``AdamW.step()`` over the module's parameters that have a gradient (0 if none)."""
+    import torch
+
+    params = [p for p in getattr(module, "parameters", list)() if p.requires_grad and p.grad is not None]
+    if not params:
+        return 0.0
+    # Nanotron's trainer builds torch's AdamW with fused=False (nanotron.helpers); a tiny lr keeps the values sane.
+    optimizer = torch.optim.AdamW(params, lr=1e-8, fused=False)
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = clock()
+        optimizer.step()
+        _sync(device)
+        t1 = clock()
+        if i >= warmup:
+            times.append(t1 - t0)
+    return max(0.0, statistics.median(times))
 
 
 # --- many blocks, cache, distributed -------------------------------------------------------------------
@@ -436,14 +466,14 @@ def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: Any
     if dist.get_rank() == 0:
         try:
             timings = profile_blocks(blocks, cfg, tp_pg=group, **kwargs)
-            payload[0] = {"ok": [(t.forward, t.backward) for t in timings]}
+            payload[0] = {"ok": [(t.forward, t.backward, t.optimizer) for t in timings]}
         except Exception as exc:  # every rank must leave the broadcast, and raise the same error
             payload[0] = {"error": f"{type(exc).__name__}: {exc}"}
     dist.broadcast_object_list(payload, src=0)
     result = payload[0]
     if "error" in result:
         raise PlanningError(f"profiling on global rank 0 failed: {result['error']}")
-    return [BlockTiming(f, b) for f, b in result["ok"]]
+    return [BlockTiming(*values) for values in result["ok"]]
 
 
 @register_strategy("profiled")

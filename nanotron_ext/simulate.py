@@ -41,18 +41,28 @@ Action = Literal["F", "B", "send_act", "recv_act", "send_grad", "recv_grad"]
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Compute time of one pipeline stage for one micro-batch, in seconds."""
+    """Times of one pipeline stage, in seconds.
+
+    Attributes:
+        forward: forward of one micro-batch.
+        backward: backward of one micro-batch.
+        update: once per step, after the pipeline: gradient synchronisation (tied weights, data parallel) and
+            the optimizer step. Every stage starts it when the last stage has finished its pipeline work (a
+            collective over the pipeline, such as the gradient-norm all-reduce, lines the ranks up there).
+    """
 
     forward: float
     backward: float
+    update: float = 0.0
 
 
 @dataclass
 class Op:
-    """One forward or backward of one micro-batch on one stage, with its simulated start and end (s)."""
+    """One forward (``F``) or backward (``B``) of one micro-batch on one stage, or the stage's update (``U``,
+    micro-batch ``-1``), with its simulated start and end (s)."""
 
     stage: int
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "U"]
     micro_batch: int
     start: float
     end: float
@@ -66,7 +76,8 @@ class Op:
 class SimResult:
     """Outcome of :func:`simulate`; times in seconds, per-stage lists indexed by PP rank.
 
-    ``ops`` is grouped by stage, each stage's ops in execution order.
+    ``ops`` is grouped by stage, each stage's ops in execution order. ``pipeline_time`` is when the last stage
+    finishes its forwards, backwards and receives; ``step_time`` adds the slowest stage's update.
     """
 
     engine: str
@@ -79,6 +90,7 @@ class SimResult:
     peak_in_flight: list[int]
     p2p_time: float = 0.0
     stages: list[StageTimes] = field(default_factory=list)
+    pipeline_time: float = 0.0
 
     @property
     def pp(self) -> int:
@@ -113,8 +125,9 @@ class SimResult:
     def __str__(self) -> str:
         head = (
             f"{self.engine}: pp={self.pp}, micro-batches={self.n_micro_batches}, "
-            f"p2p={self.p2p_time * 1e3:.3f} ms, step={self.step_time * 1e3:.3f} ms, "
-            f"bubble={self.bubble_fraction:.1%} "
+            f"p2p={self.p2p_time * 1e3:.3f} ms, step={self.step_time * 1e3:.3f} ms"
+            + (f" (pipeline {self.pipeline_time * 1e3:.3f} ms + update)" if self.step_time > self.pipeline_time else "")
+            + f", bubble={self.bubble_fraction:.1%} "
             f"(ideal {ideal_bubble_fraction(self.pp, self.n_micro_batches):.1%})"
         )
         return f"{head}\n{self.table()}"
@@ -281,7 +294,11 @@ def simulate(
         if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
             raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_program")
 
-    step_time = max(clock)
+    pipeline_time = max(clock)
+    for s in range(pp):
+        if stages[s].update > 0:
+            per_stage[s].append(Op(s, "U", -1, pipeline_time, pipeline_time + stages[s].update))
+    step_time = pipeline_time + max(st.update for st in stages)
     busy = [math.fsum(op.duration for op in ops) for ops in per_stage]
     idle = [step_time - b for b in busy]
     return SimResult(
@@ -295,6 +312,7 @@ def simulate(
         peak_in_flight=[_peak_in_flight(ops) for ops in per_stage],
         p2p_time=p2p_time,
         stages=stages,
+        pipeline_time=pipeline_time,
     )
 
 
@@ -302,7 +320,7 @@ def _peak_in_flight(ops: list[Op]) -> int:
     # A stage's ops never overlap, so walking them in order sees every change of the count.
     count = peak = 0
     for op in ops:
-        count += 1 if op.kind == "F" else -1
+        count += {"F": 1, "B": -1}.get(op.kind, 0)
         peak = max(peak, count)
     return peak
 
@@ -322,8 +340,10 @@ def _validate(
         raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")
     for s, st in enumerate(stages):
         if not isinstance(st, StageTimes):
-            raise ValueError(f"stages[{s}] is {st!r}; pass StageTimes(forward=..., backward=...) objects")
-        for name in ("forward", "backward"):
+            raise ValueError(
+                f"stages[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects"
+            )
+        for name in ("forward", "backward", "update"):
             value = getattr(st, name)
             if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(

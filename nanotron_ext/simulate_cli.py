@@ -1,16 +1,24 @@
 """``nanotron-ext simulate``: turn a plan into per-stage times and simulate Nanotron's pipeline engine.
 
-Times come from a **FLOP-rate model**: a stage's forward time is its blocks' forward FLOPs divided by one
-throughput (``--tflops``), its backward time the rest of its training FLOPs (freeze-aware, from
-:func:`nanotron_ext.costs.training_flops`) divided by the same throughput, and one p2p transfer is the
-largest activation a stage sends divided by a bandwidth (``--p2p-gbps``). Real kernels do not all run at
-one rate (attention, the loss and the embedding gather are slower per FLOP than large matmuls), so the
-numbers compare splits of the same model; they do not predict a wall-clock step.
+Per-stage times come from one of two sources (``--times``):
+
+* ``flops`` (default), a **FLOP-rate model**: a stage's forward time is its blocks' forward FLOPs divided by
+  one throughput (``--tflops``), its backward time the rest of its training FLOPs (freeze-aware, from
+  :func:`nanotron_ext.costs.training_flops`) divided by the same throughput. Real kernels do not all run at
+  one rate (attention, the loss and the embedding gather are slower per FLOP than large matmuls), so the
+  numbers compare splits of the same model; they do not predict a wall-clock step.
+* ``profiled``: each block's forward, backward and optimizer step **measured on this machine**
+  (:mod:`nanotron_ext.profiled`: warm-up, median of repeats, cached); a stage's update is its blocks'
+  optimizer steps. This predicts the step of a run on this device (see ``benchmarks/measured_cpu.py`` for
+  how close it comes on CPU).
+
+Either way, one p2p transfer is the largest activation a stage sends divided by a bandwidth (``--p2p-gbps``).
 
 ::
 
-    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--tflops 400] [--p2p-gbps 50]
-                                 [--out timeline.png] [--loads-out stage_loads.png] [--json]
+    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--times flops|profiled]
+                                 [--tflops 400] [--p2p-gbps 50] [--out timeline.png]
+                                 [--loads-out stage_loads.png] [--json]
 
 Exit codes as ``plan``: 0 when the chosen plan is valid, 1 when it has errors (it is still simulated and
 drawn), 2 on usage errors.
@@ -22,7 +30,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.cli import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
 from nanotron_ext.config import PlannerConfig
@@ -34,16 +42,22 @@ from nanotron_ext.report import table
 from nanotron_ext.simulate import SimResult, StageTimes, ideal_bubble_fraction, simulate
 from nanotron_ext.strategies import comparable_strategies
 
+if TYPE_CHECKING:
+    from nanotron_ext.profiled import BlockTiming
+
 #: Default throughput, TFLOP/s: roughly what a bf16 training run achieves on one H100 (about 40 % of its
 #: 989 TFLOP/s dense peak). Only ratios between splits matter for comparisons; absolute times scale with it.
 DEFAULT_TFLOPS = 400.0
 _DESCRIPTION = (
     "Simulate one training step of the plan under Nanotron's engine (the config's pp_engine and "
-    "batch_accumulation_per_replica). FLOP-rate model: forward time = forward FLOPs / --tflops, "
-    "backward time = the rest of the training FLOPs (freeze-aware) / --tflops, p2p = largest activation "
-    "sent / --p2p-gbps. It compares splits of one model; it does not predict wall-clock time. Exit 0: "
-    "valid plan; 1: the plan has errors (still simulated and drawn); 2: usage error."
+    "batch_accumulation_per_replica). --times flops (default), a FLOP-rate model: forward time = forward "
+    "FLOPs / --tflops, backward time = the rest of the training FLOPs (freeze-aware) / --tflops; it compares "
+    "splits of one model, it does not predict wall-clock time. --times profiled: every block's forward, "
+    "backward and optimizer step measured on this machine (cached), which predicts the step here. "
+    "p2p = largest activation sent / --p2p-gbps. Exit 0: valid plan; 1: the plan has errors (still simulated "
+    "and drawn); 2: usage error."
 )
+TIME_SOURCES: tuple[str, ...] = ("flops", "profiled")
 
 
 def stage_times_from_plan(
@@ -83,28 +97,66 @@ def stage_times_from_plan(
     _check_rate("flops_per_second", flops_per_second)
     if p2p_bytes_per_second is not None:
         _check_rate("p2p_bytes_per_second", p2p_bytes_per_second)
+    _check_blocks(plan, blocks)
+    train = training_flops(blocks)
+    fwd = [0.0] * plan.pp
+    total = [0.0] * plan.pp
+    for b, t, r in zip(blocks, train, plan.block_ranks):
+        fwd[r] += b.flops_fwd
+        total[r] += t
+    stages = [
+        StageTimes(forward=fwd[k] / flops_per_second, backward=max(0.0, total[k] - fwd[k]) / flops_per_second)
+        for k in range(plan.pp)
+    ]
+    return stages, _p2p_time(plan, blocks, p2p_bytes_per_second)
+
+
+def stage_times_from_timings(
+    plan: Plan,
+    blocks: Sequence[BlockInfo],
+    timings: Sequence[BlockTiming],
+    *,
+    p2p_bytes_per_second: float | None,
+) -> tuple[list[StageTimes], float]:
+    """Per-stage times from measured per-block timings (:func:`nanotron_ext.profiled.block_timings`).
+
+    A stage's forward, backward and update are the sums of its blocks' forward, backward and optimizer-step
+    times; p2p as in :func:`stage_times_from_plan`.
+
+    Raises:
+        ConfigError: a bandwidth that is not a positive finite number.
+        PlanningError: ``blocks`` or ``timings`` do not match the plan's blocks.
+    """
+    if p2p_bytes_per_second is not None:
+        _check_rate("p2p_bytes_per_second", p2p_bytes_per_second)
+    _check_blocks(plan, blocks)
+    if len(timings) != len(blocks):
+        raise PlanningError(f"{len(timings)} block timings for {len(blocks)} blocks; pass one per block")
+    sums = [[0.0, 0.0, 0.0] for _ in range(plan.pp)]
+    for t, r in zip(timings, plan.block_ranks):
+        sums[r][0] += t.forward
+        sums[r][1] += t.backward
+        sums[r][2] += t.optimizer
+    return [StageTimes(*values) for values in sums], _p2p_time(plan, blocks, p2p_bytes_per_second)
+
+
+def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:
     if len(blocks) != len(plan.block_ranks) or tuple(b.name for b in blocks) != tuple(plan.block_names):
         raise PlanningError(
             f"the plan covers {len(plan.block_ranks)} blocks but {len(blocks)} were given (or their names "
             f"differ); pass the inventory the plan was made from"
         )
-    train = training_flops(blocks)
-    fwd = [0.0] * plan.pp
-    total = [0.0] * plan.pp
-    last: dict[int, BlockInfo] = {}
-    for b, t, r in zip(blocks, train, plan.block_ranks):
-        fwd[r] += b.flops_fwd
-        total[r] += t
-        last[r] = b
-    stages = [
-        StageTimes(forward=fwd[k] / flops_per_second, backward=max(0.0, total[k] - fwd[k]) / flops_per_second)
-        for k in range(plan.pp)
-    ]
+
+
+def _p2p_time(plan: Plan, blocks: Sequence[BlockInfo], p2p_bytes_per_second: float | None) -> float:
     if p2p_bytes_per_second is None or plan.pp == 1:
-        return stages, 0.0
+        return 0.0
+    last: dict[int, BlockInfo] = {}
+    for b, r in zip(blocks, plan.block_ranks):
+        last[r] = b
     # An empty stage sends nothing of its own.
     sent = max((last[k].output_bytes for k in range(plan.pp - 1) if k in last), default=0.0)
-    return stages, float(sent) / p2p_bytes_per_second
+    return float(sent) / p2p_bytes_per_second
 
 
 def _check_rate(name: str, value: float) -> None:
@@ -122,18 +174,32 @@ def simulate_plan(
     blocks: Sequence[BlockInfo],
     cfg: PlannerConfig,
     *,
-    flops_per_second: float,
+    flops_per_second: float | None = None,
+    timings: Sequence[BlockTiming] | None = None,
     p2p_bytes_per_second: float | None = None,
     engine: str | None = None,
 ) -> SimResult:
     """Simulate one training step of ``plan`` under the config's engine and micro-batch count.
 
+    Args:
+        plan, blocks, cfg: the plan, the inventory it was made from, and the config.
+        flops_per_second: FLOP-rate model (:func:`stage_times_from_plan`); or
+        timings: measured per-block timings (:func:`stage_times_from_timings`); exactly one of the two.
+        p2p_bytes_per_second: link bandwidth, or None to ignore p2p.
+        engine: overrides the config's ``pp_engine``.
+
     Raises:
-        ConfigError: bad rates, or 1F1B with fewer than ``pp − 1`` micro-batches (Nanotron asserts this).
+        ConfigError: bad rates, both or neither of ``flops_per_second`` and ``timings``, or 1F1B with fewer
+            than ``pp − 1`` micro-batches (Nanotron asserts this).
     """
-    stages, p2p = stage_times_from_plan(
-        plan, blocks, flops_per_second=flops_per_second, p2p_bytes_per_second=p2p_bytes_per_second
-    )
+    if (flops_per_second is None) == (timings is None):
+        raise ConfigError("simulate_plan needs exactly one of flops_per_second= (FLOP-rate model) and timings=")
+    if timings is not None:
+        stages, p2p = stage_times_from_timings(plan, blocks, timings, p2p_bytes_per_second=p2p_bytes_per_second)
+    else:
+        stages, p2p = stage_times_from_plan(
+            plan, blocks, flops_per_second=float(flops_per_second), p2p_bytes_per_second=p2p_bytes_per_second
+        )
     try:
         return simulate(stages, cfg.run.n_micro_batches, engine or cfg.run.engine, p2p)
     except ValueError as exc:
@@ -171,12 +237,19 @@ def add_subcommand(subparsers: Any) -> None:
         help="simulate every strategy; table of step time and bubble, plus a stage-load PNG",
     )
     p.add_argument(
+        "--times",
+        choices=TIME_SOURCES,
+        default="flops",
+        help="where stage times come from: flops (FLOP-rate model, default) or profiled (every block measured "
+        "on this machine, cached in nanotron_ext.profile_cache or ~/.cache/nanotron_ext)",
+    )
+    p.add_argument(
         "--tflops",
         type=float,
-        default=DEFAULT_TFLOPS,
+        default=None,
         metavar="X",
-        help=f"compute throughput in TFLOP/s for every block (default {DEFAULT_TFLOPS:g}: about what "
-        "bf16 training reaches on one H100)",
+        help=f"with --times flops: compute throughput in TFLOP/s for every block (default {DEFAULT_TFLOPS:g}: "
+        "about what bf16 training reaches on one H100)",
     )
     p.add_argument(
         "--p2p-gbps",
@@ -208,9 +281,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from nanotron_ext.timeline import plot_stage_loads, plot_timeline
 
     cfg = config_from_args(args, args.config)
-    rate = _positive(args.tflops, "--tflops") * 1e12
     bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
     blocks = inventory_from_config(cfg)
+    if args.times == "profiled":
+        if args.tflops is not None:
+            raise ConfigError("--tflops sets the FLOP-rate model's throughput; drop it with --times profiled")
+        from nanotron_ext.profiled import block_timings
+
+        source: dict[str, Any] = {"timings": block_timings(blocks, cfg)}
+        model_text = "block times profiled on this machine (forward, backward, optimizer step)"
+    else:
+        tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops
+        source = {"flops_per_second": _positive(tflops, "--tflops") * 1e12}
+        model_text = f"FLOP-rate model at {tflops:g} TFLOP/s"
     chosen = cfg.ext.cost_strategy
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
     out: dict[str, Any] = {
@@ -219,14 +302,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "engine": cfg.run.engine,
         "pp": cfg.run.pp,
         "n_micro_batches": cfg.run.n_micro_batches,
-        "tflops": args.tflops,
+        "times": args.times,
+        "tflops": source["flops_per_second"] / 1e12 if "flops_per_second" in source else None,
         "p2p_gbps": args.p2p_gbps,
         "ideal_bubble_fraction": ideal,
     }
     text: list[str] = [
         f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
-        f"FLOP-rate model at {args.tflops:g} TFLOP/s"
-        + (f", p2p {args.p2p_gbps:g} GB/s" if args.p2p_gbps is not None else ", p2p ignored"),
+        f"{model_text}" + (f", p2p {args.p2p_gbps:g} GB/s" if args.p2p_gbps is not None else ", p2p ignored"),
         "",
     ]
 
@@ -238,7 +321,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out.update(ok=False, error=str(exc))
         text.append(f"strategy {chosen!r}: no valid plan\n  {exc}")
     if plan is not None:
-        result = simulate_plan(plan, blocks, cfg, flops_per_second=rate, p2p_bytes_per_second=bandwidth)
+        result = simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
         png = plot_timeline(
             result,
             args.out,
@@ -265,7 +348,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         text.append(f"timeline: {png}")
 
     if args.compare:
-        rows, loads, entries = _compare(cfg, blocks, rate, bandwidth)
+        rows, loads, entries = _compare(cfg, blocks, source, bandwidth)
         out["compare"] = entries
         text += [
             "",
@@ -292,7 +375,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 loads,
                 args.loads_out,
                 title=f"{_model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per "
-                f"micro-batch at {args.tflops:g} TFLOP/s",
+                f"micro-batch ({model_text})",
                 ylabel="ms per micro-batch (F + B)",
             )
             out["stage_loads"] = str(png)
@@ -303,7 +386,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _compare(
-    cfg: PlannerConfig, blocks: Sequence[BlockInfo], rate: float, bandwidth: float | None
+    cfg: PlannerConfig, blocks: Sequence[BlockInfo], source: dict[str, Any], bandwidth: float | None
 ) -> tuple[list[list[object]], dict[str, list[float]], list[dict[str, Any]]]:
     runs: list[tuple[str, Plan | None, SimResult | None, str]] = []
     for name in comparable_strategies(cfg.ext.cost_strategy):
@@ -316,7 +399,7 @@ def _compare(
             (
                 name,
                 plan,
-                simulate_plan(plan, blocks, cfg, flops_per_second=rate, p2p_bytes_per_second=bandwidth),
+                simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source),
                 "",
             )
         )

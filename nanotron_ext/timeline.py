@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 DPI = 150
 FORWARD_COLOR = "#4C72B0"
 BACKWARD_COLOR = "#DD8452"
+UPDATE_COLOR = "#55A868"
 IDLE_FACE = "#F2F2F2"
 IDLE_HATCH = "#C8C8C8"
 _LABEL_PT = 8
@@ -30,7 +31,7 @@ def plot_timeline(
     title: str | None = None,
     stage_labels: list[str] | None = None,
 ) -> Path:
-    """Draw one row per stage (stage 0 on top) with forward/backward boxes over a hatched idle background.
+    """Draw one row per stage (stage 0 on top): forward, backward and update boxes over a hatched idle background.
 
     Args:
         result: output of :func:`nanotron_ext.simulate.simulate`.
@@ -66,7 +67,7 @@ def plot_timeline(
             op.duration * 1e3,
             left=op.start * 1e3,
             height=0.8,
-            color=FORWARD_COLOR if op.kind == "F" else BACKWARD_COLOR,
+            color={"F": FORWARD_COLOR, "B": BACKWARD_COLOR}.get(op.kind, UPDATE_COLOR),
             edgecolor="white",
             linewidth=0.6,
         )
@@ -87,16 +88,11 @@ def plot_timeline(
     for side in ("top", "right", "left", "bottom"):
         right.spines[side].set_visible(False)
 
-    fig.legend(
-        handles=[
-            Patch(color=FORWARD_COLOR, label="forward"),
-            Patch(color=BACKWARD_COLOR, label="backward"),
-            Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label="idle (bubble)"),
-        ],
-        loc="outside lower center",
-        ncols=3,
-        frameon=False,
-    )
+    handles = [Patch(color=FORWARD_COLOR, label="forward"), Patch(color=BACKWARD_COLOR, label="backward")]
+    if any(op.kind == "U" for op in result.ops):
+        handles.append(Patch(color=UPDATE_COLOR, label="update (gradient sync + optimizer)"))
+    handles.append(Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label="idle (bubble)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
     ideal = ideal_bubble_fraction(pp, result.n_micro_batches)
     ax.set_title(
@@ -109,6 +105,8 @@ def plot_timeline(
     px_per_ms = ax.get_window_extent().width / span
     digit_px = 0.62 * _LABEL_PT * DPI / 72
     for op in result.ops:
+        if op.kind == "U":
+            continue
         text = str(op.micro_batch)
         if op.duration * 1e3 * px_per_ms >= digit_px * len(text) + 4:
             ax.text(

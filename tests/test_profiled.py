@@ -94,6 +94,9 @@ def test_timings_positive_and_lm_head_dominates(tmp_path: Path) -> None:
     # Every block but the cast has a backward (the fp32 cast of fp32 logits returns its input).
     assert all(t.backward > 0 for name, t in timings.items() if name != "cast"), timings
     assert timings["cast"].backward == 0
+    # Blocks with weights get an optimizer step; the cast and the loss have none.
+    assert all(timings[name].optimizer > 0 for name in ("embedding", "decoder.0", "final_norm", "lm_head")), timings
+    assert timings["cast"].optimizer == timings["loss"].optimizer == 0
     # 50277-token vocabulary × hidden 16: the lm_head outweighs a decoder layer (4128 weights) by far (about 8x
     # on an idle machine; only "more" is asserted so that a loaded CI box cannot flip it).
     assert timings["lm_head"].total > timings["decoder.0"].total, timings
@@ -104,24 +107,32 @@ def test_frozen_prefix_costs_forward_only(tmp_path: Path) -> None:
     timings = dict(zip((b.short for b in blocks), profiled.profile_blocks(blocks, cfg, **FAST)))
     for name in ("embedding", "decoder.0", "decoder.1", "final_norm"):
         assert timings[name].forward > 0 and timings[name].backward == 0, (name, timings[name])
+        assert timings[name].optimizer == 0, (name, timings[name])  # frozen: nothing to step
     assert timings["lm_head"].backward > 0  # weight gradient only
+    assert timings["lm_head"].optimizer > 0
     assert timings["loss"].backward > 0
 
 
 def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, blocks = _tiny(tmp_path)
-    # Per iteration the clock is read before/after forward and before/after backward.
+    # Per iteration the clock is read before/after forward and before/after backward; then, per optimizer
+    # step, before/after it.
     forward, backward = [100.0, 3.0, 1.0, 2.0], [100.0, 6.0, 4.0, 5.0]  # first iteration is the warm-up
+    optimizer = [100.0, 9.0, 7.0, 8.0]
     ticks = []
     now = 0.0
     for f, b in zip(forward, backward):
         ticks += [now, now + f, now + f + 1, now + f + 1 + b]
         now += f + b + 10
+    for o in optimizer:
+        ticks += [now, now + o]
+        now += o + 10
     readings = iter(ticks)
     monkeypatch.setattr(profiled, "clock", lambda: next(readings))
     # The final norm needs no process group; its input and weight both want gradients, so backward runs.
     timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=3)
-    assert (timing.forward, timing.backward) == (2.0, 5.0)
+    assert (timing.forward, timing.backward, timing.optimizer) == (2.0, 5.0, 8.0)
+    assert next(readings, None) is None  # every reading used: one optimizer step per warm-up and repeat
 
 
 def test_plan_is_valid(tmp_path: Path) -> None:

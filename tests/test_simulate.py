@@ -224,6 +224,34 @@ def test_p2p_on_critical_path_of_four_stages():
     assert math.isclose(r.step_time, 8.6, rel_tol=1e-12)
 
 
+# --- update (gradient sync + optimizer) after the pipeline -------------------------------------------
+
+
+def test_update_starts_when_the_last_stage_is_done_and_the_slowest_sets_the_step():
+    # Pipeline as in test_p2p_1f1b_defers...: ends at 6.75 (stage 0's B1). Stage 1 finished at 5.5 but
+    # starts its update with stage 0, at 6.75.
+    stages = [StageTimes(1.0, 1.0, update=0.5), StageTimes(1.0, 1.0, update=2.0)]
+    r = simulate(stages, 2, "1f1b", p2p_time=0.25)
+    assert r.pipeline_time == 6.75
+    assert r.step_time == 8.75
+    updates = [(o.stage, o.start, o.end) for o in r.ops if o.kind == "U"]
+    assert updates == [(0, 6.75, 7.25), (1, 6.75, 8.75)]
+    assert r.busy == [4.5, 6.0]
+    assert r.idle == [4.25, 2.75]
+    assert r.bubble_fraction == 7.0 / 17.5
+    assert r.peak_in_flight == [2, 1]  # updates hold no micro-batch
+    assert "pipeline 6.750 ms + update" in str(simulate([StageTimes(1e-3, 1e-3, 0.5e-3)] * 2, 2, "1f1b", 0.25e-3))
+
+
+def test_zero_update_changes_nothing():
+    stages = [StageTimes(1.0, 2.0), StageTimes(2.0, 1.0)]
+    plain = simulate(stages, 3, "afab", 0.1)
+    assert plain.step_time == plain.pipeline_time
+    assert all(op.kind != "U" for op in plain.ops)
+    with_zero = simulate([StageTimes(st.forward, st.backward, 0.0) for st in stages], 3, "afab", 0.1)
+    assert with_zero == plain
+
+
 # --- input validation ----------------------------------------------------------------------------
 
 
@@ -234,6 +262,7 @@ def test_p2p_on_critical_path_of_four_stages():
         ([StageTimes(-1.0, 1.0)], 4, "1f1b", 0.0, r"stages\[0\]\.forward = -1\.0.*non-negative"),
         ([StageTimes(1.0, 1.0), StageTimes(1.0, math.nan)], 4, "1f1b", 0.0, r"stages\[1\]\.backward = nan"),
         ([StageTimes(1.0, float("inf"))], 4, "afab", 0.0, r"stages\[0\]\.backward = inf.*finite"),
+        ([StageTimes(1.0, 1.0, -0.5)], 4, "afab", 0.0, r"stages\[0\]\.update = -0\.5.*non-negative"),
         ([(1.0, 1.0)], 4, "afab", 0.0, r"stages\[0\] is \(1\.0, 1\.0\).*StageTimes"),
         ([StageTimes(1.0, 1.0)], 0, "afab", 0.0, r"n_micro_batches = 0.*integer >= 1"),
         ([StageTimes(1.0, 1.0)], 2.5, "afab", 0.0, r"n_micro_batches = 2\.5"),
@@ -267,7 +296,8 @@ def test_to_dict_is_json_ready_and_complete():
     assert d["step_time"] == 11.0
     assert d["peak_in_flight"] == [2, 1]
     assert d["ops"][2] == {"stage": 0, "kind": "B", "micro_batch": 0, "start": 5.0, "end": 7.0}
-    assert d["stages"][1] == {"forward": 3.0, "backward": 1.0}
+    assert d["stages"][1] == {"forward": 3.0, "backward": 1.0, "update": 0.0}
+    assert d["pipeline_time"] == 11.0
 
 
 def test_str_and_table_are_aligned():

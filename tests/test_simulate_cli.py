@@ -15,8 +15,14 @@ from nanotron_ext.costs import training_flops
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import BlockInfo, inventory_from_config
 from nanotron_ext.plan import Plan
+from nanotron_ext.profiled import BlockTiming
 from nanotron_ext.simulate import StageTimes, simulate
-from nanotron_ext.simulate_cli import format_seconds, stage_times_from_plan
+from nanotron_ext.simulate_cli import (
+    format_seconds,
+    simulate_plan,
+    stage_times_from_plan,
+    stage_times_from_timings,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T = 1e12  # FLOPs of one unit in the hand-made blocks below
@@ -266,3 +272,42 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
     path.write_text(yaml.safe_dump(raw))
     assert main(["simulate", str(path), "--out", str(tmp_path / "x.png")]) == 2
     assert "1f1b needs at least pp - 1 = 5 micro-batches, got 2" in capsys.readouterr().err
+
+
+# --- measured times (--times profiled) ---------------------------------------------------------------
+
+
+def test_stage_times_from_timings_sum_each_stage_and_keep_p2p():
+    timings = [BlockTiming(1.0, 2.0, 0.5), BlockTiming(3.0, 0.0, 0.0), BlockTiming(4.0, 5.0, 0.25),
+               BlockTiming(6.0, 1.0, 0.0)]  # fmt: skip
+    stages, p2p = stage_times_from_timings(_plan(HAND, [0, 0, 1, 1]), HAND, timings, p2p_bytes_per_second=100.0)
+    assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
+    assert p2p == 2.0  # B's 200 bytes at 100 B/s, as in the FLOP-rate model
+    with pytest.raises(PlanningError, match="3 block timings for 4 blocks"):
+        stage_times_from_timings(_plan(HAND, [0, 0, 1, 1]), HAND, timings[:3], p2p_bytes_per_second=None)
+    with pytest.raises(ConfigError, match="exactly one of flops_per_second"):
+        simulate_plan(_plan(HAND, [0, 0, 1, 1]), HAND, load_config(bundled_config()))
+
+
+def test_simulate_with_profiled_times_measures_blocks_and_adds_the_update(tmp_path, capsys):
+    raw = yaml.safe_load(bundled_config().read_text())
+    raw["nanotron_ext"] = {"profile_cache": str(tmp_path / "cache")}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    argv = ["simulate", str(path), "--times", "profiled", "--json", "--out", str(tmp_path / "t.png")]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["times"] == "profiled" and data["tflops"] is None
+    sim = data["simulation"]
+    # Both stages hold weights, so both have an optimizer step; the step is the pipeline plus the larger one.
+    assert all(s["forward"] > 0 and s["backward"] > 0 and s["update"] > 0 for s in sim["stages"])
+    assert sim["step_time"] == pytest.approx(sim["pipeline_time"] + max(s["update"] for s in sim["stages"]))
+    assert any(op["kind"] == "U" for op in sim["ops"])
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 6  # 7 blocks, the two decoder layers share a key
+    assert _png(tmp_path / "t.png")
+
+
+def test_tflops_with_profiled_times_is_a_usage_error(tmp_path, capsys):
+    argv = ["simulate", "--times", "profiled", "--tflops", "100", "--out", str(tmp_path / "x.png")]
+    assert main(argv) == 2
+    assert "drop it with --times profiled" in capsys.readouterr().err
