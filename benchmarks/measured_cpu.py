@@ -439,7 +439,8 @@ def _cut_key(ranks: Sequence[int], blocks: Sequence[dict]) -> str:
 def _split(ranks: Sequence[int], blocks: Sequence[dict]) -> str:
     from nanotron_ext.report import compact_names
 
-    return " | ".join(compact_names([b["short"] for b, r in zip(blocks, ranks) if r == k]) for k in range(PP))
+    # " / " between stages: a "|" would split the markdown table cell.
+    return " / ".join(compact_names([b["short"] for b, r in zip(blocks, ranks) if r == k]) for k in range(PP))
 
 
 def analyse(result: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
@@ -567,21 +568,21 @@ def _timeline(sc: Scenario, sims: dict[str, Any], rows: list[Row], blocks: Seque
     sim, plan = sims["profiled"]
     row = next(r for r in rows if r.strategy == "profiled")
     labels = []
-    for k, part in enumerate(_split(plan["ranks"], blocks).split(" | ")):
+    for k, part in enumerate(_split(plan["ranks"], blocks).split(" / ")):
         text = f"PP{k}: {part}"
         labels.append(text if len(text) <= 34 else text[:33] + "…")
     stem = sc.label.lower().replace("-", "_").replace(" ", "_")
     path = RESULTS / f"measured_cpu_{stem}_profiled_timeline.png"
     plot_timeline(sim, path, stage_labels=labels,
-                  title=f"{sc.label}: profiled split, 1F1B, pp={PP}, simulated from CPU block timings "
-                        f"(measured step {row.step * 1e3:.0f} ms)")
+                  title=f"{sc.label}: profiled split, 1F1B, pp={PP}, simulated from CPU block timings\n"
+                        f"measured step {row.step * 1e3:.0f} ms")
     print(f"  timeline: {path.relative_to(ROOT)}")
 
 
 def _print_table(all_rows: dict[str, list[Row]], results: dict[str, dict[str, Any]]) -> None:
     from nanotron_ext.report import table
 
-    head = ["scenario", "strategy", "split (PP0 | PP1)", "plan valid?", "step ms", "sim step ms", "sim ÷ step",
+    head = ["scenario", "strategy", "split (PP0 / PP1)", "plan valid?", "step ms", "sim step ms", "sim ÷ step",
             "pipeline ms", "sim pipeline ms", "sim ÷ pipeline", "bubble", "sim bubble", "sim p2p ms",
             "sim update ms (PP0, PP1)", "in-pipeline busy ÷ profiled (PP0, PP1)",
             "sim from in-pipeline stage times ÷ pipeline", "speed vs Nanotron"]
