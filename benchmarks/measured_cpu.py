@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds in which every plan takes a turn (default: 3 tiny, 5 SmolLM-shaped)")
+                        help="rounds in which every plan takes a turn (default: 5 for both scenarios)")
     parser.add_argument("--scenario", action="append", default=None, metavar="LABEL",
                         help="run only this scenario (repeatable): tiny-large-vocab, SmolLM-135M-shaped")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")

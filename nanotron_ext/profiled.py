@@ -352,7 +352,8 @@ def _time_optimizer_step(module: Any, device: Any, warmup: int, repeats: int) ->
     params = [p for p in getattr(module, "parameters", list)() if p.requires_grad and p.grad is not None]
     if not params:
         return 0.0
-    # Nanotron's trainer builds torch's AdamW with fused=False (nanotron.helpers); a tiny lr keeps the values sane.
+    # torch's AdamW, as Nanotron's default optimizer; unfused, as the CPU runtime builds it (Nanotron takes
+    # `fused` from optimizer.torch_adam_is_fused). A tiny lr keeps the values sane.
     optimizer = torch.optim.AdamW(params, lr=1e-8, fused=False)
     times = []
     for i in range(warmup + repeats):

@@ -10,18 +10,21 @@ receives, in exactly the order Nanotron's engine code issues them (:func:`engine
   sends are *deferred*: Nanotron only queues them, and ``PipelineTrainBatchState.run_communication`` runs
   them at the rank's next receive, in the order send activation, receive activation, send gradient, receive
   gradient. So the last stage sends micro-batch ``j``'s gradient only after it has received micro-batch
-  ``j + 1``'s activation, and stage 0 sends micro-batch ``j``'s activation when its backward of ``j - 1``
-  asks for a gradient.
+  ``j + 1``'s activation, and a stage sends a forward's activation when its next backward asks for a
+  gradient.
 
 Backwards pop micro-batches first-in-first-out in both engines. A transfer is a rendezvous, as gloo's
 (``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
 point-to-point are: it starts when the sender has posted the send *and* the receiver has posted the matching
 receive, takes ``p2p_time``, and the receiver waits in its receive until it ends. Sends do not block the
-sender (NCCL's host semantics; :class:`nanotron_ext.runtime.CPUP2P` on CPU). All tensors crossing a cut for one
-micro-batch (``hidden_states`` and ``sequence_mask``, say) are one transfer.
+sender, as with :class:`nanotron_ext.runtime.CPUP2P` (Nanotron's own ``P2P`` on GPU syncs the host after its
+metadata send, so there a sender also waits until the receiver has posted that receive: not modelled). All
+tensors crossing a cut for one micro-batch (``hidden_states`` and ``sequence_mask``, say) are one transfer, and a
+cut with nothing trainable at or before it carries no gradient back (``grad_cuts``).
 
-With ``p2p_time = 0`` nothing waits on communication but on the producing op, and equal stages reproduce
-``(p - 1) / (m + p - 1)`` exactly.
+After the pipeline each stage runs its update (``StageTimes.update``). With ``p2p_time = 0`` and no update,
+equal stages reproduce ``(p - 1) / (m + p - 1)`` exactly; ``pipeline_bubble_fraction`` is the bubble of the
+pipeline part alone, the one to compare with that ideal.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ class StageTimes:
         forward: forward of one micro-batch.
         backward: backward of one micro-batch.
         update: once per step, after the pipeline: gradient synchronisation (tied weights, data parallel) and
-            the optimizer step. Every stage starts it when the last stage has finished its pipeline work (a
-            collective over the pipeline, such as the gradient-norm all-reduce, lines the ranks up there).
+            the optimizer step. Every stage starts it when the last stage has finished its pipeline work: a
+            collective over the pipeline lines the ranks up there (the loss broadcast of
+            :func:`nanotron_ext.runtime.train_step`; in Nanotron's trainer the gradient-norm all-reduce of
+            clipping or the tied-weight sync; without either, this is an upper bound).
     """
 
     forward: float
@@ -76,8 +81,10 @@ class Op:
 class SimResult:
     """Outcome of :func:`simulate`; times in seconds, per-stage lists indexed by PP rank.
 
-    ``ops`` is grouped by stage, each stage's ops in execution order. ``pipeline_time`` is when the last stage
-    finishes its forwards, backwards and receives; ``step_time`` adds the slowest stage's update.
+    ``ops`` is grouped by stage, each stage's ops in execution order. ``pipeline_time`` is when the last of the
+    stages to finish is done with its forwards, backwards and receives; ``step_time`` adds the slowest stage's
+    update. ``bubble_fraction`` is Σ idle ÷ (pp × step time); ``pipeline_bubble_fraction`` the same over the
+    pipeline part alone (updates left out), comparable with :func:`ideal_bubble_fraction`.
     """
 
     engine: str
@@ -91,6 +98,7 @@ class SimResult:
     p2p_time: float = 0.0
     stages: list[StageTimes] = field(default_factory=list)
     pipeline_time: float = 0.0
+    pipeline_bubble_fraction: float = 0.0
 
     @property
     def pp(self) -> int:
@@ -128,7 +136,8 @@ class SimResult:
             f"p2p={self.p2p_time * 1e3:.3f} ms, step={self.step_time * 1e3:.3f} ms"
             + (f" (pipeline {self.pipeline_time * 1e3:.3f} ms + update)" if self.step_time > self.pipeline_time else "")
             + f", bubble={self.bubble_fraction:.1%} "
-            f"(ideal {ideal_bubble_fraction(self.pp, self.n_micro_batches):.1%})"
+            + (f"(pipeline part {self.pipeline_bubble_fraction:.1%}, " if self.step_time > self.pipeline_time else "(")
+            + f"ideal {ideal_bubble_fraction(self.pp, self.n_micro_batches):.1%})"
         )
         return f"{head}\n{self.table()}"
 
@@ -145,6 +154,8 @@ def ideal_bubble_fraction(pp: int, m: int) -> float:
 
 
 def _check_stage(engine: str, pp: int, stage: int, n_micro_batches: int) -> None:
+    if pp < 1 or n_micro_batches < 1:
+        raise ValueError(f"pp = {pp} and n_micro_batches = {n_micro_batches}; both must be at least 1")
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}; pass a PP rank of the {pp}-stage pipeline")
     if engine not in ENGINES:
@@ -158,26 +169,47 @@ def _check_stage(engine: str, pp: int, stage: int, n_micro_batches: int) -> None
         )
 
 
-def engine_program(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[Action, int]]:
+def engine_program(
+    engine: Engine,
+    pp: int,
+    stage: int,
+    n_micro_batches: int,
+    *,
+    grad_in: bool = True,
+    grad_out: bool = True,
+) -> list[tuple[Action, int]]:
     """The ``(action, micro_batch)`` sequence Nanotron's engine runs on PP rank ``stage``, communication included.
 
     Mirrors ``nanotron.parallel.pipeline_parallel.engine`` and ``PipelineTrainBatchState.run_communication``:
-    a forward on a rank after the first starts by receiving its activation, which first runs one queued
-    activation send and is followed by one queued gradient send; a backward on a rank before the last starts by
-    receiving its gradient, after every queued activation send. Warm-up forwards (1F1B), every forward and
-    backward under AFAB, and the 1F1B cool-down send at once.
+    a forward on a rank after the first starts by receiving its activation (after any queued activation send;
+    in Nanotron's order none is queued there) and then sends one queued gradient; a backward on a rank before
+    the last starts with its queued activation sends, one queued gradient send, then receives its gradient.
+    Warm-up forwards (1F1B), every forward and backward under AFAB, and the 1F1B cool-down send at once.
+
+    A cut whose activation needs no gradient (nothing trainable at or before it) carries none back: the rank
+    after it sends no gradients (``grad_in=False``), and the rank before it receives none
+    (``grad_out=False``; its backward only sends a queued activation).
 
     Example:
         >>> engine_program("1f1b", 2, 1, 2)  # doctest: +NORMALIZE_WHITESPACE
         [('recv_act', 0), ('F', 0), ('B', 0), ('recv_act', 1), ('send_grad', 0), ('F', 1), ('B', 1),
          ('send_grad', 1)]
 
+    Args:
+        engine: ``"1f1b"`` or ``"afab"``.
+        pp: number of stages.
+        stage: the PP rank.
+        n_micro_batches: micro-batches per step.
+        grad_in: a gradient flows back into this stage's input (ignored on stage 0).
+        grad_out: this stage's output gets a gradient back (ignored on the last stage).
+
     Raises:
-        ValueError: for a stage outside ``0..pp-1``, an unknown engine, or under 1F1B with fewer than
-            ``pp - 1`` micro-batches.
+        ValueError: for ``pp`` or ``n_micro_batches`` below 1, a stage outside ``0..pp-1``, an unknown engine,
+            or under 1F1B with fewer than ``pp - 1`` micro-batches.
     """
     _check_stage(engine, pp, stage, n_micro_batches)
     m, first, last = n_micro_batches, stage == 0, stage == pp - 1
+    sends_grads, gets_grads = not first and grad_in, not last and grad_out
     program: list[tuple[Action, int]] = []
     acts_to_send: deque[int] = deque()
     grads_to_send: deque[int] = deque()
@@ -187,21 +219,24 @@ def engine_program(engine: Engine, pp: int, stage: int, n_micro_batches: int) ->
             if acts_to_send:
                 program.append(("send_act", acts_to_send.popleft()))
             program.append(("recv_act", j))
-            if grads_to_send:
+            # An activation that needs no gradient ends run_communication right after its receive.
+            if sends_grads and grads_to_send:
                 program.append(("send_grad", grads_to_send.popleft()))
         program.append(("F", j))
         if not last:
             acts_to_send.append(j)
 
     def backward(j: int) -> None:
-        if not last:  # SendTensorToPipelineBuffer.backward -> run_communication()
+        if gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
             while acts_to_send:
                 program.append(("send_act", acts_to_send.popleft()))
             if grads_to_send:
                 program.append(("send_grad", grads_to_send.popleft()))
             program.append(("recv_grad", j))
+        elif not last and acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
+            program.append(("send_act", acts_to_send.popleft()))
         program.append(("B", j))
-        if not first:
+        if sends_grads:
             grads_to_send.append(j)
 
     def flush(queue: deque[int], action: Action) -> None:
@@ -244,6 +279,7 @@ def simulate(
     n_micro_batches: int,
     engine: Engine,
     p2p_time: float = 0.0,
+    grad_cuts: Sequence[bool] | None = None,
 ) -> SimResult:
     """Simulate one training step (all micro-batches) under Nanotron's engine order, sends and receives included.
 
@@ -253,6 +289,8 @@ def simulate(
         engine: ``"1f1b"`` or ``"afab"`` (the values of Nanotron's ``pp_engine``).
         p2p_time: seconds one transfer of a micro-batch's activation or gradient takes between neighbouring
             stages once both sides are ready (see the module docstring).
+        grad_cuts: per cut (``pp - 1`` of them), whether a gradient crosses it back; False where nothing at or
+            before the cut trains (a frozen prefix). Default: every cut.
 
     Returns:
         The schedule, step time, per-stage busy/idle time, bubble fraction and peak in-flight micro-batches.
@@ -263,7 +301,13 @@ def simulate(
     """
     stages = _validate(stages, n_micro_batches, engine, p2p_time)
     pp, m = len(stages), int(n_micro_batches)
-    programs = [engine_program(engine, pp, s, m) for s in range(pp)]
+    cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
+    if len(cuts) != pp - 1:
+        raise ValueError(f"grad_cuts has {len(cuts)} entries for {pp} stages; pass one per cut (pp - 1)")
+    programs = [
+        engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
+        for s in range(pp)
+    ]
 
     # When each send was posted, keyed by (kind, sender, micro-batch); a receive completes p2p_time after
     # both sides are there (rendezvous).
@@ -309,6 +353,10 @@ def simulate(
         busy=busy,
         idle=idle,
         bubble_fraction=_ratio(math.fsum(idle), pp * step_time),
+        pipeline_bubble_fraction=_ratio(
+            math.fsum(pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U") for ops in per_stage),
+            pp * pipeline_time,
+        ),
         peak_in_flight=[_peak_in_flight(ops) for ops in per_stage],
         p2p_time=p2p_time,
         stages=stages,

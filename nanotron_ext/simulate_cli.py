@@ -9,7 +9,7 @@ Per-stage times come from one of two sources (``--times``):
   numbers compare splits of the same model; they do not predict a wall-clock step.
 * ``profiled``: each block's forward, backward and optimizer step **measured on this machine**
   (:mod:`nanotron_ext.profiled`: warm-up, median of repeats, cached); a stage's update is its blocks'
-  optimizer steps. This predicts the step of a run on this device (see ``benchmarks/measured_cpu.py`` for
+  optimizer steps (gradient sync is not measured). This predicts the step of a run on this device (see ``benchmarks/measured_cpu.py`` for
   how close it comes on CPU).
 
 Either way, one p2p transfer is the largest activation a stage sends divided by a bandwidth (``--p2p-gbps``).
@@ -201,9 +201,23 @@ def simulate_plan(
             plan, blocks, flops_per_second=float(flops_per_second), p2p_bytes_per_second=p2p_bytes_per_second
         )
     try:
-        return simulate(stages, cfg.run.n_micro_batches, engine or cfg.run.engine, p2p)
+        return simulate(
+            stages, cfg.run.n_micro_batches, engine or cfg.run.engine, p2p, grad_cuts=gradient_cuts(plan, blocks)
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def gradient_cuts(plan: Plan, blocks: Sequence[BlockInfo]) -> list[bool]:
+    """Per cut between stages ``k`` and ``k + 1``: does a gradient cross it back (is anything on stages ``0..k``
+    trainable)? Nanotron sends no gradient across a cut behind a frozen prefix."""
+    trainable_up_to = [False] * plan.pp
+    for b, r in zip(blocks, plan.block_ranks):
+        if b.trainable > 0:
+            trainable_up_to[r] = True
+    for k in range(1, plan.pp):
+        trainable_up_to[k] = trainable_up_to[k] or trainable_up_to[k - 1]
+    return trainable_up_to[:-1]
 
 
 def format_seconds(seconds: float) -> str:
@@ -337,9 +351,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "",
             str(result),
             "",
-            f"bubble {result.bubble_fraction:.1%} vs ideal (p-1)/(m+p-1) = {ideal:.1%} "
-            f"({100 * (result.bubble_fraction - ideal):+.1f} points); "
-            f"step {format_seconds(result.step_time)}",
+            f"pipeline bubble {result.pipeline_bubble_fraction:.1%} vs ideal (p-1)/(m+p-1) = {ideal:.1%} "
+            f"({100 * (result.pipeline_bubble_fraction - ideal):+.1f} points); "
+            + (
+                f"with the update, bubble {result.bubble_fraction:.1%}; "
+                if result.step_time > result.pipeline_time
+                else ""
+            )
+            + f"step {format_seconds(result.step_time)}",
         ]
         text += [str(f) for f in plan.findings]
         text.append(
@@ -441,8 +460,10 @@ def _compare(
 
 
 def _stage_table(plan: Plan, result: SimResult) -> str:
-    rows = [[s.stage, s.label, _ms(t.forward), _ms(t.backward)] for s, t in zip(plan.stages, result.stages)]
-    return table(["stage", "blocks", "forward ms/mb", "backward ms/mb"], rows)
+    rows = [
+        [s.stage, s.label, _ms(t.forward), _ms(t.backward), _ms(t.update)] for s, t in zip(plan.stages, result.stages)
+    ]
+    return table(["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"], rows)
 
 
 def _ms(seconds: float) -> str:

@@ -96,7 +96,9 @@ def plot_timeline(
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
     ideal = ideal_bubble_fraction(pp, result.n_micro_batches)
     ax.set_title(
-        f"{head}\nbubble {result.bubble_fraction:.1%} (equal-stage ideal {ideal:.1%}), "
+        f"{head}\nbubble {result.bubble_fraction:.1%} ("
+        + (f"pipeline part {result.pipeline_bubble_fraction:.1%}, " if result.step_time > result.pipeline_time else "")
+        + f"equal-stage ideal {ideal:.1%}), "
         f"step {_ms(result.step_time)} ms"
     )
 

@@ -239,17 +239,69 @@ def test_update_starts_when_the_last_stage_is_done_and_the_slowest_sets_the_step
     assert r.busy == [4.5, 6.0]
     assert r.idle == [4.25, 2.75]
     assert r.bubble_fraction == 7.0 / 17.5
+    assert r.pipeline_bubble_fraction == 5.5 / 13.5  # each stage idles 2.75 of the 6.75-s pipeline
     assert r.peak_in_flight == [2, 1]  # updates hold no micro-batch
     assert "pipeline 6.750 ms + update" in str(simulate([StageTimes(1e-3, 1e-3, 0.5e-3)] * 2, 2, "1f1b", 0.25e-3))
 
 
-def test_zero_update_changes_nothing():
+def test_update_leaves_the_pipeline_alone():
     stages = [StageTimes(1.0, 2.0), StageTimes(2.0, 1.0)]
     plain = simulate(stages, 3, "afab", 0.1)
     assert plain.step_time == plain.pipeline_time
+    assert plain.bubble_fraction == plain.pipeline_bubble_fraction
     assert all(op.kind != "U" for op in plain.ops)
-    with_zero = simulate([StageTimes(st.forward, st.backward, 0.0) for st in stages], 3, "afab", 0.1)
-    assert with_zero == plain
+    updated = simulate([StageTimes(st.forward, st.backward, 0.5 + s) for s, st in enumerate(stages)], 3, "afab", 0.1)
+    assert [op for op in updated.ops if op.kind != "U"] == plain.ops
+    assert updated.pipeline_time == plain.pipeline_time
+    assert updated.step_time == pytest.approx(plain.step_time + 1.5)
+    assert updated.pipeline_bubble_fraction == plain.pipeline_bubble_fraction
+
+
+# --- cuts that carry no gradient (frozen prefix) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pp", "m"), [(0, 4), (2, 0)])
+def test_engine_program_rejects_empty_pipelines(pp, m):
+    with pytest.raises(ValueError, match=f"pp = {pp} and n_micro_batches = {m}; both must be at least 1"):
+        engine_program("afab", pp, 0, m)
+
+
+def test_engine_program_without_gradient_across_the_cut():
+    # Stage 0 is frozen: its activation needs no gradient, so stage 0 never waits for one (its backward only
+    # sends the queued activation, as Nanotron's SendTensorWithoutGradientToPipelineBuffer does) and stage 1
+    # never sends one (run_communication returns right after receiving an activation without grad).
+    assert engine_program("1f1b", 2, 0, 3, grad_out=False) == [
+        ("F", 0), ("send_act", 0),
+        ("F", 1), ("send_act", 1), ("B", 0),
+        ("F", 2), ("send_act", 2), ("B", 1),
+        ("B", 2),
+    ]  # fmt: skip
+    assert engine_program("1f1b", 2, 1, 3, grad_in=False) == [
+        ("recv_act", 0), ("F", 0), ("B", 0),
+        ("recv_act", 1), ("F", 1), ("B", 1),
+        ("recv_act", 2), ("F", 2), ("B", 2),
+    ]  # fmt: skip
+
+
+def test_frozen_prefix_stage_does_not_wait_for_gradients():
+    # pp=2, m=2, F=B=1, p2p=0.25, no gradient across the cut. Stage 0: F0 [0,1] F1 [1,2] B0 [2,3] B1 [3,4].
+    # Stage 1: activation 0 arrives at 1.25: F0 [1.25,2.25] B0 [2.25,3.25]; activation 1 (sent at 2) is
+    # received from 3.25: F1 [3.5,4.5] B1 [4.5,5.5].
+    r = simulate([StageTimes(1.0, 1.0)] * 2, 2, "1f1b", p2p_time=0.25, grad_cuts=[False])
+    assert _ops(r) == [
+        (0, "F", 0, 0.0, 1.0),
+        (0, "F", 1, 1.0, 2.0),
+        (0, "B", 0, 2.0, 3.0),
+        (0, "B", 1, 3.0, 4.0),
+        (1, "F", 0, 1.25, 2.25),
+        (1, "B", 0, 2.25, 3.25),
+        (1, "F", 1, 3.5, 4.5),
+        (1, "B", 1, 4.5, 5.5),
+    ]
+    assert r.step_time == 5.5
+    assert simulate([StageTimes(1.0, 1.0)] * 2, 2, "1f1b", 0.25, grad_cuts=[True]).step_time == 6.75
+    with pytest.raises(ValueError, match="grad_cuts has 2 entries for 2 stages"):
+        simulate([StageTimes(1.0, 1.0)] * 2, 2, "1f1b", grad_cuts=[True, False])
 
 
 # --- input validation ----------------------------------------------------------------------------
@@ -321,7 +373,7 @@ times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 @st.composite
 def pipelines(draw):
     pp = draw(st.integers(1, 6))
-    stages = [StageTimes(draw(times), draw(times)) for _ in range(pp)]
+    stages = [StageTimes(draw(times), draw(times), draw(st.sampled_from([0.0, 0.0, 1.5]))) for _ in range(pp)]
     engine = draw(st.sampled_from(ENGINES))
     m = draw(st.integers(max(1, pp - 1) if engine == "1f1b" else 1, 12))
     return stages, m, engine, draw(st.floats(0.0, 2.0))
@@ -333,11 +385,16 @@ def test_schedule_respects_engine_order_and_dependencies(case):
     stages, m, engine, p2p = case
     r = simulate(stages, m, engine, p2p_time=p2p)
     pp = len(stages)
-    by_key: dict[tuple[str, int, int], Op] = {(o.kind, o.stage, o.micro_batch): o for o in r.ops}
-    assert len(by_key) == len(r.ops) == 2 * pp * m
+    by_key: dict[tuple[str, int, int], Op] = {(o.kind, o.stage, o.micro_batch): o for o in r.ops if o.kind != "U"}
+    assert len(by_key) == 2 * pp * m
+    updates = [o for o in r.ops if o.kind == "U"]
+    assert [(o.stage, o.start, o.duration) for o in updates] == [
+        (s, r.pipeline_time, pytest.approx(stages[s].update)) for s in range(pp) if stages[s].update > 0
+    ]
+    assert r.step_time == pytest.approx(r.pipeline_time + max(st.update for st in stages))
     for s in range(pp):
         mine = [o for o in r.ops if o.stage == s]
-        assert [(o.kind, o.micro_batch) for o in mine] == engine_order(engine, pp, s, m)
+        assert [(o.kind, o.micro_batch) for o in mine if o.kind != "U"] == engine_order(engine, pp, s, m)
         assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
         assert math.isclose(r.busy[s] + r.idle[s], r.step_time, rel_tol=1e-9, abs_tol=1e-9)
     for (kind, s, j), op in by_key.items():
@@ -349,6 +406,8 @@ def test_schedule_respects_engine_order_and_dependencies(case):
             assert op.start >= by_key[("F", s, j)].end
     assert r.step_time == max(o.end for o in r.ops)
     assert 0.0 <= r.bubble_fraction <= 1.0  # 1.0 when all stages are zero-time and only p2p takes time
+    assert 0.0 <= r.pipeline_bubble_fraction <= 1.0
+    assert all(idle >= -1e-9 for idle in r.idle)
 
 
 @settings(max_examples=100, deadline=None)

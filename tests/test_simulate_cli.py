@@ -19,6 +19,7 @@ from nanotron_ext.profiled import BlockTiming
 from nanotron_ext.simulate import StageTimes, simulate
 from nanotron_ext.simulate_cli import (
     format_seconds,
+    gradient_cuts,
     simulate_plan,
     stage_times_from_plan,
     stage_times_from_timings,
@@ -119,6 +120,21 @@ def test_p2p_ignored_without_bandwidth_and_on_one_stage():
     assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
 
 
+def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
+    frozen = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 3, 6, 6, 10, 0, 8.0), _block(2, 2, 4, 4, 10, 10, 8.0)]
+    assert gradient_cuts(_plan(frozen, [0, 1, 2]), frozen) == [False, False]  # only C, on stage 2, trains
+    middle = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 2, 4, 4, 10, 10, 8.0), _block(2, 1, 2, 2, 10, 0, 8.0)]
+    assert gradient_cuts(_plan(middle, [0, 1, 2]), middle) == [False, True]
+    assert gradient_cuts(_plan(frozen, [0, 1, 1]), frozen) == [False]
+    assert gradient_cuts(_plan(HAND, [0, 0, 1, 1]), HAND) == [True]
+    cfg = load_config(bundled_config())
+    plan = _plan(frozen, [0, 1, 1])
+    r = simulate_plan(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    stages, p2p = stage_times_from_plan(plan, frozen, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    assert r == simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p, grad_cuts=[False])
+    assert r != simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p)  # stage 0 would wait for gradients
+
+
 def test_frozen_prefix_pays_no_backward():
     frozen = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 3, 6, 6, 10, 0, 8.0), _block(2, 2, 4, 4, 10, 10, 8.0)]
     stages, _ = stage_times_from_plan(
@@ -164,7 +180,7 @@ def test_simulate_prints_table_bubble_and_writes_timeline(tmp_path, capsys):
     # Stage 1 (lm_head, cast, loss) of the tiny model, t = 2·32 tokens, h = 16, V = 50277, at 1e9 FLOP/s:
     # forward 2·t·h·V + t·V + 5·t·V = 122,273,664 FLOPs; backward 4·t·h·V + t·V + 3·t·V = 218,805,504.
     row = next(line for line in text.splitlines() if "lm_head, cast, loss" in line)
-    assert row.split()[0] == "1" and row.split()[-2:] == ["122.3", "218.8"]  # ms per micro-batch
+    assert row.split()[0] == "1" and row.split()[-3:] == ["122.3", "218.8", "0"]  # ms per micro-batch; no update
     assert "VALID" in text and f"timeline: {out}" in text
     assert _png(out)
 

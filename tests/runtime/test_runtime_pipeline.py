@@ -146,11 +146,15 @@ def test_dp2_ddp_matches_single_replica(two_rank_runs: list[dict], one_rank_refe
         )
 
 
-# Cuts where exactly one tensor crosses (final norm -> lm_head, cast -> loss), so that one transfer per
-# micro-batch and cut is one CPUP2P call, as the simulator counts it.
+# Cuts before the lm_head and the loss carry one tensor; a cut between decoder layers carries the hidden states
+# and the boolean sequence mask (which takes other paths through Nanotron's run_communication).
 TRACE_CASES = {
     "pp2-1f1b": {"pp": 2, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
     "pp2-afab": {"pp": 2, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 3},
+    "pp2-1f1b-decoder-cut": {"pp": 2, "engine": "1f1b", "block_ranks": BALANCED, "n_micro_batches": 4},
+    "pp2-1f1b-frozen-stage0": {
+        "pp": 2, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
+    },
 }
 TRACE_CASES_PP3 = {
     "pp3-1f1b": {"pp": 3, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 4},
@@ -165,6 +169,11 @@ def test_simulator_program_is_what_nanotron_engine_runs(world: int, cases: dict)
 
     traces = run_distributed(workers.engine_trace, world, args=(cases,), timeout=120)
     for name, case in cases.items():
+        pp = case["pp"]
+        grad_cuts = [not case.get("freeze_stage0", False)] + [True] * (pp - 2)
         for rank, trace in enumerate(traces):
-            expected = engine_program(case["engine"], case["pp"], rank, case["n_micro_batches"])
+            expected = engine_program(
+                case["engine"], pp, rank, case["n_micro_batches"],
+                grad_in=rank == 0 or grad_cuts[rank - 1], grad_out=rank == pp - 1 or grad_cuts[rank],
+            )  # fmt: skip
             assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"

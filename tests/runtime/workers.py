@@ -194,10 +194,13 @@ def nanotron_split(pp: int) -> dict[str, Any]:
 def engine_trace(cases: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
     """Record, on this rank, the program Nanotron's real engine runs in one training step, per case.
 
-    Each case is ``{"pp", "engine", "block_ranks", "n_micro_batches"}``. Sends and receives are recorded at
-    the ``CPUP2P`` calls (an activation goes to a higher PP rank, a gradient to a lower one), forwards and
-    backwards when the engine's ``forward`` / ``backward`` return (a forward's receive happens inside it).
-    The k-th record of a kind is micro-batch k: every queue in Nanotron's engine is first-in-first-out.
+    Each case is ``{"pp", "engine", "block_ranks", "n_micro_batches"}`` and optionally ``"freeze_stage0"``
+    (PP rank 0's weights do not train). Transfers of floating-point tensors are recorded at the ``CPUP2P`` calls
+    (an activation goes to a higher PP rank, a gradient to a lower one); the boolean ``sequence_mask`` that
+    travels with a decoder's hidden states is left out, as the simulator counts one transfer per micro-batch
+    and cut. Forwards and backwards are recorded when the engine's ``forward`` / ``backward`` return (a
+    forward's receive happens inside it). The k-th record of a kind is micro-batch k: every queue in
+    Nanotron's engine is first-in-first-out.
     """
     try:
         return {name: _trace_one_step(**case) for name, case in cases.items()}
@@ -205,7 +208,9 @@ def engine_trace(cases: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, 
         _destroy_contexts()
 
 
-def _trace_one_step(pp: int, engine: str, block_ranks: list[int], n_micro_batches: int) -> list[tuple[str, int]]:
+def _trace_one_step(
+    pp: int, engine: str, block_ranks: list[int], n_micro_batches: int, freeze_stage0: bool = False
+) -> list[tuple[str, int]]:
     import collections
 
     import torch
@@ -223,36 +228,45 @@ def _trace_one_step(pp: int, engine: str, block_ranks: list[int], n_micro_batche
         trace.append((kind, counts[kind]))
         counts[kind] += 1
 
-    def recording(original: Any, before: Any = None, after: Any = None) -> Any:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before(*args, **kwargs)
-            result = original(self, *args, **kwargs)
-            if after is not None:
-                after()
-            return result
-
-        return wrapper
-
     originals = {
         (CPUP2P, "send_tensors"): CPUP2P.send_tensors,
         (CPUP2P, "recv_tensors"): CPUP2P.recv_tensors,
         (PipelineEngine, "forward"): PipelineEngine.forward,
         (PipelineEngine, "backward"): PipelineEngine.backward,
     }
+
+    def send_tensors(self: Any, tensors: list[Any], to_rank: int, *args: Any, **kwargs: Any) -> Any:
+        if tensors[0].is_floating_point():
+            record("send_act" if to_rank > me else "send_grad")
+        return originals[(CPUP2P, "send_tensors")](self, tensors, to_rank, *args, **kwargs)
+
+    def recv_tensors(self: Any, num_tensors: int, from_rank: int, *args: Any, **kwargs: Any) -> Any:
+        result = originals[(CPUP2P, "recv_tensors")](self, num_tensors, from_rank, *args, **kwargs)
+        if result[0].is_floating_point():
+            record("recv_act" if from_rank < me else "recv_grad")
+        return result
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = originals[(PipelineEngine, "forward")](self, *args, **kwargs)
+        record("F")
+        return result
+
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = originals[(PipelineEngine, "backward")](self, *args, **kwargs)
+        record("B")
+        return result
+
     wrappers = {
-        (CPUP2P, "send_tensors"): recording(
-            CPUP2P.send_tensors, before=lambda tensors, to_rank, **_: record("send_act" if to_rank > me else "send_grad")
-        ),
-        (CPUP2P, "recv_tensors"): recording(
-            CPUP2P.recv_tensors,
-            before=lambda num_tensors, from_rank, **_: record("recv_act" if from_rank < me else "recv_grad"),
-        ),
-        (PipelineEngine, "forward"): recording(PipelineEngine.forward, after=lambda: record("F")),
-        (PipelineEngine, "backward"): recording(PipelineEngine.backward, after=lambda: record("B")),
+        (CPUP2P, "send_tensors"): send_tensors,
+        (CPUP2P, "recv_tensors"): recv_tensors,
+        (PipelineEngine, "forward"): forward,
+        (PipelineEngine, "backward"): backward,
     }
     torch.manual_seed(0)
     model = build_cpu_llama(tiny_config(), ctx, block_ranks=block_ranks)
+    if freeze_stage0 and me == 0:
+        for param in model.parameters():
+            param.requires_grad_(False)
     optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
     for (cls, attr), wrapper in wrappers.items():
         setattr(cls, attr, wrapper)
