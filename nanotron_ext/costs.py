@@ -84,6 +84,22 @@ def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> Blo
     return BlockWork(2.0 * t * params, 2.0 * t * params, 2.0 * t * params, w * t * h, w * t * h)
 
 
+def trainable_before(blocks: Sequence[BlockInfo]) -> list[bool]:
+    """Entry ``i``: does any of ``blocks[:i]`` train? One entry per block, plus one for after the last.
+
+    A block's input asks autograd for a gradient only then, so this decides whether a block pays input-gradient
+    work, whether the profiler times its backward, and whether a gradient crosses a pipeline cut back.
+
+    Example:
+        Frozen embedding, trainable decoder, frozen head: ``[False, False, True, True]``.
+    """
+    out, before = [False], False
+    for b in blocks:
+        before = before or b.trainable > 0
+        out.append(before)
+    return out
+
+
 def training_flops(blocks: Sequence[BlockInfo]) -> list[float]:
     """FLOPs of one micro-batch's forward and backward per block, aware of what is trainable.
 
@@ -95,15 +111,13 @@ def training_flops(blocks: Sequence[BlockInfo]) -> list[float]:
         forward + weight-gradient.
     """
     out: list[float] = []
-    trainable_before = False
-    for b in blocks:
+    for b, input_grad in zip(blocks, trainable_before(blocks)):
         cost = b.flops_fwd
-        if trainable_before:
+        if input_grad:
             cost += b.flops_bwd_input
         if b.params:
             cost += b.flops_bwd_weight * (b.trainable / b.params)
         out.append(cost)
-        trainable_before = trainable_before or b.trainable > 0
     return out
 
 

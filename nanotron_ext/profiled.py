@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs import trainable_before
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import BlockInfo
 from nanotron_ext.strategies import Assignment, optimal_assignment, register_strategy
@@ -92,16 +93,6 @@ class BlockTiming:
 
 
 # --- keys and cache ------------------------------------------------------------------------------------
-
-
-def _input_grads(blocks: Sequence[BlockInfo]) -> list[bool]:
-    # A block's input asks for a gradient only when something before it trains (autograd never asks for it
-    # otherwise); the same rule as costs.training_flops.
-    out, before = [], False
-    for b in blocks:
-        out.append(before)
-        before = before or b.trainable > 0
-    return out
 
 
 def _trainable_flags(block: BlockInfo) -> list[tuple[str, bool]]:
@@ -411,7 +402,7 @@ def profile_blocks(
         One :class:`BlockTiming` per block.
     """
     directory = Path(cache_dir).expanduser() if cache_dir is not None else cache_dir_for(cfg)
-    keys = [profile_key(b, cfg, input_grad=g) for b, g in zip(blocks, _input_grads(blocks))]
+    keys = [profile_key(b, cfg, input_grad=g) for b, g in zip(blocks, trainable_before(blocks))]
     found: dict[str, BlockTiming] = {}
     missing: dict[str, tuple[BlockInfo, dict[str, Any]]] = {}
     for block, key in zip(blocks, keys):

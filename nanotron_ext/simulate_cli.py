@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.cli import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs import training_flops
+from nanotron_ext.costs import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import BlockInfo, inventory_from_config
 from nanotron_ext.plan import Plan, make_plan
@@ -211,13 +211,9 @@ def simulate_plan(
 def gradient_cuts(plan: Plan, blocks: Sequence[BlockInfo]) -> list[bool]:
     """Per cut between stages ``k`` and ``k + 1``: does a gradient cross it back (is anything on stages ``0..k``
     trainable)? Nanotron sends no gradient across a cut behind a frozen prefix."""
-    trainable_up_to = [False] * plan.pp
-    for b, r in zip(blocks, plan.block_ranks):
-        if b.trainable > 0:
-            trainable_up_to[r] = True
-    for k in range(1, plan.pp):
-        trainable_up_to[k] = trainable_up_to[k] or trainable_up_to[k - 1]
-    return trainable_up_to[:-1]
+    before = trainable_before(blocks)
+    # Ranks never decrease along the blocks, so the blocks of stages 0..k are the first "count ≤ k" ones.
+    return [before[sum(r <= k for r in plan.block_ranks)] for k in range(plan.pp - 1)]
 
 
 def format_seconds(seconds: float) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 
 from nanotron_ext.cli import bundled_config
 from nanotron_ext.config import load_config
-from nanotron_ext.costs import in_flight, static_bytes, training_flops
+from nanotron_ext.costs import in_flight, static_bytes, trainable_before, training_flops
 from nanotron_ext.inventory import inventory_from_config
 
 
@@ -33,6 +33,9 @@ def test_frozen_prefix_costs_forward_only_and_frozen_after_trainable_costs_input
     # plus weight-gradient (nothing trainable before it, so no input-gradient); the frozen decoder.1 after it
     # costs forward plus input-gradient.
     frozen[1] = dec0
+    # 7 blocks: nothing trains before decoder.0, everything after it has decoder.0 before it.
+    assert trainable_before(frozen) == [False, False] + [True] * 6
+    assert trainable_before(blocks) == [False] + [True] * 7
     costs = training_flops(frozen)
     assert costs[0] == emb.flops_fwd == 64 * 16  # a gather: t·h, t = 2 sequences × 32 tokens
     assert costs[1] == dec0.flops_fwd + dec0.flops_bwd_weight
