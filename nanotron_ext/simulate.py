@@ -344,7 +344,8 @@ def simulate(
             per_stage[s].append(Op(s, "U", -1, pipeline_time, pipeline_time + stages[s].update))
     step_time = pipeline_time + max(st.update for st in stages)
     busy = [math.fsum(op.duration for op in ops) for ops in per_stage]
-    idle = [step_time - b for b in busy]
+    # max: float sums of a stage that never waits can round a hair above the step; idle is never negative.
+    idle = [max(0.0, step_time - b) for b in busy]
     return SimResult(
         engine=engine,
         n_micro_batches=m,
@@ -354,7 +355,11 @@ def simulate(
         idle=idle,
         bubble_fraction=_ratio(math.fsum(idle), pp * step_time),
         pipeline_bubble_fraction=_ratio(
-            math.fsum(pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U") for ops in per_stage),
+            # max, as for idle above.
+            math.fsum(
+                max(0.0, pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U"))
+                for ops in per_stage
+            ),
             pp * pipeline_time,
         ),
         peak_in_flight=[_peak_in_flight(ops) for ops in per_stage],
