@@ -54,14 +54,11 @@ when a check printed at the end fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
 import os
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from nanotron_ext.launch import free_port, kill_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -348,12 +347,6 @@ def worker(spec_path: str, out_path: str) -> None:
 # --- launching -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: bool = True) -> dict[str, Any]:
     """Run :func:`worker` in ``PP`` fresh processes with torchrun's environment; return rank 0's JSON.
 
@@ -368,7 +361,7 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
     with tempfile.TemporaryDirectory(prefix="measured_cpu_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, WORLD_SIZE=str(PP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        env = dict(os.environ, WORLD_SIZE=str(PP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         if malloc_env:
@@ -390,11 +383,8 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
                     break
                 time.sleep(0.2)
         finally:
-            for p in procs:  # each rank leads its own session: kill exactly that rank's process group
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            for p in procs:  # each rank leads its own session
+                kill_process_group(p)
         tails = []
         for rank, log in enumerate(logs):
             log.seek(0)

@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -48,6 +47,7 @@ from typing import Any
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.data import ByteTokenizer, PackedTextData, data_files_from_config, load_packed_windows
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
+from nanotron_ext.launch import free_port
 from nanotron_ext.plan import Plan
 from nanotron_ext.report import human_count, table
 
@@ -273,7 +273,7 @@ def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
             )
         # A single process needs no launcher: stand in for torchrun's rendezvous variables.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
     if missing:
         raise ConfigError(f"torchrun environment incomplete: {', '.join(missing)} not set; launch with torchrun")
@@ -285,12 +285,6 @@ def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
             f"is {world_size}"
         )
     return world_size, rank
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _get(raw: dict[str, Any], dotted: str, default: Any) -> Any:

@@ -20,8 +20,6 @@ import copy
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from nanotron_ext.launch import free_port, kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
@@ -68,28 +68,12 @@ class Launch:
         return "\n".join(parts)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})
     return env
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    # Each process runs in its own session: its process group is its pid, so only it and its children die.
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def _with_outputs(args: list[str], out_dir: Path) -> tuple[list[str], Path, Path]:
@@ -147,12 +131,12 @@ def launch_ranks(
                     for rank, proc in enumerate(procs):
                         if proc.poll() is None:
                             timed_out.add(rank)
-                            _kill(proc)
+                            kill_process_group(proc)
                     break
                 time.sleep(0.05)
         finally:
             for proc in procs:
-                _kill(proc)
+                kill_process_group(proc)
         elapsed = time.monotonic() - start
         ranks = []
         for rank, (proc, (out, err)) in enumerate(zip(procs, files)):
@@ -187,7 +171,7 @@ def torchrun(args: list[str], nproc: int, *, timeout: float = 90.0) -> Launch:
             stdout, stderr = proc.communicate(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            kill_process_group(proc)
             stdout, stderr = proc.communicate()
             timed_out = True
         return Launch([RankRun(0, None if timed_out else proc.returncode, stdout, stderr, timed_out)],

@@ -12,8 +12,6 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nanotron_ext.launch import free_port, kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,24 +68,6 @@ class RankOutcome:
     traceback: str | None = None
     output: str = ""
     timed_out: bool = False
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    # Each rank runs in its own session, so its process group id is its pid: this kills only that rank
-    # (and anything it spawned), never unrelated processes.
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def run_ranks(
@@ -186,12 +168,12 @@ def run_ranks(
                     for rank, proc in enumerate(procs):
                         if proc.poll() is None:
                             timed_out.add(rank)
-                            _kill(proc)
+                            kill_process_group(proc)
                     break
                 time.sleep(0.02)
         finally:
             for proc in procs:
-                _kill(proc)
+                kill_process_group(proc)
         outcomes = []
         for rank, (proc, log) in enumerate(zip(procs, logs)):
             log.seek(0)
