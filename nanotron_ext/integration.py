@@ -40,7 +40,8 @@ def build_model(
 
     Plans from the model's own blocks (built on ``meta``, nothing allocated), runs the static validator
     *before* any weight exists, then calls ``build_and_set_rank`` on every block exactly as Nanotron does and
-    sets ``input_pp_rank`` / ``output_pp_rank``. The plan is attached as ``model.nanotron_ext_plan``.
+    sets ``input_pp_rank`` / ``output_pp_rank``. The plan is attached as ``model.nanotron_ext_plan`` and the
+    inventory it was made from as ``model.nanotron_ext_blocks`` (:func:`apply_freeze_to_model` reuses it).
 
     Args:
         model_builder: returns the unbuilt ``NanotronModel`` (same on every rank).
@@ -70,16 +71,23 @@ def build_model(
     if cfg.run.pp != len(ranks):
         cfg = cfg.with_overrides(pp=len(ranks))
     model = model_builder()
-    plan = plan_for_model(model, cfg, strategy)
+    blocks = inventory_from_model(model, cfg)
+    plan = plan_for_model(model, cfg, strategy, blocks=blocks)
     assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,
                   device=device if device is not None else torch.device("cpu"))
     model.nanotron_ext_plan = plan
+    model.nanotron_ext_blocks = blocks
     return model
 
 
-def plan_for_model(model: Any, cfg: PlannerConfig, strategy: str | None = None) -> Plan:
-    """Plan and statically validate a model's split; raise with every finding if it cannot train."""
-    blocks = inventory_from_model(model, cfg)
+def plan_for_model(
+    model: Any, cfg: PlannerConfig, strategy: str | None = None, *, blocks: list[BlockInfo] | None = None
+) -> Plan:
+    """Plan and statically validate a model's split; raise with every finding if it cannot train.
+
+    ``blocks``: the model's inventory when the caller has it already (default: taken from the model).
+    """
+    blocks = blocks if blocks is not None else inventory_from_model(model, cfg)
     plan = make_plan(blocks, cfg, strategy)
     if not plan.ok:
         raise PlanningError(
@@ -93,13 +101,15 @@ def apply_freeze_to_model(model: Any, cfg: PlannerConfig, blocks: list[BlockInfo
     """Freeze, on this rank, the parameters the config's freeze spec names; returns how many were frozen.
 
     Every rank computes the same frozen set from the whole model's inventory, then touches only the
-    parameters it owns, so tied copies on different ranks are frozen alike.
+    parameters it owns, so tied copies on different ranks are frozen alike. The inventory is ``blocks``, else
+    the one :func:`build_model` attached, else rebuilt from the model (only names and roles are read).
     """
     spec = FreezeSpec.from_dict(cfg.ext.freeze)
     if spec is None:
         return 0
     unwrapped = getattr(model, "module", model)
-    blocks = blocks if blocks is not None else _full_inventory(unwrapped, cfg)
+    if blocks is None:
+        blocks = getattr(unwrapped, "nanotron_ext_blocks", None) or _full_inventory(unwrapped, cfg)
     frozen = frozen_names(spec, blocks, tied=tied_embedding_names(blocks, cfg.model.tie_word_embeddings))
     return freeze_module_parameters(unwrapped.named_parameters(), frozen)
 
