@@ -91,7 +91,7 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks) -> str | None:
         constrained = make_plan(blocks, cfg, "constrained")
         free = make_plan(blocks, cfg.with_overrides(allow_frozen_stages=True), "flops")
     except NanotronExtError as exc:
-        return "\n".join(lines + [f"  constrained: cannot plan ({_first_line(exc, 200)})"])
+        return "\n".join(lines + [f"  constrained: cannot plan ({first_line(exc, 200)})"])
     ratio = constrained.slowest_flops / free.slowest_flops if free.slowest_flops else float("nan")
     lines.append(table(
         ["plan", "stages", "slowest stage (train FLOPs/mb)", "stages with trainable", "vs frozen-allowed"],
@@ -109,7 +109,7 @@ def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
         try:
             plan = make_plan(blocks, cfg, name)
         except NanotronExtError as exc:
-            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {_first_line(exc)}"])
+            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(exc)}"])
             out.append({"strategy": name, "ok": False, "error": str(exc)})
             continue
         codes = ", ".join(f"{f.code}@{f.stage}" if f.stage is not None else f.code for f in plan.findings)
@@ -127,7 +127,8 @@ def _compare(cfg: PlannerConfig, blocks, *, as_json: bool) -> int:
     return EXIT_OK if selected_ok else EXIT_INVALID
 
 
-def _first_line(exc: Exception, width: int = 72) -> str:
+def first_line(exc: object, width: int = 72) -> str:
+    """The first line of an error message, cut to ``width`` characters with an ellipsis (for table cells)."""
     line = str(exc).splitlines()[0]
     return line if len(line) <= width else line[: width - 1] + "…"
 

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from nanotron_ext.cli import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
+from nanotron_ext.cli import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args, first_line
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
@@ -425,7 +425,7 @@ def _compare(
     entries: list[dict[str, Any]] = []
     for name, plan, result, error in runs:
         if plan is None or result is None:
-            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {error.splitlines()[0][:70]}"])
+            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(error)}"])
             entries.append({"strategy": name, "ok": False, "error": error})
             continue
         per_stage = [s.forward + s.backward for s in result.stages]
