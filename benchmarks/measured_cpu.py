@@ -71,7 +71,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.launch import free_port, kill_process_group
+from nanotron_ext.runtime.launch import free_port, kill_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -238,11 +238,12 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nanotron_ext import profiled
     from nanotron_ext.config import config_from_dict
+    from nanotron_ext.costs import measured as profiled
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.runtime.modules import llama_config_from_shape
     from nanotron_ext.runtime.timing import StepTimer, summarize
 
     spec = json.loads(Path(spec_path).read_text())
@@ -257,7 +258,7 @@ def worker(spec_path: str, out_path: str) -> None:
         timings = profiled.block_timings(blocks, cfg, warmup=3, repeats=9)
         profile_s = time.perf_counter() - t0
         plans = {name: make_plan(blocks, cfg, name) for name in STRATEGIES}  # profiled: from the cache now
-        lcfg = profiled.llama_config_from_shape(cfg)
+        lcfg = llama_config_from_shape(cfg)
         # One model per distinct split, all alive at once, stepped round-robin: load from other processes on a
         # shared machine then slows every split alike instead of whichever happened to run during it.
         runs: dict[str, dict[str, Any]] = {}
@@ -553,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _timeline(sc: Scenario, sims: dict[str, Any], rows: list[Row], blocks: Sequence[dict]) -> None:
     """The simulated schedule of the profiled plan's measured run, as a PNG in ``benchmarks/results``."""
-    from nanotron_ext.timeline import plot_timeline
+    from nanotron_ext.simulate.timeline import plot_timeline
 
     sim, plan = sims["profiled"]
     row = next(r for r in rows if r.strategy == "profiled")

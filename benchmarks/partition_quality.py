@@ -39,14 +39,15 @@ from _common import (
     transcriptions,
 )
 
+from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.costs import training_flops
 from nanotron_ext.errors import NanotronExtError
-from nanotron_ext.inventory import BlockInfo, inventory_from_config
-from nanotron_ext.partition import partition
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition import nanotron_greedy_ranks, partition
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
-from nanotron_ext.strategies import Assignment, nanotron_greedy_ranks, register_strategy
+from nanotron_ext.strategies import Assignment, register_strategy
 
 RTOL = 1e-9
 

@@ -1,7 +1,7 @@
 """Simulated step time and bubble of every strategy's plan, under Nanotron's 1F1B schedule.
 
 For each public model shape (``nanotron_ext/configs/*.yaml``) at PP 2/4/8, each strategy's plan is turned
-into per-stage forward/backward times by the FLOP-rate model (``nanotron_ext.simulate_cli.
+into per-stage forward/backward times by the FLOP-rate model (``nanotron_ext.simulate.
 stage_times_from_plan``) and simulated with the config's micro-batch count. Printed per strategy: step time
 ÷ the fastest valid plan's, and the bubble (idle) fraction; beside them the equal-stage ideal
 ``(p−1)/(m+p−1)``. With p2p ignored (the default) both numbers are independent of the throughput.
@@ -25,8 +25,8 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.simulate import ideal_bubble_fraction
-from nanotron_ext.simulate_cli import DEFAULT_TFLOPS, simulate_plan, stage_labels
-from nanotron_ext.timeline import plot_stage_loads, plot_timeline
+from nanotron_ext.simulate.stage_times import DEFAULT_TFLOPS, simulate_plan, stage_labels
+from nanotron_ext.simulate.timeline import plot_stage_loads, plot_timeline
 
 ENGINE = "1f1b"
 PICTURE = ("Llama-3.2-1B", 8, ("nanotron", "constrained"))

@@ -8,12 +8,12 @@ The pure core runs without a GPU or a process group::
     print(plan.table())
 """
 
+from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import ExtConfig, PlannerConfig, load_config
 from nanotron_ext.errors import ConfigError, LayoutError, NanotronExtError, PlanningError
-from nanotron_ext.inventory import BlockInfo, inventory_from_config
-from nanotron_ext.plan import Plan, StagePlan, make_plan
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.plan import Finding, Plan, StagePlan, make_plan, validate_plan
 from nanotron_ext.strategies import available_strategies, get_strategy, register_strategy
-from nanotron_ext.validate import Finding, validate_plan
 
 __all__ = [
     "BlockInfo",

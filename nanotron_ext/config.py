@@ -14,14 +14,30 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
 
 from nanotron_ext.errors import ConfigError
+from nanotron_ext.schedule import Engine
 
-Engine = Literal["1f1b", "afab"]
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "DTYPE_BYTES",
+    "DType",
+    "EXT_SECTION",
+    "ExtConfig",
+    "ModelShape",
+    "PlannerConfig",
+    "RunShape",
+    "bundled_config",
+    "config_from_dict",
+    "load_config",
+    "split_ext_keys",
+]
+
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 EXT_SECTION = "nanotron_ext"
@@ -103,7 +119,7 @@ class ExtConfig:
         memory_cap_gib: optional per-stage memory ceiling the partitioner must respect.
         allow_frozen_stages: let a stage hold only frozen blocks (no optimizer, no DDP there).
         projector: add a trainable projector block after the embedding (CPU model only).
-        freeze: which modules to freeze (see ``nanotron_ext.freeze``); ``None`` trains everything.
+        freeze: which modules to freeze (see ``nanotron_ext.inventory.freeze``); ``None`` trains everything.
         profile_cache: directory of the ``profiled`` strategy's timing cache.
     """
 
@@ -161,6 +177,11 @@ class PlannerConfig:
         if pp is not None and "parallelism" in nanotron:
             nanotron["parallelism"]["pp"] = pp
         return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
+
+
+def bundled_config(name: str = "tiny_llama_large_vocab.yaml") -> Path:
+    """Path of a config shipped with the package (the default of ``plan``, ``simulate`` and ``train``)."""
+    return Path(str(resources.files("nanotron_ext") / "configs" / name))
 
 
 def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int | None = None) -> PlannerConfig:

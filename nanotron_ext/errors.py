@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError"]
+
 
 class NanotronExtError(ValueError):
     """Base class of every user-facing error in nanotron_ext."""
@@ -17,3 +19,7 @@ class PlanningError(NanotronExtError):
 
 class LayoutError(NanotronExtError):
     """An explicit layout string cannot be parsed or does not fit the model."""
+
+
+class PipelineValidationError(NanotronExtError, RuntimeError):
+    """Raised on every rank at once when some PP rank would have no gradient."""

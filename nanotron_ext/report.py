@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = ["compact_names", "first_line", "human_bytes", "human_count", "table"]
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
     """Format rows under headers; numbers right-aligned, text left-aligned.
@@ -81,3 +83,9 @@ def compact_names(shorts: Sequence[str]) -> str:
             parts.append(name)
     flush()
     return ", ".join(parts) if parts else "(empty)"
+
+
+def first_line(exc: object, width: int = 72) -> str:
+    """The first line of an error message, cut to ``width`` characters with an ellipsis (for table cells)."""
+    line = str(exc).splitlines()[0]
+    return line if len(line) <= width else line[: width - 1] + "…"

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from nanotron_ext.cli import bundled_config, main
+from nanotron_ext.cli import main
+from nanotron_ext.config import bundled_config
 
 
 def test_nanotron_rule_exits_1_with_cause_and_fix(capsys):

@@ -8,8 +8,7 @@ import pytest
 import yaml
 from nanotron.config.config import Config, get_config_from_dict
 
-from nanotron_ext.cli import bundled_config
-from nanotron_ext.config import config_from_dict, load_config, split_ext_keys
+from nanotron_ext.config import bundled_config, config_from_dict, load_config, split_ext_keys
 from nanotron_ext.errors import ConfigError
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanotron_ext.cli import bundled_config
-from nanotron_ext.config import load_config
+from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import in_flight, static_bytes, trainable_before, training_flops
 from nanotron_ext.inventory import inventory_from_config
 

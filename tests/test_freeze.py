@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from nanotron_ext import make_plan
-from nanotron_ext.cli import bundled_config
-from nanotron_ext.config import load_config
+from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.freeze import FreezeSpec, frozen_names
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.inventory.freeze import FreezeSpec, frozen_names
 
 
 def planned(freeze, pp=2, projector=False, **ext):

@@ -1,4 +1,4 @@
-"""Tests for ``nanotron-ext simulate`` and the FLOP-rate stage-time model (nanotron_ext.simulate_cli)."""
+"""Tests for ``nanotron-ext simulate`` and the FLOP-rate stage-time model (nanotron_ext.simulate.stage_times)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import re
 import pytest
 import yaml
 
-from nanotron_ext.cli import bundled_config, main
-from nanotron_ext.config import load_config
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.cli import main
+from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import training_flops
+from nanotron_ext.costs.measured import BlockTiming
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.inventory import BlockInfo, inventory_from_config
+from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import Plan
-from nanotron_ext.profiled import BlockTiming
 from nanotron_ext.simulate import StageTimes, simulate
-from nanotron_ext.simulate_cli import (
+from nanotron_ext.simulate.stage_times import (
     format_seconds,
     gradient_cuts,
     simulate_plan,

@@ -7,15 +7,14 @@ import dataclasses
 import pytest
 
 from nanotron_ext import make_plan
-from nanotron_ext.cli import bundled_config
-from nanotron_ext.config import load_config
+from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition import nanotron_greedy_ranks
 from nanotron_ext.strategies import (
     Assignment,
     available_strategies,
     get_strategy,
-    nanotron_greedy_ranks,
     register_strategy,
 )
 
@@ -77,6 +76,20 @@ def test_constrained_with_too_few_trainable_blocks_explains_both_ways_out(tiny):
     assert plan.ok and [f.code for f in plan.findings] == ["no-trainable"]  # a warning now
 
 
+def test_profiled_and_constrained_refuse_fewer_trainable_blocks_than_stages_alike(tiny, tmp_path):
+    cfg, blocks = tiny
+    blocks = [dataclasses.replace(b, trainable=b.params if b.role == "lm_head" else 0) for b in blocks]
+    cfg = cfg.with_overrides(profile_cache=str(tmp_path))  # nothing gets measured: the check comes first
+    errors = {}
+    for name in ("constrained", "profiled"):
+        with pytest.raises(PlanningError) as info:
+            make_plan(blocks, cfg, name)
+        errors[name] = str(info.value)
+    assert errors["profiled"] == errors["constrained"]
+    assert errors["profiled"].startswith("pp=2 but only 1 blocks are trainable (lm_head)")
+    assert not list(tmp_path.iterdir())
+
+
 def test_memory_cap_is_respected_or_explained(tiny):
     cfg, blocks = tiny
     roomy = cfg.with_overrides(memory_cap_gib=1.0)
@@ -116,7 +129,7 @@ def test_register_and_import_path(tiny):
     assert make_plan(blocks, cfg, "test-last-block-alone").block_ranks == (0, 0, 0, 0, 0, 0, 1)
     with pytest.raises(ConfigError, match="already registered"):
         register_strategy("flops")(LastAlone)
-    by_path = make_plan(blocks, cfg, "nanotron_ext.strategies:Uniform")
+    by_path = make_plan(blocks, cfg, "nanotron_ext.strategies.builtin:Uniform")
     assert by_path.block_ranks == make_plan(blocks, cfg, "uniform").block_ranks
     with pytest.raises(ConfigError, match="cannot be imported"):
         get_strategy("nanotron_ext.nope:Thing")

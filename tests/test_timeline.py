@@ -1,4 +1,4 @@
-"""Tests for the PNG pictures (nanotron_ext.timeline)."""
+"""Tests for the PNG pictures (nanotron_ext.simulate.timeline)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_ext import timeline
-from nanotron_ext.simulate import StageTimes, simulate
-from nanotron_ext.timeline import plot_stage_loads, plot_timeline
+from nanotron_ext.simulate import StageTimes, simulate, timeline
+from nanotron_ext.simulate.timeline import plot_stage_loads, plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -204,14 +204,14 @@ def test_one_f_one_b_with_pp_minus_one_micro_batches_warns_and_trains(tmp_path: 
 
 @pytest.fixture(scope="module")
 def windows():
-    from nanotron_ext.data import bundled_corpus, load_packed_windows
+    from nanotron_ext.runtime.data import bundled_corpus, load_packed_windows
 
     return load_packed_windows([bundled_corpus()], 32)
 
 
 def test_byte_tokenizer_round_trip() -> None:
-    from nanotron_ext.data import ByteTokenizer
     from nanotron_ext.errors import ConfigError
+    from nanotron_ext.runtime.data import ByteTokenizer
 
     tok = ByteTokenizer()
     ids = tok.encode("pipeline → stage", add_bos=True, add_eos=True)
@@ -224,7 +224,7 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 def test_packed_windows_are_deterministic_and_dp_shards_disjoint(windows) -> None:
-    from nanotron_ext.data import PackedTextData
+    from nanotron_ext.runtime.data import PackedTextData
 
     assert windows.shape[1] == 33 and len(windows) > 1000
     shards = [PackedTextData(windows, 2, dp_rank=r, dp_size=2, seed=7) for r in range(2)]
@@ -242,8 +242,8 @@ def test_packed_windows_are_deterministic_and_dp_shards_disjoint(windows) -> Non
 
 
 def test_data_files_from_config(tmp_path: Path) -> None:
-    from nanotron_ext.data import bundled_corpus, data_files_from_config
     from nanotron_ext.errors import ConfigError
+    from nanotron_ext.runtime.data import bundled_corpus, data_files_from_config
 
     assert data_files_from_config({"data": {"dataset": None}}) == [bundled_corpus()]
     assert data_files_from_config({}) == [bundled_corpus()]

@@ -91,9 +91,8 @@ def profiled_plan(cache_root: str, perturb_rank: int) -> dict[str, Any]:
     """
     import dataclasses
 
-    from nanotron_ext import profiled
-    from nanotron_ext.cli import bundled_config
-    from nanotron_ext.config import load_config
+    from nanotron_ext.config import bundled_config, load_config
+    from nanotron_ext.costs import measured as profiled
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext

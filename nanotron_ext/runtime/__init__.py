@@ -1,16 +1,16 @@
-"""CPU runtime for Nanotron 0.2: gloo context, flash-attn-free Llama, block placement, training steps.
+"""Runtime: training on CPU through Nanotron 0.2's real engines — gloo context, flash-attn-free Llama, data,
+the training loop, and the modules the ``profiled`` strategy times.
 
 Everything parallel is Nanotron's own code (PipelineBlock, P2P, pipeline engines, tensor-parallel layers,
 optimizer builders); only the parallel context and the model's attention/norm kernels are replaced.
 """
 
+from nanotron_ext.integration.build import assign_blocks, pipeline_blocks
 from nanotron_ext.runtime.build import (
-    assign_blocks,
     build_cpu_llama,
     init_weights,
     mark_tied_parameters,
     nanotron_block_ranks,
-    pipeline_blocks,
     wrap_ddp,
 )
 from nanotron_ext.runtime.context import GlooParallelContext

@@ -1,8 +1,7 @@
-"""Building a Nanotron model on CPU: block-to-rank assignment, parameter tying, initialisation.
+"""Building a Nanotron model on CPU: parameter tying, initialisation, DDP, and Nanotron's own split.
 
-``assign_blocks`` is the thin adapter the planner needs: it does what ``nanotron.models.base.build_model``
-does after its greedy split, but with the ranks given explicitly. ``nanotron_block_ranks`` reports what
-Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
+Blocks are placed by the adapter's ``assign_blocks`` (:mod:`nanotron_ext.integration.build`);
+``nanotron_block_ranks`` reports what Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
 trainer's function of the same name (``nanotron.trainer`` imports flash-attn and cannot be imported on CPU).
 """
 
@@ -14,10 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from nanotron import distributed as dist
 from nanotron.config import LlamaConfig, ParallelismArgs
-from nanotron.models.base import NanotronModel, build_model, init_on_device_and_dtype
+from nanotron.models.base import NanotronModel, build_model
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.parameters import NanotronParameter, sanity_check
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.utils import get_pp_rank_of
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode, TensorParallelRowLinear
 from nanotron.parallel.tied_parameters import create_pg_for_tied_weights, get_tied_id_to_param, tie_parameters
@@ -25,92 +23,18 @@ from nanotron.utils import init_method_normal, scaled_init_method_normal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_ext.integration.build import assign_blocks, pipeline_blocks
 from nanotron_ext.runtime.llama import CPULlamaForTraining
 
 __all__ = [
-    "assign_blocks",
     "build_cpu_llama",
     "init_weights",
     "mark_tied_parameters",
     "nanotron_block_ranks",
-    "pipeline_blocks",
     "wrap_ddp",
 ]
 
 CPU = torch.device("cpu")
-
-
-def pipeline_blocks(model: nn.Module) -> list[tuple[str, PipelineBlock]]:
-    """The model's ``PipelineBlock``s in ``named_modules()`` order, which Nanotron assumes is forward order.
-
-    Args:
-        model: a Nanotron model (DDP-wrapped or not).
-
-    Returns:
-        ``[(module path, block), ...]``, e.g. ``("model.decoder.0", block)``.
-    """
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, PipelineBlock)]
-
-
-def assign_blocks(
-    model: NanotronModel,
-    parallel_context: ParallelContext,
-    block_ranks: Sequence[int],
-    dtype: torch.dtype = torch.float32,
-    device: torch.device = CPU,
-) -> NanotronModel:
-    """Build each pipeline block on its given PP rank, exactly as ``build_model`` does after choosing ranks.
-
-    Args:
-        model: an unbuilt model (no ``build_and_set_rank`` called yet), identical on every rank.
-        parallel_context: the context whose ``pp_pg`` the model's P2P uses.
-        block_ranks: one PP rank per block, in ``pipeline_blocks(model)`` order. Must be non-decreasing
-            (a pipeline is a contiguous split) and within ``[0, pp_size)``.
-        dtype: parameter dtype.
-        device: parameter device (CPU here).
-
-    Returns:
-        The same model, with ``input_pp_rank`` / ``output_pp_rank`` set as Nanotron sets them.
-
-    Raises:
-        ValueError: wrong number of ranks, a rank out of range, or ranks that go backwards.
-    """
-    blocks = pipeline_blocks(model)
-    ranks = [int(r) for r in block_ranks]
-    pp_size = parallel_context.pp_pg.size()
-    if len(ranks) != len(blocks):
-        names = ", ".join(name for name, _ in blocks)
-        raise ValueError(
-            f"block_ranks has {len(ranks)} entries but the model has {len(blocks)} pipeline blocks "
-            f"({names}); give exactly one PP rank per block, in this order."
-        )
-    bad = [(name, r) for (name, _), r in zip(blocks, ranks) if not 0 <= r < pp_size]
-    if bad:
-        raise ValueError(
-            f"PP ranks must be in [0, {pp_size}) for pipeline_parallel_size={pp_size}; got "
-            + ", ".join(f"{name}->{r}" for name, r in bad)
-        )
-    backwards = [
-        (blocks[i - 1][0], ranks[i - 1], blocks[i][0], ranks[i])
-        for i in range(1, len(ranks))
-        if ranks[i] < ranks[i - 1]
-    ]
-    if backwards:
-        a, ra, b, rb = backwards[0]
-        raise ValueError(
-            f"block_ranks must be non-decreasing (contiguous pipeline stages): {a} is on rank {ra} but the "
-            f"next block {b} is on rank {rb}. Full assignment: {ranks}."
-        )
-    with init_on_device_and_dtype(device=device, dtype=dtype):
-        for (_, block), rank in zip(blocks, ranks):
-            block.build_and_set_rank(rank)
-    # build_model sets input to the first target rank and output to the rank its walk ended on, i.e. the
-    # last block's rank; with an explicit contiguous assignment both are simply the ends.
-    model.input_pp_rank = ranks[0]
-    model.output_pp_rank = ranks[-1]
-    return model
 
 
 def nanotron_block_ranks(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from nanotron import distributed as dist
@@ -38,6 +38,7 @@ from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
 from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.runtime.p2p import wait_pending_sends
+from nanotron_ext.schedule import Engine, min_micro_batches
 
 __all__ = [
     "EngineName",
@@ -49,10 +50,10 @@ __all__ = [
     "train_steps",
 ]
 
-EngineName = Literal["1f1b", "afab"]
+EngineName = Engine
 MicroBatch = dict[str, torch.Tensor | TensorPointer]
 
-_ENGINES: dict[str, type[PipelineEngine]] = {
+_ENGINES: dict[Engine, type[PipelineEngine]] = {
     "1f1b": OneForwardOneBackwardPipelineEngine,
     "afab": AllForwardAllBackwardPipelineEngine,
 }
@@ -258,10 +259,8 @@ def train_step(
     if n_micro_batches < 1:
         raise ValueError(f"n_micro_batches must be >= 1, got {n_micro_batches}.")
     pipeline_engine = make_engine(engine)
-    if (
-        isinstance(pipeline_engine, OneForwardOneBackwardPipelineEngine)
-        and n_micro_batches < pp_pg.size() - 1
-    ):
+    engine_name = "1f1b" if isinstance(pipeline_engine, OneForwardOneBackwardPipelineEngine) else "afab"
+    if n_micro_batches < min_micro_batches(engine_name, pp_pg.size()):
         raise ValueError(
             f"The 1F1B engine needs at least pp-1={pp_pg.size() - 1} micro-batches per step, got "
             f"{n_micro_batches}; raise batch_accumulation_per_replica or use 'afab'."
@@ -317,16 +316,16 @@ def train_steps(
     batches_iter: Iterable[MicroBatch],
     n_micro_batches: int,
     optimizer: BaseOptimizer | torch.optim.Optimizer | None,
-    grad_accumulator: GradientAccumulator | None = None,
+    *,
     n_steps: int = 1,
-    clip_grad: float | None = None,
-    lr_scheduler: Any | None = None,
+    **step_kwargs: Any,
 ) -> list[float]:
-    """``n_steps`` calls of ``train_step`` over one micro-batch stream.
+    """``n_steps`` calls of :func:`train_step` over one micro-batch stream.
 
     Args:
         batches_iter: micro-batch stream; ``n_steps * n_micro_batches`` micro-batches are consumed.
         n_steps: number of optimisation steps.
+        step_kwargs: passed to every :func:`train_step` (``grad_accumulator``, ``clip_grad``, ``lr_scheduler``).
         Others: as in ``train_step``.
 
     Returns:
@@ -335,16 +334,6 @@ def train_steps(
     pipeline_engine = make_engine(engine)
     iterator = iter(batches_iter)
     return [
-        train_step(
-            model,
-            parallel_context,
-            pipeline_engine,
-            iterator,
-            n_micro_batches,
-            optimizer,
-            grad_accumulator=grad_accumulator,
-            clip_grad=clip_grad,
-            lr_scheduler=lr_scheduler,
-        )
+        train_step(model, parallel_context, pipeline_engine, iterator, n_micro_batches, optimizer, **step_kwargs)
         for _ in range(n_steps)
     ]

@@ -36,6 +36,7 @@ from nanotron.parallel.tensor_parallel.nn import (
 from nanotron.random import RandomStates
 from torch import nn
 
+from nanotron_ext.inventory.llama import llama_class_costs
 from nanotron_ext.runtime.p2p import CPUP2P
 
 __all__ = [
@@ -579,14 +580,11 @@ class CPULlamaModel(nn.Module):
 
     def get_block_compute_costs(self) -> dict[type, int]:
         """Nanotron's exact per-class costs (so ``build_model``'s greedy split behaves as on GPU)."""
-        config = self.config
-        d_ff = config.intermediate_size
-        d_qkv = config.hidden_size // config.num_attention_heads
-        return {
-            LlamaDecoderLayer: 4 * config.num_attention_heads * d_qkv * config.hidden_size
-            + 3 * d_ff * config.hidden_size,
-            TensorParallelColumnLinear: config.vocab_size * config.hidden_size,
-        }
+        c = self.config
+        by_name = llama_class_costs(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
+        classes = {cls.__name__: cls for cls in (LlamaDecoderLayer, TensorParallelColumnLinear)}
+        return {classes[name]: cost for name, cost in by_name.items()}
 
 
 def _name_seed(base_seed: int, name: str) -> int:
@@ -732,28 +730,3 @@ class CPULlamaForTraining(NanotronModel):
     def get_block_compute_costs(self) -> dict[type, int]:
         """Nanotron's formula, keyed by block builder class."""
         return self.model.get_block_compute_costs()
-
-    def get_flops_per_sec(
-        self, iteration_time_in_sec: float, sequence_length: int, global_batch_size: int
-    ) -> tuple[float, float]:
-        """Model TFLOP/s per process (Nanotron's ``get_flops`` formula, no recomputation).
-
-        Returns:
-            ``(model_tflops_per_s, hardware_tflops_per_s)`` — equal here, as nothing is recomputed.
-        """
-        config = self.config
-        n_kv = config.num_key_value_heads or config.num_attention_heads
-        h, s, b, n_layers = config.hidden_size, sequence_length, global_batch_size, config.num_hidden_layers
-        d_head = h // config.num_attention_heads
-        decoder = n_layers * (
-            2 * b * s * h * config.num_attention_heads * d_head
-            + 2 * b * s * h * 2 * n_kv * d_head
-            + 4 * b * config.num_attention_heads * s * s * d_head
-            + 2 * b * config.num_attention_heads * s * d_head * h
-            + 6 * b * s * h * config.intermediate_size
-        )
-        lm_head = 2 * b * s * h * config.vocab_size
-        model_flops = 3 * (decoder + lm_head)
-        world_size = self.parallel_context.world_pg.size()
-        per_s = model_flops / (iteration_time_in_sec * world_size * 1e12)
-        return per_s, per_s

@@ -1,4 +1,4 @@
-"""The cost model: FLOPs and bytes per block and micro-batch (DESIGN.md, "Cost model").
+"""The analytic cost model: FLOPs and bytes per block and micro-batch.
 
 With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vocabulary:
 
@@ -7,7 +7,7 @@ With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vo
   (full, not causal-halved: torch SDPA on CPU computes the whole square);
 * lm_head forward ``2·t·h·V``; cast ``t·V``; cross-entropy about ``5·t·V`` forward, ``3·t·V`` backward.
 
-Training work of a block depends on what is trainable (DESIGN.md): a frozen block pays no weight-gradient
+Training work of a block depends on what is trainable: a frozen block pays no weight-gradient
 work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
 it), so a fully frozen prefix costs forward only.
 """
@@ -16,12 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from nanotron_ext.config import DTYPE_BYTES, Engine, ModelShape, RunShape
+from nanotron_ext.blocks import BlockInfo, Role
+from nanotron_ext.config import DTYPE_BYTES, ModelShape, RunShape
+from nanotron_ext.schedule import Engine
 
-if TYPE_CHECKING:
-    from nanotron_ext.inventory import BlockInfo, Role
+__all__ = [
+    "GIB",
+    "BlockWork",
+    "block_work",
+    "decoder_linear_params",
+    "in_flight",
+    "stage_memory_bytes",
+    "static_bytes",
+    "trainable_before",
+    "training_flops",
+]
 
 GIB = float(1 << 30)
 
@@ -49,7 +59,7 @@ def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> Blo
     """Work of a block by role.
 
     Args:
-        role: the block's role (see ``nanotron_ext.inventory.Role``).
+        role: the block's role (see ``nanotron_ext.blocks.Role``).
         m: model shape.
         run: batch shape and dtype.
         params: the block's parameter count; prices ``projector``/``other`` blocks as a linear layer.

@@ -1,24 +1,39 @@
-"""A plan: which blocks each pipeline stage holds, what that costs, and whether it can train.
-
-Plans are plain data: they print as a table, compare with ``==`` on the block→stage map, and serialise to
-JSON.
-"""
+"""The plain data of a plan: stages, findings and the plan itself; they print, compare and serialise."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
-from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs import stage_memory_bytes, training_flops
-from nanotron_ext.errors import PlanningError
-from nanotron_ext.inventory import BlockInfo
-from nanotron_ext.partition import partition
-from nanotron_ext.report import compact_names, human_bytes, human_count, table
-from nanotron_ext.strategies import get_strategy
-from nanotron_ext.validate import Finding, validate_plan
+from nanotron_ext.report import human_bytes, human_count, table
+
+__all__ = ["Finding", "Plan", "Severity", "StagePlan"]
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem with a plan.
+
+    Attributes:
+        severity: ``error`` (training would fail) or ``warning`` (it would run, badly).
+        code: stable identifier, e.g. ``no-params``.
+        stage: the PP rank concerned, or ``None`` for the whole plan.
+        message: what is wrong and why.
+        fix: what to change.
+    """
+
+    severity: Severity
+    code: str
+    stage: int | None
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = f"stage {self.stage}" if self.stage is not None else "plan"
+        return f"{self.severity.upper()} [{where}] {self.message}\n  fix: {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,12 @@ class Plan:
         step = (m - 1) * max(loads) + total
         return 1.0 - m * total / (p * step) if step else 0.0
 
+    @property
+    def verdict(self) -> str:
+        """``OK`` or ``INVALID``, with the findings' codes: ``INVALID (no-params@1)``."""
+        codes = ", ".join(f"{f.code}@{f.stage}" if f.stage is not None else f.code for f in self.findings)
+        return ("OK" if self.ok else "INVALID") + (f" ({codes})" if codes else "")
+
     def stage_map(self) -> str:
         """``0-4|5-6``: the block index range of each stage (``-`` for an empty one)."""
         parts = []
@@ -124,61 +145,3 @@ class Plan:
         head = ["stage", "blocks", "params", "trainable", f"share ({self.unit})", "train FLOPs/mb",
                 "memory", "verdict"]
         return table(head, rows)
-
-
-def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None) -> Plan:
-    """Plan the split of ``blocks`` into ``cfg.run.pp`` stages with one strategy, and validate it.
-
-    Args:
-        blocks: the inventory (:mod:`nanotron_ext.inventory`).
-        cfg: config; ``cfg.ext.cost_strategy`` is used unless ``strategy`` is given.
-        strategy: a registered name or ``package.module:attr``.
-
-    Returns:
-        The :class:`Plan`, findings included (check ``plan.ok``).
-
-    Raises:
-        ConfigError: unknown strategy or bad option.
-        PlanningError: no split satisfies the strategy's constraints.
-    """
-    name = strategy or cfg.ext.cost_strategy
-    assignment = get_strategy(name).assign(blocks, cfg)
-    pp = cfg.run.pp
-    ranks = list(assignment.ranks)
-    if len(ranks) != len(blocks) or any(not (0 <= r < pp) for r in ranks):
-        raise PlanningError(f"strategy {name!r} returned ranks {ranks} for {len(blocks)} blocks and pp={pp}")
-    if any(b < a for a, b in zip(ranks, ranks[1:])):
-        raise PlanningError(f"strategy {name!r} returned non-contiguous stages {ranks}")
-    flops = training_flops(blocks)
-    total_cost = sum(assignment.costs) or 1.0
-    stages = []
-    for k in range(pp):
-        members = [b for b, r in zip(blocks, ranks) if r == k]
-        cost = sum(c for c, r in zip(assignment.costs, ranks) if r == k)
-        stages.append(
-            StagePlan(
-                stage=k,
-                blocks=tuple(b.name for b in members),
-                label=compact_names([b.short for b in members]),
-                params=sum(b.params for b in members),
-                trainable=sum(b.trainable for b in members),
-                cost=cost,
-                share=cost / total_cost,
-                flops=sum(f for f, r in zip(flops, ranks) if r == k),
-                memory_bytes=stage_memory_bytes(members, cfg.run, k),
-            )
-        )
-    optimum = partition(flops, pp).max_cost if pp <= len(blocks) else 0.0
-    plan = Plan(
-        strategy=name,
-        pp=pp,
-        engine=cfg.run.engine,
-        n_micro_batches=cfg.run.n_micro_batches,
-        unit=assignment.unit,
-        block_names=tuple(b.name for b in blocks),
-        block_ranks=tuple(ranks),
-        block_costs=tuple(assignment.costs),
-        stages=tuple(stages),
-        optimum_flops=optimum,
-    )
-    return replace(plan, findings=tuple(validate_plan(plan, blocks, cfg)))

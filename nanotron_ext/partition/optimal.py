@@ -1,4 +1,4 @@
-"""Optimal contiguous partition of blocks into pipeline stages, under constraints.
+"""The optimal contiguous split of blocks into pipeline stages, under constraints.
 
 Objective, in order: minimise the slowest stage (the pipeline's pace), then among those splits minimise the
 sum of squared stage costs (the most even one). Both are exact dynamic programmes over split points,
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
+
+__all__ = ["MemoryCap", "Partition", "Requirement", "partition"]
 
 _RTOL = 1e-9
 

@@ -11,10 +11,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanotron_ext.simulate.engine import SimResult, ideal_bubble_fraction
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from nanotron_ext.simulate import SimResult
+__all__ = ["plot_stage_loads", "plot_timeline"]
 
 DPI = 150
 FORWARD_COLOR = "#4C72B0"
@@ -34,7 +36,7 @@ def plot_timeline(
     """Draw one row per stage (stage 0 on top): forward, backward and update boxes over a hatched idle background.
 
     Args:
-        result: output of :func:`nanotron_ext.simulate.simulate`.
+        result: output of :func:`nanotron_ext.simulate.engine.simulate`.
         path: where to write the PNG (parent folders are created).
         title: first title line; the bubble fraction and step time are always added below it.
         stage_labels: one label per stage; default ``"stage s (PP rank s)"``.
@@ -46,8 +48,6 @@ def plot_timeline(
         ValueError: if ``stage_labels`` does not have one entry per stage.
     """
     from matplotlib.patches import Patch
-
-    from nanotron_ext.simulate import ideal_bubble_fraction
 
     pp = result.pp
     labels = (

@@ -1,14 +1,14 @@
-"""The ``profiled`` cost strategy: each block's forward and backward time, measured on this machine.
+"""Measured costs: each block's forward, backward and optimizer-step time on this machine.
 
 Analytic FLOPs miss what real kernels do: a thin ``[t, h] × [h, V]`` lm_head is memory-bound, attention and
 the loss are slower per FLOP than large matmuls, the embedding's backward fills a dense ``V × h`` gradient.
-``profiled`` builds each block's module standalone (the CPU Llama modules of
-:mod:`nanotron_ext.runtime.llama`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
+The ``profiled`` strategy builds each block's module standalone (by default the CPU Llama modules of
+:mod:`nanotron_ext.runtime.modules`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
 hidden]`` layout), and times forward and backward separately: a few warm-up runs, then the median of
 ``repeats``. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
 only asks for a gradient when some block before it is trainable, so a frozen prefix costs forward only
-(the same rule as :func:`nanotron_ext.costs.training_flops`).
+(the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
 
 Timings are cached on disk as one small JSON file per measurement, keyed by a hash of everything a block's
 time depends on (model shape, batch shape, dtype, torch version, device, thread count, block role, which
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import statistics
@@ -38,23 +39,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs import trainable_before
+from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.inventory import BlockInfo
-from nanotron_ext.strategies import Assignment, optimal_assignment, register_strategy
 
 if TYPE_CHECKING:
     import torch
-    from nanotron.config import LlamaConfig
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
+    "DEFAULT_MODULE_FACTORY",
     "BlockTiming",
-    "Profiled",
+    "ModuleFactory",
     "block_timings",
     "cache_dir_for",
-    "llama_config_from_shape",
     "measure_block",
     "profile_blocks",
     "profile_key",
@@ -65,7 +64,11 @@ PROFILE_VERSION = 2  # 2: the optimizer step is timed too
 DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 5
-MEASURABLE_ROLES = ("embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss")
+#: ``factory(block, cfg, tp_pg)`` builds the module (or callable) that one block runs, for timing.
+ModuleFactory = Callable[[BlockInfo, PlannerConfig, Any], Callable[..., Any]]
+#: The modules timed by default: the CPU runtime's Llama blocks (torch SDPA attention runs on CPU and GPU).
+#: Named rather than imported, so that planning loads the runtime only when something is measured.
+DEFAULT_MODULE_FACTORY = "nanotron_ext.runtime.modules:build_block_module"
 
 #: The clock every measurement reads (a module attribute so that tests can substitute a fake one).
 clock: Callable[[], float] = time.perf_counter
@@ -175,51 +178,11 @@ def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
 # --- building and measuring one block ------------------------------------------------------------------
 
 
-def llama_config_from_shape(cfg: PlannerConfig) -> LlamaConfig:
-    """Nanotron's ``LlamaConfig`` for the config's model shape (what ``build_cpu_llama`` takes)."""
-    from nanotron.config import LlamaConfig
-
-    m = cfg.model
-    return LlamaConfig(
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads,
-        vocab_size=m.vocab_size,
-        max_position_embeddings=max(m.max_position_embeddings, cfg.run.sequence_length),
-        tie_word_embeddings=m.tie_word_embeddings,
-        rms_norm_eps=m.rms_norm_eps,
-    )
-
-
-def _build_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any) -> Callable[..., Any]:
-    from nanotron.parallel.tensor_parallel.nn import TensorParallelColumnLinear, TensorParallelLinearMode
-
-    from nanotron_ext.runtime.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
-
-    lcfg = llama_config_from_shape(cfg)
-    role = block.role
-    if role == "embedding":
-        return Embedding(tp_pg=tp_pg, config=lcfg, parallel_config=None)
-    if role == "projector":
-        return Projector(lcfg.hidden_size)
-    if role == "decoder":
-        return LlamaDecoderLayer(config=lcfg, parallel_config=None, tp_pg=tp_pg, layer_idx=0)
-    if role == "final_norm":
-        return RMSNorm(lcfg.hidden_size, eps=lcfg.rms_norm_eps)
-    if role == "lm_head":
-        return TensorParallelColumnLinear(
-            lcfg.hidden_size, lcfg.vocab_size, pg=tp_pg, mode=TensorParallelLinearMode.ALL_REDUCE, bias=False
-        )
-    if role == "cast":
-        return lambda x: x.float()  # Nanotron's cast_to_fp32 builder, exactly
-    if role == "loss":
-        return Loss(tp_pg=tp_pg)
-    raise PlanningError(
-        f"the profiled strategy cannot build block {block.name} (role {role!r}); it measures the Llama blocks "
-        f"({', '.join(MEASURABLE_ROLES)}). Use cost_strategy: flops for other architectures"
-    )
+def _module_factory(factory: ModuleFactory | None) -> ModuleFactory:
+    if factory is not None:
+        return factory
+    module_name, _, attr = DEFAULT_MODULE_FACTORY.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_grad: bool, gen: Any) -> dict:
@@ -274,6 +237,7 @@ def measure_block(
     warmup: int = DEFAULT_WARMUP,
     repeats: int = DEFAULT_REPEATS,
     device: torch.device | None = None,
+    module_factory: ModuleFactory | None = None,
 ) -> BlockTiming:
     """Build one block's module standalone; time its forward and backward for one micro-batch, then its
     optimizer step (AdamW, as Nanotron's default optimizer, over the parameters that train).
@@ -286,6 +250,7 @@ def measure_block(
         warmup: untimed runs first (allocator, kernel selection, caches).
         repeats: timed runs; the median is kept.
         device: where to run; CUDA when available, else CPU.
+        module_factory: builds the block's module; default :data:`DEFAULT_MODULE_FACTORY`.
 
     Returns:
         Median forward, backward and optimizer-step seconds.
@@ -300,7 +265,7 @@ def measure_block(
         raise ConfigError(f"profiling needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     device = device or _device()
     dtype = getattr(torch, cfg.run.dtype)
-    module = _build_module(block, cfg, tp_pg)
+    module = _module_factory(module_factory)(block, cfg, tp_pg)
     if isinstance(module, torch.nn.Module):
         module = module.to(device=device, dtype=dtype)
         trainable = dict(_trainable_flags(block))
@@ -383,6 +348,7 @@ def profile_blocks(
     cache_dir: str | os.PathLike[str] | None = None,
     warmup: int = DEFAULT_WARMUP,
     repeats: int = DEFAULT_REPEATS,
+    module_factory: ModuleFactory | None = None,
 ) -> list[BlockTiming]:
     """Per-block timings on this process: from the cache where present, measured (and cached) otherwise.
 
@@ -397,6 +363,7 @@ def profile_blocks(
         cache_dir: overrides :func:`cache_dir_for`.
         warmup: untimed runs per measurement.
         repeats: timed runs per measurement.
+        module_factory: builds each measured block's module (see :func:`measure_block`).
 
     Returns:
         One :class:`BlockTiming` per block.
@@ -420,7 +387,8 @@ def profile_blocks(
         with group_cm as group:
             for digest, (block, key) in missing.items():
                 timing = measure_block(
-                    block, cfg, input_grad=key["input_grad"], tp_pg=group, warmup=warmup, repeats=repeats
+                    block, cfg, input_grad=key["input_grad"], tp_pg=group, warmup=warmup, repeats=repeats,
+                    module_factory=module_factory,
                 )
                 found[digest] = timing
                 with contextlib.suppress(OSError):  # an unwritable cache only costs a re-measurement
@@ -466,20 +434,3 @@ def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: Any
     if "error" in result:
         raise PlanningError(f"profiling on global rank 0 failed: {result['error']}")
     return [BlockTiming(*values) for values in result["ok"]]
-
-
-@register_strategy("profiled")
-class Profiled:
-    """Measured forward + backward seconds per block (rank 0 measures, every rank plans), optimal split.
-
-    Every stage gets a block with parameters, and a trainable block whenever the model has ``pp`` of them.
-    """
-
-    name = "profiled"
-
-    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
-        timings = block_timings(blocks, cfg)
-        n_trainable = sum(b.trainable > 0 for b in blocks)
-        return optimal_assignment(
-            blocks, cfg, [t.total for t in timings], "seconds", trainable_per_stage=n_trainable >= cfg.run.pp
-        )

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of Nanotron 0.2's two pipeline engines, sends and receives included.
+"""Discrete-event simulator of Nanotron's two pipeline engines, sends and receives included.
 
 Each PP rank runs a *program*: its forwards (``F``), backwards (``B``), activation and gradient sends and
 receives, in exactly the order Nanotron's engine code issues them (:func:`engine_program`):
@@ -17,7 +17,7 @@ Backwards pop micro-batches first-in-first-out in both engines. A transfer is a 
 (``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
 point-to-point are: it starts when the sender has posted the send *and* the receiver has posted the matching
 receive, takes ``p2p_time``, and the receiver waits in its receive until it ends. Sends do not block the
-sender, as with :class:`nanotron_ext.runtime.CPUP2P` (Nanotron's own ``P2P`` on GPU syncs the host after its
+sender, as with the CPU runtime's ``CPUP2P`` (Nanotron's own ``P2P`` on GPU syncs the host after its
 metadata send, so there a sender also waits until the receiver has posted that receive: not modelled). All
 tensors crossing a cut for one micro-batch (``hidden_states`` and ``sequence_mask``, say) are one transfer, and a
 cut with nothing trainable at or before it carries no gradient back (``grad_cuts``).
@@ -36,8 +36,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Engine = Literal["1f1b", "afab"]
-ENGINES: tuple[str, ...] = ("1f1b", "afab")
+from nanotron_ext.schedule import ENGINES, Engine, too_few_micro_batches
+
+__all__ = [
+    "Action",
+    "Op",
+    "SimResult",
+    "StageTimes",
+    "engine_order",
+    "engine_program",
+    "ideal_bubble_fraction",
+    "simulate",
+]
+
 #: The actions of a rank's program: compute, and the four kinds of communication of Nanotron's engines.
 Action = Literal["F", "B", "send_act", "recv_act", "send_grad", "recv_grad"]
 
@@ -52,7 +63,7 @@ class StageTimes:
         update: once per step, after the pipeline: gradient synchronisation (tied weights, data parallel) and
             the optimizer step. Every stage starts it when the last stage has finished its pipeline work: a
             collective over the pipeline lines the ranks up there (the loss broadcast of
-            :func:`nanotron_ext.runtime.train_step`; in Nanotron's trainer the gradient-norm all-reduce of
+            ``nanotron_ext.runtime.train_step``; in Nanotron's trainer the gradient-norm all-reduce of
             clipping or the tied-weight sync; without either, this is an upper bound).
     """
 
@@ -153,20 +164,20 @@ def ideal_bubble_fraction(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
+
+
 def _check_stage(engine: str, pp: int, stage: int, n_micro_batches: int) -> None:
     if pp < 1 or n_micro_batches < 1:
         raise ValueError(f"pp = {pp} and n_micro_batches = {n_micro_batches}; both must be at least 1")
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}; pass a PP rank of the {pp}-stage pipeline")
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
-    if engine == "1f1b" and n_micro_batches < pp - 1:
-        # Nanotron asserts nb_microbatches >= pg.size() - 1; m == pp - 1 runs (rank 0 has no steady phase).
-        raise ValueError(
-            f"1f1b needs at least pp - 1 = {pp - 1} micro-batches, got {n_micro_batches} (Nanotron's engine "
-            f"asserts this); raise the number of micro-batches (batch_accumulation_per_replica) or use "
-            f"engine='afab'"
-        )
+    _check_engine(engine)
+    shortfall = too_few_micro_batches(engine, pp, n_micro_batches)
+    if shortfall is not None:
+        raise ValueError(shortfall)
 
 
 def engine_program(
@@ -386,8 +397,7 @@ def _ratio(num: float, den: float) -> float:
 def _validate(
     stages: Sequence[StageTimes], n_micro_batches: int, engine: str, p2p_time: float
 ) -> list[StageTimes]:
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
+    _check_engine(engine)
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")

@@ -6,42 +6,18 @@ Each finding says what is wrong, why (in the model's own numbers) and what to ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
+from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs import GIB
-from nanotron_ext.inventory import BlockInfo
+from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.partition import nanotron_greedy_ranks
+from nanotron_ext.plan.types import Finding, Plan, Severity
 from nanotron_ext.report import compact_names
+from nanotron_ext.schedule import fills_pipeline, too_few_micro_batches
 
-if TYPE_CHECKING:
-    from nanotron_ext.plan import Plan
+__all__ = ["FIX_STRATEGY", "cannot_train_message", "validate_plan"]
 
-Severity = Literal["error", "warning"]
 FIX_STRATEGY = "use `--cost-strategy constrained` (or `cost_strategy: constrained` under `parallelism:`)"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem with a plan.
-
-    Attributes:
-        severity: ``error`` (training would fail) or ``warning`` (it would run, badly).
-        code: stable identifier, e.g. ``no-params``.
-        stage: the PP rank concerned, or ``None`` for the whole plan.
-        message: what is wrong and why.
-        fix: what to change.
-    """
-
-    severity: Severity
-    code: str
-    stage: int | None
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        where = f"stage {self.stage}" if self.stage is not None else "plan"
-        return f"{self.severity.upper()} [{where}] {self.message}\n  fix: {self.fix}"
 
 
 def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> list[Finding]:
@@ -90,10 +66,9 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 f"{s.memory_bytes / GIB - cap:.3g} GiB",
                 "use `--cost-strategy memory` or `constrained` (they respect the cap), a larger pp, or zero_stage 1",
             ))
-    m = cfg.run.n_micro_batches
-    if cfg.run.engine == "1f1b" and m < plan.pp:
-        # Nanotron 0.2's 1F1B engine asserts m >= pp - 1; at m = pp - 1 it runs but never fills.
-        fatal = m < plan.pp - 1
+    m, engine = cfg.run.n_micro_batches, cfg.run.engine
+    if not fills_pipeline(engine, plan.pp, m):
+        fatal = too_few_micro_batches(engine, plan.pp, m) is not None
         findings.append(Finding(
             "error" if fatal else "warning", "few-micro-batches", None,
             f"1F1B with {m} micro-batches on {plan.pp} stages: "
@@ -132,11 +107,17 @@ def _cause(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> str:
 def _largest_working_pp(plan: Plan, blocks: Sequence[BlockInfo]) -> int:
     """Largest pp below the current one at which this strategy gives every stage weights."""
     if plan.strategy == "nanotron":
-        from nanotron_ext.strategies import nanotron_greedy_ranks
-
         for pp in range(plan.pp - 1, 0, -1):
             ranks = nanotron_greedy_ranks(list(plan.block_costs), pp)
             if all(any(b.params for b, r in zip(blocks, ranks) if r == k) for k in range(pp)):
                 return pp
         return 1
     return min(plan.pp - 1, sum(b.params > 0 for b in blocks)) or 1
+
+
+def cannot_train_message(plan: Plan) -> str:
+    """The message every rank raises when a plan has errors: the stage table and each error with its fix."""
+    return (
+        f"nanotron_ext: the {plan.strategy!r} plan for pp={plan.pp} cannot train; nothing was allocated.\n"
+        + plan.table() + "\n" + "\n".join(str(f) for f in plan.findings if f.severity == "error")
+    )

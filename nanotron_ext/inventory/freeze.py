@@ -25,11 +25,24 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nanotron_ext.blocks import BlockInfo, ParamInfo
 from nanotron_ext.errors import ConfigError
-from nanotron_ext.inventory import BlockInfo, ParamInfo
 from nanotron_ext.report import compact_names
+
+if TYPE_CHECKING:
+    from nanotron_ext.config import PlannerConfig
+
+__all__ = [
+    "FreezeSpec",
+    "apply_config_freeze",
+    "apply_freeze",
+    "freeze_module_parameters",
+    "frozen_names",
+    "matches",
+    "tied_embedding_names",
+]
 
 
 @dataclass(frozen=True)
@@ -143,6 +156,14 @@ def apply_freeze(blocks: Sequence[BlockInfo], spec: FreezeSpec | None, **kwargs:
         return list(blocks)
     frozen = frozen_names(spec, blocks, **kwargs)
     return [b.with_trainable(lambda name: name not in frozen) for b in blocks]
+
+
+def apply_config_freeze(blocks: list[BlockInfo], cfg: PlannerConfig) -> list[BlockInfo]:
+    """Apply ``nanotron_ext.freeze`` from the config, so the planner knows what trains before it splits."""
+    spec = FreezeSpec.from_dict(cfg.ext.freeze)
+    if spec is None:
+        return blocks
+    return apply_freeze(blocks, spec, tied=tied_embedding_names(blocks, cfg.model.tie_word_embeddings))
 
 
 def tied_embedding_names(blocks: Sequence[BlockInfo], tie_word_embeddings: bool) -> list[tuple[str, str]]:

@@ -225,17 +225,6 @@ class PackedTextData:
                 "the batch"
             )
 
-    @classmethod
-    def from_files(cls, files: Sequence[str | Path], sequence_length: int, micro_batch_size: int,
-                   dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> PackedTextData:
-        """Load, tokenise and pack ``files`` (see :func:`load_packed_windows`), then shard."""
-        return cls(load_packed_windows(files, sequence_length), micro_batch_size, dp_rank, dp_size, seed)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens in the whole packed corpus (all ranks)."""
-        return int(self.windows.size)
-
     def shard_indices(self, epoch: int) -> np.ndarray:
         """Window indices this rank visits in ``epoch``, in order."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))

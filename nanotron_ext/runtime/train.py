@@ -1,35 +1,24 @@
-"""``nanotron-ext train``: train a Nanotron YAML's model on CPU through Nanotron 0.2's real pipeline engines.
-
-Launch one process per rank (``dp × pp × tp`` of them) with torchrun::
-
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli train \\
-        --config-file nanotron_ext/configs/tiny_llama_large_vocab.yaml --steps 20
-
-(``torchrun --nproc_per_node=2 --no-python nanotron-ext train ...`` runs the console script instead; a
-one-process config, ``dp = pp = tp = 1``, also runs without torchrun.)
+"""The CPU training loop: a Nanotron YAML's model trained through Nanotron 0.2's real pipeline engines.
 
 Every rank does the same thing:
 
-1. load the YAML and check everything that needs no process group — the strategy, the static plan (built
-   from the config alone, so ``--cost-strategy nanotron`` on the tiny example fails here), the world size,
-   1F1B's micro-batch count, the data files — so a bad input makes *every* rank fail at once with the same
-   message and nothing can hang;
+1. :func:`preflight` checks everything that needs no process group — the strategy, the static plan (built
+   from the config alone), the world size, 1F1B's micro-batch count, the data files — so a bad input makes
+   *every* rank fail at once with the same message and nothing can hang;
 2. create the gloo ``ParallelContext``, build the model with :func:`nanotron_ext.integration.build_model`
    (plan + static validation before allocation), tie, initialise, freeze, and run the collective
    :func:`~nanotron_ext.integration.check_every_rank_trains`;
-3. wrap in DDP, build Nanotron's optimizer and LR schedule, and run ``--steps`` training steps with the
-   YAML's engine, micro-batch count and gradient clipping.
+3. wrap in DDP, build Nanotron's optimizer and LR schedule, and run the training steps with the YAML's
+   engine, micro-batch count and gradient clipping.
 
-Rank 0 prints per-step loss, gradient norm, step time and tokens per second, then a summary table.
-``--metrics-out`` writes them as JSON with the block→rank map, per-rank parameter counts, per-rank losses
-and a SHA-256 of every parameter before and after training; ``--plan-out`` writes the plan. Any error prints
-``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits non-zero (2 for a
-config/usage error, 1 otherwise).
+Rank 0 prints per-step loss, gradient norm, step time and tokens per second, then a summary table, and
+writes the metrics (block→rank map, per-rank parameter counts and losses, a SHA-256 of every parameter
+before and after training) and the plan as JSON when asked. ``nanotron-ext train`` (:mod:`nanotron_ext.cli.train`)
+is the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -37,70 +26,28 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from nanotron_ext.blocks import short_name
 from nanotron_ext.config import PlannerConfig, load_config
-from nanotron_ext.data import ByteTokenizer, PackedTextData, data_files_from_config, load_packed_windows
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
-from nanotron_ext.launch import free_port
-from nanotron_ext.plan import Plan
-from nanotron_ext.report import human_count, table
+from nanotron_ext.plan import Plan, cannot_train_message
+from nanotron_ext.report import compact_names, human_count, table
+from nanotron_ext.runtime.data import (
+    ByteTokenizer,
+    PackedTextData,
+    data_files_from_config,
+    load_packed_windows,
+)
+from nanotron_ext.runtime.launch import free_port
+from nanotron_ext.schedule import min_micro_batches
 
-__all__ = ["TrainSettings", "add_subcommand", "cmd_train", "preflight", "run_training"]
+__all__ = ["TrainSettings", "preflight", "run_training"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _default_config() -> Path:
-    return Path(str(resources.files("nanotron_ext") / "configs" / "tiny_llama_large_vocab.yaml"))
-
-
-def add_subcommand(subparsers: Any) -> None:
-    """Register ``train`` on the ``nanotron-ext`` parser."""
-    p = subparsers.add_parser(
-        "train",
-        help="train on CPU through Nanotron's pipeline engines (run under torchrun)",
-        description="Train a Nanotron YAML's Llama on CPU (gloo) with Nanotron 0.2's 1F1B/AFAB engines. Run "
-        "under `torchrun --nproc_per_node=<dp*pp*tp> -m nanotron_ext.cli train ...`.",
-    )
-    p.add_argument("--config-file", dest="config_file", metavar="YAML",
-                   help="Nanotron YAML (default: the bundled tiny large-vocab example)")
-    p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME", help="overrides the YAML's strategy")
-    p.add_argument("--steps", type=int, help="training steps (default: tokens.train_steps)")
-    p.add_argument("--seed", type=int, help="overrides general.seed (weights) and data.seed (data order)")
-    p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
-    p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
-    p.set_defaults(func=cmd_train)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
-
-    Returns:
-        0 on success, 2 on a config/usage error, 1 on any other failure.
-    """
-    rank = os.environ.get("RANK", "0")
-    try:
-        run_training(
-            args.config_file or _default_config(),
-            cost_strategy=args.cost_strategy,
-            steps=args.steps,
-            seed=args.seed,
-            metrics_out=args.metrics_out,
-            plan_out=args.plan_out,
-        )
-    except Exception as exc:  # every failure must end this rank with a message, never a hang
-        if not isinstance(exc, NanotronExtError):
-            traceback.print_exc(file=sys.stderr)  # an unexpected error: the stack helps whoever debugs it
-        print(f"nanotron-ext train: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
-    return EXIT_OK
 
 
 @dataclass
@@ -166,20 +113,10 @@ def preflight(
 
     cfg = load_config(config_file, cost_strategy=cost_strategy)
     raw, run = cfg.nanotron, cfg.run
-    notes: list[str] = []
+    steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
 
-    steps = steps if steps is not None else _get(raw, "tokens.train_steps", 1)
-    _positive_int("--steps (tokens.train_steps)", steps)
-    general_seed = _get(raw, "general.seed", 42)
-    data_seed = seed if seed is not None else _get(raw, "data.seed", general_seed)
-    seed = seed if seed is not None else general_seed
-    for name, value in (("seed", seed), ("data.seed", data_seed)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name}={value!r} must be a non-negative integer")
-
-    # 1F1B: Nanotron's engine asserts nb_microbatches >= pp - 1. At exactly pp - 1 it runs, never filling the
-    # pipeline; the plan carries a warning for that, printed before training.
-    if run.engine == "1f1b" and run.n_micro_batches < run.pp - 1:
+    # At exactly pp - 1 micro-batches 1F1B runs, never filling the pipeline; the plan carries a warning for that.
+    if run.n_micro_batches < min_micro_batches(run.engine, run.pp):
         raise ConfigError(
             f"pp_engine 1f1b with pp={run.pp} needs at least pp-1={run.pp - 1} micro-batches per step "
             f"(tokens.batch_accumulation_per_replica), got {run.n_micro_batches}: Nanotron's 1F1B engine asserts "
@@ -188,18 +125,43 @@ def preflight(
 
     world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
     ByteTokenizer().check_model_vocab(cfg.model.vocab_size)
-
     files = data_files_from_config(raw, config_path=None if cfg.source.startswith("<") else cfg.source)
 
     # The static plan, from the config alone: a plan that cannot train stops every rank here, before a
     # process group or a weight exists. build_model() re-plans from the real model and must agree.
     plan = make_plan(inventory_from_config(cfg), cfg)
     if not plan.ok:
-        raise PlanningError(_plan_failure(plan))
+        raise PlanningError(cannot_train_message(plan))
 
-    # Nanotron's own config classes (importing nanotron pulls in torch: a second or two) validate the rest.
+    nanotron = _nanotron_settings(cfg)
+    windows = load_packed_windows(files, run.sequence_length)
+    PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
+    return TrainSettings(
+        cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
+        data_files=files, windows=windows, **nanotron,
+    )
+
+
+def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -> tuple[int, int, int]:
+    """``(steps, weight seed, data seed)``: the command line's values, else the YAML's."""
+    steps = steps if steps is not None else _get(raw, "tokens.train_steps", 1)
+    _positive_int("--steps (tokens.train_steps)", steps)
+    general_seed = _get(raw, "general.seed", 42)
+    data_seed = seed if seed is not None else _get(raw, "data.seed", general_seed)
+    seed = seed if seed is not None else general_seed
+    for name, value in (("seed", seed), ("data.seed", data_seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+    return steps, seed, data_seed
+
+
+def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
+    """Model, parallelism, optimizer and schedule settings through Nanotron's own config classes (which
+    validate them), plus notes on the settings the CPU runtime changes."""
+    # Importing nanotron pulls in torch: a second or two, so only after the cheap checks.
     from nanotron.config import LlamaConfig, LRSchedulerArgs, ParallelismArgs
 
+    raw, run = cfg.nanotron, cfg.run
     model_config_raw = dict(_get(raw, "model.model_config", {}))
     try:
         model_config = LlamaConfig(**{**model_config_raw, "vocab_size": cfg.model.vocab_size})
@@ -223,12 +185,27 @@ def preflight(
         lr_schedule = LRSchedulerArgs(**lr_raw)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid optimizer.learning_rate_scheduler: {exc}") from exc
-    optimizer = {
-        "learning_rate": float(lr_schedule.learning_rate),
-        "weight_decay": float(opt.get("weight_decay", 0.0) or 0.0),
-        "adam_eps": float(opt.get("adam_eps", 1e-8)),
-        "adam_betas": (float(opt.get("adam_beta1", 0.9)), float(opt.get("adam_beta2", 0.95))),
+    clip = opt.get("clip_grad")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
+    return {
+        "model_config": model_config,
+        "parallel_config": parallel_config,
+        "optimizer": {
+            "learning_rate": float(lr_schedule.learning_rate),
+            "weight_decay": float(opt.get("weight_decay", 0.0) or 0.0),
+            "adam_eps": float(opt.get("adam_eps", 1e-8)),
+            "adam_betas": (float(opt.get("adam_beta1", 0.9)), float(opt.get("adam_beta2", 0.95))),
+        },
+        "lr_schedule": lr_schedule,
+        "clip_grad": None if clip is None else float(clip),
+        "init_std": float((_get(raw, "model.init_method", {}) or {}).get("std", 0.02)),
+        "notes": _cpu_notes(run),
     }
+
+
+def _cpu_notes(run: Any) -> list[str]:
+    notes = []
     if run.zero_stage != 0:
         # ZeRO-1 only shards optimizer state (same updates); Nanotron's ZeRO optimizer is not exercised over gloo.
         notes.append(f"optimizer.zero_stage={run.zero_stage} ignored: the CPU trainer keeps full optimizer "
@@ -238,27 +215,7 @@ def preflight(
                      "the CPU trainer's parameters are fp32 already")
     if run.dtype != "float32":
         notes.append(f"model.dtype={run.dtype} ignored: the CPU trainer computes in float32")
-    clip = opt.get("clip_grad")
-    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
-    init_std = float((_get(raw, "model.init_method", {}) or {}).get("std", 0.02))
-
-    windows = load_packed_windows(files, run.sequence_length)
-    PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
-    return TrainSettings(
-        cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
-        model_config=model_config, parallel_config=parallel_config, optimizer=optimizer,
-        lr_schedule=lr_schedule, clip_grad=None if clip is None else float(clip), init_std=init_std,
-        data_files=files, windows=windows, notes=notes,
-    )
-
-
-def _plan_failure(plan: Plan) -> str:
-    # Same wording as integration.plan_for_model, which raises it again if the built model disagrees.
-    return (
-        f"nanotron_ext: the {plan.strategy!r} plan for pp={plan.pp} cannot train; nothing was allocated.\n"
-        + plan.table() + "\n" + "\n".join(str(f) for f in plan.findings if f.severity == "error")
-    )
+    return notes
 
 
 def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
@@ -390,93 +347,23 @@ def _train(
     progress: bool | None,
 ) -> dict[str, Any]:
     """Build, freeze, validate, wrap and train on an existing context; rank 0 prints and writes files."""
-    import torch
     from nanotron import distributed as dist
-    from nanotron.helpers import lr_scheduler_builder
-    from nanotron.parallel.parameters import sanity_check
 
-    from nanotron_ext import integration
-    from nanotron_ext.runtime import (
-        CPULlamaForTraining,
-        build_optimizer,
-        init_weights,
-        make_micro_batch,
-        mark_tied_parameters,
-        pipeline_blocks,
-        train_step,
-        wrap_ddp,
-    )
+    from nanotron_ext.runtime import build_optimizer, make_micro_batch, pipeline_blocks, wrap_ddp
 
     cfg, run = s.cfg, s.cfg.run
-    is_main = s.rank == 0
-    model = integration.build_model(
-        lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
-                                    projector=cfg.ext.projector),
-        ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
-    )
-    plan: Plan = model.nanotron_ext_plan
-    if plan.block_ranks != s.plan.block_ranks:  # the config inventory and the model must agree exactly
-        raise PlanningError(f"the built model's plan {list(plan.block_ranks)} differs from the config's "
-                            f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree")
-    mark_tied_parameters(model, ctx, s.parallel_config)
-    sanity_check(root_module=model)
-    init_weights(model, ctx, std=s.init_std)
-    integration.apply_freeze_to_model(model, cfg)
-    rank_rows = integration.check_every_rank_trains(model, ctx, allow_frozen_stages=cfg.ext.allow_frozen_stages)
+    model, plan, rank_rows = _build_checked_model(s, ctx)
     before = _checksums(model) if metrics_out else {}
 
     model = wrap_ddp(model, ctx)
     unwrapped = getattr(model, "module", model)
-    opt = s.optimizer
-    optimizer, grad_accumulator = build_optimizer(
-        model, ctx, learning_rate=opt["learning_rate"], weight_decay=opt["weight_decay"], adam_eps=opt["adam_eps"],
-        adam_betas=opt["adam_betas"],
-    )
-    scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
-    lr_at = _lr_schedule(s.lr_schedule, s.steps)
-    grad_norms: list[float] = []
-
-    dp_rank = dist.get_rank(ctx.dp_pg)
-    data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dp_rank, dp_size=run.dp, seed=s.data_seed)
-
-    def micro_batches() -> Iterator[dict[str, Any]]:
-        for input_ids, label_ids in data:
-            yield make_micro_batch(model, ctx, input_ids=input_ids, label_ids=label_ids)
-
-    block_map = {name: int(block.rank) for name, block in pipeline_blocks(unwrapped)}
-    if is_main:
+    optimizer, grad_accumulator = build_optimizer(model, ctx, **s.optimizer)
+    data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dist.get_rank(ctx.dp_pg), dp_size=run.dp,
+                          seed=s.data_seed)
+    stream = (make_micro_batch(model, ctx, input_ids=i, label_ids=lab) for i, lab in data)
+    if s.rank == 0:
         _print_header(s, plan)
-
-    bar = None
-    if is_main and (progress if progress is not None else sys.stderr.isatty()):
-        from tqdm import tqdm
-
-        bar = tqdm(total=s.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-    losses, times, lrs = [], [], []
-    stream = micro_batches()
-    for step in range(1, s.steps + 1):
-        lr = lr_at(step - 1)
-        start = time.perf_counter()
-        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
-                          grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
-                          grad_norms=grad_norms)
-        elapsed = time.perf_counter() - start
-        losses.append(loss)
-        times.append(elapsed)
-        lrs.append(lr)
-        if not math.isfinite(loss):
-            raise NanotronExtError(f"loss is {loss} at step {step}; lower the learning rate")  # same on all ranks
-        if is_main:
-            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {grad_norms[-1]:.3g}"
-                    f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s")
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.tokens_per_step / elapsed:,.0f}")
-                bar.update(1)
-                bar.write(line, file=sys.stdout)
-            else:
-                print(line, flush=True)
-    if bar is not None:
-        bar.close()
+    losses, grad_norms, times, lrs = _optimise(s, model, ctx, stream, optimizer, grad_accumulator, progress)
 
     after = _checksums(unwrapped) if metrics_out else {}
     local = {
@@ -490,10 +377,9 @@ def _train(
     }
     gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
     dist.all_gather_object(gathered, local, group=ctx.world_pg)
-    per_rank = []
-    for row, g in zip(rank_rows, gathered):
-        per_rank.append({**row, **{k: v for k, v in g.items() if k != "world_rank"}})
+    per_rank = [{**row, **{k: v for k, v in g.items() if k != "world_rank"}} for row, g in zip(rank_rows, gathered)]
 
+    block_map = {name: int(block.rank) for name, block in pipeline_blocks(unwrapped)}
     steady = times[1:] or times  # step 1 pays one-off costs (allocations, first P2P handshakes)
     metrics = {
         "config": str(cfg.source),
@@ -519,13 +405,90 @@ def _train(
         "block_to_rank": block_map,
         "ranks": per_rank,
     }
-    if is_main:
+    if s.rank == 0:
         print(_summary(metrics), flush=True)
         if metrics_out:
             _write_json(metrics_out, metrics)
         if plan_out:
             _write_json(plan_out, plan.to_dict())
     return metrics
+
+
+def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[dict]]:
+    """Build with the planned split, tie, initialise and freeze; then the collective every-rank-trains check."""
+    import torch
+    from nanotron.parallel.parameters import sanity_check
+
+    from nanotron_ext import integration
+    from nanotron_ext.runtime import CPULlamaForTraining, init_weights, mark_tied_parameters
+
+    cfg = s.cfg
+    model = integration.build_model(
+        lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
+                                    projector=cfg.ext.projector),
+        ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
+    )
+    plan: Plan = model.nanotron_ext_plan
+    if plan.block_ranks != s.plan.block_ranks:  # the config inventory and the model must agree exactly
+        raise PlanningError(f"the built model's plan {list(plan.block_ranks)} differs from the config's "
+                            f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree")
+    mark_tied_parameters(model, ctx, s.parallel_config)
+    sanity_check(root_module=model)
+    init_weights(model, ctx, std=s.init_std)
+    integration.apply_freeze_to_model(model, cfg)
+    rank_rows = integration.check_every_rank_trains(model, ctx, allow_frozen_stages=cfg.ext.allow_frozen_stages)
+    return model, plan, rank_rows
+
+
+def _optimise(
+    s: TrainSettings, model: Any, ctx: Any, stream: Iterator[Any], optimizer: Any, grad_accumulator: Any,
+    progress: bool | None,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Run the training steps; rank 0 prints a line per step (under a progress bar on a terminal).
+
+    Returns:
+        Per step: losses, gradient norms, seconds, learning rates.
+    """
+    from nanotron.helpers import lr_scheduler_builder
+
+    from nanotron_ext.runtime import train_step
+
+    run = s.cfg.run
+    scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
+    lr_at = _lr_schedule(s.lr_schedule, s.steps)
+    bar = None
+    if s.rank == 0 and (progress if progress is not None else sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        bar = tqdm(total=s.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    times: list[float] = []
+    lrs: list[float] = []
+    for step in range(1, s.steps + 1):
+        lr = lr_at(step - 1)
+        start = time.perf_counter()
+        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
+                          grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
+                          grad_norms=grad_norms)
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        times.append(elapsed)
+        lrs.append(lr)
+        if not math.isfinite(loss):
+            raise NanotronExtError(f"loss is {loss} at step {step}; lower the learning rate")  # same on all ranks
+        if s.rank == 0:
+            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {grad_norms[-1]:.3g}"
+                    f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s")
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.tokens_per_step / elapsed:,.0f}")
+                bar.update(1)
+                bar.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
+    if bar is not None:
+        bar.close()
+    return losses, grad_norms, times, lrs
 
 
 def _write_json(path: str | Path, data: Any) -> None:
@@ -587,8 +550,4 @@ def _summary(m: dict[str, Any]) -> str:
 
 
 def _blocks_label(names: list[str]) -> str:
-    from nanotron_ext.inventory import role_of
-    from nanotron_ext.report import compact_names
-
-    return compact_names([f"decoder.{n.rsplit('.', 1)[-1]}" if role_of(n) == "decoder" else role_of(n)
-                          for n in names])
+    return compact_names([short_name(n) for n in names])

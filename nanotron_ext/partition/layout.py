@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 from nanotron_ext.errors import LayoutError
 
+__all__ = ["SYMBOLS", "layout_ranks", "parse_layout"]
+
 SYMBOLS: dict[str, tuple[str, ...]] = {
     "E": ("embedding",),
     "P": ("projector",),

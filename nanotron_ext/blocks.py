@@ -1,0 +1,109 @@
+"""The planner's record of one Nanotron ``PipelineBlock``, shared by every stage of the flow.
+
+Built by :mod:`nanotron_ext.inventory`, priced by :mod:`nanotron_ext.costs`, split by the strategies. Block
+names follow Nanotron's Llama layout (``model.decoder.3``, ``model.lm_head``, ``loss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["BlockInfo", "ParamInfo", "Role", "role_of", "short_name"]
+
+Role = Literal["embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "other"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor of a block (name relative to the model, Nanotron's spelling)."""
+
+    name: str
+    numel: int
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One pipeline block, as the planner sees it.
+
+    Attributes:
+        index: position in forward order.
+        name: module path, e.g. ``model.decoder.3``.
+        role: embedding, projector, decoder, final_norm, lm_head, cast, loss or other.
+        builder: class name of the block's ``module_builder``.
+        params: parameter count (this TP shard).
+        trainable: parameters that receive gradients.
+        param_bytes: bytes of the weights in the model dtype.
+        activation_bytes: bytes kept for backward per micro-batch.
+        output_bytes: bytes sent to the next block per micro-batch.
+        flops_fwd / flops_bwd_input / flops_bwd_weight: FLOPs per micro-batch.
+        nanotron_cost: the value Nanotron's ``get_block_compute_costs()`` gives this block (0 if absent).
+        parameters: the block's parameter tensors, for freezing by name.
+    """
+
+    index: int
+    name: str
+    role: Role
+    builder: str
+    params: int
+    trainable: int
+    param_bytes: int
+    activation_bytes: float
+    output_bytes: float
+    flops_fwd: float
+    flops_bwd_input: float
+    flops_bwd_weight: float
+    nanotron_cost: float = 0.0
+    parameters: tuple[ParamInfo, ...] = ()
+
+    @property
+    def short(self) -> str:
+        """``decoder.7`` for decoder layers, the role for everything else."""
+        return short_name(self.name, self.role)
+
+    def with_trainable(self, trainable_names: Callable[[str], bool]) -> BlockInfo:
+        """A copy whose parameters are trainable where ``trainable_names(full_name)`` is true."""
+        params = tuple(dataclasses.replace(p, trainable=bool(trainable_names(p.name))) for p in self.parameters)
+        return dataclasses.replace(self, parameters=params, trainable=sum(p.numel for p in params if p.trainable))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["parameters"] = [dataclasses.asdict(p) for p in self.parameters]
+        return d
+
+
+def role_of(name: str) -> Role:
+    """Role of a block from its module path (Nanotron's Llama naming)."""
+    last = name.rsplit(".", 1)[-1]
+    if last in ("token_position_embeddings", "embed_tokens") or last.endswith("embeddings"):
+        return "embedding"
+    if re.search(r"(^|\.)decoder\.\d+$", name):
+        return "decoder"
+    if last in ("final_layer_norm", "final_norm", "norm"):
+        return "final_norm"
+    if last == "lm_head":
+        return "lm_head"
+    if last == "cast_to_fp32":
+        return "cast"
+    if last == "loss":
+        return "loss"
+    if last == "projector":
+        return "projector"
+    return "other"
+
+
+def short_name(name: str, role: Role | None = None) -> str:
+    """The name tables print: ``decoder.7`` for a decoder layer, the role otherwise, the path for ``other``.
+
+    Example:
+        >>> short_name("model.decoder.7"), short_name("model.lm_head")
+        ('decoder.7', 'lm_head')
+    """
+    role = role or role_of(name)
+    if role == "decoder":
+        return f"decoder.{int(name.rsplit('.', 1)[-1])}"
+    return role if role != "other" else name

@@ -1,0 +1,111 @@
+"""``nanotron-ext plan``: the per-stage table and verdict of a split, or every strategy side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import NanotronExtError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.plan import Plan, make_plan, plan_every_strategy
+from nanotron_ext.report import first_line, human_count, table
+
+__all__ = ["add_subcommand", "cmd_plan", "frozen_tradeoff"]
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``plan`` on the ``nanotron-ext`` parser."""
+    p = subparsers.add_parser("plan", help="print the per-stage plan and verdict (dry run)")
+    add_config_args(p)
+    p.add_argument("--compare", action="store_true", help="every strategy side by side")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Handler of ``nanotron-ext plan``; returns the exit code."""
+    cfg = config_from_args(args, args.config)
+    blocks = inventory_from_config(cfg)
+    if args.compare:
+        return _compare(cfg, blocks, as_json=args.json)
+    try:
+        plan = make_plan(blocks, cfg)
+    except PlanningError as exc:
+        if args.json:
+            print(json.dumps({"strategy": cfg.ext.cost_strategy, "ok": False, "error": str(exc)}, indent=2))
+        else:
+            print(f"{cfg.source}: strategy {cfg.ext.cost_strategy!r}, pp={cfg.run.pp}: no valid plan\n  {exc}")
+        return EXIT_INVALID
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(_header(cfg, plan))
+        print(plan.table())
+        print(_verdict(plan))
+        tradeoff = frozen_tradeoff(cfg, blocks)
+        if tradeoff:
+            print(tradeoff)
+    return EXIT_OK if plan.ok else EXIT_INVALID
+
+
+def _header(cfg: PlannerConfig, plan: Plan) -> str:
+    m, r = cfg.model, cfg.run
+    return (f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
+            f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
+            f" | strategy: {plan.strategy}\n")
+
+
+def _verdict(plan: Plan) -> str:
+    lines = ["", f"block -> stage: {list(plan.block_ranks)}",
+             f"slowest stage vs optimum: {plan.vs_optimum:.3f}x   1F1B bubble estimate: {plan.bubble_estimate:.1%}"]
+    lines += [str(f) for f in plan.findings]
+    lines.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
+    return "\n".join(lines)
+
+
+def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | None:
+    """For frozen setups: the constrained plan's slowest stage next to the optimum with frozen stages allowed."""
+    if all(b.trainable == b.params for b in blocks):
+        return None
+    lines = ["", "frozen setup: what a trainable block on every stage costs"]
+    try:
+        constrained = make_plan(blocks, cfg, "constrained")
+        free = make_plan(blocks, cfg.with_overrides(allow_frozen_stages=True), "flops")
+    except NanotronExtError as exc:
+        return "\n".join(lines + [f"  constrained: cannot plan ({first_line(exc, 200)})"])
+    ratio = constrained.slowest_flops / free.slowest_flops if free.slowest_flops else float("nan")
+    lines.append(table(
+        ["plan", "stages", "slowest stage (train FLOPs/mb)", "stages with trainable", "vs frozen-allowed"],
+        [["constrained", constrained.stage_map(), human_count(constrained.slowest_flops),
+          sum(1 for s in constrained.stages if s.trainable), f"{ratio:.3f}x"],
+         ["optimum, frozen stages allowed", free.stage_map(), human_count(free.slowest_flops),
+          sum(1 for s in free.stages if s.trainable), "1.000x"]],
+    ))
+    return "\n".join(lines)
+
+
+def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) -> int:
+    rows, out, selected_ok = [], [], False
+    for attempt in plan_every_strategy(blocks, cfg):
+        name, plan = attempt.strategy, attempt.plan
+        if plan is None:
+            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(attempt.error)}"])
+            out.append({"strategy": name, "ok": False, "error": attempt.error})
+            continue
+        rows.append([name, plan.stage_map(), f"{plan.vs_optimum:.3f}x", f"{100 * plan.spread:.0f}%",
+                     f"{100 * plan.bubble_estimate:.1f}%", human_count(min(s.trainable for s in plan.stages)),
+                     plan.verdict])
+        out.append(plan.to_dict())
+        selected_ok |= name == cfg.ext.cost_strategy and plan.ok
+    if as_json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches\n")
+        print(table(["strategy", "stages (block ranges)", "slowest/opt", "spread", "bubble est.",
+                     "min trainable", "verdict"], rows))
+    return EXIT_OK if selected_ok else EXIT_INVALID

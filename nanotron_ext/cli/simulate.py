@@ -1,0 +1,301 @@
+"""``nanotron-ext simulate``: one training step of a plan under Nanotron's engine, as a table and a timeline.
+
+Stage times come from the FLOP-rate model (``--times flops``) or from blocks measured on this machine
+(``--times profiled``); see :mod:`nanotron_ext.simulate.stage_times`.
+
+::
+
+    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--times flops|profiled]
+                                 [--tflops 400] [--p2p-gbps 50] [--out timeline.png]
+                                 [--loads-out stage_loads.png] [--json]
+
+Exit codes as ``plan``: 0 when the chosen plan is valid, 1 when it has errors (it is still simulated and
+drawn), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.plan import Plan, make_plan, plan_every_strategy
+from nanotron_ext.report import first_line, table
+from nanotron_ext.simulate import (
+    DEFAULT_TFLOPS,
+    SimResult,
+    format_seconds,
+    ideal_bubble_fraction,
+    simulate_plan,
+    stage_labels,
+)
+
+__all__ = ["TIME_SOURCES", "add_subcommand", "cmd_simulate"]
+
+_DESCRIPTION = (
+    "Simulate one training step of the plan under Nanotron's engine (the config's pp_engine and "
+    "batch_accumulation_per_replica). --times flops (default), a FLOP-rate model: forward time = forward "
+    "FLOPs / --tflops, backward time = the rest of the training FLOPs (freeze-aware) / --tflops; it compares "
+    "splits of one model, it does not predict wall-clock time. --times profiled: every block's forward, "
+    "backward and optimizer step measured on this machine (cached), which predicts the step here. "
+    "p2p = largest activation sent / --p2p-gbps. Exit 0: valid plan; 1: the plan has errors (still simulated "
+    "and drawn); 2: usage error."
+)
+TIME_SOURCES: tuple[str, ...] = ("flops", "profiled")
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``simulate`` on the ``nanotron-ext`` parser's subparsers."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate the pipeline schedule of a plan (FLOP-rate model) and draw its timeline",
+        description=_DESCRIPTION,
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="simulate every strategy; table of step time and bubble, plus a stage-load PNG",
+    )
+    p.add_argument(
+        "--times",
+        choices=TIME_SOURCES,
+        default="flops",
+        help="where stage times come from: flops (FLOP-rate model, default) or profiled (every block measured "
+        "on this machine, cached in nanotron_ext.profile_cache or ~/.cache/nanotron_ext)",
+    )
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=None,
+        metavar="X",
+        help=f"with --times flops: compute throughput in TFLOP/s for every block (default {DEFAULT_TFLOPS:g}: "
+        "about what bf16 training reaches on one H100)",
+    )
+    p.add_argument(
+        "--p2p-gbps",
+        dest="p2p_gbps",
+        type=float,
+        default=None,
+        metavar="Y",
+        help="p2p bandwidth between neighbouring stages in GB/s (10^9 bytes/s); default: p2p ignored",
+    )
+    p.add_argument(
+        "--out",
+        default="timeline.png",
+        metavar="PNG",
+        help="timeline picture of the chosen strategy (default timeline.png)",
+    )
+    p.add_argument(
+        "--loads-out",
+        dest="loads_out",
+        default="stage_loads.png",
+        metavar="PNG",
+        help="with --compare: per-stage load of every strategy (default stage_loads.png)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Handler of ``nanotron-ext simulate``; returns the exit code."""
+    cfg = config_from_args(args, args.config)
+    bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
+    blocks = inventory_from_config(cfg)
+    source, model_text = _time_source(args, cfg, blocks)
+    ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
+    out: dict[str, Any] = {
+        "config": cfg.source,
+        "strategy": cfg.ext.cost_strategy,
+        "engine": cfg.run.engine,
+        "pp": cfg.run.pp,
+        "n_micro_batches": cfg.run.n_micro_batches,
+        "times": args.times,
+        "tflops": source["flops_per_second"] / 1e12 if "flops_per_second" in source else None,
+        "p2p_gbps": args.p2p_gbps,
+        "ideal_bubble_fraction": ideal,
+    }
+    text: list[str] = [
+        f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
+        f"{model_text}" + (f", p2p {args.p2p_gbps:g} GB/s" if args.p2p_gbps is not None else ", p2p ignored"),
+        "",
+    ]
+    code = _simulate_chosen(args, cfg, blocks, source, bandwidth, out, text)
+    if args.compare:
+        _simulate_every_strategy(args, cfg, blocks, source, bandwidth, model_text, out, text)
+    print(json.dumps(out, indent=2, default=str) if args.json else "\n".join(text))
+    return code
+
+
+def _time_source(
+    args: argparse.Namespace, cfg: PlannerConfig, blocks: Sequence[BlockInfo]
+) -> tuple[dict[str, Any], str]:
+    """``simulate_plan``'s time argument (a FLOP rate, or measured timings) and a line that names it."""
+    if args.times == "profiled":
+        if args.tflops is not None:
+            raise ConfigError("--tflops sets the FLOP-rate model's throughput; drop it with --times profiled")
+        from nanotron_ext.costs.measured import block_timings
+
+        return {"timings": block_timings(blocks, cfg)}, "block times profiled on this machine (forward, backward, optimizer step)"
+    tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops
+    return {"flops_per_second": _positive(tflops, "--tflops") * 1e12}, f"FLOP-rate model at {tflops:g} TFLOP/s"
+
+
+def _simulate_chosen(
+    args: argparse.Namespace,
+    cfg: PlannerConfig,
+    blocks: Sequence[BlockInfo],
+    source: dict[str, Any],
+    bandwidth: float | None,
+    out: dict[str, Any],
+    text: list[str],
+) -> int:
+    """Simulate and draw the config's own strategy; adds to ``out`` and ``text``, returns the exit code."""
+    from nanotron_ext.simulate.timeline import plot_timeline
+
+    chosen = cfg.ext.cost_strategy
+    try:
+        plan = make_plan(blocks, cfg, chosen)
+    except PlanningError as exc:
+        out.update(ok=False, error=str(exc))
+        text.append(f"strategy {chosen!r}: no valid plan\n  {exc}")
+        return EXIT_INVALID
+    result = simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
+    png = plot_timeline(
+        result,
+        args.out,
+        stage_labels=stage_labels(plan),
+        title=f"{_model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
+        f"pp={plan.pp}, {cfg.run.n_micro_batches} micro-batches",
+    )
+    out.update(ok=plan.ok, plan=plan.to_dict(), simulation=result.to_dict(), timeline=str(png))
+    ideal = out["ideal_bubble_fraction"]
+    text += [
+        f"strategy: {plan.strategy}",
+        _stage_table(plan, result),
+        "",
+        str(result),
+        "",
+        f"pipeline bubble {result.pipeline_bubble_fraction:.1%} vs ideal (p-1)/(m+p-1) = {ideal:.1%} "
+        f"({100 * (result.pipeline_bubble_fraction - ideal):+.1f} points); "
+        + (
+            f"with the update, bubble {result.bubble_fraction:.1%}; "
+            if result.step_time > result.pipeline_time
+            else ""
+        )
+        + f"step {format_seconds(result.step_time)}",
+    ]
+    text += [str(f) for f in plan.findings]
+    text.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
+    text.append(f"timeline: {png}")
+    return EXIT_OK if plan.ok else EXIT_INVALID
+
+
+def _simulate_every_strategy(
+    args: argparse.Namespace,
+    cfg: PlannerConfig,
+    blocks: Sequence[BlockInfo],
+    source: dict[str, Any],
+    bandwidth: float | None,
+    model_text: str,
+    out: dict[str, Any],
+    text: list[str],
+) -> None:
+    """``--compare``: every strategy's step and bubble in a table, and the stage-load picture."""
+    from nanotron_ext.simulate.timeline import plot_stage_loads
+
+    rows, loads, entries = _compare(cfg, blocks, source, bandwidth)
+    out["compare"] = entries
+    text += [
+        "",
+        f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
+        f"ideal bubble {out['ideal_bubble_fraction']:.1%}):",
+        "",
+        table(
+            ["strategy", "stages (block ranges)", "slowest stage F+B ms", "step ms", "vs best", "bubble", "verdict"],
+            rows,
+        ),
+    ]
+    if loads:
+        n = len(next(iter(loads.values())))
+        png = plot_stage_loads(
+            [f"stage {k}" for k in range(n)],
+            loads,
+            args.loads_out,
+            title=f"{_model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per micro-batch ({model_text})",
+            ylabel="ms per micro-batch (F + B)",
+        )
+        out["stage_loads"] = str(png)
+        text.append(f"stage loads: {png}")
+
+
+def _compare(
+    cfg: PlannerConfig, blocks: Sequence[BlockInfo], source: dict[str, Any], bandwidth: float | None
+) -> tuple[list[list[object]], dict[str, list[float]], list[dict[str, Any]]]:
+    runs: list[tuple[str, Plan | None, SimResult | None, str]] = []
+    for attempt in plan_every_strategy(blocks, cfg):
+        plan = attempt.plan
+        result = None if plan is None else simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
+        runs.append((attempt.strategy, plan, result, attempt.error))
+    steps = [r.step_time for _, _, r, _ in runs if r is not None]
+    best = min(steps) if steps else 0.0
+    rows: list[list[object]] = []
+    loads: dict[str, list[float]] = {}
+    entries: list[dict[str, Any]] = []
+    for name, plan, result, error in runs:
+        if plan is None or result is None:
+            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(error)}"])
+            entries.append({"strategy": name, "ok": False, "error": error})
+            continue
+        per_stage = [s.forward + s.backward for s in result.stages]
+        rows.append(
+            [
+                name,
+                plan.stage_map(),
+                _ms(max(per_stage)),
+                _ms(result.step_time),
+                f"{result.step_time / best:.3f}x" if best else "-",
+                f"{result.bubble_fraction:.1%}",
+                plan.verdict,
+            ]
+        )
+        loads[name] = [1e3 * t for t in per_stage]
+        entries.append(
+            {
+                "strategy": name,
+                "ok": plan.ok,
+                "block_ranks": list(plan.block_ranks),
+                "step_time": result.step_time,
+                "bubble_fraction": result.bubble_fraction,
+                "stage_seconds": per_stage,
+            }
+        )
+    return rows, loads, entries
+
+
+def _stage_table(plan: Plan, result: SimResult) -> str:
+    rows = [
+        [s.stage, s.label, _ms(t.forward), _ms(t.backward), _ms(t.update)] for s, t in zip(plan.stages, result.stages)
+    ]
+    return table(["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"], rows)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def _model_name(cfg: PlannerConfig) -> str:
+    return cfg.source.rsplit("/", 1)[-1].removesuffix(".yaml")
+
+
+def _positive(value: float, flag: str) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{flag} {value!r} must be a positive number")
+    return value

@@ -1,0 +1,70 @@
+"""``nanotron-ext train``: train a Nanotron YAML's model on CPU through Nanotron 0.2's real pipeline engines.
+
+Launch one process per rank (``dp × pp × tp`` of them) with torchrun::
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli train \\
+        --config-file nanotron_ext/configs/tiny_llama_large_vocab.yaml --steps 20
+
+(``torchrun --nproc_per_node=2 --no-python nanotron-ext train ...`` runs the console script instead; a
+one-process config, ``dp = pp = tp = 1``, also runs without torchrun.) Any error prints
+``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits non-zero (2 for a
+config/usage error, 1 otherwise). The loop itself is :mod:`nanotron_ext.runtime.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any
+
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from nanotron_ext.config import bundled_config
+from nanotron_ext.errors import ConfigError, NanotronExtError
+
+__all__ = ["add_subcommand", "cmd_train"]
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``train`` on the ``nanotron-ext`` parser."""
+    p = subparsers.add_parser(
+        "train",
+        help="train on CPU through Nanotron's pipeline engines (run under torchrun)",
+        description="Train a Nanotron YAML's Llama on CPU (gloo) with Nanotron 0.2's 1F1B/AFAB engines. Run "
+        "under `torchrun --nproc_per_node=<dp*pp*tp> -m nanotron_ext.cli train ...`.",
+    )
+    p.add_argument("--config-file", dest="config_file", metavar="YAML",
+                   help="Nanotron YAML (default: the bundled tiny large-vocab example)")
+    p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME", help="overrides the YAML's strategy")
+    p.add_argument("--steps", type=int, help="training steps (default: tokens.train_steps)")
+    p.add_argument("--seed", type=int, help="overrides general.seed (weights) and data.seed (data order)")
+    p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
+    p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
+
+    Returns:
+        0 on success, 2 on a config/usage error, 1 on any other failure.
+    """
+    rank = os.environ.get("RANK", "0")
+    try:
+        from nanotron_ext.runtime.train import run_training  # imports torch and nanotron: only when training
+
+        run_training(
+            args.config_file or bundled_config(),
+            cost_strategy=args.cost_strategy,
+            steps=args.steps,
+            seed=args.seed,
+            metrics_out=args.metrics_out,
+            plan_out=args.plan_out,
+        )
+    except Exception as exc:  # every failure must end this rank with a message, never a hang
+        if not isinstance(exc, NanotronExtError):
+            traceback.print_exc(file=sys.stderr)  # an unexpected error: the stack helps whoever debugs it
+        print(f"nanotron-ext train: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_INVALID
+    return EXIT_OK

@@ -1,0 +1,18 @@
+"""Plan: one strategy's block → stage split as plain data, with what each stage costs and the validator's
+findings (what cannot train, why, and what to change)."""
+
+from nanotron_ext.plan.compare import Attempt, plan_every_strategy
+from nanotron_ext.plan.make import make_plan
+from nanotron_ext.plan.types import Finding, Plan, StagePlan
+from nanotron_ext.plan.validate import cannot_train_message, validate_plan
+
+__all__ = [
+    "Attempt",
+    "Finding",
+    "Plan",
+    "StagePlan",
+    "cannot_train_message",
+    "make_plan",
+    "plan_every_strategy",
+    "validate_plan",
+]

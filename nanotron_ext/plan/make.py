@@ -1,0 +1,76 @@
+"""Make a plan: run one strategy over the inventory, price its stages, and validate the result."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.analytic import stage_memory_bytes, training_flops
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition import partition
+from nanotron_ext.plan.types import Plan, StagePlan
+from nanotron_ext.plan.validate import validate_plan
+from nanotron_ext.report import compact_names
+from nanotron_ext.strategies import get_strategy
+
+__all__ = ["make_plan"]
+
+
+def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None) -> Plan:
+    """Plan the split of ``blocks`` into ``cfg.run.pp`` stages with one strategy, and validate it.
+
+    Args:
+        blocks: the inventory (:mod:`nanotron_ext.inventory`).
+        cfg: config; ``cfg.ext.cost_strategy`` is used unless ``strategy`` is given.
+        strategy: a registered name or ``package.module:attr``.
+
+    Returns:
+        The :class:`Plan`, findings included (check ``plan.ok``).
+
+    Raises:
+        ConfigError: unknown strategy or bad option.
+        PlanningError: no split satisfies the strategy's constraints.
+    """
+    name = strategy or cfg.ext.cost_strategy
+    assignment = get_strategy(name).assign(blocks, cfg)
+    pp = cfg.run.pp
+    ranks = list(assignment.ranks)
+    if len(ranks) != len(blocks) or any(not (0 <= r < pp) for r in ranks):
+        raise PlanningError(f"strategy {name!r} returned ranks {ranks} for {len(blocks)} blocks and pp={pp}")
+    if any(b < a for a, b in zip(ranks, ranks[1:])):
+        raise PlanningError(f"strategy {name!r} returned non-contiguous stages {ranks}")
+    flops = training_flops(blocks)
+    total_cost = sum(assignment.costs) or 1.0
+    stages = []
+    for k in range(pp):
+        members = [b for b, r in zip(blocks, ranks) if r == k]
+        cost = sum(c for c, r in zip(assignment.costs, ranks) if r == k)
+        stages.append(
+            StagePlan(
+                stage=k,
+                blocks=tuple(b.name for b in members),
+                label=compact_names([b.short for b in members]),
+                params=sum(b.params for b in members),
+                trainable=sum(b.trainable for b in members),
+                cost=cost,
+                share=cost / total_cost,
+                flops=sum(f for f, r in zip(flops, ranks) if r == k),
+                memory_bytes=stage_memory_bytes(members, cfg.run, k),
+            )
+        )
+    optimum = partition(flops, pp).max_cost if pp <= len(blocks) else 0.0
+    plan = Plan(
+        strategy=name,
+        pp=pp,
+        engine=cfg.run.engine,
+        n_micro_batches=cfg.run.n_micro_batches,
+        unit=assignment.unit,
+        block_names=tuple(b.name for b in blocks),
+        block_ranks=tuple(ranks),
+        block_costs=tuple(assignment.costs),
+        stages=tuple(stages),
+        optimum_flops=optimum,
+    )
+    return replace(plan, findings=tuple(validate_plan(plan, blocks, cfg)))

@@ -1,0 +1,38 @@
+"""Simulate: replay Nanotron's 1F1B/AFAB program rank by rank (``engine``), turn a plan into stage times
+(``stage_times``), and draw the result (``timeline``, imported on demand: it needs matplotlib)."""
+
+from nanotron_ext.simulate.engine import (
+    Op,
+    SimResult,
+    StageTimes,
+    engine_order,
+    engine_program,
+    ideal_bubble_fraction,
+    simulate,
+)
+from nanotron_ext.simulate.stage_times import (
+    DEFAULT_TFLOPS,
+    format_seconds,
+    gradient_cuts,
+    simulate_plan,
+    stage_labels,
+    stage_times_from_plan,
+    stage_times_from_timings,
+)
+
+__all__ = [
+    "DEFAULT_TFLOPS",
+    "Op",
+    "SimResult",
+    "StageTimes",
+    "engine_order",
+    "engine_program",
+    "format_seconds",
+    "gradient_cuts",
+    "ideal_bubble_fraction",
+    "simulate",
+    "simulate_plan",
+    "stage_labels",
+    "stage_times_from_plan",
+    "stage_times_from_timings",
+]

@@ -1,0 +1,216 @@
+"""The built-in strategies, registered in the order tables list them.
+
+* ``nanotron`` — the model's ``get_block_compute_costs()`` and Nanotron's greedy threshold rule (baseline);
+* ``uniform`` — the same number of weighted blocks per stage;
+* ``flops`` — training FLOPs per block (:mod:`nanotron_ext.costs.analytic`), optimal split;
+* ``memory`` — weights + grads + optimizer state + activations × micro-batches in flight, optimal split;
+* ``constrained`` — ``base_strategy`` (``flops`` by default) plus a trainable block on every stage;
+* ``layout`` — an explicit layout string (see :mod:`nanotron_ext.partition.layout`);
+* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.measured`), constrained as ``constrained``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.partition import MemoryCap, Requirement, layout_ranks, nanotron_greedy_ranks, partition
+from nanotron_ext.strategies.registry import Assignment, register_strategy
+
+__all__ = [
+    "Constrained",
+    "Flops",
+    "Layout",
+    "Memory",
+    "NanotronRule",
+    "Profiled",
+    "Uniform",
+    "optimal_assignment",
+    "require_trainable_per_stage",
+]
+
+
+def _has_params(blocks: Sequence[BlockInfo]) -> Requirement:
+    return Requirement(
+        "blocks with parameters",
+        tuple(b.params > 0 for b in blocks),
+        fix="add decoder layers or lower pp",
+    )
+
+
+def _has_trainable(blocks: Sequence[BlockInfo]) -> Requirement:
+    return Requirement(
+        "trainable blocks",
+        tuple(b.trainable > 0 for b in blocks),
+        fix="unfreeze more blocks, lower pp, or set `allow_frozen_stages: true` under nanotron_ext",
+    )
+
+
+def optimal_assignment(
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    costs: Sequence[float],
+    unit: str,
+    *,
+    per_in_flight: Sequence[float] | None = None,
+    trainable_per_stage: bool = False,
+) -> Assignment:
+    """Optimal split of ``costs`` with the shared constraints (weights on every stage, memory cap)."""
+    run = cfg.run
+    flight = in_flight(run.engine, run.pp, run.n_micro_batches)
+    reqs = [_has_params(blocks)]
+    if trainable_per_stage:
+        reqs.append(_has_trainable(blocks))
+    memory = None
+    if cfg.ext.memory_cap_gib is not None:
+        memory = MemoryCap(
+            static=tuple(static_bytes(b, run) for b in blocks),
+            activation=tuple(b.activation_bytes for b in blocks),
+            in_flight=tuple(flight),
+            cap=cfg.ext.memory_cap_gib * GIB,
+        )
+    part = partition(
+        costs,
+        run.pp,
+        per_in_flight=per_in_flight,
+        in_flight=flight if per_in_flight is not None else None,
+        requirements=reqs,
+        memory=memory,
+        names=[b.short for b in blocks],
+    )
+    return Assignment(part.ranks(), list(map(float, costs)), unit)
+
+
+def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> bool:
+    """Whether a trainable block must go on every stage: yes when the model has ``pp`` of them.
+
+    Raises:
+        PlanningError: fewer trainable blocks than stages and ``allow_frozen_stages`` is off (the message
+        gives both ways out).
+    """
+    n_trainable = sum(b.trainable > 0 for b in blocks)
+    if n_trainable < cfg.run.pp and not cfg.ext.allow_frozen_stages:
+        trainable = ", ".join(b.short for b in blocks if b.trainable) or "none"
+        raise PlanningError(
+            f"pp={cfg.run.pp} but only {n_trainable} blocks are trainable ({trainable}), so some stage would "
+            f"hold only frozen weights and have no gradient. Two ways out: (1) lower pp to {max(n_trainable, 1)} "
+            f"or unfreeze more blocks; (2) set `allow_frozen_stages: true` under `nanotron_ext:` to run "
+            f"frozen stages without optimizer or DDP"
+        )
+    return n_trainable >= cfg.run.pp
+
+
+@register_strategy("nanotron")
+class NanotronRule:
+    """Upstream behaviour: class costs from ``get_block_compute_costs()``, greedy thresholds."""
+
+    name = "nanotron"
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        costs = [b.nanotron_cost for b in blocks]
+        return Assignment(nanotron_greedy_ranks(costs, cfg.run.pp), costs, "nanotron units")
+
+
+_Pricing = tuple[list[float], str, "list[float] | None"]
+
+
+def _price_uniform(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Pricing:
+    return [1.0 if b.params else 0.0 for b in blocks], "blocks", None
+
+
+def _price_flops(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Pricing:
+    return training_flops(blocks), "FLOPs", None
+
+
+def _price_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Pricing:
+    # Activations are priced per micro-batch in flight, which depends on the stage.
+    return [static_bytes(b, cfg.run) for b in blocks], "bytes", [b.activation_bytes for b in blocks]
+
+
+_PRICERS: dict[str, Callable[[Sequence[BlockInfo], PlannerConfig], _Pricing]] = {
+    "uniform": _price_uniform,
+    "flops": _price_flops,
+    "memory": _price_memory,
+}
+
+
+class _Optimal:
+    name = ""
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        costs, unit, per_in_flight = _PRICERS[self.name](blocks, cfg)
+        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight)
+
+
+@register_strategy("uniform")
+class Uniform(_Optimal):
+    """The same number of weighted blocks per stage; weightless blocks ride along for free."""
+
+    name = "uniform"
+
+
+@register_strategy("flops")
+class Flops(_Optimal):
+    """Training FLOPs per block: forward + input-gradient + weight-gradient, freeze-aware."""
+
+    name = "flops"
+
+
+@register_strategy("memory")
+class Memory(_Optimal):
+    """Peak memory per stage: static bytes plus activations × micro-batches in flight at that stage."""
+
+    name = "memory"
+
+
+@register_strategy("constrained")
+class Constrained:
+    """``base_strategy``'s costs, split so every stage holds a trainable block (when there are ``pp`` of them)."""
+
+    name = "constrained"
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        base = cfg.ext.base_strategy
+        if base not in _PRICERS:
+            raise ConfigError(
+                f"nanotron_ext.base_strategy={base!r} cannot be constrained; use one of {', '.join(_PRICERS)}"
+            )
+        each = require_trainable_per_stage(blocks, cfg)
+        costs, unit, per_in_flight = _PRICERS[base](blocks, cfg)
+        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each)
+
+
+@register_strategy("layout")
+class Layout:
+    """An explicit layout string (``nanotron_ext.partition.layout``, Megatron-style)."""
+
+    name = "layout"
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        if not cfg.ext.layout:
+            raise ConfigError("cost_strategy 'layout' needs `layout:` under `nanotron_ext:`, e.g. 'E,t*5|t*6,L'")
+        ranks = layout_ranks(cfg.ext.layout, [b.role for b in blocks])
+        if max(ranks) + 1 != cfg.run.pp:
+            raise ConfigError(f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}")
+        return Assignment(ranks, training_flops(blocks), "FLOPs")
+
+
+@register_strategy("profiled")
+class Profiled:
+    """Measured forward + backward seconds per block (rank 0 measures, every rank plans), optimal split.
+
+    Constrained as ``constrained`` is: every stage gets a block with parameters, and a trainable block
+    whenever the model has ``pp`` of them.
+    """
+
+    name = "profiled"
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        from nanotron_ext.costs.measured import block_timings  # needs torch: only when asked for
+
+        each = require_trainable_per_stage(blocks, cfg)
+        timings = block_timings(blocks, cfg)
+        return optimal_assignment(blocks, cfg, [t.total for t in timings], "seconds", trainable_per_stage=each)

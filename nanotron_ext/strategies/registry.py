@@ -1,0 +1,99 @@
+"""The strategy registry: a dict, a decorator, and the ``Strategy`` protocol every entry follows."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError
+
+__all__ = [
+    "MEASURING",
+    "Assignment",
+    "Strategy",
+    "available_strategies",
+    "comparable_strategies",
+    "get_strategy",
+    "register_strategy",
+]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A strategy's answer: the stage of each block and the per-block costs it balanced."""
+
+    ranks: list[int]
+    costs: list[float]
+    unit: str
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What a cost strategy provides."""
+
+    name: str
+
+    def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
+        """Stage of each block for ``cfg.run.pp`` stages."""
+        ...
+
+
+_REGISTRY: dict[str, Callable[[], Strategy]] = {}
+
+#: Strategies that time blocks on this machine: left out of side-by-side comparisons unless asked for.
+MEASURING = frozenset({"profiled"})
+
+
+def register_strategy(name: str) -> Callable[[Any], Any]:
+    """Class decorator: make a strategy available by ``name``.
+
+    Raises:
+        ConfigError: ``name`` is already taken.
+    """
+
+    def deco(cls: Any) -> Any:
+        if name in _REGISTRY:
+            raise ConfigError(f"strategy {name!r} is already registered; pick another name")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available_strategies() -> list[str]:
+    """Registered strategy names, in registration order."""
+    return list(_REGISTRY)
+
+
+def comparable_strategies(selected: str | None = None) -> list[str]:
+    """Registered strategies for a side-by-side table: every analytic one, plus ``selected``."""
+    return [n for n in available_strategies() if n not in MEASURING or n == selected]
+
+
+def get_strategy(name: str) -> Strategy:
+    """A strategy by registered name or ``package.module:attr``.
+
+    Raises:
+        ConfigError: unknown name (lists the known ones), or an import path that does not resolve to a
+        strategy.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name]()
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cost_strategy {name!r} cannot be imported: {exc}") from exc
+        strategy = obj() if isinstance(obj, type) else obj
+        if not isinstance(strategy, Strategy):
+            raise ConfigError(f"cost_strategy {name!r} has no `name` and `assign(blocks, cfg)`; see Strategy")
+        return strategy
+    raise ConfigError(
+        f"unknown cost strategy {name!r}; known strategies: {', '.join(available_strategies())} "
+        f"(or give 'package.module:attr')"
+    )
