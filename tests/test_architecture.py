@@ -1,0 +1,171 @@
+"""The package's import graph: no cycles, and the layers only look down.
+
+Layers, bottom up: the planner core (config → inventory → costs → partition → strategies → plan, with the
+shared leaf modules), then the simulator and the Nanotron adapter side by side, then the CPU runtime, then
+the command line. Every import counts: module level, inside functions, under ``TYPE_CHECKING``, and a module
+named in a string (``importlib`` / ``module:attr``), which is allowed only where listed below with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nanotron_ext"
+ROOT = "nanotron_ext"
+
+#: Layer of each top-level part of the package; a module may import its own layer and the ones below.
+LAYERS: dict[str, int] = {
+    "__init__": 0, "blocks": 0, "config": 0, "errors": 0, "report": 0, "schedule": 0,
+    "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
+    "simulate": 1, "integration": 1,
+    "runtime": 2,
+    "cli": 3,
+}
+#: Parts of one layer that must not import each other.
+SIBLINGS_APART = {("simulate", "integration"), ("integration", "simulate")}
+#: Modules named in strings (loaded on demand), with why that is allowed.
+NAMED_IMPORTS_ALLOWED = {
+    # The profiled strategy times the CPU runtime's Llama blocks; planning never loads them unless it measures.
+    ("nanotron_ext.costs.measured", "nanotron_ext.runtime.modules"),
+}
+_NAMED = re.compile(r"nanotron_ext(?:\.\w+)+(?::\w+)?")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The nanotron_ext module ``name`` refers to (a module, or an attribute of the longest module prefix)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _ancestors(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(2, len(parts))}  # the root package's __init__ is left out
+
+
+def _edges(module: str, path: Path) -> tuple[set[str], set[str]]:
+    """(imported modules, modules named in strings) of one module."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] == ROOT and (resolved := _resolve(target)):
+                imported.add(resolved)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    named = {
+        _resolve(node.value.partition(":")[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        and _NAMED.fullmatch(node.value)
+    }
+    named.discard(None)
+    # Importing a.b.c runs a.b's __init__ first: that is an import too (the root's is left out).
+    imported |= {a for m in imported for a in _ancestors(m)} - _ancestors(module) - {module}
+    imported.discard(module)
+    return imported, named  # type: ignore[return-value]
+
+
+GRAPH = {m: _edges(m, p) for m, p in MODULES.items()}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_graph_sees_the_package():
+    # A parser that found nothing would pass every check below.
+    assert {"nanotron_ext.plan.make", "nanotron_ext.runtime.train", "nanotron_ext.cli.simulate"} <= set(MODULES)
+    assert "nanotron_ext.strategies" in GRAPH["nanotron_ext.plan.make"][0]
+    assert "nanotron_ext.runtime.modules" in GRAPH["nanotron_ext.costs.measured"][1]
+    # Lazy imports inside functions count: cli.train imports the runtime only when training.
+    assert "nanotron_ext.runtime.train" in GRAPH["nanotron_ext.cli.train"][0]
+
+
+def test_no_import_cycles():
+    cycles = _cycles({m: imported | named for m, (imported, named) in GRAPH.items()})
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_layers_only_import_downwards(module: str):
+    imported, named = GRAPH[module]
+    part = _part(module)
+    assert part in LAYERS, f"{module}: add its folder to LAYERS"
+    wrong = sorted(
+        t for t in imported
+        if LAYERS[_part(t)] > LAYERS[part] or (part, _part(t)) in SIBLINGS_APART
+    )
+    assert not wrong, f"{module} (layer {LAYERS[part]}) imports {wrong}"
+    named_up = sorted(t for t in named if LAYERS[_part(t)] > LAYERS[part] and (module, t) not in NAMED_IMPORTS_ALLOWED)
+    assert not named_up, f"{module} names {named_up} in a string; load it from a higher layer instead"
+
+
+def test_planner_simulator_and_adapter_never_import_the_runtime():
+    below = [m for m in MODULES if LAYERS[_part(m)] < LAYERS["runtime"]]
+    offenders = {m: sorted(t for t in GRAPH[m][0] if _part(t) == "runtime") for m in below}
+    assert not {m: t for m, t in offenders.items() if t}
