@@ -1,7 +1,8 @@
-"""Simulate: replay Nanotron's 1F1B/AFAB program rank by rank (``engine``), turn a plan into stage times
+"""Simulate: replay Nanotron's 1F1B/AFAB program rank by rank (re-exported from
+:mod:`nanotron_ext.schedule.simulator`, where the planner can use it too), turn a plan into stage times
 (``stage_times``), and draw the result (``timeline``, imported on demand: it needs matplotlib)."""
 
-from nanotron_ext.simulate.engine import (
+from nanotron_ext.schedule.simulator import (
     Op,
     SimResult,
     StageTimes,

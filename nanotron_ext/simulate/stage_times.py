@@ -24,7 +24,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.plan import Plan
-from nanotron_ext.simulate.engine import SimResult, StageTimes, simulate
+from nanotron_ext.schedule.simulator import SimResult, StageTimes, simulate
 
 if TYPE_CHECKING:
     from nanotron_ext.costs.measured import BlockTiming
@@ -69,7 +69,7 @@ def stage_times_from_plan(
         p2p_bytes_per_second: link bandwidth between neighbouring stages, bytes/s; ``None`` ignores p2p.
 
     Returns:
-        (one :class:`~nanotron_ext.simulate.engine.StageTimes` per stage in seconds, p2p seconds per transfer).
+        (one :class:`~nanotron_ext.schedule.simulator.StageTimes` per stage in seconds, p2p seconds per transfer).
 
     Raises:
         ConfigError: a throughput or bandwidth that is not a positive finite number.

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanotron_ext.simulate.engine import SimResult, ideal_bubble_fraction
+from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -36,7 +36,7 @@ def plot_timeline(
     """Draw one row per stage (stage 0 on top): forward, backward and update boxes over a hatched idle background.
 
     Args:
-        result: output of :func:`nanotron_ext.simulate.engine.simulate`.
+        result: output of :func:`nanotron_ext.schedule.simulator.simulate`.
         path: where to write the PNG (parent folders are created).
         title: first title line; the bubble fraction and step time are always added below it.
         stage_labels: one label per stage; default ``"stage s (PP rank s)"``.

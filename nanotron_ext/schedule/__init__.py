@@ -3,6 +3,9 @@
 ``1f1b`` is ``OneForwardOneBackwardPipelineEngine``, ``afab`` ``AllForwardAllBackwardPipelineEngine``
 (``nanotron/parallel/pipeline_parallel/engine.py``). The 1F1B engine asserts ``nb_microbatches >= pp - 1``;
 at exactly ``pp - 1`` it runs, but the pipeline never fills.
+
+The event simulator of both engines' programs lives in :mod:`nanotron_ext.schedule.simulator` (pure Python,
+planner layer: the schedule-aware partitioner evaluates splits with it; ``nanotron_ext.simulate`` re-exports it).
 """
 
 from __future__ import annotations
