@@ -161,6 +161,8 @@ def load_packed_windows(
 
     tokenizer = tokenizer or ByteTokenizer()
     window = sequence_length + 1
+    if all(Path(f).stat().st_size == 0 for f in files):  # datasets cannot even infer a schema from them
+        raise _too_little_text(files, window)
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     # A private cache folder per process: no lock contention between ranks, nothing left behind.
@@ -184,15 +186,21 @@ def load_packed_windows(
         # One batch over the whole corpus: packing across paragraph boundaries, deterministic, no remainder
         # dropped per batch (the corpus is small).
         packed = text.map(pack, batched=True, batch_size=None, remove_columns=text.column_names, keep_in_memory=True)
-        windows = np.asarray(packed["input_ids"], dtype=np.int64).reshape(-1, window)
+        # Text shorter than one window packs to no row at all, and then datasets drops the column too.
+        rows = packed["input_ids"] if "input_ids" in packed.column_names else []
+        windows = np.asarray(rows, dtype=np.int64).reshape(-1, window)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     if len(windows) == 0:
-        raise ConfigError(
-            f"the data files ({', '.join(str(f) for f in files)}) hold fewer than {window} tokens "
-            f"(sequence_length + 1); give more text"
-        )
+        raise _too_little_text(files, window)
     return windows
+
+
+def _too_little_text(files: Sequence[str | Path], window: int) -> ConfigError:
+    return ConfigError(
+        f"the data files ({', '.join(str(f) for f in files)}) hold fewer than {window} tokens "
+        f"(sequence_length + 1); give more text"
+    )
 
 
 class PackedTextData:

@@ -1,0 +1,157 @@
+"""User-facing errors that no other test triggered (issue 14): each one raised for real, its message matched.
+
+The distributed ones live with their real-process tests: rank 0's profiling failing
+(``test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank``), a stage holding only frozen weights
+in the collective check (``test_integration.py::test_collective_check_names_a_frozen_only_stage``) and a NaN
+loss (``test_train_cli.py::test_nan_loss_stops_with_its_step``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import yaml
+
+from nanotron_ext import make_plan
+from nanotron_ext.config import bundled_config, config_from_dict, load_config
+from nanotron_ext.errors import ConfigError, LayoutError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition.layout import layout_ranks, parse_layout
+from nanotron_ext.strategies import Assignment, get_strategy, register_strategy
+
+
+@pytest.fixture
+def raw():
+    return yaml.safe_load(bundled_config().read_text())
+
+
+@pytest.fixture
+def tiny():
+    cfg = load_config(bundled_config())
+    return cfg, inventory_from_config(cfg)
+
+
+# --- config.py -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda r: r["model"]["model_config"].update(num_key_value_heads=3),
+         r"^model_config\.num_attention_heads=4 is not a multiple of num_key_value_heads=3; GQA needs an integer "
+         r"group size$"),
+        (lambda r: r["optimizer"].update(zero_stage=2), r"^optimizer\.zero_stage=2: Nanotron supports 0 or 1$"),
+        (lambda r: r["nanotron_ext"].update(base_strategy="constrained"),
+         r"^nanotron_ext\.base_strategy='constrained' would recurse; use flops, memory or uniform$"),
+        (lambda r: r["nanotron_ext"].update(allow_frozen_stages="yes"),
+         r"^nanotron_ext\.allow_frozen_stages='yes' must be true or false$"),
+        (lambda r: r["nanotron_ext"].update(projector=1), r"^nanotron_ext\.projector=1 must be true or false$"),
+    ],
+    ids=["gqa-heads", "zero-stage", "base-constrained", "allow-frozen-not-bool", "projector-not-bool"],
+)
+def test_bad_config_values(raw, edit, match):
+    raw = copy.deepcopy(raw)
+    raw.setdefault("nanotron_ext", {})
+    edit(raw)
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw)
+
+
+# --- strategies --------------------------------------------------------------------------------------------
+
+
+def test_import_path_that_is_not_a_strategy():
+    # A function, not a class with `name` and `assign`.
+    with pytest.raises(ConfigError, match=r"^cost_strategy 'nanotron_ext\.config:load_config' has no `name` and "
+                                          r"`assign\(blocks, cfg\)`; see Strategy$"):
+        get_strategy("nanotron_ext.config:load_config")
+
+
+def test_base_strategy_that_cannot_be_constrained(tiny):
+    cfg, blocks = tiny
+    with pytest.raises(ConfigError, match=r"^nanotron_ext\.base_strategy='nanotron' cannot be constrained; use one "
+                                          r"of uniform, flops, memory$"):
+        make_plan(blocks, cfg.with_overrides(base_strategy="nanotron"), "constrained")
+
+
+# --- plan/make.py: a custom strategy's ranks are checked -----------------------------------------------------
+
+
+@register_strategy("test-user-errors-rank-out-of-range")
+class _RankOutOfRange:
+    name = "test-user-errors-rank-out-of-range"
+
+    def assign(self, blocks, cfg):
+        return Assignment([0] * (len(blocks) - 1) + [2], [1.0] * len(blocks), "blocks")
+
+
+@register_strategy("test-user-errors-too-few-ranks")
+class _TooFewRanks:
+    name = "test-user-errors-too-few-ranks"
+
+    def assign(self, blocks, cfg):
+        return Assignment([0, 1], [1.0] * len(blocks), "blocks")
+
+
+@register_strategy("test-user-errors-not-contiguous")
+class _NotContiguous:
+    name = "test-user-errors-not-contiguous"
+
+    def assign(self, blocks, cfg):
+        return Assignment([0, 1, 0, 0, 1, 1, 1], [1.0] * len(blocks), "blocks")
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("test-user-errors-rank-out-of-range",
+         r"^strategy 'test-user-errors-rank-out-of-range' returned ranks \[0, 0, 0, 0, 0, 0, 2\] for 7 blocks and "
+         r"pp=2$"),
+        ("test-user-errors-too-few-ranks",
+         r"^strategy 'test-user-errors-too-few-ranks' returned ranks \[0, 1\] for 7 blocks and pp=2$"),
+        ("test-user-errors-not-contiguous",
+         r"^strategy 'test-user-errors-not-contiguous' returned non-contiguous stages \[0, 1, 0, 0, 1, 1, 1\]$"),
+    ],
+)
+def test_custom_strategy_with_bad_ranks(tiny, name, match):
+    cfg, blocks = tiny
+    with pytest.raises(PlanningError, match=match):
+        make_plan(blocks, cfg, name)
+
+
+# --- partition/layout.py -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_empty_layout(text):
+    expected = rf"^layout={text!r} is empty; write one stage per '\|', e.g\. 'E,t\*5\|t\*6,L'$"
+    with pytest.raises(LayoutError, match=expected):
+        parse_layout(text)
+    with pytest.raises(LayoutError, match=expected):
+        layout_ranks(text, ["embedding", "decoder", "final_norm", "lm_head", "cast", "loss"])
+
+
+# --- runtime/data.py: too little data ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["ten bytes\n", ""], ids=["10-tokens", "empty"])  # 9 bytes + eos < 33
+def test_text_shorter_than_one_window(tmp_path, text):
+    from nanotron_ext.runtime.data import load_packed_windows
+
+    short = tmp_path / "short.txt"
+    short.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^the data files \({short}\) hold fewer than 33 tokens "
+                                          r"\(sequence_length \+ 1\); give more text$"):
+        load_packed_windows([short], 32)
+
+
+def test_fewer_windows_than_a_micro_batch_per_replica():
+    from nanotron_ext.runtime.data import PackedTextData
+
+    windows = np.zeros((3, 33), dtype=np.int64)
+    PackedTextData(windows, 3)  # exactly one micro-batch: fine
+    with pytest.raises(ConfigError, match=r"^the data has 3 windows of 33 tokens: fewer than micro_batch_size=2 "
+                                          r"per DP replica \(dp=2\); give more text or shrink the batch$"):
+        PackedTextData(windows, 2, dp_rank=0, dp_size=2)
