@@ -41,6 +41,16 @@ def test_projector_only():
                                  "final_norm": 0, "lm_head": 0}
 
 
+def test_module_paths_freeze_whole_blocks():
+    # A module path names one block exactly; a path glob names several; roles and short names are not needed.
+    _, blocks = planned({"modules": ["model.decoder.1"]})
+    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 4_128, "decoder.1": 0, "final_norm": 16,
+                                 "lm_head": 804_432}
+    _, blocks = planned({"modules": ["model.decoder.*", "model.lm_head"], "unfreeze": ["model.decoder.0"]})
+    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 4_128, "decoder.1": 0, "final_norm": 16,
+                                 "lm_head": 0}
+
+
 def test_parameter_glob_freezes_inside_a_block():
     _, blocks = planned({"modules": ["model.decoder.*.pp_block.mlp.*"]})
     # gate_up 2·64·16 + down 64·16 = 3072 frozen of 4128
@@ -79,6 +89,8 @@ def test_flops_prices_frozen_work():
     [
         ({"modules": ["decoder.9"]}, r"freeze pattern 'decoder.9' matches no module; modules are: embedding, decoder.0-1"),
         ({"modules": ["decoder"], "unfreeze": ["lm_head"]}, r"unfreeze 'lm_head': it is not frozen"),
+        ({"modules": ["decoder"], "unfreeze": ["decoder.7"]},
+         r"^unfreeze pattern 'decoder.7' matches no module; modules are: embedding, decoder.0-1, final_norm, lm_head$"),
         ({"modules": ["*"]}, "freezes every parameter"),
         ({"modules": ["*"], "unfreeze_last_decoder_layers": 3}, "has 2 decoder layers"),
         ({"modulez": ["*"]}, r"unknown key\(s\) 'modulez' in 'freeze:'"),

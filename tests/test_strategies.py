@@ -61,7 +61,10 @@ def test_constrained_puts_a_trainable_block_on_every_stage(tiny):
     trainable = {"embedding", "decoder.0"}
     blocks = [dataclasses.replace(b, trainable=b.params if b.short in trainable else 0) for b in blocks]
     flops = make_plan(blocks, cfg, "flops")
-    assert [f.code for f in flops.findings] == ["no-trainable"]
+    # A frozen stage without allow_frozen_stages is an error: the plan cannot train.
+    assert [(f.severity, f.code, f.stage) for f in flops.findings] == [("error", "no-trainable", 1)]
+    assert flops.ok is False
+    assert flops.verdict == "INVALID (no-trainable@1)"
     plan = make_plan(blocks, cfg, "constrained")
     assert plan.ok and plan.block_ranks == (0, 1, 1, 1, 1, 1, 1)
 
@@ -73,7 +76,7 @@ def test_constrained_with_too_few_trainable_blocks_explains_both_ways_out(tiny):
         make_plan(blocks, cfg, "constrained")
     allowed = cfg.with_overrides(allow_frozen_stages=True)
     plan = make_plan(blocks, allowed, "constrained")
-    assert plan.ok and [f.code for f in plan.findings] == ["no-trainable"]  # a warning now
+    assert plan.ok and [(f.severity, f.code) for f in plan.findings] == [("warning", "no-trainable")]  # allowed
 
 
 def test_profiled_and_constrained_refuse_fewer_trainable_blocks_than_stages_alike(tiny, tmp_path):
