@@ -45,6 +45,26 @@ def test_validator_allows_frozen_stages_when_asked(world: list[dict]) -> None:
     assert [(r["pp_rank"], r["trainable"] > 0) for r in rows] == [(0, True), (1, False)]
 
 
+def test_collective_check_names_a_frozen_only_stage(world: list[dict]) -> None:
+    """Constrained split [0,0,0,0,1,1,1], lm_head frozen: PP rank 1 holds 804,432 weights, none trainable."""
+    assert [r["frozen_count"] for r in world] == [0, 1], "rank 1 owns the one frozen parameter, the lm_head weight"
+    messages = [r["frozen_validator"] for r in world]
+    assert all(m is not None for m in messages), "check_every_rank_trains must raise on every rank"
+    assert messages[0] == messages[1], "every rank must raise the same table"
+    first, *rest = messages[0].splitlines()
+    assert first == (
+        "nanotron_ext: PP rank(s) [1] would have no gradient — the stage holds only frozen parameters; DDP would "
+        "stop with \"Can't use DDP because model in PP=1 has no gradient\" and the optimizer with \"got an empty "
+        "parameter list\"."
+    )
+    rows = [line.split() for line in rest if line.strip().startswith(("0", "1"))]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [("0", "0", "ok"), ("1", "1", "GRADIENT")]  # "NO GRADIENT"
+    assert rest[-1].startswith("fix: use `--cost-strategy constrained`")
+    allowed = [(r["pp_rank"], r["params"], r["trainable"]) for r in world[0]["frozen_allowed_rows"]]
+    assert allowed == [(0, 804_432 + 2 * 4_128 + 16, 804_432 + 2 * 4_128 + 16), (1, 804_432, 0)]
+    assert world[1]["frozen_allowed_rows"] == world[0]["frozen_allowed_rows"]
+
+
 def test_patch_nanotron_swaps_build_model_and_undo_restores(world: list[dict]) -> None:
     for r in world:
         assert r["patched_is_ours"] and r["restored"]

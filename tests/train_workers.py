@@ -254,6 +254,18 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out["validator"] = str(exc)
         out["validator_allowed_rows"] = integration.check_every_rank_trains(greedy, ctx, allow_frozen_stages=True)
 
+        # 1b. The constrained split with the lm_head frozen by its module path: PP rank 1 holds the lm_head's
+        # weights but nothing trainable. Without allow_frozen_stages the check must fail on both ranks.
+        frozen_cfg = _planner_config({"nanotron_ext": {"freeze": {"modules": ["model.lm_head"]}}})
+        frozen = assign_blocks(builder(), ctx, [0, 0, 0, 0, 1, 1, 1])
+        out["frozen_count"] = integration.apply_freeze_to_model(frozen, frozen_cfg)
+        try:
+            integration.check_every_rank_trains(frozen, ctx)
+            out["frozen_validator"] = None
+        except integration.PipelineValidationError as exc:
+            out["frozen_validator"] = str(exc)
+        out["frozen_allowed_rows"] = integration.check_every_rank_trains(frozen, ctx, allow_frozen_stages=True)
+
         # 2. patch_nanotron: Nanotron's own build_model call now places blocks with our plan.
         original = nanotron_base.build_model
         undo = integration.patch_nanotron(cfg)
