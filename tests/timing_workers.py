@@ -79,18 +79,87 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
     return out
 
 
-def profiled_plan(cache_root: str, perturb_rank: int) -> dict[str, Any]:
-    """Plan the bundled tiny model with ``profiled`` at pp=2 while this rank's measurements may be skewed.
+#: Scripted (forward, backward) seconds per block role: blocks cost [2, 6, 6, 1, 2, 1, 2] in the tiny model's
+#: order (embedding, decoder.0-1, final_norm, lm_head, cast, loss). Best pp=2 split, by hand: the prefix sums are
+#: 2, 8, 14, ... of 20, so cutting after decoder.0 gives max(8, 12) = 12, every other cut more: (0,0,1,1,1,1,1).
+SCRIPT_A = {"embedding": (1.0, 1.0), "decoder": (2.0, 4.0), "final_norm": (0.5, 0.5), "lm_head": (1.0, 1.0),
+            "cast": (0.5, 0.5), "loss": (1.0, 1.0)}
+#: The same with a heavy lm_head: [2, 6, 6, 1, 100, 1, 2] of 118; cutting before the lm_head gives
+#: max(15, 103) = 103, after it 115, earlier cuts more: (0,0,0,0,1,1,1).
+SCRIPT_B = {**SCRIPT_A, "lm_head": (40.0, 60.0)}
 
-    On ``perturb_rank`` every decoder layer is reported 1000× slower than measured, as if its timer ran slow
-    (a loaded or different machine). Each rank also plans from its *own* measurements, without the broadcast,
-    to show that the perturbation would change the plan.
+
+class ScriptedTime:
+    """A clock for the profiler (``measured.clock``) and block modules that advance it by scripted seconds.
+
+    ``factory`` is a ``module_factory`` for :func:`nanotron_ext.costs.measured.measure_block`: each block's module
+    moves ``now`` forward by its role's forward seconds when called, and by its backward seconds when autograd
+    runs its backward; a block with weights has one (trainable) parameter, so the optimizer step runs too (and
+    takes no scripted time). The profiler's own code (warm-up, medians, cache, broadcast) runs unchanged.
+    """
+
+    def __init__(self, script: dict[str, tuple[float, float]]) -> None:
+        self.script = script
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def factory(self, block: Any, cfg: Any, tp_pg: Any) -> Any:
+        import torch
+
+        clock = self
+
+        class Tick(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Any, seconds: float) -> Any:
+                ctx.seconds = seconds
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                clock.now += ctx.seconds
+                return grad, None
+
+        fwd, bwd = self.script[block.role]
+
+        class Scripted(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.zeros(())) if block.params else None
+
+            def forward(self, **inputs: Any) -> Any:
+                clock.now += fwd
+                out = torch.zeros(())
+                for t in inputs.values():
+                    if t.is_floating_point():
+                        out = out + t.sum()
+                if self.weight is not None:
+                    out = out + self.weight
+                return Tick.apply(out, bwd)
+
+        return Scripted()
+
+
+def with_factory(measure_block: Any, factory: Any) -> Any:
+    """``measure_block`` building every module with ``factory`` (``profile_blocks`` passes its own, None)."""
+
+    def measure(block: Any, cfg: Any, **kwargs: Any) -> Any:
+        return measure_block(block, cfg, **{**kwargs, "module_factory": factory})
+
+    return measure
+
+
+def profiled_plan(cache_root: str) -> dict[str, Any]:
+    """Plan the bundled tiny model with ``profiled`` at pp=2 while the ranks' blocks take different times.
+
+    Rank 0's blocks take ``SCRIPT_A``'s seconds, rank 1's ``SCRIPT_B``'s (as if rank 1 were another machine);
+    both read the scripted clock. Each rank also plans from its *own* measurements, without the broadcast, to
+    show that rank 1 alone would choose another split.
 
     Returns:
-        The rank's plan, its local-only plan, how many blocks it measured while planning, and the timings.
+        The rank's plan, its local-only plan, and how many blocks it measured while planning.
     """
-    import dataclasses
-
     from nanotron_ext.config import bundled_config, load_config
     from nanotron_ext.costs import measured as profiled
     from nanotron_ext.inventory import inventory_from_config
@@ -101,17 +170,17 @@ def profiled_plan(cache_root: str, perturb_rank: int) -> dict[str, Any]:
     ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     rank = int(os.environ["RANK"])
     try:
+        scripted = ScriptedTime(SCRIPT_A if rank == 0 else SCRIPT_B)
         calls = {"n": 0}
-        real_measure = profiled.measure_block
+        real_measure = with_factory(profiled.measure_block, scripted.factory)
 
         def measure(block, cfg, **kwargs):
             calls["n"] += 1
-            timing = real_measure(block, cfg, **kwargs)
-            if rank == perturb_rank and block.role == "decoder":
-                timing = dataclasses.replace(timing, forward=timing.forward * 1000, backward=timing.backward * 1000)
-            return timing
+            return real_measure(block, cfg, **kwargs)
 
-        profiled.measure_block = measure  # this process only; it exits afterwards
+        # This process only; it exits afterwards.
+        profiled.measure_block = measure
+        profiled.clock = scripted.clock
         cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
         blocks = inventory_from_config(cfg)
         plan = make_plan(blocks, cfg, "profiled")
@@ -129,6 +198,46 @@ def profiled_plan(cache_root: str, perturb_rank: int) -> dict[str, Any]:
             "local_ranks": list(local_ranks),
             "measured_while_planning": measured_while_planning,
         }
+    except BaseException:
+        ctx.destroy(barrier=False)
+        raise
+    ctx.destroy()
+    return result
+
+
+def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
+    """Plan with ``profiled`` at pp=2 while building the lm_head's module fails on global rank 0 only.
+
+    Returns:
+        ``{"rank", "error"}``: the ``PlanningError`` this rank raised, as ``"PlanningError: message"``. Any other
+        exception propagates (the test then fails), and a rank left waiting in the broadcast is killed at the
+        spawn helper's deadline.
+    """
+    from nanotron_ext.config import bundled_config, load_config
+    from nanotron_ext.costs import measured as profiled
+    from nanotron_ext.errors import PlanningError
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.runtime import GlooParallelContext
+
+    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
+    rank = int(os.environ["RANK"])
+    scripted = ScriptedTime(SCRIPT_A)
+
+    def failing_factory(block: Any, cfg: Any, tp_pg: Any) -> Any:
+        if rank == 0 and block.role == "lm_head":
+            raise RuntimeError(f"scripted failure on rank {rank}: cannot build {block.name}")
+        return scripted.factory(block, cfg, tp_pg)
+
+    try:
+        profiled.measure_block = with_factory(profiled.measure_block, failing_factory)
+        profiled.clock = scripted.clock
+        cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
+        try:
+            make_plan(inventory_from_config(cfg), cfg, "profiled")
+            result = {"rank": rank, "error": None}
+        except PlanningError as exc:
+            result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     except BaseException:
         ctx.destroy(barrier=False)
         raise
