@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from . import workers
@@ -20,17 +18,18 @@ def test_environment_is_torchrun_like() -> None:
 
 
 def test_failure_is_reported_and_peers_are_killed() -> None:
-    start = time.monotonic()
     outcomes = run_ranks(workers.fail_on_rank_one_else_hang, 2, timeout=30, grace=1.0)
-    assert time.monotonic() - start < 15, "a failed peer must not leave the others running until the timeout"
-    assert not outcomes[1].ok and "boom on rank 1" in outcomes[1].error
+    assert not outcomes[1].ok and outcomes[1].error == "RuntimeError('boom on rank 1')"
     assert not outcomes[0].ok and outcomes[0].timed_out
+    # Killed after the grace period, not at the deadline: a rank still alive 3 s before the deadline dumps its
+    # stack ("Timeout (0:00:27)!", see test_hang_hits_the_deadline), and rank 0 never got there.
+    assert "Timeout" not in outcomes[0].output, "a failed peer must not leave the others running until the timeout"
     with pytest.raises(DistributedRunError, match="boom on rank 1"):
         run_distributed(workers.fail_on_rank_one_else_hang, 2, timeout=30, grace=1.0)
 
 
 def test_hang_hits_the_deadline() -> None:
-    start = time.monotonic()
     outcomes = run_ranks(workers.fail_on_rank_one_else_hang, 1, timeout=3)
-    assert time.monotonic() - start < 10
-    assert outcomes[0].timed_out and "Timeout" in outcomes[0].output  # faulthandler dumped the stack
+    assert outcomes[0].timed_out and outcomes[0].returncode != 0
+    assert outcomes[0].error == "killed at the deadline / after a peer failed"
+    assert "Timeout (0:00:01)!" in outcomes[0].output  # faulthandler dumped the stack before the kill
