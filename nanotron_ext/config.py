@@ -108,6 +108,10 @@ class RunShape:
         return self.sequence_length * self.micro_batch_size
 
 
+#: What the optimal strategies minimise (``nanotron_ext.objective``).
+OBJECTIVES: tuple[str, ...] = ("step_time", "slowest_stage")
+
+
 @dataclass(frozen=True)
 class ExtConfig:
     """Our keys: how to split the model across pipeline stages.
@@ -121,6 +125,10 @@ class ExtConfig:
         projector: add a trainable projector block after the embedding (CPU model only).
         freeze: which modules to freeze (see ``nanotron_ext.inventory.freeze``); ``None`` trains everything.
         profile_cache: directory of the ``profiled`` strategy's timing cache.
+        objective: what ``constrained`` (with ``base_strategy: flops``) and ``profiled`` minimise:
+            ``step_time`` (default), the simulated step under the config's schedule
+            (:mod:`nanotron_ext.partition.schedule_aware`), or ``slowest_stage``, the slowest stage's cost.
+        p2p_gbps: link bandwidth (GB/s) the ``step_time`` objective prices transfers with; None ignores p2p.
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -131,8 +139,18 @@ class ExtConfig:
     projector: bool = False
     freeze: dict[str, Any] | None = None
     profile_cache: str | None = None
+    objective: str = "step_time"
+    p2p_gbps: float | None = None
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(
+                f"nanotron_ext.objective={self.objective!r} is unknown; use one of {', '.join(OBJECTIVES)}"
+            )
+        if self.p2p_gbps is not None and not (
+            isinstance(self.p2p_gbps, (int, float)) and math.isfinite(self.p2p_gbps) and self.p2p_gbps > 0
+        ):
+            raise ConfigError(f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, or null")
         if not isinstance(self.cost_strategy, str) or not self.cost_strategy:
             raise ConfigError(f"cost_strategy={self.cost_strategy!r} must be a non-empty strategy name")
         if self.base_strategy == "constrained":
@@ -166,9 +184,15 @@ class PlannerConfig:
     nanotron: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     source: str = "<dict>"
 
-    def with_overrides(self, *, cost_strategy: str | None = None, pp: int | None = None, **ext: Any) -> PlannerConfig:
-        """A copy with command-line overrides applied (they win over the YAML)."""
+    def with_overrides(
+        self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,
+        **ext: Any,
+    ) -> PlannerConfig:
+        """A copy with command-line overrides applied (they win over the YAML); ``n_micro_batches`` replaces
+        ``tokens.batch_accumulation_per_replica``."""
         run = self.run if pp is None else dataclasses.replace(self.run, pp=pp)
+        if n_micro_batches is not None:
+            run = dataclasses.replace(run, n_micro_batches=n_micro_batches)
         changes = {k: v for k, v in ext.items() if v is not None}
         if cost_strategy is not None:
             changes["cost_strategy"] = cost_strategy
@@ -176,6 +200,8 @@ class PlannerConfig:
         nanotron = copy.deepcopy(self.nanotron)
         if pp is not None and "parallelism" in nanotron:
             nanotron["parallelism"]["pp"] = pp
+        if n_micro_batches is not None and "tokens" in nanotron:
+            nanotron["tokens"]["batch_accumulation_per_replica"] = n_micro_batches
         return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
 
 

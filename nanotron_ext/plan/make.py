@@ -9,7 +9,6 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import stage_memory_bytes, training_flops
 from nanotron_ext.errors import PlanningError
-from nanotron_ext.partition import partition
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
@@ -60,7 +59,6 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
                 memory_bytes=stage_memory_bytes(members, cfg.run, k),
             )
         )
-    optimum = partition(flops, pp).max_cost if pp <= len(blocks) else 0.0
     plan = Plan(
         strategy=name,
         pp=pp,
@@ -71,6 +69,6 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
         block_ranks=tuple(ranks),
         block_costs=tuple(assignment.costs),
         stages=tuple(stages),
-        optimum_flops=optimum,
+        block_flops=tuple(flops),
     )
     return replace(plan, findings=tuple(validate_plan(plan, blocks, cfg)))

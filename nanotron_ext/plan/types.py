@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from nanotron_ext.report import human_bytes, human_count, table
@@ -76,7 +77,16 @@ class Plan:
     block_costs: tuple[float, ...] = field(compare=False)
     stages: tuple[StagePlan, ...] = field(compare=False)
     findings: tuple[Finding, ...] = field(compare=False, default=())
-    optimum_flops: float = field(compare=False, default=0.0)
+    block_flops: tuple[float, ...] = field(compare=False, default=())
+
+    @cached_property
+    def optimum_flops(self) -> float:
+        """The smallest slowest stage (training FLOPs) any contiguous split reaches; computed when first asked."""
+        from nanotron_ext.partition.schedule_aware import slowest_stage_optimum
+
+        if not self.block_flops or self.pp > len(self.block_flops):
+            return 0.0
+        return slowest_stage_optimum(self.block_flops, self.pp)
 
     @property
     def ok(self) -> bool:
@@ -127,7 +137,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(ok=self.ok, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,
+        d.update(ok=self.ok, optimum_flops=self.optimum_flops, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,
                  spread=self.spread, bubble_estimate=self.bubble_estimate)
         return d
 

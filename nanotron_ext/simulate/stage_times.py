@@ -25,6 +25,7 @@ from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.plan import Plan
 from nanotron_ext.schedule.simulator import SimResult, StageTimes, simulate
+from nanotron_ext.strategies.step_time import DEFAULT_TFLOPS  # its one home: the planner prices with it too
 
 if TYPE_CHECKING:
     from nanotron_ext.costs.measured import BlockTiming
@@ -39,9 +40,6 @@ __all__ = [
     "stage_times_from_timings",
 ]
 
-#: Default throughput, TFLOP/s: roughly what a bf16 training run achieves on one H100 (about 40 % of its
-#: 989 TFLOP/s dense peak). Only ratios between splits matter for comparisons; absolute times scale with it.
-DEFAULT_TFLOPS = 400.0
 
 
 def stage_times_from_plan(

@@ -4,21 +4,31 @@
 * ``uniform`` — the same number of weighted blocks per stage;
 * ``flops`` — training FLOPs per block (:mod:`nanotron_ext.costs.analytic`), optimal split;
 * ``memory`` — weights + grads + optimizer state + activations × micro-batches in flight, optimal split;
-* ``constrained`` — ``base_strategy`` (``flops`` by default) plus a trainable block on every stage;
+* ``constrained`` — ``base_strategy`` (``flops`` by default) plus a trainable block on every stage; with
+  ``flops`` and ``objective: step_time`` (the defaults) it minimises the simulated step time instead of the
+  slowest stage (:mod:`nanotron_ext.partition.schedule_aware`);
 * ``layout`` — an explicit layout string (see :mod:`nanotron_ext.partition.layout`);
-* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.measured`), constrained as ``constrained``.
+* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.measured`), constrained as ``constrained``;
+  under ``objective: step_time`` it minimises the step simulated from those times (optimizer step included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.partition import MemoryCap, Requirement, layout_ranks, nanotron_greedy_ranks, partition
+from nanotron_ext.partition.schedule_aware import step_time_partition
+from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.strategies.registry import Assignment, register_strategy
+from nanotron_ext.strategies.step_time import schedule_problem
+
+if TYPE_CHECKING:
+    from nanotron_ext.costs.measured import BlockTiming
 
 __all__ = [
     "Constrained",
@@ -30,6 +40,7 @@ __all__ = [
     "Uniform",
     "optimal_assignment",
     "require_trainable_per_stage",
+    "step_time_assignment",
 ]
 
 
@@ -61,17 +72,7 @@ def optimal_assignment(
     """Optimal split of ``costs`` with the shared constraints (weights on every stage, memory cap)."""
     run = cfg.run
     flight = in_flight(run.engine, run.pp, run.n_micro_batches)
-    reqs = [_has_params(blocks)]
-    if trainable_per_stage:
-        reqs.append(_has_trainable(blocks))
-    memory = None
-    if cfg.ext.memory_cap_gib is not None:
-        memory = MemoryCap(
-            static=tuple(static_bytes(b, run) for b in blocks),
-            activation=tuple(b.activation_bytes for b in blocks),
-            in_flight=tuple(flight),
-            cap=cfg.ext.memory_cap_gib * GIB,
-        )
+    reqs, memory = _constraints(blocks, cfg, trainable_per_stage)
     part = partition(
         costs,
         run.pp,
@@ -82,6 +83,64 @@ def optimal_assignment(
         names=[b.short for b in blocks],
     )
     return Assignment(part.ranks(), list(map(float, costs)), unit)
+
+
+def _constraints(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, trainable_per_stage: bool
+) -> tuple[list[Requirement], MemoryCap | None]:
+    """The shared constraints: weights on every stage, a trainable block too if asked, the memory cap."""
+    run = cfg.run
+    reqs = [_has_params(blocks)]
+    if trainable_per_stage:
+        reqs.append(_has_trainable(blocks))
+    memory = None
+    if cfg.ext.memory_cap_gib is not None:
+        memory = MemoryCap(
+            static=tuple(static_bytes(b, run) for b in blocks),
+            activation=tuple(b.activation_bytes for b in blocks),
+            in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
+            cap=cfg.ext.memory_cap_gib * GIB,
+        )
+    return reqs, memory
+
+
+def step_time_assignment(
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    costs: Sequence[float],
+    unit: str,
+    *,
+    trainable_per_stage: bool,
+    timings: Sequence[BlockTiming] | None = None,
+) -> Assignment:
+    """The split with the smallest simulated step time under the shared constraints
+    (:func:`nanotron_ext.partition.schedule_aware.step_time_partition`); ``costs`` are only reported.
+
+    Stage times come from ``timings`` when given, else from the FLOP-rate model; p2p from
+    ``nanotron_ext.p2p_gbps``. Nanotron's own split seeds the search, so the answer is never slower than it.
+    """
+    reqs, memory = _constraints(blocks, cfg, trainable_per_stage)
+    if too_few_micro_batches(cfg.run.engine, cfg.run.pp, cfg.run.n_micro_batches) is not None:
+        # Nanotron's engine would refuse this schedule, so there is no step to time: split by FLOPs, and
+        # leave the complaint to whatever runs or simulates it.
+        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+    if _infeasible_quickly(blocks, cfg, reqs):
+        # Let the FLOP partitioner raise its message (which constraint, and what to change).
+        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+    gbps = cfg.ext.p2p_gbps
+    problem = schedule_problem(blocks, cfg, timings=timings, p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
+    greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
+    seed = [0] + [sum(1 for r in greedy if r <= k) for k in range(cfg.run.pp)]
+    try:
+        found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed])
+    except PlanningError:
+        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+        raise
+    return Assignment(found.ranks(), list(map(float, costs)), unit)
+
+
+def _infeasible_quickly(blocks: Sequence[BlockInfo], cfg: PlannerConfig, reqs: Sequence[Requirement]) -> bool:
+    return cfg.run.pp > len(blocks) or any(sum(r.flags) < cfg.run.pp for r in reqs)
 
 
 def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> bool:
@@ -180,6 +239,8 @@ class Constrained:
             )
         each = require_trainable_per_stage(blocks, cfg)
         costs, unit, per_in_flight = _PRICERS[base](blocks, cfg)
+        if cfg.ext.objective == "step_time" and base == "flops":
+            return step_time_assignment(blocks, cfg, costs, unit, trainable_per_stage=each)
         return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each)
 
 
@@ -213,4 +274,7 @@ class Profiled:
 
         each = require_trainable_per_stage(blocks, cfg)
         timings = block_timings(blocks, cfg)
-        return optimal_assignment(blocks, cfg, [t.total for t in timings], "seconds", trainable_per_stage=each)
+        costs = [t.total for t in timings]
+        if cfg.ext.objective == "step_time":
+            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, timings=timings)
+        return optimal_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each)

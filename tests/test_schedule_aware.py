@@ -1,0 +1,137 @@
+"""The step-time partitioner (nanotron_ext.partition.schedule_aware): evaluator = simulate, search = brute force,
+bounds never above a step time."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from nanotron_ext.config import load_config
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition import MemoryCap, Requirement, partition
+from nanotron_ext.partition.schedule_aware import (
+    ScheduleProblem,
+    StepTimeEvaluator,
+    lower_bound,
+    slowest_stage_optimum,
+    step_time_partition,
+)
+from nanotron_ext.plan import make_plan
+from nanotron_ext.schedule.simulator import StageTimes, simulate
+from nanotron_ext.simulate import simulate_plan
+
+
+def _random_problem(rng: random.Random) -> ScheduleProblem:
+    n = rng.randint(2, 9)
+    pp = rng.randint(1, min(n, 5))
+    engine = rng.choice(["1f1b", "afab"])
+    m = rng.randint(max(1, pp - 1) if engine == "1f1b" else 1, 9)
+    f = [rng.choice([0.0, rng.random(), 5 * rng.random()]) for _ in range(n)]
+    b = [x * rng.uniform(0.5, 3) for x in f]
+    u = [0.5 * rng.random() if rng.random() < 0.3 else 0.0 for _ in range(n)]
+    send = [0.3 * rng.random() if rng.random() < 0.5 else 0.0 for _ in range(n)]
+    first_trainable = rng.choice([0, 0, 0, 1, 2])
+    grad_after = tuple(c > first_trainable for c in range(n + 1))
+    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine)
+
+
+def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
+    return [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
+
+
+def _simulated(problem: ScheduleProblem, bounds) -> float:
+    f, b, u, p2p, cuts = problem.stage_times(bounds)
+    stages = [StageTimes(*t) for t in zip(f, b, u)]
+    return simulate(stages, problem.n_micro_batches, problem.engine, p2p, grad_cuts=cuts).step_time
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_evaluator_equals_simulate_and_bound_never_above(seed):
+    rng = random.Random(seed)
+    for _ in range(15):
+        problem = _random_problem(rng)
+        splits = _all_splits(problem.n, problem.pp)
+        times = StepTimeEvaluator(problem)(splits)
+        for bounds, t in zip(splits, times):
+            assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
+            assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_matches_brute_force(seed):
+    rng = random.Random(100 + seed)
+    for _ in range(20):
+        problem = _random_problem(rng)
+        brute = min(StepTimeEvaluator(problem)(_all_splits(problem.n, problem.pp)))
+        found = step_time_partition(problem)
+        assert found.exact
+        assert found.step_time == pytest.approx(brute, rel=1e-9, abs=1e-15)
+        assert found.lower_bound <= brute * (1 + 1e-9) + 1e-15
+        assert _simulated(problem, found.bounds) == pytest.approx(found.step_time, rel=1e-12, abs=1e-15)
+
+
+def test_search_respects_requirements_and_memory_cap():
+    rng = random.Random(7)
+    for _ in range(30):
+        problem = _random_problem(rng)
+        n, pp = problem.n, problem.pp
+        flags = tuple(rng.random() < 0.7 for _ in range(n))
+        static = tuple(rng.random() for _ in range(n))
+        memory = MemoryCap(static, (0.0,) * n, (1,) * pp, cap=max(static) * 2.5)
+        req = Requirement("flagged blocks", flags)
+
+        def ok(bounds, flags=flags, static=static, memory=memory) -> bool:
+            return all(any(flags[s:e]) and sum(static[s:e]) <= memory.cap * (1 + 1e-9)
+                       for s, e in zip(bounds[:-1], bounds[1:]))
+
+        valid = [s for s in _all_splits(n, pp) if ok(s)]
+        if not valid:
+            with pytest.raises(PlanningError):
+                step_time_partition(problem, requirements=[req], memory=memory)
+            continue
+        found = step_time_partition(problem, requirements=[req], memory=memory)
+        assert ok(found.bounds)
+        assert found.step_time == pytest.approx(min(StepTimeEvaluator(problem)(valid)), rel=1e-9, abs=1e-15)
+
+
+def test_slowest_stage_optimum_equals_the_dp():
+    rng = random.Random(3)
+    for _ in range(100):
+        n = rng.randint(1, 30)
+        pp = rng.randint(1, n)
+        costs = [rng.choice([0.0, rng.random(), 10 * rng.random()]) for _ in range(n)]
+        assert slowest_stage_optimum(costs, pp) == pytest.approx(partition(costs, pp).max_cost, rel=1e-8, abs=1e-12)
+
+
+def test_tight_budget_still_returns_a_bound_that_holds():
+    rng = random.Random(11)
+    problem = ScheduleProblem(
+        tuple(rng.random() for _ in range(14)), tuple(2 * rng.random() for _ in range(14)), (0.0,) * 14,
+        (0.0,) * 14, (False,) + (True,) * 14, 5, 6, "1f1b",
+    )
+    brute = min(StepTimeEvaluator(problem)(_all_splits(14, 5)))
+    found = step_time_partition(problem, budget=1)
+    assert found.lower_bound <= brute * (1 + 1e-9)
+    assert found.step_time <= (1 + found.gap) * brute * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_constrained_is_never_slower_than_the_flop_split_on_a_bundled_shape(pp):
+    cfg = load_config("nanotron_ext/configs/smollm_360m.yaml", pp=pp)
+    blocks = inventory_from_config(cfg)
+    steps = {
+        name: simulate_plan(make_plan(blocks, cfg, name), blocks, cfg, flops_per_second=1e12).step_time
+        for name in ("constrained", "flops", "nanotron", "uniform")
+    }
+    assert steps["constrained"] <= min(steps.values()) * (1 + 1e-9)
+    slow = make_plan(blocks, cfg.with_overrides(objective="slowest_stage"), "constrained")
+    assert slow.block_ranks == make_plan(blocks, cfg, "flops").block_ranks  # the FLOP min-max stays available
+
+
+def test_micro_batches_override_reaches_the_run_and_the_yaml():
+    cfg = load_config("nanotron_ext/configs/smollm_360m.yaml").with_overrides(n_micro_batches=13)
+    assert cfg.run.n_micro_batches == 13
+    assert cfg.nanotron["tokens"]["batch_accumulation_per_replica"] == 13
