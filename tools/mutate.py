@@ -1,0 +1,247 @@
+"""Mutation check: do the tests catch small, plausible bugs? Not part of CI; re-run it after changing the
+validator, freezing, the collective check, profiling, the partitioner or the simulator.
+
+Each mutation is (file, exact old text, new text, the tests to run). The script copies the repository to a
+temporary folder (``git archive HEAD`` by default, so that what is checked is the committed code and never
+someone's half-done edit; ``--worktree`` copies the working tree instead), checks that the selected tests pass
+there unmutated, then applies one mutation at a time to the copy, runs ``python -m pytest -x -q SELECTION`` in
+it with this interpreter, and restores the file. The repository itself is never written.
+
+The copy's package must be the one imported: the virtual environment has an editable install pointing at the
+original checkout, so ``PYTHONPATH`` is set to the copy (setuptools' editable finder comes after ``PYTHONPATH``
+on ``sys.meta_path``; the script checks it), and the spawned test ranks put the copy first as well.
+
+Usage: ``python tools/mutate.py [--only SUBSTRING] [--worktree] [--keep]``; exit 1 if a mutation survives or
+cannot be applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A mutation that runs longer than this is stopped and reported as TIMEOUT (the spawn helper's own deadlines are
+#: well below it, so a hang there fails the test first).
+MUTATION_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+M = Mutation
+VALIDATE = "nanotron_ext/plan/validate.py"
+FREEZE = "nanotron_ext/inventory/freeze.py"
+CHECKS = "nanotron_ext/integration/checks.py"
+MEASURED = "nanotron_ext/costs/measured.py"
+OPTIMAL = "nanotron_ext/partition/optimal.py"
+RULE = "nanotron_ext/partition/nanotron_rule.py"
+SIMULATOR = "nanotron_ext/schedule/simulator.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # --- the four that survived in issue 14 ----------------------------------------------------------------
+    M("no-trainable is always a warning", VALIDATE,
+      'severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"',
+      'severity: Severity = "warning"',
+      ("tests/test_strategies.py", "tests/test_freeze.py")),
+    M("freeze patterns ignore module paths", FREEZE,
+      "        or fnmatchcase(block.name, pattern)\n", "",
+      ("tests/test_freeze.py",)),
+    M("collective check tests params, not trainable", CHECKS,
+      'bad = [r for r in rows if r["trainable"] == 0]', 'bad = [r for r in rows if r["params"] == 0]',
+      ("tests/test_integration.py",)),
+    M("rank 0 re-raises its profiling error", MEASURED,
+      '            payload[0] = {"error": f"{type(exc).__name__}: {exc}"}\n', "            raise\n",
+      ("tests/test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank",)),
+    # --- partitioner ---------------------------------------------------------------------------------------
+    M("partitioner allows empty stages", OPTIMAL,
+      "base = idx[:, None] < idx[None, :]  # non-empty", "base = idx[:, None] <= idx[None, :]  # non-empty",
+      ("tests/test_partition.py",)),
+    M("partitioner ignores per-stage requirements", OPTIMAL,
+      "base = base & ((fp[None, :] - fp[:, None]) >= 1)", "base = base & ((fp[None, :] - fp[:, None]) >= 0)",
+      ("tests/test_partition.py",)),
+    M("partitioner skips the evenness tie-break", OPTIMAL,
+      '_, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound)',
+      '_, bounds = _dp(pp, n, seg, valid, combine="max", cap=bound)',
+      ("tests/test_partition.py",)),
+    M("partitioner ignores the memory cap", OPTIMAL,
+      "        return base & (mem <= limit)\n", "        return base\n",
+      ("tests/test_partition.py", "tests/test_strategies.py")),
+    # --- Nanotron's rule -----------------------------------------------------------------------------------
+    M("Nanotron's rule moves on at equality", RULE,
+      "if c > thresholds[idx]:", "if c >= thresholds[idx]:",
+      ("tests/test_strategies.py", "tests/test_partition.py")),
+    M("Nanotron's rule compares before assigning", RULE,
+      "        ranks.append(idx)\n        if c > thresholds[idx]:\n            idx += 1\n",
+      "        if c > thresholds[idx]:\n            idx += 1\n        ranks.append(idx)\n",
+      ("tests/test_strategies.py", "tests/test_partition.py")),
+    # --- validator -----------------------------------------------------------------------------------------
+    M("too few 1F1B micro-batches is only a warning", VALIDATE,
+      '"error" if fatal else "warning", "few-micro-batches"', '"warning", "few-micro-batches"',
+      ("tests/test_validate.py", "tests/test_strategies.py")),
+    M("memory cap compared in bytes, not GiB", VALIDATE,
+      "if cap is not None and s.memory_bytes > cap * GIB:", "if cap is not None and s.memory_bytes > cap * 1e9:",
+      ("tests/test_validate.py", "tests/test_strategies.py")),
+    # --- freezing ------------------------------------------------------------------------------------------
+    M("unfreeze_last_decoder_layers thaws the first layers", FREEZE,
+      "last = decoders[-spec.unfreeze_last_decoder_layers :]", "last = decoders[: spec.unfreeze_last_decoder_layers]",
+      ("tests/test_freeze.py",)),
+    M("tied weights checked one way only", FREEZE,
+      "if (a in frozen) != (b in frozen):", "if (a in frozen) and (b not in frozen):",
+      ("tests/test_freeze.py",)),
+    # --- simulator schedule --------------------------------------------------------------------------------
+    M("1F1B runs one warm-up forward too many", SIMULATOR,
+      "warmup = pp - stage - 1", "warmup = pp - stage",
+      ("tests/test_simulate.py",)),
+    M("a receive does not wait for its send", SIMULATOR,
+      "clock[s] = max(clock[s], sent) + p2p_time", "clock[s] = clock[s] + p2p_time",
+      ("tests/test_simulate.py",)),
+    M("the update of every stage adds up", SIMULATOR,
+      "step_time = pipeline_time + max(st.update for st in stages)",
+      "step_time = pipeline_time + sum(st.update for st in stages)",
+      ("tests/test_simulate.py",)),
+    # --- collective check ----------------------------------------------------------------------------------
+    M("collective check ignores allow_frozen_stages", CHECKS,
+      "if bad and not allow_frozen_stages:", "if bad:",
+      ("tests/test_integration.py",)),
+    M("collective check counts frozen weights as trainable", CHECKS,
+      '"trainable": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),',
+      '"trainable": sum(p.numel() for p in unwrapped.parameters()),',
+      ("tests/test_integration.py",)),
+    # --- profiling -----------------------------------------------------------------------------------------
+    M("profiler keeps the last warm-up run", MEASURED,
+      "        if i >= warmup:\n            forward.append(t1 - t0)", "        if i >= warmup - 1:\n            forward.append(t1 - t0)",
+      ("tests/test_profiled.py",)),
+    M("profiler keys a block by its own trainability", MEASURED,
+      "for b, g in zip(blocks, trainable_before(blocks))]", "for b, g in zip(blocks, trainable_before(blocks)[1:])]",
+      ("tests/test_profiled.py",)),
+    M("every rank measures for itself", MEASURED,
+      "    if dist.get_rank() == 0:\n        try:\n            timings = profile_blocks(",
+      "    if True:\n        try:\n            timings = profile_blocks(",
+      ("tests/test_profiled.py::test_same_plan_on_every_rank_when_one_rank_measures_differently",)),
+)
+
+
+def _copy_repo(dest: Path, worktree: bool) -> None:
+    if worktree:
+        ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
+                                        "*.egg-info")
+        shutil.copytree(ROOT, dest, ignore=ignore, dirs_exist_ok=True)
+        return
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, check=True, capture_output=True)
+    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def _env(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _pytest(copy: Path, tests: tuple[str, ...], timeout: float, *, stop_first: bool = True,
+            deselect: tuple[str, ...] = ()) -> tuple[int | None, str]:
+    cmd = [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-rfE", "-p", "no:cacheprovider",
+           *tests, *(f"--deselect={t}" for t in deselect)]
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return None, out
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _failures(output: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", help="run only mutations whose name contains this (repeatable)")
+    parser.add_argument("--worktree", action="store_true", help="copy the working tree instead of HEAD")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    args = parser.parse_args(argv)
+    mutations = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
+    tmp = Path(tempfile.mkdtemp(prefix="nanotron_ext_mutate_"))
+    copy = tmp / "repo"
+    try:
+        _copy_repo(copy, args.worktree)
+        where = subprocess.run([sys.executable, "-c", "import nanotron_ext; print(nanotron_ext.__file__)"],
+                               cwd=copy, env=_env(copy), capture_output=True, text=True, check=True).stdout.strip()
+        if not Path(where).resolve().is_relative_to(copy.resolve()):
+            print(f"the copy's package is not the one imported ({where}); stopping", file=sys.stderr)
+            return 2
+        print(f"copy: {copy} ({'working tree' if args.worktree else 'HEAD'}); nanotron_ext from {where}")
+        selection = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+        start = time.monotonic()
+        code, output = _pytest(copy, selection, MUTATION_TIMEOUT_S * 2, stop_first=False)
+        broken = tuple(_failures(output))
+        if code != 0 and not broken:
+            print(f"baseline: the selected tests do not run:\n{output[-4000:]}", file=sys.stderr)
+            return 2
+        print(f"baseline: {len(selection)} test selections unmutated ({time.monotonic() - start:.0f} s); "
+              + (f"{len(broken)} fail already and are left out: {', '.join(broken)}" if broken else "all pass"))
+        print()
+        rows = []
+        for m in mutations:
+            path = copy / m.file
+            original = path.read_text()
+            count = original.count(m.old)
+            if count != 1:
+                rows.append((m.name, m.file, f"NOT APPLIED (old text found {count} times)", 0.0))
+                print(f"{rows[-1][0]}: {rows[-1][2]}", flush=True)
+                continue
+            path.write_text(original.replace(m.old, m.new))
+            start = time.monotonic()
+            try:
+                code, output = _pytest(copy, m.tests, MUTATION_TIMEOUT_S, deselect=broken)
+            finally:
+                path.write_text(original)
+            seconds = time.monotonic() - start
+            if code is None:
+                verdict = "TIMEOUT"
+            elif code == 0:
+                verdict = "SURVIVED"
+            else:
+                verdict = (_failures(output) or [f"? (pytest exit code {code})"])[0]
+            rows.append((m.name, m.file, verdict, seconds))
+            print(f"{m.name}: {verdict} ({seconds:.0f} s)", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    headers = ("mutation", "file", "caught by", "s")
+    cells = [(n, f.removeprefix("nanotron_ext/"), v, f"{s:.0f}") for n, f, v, s in rows]
+    widths = [max(len(str(r[i])) for r in [headers, *cells]) for i in range(4)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(str(c).rjust(w) if i == 3 else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    bad = [r for r in rows if r[2] in ("SURVIVED", "TIMEOUT") or r[2].startswith("NOT APPLIED")]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught; "
+          f"{sum(r[2] == 'SURVIVED' for r in rows)} survived")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
