@@ -18,8 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
-
+from nanotron_ext import config_keys
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.schedule import Engine
 
@@ -225,12 +224,7 @@ def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int |
         ConfigError: the file is missing or malformed, a required key is missing, or one of our keys is unknown.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a Nanotron YAML")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: malformed YAML: {exc}") from exc
+    raw = config_keys.parse_yaml(config_keys.read_config_text(path), str(path))
     cfg = config_from_dict(raw, source=str(path))
     if cost_strategy is not None or pp is not None:
         cfg = cfg.with_overrides(cost_strategy=cost_strategy, pp=pp)
@@ -241,6 +235,8 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> PlannerConfig:
     """Parse an already-loaded YAML dict; see :func:`load_config`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    config_keys.check_keys(raw, source, ext_section=EXT_SECTION)
+    config_keys.check_values(raw, source, ext_section=EXT_SECTION)
     nanotron, ext = split_ext_keys(raw, source=source)
     get = _Getter(nanotron, source)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError"]
+__all__ = [
+    "ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError", "RunFailure",
+]
 
 
 class NanotronExtError(ValueError):
@@ -23,3 +25,7 @@ class LayoutError(NanotronExtError):
 
 class PipelineValidationError(NanotronExtError, RuntimeError):
     """Raised on every rank at once when some PP rank would have no gradient."""
+
+
+class RunFailure(NanotronExtError, RuntimeError):
+    """A run that started failed for a reason outside the config: a peer rank died or stopped answering."""

@@ -19,7 +19,8 @@ ROOT = "nanotron_ext"
 
 #: Layer of each top-level part of the package; a module may import its own layer and the ones below.
 LAYERS: dict[str, int] = {
-    "__init__": 0, "blocks": 0, "config": 0, "errors": 0, "report": 0, "schedule": 0,
+    "__init__": 0, "blocks": 0, "config": 0, "config_keys": 0, "errors": 0, "outputs": 0, "report": 0,
+    "schedule": 0,
     "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
     "simulate": 1, "integration": 1,
     "runtime": 2,

@@ -1,20 +1,22 @@
 """``nanotron-ext`` command line: one module per subcommand.
 
 * ``nanotron-ext plan [CONFIG] [--cost-strategy NAME] [--pp N] [--compare] [--json]`` — dry run: no GPU,
-  no process group. Exit 0 when the plan is valid, 1 when it has errors, 2 on usage errors.
+  no process group.
 * ``nanotron-ext train --config-file X.yaml`` — CPU training on Nanotron's engine (under ``torchrun``).
 * ``nanotron-ext simulate CONFIG --out timeline.png`` — bubble-time simulation and pictures.
+
+Exit codes (:mod:`nanotron_ext.cli.common`): 0 OK, 1 the plan cannot train, 2 bad usage or config, 3 a
+runtime failure.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import warnings
 from collections.abc import Sequence
 
 from nanotron_ext.cli import plan, simulate, train
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_USAGE
-from nanotron_ext.errors import ConfigError, NanotronExtError
+from nanotron_ext.cli.common import report_error
 
 __all__ = ["build_parser", "main"]
 
@@ -33,11 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"nanotron-ext: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except NanotronExtError as exc:
-        print(f"nanotron-ext: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except Exception as exc:  # one message and the documented exit code (cli.common), never a traceback
+        return report_error(exc)
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
+    return f"nanotron-ext: warning: {message}\n"

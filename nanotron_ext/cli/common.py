@@ -1,16 +1,125 @@
-"""What every subcommand shares: exit codes, and the config arguments and how they are read."""
+"""What every subcommand shares: exit codes, error reporting, and the config arguments and how they are read.
+
+Exit codes, the same for ``plan``, ``simulate`` and ``train`` (this module is their one home):
+
+* ``0`` (``EXIT_OK``): done; the plan can train (and, for ``train``, it trained);
+* ``1`` (``EXIT_INVALID``): the plan cannot train (a stage without a gradient, no split under the constraints);
+* ``2`` (``EXIT_USAGE``): bad usage or config: a flag, a YAML key or value, a layout string, an output path;
+* ``3`` (``EXIT_RUNTIME``): a runtime failure: a peer rank died or timed out, or an unexpected error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import sys
+import traceback
+from typing import Any
 
 from nanotron_ext.config import PlannerConfig, bundled_config, load_config
+from nanotron_ext.errors import (
+    ConfigError,
+    LayoutError,
+    NanotronExtError,
+    PipelineValidationError,
+    PlanningError,
+    RunFailure,
+)
 from nanotron_ext.strategies import available_strategies
 
-__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "add_config_args", "config_from_args"]
+__all__ = [
+    "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "TRACEBACK_ENV", "add_config_args", "check_outputs", "config_from_args",
+    "exit_code_for", "ratio_cell", "report_error", "stage_cell", "verdict_cell", "warn_memory",
+]
 
-#: 0: done, the plan can train; 1: the plan cannot train, or the run failed; 2: bad usage or config.
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
+#: Set to 1 to see the traceback of an unexpected error (otherwise one line is printed).
+TRACEBACK_ENV = "NANOTRON_EXT_TRACEBACK"
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of an error: 2 for config/usage (layout strings included), 1 for a plan that cannot
+    train, 3 for everything else (runtime failures, unexpected errors)."""
+    if isinstance(exc, (ConfigError, LayoutError)):
+        return EXIT_USAGE
+    if isinstance(exc, (PlanningError, PipelineValidationError)):
+        return EXIT_INVALID
+    if isinstance(exc, NanotronExtError) and not isinstance(exc, RunFailure):
+        return EXIT_INVALID
+    return EXIT_RUNTIME
+
+
+def report_error(exc: BaseException, prefix: str = "nanotron-ext: ", *, tag: bool = True) -> int:
+    """Print ``exc`` as one message on stderr, after ``prefix``; returns its exit code.
+
+    Our own errors print as they are (with ``tag``, ``error: `` first for usage and runtime errors); an
+    unexpected one prints its type and message in one line, with its traceback only when
+    ``NANOTRON_EXT_TRACEBACK=1``.
+    """
+    code = exit_code_for(exc)
+    if isinstance(exc, NanotronExtError):
+        word = "error: " if tag and code != EXIT_INVALID else ""
+        print(f"{prefix}{word}{exc}", file=sys.stderr, flush=True)
+        return code
+    if os.environ.get(TRACEBACK_ENV) == "1":
+        traceback.print_exception(exc, file=sys.stderr)
+    detail = " ".join(str(exc).split()) or "(no message)"
+    print(f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; rerun with {TRACEBACK_ENV}=1 for the "
+          f"traceback and report it if it is not an environment problem", file=sys.stderr, flush=True)
+    return code
+
+
+def check_outputs(*paths: tuple[str | None, str], suffixes: tuple[str, ...] | None = None) -> None:
+    """Check every ``(path, flag)`` output before any work starts (see :func:`nanotron_ext.outputs.check_output_path`).
+
+    Raises:
+        ConfigError: an output is a folder, lies under a file, cannot be written, or has a wrong suffix.
+    """
+    from nanotron_ext.outputs import check_output_path
+
+    for path, flag in paths:
+        if path is not None:
+            check_output_path(path, flag, suffixes=suffixes)
+
+
+#: A stage estimated above this many bytes gets a warning: no accelerator comes close (the largest hold 0.25 TiB).
+MEMORY_WARN_BYTES = 2**40
+
+
+def warn_memory(plan: Any) -> None:
+    """Warn on stderr when a stage of ``plan`` needs more than :data:`MEMORY_WARN_BYTES` (1 TiB): the plan is
+    printed, but no machine could run it — usually a shape typo (an extra digit in ``vocab_size`` or
+    ``hidden_size``) or far too few stages."""
+    stages = getattr(plan, "stages", ())
+    if not stages:
+        return
+    worst = max(stages, key=lambda s: s.memory_bytes)
+    if worst.memory_bytes > MEMORY_WARN_BYTES:
+        print(f"nanotron-ext: warning: stage {worst.stage} of the {plan.strategy!r} plan needs about "
+              f"{worst.memory_bytes / 2**40:.3g} TiB, more than any accelerator holds; check model_config's "
+              f"sizes for a typo, or raise pp, tp or dp with ZeRO", file=sys.stderr, flush=True)
+
+
+def stage_cell(stage_map: str) -> str:
+    """A plan's ``stage_map()`` for a table cell: a run of three or more empty stages is written ``-×N``, so
+    that pp=100 over seven blocks does not print a row thousands of characters wide."""
+    return re.sub(r"-(?:\|-){2,}", lambda m: f"-×{m.group(0).count('-')}", stage_map)
+
+
+def verdict_cell(verdict: str, keep: int = 4) -> str:
+    """A plan's verdict for a table cell: at most ``keep`` finding codes, then ``+N more``."""
+    head, sep, codes = verdict.partition(" (")
+    items = codes.rstrip(")").split(", ") if sep else []
+    if len(items) <= keep:
+        return verdict
+    return f"{head} ({', '.join(items[:keep])}, +{len(items) - keep} more)"
+
+
+def ratio_cell(value: float) -> str:
+    """``1.234x``, or ``-`` where the ratio is undefined (no optimum to compare with)."""
+    return f"{value:.3f}x" if math.isfinite(value) else "-"
 
 
 def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:

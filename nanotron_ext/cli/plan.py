@@ -8,7 +8,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
+from nanotron_ext.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    add_config_args,
+    config_from_args,
+    ratio_cell,
+    stage_cell,
+    verdict_cell,
+    warn_memory,
+)
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
@@ -41,6 +50,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             print(f"{cfg.source}: strategy {cfg.ext.cost_strategy!r}, pp={cfg.run.pp}: no valid plan\n  {exc}")
         return EXIT_INVALID
+    warn_memory(plan)
     if args.json:
         print(plan.to_json())
     else:
@@ -62,7 +72,7 @@ def _header(cfg: PlannerConfig, plan: Plan) -> str:
 
 def _verdict(plan: Plan) -> str:
     lines = ["", f"block -> stage: {list(plan.block_ranks)}",
-             f"slowest stage vs optimum: {plan.vs_optimum:.3f}x   1F1B bubble estimate: {plan.bubble_estimate:.1%}"]
+             f"slowest stage vs optimum: {ratio_cell(plan.vs_optimum)}   1F1B bubble estimate: {plan.bubble_estimate:.1%}"]
     lines += [str(f) for f in plan.findings]
     lines.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
     return "\n".join(lines)
@@ -97,11 +107,13 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
             rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(attempt.error)}"])
             out.append({"strategy": name, "ok": False, "error": attempt.error})
             continue
-        rows.append([name, plan.stage_map(), f"{plan.vs_optimum:.3f}x", f"{100 * plan.spread:.0f}%",
+        rows.append([name, stage_cell(plan.stage_map()), ratio_cell(plan.vs_optimum), f"{100 * plan.spread:.0f}%",
                      f"{100 * plan.bubble_estimate:.1f}%", human_count(min(s.trainable for s in plan.stages)),
-                     plan.verdict])
+                     verdict_cell(plan.verdict)])
         out.append(plan.to_dict())
         selected_ok |= name == cfg.ext.cost_strategy and plan.ok
+        if name == cfg.ext.cost_strategy:
+            warn_memory(plan)
     if as_json:
         print(json.dumps(out, indent=2))
     else:

@@ -22,10 +22,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, add_config_args, config_from_args
+from nanotron_ext.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    add_config_args,
+    check_outputs,
+    config_from_args,
+    stage_cell,
+    verdict_cell,
+    warn_memory,
+)
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy
 from nanotron_ext.report import first_line, table
 from nanotron_ext.simulate import (
@@ -106,6 +116,8 @@ def add_subcommand(subparsers: Any) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext simulate``; returns the exit code."""
+    check_outputs((args.out, "--out"), (args.loads_out if args.compare else None, "--loads-out"),
+                  suffixes=PICTURE_SUFFIXES)
     cfg = config_from_args(args, args.config)
     bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
     blocks = inventory_from_config(cfg)
@@ -167,6 +179,7 @@ def _simulate_chosen(
         out.update(ok=False, error=str(exc))
         text.append(f"strategy {chosen!r}: no valid plan\n  {exc}")
         return EXIT_INVALID
+    warn_memory(plan)
     result = simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
     png = plot_timeline(
         result,
@@ -258,12 +271,12 @@ def _compare(
         rows.append(
             [
                 name,
-                plan.stage_map(),
+                stage_cell(plan.stage_map()),
                 _ms(max(per_stage)),
                 _ms(result.step_time),
                 f"{result.step_time / best:.3f}x" if best else "-",
                 f"{result.bubble_fraction:.1%}",
-                plan.verdict,
+                verdict_cell(plan.verdict),
             ]
         )
         loads[name] = [1e3 * t for t in per_stage]

@@ -7,21 +7,20 @@ Launch one process per rank (``dp × pp × tp`` of them) with torchrun::
 
 (``torchrun --nproc_per_node=2 --no-python nanotron-ext train ...`` runs the console script instead; a
 one-process config, ``dp = pp = tp = 1``, also runs without torchrun.) Any error prints
-``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits non-zero (2 for a
-config/usage error, 1 otherwise). The loop itself is :mod:`nanotron_ext.runtime.train`.
+``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits with the code of
+:mod:`nanotron_ext.cli.common` (1 the plan cannot train, 2 config/usage, 3 runtime failure). Under torchrun a
+rank dies with its launcher; a silent peer fails the run after ``$NANOTRON_EXT_TIMEOUT_S`` seconds (default
+60). The loop itself is :mod:`nanotron_ext.runtime.train`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import traceback
 from typing import Any
 
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
 from nanotron_ext.config import bundled_config
-from nanotron_ext.errors import ConfigError, NanotronExtError
 
 __all__ = ["add_subcommand", "cmd_train"]
 
@@ -48,10 +47,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
 
     Returns:
-        0 on success, 2 on a config/usage error, 1 on any other failure.
+        The exit code of :mod:`nanotron_ext.cli.common`: 0 trained, 1 the plan cannot train, 2 a config or
+        usage error (output paths are checked before anything runs), 3 a runtime failure (a peer rank died
+        or stopped answering for ``$NANOTRON_EXT_TIMEOUT_S`` seconds).
     """
     rank = os.environ.get("RANK", "0")
     try:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
+            from nanotron_ext.runtime.launch import exit_with_parent
+
+            exit_with_parent()
+        check_outputs((args.metrics_out, "--metrics-out"), (args.plan_out, "--plan-out"))
         from nanotron_ext.runtime.train import run_training  # imports torch and nanotron: only when training
 
         run_training(
@@ -62,9 +68,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             metrics_out=args.metrics_out,
             plan_out=args.plan_out,
         )
-    except Exception as exc:  # every failure must end this rank with a message, never a hang
-        if not isinstance(exc, NanotronExtError):
-            traceback.print_exc(file=sys.stderr)  # an unexpected error: the stack helps whoever debugs it
-        print(f"nanotron-ext train: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_INVALID
+    except Exception as exc:  # every failure must end this rank with one message, never a hang
+        return report_error(exc, f"nanotron-ext train: error on rank {rank}: ", tag=False)
     return EXIT_OK

@@ -30,10 +30,12 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ __all__ = [
     "DEFAULT_CACHE_DIR",
     "DEFAULT_MODULE_FACTORY",
     "BlockTiming",
+    "CacheWarning",
     "ModuleFactory",
     "block_timings",
     "cache_dir_for",
@@ -157,22 +160,59 @@ def cache_dir_for(cfg: PlannerConfig) -> Path:
     return Path(cfg.ext.profile_cache or DEFAULT_CACHE_DIR).expanduser()
 
 
+#: A cached time above this (seconds per block and micro-batch) is corrupt, not slow.
+MAX_CACHED_SECONDS = 1e4
+
+
 def _read_cache(path: Path) -> BlockTiming | None:
+    """A cache entry, or None when there is none or it is unusable (then it is measured again).
+
+    An entry that exists but cannot be used (not a file, not JSON, a missing field, a time that is not a
+    finite number in ``[0, MAX_CACHED_SECONDS]``, or a zero forward time) gets a warning naming the file.
+    """
+    if not path.exists() and not path.is_symlink():
+        return None
     try:
         data = json.loads(path.read_text())
-        timing = BlockTiming(float(data["forward"]), float(data["backward"]), float(data["optimizer"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or corrupt entries are measured again
-    return timing if min(timing.forward, timing.backward, timing.optimizer) >= 0 else None
+        values = {k: data[k] for k in ("forward", "backward", "optimizer")}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _bad_entry(path, f"{type(exc).__name__}: {exc}")
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= MAX_CACHED_SECONDS
+        ):
+            return _bad_entry(path, f"{name}={value!r} is not a time in seconds (finite, 0 to {MAX_CACHED_SECONDS:g})")
+    if values["forward"] <= 0:
+        return _bad_entry(path, f"forward={values['forward']!r}: a block's forward always takes some time")
+    return BlockTiming(float(values["forward"]), float(values["backward"]), float(values["optimizer"]))
+
+
+def _bad_entry(path: Path, why: str) -> None:
+    warnings.warn(f"profiled timing cache entry {path} is unusable ({why}); measuring that block again and "
+                  f"replacing it",
+                  CacheWarning, stacklevel=3)
+    return None
+
+
+class CacheWarning(UserWarning):
+    """A ``profiled`` cache entry was unusable and is measured again."""
 
 
 def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent reader never sees half a file.
+    # Write then rename, so a concurrent reader never sees half a file; the temporary file never outlives a
+    # failure (e.g. the entry's path is a folder, so the rename fails).
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(dataclasses.asdict(timing) | {"key": key}, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(dataclasses.asdict(timing) | {"key": key}, f, indent=1)
+        if path.is_dir() and not path.is_symlink():
+            raise IsADirectoryError(f"{path} is a directory")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # --- building and measuring one block ------------------------------------------------------------------
@@ -391,8 +431,12 @@ def profile_blocks(
                     module_factory=module_factory,
                 )
                 found[digest] = timing
-                with contextlib.suppress(OSError):  # an unwritable cache only costs a re-measurement
+                try:
                     _write_cache(directory / f"{digest}.json", key, timing)
+                except OSError as exc:  # an unwritable cache only costs a re-measurement next time
+                    warnings.warn(f"cannot write the profiled timing cache entry {directory / f'{digest}.json'} "
+                                  f"({exc.strerror or exc}); the block will be measured again next run. Fix "
+                                  f"the folder or set nanotron_ext.profile_cache", CacheWarning, stacklevel=2)
     return [found[_hash(key)] for key in keys]
 
 

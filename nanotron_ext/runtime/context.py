@@ -17,10 +17,34 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.context import ParallelContext
 
-__all__ = ["GlooParallelContext", "DEFAULT_TIMEOUT_S"]
+from nanotron_ext.errors import ConfigError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooParallelContext", "timeout_from_env"]
 
 # Nanotron's groups default to a 10 minute timeout; a CPU test that deadlocks should fail much sooner.
 DEFAULT_TIMEOUT_S = 60.0
+#: Environment variable that overrides DEFAULT_TIMEOUT_S for ``nanotron-ext train`` (seconds, > 0).
+TIMEOUT_ENV = "NANOTRON_EXT_TIMEOUT_S"
+
+
+def timeout_from_env() -> float:
+    """The process-group timeout: ``$NANOTRON_EXT_TIMEOUT_S`` when set, else :data:`DEFAULT_TIMEOUT_S`.
+
+    How long a rank waits for a peer that stopped answering before it fails with a message naming that peer.
+
+    Raises:
+        ConfigError: the variable is not a positive number of seconds.
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds, e.g. {TIMEOUT_ENV}=60")
+    return value
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -161,6 +161,7 @@ def load_packed_windows(
 
     tokenizer = tokenizer or ByteTokenizer()
     window = sequence_length + 1
+    _check_text_files(files)
     if all(Path(f).stat().st_size == 0 for f in files):  # datasets cannot even infer a schema from them
         raise _too_little_text(files, window)
     datasets.disable_progress_bars()
@@ -194,6 +195,29 @@ def load_packed_windows(
     if len(windows) == 0:
         raise _too_little_text(files, window)
     return windows
+
+
+def _check_text_files(files: Sequence[str | Path]) -> None:
+    """Each data file is readable UTF-8 text (datasets would fail on it with "An error occurred while
+    generating the dataset").
+
+    Raises:
+        ConfigError: naming the file that cannot be read, is binary or is not UTF-8, and the fix.
+    """
+    for f in files:
+        try:
+            data = Path(f).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"data file '{f}' cannot be read ({exc.strerror or exc}); check the path and "
+                              f"its permissions") from None
+        if b"\x00" in data:
+            raise ConfigError(f"data file '{f}' is binary (it holds NUL bytes), not text; point "
+                              f"data.dataset.hf_dataset_or_datasets at UTF-8 .txt files")
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data file '{f}' is not UTF-8 text (byte {exc.start}); convert it to UTF-8 or "
+                              f"point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files") from None
 
 
 def _too_little_text(files: Sequence[str | Path], window: int) -> ConfigError:

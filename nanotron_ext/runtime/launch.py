@@ -1,4 +1,5 @@
-"""Two helpers for starting ranks on this machine: a free port for the rendezvous, and killing one rank.
+"""Helpers for starting ranks on this machine: a free port for the rendezvous, killing one rank, and making a
+rank exit when its launcher dies.
 
 Used by ``nanotron-ext train`` (a single process standing in for torchrun), the test suite's process launchers
 and ``benchmarks/measured_cpu.py``.
@@ -6,12 +7,20 @@ and ``benchmarks/measured_cpu.py``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
 import subprocess
+import threading
+import time
 
-__all__ = ["free_port", "kill_process_group"]
+__all__ = ["exit_with_parent", "free_port", "kill_process_group"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Seconds between two looks at the parent pid (the fallback where prctl is missing).
+PARENT_POLL_S = 0.5
 
 
 def free_port() -> int:
@@ -33,3 +42,35 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def exit_with_parent(poll_s: float = PARENT_POLL_S) -> bool:
+    """Make this process die with SIGKILL as soon as its parent (the launcher, e.g. torchrun) dies.
+
+    Without it a rank whose torchrun was SIGKILLed keeps training with no supervisor, and its peers wait on
+    it. Two layers: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux (the kernel kills us when the parent
+    thread exits), and a daemon thread that polls ``os.getppid()`` every ``poll_s`` seconds (other systems, or
+    a parent that exits through another thread). Call it once, early.
+
+    Returns:
+        Whether the kernel-level hook is set (the polling thread runs either way).
+    """
+    parent = os.getppid()
+    kernel = False
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and hasattr(signal, "SIGKILL"):
+        try:
+            kernel = ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            kernel = False
+    if os.getppid() != parent or parent == 1:  # the parent died before the hook was set
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="nanotron-ext-parent-watchdog", daemon=True).start()
+    return kernel

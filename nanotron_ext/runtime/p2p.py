@@ -14,11 +14,55 @@ are unchanged (blocking, as in Nanotron). This restores NCCL's host semantics on
 
 from __future__ import annotations
 
+import re
+
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
-__all__ = ["CPUP2P", "wait_pending_sends"]
+from nanotron_ext.errors import RunFailure
+
+__all__ = ["CPUP2P", "comm_failure", "wait_pending_sends"]
+
+#: gloo's words for a peer that stopped answering, and for one whose process is gone.
+_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+         "connection closed", "EOF")
+
+
+def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailure | None:
+    """gloo's raw error as a message that names the peer and the setting, or None when it is not a
+    communication failure.
+
+    Args:
+        exc: what gloo raised.
+        peer: the global rank waited on, when known (point-to-point); None for a collective.
+        what: what was being exchanged ("activations or gradients", "the gradient all-reduce").
+    """
+    from nanotron_ext.runtime.context import TIMEOUT_ENV
+
+    text = str(exc)
+    me = dist.get_rank() if dist.is_initialized() else "?"
+    who = f"rank {peer}" if peer is not None else "a peer rank"
+    match = _TIMEOUT.search(text)
+    if match:
+        seconds = int(match.group(1)) / 1e3
+        return RunFailure(
+            f"rank {me} waited {seconds:g} s for {what} from {who}, which stopped answering (stopped, hung or "
+            f"overloaded); its process may still be alive. If it is only slow, raise {TIMEOUT_ENV} (now "
+            f"{seconds:g} s)"
+        )
+    if any(word in text for word in _GONE):
+        return RunFailure(f"rank {me} lost {who} during {what}: its process exited or was killed; see that "
+                          f"rank's own error, if it printed one")
+    return None
+
+
+def _global(pg: dist.ProcessGroup, group_rank: int) -> int | None:
+    try:
+        return int(dist.get_global_rank(group=pg, group_rank=group_rank))
+    except Exception:  # only for the message
+        return None
 
 CPU = torch.device("cpu")
 
@@ -74,6 +118,17 @@ class CPUP2P(P2P):
         # wait_pending(): callers that drive the engine themselves must call it after each step.
         self.isend_tensors(tensors=tensors, to_rank=to_rank, tag=tag)
 
+    def recv_tensors(self, num_tensors: int, from_rank: int, tag: int = 0) -> list[torch.Tensor]:
+        """Nanotron's blocking receive; a peer that died or stopped answering raises :class:`RunFailure`
+        naming it (instead of gloo's bare "Timed out waiting ...ms for recv")."""
+        try:
+            return super().recv_tensors(num_tensors=num_tensors, from_rank=from_rank, tag=tag)
+        except RuntimeError as exc:
+            failure = comm_failure(exc, peer=_global(self.pg, from_rank), what="activations or gradients")
+            if failure is None:
+                raise
+            raise failure from None
+
     def wait_pending(self) -> None:
         """Block until every posted send has been received by its peer.
 
@@ -82,7 +137,13 @@ class CPUP2P(P2P):
         """
         pending, self._pending = self._pending, []
         for work, _ in pending:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                failure = comm_failure(exc, peer=None, what="a pipeline send")
+                if failure is None:
+                    raise
+                raise failure from None
 
 
 def wait_pending_sends(model: torch.nn.Module) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 from nanotron_ext.blocks import short_name
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
+from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan, cannot_train_message
 from nanotron_ext.report import compact_names, human_count, table
 from nanotron_ext.runtime.data import (
@@ -67,6 +68,7 @@ class TrainSettings:
         init_std: weight-init standard deviation.
         data_files / windows: the text files and their packed token windows.
         notes: things rank 0 prints before training (settings the CPU runtime changes).
+        timeout_s: how long a rank waits for a silent peer (``$NANOTRON_EXT_TIMEOUT_S``, default 60).
     """
 
     cfg: PlannerConfig
@@ -85,6 +87,7 @@ class TrainSettings:
     data_files: list[Path]
     windows: Any
     notes: list[str] = field(default_factory=list)
+    timeout_s: float = 60.0
 
     @property
     def tokens_per_step(self) -> int:
@@ -124,6 +127,7 @@ def preflight(
         )
 
     world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
+    timeout_s = _timeout_s()
     ByteTokenizer().check_model_vocab(cfg.model.vocab_size)
     files = data_files_from_config(raw, config_path=None if cfg.source.startswith("<") else cfg.source)
 
@@ -138,8 +142,15 @@ def preflight(
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(
         cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
-        data_files=files, windows=windows, **nanotron,
+        data_files=files, windows=windows, timeout_s=timeout_s, **nanotron,
     )
+
+
+def _timeout_s() -> float:
+    # The context module imports torch; read the setting through it only once the cheap checks passed.
+    from nanotron_ext.runtime.context import timeout_from_env
+
+    return timeout_from_env()
 
 
 def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -> tuple[int, int, int]:
@@ -326,12 +337,21 @@ def run_training(
 
         run = settings.cfg.run
         ctx = GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
-                                  data_parallel_size=run.dp)
+                                  data_parallel_size=run.dp, timeout_s=settings.timeout_s)
         torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
         metrics = _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
         ctx.destroy()
         ctx = None
         return metrics
+    except RuntimeError as exc:
+        if isinstance(exc, NanotronExtError):
+            raise
+        from nanotron_ext.runtime.p2p import comm_failure
+
+        failure = comm_failure(exc, peer=None, what="a collective (barrier, all-reduce or gather)")
+        if failure is None:
+            raise
+        raise failure from None
     finally:
         if ctx is not None:
             # Failing: do not wait in a barrier for ranks that may have died.
@@ -492,9 +512,8 @@ def _optimise(
 
 
 def _write_json(path: str | Path, data: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    # Temporary file + rename: a reader (or a killed run) never leaves half a JSON file behind.
+    atomic_write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(obj: Any) -> Any:

@@ -6,11 +6,13 @@ an Agg canvas directly (no pyplot), which leaves the caller's backend and pyplot
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanotron_ext.outputs import atomic_write_bytes, picture_format
 from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
 
 if TYPE_CHECKING:
@@ -208,7 +210,7 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI, format="png")
-    return out
+    # The format follows the suffix (.png, .pdf, .svg); written whole to a temporary file, then renamed.
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI, format=picture_format(path))
+    return atomic_write_bytes(path, buffer.getvalue())

@@ -153,6 +153,13 @@ def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig)
     n_trainable = sum(b.trainable > 0 for b in blocks)
     if n_trainable < cfg.run.pp and not cfg.ext.allow_frozen_stages:
         trainable = ", ".join(b.short for b in blocks if b.trainable) or "none"
+        if all(b.trainable == b.params for b in blocks):  # nothing is frozen: the cause is blocks without weights
+            weightless = ", ".join(b.short for b in blocks if not b.params) or "none"
+            raise PlanningError(
+                f"pp={cfg.run.pp} but only {n_trainable} blocks have parameters ({trainable}); {weightless} have "
+                f"none, so with {cfg.run.pp} stages some stage would hold no parameters and have no gradient. "
+                f"Lower pp to {max(n_trainable, 1)} or less, or use a model with more decoder layers"
+            )
         raise PlanningError(
             f"pp={cfg.run.pp} but only {n_trainable} blocks are trainable ({trainable}), so some stage would "
             f"hold only frozen weights and have no gradient. Two ways out: (1) lower pp to {max(n_trainable, 1)} "

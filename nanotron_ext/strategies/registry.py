@@ -84,16 +84,44 @@ def get_strategy(name: str) -> Strategy:
     if name in _REGISTRY:
         return _REGISTRY[name]()
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"cost_strategy {name!r} cannot be imported: {exc}") from exc
-        strategy = obj() if isinstance(obj, type) else obj
-        if not isinstance(strategy, Strategy):
-            raise ConfigError(f"cost_strategy {name!r} has no `name` and `assign(blocks, cfg)`; see Strategy")
-        return strategy
+        return _import_strategy(name)
     raise ConfigError(
         f"unknown cost strategy {name!r}; known strategies: {', '.join(available_strategies())} "
         f"(or give 'package.module:attr')"
     )
+
+
+def _import_strategy(name: str) -> Strategy:
+    """``package.module:Attr`` → a strategy, checked to *be* one before anything is constructed.
+
+    A class is instantiated only when it defines ``assign`` and ``name`` itself (so ``subprocess:Popen`` is
+    refused, never run); an object is used as it is when it has both.
+    """
+    module_name, _, attr = name.partition(":")
+    fix = "give 'package.module:ClassName', e.g. 'my_pkg.strategies:MyStrategy' (a class with `name` and " \
+          "`assign(blocks, cfg)`)"
+    if not module_name or not attr or module_name.startswith(".") or not all(
+        part.isidentifier() for part in module_name.split(".")
+    ) or not attr.isidentifier():
+        raise ConfigError(f"cost_strategy {name!r} is not an import path: {fix}, or a registered name: "
+                          f"{', '.join(available_strategies())}")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cost_strategy {name!r} cannot be imported ({exc}); {fix}") from None
+    if isinstance(obj, type):
+        if not (callable(getattr(obj, "assign", None)) and (
+            isinstance(getattr(obj, "name", None), str) or "name" in getattr(obj, "__annotations__", {})
+        )):
+            raise ConfigError(f"cost_strategy {name!r} is the class {obj.__module__}.{obj.__qualname__}, which "
+                              f"is not a strategy (it has no `name` and `assign(blocks, cfg)`), so it was not "
+                              f"constructed; {fix}")
+        try:
+            obj = obj()
+        except TypeError as exc:
+            raise ConfigError(f"cost_strategy {name!r}: the class cannot be constructed without arguments "
+                              f"({exc}); give it a constructor without required arguments") from None
+    if not isinstance(obj, Strategy):
+        raise ConfigError(f"cost_strategy {name!r} is a {type(obj).__name__}, not a strategy (it has no `name` "
+                          f"and `assign(blocks, cfg)`); {fix}")
+    return obj

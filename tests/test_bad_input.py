@@ -1,0 +1,352 @@
+"""Bad input through the real command line: one row per case of issue 13.
+
+Every row runs ``nanotron-ext plan|simulate`` in-process (``nanotron_ext.cli.main``) or ``nanotron-ext train``
+as a real process, and checks three things: the documented exit code (0 OK, 1 the plan cannot train, 2 bad
+usage or config, 3 a runtime failure), that one line of the output names the value and carries the fix,
+and that nothing printed a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotron_ext import config_keys
+from nanotron_ext.cli import main
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from nanotron_ext.config import ExtConfig, bundled_config
+from nanotron_ext.costs import measured
+from nanotron_ext.runtime.launch import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY = bundled_config()
+TINY_TEXT = TINY.read_text()
+
+
+def _yaml(tmp: Path, text: str, name: str = "c.yaml") -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def _edit(tmp: Path, change: Callable[[dict], None]) -> str:
+    raw = yaml.safe_load(TINY_TEXT)
+    change(raw)
+    return _yaml(tmp, yaml.safe_dump(raw, sort_keys=False))
+
+
+def _replace(tmp: Path, old: str, new: str) -> str:
+    assert old in TINY_TEXT
+    return _yaml(tmp, TINY_TEXT.replace(old, new, 1))
+
+
+def _set(dotted: str, value: object) -> Callable[[dict], None]:
+    def change(raw: dict) -> None:
+        node = raw
+        *path, last = dotted.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    return change
+
+
+def _not_utf8(tmp: Path) -> str:
+    path = tmp / "latin1.yaml"
+    path.write_bytes(TINY_TEXT.replace("# Nanotron's", "# Nanotron\xe9s").encode("latin-1"))
+    return str(path)
+
+
+def _under_a_file(tmp: Path, name: str) -> str:
+    (tmp / "a_file").write_text("x")
+    return str(tmp / "a_file" / name)
+
+
+def _data_config(tmp: Path, data: bytes) -> str:
+    (tmp / "corpus.txt").write_bytes(data)
+    return _edit(tmp, _set("data.dataset", {"hf_dataset_or_datasets": str(tmp / "corpus.txt")}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One bad input: the command (built in a temporary folder), the exit code, and what one line must say."""
+
+    id: str
+    argv: Callable[[Path], list[str]]
+    code: int
+    says: tuple[str, ...]  # all on one line: the value, the reason, the fix
+
+
+CASES = [
+    # --- the config file itself
+    Case("config-is-a-directory", lambda t: ["plan", str(t)], EXIT_USAGE,
+         ("is a directory", "pass the path of a Nanotron YAML file")),
+    Case("config-missing", lambda t: ["plan", str(t / "nope.yaml")], EXIT_USAGE,
+         ("nope.yaml' does not exist", "pass the path")),
+    Case("config-not-utf8", lambda t: ["plan", _not_utf8(t)], EXIT_USAGE,
+         ("is not UTF-8 text", "save it as UTF-8")),
+    Case("config-unreadable", lambda t: ["plan", "/proc/self/mem"], EXIT_USAGE,
+         ("'/proc/self/mem' cannot be read", "check its permissions")),
+    Case("duplicate-yaml-key", lambda t: ["plan", _replace(t, "  pp: 2\n", "  pp: 2\n  pp: 4\n")], EXIT_USAGE,
+         ("key 'pp' appears twice", "Delete one of them")),
+    # --- unknown and misspelt keys
+    Case("hyphen-section", lambda t: ["plan", _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
+         EXIT_USAGE, ("unknown key(s) 'nanotron-ext' in the top level", "did you mean 'nanotron_ext'?")),
+    Case("misspelt-ext-key", lambda t: ["plan", _edit(t, _set("nanotron_ext.memory_cap", 1))], EXIT_USAGE,
+         ("unknown key(s) 'memory_cap' in 'nanotron_ext:'", "did you mean 'memory_cap_gib'?")),
+    Case("misspelt-freeze-key", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"module": ["*"]}))],
+         EXIT_USAGE, ("unknown key(s) 'module' in 'nanotron_ext.freeze:'", "did you mean 'modules'?")),
+    Case("parallelism.cost_stratgy", lambda t: ["plan", _edit(t, _set("parallelism.cost_stratgy", "nanotron"))],
+         EXIT_USAGE, ("unknown key(s) 'cost_stratgy' in 'parallelism:'", "did you mean 'cost_strategy'?")),
+    Case("parallelism.ppp (Nanotron rejects it)", lambda t: ["plan", _edit(t, _set("parallelism.ppp", 4))],
+         EXIT_USAGE, ("unknown key(s) 'ppp' in 'parallelism:'", "Nanotron's config loader rejects it",
+                      "did you mean 'pp'?")),
+    Case("nanotron-nested-key", lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_esp", 1e-5))],
+         EXIT_USAGE, ("unknown key(s) 'rms_norm_esp' in 'model.model_config:'", "did you mean 'rms_norm_eps'?")),
+    # --- values
+    Case("make_vocab_size_divisible_by: abc",
+         lambda t: ["plan", _edit(t, _set("model.make_vocab_size_divisible_by", "abc"))], EXIT_USAGE,
+         ("model.make_vocab_size_divisible_by='abc' must be a positive integer", "make_vocab_size_divisible_by: 1")),
+    Case("rms_norm_eps: abc", lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_eps", "abc"))],
+         EXIT_USAGE, ("rms_norm_eps='abc' must be a positive number", "e.g. 1.0e-5")),
+    Case("batch_accumulation_per_replica: 0",
+         lambda t: ["plan", _edit(t, _set("tokens.batch_accumulation_per_replica", 0))], EXIT_USAGE,
+         ("tokens.batch_accumulation_per_replica=0 must be a positive integer",)),
+    Case("layout: 5", lambda t: ["plan", _edit(t, _set("nanotron_ext.layout", 5))], EXIT_USAGE,
+         ("nanotron_ext.layout=5 must be a non-empty string", "E,t*5|t*6,L")),
+    Case("profile_cache: 5", lambda t: ["plan", _edit(t, _set("nanotron_ext.profile_cache", 5))], EXIT_USAGE,
+         ("nanotron_ext.profile_cache=5 must be a non-empty string", "a folder path")),
+    Case("tp: 3 with 4 heads", lambda t: ["plan", _edit(t, _set("parallelism.tp", 3))], EXIT_USAGE,
+         ("parallelism.tp=3 does not divide model_config.num_attention_heads=4", "Use tp in {1, 2, 4}")),
+    # --- strategies
+    Case("--cost-strategy :", lambda t: ["plan", "--cost-strategy", ":"], EXIT_USAGE,
+         ("cost_strategy ':' is not an import path", "give 'package.module:ClassName'")),
+    Case("--cost-strategy :system", lambda t: ["plan", "--cost-strategy", ":system"], EXIT_USAGE,
+         ("cost_strategy ':system' is not an import path", "give 'package.module:ClassName'")),
+    Case("--cost-strategy .strategies:X", lambda t: ["plan", "--cost-strategy", ".strategies:X"], EXIT_USAGE,
+         ("cost_strategy '.strategies:X' is not an import path", "give 'package.module:ClassName'")),
+    Case("--cost-strategy subprocess:Popen", lambda t: ["plan", "--cost-strategy", "subprocess:Popen"], EXIT_USAGE,
+         ("is the class subprocess.Popen, which is not a strategy", "so it was not constructed",
+          "give 'package.module:ClassName'")),
+    Case("malformed layout", lambda t: ["plan", "--cost-strategy", "layout",
+                                        _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))], EXIT_USAGE,
+         ("layout",)),
+    Case("layout with the wrong stage count", lambda t: ["plan", "--cost-strategy", "layout",
+                                                         _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
+         EXIT_USAGE, ("layout",)),
+    # --- plans that cannot train, and misleading messages
+    Case("pp above the blocks with parameters (nothing frozen)", lambda t: ["plan", "--pp", "6"], EXIT_INVALID,
+         ("pp=6 but only 5 blocks have parameters", "cast, loss have none", "Lower pp to 5")),
+    Case("--pp 100 --compare", lambda t: ["plan", "--pp", "100", "--compare"], EXIT_INVALID,
+         ("nanotron", "-×96", "INVALID", "more)")),
+    Case("plan needing 3.7e5 TiB per stage", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size",
+                                                                                 10**12))], EXIT_OK,
+         ("warning: stage", "TiB, more than any accelerator holds", "check model_config's sizes")),
+    # --- output paths (checked before any work)
+    Case("simulate --out is a directory", lambda t: ["simulate", "--out", str(t)], EXIT_USAGE,
+         ("--out", "is a directory", "give a file path")),
+    Case("simulate --out under a file", lambda t: ["simulate", "--out", _under_a_file(t, "t.png")], EXIT_USAGE,
+         ("--out", "cannot be written", "choose a path in a folder you can write")),
+    Case("simulate --loads-out under a file", lambda t: ["simulate", "--compare", "--out", str(t / "t.png"),
+                                                         "--loads-out", _under_a_file(t, "l.png")], EXIT_USAGE,
+         ("--loads-out", "cannot be written", "choose a path")),
+    Case("simulate --out x.bmp", lambda t: ["simulate", "--out", str(t / "x.bmp")], EXIT_USAGE,
+         ("cannot write a .bmp file", "name it with one of .png, .pdf, .svg")),
+    # --- train: checked before any process group, every rank the same message
+    Case("train --metrics-out is a directory", lambda t: ["train", "--metrics-out", str(t)], EXIT_USAGE,
+         ("error on rank 0: --metrics-out", "is a directory", "give a file path")),
+    Case("train --plan-out under a file", lambda t: ["train", "--plan-out", _under_a_file(t, "p.json")], EXIT_USAGE,
+         ("error on rank 0: --plan-out", "cannot be written", "choose a path")),
+    Case("train hyphen section", lambda t: ["train", "--config-file",
+                                            _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
+         EXIT_USAGE, ("'nanotron-ext'", "did you mean 'nanotron_ext'?")),
+    Case("train parallelism.ppp", lambda t: ["train", "--config-file", _edit(t, _set("parallelism.ppp", 4))],
+         EXIT_USAGE, ("unknown key(s) 'ppp' in 'parallelism:'", "did you mean 'pp'?")),
+    Case("train binary data file", lambda t: ["train", "--config-file", _data_config(t, b"\x00\x01\x02" * 500)],
+         EXIT_USAGE, ("corpus.txt' is binary", "point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files")),
+    Case("train non-UTF-8 data file", lambda t: ["train", "--config-file", _data_config(t, b"caf\xe9 " * 500)],
+         EXIT_USAGE, ("corpus.txt' is not UTF-8 text", "convert it to UTF-8")),
+    Case("train empty data file", lambda t: ["train", "--config-file", _data_config(t, b"")], EXIT_USAGE,
+         ("corpus.txt",)),
+    Case("train data shorter than one sequence", lambda t: ["train", "--config-file", _data_config(t, b"hi\n")],
+         EXIT_USAGE, ("corpus.txt",)),
+    Case("train NANOTRON_EXT_TIMEOUT_S=abc", lambda t: ["train", "env:NANOTRON_EXT_TIMEOUT_S=abc"], EXIT_USAGE,
+         ("NANOTRON_EXT_TIMEOUT_S='abc' must be a positive number of seconds", "NANOTRON_EXT_TIMEOUT_S=60")),
+]
+
+
+def _run_train(argv: list[str]) -> tuple[int, str, str, float]:
+    """``python -m nanotron_ext.cli train`` as rank 0 of a 2-rank world: every case fails before the rendezvous."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    for arg in [a for a in argv if a.startswith("env:")]:
+        key, _, value = arg[4:].partition("=")
+        env[key] = value
+        argv.remove(arg)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "nanotron_ext.cli", *argv, "--steps", "1"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+def run_case(case: Case, tmp: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    argv = case.argv(tmp)
+    if argv[0] == "train":
+        code, out, err, _ = _run_train(argv)
+        return code, out, err
+    cwd = os.getcwd()
+    os.chdir(tmp)  # simulate's default outputs land here
+    try:
+        code = main(argv)
+    finally:
+        os.chdir(cwd)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_case(case, tmp_path, capsys)
+    shown = f"exit {code}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+    assert code == case.code, shown
+    assert "Traceback" not in err and "Traceback" not in out, shown
+    lines = (out + "\n" + err).splitlines()
+    assert any(all(s in line for s in case.says) for line in lines), f"no line says {case.says}:\n{shown}"
+    assert "nanx" not in out
+    assert max(map(len, lines), default=0) < 400, "a line thousands of characters wide"
+
+
+def test_train_output_check_runs_before_any_work(tmp_path: Path) -> None:
+    code, out, err, elapsed = _run_train(["train", "--metrics-out", str(tmp_path)])
+    assert code == EXIT_USAGE and "step" not in out and elapsed < 30, (out, err)
+
+
+def test_simulate_pdf_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--out", str(tmp_path / "t.pdf")]) == EXIT_OK
+    assert (tmp_path / "t.pdf").read_bytes().startswith(b"%PDF")
+    assert main(["simulate", "--out", str(tmp_path / "t.svg")]) == EXIT_OK
+    assert b"<svg" in (tmp_path / "t.svg").read_bytes()[:2000]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+
+
+def test_strategy_class_is_checked_before_it_is_constructed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    marker = tmp_path / "constructed"
+    (tmp_path / "side_effect_mod.py").write_text(
+        f"class Writer:\n    def __init__(self):\n        open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--cost-strategy", "side_effect_mod:Writer"]) == EXIT_USAGE
+    assert "not a strategy" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_unexpected_errors_are_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import nanotron_ext.cli.plan as plan_cli
+
+    def boom(*_: object, **__: object) -> None:
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(plan_cli, "inventory_from_config", boom)
+    assert main(["plan"]) == EXIT_RUNTIME
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "unexpected KeyError" in err and "NANOTRON_EXT_TRACEBACK=1" in err
+
+
+# --- the profiled cache ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_measure(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """measure_block without measuring: a fixed time, and the names of the blocks it was asked for."""
+    calls: list[str] = []
+
+    def measure(block, cfg, **_):
+        calls.append(block.short)
+        return measured.BlockTiming(1e-3, 2e-3, 1e-4)
+
+    monkeypatch.setattr(measured, "measure_block", measure)
+    return calls
+
+
+def _cache_config(tmp: Path) -> str:
+    return _edit(tmp, _set("nanotron_ext.profile_cache", str(tmp / "cache")))
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "1e308", "-1", '"fast"', "0"])
+def test_profiled_cache_bad_entry_is_measured_again(bad: str, tmp_path: Path, fake_measure: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config = _cache_config(tmp_path)
+    argv = ["simulate", config, "--times", "profiled", "--out", str(tmp_path / "t.png")]
+    assert main(argv) == EXIT_OK
+    entries = sorted((tmp_path / "cache").glob("*.json"))
+    assert entries and fake_measure
+    victim = entries[0]
+    victim.write_text(victim.read_text().replace('"forward": 0.001', f'"forward": {bad}', 1))
+    fake_measure.clear()
+    capsys.readouterr()
+    with pytest.warns(measured.CacheWarning, match=f"cache entry {victim} is unusable .*measuring that block again"):
+        assert main(argv) == EXIT_OK
+    assert "Traceback" not in capsys.readouterr().err
+    assert len(fake_measure) == 1, "exactly the bad entry is measured again"
+    assert '"forward": 0.001' in victim.read_text(), "the bad entry is replaced"
+
+
+def test_profiled_cache_entry_replaced_by_a_directory_leaves_no_temporary_file(
+    tmp_path: Path, fake_measure: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _cache_config(tmp_path)
+    argv = ["simulate", config, "--times", "profiled", "--out", str(tmp_path / "t.png")]
+    assert main(argv) == EXIT_OK
+    victim = sorted((tmp_path / "cache").glob("*.json"))[0]
+    victim.unlink()
+    victim.mkdir()
+    for _ in range(2):
+        with pytest.warns(measured.CacheWarning, match=str(victim)):
+            assert main(argv) == EXIT_OK
+    assert "Traceback" not in capsys.readouterr().err
+    assert not list((tmp_path / "cache").glob(".tmp-*")), "temporary files left behind"
+
+
+# --- the key tables stay in step with the code they mirror -------------------------------------------------
+
+
+def test_ext_keys_match_ext_config() -> None:
+    assert config_keys.EXT_KEYS == {f.name for f in dataclasses.fields(ExtConfig)}
+
+
+def _schema(cls: type) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        subs = [b for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                for b in (typing.get_args(a) or (a,)) if dataclasses.is_dataclass(b)]
+        if subs:
+            merged: dict[str, object] = {}
+            for sub in subs:
+                for key, value in _schema(sub).items():
+                    merged[key] = value if merged.get(key) is None else merged[key]
+            out[f.name] = merged
+        else:
+            out[f.name] = None
+    return out
+
+
+def test_nanotron_schema_matches_the_installed_nanotron() -> None:
+    nanotron_config = pytest.importorskip("nanotron.config")
+    assert config_keys.NANOTRON_SCHEMA == _schema(nanotron_config.Config)
+
+
+def test_every_bundled_config_passes_the_key_check() -> None:
+    for path in sorted(TINY.parent.glob("*.yaml")):
+        assert main(["plan", str(path), "--json"]) in (EXIT_OK, EXIT_INVALID), path
