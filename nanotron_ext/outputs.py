@@ -32,7 +32,9 @@ def picture_format(path: str | os.PathLike[str]) -> str:
     return suffix[1:] or "png"
 
 
-def check_output_path(path: str | os.PathLike[str], flag: str, *, suffixes: Iterable[str] | None = None) -> Path:
+def check_output_path(
+    path: str | os.PathLike[str], flag: str, *, suffixes: Iterable[str] | None = None, default_suffix: str = ".json"
+) -> Path:
     """Fail now, before any work, if ``path`` cannot be written later.
 
     Creates missing parent folders (the write would create them too) and writes and removes a probe file
@@ -42,6 +44,7 @@ def check_output_path(path: str | os.PathLike[str], flag: str, *, suffixes: Iter
         path: the output file.
         flag: the option that named it, for the message (``--metrics-out``).
         suffixes: allowed file suffixes (lower case, with the dot); ``""`` allows none.
+        default_suffix: the suffix of the example file name a message suggests.
 
     Returns:
         ``path`` as a ``Path``.
@@ -58,8 +61,13 @@ def check_output_path(path: str | os.PathLike[str], flag: str, *, suffixes: Iter
             raise ConfigError(f"{flag} {str(out)!r}: cannot write a {out.suffix or 'suffix-less'} file; "
                               f"name it with one of {shown}")
     if out.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path, e.g. {str(out / ('out' + (out.suffix or '.json')))!r}")
+        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path in it, e.g. "
+                          f"{str(out / ('out' + (out.suffix or default_suffix)))!r}")
     parent = out.parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"{flag} {str(out)!r} cannot be written: {str(blocker)!r} is a file, not a folder; "
+                          f"choose a path in a folder you can write")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".probe")

@@ -155,7 +155,7 @@ CASES = [
     Case("simulate --out is a directory", lambda t: ["simulate", "--out", str(t)], EXIT_USAGE,
          ("--out", "is a directory", "give a file path")),
     Case("simulate --out under a file", lambda t: ["simulate", "--out", _under_a_file(t, "t.png")], EXIT_USAGE,
-         ("--out", "cannot be written", "choose a path in a folder you can write")),
+         ("--out", "cannot be written", "a_file' is a file, not a folder", "choose a path in a folder you can write")),
     Case("simulate --loads-out under a file", lambda t: ["simulate", "--compare", "--out", str(t / "t.png"),
                                                          "--loads-out", _under_a_file(t, "l.png")], EXIT_USAGE,
          ("--loads-out", "cannot be written", "choose a path")),

@@ -81,7 +81,8 @@ def check_outputs(*paths: tuple[str | None, str], suffixes: tuple[str, ...] | No
 
     for path, flag in paths:
         if path is not None:
-            check_output_path(path, flag, suffixes=suffixes)
+            check_output_path(path, flag, suffixes=suffixes,
+                              default_suffix=".json" if suffixes is None else next(iter(suffixes)))
 
 
 #: A stage estimated above this many bytes gets a warning: no accelerator comes close (the largest hold 0.25 TiB).
