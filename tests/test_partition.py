@@ -46,6 +46,15 @@ def test_stage_dependent_cost_under_1f1b():
     assert p.bounds == (0, 1, 4)
 
 
+def test_no_stage_is_left_empty_even_when_that_would_be_evener():
+    # Two blocks of activations only, stage 0 holding 2 micro-batches: [b0 | b1] costs (2, 1). An empty stage 0,
+    # [ | b0, b1], would cost (0, 2): the same slowest stage and a smaller sum of squares, but Nanotron needs
+    # a block on every PP rank.
+    p = partition([0, 0], 2, per_in_flight=[1, 1], in_flight=[2, 1])
+    assert p.bounds == (0, 1, 2)
+    assert p.stage_costs == (2.0, 1.0)
+
+
 def test_memory_cap_moves_the_split():
     mem = MemoryCap(static=(3, 1, 1, 1), activation=(0, 0, 0, 0), in_flight=(1, 1), cap=3.0)
     p = partition([1, 1, 1, 1], 2, memory=mem)
