@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 _RTOL = 1e-9
+_MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not simulated (graph of ~6 · pp · m nodes)
+_CHUNK_FLOATS = 2e7  # most entries of one evaluation's time table (160 MB)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class StepTimeEvaluator:
     def __init__(self, problem: ScheduleProblem) -> None:
         self.problem = problem
         self.evaluated = 0
+        self.work = 0.0  # graph nodes evaluated, summed over splits
         self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
         self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
         self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
@@ -204,7 +207,12 @@ class StepTimeEvaluator:
         keys, inverse = np.unique(cuts, axis=0, return_inverse=True)
         for g, key in enumerate(keys):
             rows = np.flatnonzero(inverse.reshape(-1) == g)
-            out[rows] = self._run(bounds[rows], tuple(bool(x) for x in key))
+            cuts_key = tuple(bool(x) for x in key)
+            nodes = _graph(self.problem.engine, pp, self.problem.n_micro_batches, cuts_key).n_nodes
+            chunk = max(1, int(_CHUNK_FLOATS // (nodes + 1)))  # bounds the (nodes × splits) time table
+            for i in range(0, len(rows), chunk):
+                out[rows[i : i + chunk]] = self._run(bounds[rows[i : i + chunk]], cuts_key)
+            self.work += nodes * len(rows)
         self.evaluated += len(bounds)
         return out
 
@@ -466,16 +474,21 @@ def step_time_partition(
     flop_bound = _Bound(problem, valid, slowest_stage=True)
     flop_x, flop_reach = _minimise(flop_bound, big)
 
+    if pp * problem.n_micro_batches > _MAX_SIMULATED:
+        # Too large to simulate within a planning budget: the bound's own split, unsimulated (step = nan).
+        split = tuple(_reconstruct(bound, lb, reach, True))
+        return StepTimeSplit(split, math.nan, lb, False, 0)
     candidates = {tuple(_reconstruct(bound, lb, reach, latest)) for latest in (True, False)}
     candidates |= {tuple(_reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
     candidates |= {tuple(int(x) for x in s) for s in seeds if _feasible(valid, problem, s)}
     scored = _score(evaluate, bound, sorted(candidates))
     best = min(scored)
-    best = _descend(evaluate, bound, valid, best)
+    best = _descend(evaluate, bound, valid, best, work)
     if best[0] <= lb * (1 + _RTOL):
         return StepTimeSplit(best[2], best[0], lb, True, evaluate.evaluated)
     nodes = _graph(problem.engine, pp, problem.n_micro_batches, _cuts_of(problem, best[2])).n_nodes
-    best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(work / max(nodes, 1)))))
+    left = max(0.0, work - evaluate.work)
+    best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
 
@@ -499,10 +512,13 @@ def _feasible(valid: _Validity, problem: ScheduleProblem, bounds: Sequence[int])
     return all(valid.lo(k)[e] <= s <= valid.hi[e] for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
 
 
-def _descend(evaluate: StepTimeEvaluator, bound: _Bound, valid: _Validity, best: _Scored) -> _Scored:
-    """Move one cut by up to 2 blocks, or two neighbouring cuts together, while the step time drops."""
+def _descend(evaluate: StepTimeEvaluator, bound: _Bound, valid: _Validity, best: _Scored, work: float) -> _Scored:
+    """Move one cut by up to 2 blocks, or two neighbouring cuts together, while the step time drops (and half
+    the work budget lasts)."""
     problem = evaluate.problem
     for _ in range(200):
+        if evaluate.work > work / 2:
+            return best
         cur = list(best[2])
         neighbours = set()
         for k in range(1, problem.pp):
