@@ -123,15 +123,22 @@ def ratio_cell(value: float) -> str:
     return f"{value:.3f}x" if math.isfinite(value) else "-"
 
 
-def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
-    """The config file (positional, optional) and the ``--cost-strategy`` and ``--pp`` overrides."""
+def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False) -> None:
+    """The config file (positional, optional) and the ``--cost-strategy`` and ``--pp`` overrides (and
+    ``--micro-batches`` with ``micro_batches``)."""
     if positional:
         p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
                    help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
     p.add_argument("--pp", type=int, help="overrides parallelism.pp")
+    if micro_batches:
+        p.add_argument("--micro-batches", dest="micro_batches", type=int, metavar="N",
+                       help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
+                            "changes it too; 1f1b needs at least pp - 1)")
 
 
 def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfig:
     """The config at ``path`` (the bundled example when None) with the command line's overrides."""
-    return load_config(path or bundled_config(), cost_strategy=args.cost_strategy, pp=args.pp)
+    cfg = load_config(path or bundled_config(), cost_strategy=args.cost_strategy, pp=args.pp)
+    m = getattr(args, "micro_batches", None)
+    return cfg if m is None else cfg.with_overrides(n_micro_batches=m)

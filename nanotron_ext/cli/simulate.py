@@ -68,7 +68,7 @@ def add_subcommand(subparsers: Any) -> None:
         help="simulate the pipeline schedule of a plan (FLOP-rate model) and draw its timeline",
         description=_DESCRIPTION,
     )
-    add_config_args(p)
+    add_config_args(p, micro_batches=True)
     p.add_argument(
         "--compare",
         action="store_true",
@@ -120,6 +120,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   suffixes=PICTURE_SUFFIXES)
     cfg = config_from_args(args, args.config)
     bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
+    if args.p2p_gbps is not None:  # the step-time objective prices transfers as this simulation does
+        cfg = cfg.with_overrides(p2p_gbps=args.p2p_gbps)
     blocks = inventory_from_config(cfg)
     source, model_text = _time_source(args, cfg, blocks)
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
@@ -226,6 +228,8 @@ def _simulate_every_strategy(
 
     rows, loads, entries = _compare(cfg, blocks, source, bandwidth)
     out["compare"] = entries
+    step = {e["strategy"]: e.get("step_time") for e in entries}
+    chosen, rule = step.get(cfg.ext.cost_strategy), step.get("nanotron")
     text += [
         "",
         f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
@@ -236,6 +240,10 @@ def _simulate_every_strategy(
             rows,
         ),
     ]
+    if chosen and rule and cfg.ext.cost_strategy != "nanotron":
+        out["gain_over_nanotron"] = rule / chosen
+        text.append(f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {_ms(chosen)} ms vs {_ms(rule)} ms, "
+                    f"{rule / chosen:.3f}x as fast")
     if loads:
         n = len(next(iter(loads.values())))
         png = plot_stage_loads(
