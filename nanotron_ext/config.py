@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 from nanotron_ext import config_keys
 from nanotron_ext.errors import ConfigError
+from nanotron_ext.families import Family, MoEShape, model_family, moe_shape
 from nanotron_ext.schedule import Engine
 
 __all__ = [
@@ -45,7 +46,13 @@ DEFAULT_STRATEGY = "constrained"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The Llama-family shape fields the planner prices (Nanotron's ``LlamaConfig`` names)."""
+    """The shape fields the planner prices (Nanotron's ``LlamaConfig`` names), and the model family.
+
+    Attributes:
+        family: ``llama``, ``qwen2``, ``starcoder2`` or ``llamoe`` (:mod:`nanotron_ext.families`).
+        attention_bias: Qwen2's qkv projection has a bias.
+        moe: the mixture-of-experts layers, None for a dense model.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -56,6 +63,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
+    family: Family = "llama"
+    attention_bias: bool = False
+    moe: MoEShape | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -77,6 +87,10 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def moe_layer(self, layer: int | None) -> bool:
+        """Whether decoder layer ``layer`` is a mixture of experts."""
+        return self.moe is not None and layer is not None and layer in self.moe.layers
 
 
 @dataclass(frozen=True)
@@ -235,27 +249,15 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> PlannerConfig:
     """Parse an already-loaded YAML dict; see :func:`load_config`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    model_config = (raw.get("model") or {}).get("model_config") if isinstance(raw.get("model"), dict) else None
+    if isinstance(model_config, dict):
+        model_family(model_config, source=source)  # a family we cannot price says so before its keys are checked
     config_keys.check_keys(raw, source, ext_section=EXT_SECTION)
     config_keys.check_values(raw, source, ext_section=EXT_SECTION)
     nanotron, ext = split_ext_keys(raw, source=source)
     get = _Getter(nanotron, source)
 
-    model_cfg = get.section("model.model_config")
-    model = ModelShape(
-        hidden_size=get("model.model_config.hidden_size"),
-        intermediate_size=get("model.model_config.intermediate_size"),
-        num_hidden_layers=get("model.model_config.num_hidden_layers"),
-        num_attention_heads=get("model.model_config.num_attention_heads"),
-        vocab_size=_padded_vocab(
-            get("model.model_config.vocab_size"),
-            get("model.make_vocab_size_divisible_by", default=1),
-            get("parallelism.tp"),
-        ),
-        num_key_value_heads=model_cfg.get("num_key_value_heads"),
-        tie_word_embeddings=bool(model_cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=model_cfg.get("max_position_embeddings", 2048),
-        rms_norm_eps=float(model_cfg.get("rms_norm_eps", 1e-6)),
-    )
+    model = _model_shape(get, source)
     run = RunShape(
         dp=get("parallelism.dp"),
         pp=get("parallelism.pp"),
@@ -301,6 +303,41 @@ def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict
             )
         section = {**section, "cost_strategy": value}
     return nanotron, ExtConfig(**section)
+
+
+def _model_shape(get: _Getter, source: str) -> ModelShape:
+    """The model's shape and family from ``model.model_config`` (family keys as Nanotron's config classes name them)."""
+    model_cfg = get.section("model.model_config")
+    family = model_family(model_cfg, source=source)
+    hidden = get("model.model_config.hidden_size")
+    layers = get("model.model_config.num_hidden_layers")
+    if family == "starcoder2":
+        # Starcoder2Config: MQA (one kv head) unless grouped_query names num_kv_heads; embeddings always tied.
+        kv_heads = model_cfg.get("num_kv_heads") if model_cfg.get("grouped_query") else 1
+        intermediate = model_cfg.get("intermediate_size") or (4 * hidden if isinstance(hidden, int) else hidden)
+        tied, eps = True, model_cfg.get("layer_norm_epsilon", 1e-5)
+    else:
+        kv_heads = model_cfg.get("num_key_value_heads")
+        intermediate = get("model.model_config.intermediate_size")
+        tied, eps = bool(model_cfg.get("tie_word_embeddings", False)), model_cfg.get("rms_norm_eps", 1e-6)
+    return ModelShape(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=get("model.model_config.num_attention_heads"),
+        vocab_size=_padded_vocab(
+            get("model.model_config.vocab_size"),
+            get("model.make_vocab_size_divisible_by", default=1),
+            get("parallelism.tp"),
+        ),
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        max_position_embeddings=model_cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(eps),
+        family=family,
+        attention_bias=family == "qwen2" and bool(model_cfg.get("attention_bias", False)),
+        moe=moe_shape(family, model_cfg, layers, source=source) if isinstance(layers, int) and layers > 0 else None,
+    )
 
 
 class _Getter:

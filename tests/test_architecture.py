@@ -19,8 +19,8 @@ ROOT = "nanotron_ext"
 
 #: Layer of each top-level part of the package; a module may import its own layer and the ones below.
 LAYERS: dict[str, int] = {
-    "__init__": 0, "blocks": 0, "config": 0, "config_keys": 0, "errors": 0, "outputs": 0, "report": 0,
-    "schedule": 0,
+    "__init__": 0, "blocks": 0, "config": 0, "config_keys": 0, "errors": 0, "families": 0, "outputs": 0,
+    "report": 0, "schedule": 0,
     "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
     "simulate": 1, "integration": 1,
     "runtime": 2,
@@ -73,7 +73,8 @@ def _edges(module: str, path: Path) -> tuple[set[str], set[str]]:
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import submodule` imports the submodule (pkg's own __init__ is an ancestor, counted below).
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
         for target in targets:

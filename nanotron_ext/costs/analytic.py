@@ -47,15 +47,34 @@ class BlockWork:
     output_bytes: float  # sent to the next stage per micro-batch
 
 
-def decoder_linear_params(m: ModelShape) -> int:
-    """Weights of the matmuls in one decoder layer (qkv, o, gate_up, down), norms excluded."""
-    d = m.head_dim
-    return m.hidden_size * d * (m.num_attention_heads + 2 * m.num_key_value_heads) + (
-        m.num_attention_heads * d * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
-    )
+def decoder_linear_params(m: ModelShape, layer: int | None = None) -> int:
+    """Matmul weights one token runs through in a decoder layer (attention, then the MLP or its routed
+    experts), norms and biases excluded.
+
+    A dense MLP is gated (three matrices) except Starcoder2's (two). A mixture-of-experts layer counts the
+    router, the ``top_k`` experts a token is sent to and the shared expert, not every expert.
+    """
+    d, h = m.head_dim, m.hidden_size
+    attention = h * d * (m.num_attention_heads + 2 * m.num_key_value_heads) + m.num_attention_heads * d * h
+    return attention + _mlp_active(m, layer)[0]
 
 
-def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> BlockWork:
+def _mlp_active(m: ModelShape, layer: int | None) -> tuple[int, int]:
+    """(matmul weights per token, width of the activations kept for backward) of a layer's MLP."""
+    h = m.hidden_size
+    if m.moe_layer(layer):
+        moe = m.moe
+        assert moe is not None  # moe_layer() checked it
+        matrices = 3 if moe.glu else 2
+        shared = moe.shared_expert_intermediate_size
+        weights = moe.num_experts * h + moe.top_k * matrices * moe.expert_intermediate_size * h
+        weights += 3 * shared * h + h if shared else 0
+        return weights, moe.top_k * matrices * moe.expert_intermediate_size + 3 * shared
+    matrices = 2 if m.family == "starcoder2" else 3
+    return matrices * m.intermediate_size * h, matrices * m.intermediate_size
+
+
+def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0, layer: int | None = None) -> BlockWork:
     """Work of a block by role.
 
     Args:
@@ -63,6 +82,7 @@ def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> Blo
         m: model shape.
         run: batch shape and dtype.
         params: the block's parameter count; prices ``projector``/``other`` blocks as a linear layer.
+        layer: a decoder block's layer index (MoE models mix dense and expert layers).
 
     Returns:
         FLOPs of forward / input-gradient / weight-gradient, activation and output bytes.
@@ -73,11 +93,11 @@ def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0) -> Blo
         # A gather: no matmul; the weight gradient is a scatter-add of t rows.
         return BlockWork(t * h, 0.0, t * h, 8.0 * t, w * t * h)
     if role == "decoder":
-        lin = decoder_linear_params(m)
+        lin = decoder_linear_params(m, layer)
         kv = m.num_key_value_heads * m.head_dim
         attn = 4.0 * t * s * h
         norms = 2 * 4.0 * t * h
-        act = w * t * (7 * h + 2 * kv + 3 * m.intermediate_size)
+        act = w * t * (7 * h + 2 * kv + _mlp_active(m, layer)[1])
         return BlockWork(2.0 * t * lin + attn + norms, 2.0 * t * lin + 2 * attn + 2 * norms,
                          2.0 * t * lin + norms / 2, act, w * t * h)
     if role == "final_norm":

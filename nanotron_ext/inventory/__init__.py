@@ -3,7 +3,8 @@ from a config alone (``inventory_from_config``) or from a real model (``inventor
 the freeze spec leaves trainable."""
 
 from nanotron_ext.inventory.freeze import FreezeSpec, apply_config_freeze, apply_freeze, frozen_names
-from nanotron_ext.inventory.llama import inventory_from_config, llama_block_layout, llama_class_costs
+from nanotron_ext.inventory.from_config import inventory_from_config
+from nanotron_ext.inventory.layouts import block_layout, class_costs, llama_class_costs
 from nanotron_ext.inventory.model import inventory_from_model
 
 __all__ = [
@@ -11,8 +12,9 @@ __all__ = [
     "apply_config_freeze",
     "apply_freeze",
     "frozen_names",
+    "block_layout",
+    "class_costs",
     "inventory_from_config",
     "inventory_from_model",
-    "llama_block_layout",
     "llama_class_costs",
 ]

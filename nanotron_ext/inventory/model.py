@@ -7,7 +7,7 @@ from typing import Any
 from nanotron_ext.blocks import BlockInfo, ParamInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.inventory.freeze import apply_config_freeze
-from nanotron_ext.inventory.llama import make_block
+from nanotron_ext.inventory.from_config import make_block
 
 __all__ = ["inventory_from_model"]
 

@@ -36,7 +36,7 @@ from nanotron.parallel.tensor_parallel.nn import (
 from nanotron.random import RandomStates
 from torch import nn
 
-from nanotron_ext.inventory.llama import llama_class_costs
+from nanotron_ext.inventory.layouts import llama_class_costs
 from nanotron_ext.runtime.p2p import CPUP2P
 
 __all__ = [
