@@ -13,16 +13,21 @@ A leaf (it imports only :mod:`nanotron_ext.errors` and the standard library, plu
   parallel degree against the head counts, so that neither an ``int("abc")`` traceback nor an internal field
   name reaches the user.
 
-``NANOTRON_SCHEMA`` is Nanotron 0.2's config layout (``nanotron.config.Config`` and its nested dataclasses; the
-model config is the union of the model families' keys). It is written out rather than imported, because
-importing ``nanotron`` pulls in torch, which planning never needs; ``tests/test_bad_input.py`` checks it
-against the installed Nanotron.
+``NANOTRON_SCHEMA`` is the config layout of Nanotron 0.2 and of upstream main together (``nanotron.config.Config``
+and its nested dataclasses; the model config is the union of the model families' keys), stored in
+``nanotron_ext/data/nanotron_config_keys.json`` rather than imported, because importing ``nanotron`` pulls in
+torch, which planning never needs; ``tests/test_bad_input.py`` checks it against the installed Nanotron.
+A key given twice in one mapping is a :class:`DuplicateKeyWarning`, not an error: upstream's own
+``examples/config_qwen_with_moe.yaml`` gives ``moe_config`` twice, and its loader keeps the last one.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import warnings
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,79 +35,50 @@ import yaml
 
 from nanotron_ext.errors import ConfigError
 
-__all__ = ["EXT_KEYS", "FREEZE_KEYS", "NANOTRON_SCHEMA", "check_keys", "check_values", "parse_yaml", "read_config_text"]
+__all__ = [
+    "EXT_KEYS",
+    "FREEZE_KEYS",
+    "NANOTRON_SCHEMA",
+    "NANOTRON_SCHEMAS",
+    "DuplicateKeyWarning",
+    "check_keys",
+    "check_values",
+    "parse_yaml",
+    "read_config_text",
+]
 
 #: Keys of our ``nanotron_ext:`` section (the fields of ``config.ExtConfig``; a test keeps them in step).
 EXT_KEYS = frozenset({
     "cost_strategy", "base_strategy", "layout", "memory_cap_gib", "allow_frozen_stages", "projector", "freeze",
-    "profile_cache",
+    "profile_cache", "objective", "p2p_gbps",
 })
 #: Keys of ``nanotron_ext.freeze:``.
 FREEZE_KEYS = frozenset({"modules", "unfreeze", "unfreeze_last_decoder_layers"})
 #: Our key that may also sit under ``parallelism:``.
 PARALLELISM_EXT_KEYS = frozenset({"cost_strategy"})
 
-_PARALLELISM = {k: None for k in (
-    "dp", "expert_parallel_size", "pp", "pp_engine", "recompute_granularity", "tp", "tp_linear_async_communication",
-    "tp_mode")}
+#: Each supported Nanotron's ``Config``: section → its keys (a mapping for a nested dataclass, None for a value),
+#: read off its dataclasses by ``tools/nanotron_config_keys.py``; a test checks the installed one.
+NANOTRON_SCHEMAS: dict[str, dict[str, Any]] = json.loads(
+    resources.files("nanotron_ext").joinpath("data/nanotron_config_keys.json").read_text(encoding="utf-8")
+)
+#: LlaMoE's keys (upstream's ``examples/moe``, loaded there with its own config class).
+EXAMPLE_MODEL_KEYS = frozenset({"is_llamoe_config", "moe_num_experts", "num_experts_per_tok", "moe_capacity_factor"})
 
-#: Nanotron 0.2's ``Config``: section → its keys (a dict for a nested dataclass, None for a plain value).
-NANOTRON_SCHEMA: dict[str, Any] = {
-    "checkpoints": dict.fromkeys((
-        "checkpoint_interval", "checkpoints_path", "checkpoints_path_is_shared_file_system",
-        "resume_checkpoint_path", "save_initial_state")),
-    "data": {
-        "dataset": dict.fromkeys((
-            "dataset_overwrite_cache", "dataset_processing_num_proc_per_process", "hf_dataset_config_name",
-            "hf_dataset_or_datasets", "hf_dataset_splits", "text_column_name")),
-        "num_loading_workers": None, "seed": None,
-    },
-    "general": dict.fromkeys((
-        "benchmark_csv_path", "consumed_train_samples", "ignore_sanity_checks", "project", "run", "seed", "step")),
-    "lighteval": {
-        "batch_size": None, "checkpoints_path": None,
-        "generation": dict.fromkeys(("eos", "n_samples", "sampler", "seed", "temperature", "top_k", "top_p",
-                                     "use_cache")),
-        "logging": dict.fromkeys((
-            "hub_repo_details", "hub_repo_results", "hub_repo_tensorboard", "local_output_path",
-            "push_details_to_hub", "push_results_to_hub", "push_results_to_tensorboard",
-            "tensorboard_metric_prefix")),
-        "parallelism": dict(_PARALLELISM),
-        "slurm_script_dir": None, "slurm_template": None,
-        "tasks": dict.fromkeys((
-            "custom_tasks", "dataset_loading_processes", "max_samples", "multichoice_continuations_start_space",
-            "no_multichoice_continuations_start_space", "num_fewshot_seeds", "tasks")),
-        "wandb": dict.fromkeys(("wandb_entity", "wandb_project", "wandb_run_name")),
-    },
-    "logging": dict.fromkeys(("iteration_step_info_interval", "log_level", "log_level_replica")),
-    "model": {
-        "ddp_bucket_cap_mb": None, "dtype": None,
-        "init_method": dict.fromkeys(("path", "std")),
-        "make_vocab_size_divisible_by": None,
-        "model_config": dict.fromkeys((
-            "activation_function", "attention_softmax_in_fp32", "attn_pdrop", "bos_token_id", "embd_pdrop",
-            "eos_token_id", "global_attn_layers", "grouped_query", "hidden_act", "hidden_size", "initializer_range",
-            "intermediate_size", "is_llama_config", "is_starcoder2_config", "layer_norm_epsilon",
-            "max_position_embeddings", "multi_query", "num_attention_heads", "num_hidden_layers",
-            "num_key_value_heads", "num_kv_heads", "pad_token_id", "pretraining_tp", "resid_pdrop", "rms_norm_eps",
-            "rope_scaling", "rope_theta", "scale_attention_softmax_in_fp32", "scale_attn_weights",
-            "sliding_window_size", "tie_word_embeddings", "use_cache", "use_position_embeddings",
-            "use_rotary_embeddings", "vocab_size")),
-    },
-    "optimizer": {
-        "accumulate_grad_in_fp32": None, "adam_beta1": None, "adam_beta2": None, "adam_eps": None, "clip_grad": None,
-        "learning_rate_scheduler": dict.fromkeys((
-            "learning_rate", "lr_decay_starting_step", "lr_decay_steps", "lr_decay_style", "lr_warmup_steps",
-            "lr_warmup_style", "min_decay_lr")),
-        "torch_adam_is_fused": None, "weight_decay": None, "zero_stage": None,
-    },
-    "parallelism": dict(_PARALLELISM),
-    "profiler": dict.fromkeys(("profiler_export_path",)),
-    "tokenizer": dict.fromkeys(("tokenizer_max_length", "tokenizer_name_or_path", "tokenizer_revision")),
-    "tokens": dict.fromkeys((
-        "batch_accumulation_per_replica", "limit_test_batches", "limit_val_batches", "micro_batch_size",
-        "sequence_length", "train_steps", "val_check_interval")),
-}
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key] = _merge(out[key], value)
+        elif not isinstance(out.get(key), dict):
+            out[key] = value
+    return out
+
+
+#: The keys a config may hold: those of 0.2 or of upstream main (a config is read before any Nanotron is).
+NANOTRON_SCHEMA: dict[str, Any] = _merge(*NANOTRON_SCHEMAS.values())
+NANOTRON_SCHEMA["model"]["model_config"].update(dict.fromkeys(EXAMPLE_MODEL_KEYS))
 
 
 def read_config_text(path: str | Path) -> str:
@@ -131,8 +107,12 @@ def read_config_text(path: str | Path) -> str:
         ) from None
 
 
+class DuplicateKeyWarning(UserWarning):
+    """A YAML mapping gives one key twice (the last one wins)."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """``SafeLoader`` that refuses a key given twice in one mapping."""
+    """``SafeLoader`` that warns about a key given twice in one mapping."""
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -145,9 +125,10 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         except TypeError:
             continue  # SafeLoader reports unhashable keys itself
         if key in seen:
-            raise ConfigError(
+            warnings.warn(
                 f"{loader.name}: key {key!r} appears twice in one mapping (line {seen[key] + 1} and line "
-                f"{key_node.start_mark.line + 1}); YAML would silently keep the last one. Delete one of them"
+                f"{key_node.start_mark.line + 1}); YAML keeps the last one, and so does Nanotron. Delete one of them",
+                DuplicateKeyWarning, stacklevel=2,
             )
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
@@ -157,10 +138,10 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def parse_yaml(text: str, source: str) -> Any:
-    """Parse YAML text, refusing duplicate keys.
+    """Parse YAML text, warning about duplicate keys (:class:`DuplicateKeyWarning`).
 
     Raises:
-        ConfigError: malformed YAML or a key given twice.
+        ConfigError: malformed YAML.
     """
     loader = _StrictLoader(text)
     loader.name = source
@@ -174,7 +155,8 @@ def parse_yaml(text: str, source: str) -> Any:
 
 def _suggest(key: Any, known: set[str] | frozenset[str]) -> str:
     close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1, cutoff=0.6)
-    listed = f"known keys are {', '.join(sorted(known))}" if len(known) <= 12 else ""
+    # Short lists are spelled out; Nanotron's sections run to dozens of keys.
+    listed = f"known keys are {', '.join(sorted(known))}" if len(known) <= 10 else ""
     if close:
         return f"did you mean {close[0]!r}?" + (f" ({listed})" if listed else "")
     return listed or "remove it or check the spelling against Nanotron's config"
