@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_model
 from nanotron_ext.plan import Plan, cannot_train_message, make_plan
 
@@ -186,27 +186,50 @@ def patched_nanotron(config: PlannerConfig, strategy: str | None = None) -> Iter
 def patch_nanotron(config: PlannerConfig, strategy: str | None = None) -> Callable[[], None]:
     """Make Nanotron's own code (``DistributedTrainer`` included) build models with nanotron_ext.
 
-    Swaps ``nanotron.models.base.build_model``, ``nanotron.models.build_model`` and, where importable (it needs
-    flash-attn), the name inside ``nanotron.trainer``.
+    Swaps ``build_model`` in ``nanotron.models.base``, ``nanotron.models`` and ``nanotron.trainer`` (which
+    imports it by name). All or nothing: if any of them fails to import, whatever was swapped is put back and
+    the error says why. The one exception is a ``nanotron.trainer`` that cannot be imported for lack of a
+    package (flash-attn on a CPU machine): nothing can run that trainer, so the other two are patched.
 
     Returns:
         A function that undoes the patch.
+
+    Raises:
+        NanotronExtError: a module failed to import; nothing is left patched.
     """
     import importlib
 
-    _ACTIVE.update(config=config, strategy=strategy)
     undo: list[tuple[Any, str, Any]] = []
-    for module_name in ("nanotron.models.base", "nanotron.models", "nanotron.trainer"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # nanotron.trainer imports flash_attn, absent on CPU machines
-            continue
-        undo.append((module, "build_model", module.build_model))
-        module.build_model = build_model
 
     def restore() -> None:
         for module, name, original in reversed(undo):
             setattr(module, name, original)
+        undo.clear()
         _ACTIVE.clear()
 
+    for module_name in _PATCHED_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            if module_name == "nanotron.trainer" and exc.name != "nanotron":
+                continue  # e.g. flash_attn missing: that trainer cannot run on this machine anyway
+            restore()
+            raise NanotronExtError(_patch_failure(module_name, exc)) from exc
+        except Exception as exc:  # upstream's trainer raises RuntimeError without grouped_gemm, for one
+            restore()
+            raise NanotronExtError(_patch_failure(module_name, exc)) from exc
+        undo.append((module, "build_model", module.build_model))
+        module.build_model = build_model
+    _ACTIVE.update(config=config, strategy=strategy)
     return restore
+
+
+_PATCHED_MODULES = ("nanotron.models.base", "nanotron.models", "nanotron.trainer")
+
+
+def _patch_failure(module_name: str, exc: BaseException) -> str:
+    return (
+        f"patch_nanotron: importing {module_name} failed ({type(exc).__name__}: {exc}), so nothing was patched. "
+        f"Install what it names (on a GPU machine flash-attn, and grouped_gemm for MoE models), or call "
+        f"nanotron_ext.integration.build_model yourself where your script builds the model"
+    )

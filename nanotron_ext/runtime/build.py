@@ -7,6 +7,7 @@ trainer's function of the same name (``nanotron.trainer`` imports flash-attn and
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -19,7 +20,6 @@ from nanotron.parallel.parameters import NanotronParameter, sanity_check
 from nanotron.parallel.pipeline_parallel.utils import get_pp_rank_of
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode, TensorParallelRowLinear
 from nanotron.parallel.tied_parameters import create_pg_for_tied_weights, get_tied_id_to_param, tie_parameters
-from nanotron.utils import init_method_normal, scaled_init_method_normal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -159,9 +159,11 @@ def init_weights(
         std: normal std; output projections get ``std / sqrt(2 * num_layers)``.
     """
     unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    # Nanotron 0.2's init_method_normal / scaled_init_method_normal (gone from Nanotron since), same draws.
+    n_layers = unwrapped.config.num_hidden_layers
     unwrapped.init_model_randomly(
-        init_method=init_method_normal(std),
-        scaled_init_method=scaled_init_method_normal(std, unwrapped.config.num_hidden_layers),
+        init_method=lambda t: torch.nn.init.normal_(t, mean=0.0, std=std),
+        scaled_init_method=lambda t: torch.nn.init.normal_(t, mean=0.0, std=std / math.sqrt(2.0 * n_layers)),
     )
     for _, param in sorted(unwrapped.named_parameters(), key=lambda x: x[0]):
         _all_reduce_mean(param.data, parallel_context.dp_pg)
