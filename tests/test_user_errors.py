@@ -64,8 +64,9 @@ def test_bad_config_values(raw, edit, match):
 
 def test_import_path_that_is_not_a_strategy():
     # A function, not a class with `name` and `assign`.
-    with pytest.raises(ConfigError, match=r"^cost_strategy 'nanotron_ext\.config:load_config' has no `name` and "
-                                          r"`assign\(blocks, cfg\)`; see Strategy$"):
+    with pytest.raises(ConfigError, match=r"^cost_strategy 'nanotron_ext\.config:load_config' is a function, not a "
+                                          r"strategy \(it has no `name` and `assign\(blocks, cfg\)`\); give "
+                                          r"'package\.module:ClassName'"):
         get_strategy("nanotron_ext.config:load_config")
 
 
