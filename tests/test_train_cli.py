@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import train_workers as tw
+import yaml
 
 from nanotron_ext.cli import main
 
@@ -278,3 +279,26 @@ def test_data_files_from_config(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no .txt file"):
         data_files_from_config({"data": {"dataset": {"hf_dataset_or_datasets": str(tmp_path / "empty")}}})
+
+
+def test_a_current_upstream_config_trains_on_the_cpu_runtime(tmp_path: Path) -> None:
+    """Upstream main's config_tiny_llama.yaml, shrunk: its new sections and keys are read, not refused."""
+    from upstream.harness import UPSTREAM_EXAMPLES
+
+    raw = yaml.safe_load((UPSTREAM_EXAMPLES / "config_tiny_llama.yaml").read_text())
+    raw["model"]["model_config"].update(hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=300,
+                                        tie_word_embeddings=False, attention_bias=False, z_loss_enabled=False)
+    raw["parallelism"].update(dp=1, pp=1, tp=1)
+    raw["tokens"].update(sequence_length=32, micro_batch_size=2, batch_accumulation_per_replica=2)
+    c = tmp_path / "upstream_tiny.yaml"
+    c.write_text(yaml.safe_dump(raw))
+    launch = tw.launch_ranks(["--config-file", str(c), "--steps", "2"], 1, timeout=90, torchrun_env=False)
+    run = launch.ranks[0]
+    assert run.returncode == 0, launch.describe()
+    assert len(launch.metrics["losses"]) == 2 and all(math.isfinite(x) for x in launch.metrics["losses"])
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note: ")]
+    # Keys only upstream's LlamaConfig has; upstream's tp_linear_async_communication: true; its data_stages.
+    assert "note: model.model_config keys the CPU trainer does not use: attention_bias, z_loss_enabled" in notes
+    assert any(line.startswith("note: parallelism.tp_linear_async_communication ignored") for line in notes)
+    assert any("data_stages (upstream main's data section) is not read" in line for line in notes), run.stdout

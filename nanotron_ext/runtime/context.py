@@ -10,6 +10,7 @@ itself and then reuses Nanotron's layout code unchanged: ``tp_pg``, ``dp_pg``, `
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 
 import numpy as np
@@ -47,6 +48,8 @@ def timeout_from_env() -> float:
     return value
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: Upstream main's ParallelContext takes a context-parallel size (0.2's does not).
+_UPSTREAM_SIGNATURE = "context_parallel_size" in inspect.signature(ParallelContext.__init__).parameters
 
 
 class GlooParallelContext(ParallelContext):
@@ -122,7 +125,14 @@ class GlooParallelContext(ParallelContext):
                 "GlooParallelContext needs gloo (CPU). Destroy the existing group first."
             )
 
-        # Same as Nanotron: a dedicated group spanning every rank.
+        if _UPSTREAM_SIGNATURE:
+            # Upstream main's context has more groups (context parallel, local, a 5-D rank matrix) and only checks
+            # its backend *argument*: with gloo already up and set_device a no-op, its own __init__ builds them.
+            os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one machine
+            ParallelContext.__init__(self, self.tensor_parallel_size, self.pipeline_parallel_size,
+                                     self.data_parallel_size, expert_parallel_size=self.expert_parallel_size)
+            return
+        # Same as Nanotron 0.2: a dedicated group spanning every rank.
         self.world_pg = dist.new_group(ranks=list(range(world_size)), timeout=self.timeout, backend="gloo")
         self._init_parallel_groups()
 

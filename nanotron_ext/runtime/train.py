@@ -173,7 +173,14 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     from nanotron.config import LlamaConfig, LRSchedulerArgs, ParallelismArgs
 
     raw, run = cfg.nanotron, cfg.run
-    model_config_raw = dict(_get(raw, "model.model_config", {}))
+    if cfg.model.family != "llama":
+        raise ConfigError(
+            f"{cfg.source}: the CPU trainer builds Llama models, and this config describes a {cfg.model.family} "
+            f"model; `nanotron-ext plan` and `simulate` price it, and Nanotron's own trainer trains it"
+        )
+    # A current (upstream main) config names keys 0.2's classes do not have; those the CPU model has no use for
+    # are left out, and said so.
+    model_config_raw, unused = _known_fields(LlamaConfig, _get(raw, "model.model_config", {}))
     try:
         model_config = LlamaConfig(**{**model_config_raw, "vocab_size": cfg.model.vocab_size})
     except TypeError as exc:
@@ -183,15 +190,19 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     try:
         parallel_config = ParallelismArgs(
             dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine,
-            tp_mode=par.get("tp_mode"), tp_linear_async_communication=par.get("tp_linear_async_communication"),
+            # Asynchronous TP communication overlaps CUDA streams (Nanotron asserts CUDA_DEVICE_MAX_CONNECTIONS=1).
+            tp_mode=par.get("tp_mode"), tp_linear_async_communication=False,
         )
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
 
     opt = _get(raw, "optimizer", {}) or {}
+    # Upstream main keeps Adam's settings under optimizer.optimizer_factory; 0.2 next to the others.
+    opt = {**opt, **(opt.get("optimizer_factory") or {})}
     lr_raw = opt.get("learning_rate_scheduler")
     if not isinstance(lr_raw, dict) or "learning_rate" not in lr_raw:
         raise ConfigError(f"{cfg.source}: required key 'optimizer.learning_rate_scheduler.learning_rate' is missing")
+    lr_raw, unused_lr = _known_fields(LRSchedulerArgs, lr_raw)
     try:
         lr_schedule = LRSchedulerArgs(**lr_raw)
     except (TypeError, ValueError) as exc:
@@ -211,8 +222,23 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
         "lr_schedule": lr_schedule,
         "clip_grad": None if clip is None else float(clip),
         "init_std": float((_get(raw, "model.init_method", {}) or {}).get("std", 0.02)),
-        "notes": _cpu_notes(run),
+        "notes": _cpu_notes(run) + (
+            ["parallelism.tp_linear_async_communication ignored: it overlaps CUDA streams; the CPU trainer "
+             "communicates synchronously"] if par.get("tp_linear_async_communication") else []
+        ) + (
+            ["data_stages (upstream main's data section) is not read: the CPU trainer reads data.dataset "
+             "(a local text file or folder), the bundled corpus when it is absent"] if "data_stages" in raw else []
+        ) + [
+            f"{where} keys the CPU trainer does not use: {', '.join(keys)}"
+            for where, keys in (("model.model_config", unused), ("optimizer.learning_rate_scheduler", unused_lr)) if keys
+        ],
     }
+
+
+def _known_fields(cls: Any, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``values`` split into the fields dataclass ``cls`` has and the names of the others."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}, sorted(k for k in values if k not in names)
 
 
 def _cpu_notes(run: Any) -> list[str]:
