@@ -24,6 +24,7 @@ def test_bundled_example_shape():
     assert cfg.ext.cost_strategy == "constrained"
 
 
+@pytest.mark.nanotron02  # 0.2's Config; tests/upstream checks upstream main's loader on its own examples
 def test_our_keys_never_reach_nanotrons_strict_loader(raw):
     nanotron, ext = split_ext_keys(raw)
     assert "nanotron_ext" not in nanotron and "cost_strategy" not in nanotron["parallelism"]
