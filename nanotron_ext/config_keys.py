@@ -23,9 +23,11 @@ A key given twice in one mapping is a :class:`DuplicateKeyWarning`, not an error
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
+import typing
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -43,6 +45,8 @@ __all__ = [
     "DuplicateKeyWarning",
     "check_keys",
     "check_values",
+    "dataclass_keys",
+    "get_dotted",
     "parse_yaml",
     "read_config_text",
 ]
@@ -215,13 +219,33 @@ _POSITIVE_NUMBERS = ("model.model_config.rms_norm_eps",)
 _EXT_STRINGS = ("cost_strategy", "base_strategy", "layout", "profile_cache")
 
 
-def _get(raw: dict[str, Any], dotted: str) -> Any:
+def get_dotted(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
+    """``raw["a"]["b"]`` for ``"a.b"``; ``default`` where a part is missing or null."""
     node: Any = raw
     for part in dotted.split("."):
         if not isinstance(node, dict) or node.get(part) is None:
-            return None
+            return default
         node = node[part]
     return node
+
+
+def dataclass_keys(cls: type) -> dict[str, Any]:
+    """Keys of a config dataclass such as Nanotron's ``Config``: a nested dataclass (also inside a union or a
+    list) becomes a mapping of its keys, unions merged; anything else None. How the stored tables were made."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        subs = [b for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                for b in (typing.get_args(a) or (a,)) if dataclasses.is_dataclass(b)]
+        if subs:
+            merged: dict[str, Any] = {}
+            for sub in subs:
+                for key, value in dataclass_keys(sub).items():
+                    merged[key] = value if merged.get(key) is None else merged[key]
+            out[f.name] = merged
+        else:
+            out[f.name] = None
+    return out
 
 
 def _positive_number(value: Any) -> bool:
@@ -242,12 +266,12 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
         the attention head counts.
     """
     for dotted in _POSITIVE_INTS:
-        value = _get(raw, dotted)
+        value = get_dotted(raw, dotted)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{source}: {dotted}={value!r} must be a positive integer; write e.g. "
                               f"{dotted.rsplit('.', 1)[-1]}: 1")
     for dotted in _POSITIVE_NUMBERS:
-        value = _get(raw, dotted)
+        value = get_dotted(raw, dotted)
         if value is not None and not _positive_number(value):
             raise ConfigError(f"{source}: {dotted}={value!r} must be a positive number, e.g. 1.0e-5")
     section = raw.get(ext_section)
@@ -258,9 +282,9 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
                 raise ConfigError(f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
                                   + (" such as \"E,t*5|t*6,L\"" if key == "layout" else
                                      ", a folder path" if key == "profile_cache" else ""))
-    tp = _get(raw, "parallelism.tp")
+    tp = get_dotted(raw, "parallelism.tp")
     for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = _get(raw, f"model.model_config.{heads_key}")
+        heads = get_dotted(raw, f"model.model_config.{heads_key}")
         if isinstance(tp, int) and isinstance(heads, int) and tp > 1 and heads % tp:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise ConfigError(

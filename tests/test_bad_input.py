@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -325,27 +324,10 @@ def test_ext_keys_match_ext_config() -> None:
     assert config_keys.EXT_KEYS == {f.name for f in dataclasses.fields(ExtConfig)}
 
 
-def _schema(cls: type) -> dict[str, object]:
-    hints = typing.get_type_hints(cls)
-    out: dict[str, object] = {}
-    for f in dataclasses.fields(cls):
-        subs = [b for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
-                for b in (typing.get_args(a) or (a,)) if dataclasses.is_dataclass(b)]
-        if subs:
-            merged: dict[str, object] = {}
-            for sub in subs:
-                for key, value in _schema(sub).items():
-                    merged[key] = value if merged.get(key) is None else merged[key]
-            out[f.name] = merged
-        else:
-            out[f.name] = None
-    return out
-
-
 def test_nanotron_schema_matches_the_installed_nanotron() -> None:
     nanotron_config = pytest.importorskip("nanotron.config")
     installed = "upstream main" if NANOTRON == "upstream" else "0.2"
-    assert config_keys.NANOTRON_SCHEMAS[installed] == _schema(nanotron_config.Config)
+    assert config_keys.NANOTRON_SCHEMAS[installed] == config_keys.dataclass_keys(nanotron_config.Config)
 
 
 def test_duplicate_yaml_key_is_a_one_line_warning_and_the_last_one_wins(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from nanotron_ext.blocks import short_name
 from nanotron_ext.config import PlannerConfig, load_config
+from nanotron_ext.config_keys import get_dotted
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan, cannot_train_message
@@ -155,10 +156,10 @@ def _timeout_s() -> float:
 
 def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -> tuple[int, int, int]:
     """``(steps, weight seed, data seed)``: the command line's values, else the YAML's."""
-    steps = steps if steps is not None else _get(raw, "tokens.train_steps", 1)
+    steps = steps if steps is not None else get_dotted(raw, "tokens.train_steps", 1)
     _positive_int("--steps (tokens.train_steps)", steps)
-    general_seed = _get(raw, "general.seed", 42)
-    data_seed = seed if seed is not None else _get(raw, "data.seed", general_seed)
+    general_seed = get_dotted(raw, "general.seed", 42)
+    data_seed = seed if seed is not None else get_dotted(raw, "data.seed", general_seed)
     seed = seed if seed is not None else general_seed
     for name, value in (("seed", seed), ("data.seed", data_seed)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -180,7 +181,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
         )
     # A current (upstream main) config names keys 0.2's classes do not have; those the CPU model has no use for
     # are left out, and said so.
-    model_config_raw, unused = _known_fields(LlamaConfig, _get(raw, "model.model_config", {}))
+    model_config_raw, unused = _known_fields(LlamaConfig, get_dotted(raw, "model.model_config", {}))
     try:
         model_config = LlamaConfig(**{**model_config_raw, "vocab_size": cfg.model.vocab_size})
     except TypeError as exc:
@@ -196,7 +197,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
 
-    opt = _get(raw, "optimizer", {}) or {}
+    opt = get_dotted(raw, "optimizer", {}) or {}
     # Upstream main keeps Adam's settings under optimizer.optimizer_factory; 0.2 next to the others.
     opt = {**opt, **(opt.get("optimizer_factory") or {})}
     lr_raw = opt.get("learning_rate_scheduler")
@@ -221,7 +222,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
         },
         "lr_schedule": lr_schedule,
         "clip_grad": None if clip is None else float(clip),
-        "init_std": float((_get(raw, "model.init_method", {}) or {}).get("std", 0.02)),
+        "init_std": float((get_dotted(raw, "model.init_method", {}) or {}).get("std", 0.02)),
         "notes": _cpu_notes(run) + (
             ["parallelism.tp_linear_async_communication ignored: it overlaps CUDA streams; the CPU trainer "
              "communicates synchronously"] if par.get("tp_linear_async_communication") else []
@@ -279,15 +280,6 @@ def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
             f"is {world_size}"
         )
     return world_size, rank
-
-
-def _get(raw: dict[str, Any], dotted: str, default: Any) -> Any:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or node.get(part) is None:
-            return default
-        node = node[part]
-    return node
 
 
 def _positive_int(name: str, value: Any) -> None:
