@@ -138,10 +138,11 @@ CASES = [
           "give 'package.module:ClassName'")),
     Case("malformed layout", lambda t: ["plan", "--cost-strategy", "layout",
                                         _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))], EXIT_USAGE,
-         ("layout",)),
+         ("malformed layout at character 7: empty item or stage", "separate items with ','", "'E,t*5|t*6,L'")),
     Case("layout with the wrong stage count", lambda t: ["plan", "--cost-strategy", "layout",
                                                          _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
-         EXIT_USAGE, ("layout",)),
+         EXIT_USAGE, ("layout 'E,t*2,L' has 1 stages but pp=2", "give one '|'-separated stage per pipeline rank",
+                      "set pp to 1")),
     # --- plans that cannot train, and misleading messages
     Case("pp above the blocks with parameters (nothing frozen)", lambda t: ["plan", "--pp", "6"], EXIT_INVALID,
          ("pp=6 but only 5 blocks have parameters", "cast, loss have none", "Lower pp to 5")),
@@ -226,8 +227,8 @@ def test_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_train_output_check_runs_before_any_work(tmp_path: Path) -> None:
-    code, out, err, elapsed = _run_train(["train", "--metrics-out", str(tmp_path)])
-    assert code == EXIT_USAGE and "step" not in out and elapsed < 30, (out, err)
+    code, out, err, _ = _run_train(["train", "--metrics-out", str(tmp_path)])
+    assert code == EXIT_USAGE and "step" not in out, (out, err)  # refused before the first step
 
 
 def test_simulate_pdf_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -88,7 +88,10 @@ def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
     flat = [(stage, role) for stage, rs in enumerate(stages) for role in rs]
     want_dec, got_dec = sum(r == "decoder" for r in roles), sum(r == "decoder" for _, r in flat)
     if want_dec != got_dec:
-        raise LayoutError(f"layout {layout!r} has {got_dec} decoder layers but the model has {want_dec}")
+        raise LayoutError(
+            f"layout {layout!r} has {got_dec} decoder layers but the model has {want_dec}; make its t and t*K "
+            f"items add up to {want_dec}"
+        )
     for i, role in enumerate(roles):
         if i >= len(flat):
             raise LayoutError(f"layout {layout!r} stops before block {i} ({role}); add the remaining blocks")
@@ -98,7 +101,10 @@ def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
                 f"the model's blocks in order are {' '.join(roles)}"
             )
     if len(flat) > len(roles):
-        raise LayoutError(f"layout {layout!r} names {len(flat)} blocks but the model has {len(roles)}")
+        raise LayoutError(
+            f"layout {layout!r} names {len(flat)} blocks but the model has {len(roles)}; drop the items past "
+            f"block {len(roles) - 1} ({roles[-1]})"
+        )
     return [stage for stage, _ in flat]
 
 
@@ -112,4 +118,7 @@ def _first_bad(item: str) -> int:
 
 
 def _error(layout: str, at: int, why: str) -> LayoutError:
-    return LayoutError(f"malformed layout at character {at + 1}: {why}\n  {layout}\n  {' ' * at}^")
+    return LayoutError(
+        f"malformed layout at character {at + 1}: {why}; separate items with ',' and stages with '|', e.g. "
+        f"'E,t*5|t*6,L'\n  {layout}\n  {' ' * at}^"
+    )

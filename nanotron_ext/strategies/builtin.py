@@ -262,7 +262,10 @@ class Layout:
             raise ConfigError("cost_strategy 'layout' needs `layout:` under `nanotron_ext:`, e.g. 'E,t*5|t*6,L'")
         ranks = layout_ranks(cfg.ext.layout, [b.role for b in blocks])
         if max(ranks) + 1 != cfg.run.pp:
-            raise ConfigError(f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}")
+            raise ConfigError(
+                f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}; give one '|'-separated "
+                f"stage per pipeline rank, or set pp to {max(ranks) + 1}"
+            )
         return Assignment(ranks, training_flops(blocks), "FLOPs")
 
 
