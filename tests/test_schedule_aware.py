@@ -73,6 +73,19 @@ def test_search_matches_brute_force(seed):
         assert _simulated(problem, found.bounds) == pytest.approx(found.step_time, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_lower_bound_is_the_min_max_of_the_path_bound_over_all_splits(seed):
+    # The bisection starts from brackets (FLOP min-max, the FLOP split's own bound): it must still land on
+    # the smallest path bound any split has, never above it (it is stated as a bound on the optimum).
+    rng = random.Random(200 + seed)
+    for _ in range(20):
+        problem = _random_problem(rng)
+        brute = min(lower_bound(problem, s) for s in _all_splits(problem.n, problem.pp))
+        found = step_time_partition(problem)
+        assert found.lower_bound == pytest.approx(brute, rel=1e-8, abs=1e-15)
+        assert found.lower_bound <= brute * (1 + 1e-9) + 1e-15
+
+
 def test_search_respects_requirements_and_memory_cap():
     rng = random.Random(7)
     for _ in range(30):

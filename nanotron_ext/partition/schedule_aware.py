@@ -5,16 +5,18 @@ engine (1F1B or AFAB) and micro-batch count, one p2p time per transfer (the larg
 across its cut, as :func:`nanotron_ext.simulate.simulate_plan` takes it), no gradient across a cut behind a
 frozen prefix, and the slowest stage's update after the pipeline. Splits are evaluated many at a time by
 :class:`StepTimeEvaluator`, which replays the same per-rank programs (:func:`engine_program`) as a
-max-plus recurrence over a fixed dependency graph, levelled so numpy evaluates a whole level for every
-candidate at once; it reproduces ``simulate`` (checked in ``tests/test_schedule_aware.py``).
+max-plus recurrence over a fixed dependency graph (a send is its sender's previous node, a receive and the
+compute right after it are one node), levelled so numpy evaluates a whole level for every candidate at once;
+it reproduces ``simulate``, additions in the same order (checked in ``tests/test_schedule_aware.py``).
 
 Search (:func:`step_time_partition`), with a proof of how far from the optimum the answer can be:
 
 1. **Lower bound.** Every split's step time is at least ``max_k g_k(s_k, s_{k+1})``: per stage ``k``, the
    paths of the schedule's dependency graph that run through ``k``'s own serial work (see :func:`_terms`),
    plus the largest update. Each term depends on the stage's own segment only, so ``LB* = min over
-   feasible splits of max_k g_k`` is a min-max partition problem, solved exactly (bisection on the value;
-   each test is a reachability sweep with prefix sums, ``O(pp · n log n)``). ``LB*`` ≤ the true optimum.
+   feasible splits of max_k g_k`` is a min-max partition problem, solved exactly (bisection on the value,
+   started from checked brackets; each test is a reachability sweep with prefix sums, ``O(pp · n log n)``,
+   one binary search per distinct term). ``LB*`` ≤ the true optimum.
 2. **Candidates.** Splits that reach ``LB*`` (with several tie-breaks), the FLOP-min-max split and any seeds,
    improved by descent: move one or two cuts at a time, evaluate all neighbours in one batch, keep the best.
 3. **Exactness.** Branch and bound over every split whose lower bound is below the best step time found
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 _RTOL = 1e-9
-_MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not simulated (graph of ~6 · pp · m nodes)
+_MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not simulated (~6 · pp · m program actions)
 _CHUNK_FLOATS = 2e7  # most entries of one evaluation's time table (160 MB)
 
 
@@ -120,11 +122,19 @@ class ScheduleProblem:
 
 @dataclass(frozen=True)
 class _Graph:
-    """One schedule's dependency graph: node ``i`` ends at ``max(t[pred_rank], t[pred_msg]) + add[code]``."""
+    """One schedule's dependency graph, numbered level by level (node 0: the start, time 0).
 
-    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]  # (nodes, pred_rank, pred_msg, code)
+    Node ``i`` of level ``[a, b)`` ends at ``max(t[pred_rank], t[pred_msg]) + add[code]``, and the first
+    ``n_fused`` nodes of the level then add ``add[code2]`` too: a receive and the forward or backward right
+    after it on the same rank (nothing else waits on the receive alone), in ``simulate``'s order of additions.
+    Sends are not nodes: a receive waits on the sender's last node before the send (``simulate`` posts a send
+    at the sender's clock). Nodes without a message come last in a level (``n_msg`` have one)."""
+
+    levels: tuple[tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    # (a, b, n_fused, n_msg, pred_rank, pred_msg[:n_msg], code, code2[:n_fused])
     last: np.ndarray  # last node of each rank
-    n_nodes: int
+    n_nodes: int  # nodes, the start included
+    n_actions: int  # actions of the per-rank programs: the unit of the search's work budget
 
 
 @lru_cache(maxsize=64)
@@ -134,53 +144,73 @@ def _graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Graph:
         engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])  # type: ignore[arg-type]
         for s in range(pp)
     ]
-    zero = sum(len(p) for p in programs)  # the sentinel node: time 0
-    pred_rank: list[int] = []
-    pred_msg: list[int] = []
-    code: list[int] = []  # 0..pp-1: forward of stage; pp..2pp-1: backward; 2pp: p2p; 2pp+1: nothing
-    depth: list[int] = []
-    posted: dict[tuple[str, int, int], int] = {}
-    prev = [zero] * pp
+    n_actions = sum(len(p) for p in programs)
+    p2p, nothing = 2 * pp, 2 * pp + 1  # codes: 0..pp-1 forward of stage; pp..2pp-1 backward; p2p; nothing
+    pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
+    # Per action: 0 compute, 1 send, 2 receive; and the message's key part (1 activation, 2 gradient) with the
+    # sender's offset from the receiver.
+    kinds = {"F": (0, 0, 0), "B": (0, 0, 0), "send_act": (1, 1, 0), "send_grad": (1, 2, 0),
+             "recv_act": (2, 1, -1), "recv_grad": (2, 2, 1)}
+    posted: dict[tuple[int, int, int], int] = {}
+    prev = [0] * pp
+    fusable = [False] * pp  # prev[s] is a receive that nothing else waits on yet
     pos = [0] * pp
-    last_depth = [0] * pp
-    order_done = 0
-    while order_done < zero:
+    done = 0
+    while done < n_actions:
         progressed = False
         for s in range(pp):
-            prog = programs[s]
-            while pos[s] < len(prog):
-                action, j = prog[pos[s]]
-                msg, c, d = zero, 2 * pp + 1, last_depth[s]
-                if action == "F" or action == "B":
+            prog, i, node, fuse = programs[s], pos[s], prev[s], fusable[s]
+            start = i
+            while i < len(prog):
+                action, j = prog[i]
+                kind, msg, offset = kinds[action]
+                if kind == 0:
                     c = s if action == "F" else pp + s
-                elif action in ("send_act", "send_grad"):
-                    posted[(action[5:], s, j)] = len(code)
+                    if fuse:
+                        code2[node] = c
+                        fuse = False
+                    else:
+                        pred_rank.append(node)
+                        pred_msg.append(0)
+                        code.append(c)
+                        code2.append(nothing)
+                        depth.append(depth[node] + 1)
+                        node = len(code) - 1
+                elif kind == 1:
+                    posted[(msg, s, j)] = node
+                    fuse = False
                 else:
-                    src = s - 1 if action == "recv_act" else s + 1
-                    sent = posted.get((action[5:], src, j))
+                    sent = posted.get((msg, s + offset, j))
                     if sent is None:
                         break
-                    msg, c, d = sent, 2 * pp, max(d, depth[sent])
-                node = len(code)
-                pred_rank.append(prev[s])
-                pred_msg.append(msg)
-                code.append(c)
-                depth.append(d + 1)
-                last_depth[s] = d + 1
-                prev[s] = node
-                pos[s] += 1
-                order_done += 1
+                    pred_rank.append(node)
+                    pred_msg.append(sent)
+                    code.append(p2p)
+                    code2.append(nothing)
+                    depth.append(max(depth[node], depth[sent]) + 1)
+                    node = len(code) - 1
+                    fuse = True
+                i += 1
+            if i > start:
+                done += i - start
                 progressed = True
+            pos[s], prev[s], fusable[s] = i, node, fuse
         if not progressed:  # pragma: no cover - engine programs cannot deadlock
             raise RuntimeError(f"schedule deadlocked at {pos}; this is a bug in engine_program")
-    dep = np.asarray(depth)
-    pr, pm, cd = np.asarray(pred_rank), np.asarray(pred_msg), np.asarray(code)
-    order = np.argsort(dep, kind="stable")
-    cuts_at = np.flatnonzero(np.diff(dep[order])) + 1
-    levels = tuple(
-        (idx, pr[idx], pm[idx], cd[idx]) for idx in np.split(order, cuts_at) if len(idx)
-    )
-    return _Graph(levels=levels, last=np.asarray(prev), n_nodes=zero)
+    dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
+    cd, cd2 = np.asarray(code), np.asarray(code2)
+    fused, has_msg = cd2 != nothing, cd == p2p
+    order = np.lexsort((~has_msg, ~fused, dep))  # by level; in a level: fused, other receives, the rest
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    pr, pm, cd, cd2, fused, has_msg = new[pr[order]], new[pm[order]], cd[order], cd2[order], fused[order], has_msg[order]
+    starts = np.flatnonzero(np.diff(dep[order])) + 1
+    levels = []
+    for a, b in zip(starts, [*starts[1:], len(order)]):
+        a, b = int(a), int(b)
+        nf, nm = int(fused[a:b].sum()), int(has_msg[a:b].sum())
+        levels.append((a, b, nf, nm, pr[a:b], pm[a : a + nm], cd[a:b], cd2[a : a + nf]))
+    return _Graph(levels=tuple(levels), last=new[np.asarray(prev)], n_nodes=len(order), n_actions=n_actions)
 
 
 class StepTimeEvaluator:
@@ -189,7 +219,7 @@ class StepTimeEvaluator:
     def __init__(self, problem: ScheduleProblem) -> None:
         self.problem = problem
         self.evaluated = 0
-        self.work = 0.0  # graph nodes evaluated, summed over splits
+        self.work = 0.0  # program actions replayed (the graph's n_actions), summed over splits
         self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
         self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
         self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
@@ -208,11 +238,11 @@ class StepTimeEvaluator:
         for g, key in enumerate(keys):
             rows = np.flatnonzero(inverse.reshape(-1) == g)
             cuts_key = tuple(bool(x) for x in key)
-            nodes = _graph(self.problem.engine, pp, self.problem.n_micro_batches, cuts_key).n_nodes
-            chunk = max(1, int(_CHUNK_FLOATS // (nodes + 1)))  # bounds the (nodes × splits) time table
+            graph = _graph(self.problem.engine, pp, self.problem.n_micro_batches, cuts_key)
+            chunk = max(1, int(_CHUNK_FLOATS // graph.n_nodes))  # bounds the (nodes × splits) time table
             for i in range(0, len(rows), chunk):
                 out[rows[i : i + chunk]] = self._run(bounds[rows[i : i + chunk]], cuts_key)
-            self.work += nodes * len(rows)
+            self.work += graph.n_actions * len(rows)
         self.evaluated += len(bounds)
         return out
 
@@ -227,9 +257,16 @@ class StepTimeEvaluator:
         if pp > 1:
             nonempty = hi[:, :-1] > lo[:, :-1]
             add[2 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
-        t = np.zeros((graph.n_nodes + 1, k))
-        for nodes, pr, pm, cd in graph.levels:
-            t[nodes] = np.maximum(t[pr], t[pm]) + add[cd]
+        t = np.empty((graph.n_nodes, k))
+        t[0] = 0.0
+        for a, b, nf, nm, pr, pm, cd, cd2 in graph.levels:
+            out = t[a:b]
+            np.take(t, pr, axis=0, out=out, mode="clip")
+            if nm:
+                np.maximum(out[:nm], t[pm], out=out[:nm])
+            out += add[cd]
+            if nf:
+                out[:nf] += add[cd2]
         update = (self._u[hi] - self._u[lo]).max(axis=1)
         return t[graph.last].max(axis=0) + update
 
@@ -296,6 +333,28 @@ class _Bound:
                 const = qf * F[-1] + qb * B[-1] + hops * p2p_min
                 rows.append((e_arr, s_arr, const))
             self.terms.append(rows)
+        # The searches windows() runs, each once: stages often share a term (the fill-drain term does whenever
+        # p2p is ignored, the FLOP objective always), and then one search per bound serves them all.
+        self._search: list[tuple[np.ndarray, np.ndarray]] = []
+        self._stage_search: list[list[int]] = []
+        seen: dict[bytes, int] = {}
+        for rows in self.terms:
+            ids = []
+            for e_arr, s_arr, const in rows:
+                e_const = e_arr + const
+                key = e_const.tobytes() + s_arr.tobytes()
+                if key not in seen:
+                    seen[key] = len(self._search)
+                    self._search.append((e_const, s_arr))
+                ids.append(seen[key])
+            self._stage_search.append(ids)
+        self._found: tuple[float, dict[int, np.ndarray]] = (math.nan, {})  # the searches under the last bound
+        # The same terms stacked (pp, terms, n + 1) for :meth:`values`; a stage with fewer terms repeats its first.
+        width = max(len(rows) for rows in self.terms)
+        padded = [rows + rows[:1] * (width - len(rows)) for rows in self.terms]
+        self._E = np.array([[e_arr for e_arr, _, _ in rows] for rows in padded])
+        self._S = np.array([[s_arr for _, s_arr, _ in rows] for rows in padded])
+        self._C = np.array([[const for _, _, const in rows] for rows in padded])
 
     def value(self, bounds: Sequence[int]) -> float:
         """The lower bound of one split."""
@@ -305,18 +364,30 @@ class _Bound:
             for e_arr, s_arr, const in self.terms[k]
         )
 
+    def values(self, bounds: np.ndarray) -> np.ndarray:
+        """:meth:`value` of each split (rows of ``bounds``), with the same arithmetic."""
+        stage = np.arange(self.problem.pp)[:, None]
+        term = np.arange(self._C.shape[1])
+        g = self._E[stage, term, bounds[:, 1:, None]] - self._S[stage, term, bounds[:, :-1, None]] + self._C
+        return g.reshape(len(bounds), -1).max(axis=1)
+
     def stage_value(self, k: int, s: np.ndarray | int, e: np.ndarray | int) -> np.ndarray:
         return np.max([e_arr[e] - s_arr[s] + const for e_arr, s_arr, const in self.terms[k]], axis=0)
 
     def windows(self, k: int, x: float) -> tuple[np.ndarray, np.ndarray]:
         """For every end ``e`` (0..n): the starts ``s`` in ``[lo[e], hi[e]]`` give stage ``k`` a valid segment
         ``[s, e)`` whose bound is at most ``x``."""
-        lo = self.valid.lo(k).copy()
-        for e_arr, s_arr, const in self.terms[k]:
-            # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the
-            # optimum's own split feasible against rounding.
-            need = e_arr + const - x - _RTOL * abs(x)
-            lo = np.maximum(lo, np.searchsorted(s_arr, need, side="left"))
+        lo = self.valid.lo(k)
+        if self._found[0] != x:
+            self._found = (x, {})
+        found = self._found[1]
+        for i in self._stage_search[k]:
+            if i not in found:
+                # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the
+                # optimum's own split feasible against rounding.
+                e_const, s_arr = self._search[i]
+                found[i] = np.searchsorted(s_arr, e_const - x - _RTOL * abs(x), side="left")
+            lo = np.maximum(lo, found[i])
         return lo, self.valid.hi
 
     def reach(self, x: float) -> list[np.ndarray] | None:
@@ -326,13 +397,16 @@ class _Bound:
         cur = np.zeros(n + 1, dtype=bool)
         cur[0] = True
         out = [cur]
+        cnt = np.zeros(n + 2, dtype=np.int64)  # cnt[i]: reachable starts below i
+        hi_next = self.valid.hi + 1  # hi >= -1
         for k in range(pp):
-            lo, hi = self.windows(k, x)
-            cnt = np.concatenate([[0], np.cumsum(cur)])
-            ok = (hi >= lo) & (cnt[np.clip(hi + 1, 0, n + 1)] - cnt[np.clip(lo, 0, n + 1)] > 0)
-            cur = ok
+            lo, hi = self.windows(k, x)  # lo in 0..n + 1
+            np.cumsum(cur, out=cnt[1:])
+            cur = (hi >= lo) & (cnt[hi_next] > cnt[lo])
+            if not cur.any():
+                return None
             out.append(cur)
-        return out if out[-1][n] else None
+        return out if cur[n] else None
 
 
 @dataclass
@@ -371,12 +445,16 @@ class _Validity:
         return self._lo[k]
 
 
-def _minimise(bound: _Bound, hi: float) -> tuple[float, list[np.ndarray]]:
-    """The smallest bound any feasible split reaches (bisection to ``_RTOL``), with its reachability sweep."""
+def _minimise(bound: _Bound, hi: float, lo: float = 0.0) -> tuple[float, list[np.ndarray]]:
+    """The smallest bound any feasible split reaches (bisection to ``_RTOL``), with its reachability sweep.
+
+    ``hi``: a bound some feasible split meets (else PlanningError). ``lo``: a hint below the answer; it is
+    tested first and dropped (for 0) if some split meets it, so it only saves bisection steps."""
     reach = bound.reach(hi)
     if reach is None:
         raise PlanningError("no split satisfies the constraints")  # callers check feasibility first
-    lo = 0.0
+    if not 0.0 < lo < hi or bound.reach(lo) is not None:
+        lo = 0.0
     while hi - lo > _RTOL * hi:
         mid = 0.5 * (lo + hi)
         r = bound.reach(mid)
@@ -452,8 +530,8 @@ def step_time_partition(
         memory: optional per-stage memory cap.
         seeds: extra splits (``bounds``) to start from; infeasible ones are ignored.
         budget: most splits the exact search may simulate before it settles for the proven bound.
-        work: the same limit in graph nodes evaluated (splits × nodes of the schedule's graph, about
-            ``6 · pp · m``); whichever is smaller applies. The default keeps a search near a second here.
+        work: the same limit in program actions replayed (splits × actions of the schedule's per-rank
+            programs, about ``6 · pp · m``); whichever is smaller applies.
 
     Returns:
         The best split found, its step time, the lower bound and whether it is proven optimal. Ties go to
@@ -470,23 +548,31 @@ def step_time_partition(
     big += 2 * pp * (max(problem.send) if n else 0.0) + 1.0
     if bound.reach(big) is None:
         raise PlanningError("no contiguous split satisfies the constraints")
-    lb, reach = _minimise(bound, big)
+    # Brackets that save bisection steps (each is checked): the FLOP min-max lies between the larger of the
+    # mean stage and the largest block, and their sum (when the constraints allow it); every stage's
+    # fill-drain term is at least m × its forward + backward, and the FLOP split meets its own bound.
     flop_bound = _Bound(problem, valid, slowest_stage=True)
-    flop_x, flop_reach = _minimise(flop_bound, big)
+    work_per_block = np.asarray(problem.forward) + np.asarray(problem.backward)
+    floor = max((bound.F[-1] + bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
+    ceiling = (bound.F[-1] + bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
+    flop_x, flop_reach = _minimise(flop_bound, ceiling if flop_bound.reach(ceiling) is not None else big, floor)
+    flop_splits = {tuple(_reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
+    ceiling = min(bound.value(s) for s in flop_splits)
+    lb, reach = _minimise(bound, min(ceiling, big), problem.n_micro_batches * flop_x)
 
     if pp * problem.n_micro_batches > _MAX_SIMULATED:
         # Too large to simulate within a planning budget: the bound's own split, unsimulated (step = nan).
         split = tuple(_reconstruct(bound, lb, reach, True))
         return StepTimeSplit(split, math.nan, lb, False, 0)
     candidates = {tuple(_reconstruct(bound, lb, reach, latest)) for latest in (True, False)}
-    candidates |= {tuple(_reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
+    candidates |= flop_splits
     candidates |= {tuple(int(x) for x in s) for s in seeds if _feasible(valid, problem, s)}
     scored = _score(evaluate, bound, sorted(candidates))
     best = min(scored)
     best = _descend(evaluate, bound, valid, best, work)
     if best[0] <= lb * (1 + _RTOL):
         return StepTimeSplit(best[2], best[0], lb, True, evaluate.evaluated)
-    nodes = _graph(problem.engine, pp, problem.n_micro_batches, _cuts_of(problem, best[2])).n_nodes
+    nodes = _graph(problem.engine, pp, problem.n_micro_batches, _cuts_of(problem, best[2])).n_actions
     left = max(0.0, work - evaluate.work)
     best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
@@ -497,7 +583,8 @@ _Scored = tuple[float, float, tuple[int, ...]]  # (step time, lower bound, bound
 
 def _score(evaluate: StepTimeEvaluator, bound: _Bound, splits: Sequence[tuple[int, ...]]) -> list[_Scored]:
     times = evaluate(splits)
-    return [(float(t), bound.value(s), s) for t, s in zip(times, splits)]
+    values = bound.values(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))
+    return [(float(t), float(v), s) for t, v, s in zip(times, values, splits)]
 
 
 def _cuts_of(problem: ScheduleProblem, bounds: Sequence[int]) -> tuple[bool, ...]:
@@ -507,35 +594,44 @@ def _cuts_of(problem: ScheduleProblem, bounds: Sequence[int]) -> tuple[bool, ...
 def _feasible(valid: _Validity, problem: ScheduleProblem, bounds: Sequence[int]) -> bool:
     if len(bounds) != problem.pp + 1 or bounds[0] != 0 or bounds[-1] != problem.n:
         return False
-    if any(not 0 <= x <= problem.n for x in bounds):
-        return False
-    return all(valid.lo(k)[e] <= s <= valid.hi[e] for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+    return bool(_feasible_rows(valid, np.asarray([bounds], dtype=np.int64))[0])
+
+
+def _feasible_rows(valid: _Validity, bounds: np.ndarray) -> np.ndarray:
+    """Which rows of ``bounds`` (each ``0, ..., n``) are splits every stage of which is valid."""
+    inside = ((bounds >= 0) & (bounds <= valid.n)).all(axis=1)
+    b = np.clip(bounds, 0, valid.n)
+    s, e = b[:, :-1], b[:, 1:]
+    lo = np.stack([valid.lo(k) for k in range(s.shape[1])])
+    return inside & ((lo[np.arange(s.shape[1]), e] <= s) & (s <= valid.hi[e])).all(axis=1)
 
 
 def _descend(evaluate: StepTimeEvaluator, bound: _Bound, valid: _Validity, best: _Scored, work: float) -> _Scored:
     """Move one cut by up to 2 blocks, or two neighbouring cuts together, while the step time drops (and half
     the work budget lasts)."""
-    problem = evaluate.problem
+    pp = evaluate.problem.pp
+    if pp < 2:
+        return best
+    # Every move: cut k alone, or cuts k and k + 1 together, by d.
+    moves = []
+    for k in range(1, pp):
+        for d in (-2, -1, 1, 2):
+            single = np.zeros(pp + 1, dtype=np.int64)
+            single[k] = d
+            moves.append(single)
+            if k + 1 < pp:
+                pair = single.copy()
+                pair[k + 1] = d
+                moves.append(pair)
+    moves_arr = np.asarray(moves)
     for _ in range(200):
         if evaluate.work > work / 2:
             return best
-        cur = list(best[2])
-        neighbours = set()
-        for k in range(1, problem.pp):
-            for d in (-2, -1, 1, 2):
-                nb = cur.copy()
-                nb[k] += d
-                if _feasible(valid, problem, nb):
-                    neighbours.add(tuple(nb))
-                if k + 1 < problem.pp:
-                    nb2 = cur.copy()
-                    nb2[k] += d
-                    nb2[k + 1] += d
-                    if _feasible(valid, problem, nb2):
-                        neighbours.add(tuple(nb2))
-        if not neighbours:
+        neighbours = np.asarray(best[2], dtype=np.int64) + moves_arr
+        neighbours = np.unique(neighbours[_feasible_rows(valid, neighbours)], axis=0)
+        if not len(neighbours):
             return best
-        cand = min(_score(evaluate, bound, sorted(neighbours)))
+        cand = min(_score(evaluate, bound, [tuple(int(x) for x in row) for row in neighbours]))
         if cand[0] >= best[0] * (1 - 1e-12):
             return min(best, cand) if cand[0] <= best[0] else best
         best = cand
@@ -556,15 +652,16 @@ def _branch_and_bound(
     for k in range(pp - 1, -1, -1):
         lo, hi = windows[k]
         ends = np.flatnonzero(coreach[k + 1])
-        for e in ends:
-            if hi[e] >= lo[e]:
-                coreach[k][max(lo[e], 0) : hi[e] + 1] = True
+        ends = ends[hi[ends] >= lo[ends]]
+        # Mark every start in [lo[e], hi[e]] of those ends: +1 where a window opens, -1 after it closes.
+        opened = np.bincount(lo[ends], minlength=n + 2) - np.bincount(hi[ends] + 1, minlength=n + 2)
+        coreach[k] = np.cumsum(opened)[: n + 1] > 0
     pending: list[tuple[int, ...]] = []
     seen = 0
-    stack: list[tuple[int, tuple[int, ...]]] = [(0, (0,))]
+    stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]  # (stage, cuts before the last, last cut)
     while stack:
-        k, prefix = stack.pop()
-        s = prefix[-1]
+        k, head, s = stack.pop()
+        prefix = (*head, s)
         if k == pp:
             if s == n:
                 pending.append(prefix)
@@ -582,7 +679,7 @@ def _branch_and_bound(
         ends = ends[ok]
         if len(ends):
             ends = ends[bound.stage_value(k, s, ends) < best[0] * (1 - _RTOL)]
-        stack.extend((k + 1, (*prefix, int(e))) for e in ends[::-1])
+        stack.extend((k + 1, prefix, e) for e in ends[::-1].tolist())
     if pending:
         best = min(best, *_score(evaluate, bound, pending))
     return best, True
