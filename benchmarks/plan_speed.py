@@ -1,11 +1,12 @@
-"""Planning speed: ``make_plan`` on 160 blocks at PP 64, for every optimal strategy. Goal: under 1 s.
+"""Planning speed: ``make_plan`` on 160 blocks at PP 64, for every optimal strategy. Goal: under 1 s; then the
+default on 1000 blocks at PP 128 (goal 2 s) and 2000 blocks at PP 512 (goal 10 s). Exit 1 on a missed goal.
 
 The model is Llama-3-8B's shape with 155 decoder layers (embedding + 155 layers + final norm + lm_head +
 cast + loss = 160 PipelineBlocks), built with ``config_from_dict``. Each strategy is timed end to end
-(pricing, the two dynamic programmes, the optimum for ``vs_optimum``, validation), median of ``--repeat``
-runs after one warm-up.
+(pricing, the partitioner or the step-time search, validation), median of ``--repeat`` runs after one
+warm-up.
 
-Usage: ``python benchmarks/plan_speed.py [--layers 155] [--pp 64] [--repeat 7]``
+Usage: ``python benchmarks/plan_speed.py [--layers 155] [--pp 64] [--repeat 7] [--scaling-repeat 3]``
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per strategy (default 7)")
     parser.add_argument("--no-scaling", dest="scaling", action="store_false",
                         help="skip the 1000- and 2000-block cases")
+    parser.add_argument("--scaling-repeat", type=int, default=3,
+                        help="cold runs of each larger case (default 3; the median is compared with the goal)")
     args = parser.parse_args(argv)
     print_command()
 
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nSlowest strategy: {worst * 1e3:.1f} ms = {worst / GOAL_S:.3f} × the 1 s goal — "
         f"{verdict} the goal."
     )
-    scaling_ok = scaling() if args.scaling else True
+    scaling_ok = scaling(args.scaling_repeat) if args.scaling else True
     return 0 if worst < GOAL_S and scaling_ok else 1
 
 
@@ -89,15 +92,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 SCALING = ((995, 128, 2.0), (1995, 512, 10.0))
 
 
-def scaling() -> bool:
-    """Time the default (``constrained``, step-time objective) and Nanotron's rule on 1000 and 2000 blocks,
-    once each, and print the search's proven bound (step ≤ (1 + gap) · optimum)."""
-    from nanotron_ext.partition.schedule_aware import step_time_partition
+def scaling(repeat: int = 3) -> bool:
+    """Time the default (``constrained``, step-time objective) and Nanotron's rule on 1000 and 2000 blocks, each
+    run cold (the compiled schedule graphs dropped first, as in a fresh ``nanotron-ext plan``), ``repeat``
+    times; print the median and the range of wall times, the process's CPU time (what machine load does not
+    stretch), the load average, and the search's proven bound (step ≤ (1 + gap) · optimum)."""
+    import os
+
+    from nanotron_ext.partition.schedule_aware import _graph, step_time_partition
     from nanotron_ext.strategies.builtin import _constraints
     from nanotron_ext.strategies.step_time import schedule_problem
 
     rows, ok = [], True
-    for layers, pp, goal in SCALING:
+    load_before = os.getloadavg()[0]
+    for layers, pp, goal in progress(SCALING, desc="larger models"):
         raw = yaml.safe_load((CONFIGS / "llama_3_8b.yaml").read_text())
         raw["model"]["model_config"]["num_hidden_layers"] = layers
         raw["parallelism"]["pp"] = pp
@@ -107,19 +115,30 @@ def scaling() -> bool:
         t0 = time.perf_counter()
         make_plan(blocks, cfg, "nanotron")
         rule_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plan = make_plan(blocks, cfg, "constrained")
-        default_s = time.perf_counter() - t0
+        walls, cpus = [], []
+        for _ in range(repeat):
+            _graph.cache_clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = make_plan(blocks, cfg, "constrained")
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        default_s = statistics.median(walls)
         reqs, memory = _constraints(blocks, cfg, True)
         found = step_time_partition(schedule_problem(blocks, cfg), requirements=reqs, memory=memory)
         ok &= default_s < goal
-        rows.append([f"{len(blocks)}", str(pp), str(2 * pp), f"{rule_s * 1e3:.1f}", f"{default_s:.2f}", f"{goal:g}",
-                     "exact" if found.exact else (f"≤ {1 + found.gap:.4f} × optimum" if found.step_time == found.step_time
-                                                   else "not simulated (pp·m too large): the lower bound's split"),
+        if found.exact:
+            quality = "exact"
+        elif found.step_time == found.step_time:
+            quality = f"≤ {1 + found.gap:.4f} × optimum (search stopped by its work budget)"
+        else:
+            quality = "not simulated (pp·m too large): the lower bound's split"
+        rows.append([f"{len(blocks)}", str(pp), str(2 * pp), f"{rule_s * 1e3:.1f}", f"{default_s:.2f}",
+                     f"{min(walls):.2f}–{max(walls):.2f}", f"{statistics.median(cpus):.2f}", f"{goal:g}", quality,
                      "OK" if plan.ok else "INVALID"])
-    print("\nLarger models, one run each (default = constrained with the step-time objective):\n")
-    print(table(["blocks", "pp", "m", "nanotron rule ms", "default s", "goal s", "default's step time", "plan"],
-                rows, markdown=True))
+    print(f"\nLarger models, default = constrained with the step-time objective; each run cold, median of {repeat} "
+          f"(load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs):\n")
+    print(table(["blocks", "pp", "m", "nanotron rule ms", "default s", "range s", "CPU s", "goal s",
+                 "default's step time", "plan"], rows, markdown=True))
     return ok
 
 

@@ -225,6 +225,7 @@ class StepTimeEvaluator:
         self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
         self._send = np.concatenate([np.asarray(problem.send, dtype=np.float64), [0.0]])
         self._grad = np.asarray(problem.grad_after, dtype=bool)
+        self._table = np.empty(0)
 
     def __call__(self, splits: Sequence[Sequence[int]]) -> np.ndarray:
         """Step time of each split (``bounds``: ``pp + 1`` increasing cut positions from 0 to n)."""
@@ -257,7 +258,9 @@ class StepTimeEvaluator:
         if pp > 1:
             nonempty = hi[:, :-1] > lo[:, :-1]
             add[2 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
-        t = np.empty((graph.n_nodes, k))
+        if self._table.size < graph.n_nodes * k:  # one table reused: fresh pages cost as much as the work
+            self._table = np.empty(graph.n_nodes * k)
+        t = self._table[: graph.n_nodes * k].reshape(graph.n_nodes, k)
         t[0] = 0.0
         for a, b, nf, nm, pr, pm, cd, cd2 in graph.levels:
             out = t[a:b]
