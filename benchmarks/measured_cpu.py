@@ -39,7 +39,12 @@ Scenarios (shortened to fit a few minutes on 2 cores; fp32 because the CPU runti
   turn the caches are cold, which a real run, training one model, never sees);
 * ``SmolLM-135M-shaped``: ``nanotron_ext/configs/smollm_135m.yaml``'s shape (all 30 layers, hidden 576,
   9/3 heads, vocabulary 49152, tied embeddings) with sequence 128 (not 2048), micro-batch 1 (not 4) and 4
-  micro-batches (not 8), fp32 (not bf16); 5 rounds of one timed step each.
+  micro-batches (not 8), fp32 (not bf16); 5 rounds of one timed step each;
+* ``SmolLM-135M-shaped-m2``, only with ``--scenario SmolLM-135M-shaped-m2``: the same shape with 16 layers and
+  2 micro-batches, where the default's split (``constrained``, objective ``step_time``) differs from the
+  FLOP-optimal one (``constrained@slowest_stage``, the same split as Nanotron's rule); the two splits take
+  turns for 6 rounds of 2 timed steps, blocks profiled once, and a section after the checks compares their
+  predicted and measured step times round by round.
 
 The ranks run with glibc malloc told to keep freed memory (``MALLOC_ENV``; ``--system-malloc`` to leave the
 defaults): with the defaults, how often a large tensor is page-faulted in again depends on the allocation
@@ -81,6 +86,8 @@ ENGINE = "1f1b"
 STRATEGIES: tuple[str, ...] = ("nanotron", "uniform", "flops", "memory", "constrained", "profiled")
 OURS: tuple[str, ...] = STRATEGIES[1:]
 SIM_RANGE = (0.8, 1.2)
+#: The default (``constrained``, objective step_time) and the FLOP-optimal split, compared where both appear.
+OBJECTIVE_PAIR: tuple[str, str] = ("constrained", "constrained@slowest_stage")
 #: "at least as fast" allows this much measurement noise (medians of a few steps on a shared 2-core machine).
 NOISE = 0.03
 WORLD_TIMEOUT_S = 420.0
@@ -107,6 +114,12 @@ class Scenario:
     rounds: int = 5
     steps_per_turn: int = 1
     rewarm: int = 0
+    #: The plans to train; ``STRATEGY@OBJECTIVE`` plans ``STRATEGY`` under ``nanotron_ext.objective: OBJECTIVE``.
+    strategies: tuple[str, ...] = STRATEGIES
+    #: Run without ``--scenario`` (the objective comparison is asked for by name).
+    default: bool = True
+    #: Profile the blocks again before every round (else once, before training: shorter runs).
+    profile_rounds: bool = True
 
     @property
     def steps(self) -> int:
@@ -144,6 +157,25 @@ def scenarios(quick: bool) -> list[Scenario]:
             4,
             num_hidden_layers=smol_layers,
             notes=f"{smol_layers or 30} layers, seq {smol_seq}, micro-batch 1, 4 micro-batches, fp32",
+        ),
+        # The objective comparison (issue 12): at 2 micro-batches the default's split (simulated step time)
+        # differs from the FLOP-optimal one (objective slowest_stage, here also Nanotron's rule's split): the
+        # FLOP-rate model predicts the FLOP split 6.0 % slower (16 layers; 6.3 % with all 30). Only the two
+        # distinct splits are trained, two timed steps each per round, so the rounds pair them up; 16 layers
+        # and one profile keep the run to a few minutes.
+        Scenario(
+            "SmolLM-135M-shaped-m2",
+            "smollm_135m.yaml",
+            smol_seq,
+            1,
+            2,
+            num_hidden_layers=12 if quick else 16,
+            notes=f"{12 if quick else 16} layers, seq {smol_seq}, micro-batch 1, 2 micro-batches, fp32",
+            rounds=6,
+            steps_per_turn=2,
+            strategies=("nanotron", "constrained", OBJECTIVE_PAIR[1]),
+            default=False,
+            profile_rounds=False,
         ),
     ]
 
@@ -245,6 +277,7 @@ def worker(spec_path: str, out_path: str) -> None:
     from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
     from nanotron_ext.runtime.modules import llama_config_from_shape
     from nanotron_ext.runtime.timing import StepTimer, summarize
+    from nanotron_ext.simulate import simulate_plan
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
@@ -257,12 +290,15 @@ def worker(spec_path: str, out_path: str) -> None:
         # Rank 0 measures and broadcasts; more repeats than the strategy's default, for steadier medians.
         timings = profiled.block_timings(blocks, cfg, warmup=3, repeats=9)
         profile_s = time.perf_counter() - t0
-        plans = {name: make_plan(blocks, cfg, name) for name in STRATEGIES}  # profiled: from the cache now
+        plans = {}  # profiled: from the cache now
+        for name in spec["strategies"]:
+            strategy, _, objective = name.partition("@")
+            plans[name] = make_plan(blocks, cfg.with_overrides(objective=objective or None), strategy)
         lcfg = llama_config_from_shape(cfg)
         # One model per distinct split, all alive at once, stepped round-robin: load from other processes on a
         # shared machine then slows every split alike instead of whichever happened to run during it.
         runs: dict[str, dict[str, Any]] = {}
-        for name in STRATEGIES:
+        for name in spec["strategies"]:
             key = ",".join(map(str, plans[name].block_ranks))
             if key in runs:
                 continue
@@ -285,11 +321,15 @@ def worker(spec_path: str, out_path: str) -> None:
         # before training would compare one moment's speed with another's.
         turns = [[False] * spec["warmup"]] + [[False] * spec["rewarm"] + [True] * spec["steps_per_turn"]
                                               for _ in range(spec["rounds"])]
-        profiles, links = [], []
+        profiles, links, loads = [], [], []
         for i, turn in enumerate(turns):
+            loads.append(os.getloadavg()[0])
             if i > 0:
-                with tempfile.TemporaryDirectory(prefix="measured_cpu_round_") as fresh:
-                    profiles.append(profiled.block_timings(blocks, cfg, cache_dir=fresh, warmup=3, repeats=9))
+                if spec["profile_rounds"]:
+                    with tempfile.TemporaryDirectory(prefix="measured_cpu_round_") as fresh:
+                        profiles.append(profiled.block_timings(blocks, cfg, cache_dir=fresh, warmup=3, repeats=9))
+                elif not profiles:
+                    profiles.append(timings)  # the planning profile serves every round
                 links.append(_measure_links(ctx, cfg, plans, blocks))
             for run in runs.values():
                 for record in turn:
@@ -308,6 +348,8 @@ def worker(spec_path: str, out_path: str) -> None:
                 "first": run["first"],
                 "losses": run["losses"],
                 "summary": summarize(per_rank).to_dict() if per_rank is not None else None,
+                # Every timed step, in order (slowest rank): step i is in round i // steps_per_turn.
+                "steps": [max(r.step for r in recs) for recs in zip(*per_rank)] if per_rank is not None else None,
             }
         runs.clear()
         gc.collect()
@@ -337,6 +379,11 @@ def worker(spec_path: str, out_path: str) -> None:
                     for name, p in plans.items()
                 },
                 "runs": summaries,
+                # The planner's own prediction: each plan simulated with the FLOP-rate model (p2p ignored).
+                "flop_rate_sim": {name: simulate_plan(p, blocks, cfg, flops_per_second=1e12).step_time
+                                  for name, p in plans.items()},
+                "load_average": loads,
+                "steps_per_turn": spec["steps_per_turn"],
             }
             Path(out_path).write_text(json.dumps(out))
     except BaseException:
@@ -442,8 +489,7 @@ def analyse(result: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     m, p2p = result["n_micro_batches"], result["p2p"]
     roles = [b["role"] for b in blocks]
     rows, sims = [], {}
-    for name in STRATEGIES:
-        plan = result["plans"][name]
+    for name, plan in result["plans"].items():
         key = ",".join(map(str, plan["ranks"]))
         run = result["runs"][key]
         fwd, bwd, update = [0.0] * PP, [0.0] * PP, [0.0] * PP
@@ -491,7 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds in which every plan takes a turn (default: 5 for both scenarios)")
     parser.add_argument("--scenario", action="append", default=None, metavar="LABEL",
-                        help="run only this scenario (repeatable): tiny-large-vocab, SmolLM-135M-shaped")
+                        help="run only this scenario (repeatable): tiny-large-vocab, SmolLM-135M-shaped, "
+                             "SmolLM-135M-shaped-m2 (the objective comparison; not run by default)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--profile-cache", default=None,
                         help="reuse this timing cache (default: a fresh one, so timings are of this run)")
@@ -501,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
-    chosen = [sc for sc in scenarios(args.quick) if args.scenario is None or sc.label in args.scenario]
+    chosen = [sc for sc in scenarios(args.quick) if (sc.default if args.scenario is None else sc.label in args.scenario)]
     if args.scenario is not None and len(chosen) != len(set(args.scenario)):
         known = ", ".join(sc.label for sc in scenarios(args.quick))
         parser.error(f"--scenario {args.scenario}: unknown label; known: {known}")
@@ -525,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0, load_before = time.perf_counter(), os.getloadavg()[0]
             spec = {"label": sc.label, "raw": sc.raw_config(), "rounds": sc.rounds,
                     "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": args.warmup,
+                    "strategies": list(sc.strategies), "profile_rounds": sc.profile_rounds,
                     "cache": args.profile_cache or fresh_cache}
             result = launch(spec, malloc_env=not args.system_malloc)
             results[sc.label] = result
@@ -548,24 +596,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     _print_table(all_rows, results)
     ok = _print_checks(all_rows)
+    for label, result in results.items():
+        if all(name in result["plans"] for name in OBJECTIVE_PAIR):
+            _print_objectives(label, result, all_rows[label])
     print(f"\nTotal wall time: {time.perf_counter() - started:.0f} s")
     return 0 if ok else 1
 
 
 def _timeline(sc: Scenario, sims: dict[str, Any], rows: list[Row], blocks: Sequence[dict]) -> None:
-    """The simulated schedule of the profiled plan's measured run, as a PNG in ``benchmarks/results``."""
+    """The simulated schedule of the profiled plan (else the default's) measured run, as a PNG in
+    ``benchmarks/results``."""
     from nanotron_ext.simulate.timeline import plot_timeline
 
-    sim, plan = sims["profiled"]
-    row = next(r for r in rows if r.strategy == "profiled")
+    shown = "profiled" if "profiled" in sims else "constrained"
+    sim, plan = sims[shown]
+    row = next(r for r in rows if r.strategy == shown)
     labels = []
     for k, part in enumerate(_split(plan["ranks"], blocks).split(" / ")):
         text = f"PP{k}: {part}"
         labels.append(text if len(text) <= 34 else text[:33] + "…")
     stem = sc.label.lower().replace("-", "_").replace(" ", "_")
-    path = RESULTS / f"measured_cpu_{stem}_profiled_timeline.png"
+    path = RESULTS / f"measured_cpu_{stem}_{shown}_timeline.png"
     plot_timeline(sim, path, stage_labels=labels,
-                  title=f"{sc.label}: profiled split, 1F1B, pp={PP}, simulated from CPU block timings\n"
+                  title=f"{sc.label}: {shown} split, 1F1B, pp={PP}, simulated from CPU block timings\n"
                         f"measured step {row.step * 1e3:.0f} ms")
     print(f"  timeline: {path.relative_to(ROOT)}")
 
@@ -610,7 +663,7 @@ def _print_checks(all_rows: dict[str, list[Row]]) -> bool:
     fast_ok = True
     for label, rows in all_rows.items():
         nanotron = next(r for r in rows if r.strategy == "nanotron")
-        best = min((r for r in rows if r.strategy in OURS and r.ok), key=lambda r: r.step)
+        best = min((r for r in rows if r.strategy.split("@")[0] in OURS and r.ok), key=lambda r: r.step)
         holds = best.step <= nanotron.step * (1 + NOISE)
         fast_ok &= holds
         print(f"{'HOLDS' if holds else 'FAILS'}: {label}: best of ours ({best.strategy}, {best.step * 1e3:.1f} ms) vs "
@@ -635,6 +688,46 @@ def _print_checks(all_rows: dict[str, list[Row]]) -> bool:
           + ("" if not bad_situ else " — out of range: " + ", ".join(bad_situ)))
     print(banner)
     return fast_ok and not bad_step
+
+
+def _print_objectives(label: str, result: dict[str, Any], rows: list[Row]) -> None:
+    """The default's split against the FLOP-optimal one: predicted and measured step times, round by round."""
+    default, flop = OBJECTIVE_PAIR
+    by_name = {r.strategy: r for r in rows}
+    a, b = by_name[default], by_name[flop]
+    print(f"\nObjectives on {label}: {default} (objective step_time, the default) vs {flop} (FLOP-optimal)")
+    if a.same_as == flop or b.same_as == default:
+        print("  same split: nothing to compare")
+        return
+    runs = {name: result["runs"][",".join(map(str, result["plans"][name]["ranks"]))] for name in OBJECTIVE_PAIR}
+    per = result["steps_per_turn"]
+    rounds = [[statistics.median(runs[name]["steps"][i : i + per]) for i in range(0, len(runs[name]["steps"]), per)]
+              for name in OBJECTIVE_PAIR]
+    paired = [f / d for d, f in zip(*rounds)]  # FLOP split's step ÷ the default's, per round
+    faster = sum(x > 1 for x in paired)
+    flop_rate = result["flop_rate_sim"]
+    print(f"  splits: {default}: {a.split}; {flop}: {b.split}")
+    print(f"  predicted, FLOP-rate model (what the planner optimises): {flop} ÷ {default} = "
+          f"{flop_rate[flop] / flop_rate[default]:.4f}")
+    print(f"  predicted, simulator fed with this run's measured block and link times: {b.sim_step * 1e3:.1f} ÷ "
+          f"{a.sim_step * 1e3:.1f} ms = {b.sim_step / a.sim_step:.4f}")
+    print(f"  measured step (median of {len(runs[default]['steps'])} timed steps each): {b.step * 1e3:.1f} ÷ "
+          f"{a.step * 1e3:.1f} ms = {b.step / a.step:.4f} ({(b.step - a.step) * 1e3:+.1f} ms for the FLOP split)")
+    print(f"  per round (median of the round's steps), {flop} ÷ {default}: "
+          + ", ".join(f"{x:.3f}" for x in paired)
+          + f"; median {statistics.median(paired):.4f}, range {min(paired):.3f}–{max(paired):.3f}; "
+          f"the default faster in {faster} of {len(paired)} rounds (two-sided sign test p = "
+          f"{_sign_test(faster, len(paired)):.3f})")
+    loads = result["load_average"]
+    print(f"  1-minute load average inside the run: {min(loads):.2f}–{max(loads):.2f} on {os.cpu_count()} CPUs")
+
+
+def _sign_test(k: int, n: int) -> float:
+    """Two-sided p-value of ``k`` successes in ``n`` fair coin flips."""
+    from math import comb
+
+    tail = sum(comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 if __name__ == "__main__":
