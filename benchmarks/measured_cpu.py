@@ -43,7 +43,7 @@ Scenarios (shortened to fit a few minutes on 2 cores; fp32 because the CPU runti
 * ``SmolLM-135M-shaped-m2``, only with ``--scenario SmolLM-135M-shaped-m2``: the same shape with 16 layers and
   2 micro-batches, where the default's split (``constrained``, objective ``step_time``) differs from the
   FLOP-optimal one (``constrained@slowest_stage``, the same split as Nanotron's rule); the two splits take
-  turns for 6 rounds of 2 timed steps, blocks profiled once, and a section after the checks compares their
+  turns for 12 rounds of 1 timed step, blocks profiled once, and a section after the checks compares their
   predicted and measured step times round by round.
 
 The ranks run with glibc malloc told to keep freed memory (``MALLOC_ENV``; ``--system-malloc`` to leave the
@@ -161,7 +161,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         # The objective comparison (issue 12): at 2 micro-batches the default's split (simulated step time)
         # differs from the FLOP-optimal one (objective slowest_stage, here also Nanotron's rule's split): the
         # FLOP-rate model predicts the FLOP split 6.0 % slower (16 layers; 6.3 % with all 30). Only the two
-        # distinct splits are trained, two timed steps each per round, so the rounds pair them up; 16 layers
+        # distinct splits are trained, one timed step each per round, so each round pairs two adjacent steps; 16 layers
         # and one profile keep the run to a few minutes.
         Scenario(
             "SmolLM-135M-shaped-m2",
@@ -171,8 +171,8 @@ def scenarios(quick: bool) -> list[Scenario]:
             2,
             num_hidden_layers=12 if quick else 16,
             notes=f"{12 if quick else 16} layers, seq {smol_seq}, micro-batch 1, 2 micro-batches, fp32",
-            rounds=6,
-            steps_per_turn=2,
+            rounds=12,
+            steps_per_turn=1,
             strategies=("nanotron", "constrained", OBJECTIVE_PAIR[1]),
             default=False,
             profile_rounds=False,
