@@ -468,6 +468,11 @@ def _minimise(bound: _Bound, hi: float, lo: float = 0.0) -> tuple[float, list[np
     return hi, reach
 
 
+def _feasible_bound(bound: _Bound, hint: float, fallback: float) -> float:
+    """``hint`` when some feasible split meets it (and it is below ``fallback``), else ``fallback``."""
+    return hint if hint < fallback and bound.reach(hint) is not None else fallback
+
+
 def _reconstruct(bound: _Bound, x: float, reach: list[np.ndarray], latest: bool) -> list[int]:
     """A split whose every stage stays within ``x``: from the end, each stage starts as late (or early) as
     the earlier stages allow."""
@@ -558,10 +563,10 @@ def step_time_partition(
     work_per_block = np.asarray(problem.forward) + np.asarray(problem.backward)
     floor = max((bound.F[-1] + bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
     ceiling = (bound.F[-1] + bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
-    flop_x, flop_reach = _minimise(flop_bound, ceiling if flop_bound.reach(ceiling) is not None else big, floor)
+    flop_x, flop_reach = _minimise(flop_bound, _feasible_bound(flop_bound, ceiling, big), floor)
     flop_splits = {tuple(_reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
     ceiling = min(bound.value(s) for s in flop_splits)
-    lb, reach = _minimise(bound, min(ceiling, big), problem.n_micro_batches * flop_x)
+    lb, reach = _minimise(bound, _feasible_bound(bound, ceiling, big), problem.n_micro_batches * flop_x)
 
     if pp * problem.n_micro_batches > _MAX_SIMULATED:
         # Too large to simulate within a planning budget: the bound's own split, unsimulated (step = nan).
