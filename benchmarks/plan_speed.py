@@ -128,10 +128,12 @@ def scaling(repeat: int = 3) -> bool:
         ok &= default_s < goal
         if found.exact:
             quality = "exact"
-        elif found.step_time == found.step_time:
-            quality = f"≤ {1 + found.gap:.4f} × optimum (search stopped by its work budget)"
-        else:
+        elif found.step_time != found.step_time:
             quality = "not simulated (pp·m too large): the lower bound's split"
+        elif found.evaluated == 1:
+            quality = f"≤ {1 + found.gap:.4f} × optimum (pp·m too large to search: the bound's split, simulated once)"
+        else:
+            quality = f"≤ {1 + found.gap:.4f} × optimum (search stopped by its work budget)"
         rows.append([f"{len(blocks)}", str(pp), str(2 * pp), f"{rule_s * 1e3:.1f}", f"{default_s:.2f}",
                      f"{min(walls):.2f}–{max(walls):.2f}", f"{statistics.median(cpus):.2f}", f"{goal:g}", quality,
                      "OK" if plan.ok else "INVALID"])

@@ -131,6 +131,24 @@ def test_tight_budget_still_returns_a_bound_that_holds():
     assert found.step_time <= (1 + found.gap) * brute * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_too_large_to_search_still_carries_a_proven_gap(seed, monkeypatch):
+    """Above the search's size limit the bound's split is simulated once: its step time is the simulator's, and
+    step ≤ (1 + gap) · the brute-force optimum."""
+    from nanotron_ext.partition import schedule_aware
+
+    monkeypatch.setattr(schedule_aware, "_MAX_SIMULATED", 0)  # every problem counts as too large to search
+    rng = random.Random(300 + seed)
+    for _ in range(10):
+        problem = _random_problem(rng)
+        found = step_time_partition(problem)
+        brute = min(StepTimeEvaluator(problem)(_all_splits(problem.n, problem.pp)))
+        assert found.evaluated == 1
+        assert found.step_time == pytest.approx(_simulated(problem, found.bounds), rel=1e-12, abs=1e-15)
+        assert found.lower_bound <= brute * (1 + 1e-9) + 1e-15
+        assert found.step_time <= (1 + found.gap) * brute * (1 + 1e-9) + 1e-15
+
+
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_constrained_is_never_slower_than_the_flop_split_on_a_bundled_shape(pp):
     cfg = load_config("nanotron_ext/configs/smollm_360m.yaml", pp=pp)

@@ -50,7 +50,8 @@ __all__ = [
 ]
 
 _RTOL = 1e-9
-_MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not simulated (~6 · pp · m program actions)
+_MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not searched by simulation (~6 · pp · m actions)
+_MAX_SIMULATED_ONCE = 1 << 20  # ... and above which not even the chosen split is simulated (3 s at pp·m = 2^19 here)
 _CHUNK_FLOATS = 2e7  # most entries of one evaluation's time table (160 MB)
 
 
@@ -569,9 +570,13 @@ def step_time_partition(
     lb, reach = _minimise(bound, _feasible_bound(bound, ceiling, big), problem.n_micro_batches * flop_x)
 
     if pp * problem.n_micro_batches > _MAX_SIMULATED:
-        # Too large to simulate within a planning budget: the bound's own split, unsimulated (step = nan).
+        # Too large to search by simulation: the bound's own split, simulated once (while that stays within a
+        # few seconds) so that the answer still carries a proven gap, step ≤ (1 + gap) · optimum.
         split = tuple(_reconstruct(bound, lb, reach, True))
-        return StepTimeSplit(split, math.nan, lb, False, 0)
+        if pp * problem.n_micro_batches > _MAX_SIMULATED_ONCE:
+            return StepTimeSplit(split, math.nan, lb, False, 0)
+        step = float(evaluate([split])[0])
+        return StepTimeSplit(split, step, lb, step <= lb * (1 + _RTOL), evaluate.evaluated)
     candidates = {tuple(_reconstruct(bound, lb, reach, latest)) for latest in (True, False)}
     candidates |= flop_splits
     candidates |= {tuple(int(x) for x in s) for s in seeds if _feasible(valid, problem, s)}
