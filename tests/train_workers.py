@@ -226,6 +226,18 @@ def _inventory_rows(blocks) -> list[dict[str, Any]]:
              "parameters": [(p.name, p.numel, p.trainable) for p in b.parameters]} for b in blocks]
 
 
+def _collective_check(model: Any, ctx: Any) -> tuple[str | None, list[dict]]:
+    """The collective check's message on this rank (None when it passes), and its rows with frozen stages allowed."""
+    from nanotron_ext import integration
+
+    try:
+        integration.check_every_rank_trains(model, ctx)
+        message = None
+    except integration.PipelineValidationError as exc:
+        message = str(exc)
+    return message, integration.check_every_rank_trains(model, ctx, allow_frozen_stages=True)
+
+
 def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """In a 2-rank world (pp=2): the runtime validator on Nanotron's greedy split, ``patch_nanotron`` driving
     Nanotron's own ``build_model`` call, and model-vs-config inventories for each config variant."""
@@ -247,24 +259,14 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
         # 1. Nanotron's greedy ranks: every weight on PP rank 0. The collective check must fail on both ranks.
         greedy = assign_blocks(builder(), ctx, [0, 0, 0, 0, 0, 1, 1])
-        try:
-            integration.check_every_rank_trains(greedy, ctx)
-            out["validator"] = None
-        except integration.PipelineValidationError as exc:
-            out["validator"] = str(exc)
-        out["validator_allowed_rows"] = integration.check_every_rank_trains(greedy, ctx, allow_frozen_stages=True)
+        out["validator"], out["validator_allowed_rows"] = _collective_check(greedy, ctx)
 
         # 1b. The constrained split with the lm_head frozen by its module path: PP rank 1 holds the lm_head's
         # weights but nothing trainable. Without allow_frozen_stages the check must fail on both ranks.
         frozen_cfg = _planner_config({"nanotron_ext": {"freeze": {"modules": ["model.lm_head"]}}})
         frozen = assign_blocks(builder(), ctx, [0, 0, 0, 0, 1, 1, 1])
         out["frozen_count"] = integration.apply_freeze_to_model(frozen, frozen_cfg)
-        try:
-            integration.check_every_rank_trains(frozen, ctx)
-            out["frozen_validator"] = None
-        except integration.PipelineValidationError as exc:
-            out["frozen_validator"] = str(exc)
-        out["frozen_allowed_rows"] = integration.check_every_rank_trains(frozen, ctx, allow_frozen_stages=True)
+        out["frozen_validator"], out["frozen_allowed_rows"] = _collective_check(frozen, ctx)
 
         # 2. patch_nanotron: Nanotron's own build_model call now places blocks with our plan.
         original = nanotron_base.build_model
