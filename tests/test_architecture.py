@@ -24,10 +24,13 @@ LAYERS: dict[str, int] = {
     "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
     "simulate": 1, "integration": 1,
     "runtime": 2,
-    "cli": 3,
+    "cli": 3, "run": 3,
 }
 #: Parts of one layer that must not import each other.
-SIBLINGS_APART = {("simulate", "integration"), ("integration", "simulate")}
+SIBLINGS_APART = {
+    ("simulate", "integration"), ("integration", "simulate"),
+    ("run", "runtime"),  # the launcher drives Nanotron's own trainer (on GPUs): never the CPU runtime
+}
 #: Modules named in strings (loaded on demand), with why that is allowed.
 NAMED_IMPORTS_ALLOWED = {
     # The profiled strategy times the CPU runtime's Llama blocks; planning never loads them unless it measures.

@@ -83,6 +83,8 @@ def build_model(
                   device=device if device is not None else _CPU)
     model.nanotron_ext_plan = plan
     model.nanotron_ext_blocks = blocks
+    if _ACTIVE.get("after_build") is not None:
+        _ACTIVE["after_build"](model, parallel_context)
     return model
 
 
@@ -183,13 +185,24 @@ def patched_nanotron(config: PlannerConfig, strategy: str | None = None) -> Iter
         undo()
 
 
-def patch_nanotron(config: PlannerConfig, strategy: str | None = None) -> Callable[[], None]:
+def patch_nanotron(
+    config: PlannerConfig,
+    strategy: str | None = None,
+    *,
+    after_build: Callable[[Any, Any], None] | None = None,
+) -> Callable[[], None]:
     """Make Nanotron's own code (``DistributedTrainer`` included) build models with nanotron_ext.
 
     Swaps ``build_model`` in ``nanotron.models.base``, ``nanotron.models`` and ``nanotron.trainer`` (which
     imports it by name). All or nothing: if any of them fails to import, whatever was swapped is put back and
     the error says why. The one exception is a ``nanotron.trainer`` that cannot be imported for lack of a
     package (flash-attn on a CPU machine): nothing can run that trainer, so the other two are patched.
+
+    Args:
+        config: the planner config.
+        strategy: overrides ``config.ext.cost_strategy``.
+        after_build: called as ``after_build(model, parallel_context)`` once the blocks are built (the
+            launcher freezes and runs the collective check there, before the trainer wraps the model).
 
     Returns:
         A function that undoes the patch.
@@ -220,7 +233,7 @@ def patch_nanotron(config: PlannerConfig, strategy: str | None = None) -> Callab
             raise NanotronExtError(_patch_failure(module_name, exc)) from exc
         undo.append((module, "build_model", module.build_model))
         module.build_model = build_model
-    _ACTIVE.update(config=config, strategy=strategy)
+    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build)
     return restore
 
 

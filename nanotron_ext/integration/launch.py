@@ -1,0 +1,316 @@
+"""Nanotron's own trainer with the plan: what ``python -m nanotron_ext.run SCRIPT ...`` installs before it runs
+the user's unchanged training script (upstream's ``run_train.py`` or one like it).
+
+* Nanotron's config loader gets the YAML without our keys (``nanotron_ext:``, ``parallelism.cost_strategy``),
+  so the user keeps one file.
+* ``build_model`` (by every name Nanotron imports it under) plans, validates and builds the split; rank 0
+  prints the plan table once; right after the build the freeze spec is applied and the collective check runs
+  on every rank, before DDP and the optimizer exist.
+* The optimizer is given the trainable parameters only, so a frozen weight is never stepped (weight decay
+  would move it even with a zero gradient).
+* With ``allow_frozen_stages``, a rank with nothing to train skips DDP (and Nanotron's
+  ``check_model_has_grad``) and gets an optimizer over no parameters; every other step of the trainer runs
+  as it is. DP replicas of a stage are frozen alike, so DDP's collectives stay within matching ranks.
+* Upstream bugs that stop any run, on GPUs too, are fixed while they are present in the installed Nanotron
+  (each is detected, named in :data:`UPSTREAM_FIXES`, and skipped once upstream has its own fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
+from nanotron_ext.integration.build import patch_nanotron
+from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
+
+__all__ = ["UPSTREAM_FIXES", "install_launcher", "strip_ext_keys"]
+
+#: The upstream bugs the launcher carries a fix for, each applied only where the installed Nanotron has it.
+UPSTREAM_FIXES = {
+    "llama-random-init": "models/llama.py: LlamaForTraining.init_model_randomly gives config.model to the "
+    "parametrizator, which reads config.model.init_method ('ModelArgs' object has no attribute 'model')",
+    "loss-log-on-pp-ranks": "trainer.py: train_step_logs calls loss_avg.item() on every rank, but loss_avg is "
+    "None on the PP ranks that do not hold the loss (AttributeError at the first log step when pp > 1)",
+    "qwen2-pp": "models/qwen.py: Qwen2Model.forward calls position_ids.numel() on every PP rank, but a rank "
+    "without the input holds a TensorPointer there (AttributeError at the first step when pp > 1)",
+    "resume-without-folder-tokens": "serialize/metadata.py: TrainingMetadata checks consumed tokens against a "
+    "per-folder count that only the Nanoset loader records, so a checkpoint from other data cannot be resumed",
+}
+
+
+def strip_ext_keys(config_dict: Any) -> Any:
+    """The dict Nanotron's strict loader accepts: ``config_dict`` without our keys (unchanged if it has none)."""
+    parallelism = config_dict.get("parallelism") if isinstance(config_dict, dict) else None
+    if not isinstance(config_dict, dict) or (
+        EXT_SECTION not in config_dict and not (isinstance(parallelism, dict) and "cost_strategy" in parallelism)
+    ):
+        return config_dict
+    return split_ext_keys(config_dict)[0]
+
+
+class _Patches:
+    """Attribute swaps that can all be undone, last first."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def install_launcher(
+    cfg: PlannerConfig, strategy: str | None = None, *, say: Callable[[str], None] = print
+) -> Callable[[], None]:
+    """Make Nanotron's own trainer build, freeze, check and train with ``cfg``'s plan; see the module docstring.
+
+    Args:
+        cfg: the planner config read from the user's YAML (``load_config``).
+        strategy: overrides ``cfg.ext.cost_strategy`` (the launcher's ``--cost-strategy``).
+        say: where rank 0 prints the plan and notes (one call per message).
+
+    Returns:
+        A function that undoes everything installed.
+
+    Raises:
+        NanotronExtError: Nanotron's model or trainer modules cannot be imported (nothing is left installed).
+    """
+    import nanotron.config.config as nanotron_config
+    import nanotron.trainer as trainer
+    from nanotron.models.base import NanotronModel
+
+    undo_build = patch_nanotron(cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say))
+    patches = _Patches()
+    load_dict = nanotron_config.get_config_from_dict
+    patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
+
+    # Freeze and check once Nanotron has tied its parameters (tying makes new Parameters, which would thaw
+    # a frozen norm or embedding), and in any case before DDP or the optimizer sees the model.
+    def ready(model: Any) -> Any:
+        _freeze_and_check(model, cfg, say)
+        return model
+
+    tie = trainer.mark_tied_parameters
+    patches.set(trainer, "mark_tied_parameters", lambda model, *a, **k: (tie(model, *a, **k), ready(model))[0])
+    check = trainer.check_model_has_grad
+    patches.set(trainer, "check_model_has_grad",
+                lambda model, parallel_context: True if _frozen_rank(ready(model)) else check(model, parallel_context))
+    patches.set(trainer, "DistributedDataParallel", _ddp_unless_frozen(trainer.DistributedDataParallel, ready))
+    build_optimizer = trainer.init_optimizer_and_grad_accumulator
+
+    def init_optimizer_and_grad_accumulator(*args: Any, model: Any, **kwargs: Any) -> Any:
+        return build_optimizer(*args, model=ready(model), **kwargs)
+
+    patches.set(trainer, "init_optimizer_and_grad_accumulator", init_optimizer_and_grad_accumulator)
+    # The optimizer steps only what trains: weight decay would move a frozen weight even with a zero gradient.
+    named = NanotronModel.get_named_params_with_correct_tied
+    patches.set(NanotronModel, "get_named_params_with_correct_tied",
+                lambda self: ((n, p) for n, p in named(self) if p.requires_grad))
+    load_optimizer = trainer.load_optimizer
+
+    def load_optimizer_unless_frozen(*args: Any, **kwargs: Any) -> Any:
+        # A frozen rank's optimizer is empty and was saved so; Nanotron refuses to load an empty state.
+        if _frozen_rank(kwargs.get("model")):
+            return None
+        return load_optimizer(*args, **kwargs)
+
+    patches.set(trainer, "load_optimizer", load_optimizer_unless_frozen)
+    if hasattr(trainer, "state_dict_to_device"):  # upstream main moves a loaded optimizer state to the GPU
+        to_device = trainer.state_dict_to_device
+        patches.set(trainer, "state_dict_to_device",
+                    lambda state_dict, *a, **k: to_device(state_dict, *a, **k) if state_dict.get("state") else None)
+    sync = trainer.sync_gradients_across_dp
+    patches.set(trainer, "sync_gradients_across_dp",
+                lambda module, *args, **kwargs: sync(_WithGradients(module), *args, **kwargs))
+    for fix in _upstream_fixes(trainer):
+        fix(patches)
+
+    def undo() -> None:
+        patches.undo()
+        undo_build()
+
+    return undo
+
+
+def _after_build(model: Any, parallel_context: Any, say: Callable[[str], None]) -> None:
+    import torch.distributed as dist
+
+    plan = model.nanotron_ext_plan
+    model.nanotron_ext_context = parallel_context
+    model.nanotron_ext_checked = False
+    if dist.get_rank() == 0:
+        say(f"nanotron_ext: {plan.strategy!r} plan for pp={plan.pp}\n{plan.table()}\n\n"
+            f"block -> stage: {list(plan.block_ranks)}")
+
+
+def _freeze_and_check(model: Any, cfg: PlannerConfig, say: Callable[[str], None]) -> None:
+    """Once per model: apply the freeze spec to this rank's parameters, then the collective check."""
+    import torch.distributed as dist
+
+    model = getattr(model, "module", model)
+    if getattr(model, "nanotron_ext_checked", True):  # not built by us, or done already
+        return
+    model.nanotron_ext_checked = True
+    ctx = model.nanotron_ext_context
+    apply_freeze_to_model(model, cfg)
+    rows = check_every_rank_trains(model, ctx, allow_frozen_stages=cfg.ext.allow_frozen_stages)
+    frozen = sorted({r["pp_rank"] for r in rows if r["trainable"] == 0})
+    model.nanotron_ext_frozen_rank = dist.get_rank(ctx.pp_pg) in frozen
+    if dist.get_rank() == 0 and frozen:
+        say(f"nanotron_ext: PP rank(s) {frozen} hold nothing trainable and run without DDP and with an empty "
+            f"optimizer (allow_frozen_stages: true)")
+
+
+def _frozen_rank(model: Any) -> bool:
+    return bool(getattr(getattr(model, "module", model), "nanotron_ext_frozen_rank", False))
+
+
+def _ddp_unless_frozen(ddp: type, ready: Callable[[Any], Any]) -> type:
+    # A subclass, not a function: the trainer tests `isinstance(model, DistributedDataParallel)` by this name.
+    class DistributedDataParallelUnlessFrozen(ddp):  # type: ignore[misc, valid-type]
+        def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> Any:
+            if _frozen_rank(ready(module)):
+                return module  # not an instance of cls, so __init__ is skipped and the model stays unwrapped
+            return super().__new__(cls)
+
+    return DistributedDataParallelUnlessFrozen
+
+
+class _WithGradients:
+    """A module seen through the parameters that have a gradient: without DDP, the trainer all-reduces every
+    ``param.grad`` over dp itself, and a frozen parameter has none."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return ((n, p) for n, p in self.module.named_parameters(*args, **kwargs) if p.grad is not None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def _upstream_fixes(trainer: Any) -> list[Callable[[_Patches], None]]:
+    fixes = []
+    llama = _import_or_none("nanotron.models.llama")
+    if llama is not None and "parametrizator_cls(config=config.model)" in _source(
+        llama.LlamaForTraining.init_model_randomly
+    ):
+        fixes.append(lambda p: _fix_llama_init(p, llama.LlamaForTraining))
+    logs = _source(getattr(trainer.DistributedTrainer, "train_step_logs", None))
+    if re.search(r"(?<!\w)loss_avg\.item\(\)", logs) and not re.search(r"(?<!\w)loss_avg is not None", logs):
+        fixes.append(lambda p: _fix_loss_log(p, trainer.DistributedTrainer))
+    qwen = _import_or_none("nanotron.models.qwen")
+    if qwen is not None and "if position_ids.numel() > 0" in _source(qwen.Qwen2Model.forward):
+        fixes.append(lambda p: _fix_qwen2_pp(p, qwen.Qwen2Model))
+    metadata = _import_or_none("nanotron.serialize.metadata")
+    if metadata is not None and "consumed_tokens_total == sum(" in _source(metadata.TrainingMetadata.__post_init__):
+        fixes.append(lambda p: _fix_resume_metadata(p, metadata.TrainingMetadata))
+    return fixes
+
+
+def _fix_llama_init(patches: _Patches, cls: type) -> None:
+    original = cls.init_model_randomly
+
+    def init_model_randomly(self: Any, config: Any) -> Any:
+        # The method reads config.model.init_method, then hands config.model to a parametrizator that reads
+        # .model.init_method and .parallelism: give it a view that answers both ways.
+        view = _Either(config.model, config)
+        return original(self, _Either(_Attrs(model=view), config))
+
+    patches.set(cls, "init_model_randomly", init_model_randomly)
+
+
+def _fix_loss_log(patches: _Patches, cls: type) -> None:
+    original = cls.train_step_logs
+
+    def train_step_logs(self: Any, outputs: Any, loss_avg: Any, *args: Any, **kwargs: Any) -> Any:
+        # Ranks without the loss only build the log line; the logger ranks hold the loss and print it.
+        if loss_avg is None:
+            loss_avg = torch.tensor(math.nan)
+        return original(self, outputs, loss_avg, *args, **kwargs)
+
+    patches.set(cls, "train_step_logs", train_step_logs)
+
+
+def _fix_qwen2_pp(patches: _Patches, cls: type) -> None:
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    original = cls.forward
+
+    def forward(self: Any, input_ids: Any, position_ids: Any) -> Any:
+        if not isinstance(position_ids, TensorPointer):
+            return original(self, input_ids=input_ids, position_ids=position_ids)
+        # The same walk over the blocks as upstream's, on a rank without the input: cu_seqlens, like
+        # position_ids, lives on the input rank, so the blocks that need it receive it from there.
+        output = self.token_position_embeddings(input_ids=input_ids, position_ids=position_ids)
+        states = {"hidden_states": output["input_embeds"], "position_ids": output["position_ids"],
+                  "cu_seqlens": TensorPointer(group_rank=position_ids.group_rank)}
+        for decoder_layer in self.decoder:
+            states = decoder_layer(**states)
+        hidden_states = self.final_layer_norm(input=states["hidden_states"])["hidden_states"]
+        return self.lm_head(x=hidden_states)["logits"]
+
+    patches.set(cls, "forward", forward)
+
+
+def _fix_resume_metadata(patches: _Patches, cls: type) -> None:
+    original = cls.__post_init__
+
+    def post_init(self: Any) -> None:
+        recorded = sum(stage.consumed_tokens_all_datasets for stage in (self.data_stages or []))
+        if self.consumed_tokens_total and recorded == 0:
+            # No loader recorded tokens per folder (dummy data, `datasets`): there is nothing to check against.
+            total, self.consumed_tokens_total = self.consumed_tokens_total, None
+            original(self)
+            self.consumed_tokens_total = total
+        else:
+            original(self)
+
+    patches.set(cls, "__post_init__", post_init)
+
+
+@dataclasses.dataclass
+class _Either:
+    """Attribute lookup in ``first``, then ``second``."""
+
+    first: Any
+    second: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("first", "second"):
+            raise AttributeError(name)
+        return getattr(self.first, name) if hasattr(self.first, name) else getattr(self.second, name)
+
+
+class _Attrs:
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+
+def _import_or_none(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj) if obj is not None else ""
+    except (OSError, TypeError):
+        return ""

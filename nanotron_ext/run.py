@@ -1,0 +1,87 @@
+"""``python -m nanotron_ext.run [--cost-strategy NAME] SCRIPT [ARGS...]``: run an unchanged Nanotron training
+script with the planned split, freezing and the every-rank check. Put it where the script would go::
+
+    torchrun --nproc_per_node=8 -m nanotron_ext.run run_train.py --config-file config.yaml
+
+The config file is the script's own ``--config-file`` (or this module's ``--config-file``): our keys stay in
+it and are stripped before Nanotron's loader reads it. What is installed is described in
+:mod:`nanotron_ext.integration.launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from nanotron_ext.cli.common import EXIT_OK, report_error
+from nanotron_ext.config import load_config
+from nanotron_ext.errors import ConfigError, NanotronExtError
+
+__all__ = ["config_file_of", "main"]
+
+_CONFIG_FLAGS = ("--config-file", "--config_file", "--config")
+
+
+def config_file_of(script_args: list[str]) -> str | None:
+    """The value of the script's ``--config-file`` (also ``--config_file``, ``--config``), or None."""
+    for i, arg in enumerate(script_args):
+        for flag in _CONFIG_FLAGS:
+            if arg == flag and i + 1 < len(script_args):
+                return script_args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanotron_ext.run",
+        description="Run a Nanotron training script (e.g. run_train.py) with nanotron_ext's plan, freezing and "
+        "gradient check. Start it with torchrun where the script would go.",
+    )
+    parser.add_argument("--cost-strategy", default=None, help="overrides the YAML's cost_strategy")
+    parser.add_argument("--config-file", dest="config_file", default=None,
+                        help="the YAML to plan from (default: the script's own --config-file)")
+    parser.add_argument("script", help="the training script, e.g. run_train.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
+    from nanotron_ext.integration.launch import install_launcher
+
+    opts = _parser().parse_args(argv)
+    prefix = f"nanotron_ext.run [rank {os.environ.get('RANK', '0')}]: "
+    try:
+        script = Path(opts.script)
+        if not script.is_file():
+            raise ConfigError(f"training script {opts.script!r} not found; give the path of e.g. Nanotron's run_train.py")
+        config_file = opts.config_file or config_file_of(opts.script_args)
+        if config_file is None:
+            raise ConfigError(
+                f"no config file in the script's arguments {opts.script_args}; pass the script's --config-file "
+                f"CONFIG.yaml (or --config-file before the script name)"
+            )
+        cfg = load_config(config_file, cost_strategy=opts.cost_strategy)
+        undo = install_launcher(cfg, opts.cost_strategy)
+    except NanotronExtError as exc:
+        return report_error(exc, prefix)
+    sys.argv = [str(script), *opts.script_args]
+    sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT` would
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
+        return report_error(exc, prefix)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        undo()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` run through ``python -m nanotron_ext.run`` on
+CPU: two torchrun workers over gloo, dummy data (``dataset: null``), the stand-ins of
+``tests/upstream_stubs/nanotron_cpu.py``. Configs are upstream's own example YAMLs, shrunk to CPU size."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from upstream.harness import UPSTREAM, UPSTREAM_EXAMPLES
+
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = ROOT / "tests" / "upstream_stubs"
+RUN_TRAIN = UPSTREAM / "run_train.py"
+SEED_VOCAB = 50277  # the seed case: a tiny model with GPT-NeoX's vocabulary
+
+
+def tiny_config(tmp: Path, example: str = "config_tiny_llama.yaml", *, steps: int = 10, pp: int = 2,
+                ext: dict[str, Any] | None = None, **overrides: Any) -> Path:
+    """Upstream's example YAML shrunk to CPU size (hidden 16, 2 layers, vocab 50277, fp32, seq 32), with
+    our section ``ext`` and dotted ``overrides`` (``checkpoints__save_initial_state=True``)."""
+    d = yaml.safe_load((UPSTREAM_EXAMPLES / example).read_text())
+    d["model"]["model_config"].update(
+        hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=SEED_VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    d["model"]["model_config"].pop("moe_config", None)
+    d["model"].update(dtype="float32", init_method={"std": 0.5})
+    d["parallelism"].update(dp=1, pp=pp, tp=1, pp_engine="1f1b", tp_mode="ALL_REDUCE",
+                            tp_linear_async_communication=False, context_parallel_size=1, expert_parallel_size=1)
+    d["tokens"].update(micro_batch_size=4, sequence_length=32, train_steps=steps, batch_accumulation_per_replica=2,
+                       limit_val_batches=0)
+    d["optimizer"].update(accumulate_grad_in_fp32=False, zero_stage=0, clip_grad=1.0, weight_decay=0.01)
+    d["optimizer"]["optimizer_factory"].update(name="adamW", torch_adam_is_fused=False)
+    d["optimizer"]["learning_rate_scheduler"].update(learning_rate=0.02, min_decay_lr=0.02, lr_warmup_steps=1,
+                                                     lr_warmup_style="linear", lr_decay_steps=None)
+    d["checkpoints"].update(checkpoints_path=str(tmp / "checkpoints"), checkpoint_interval=steps,
+                            save_initial_state=False, resume_checkpoint_path=None)
+    d["general"].update(benchmark_csv_path=None, seed=42)
+    for stage in d["data_stages"]:
+        stage["data"]["dataset"] = None
+    d.pop("lighteval", None)
+    d.pop("s3_upload", None)
+    for dotted, value in overrides.items():
+        *path, key = dotted.split("__")
+        node = d
+        for part in path:
+            node = node.setdefault(part, {})
+        node[key] = value
+    if ext is not None:
+        d["nanotron_ext"] = ext
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Step -> logged lm_loss (upstream logs 3 significant digits)."""
+        return {int(s): float(v) for s, v in re.findall(r"iteration: (\d+) / \d+ .*?\| lm_loss: ([0-9.]+)", self.out)}
+
+
+def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240) -> Run:
+    """``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file CONFIG`` on CPU."""
+    env = {**os.environ, "NANOTRON_EXT_CPU_TRAINER": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "nanotron_ext.run", *launcher_args, str(RUN_TRAIN), "--config-file", str(config)]
+    proc = subprocess.run(cmd, env=env, cwd=config.parent, capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout + proc.stderr)
+
+
+def weight_digests(checkpoint: Path) -> dict[str, str]:
+    """SHA-256 of the tensor bytes of each saved weight of a checkpoint folder, keyed by its file's path below
+    ``model/`` (the files' headers carry sharding metadata that may differ between saves of equal weights)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((checkpoint / "model").rglob("*.safetensors")):
+        digest = hashlib.sha256()
+        for name, tensor in sorted(load_file(f).items()):
+            digest.update(name.encode() + tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        out[str(f.relative_to(checkpoint / "model"))] = digest.hexdigest()
+    return out

@@ -1,0 +1,79 @@
+"""End to end: upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` through
+``torchrun -m nanotron_ext.run`` on two CPU processes over gloo, on dummy data (see ``e2e.py``)."""
+
+from __future__ import annotations
+
+import re
+
+from upstream.e2e import launch, tiny_config, weight_digests
+
+REFUSED = "cannot train; nothing was allocated."
+FREEZE = {"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_layers": 1}
+# Stage 0 = embedding + decoder.0, all frozen by FREEZE; stage 1 = decoder.1 (trained), final norm (frozen),
+# lm_head (trained), cast, loss.
+FROZEN_FIRST_STAGE = {"cost_strategy": "layout", "layout": "E,t|t,L", "freeze": FREEZE}
+
+
+def _ranks_saying(out: str, text: str) -> set[str]:
+    return set(re.findall(r"nanotron_ext\.run \[rank (\d)\]: " + re.escape(text), out))
+
+
+def test_seed_model_nanotron_rule_is_refused_on_every_rank_before_any_weight(tmp_path):
+    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained"}), "--cost-strategy", "nanotron")
+    assert run.rc != 0
+    assert _ranks_saying(run.out, f"nanotron_ext: the 'nanotron' plan for pp=2 {REFUSED}") == {"0", "1"}, run.out
+    assert "stage  blocks" in run.out and "no parameters" in run.out.lower()
+    assert "Total number of parameters" not in run.out  # the trainer never got a built model
+    assert not run.losses
+
+
+def test_seed_model_constrained_trains_ten_steps_and_the_loss_falls(tmp_path):
+    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained"}))
+    assert run.rc == 0, run.out[-3000:]
+    assert run.out.count("nanotron_ext: 'constrained' plan for pp=2") == 1  # printed once, by rank 0
+    assert sorted(run.losses) == list(range(1, 11))
+    # Dummy labels are uniform over the vocabulary, so ln(50277) = 10.83 is the floor; init_method.std 0.5
+    # starts above it and training must close a clear part of the gap.
+    assert run.losses[10] < run.losses[1] - 0.5, run.losses
+
+
+def test_qwen2_trains_at_pp2(tmp_path):
+    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}))
+    assert run.rc == 0, run.out[-3000:]
+    assert "Qwen2" in run.out or "qwen" in run.out.lower()
+    assert sorted(run.losses) == [1, 2, 3, 4, 5]
+    assert run.losses[5] < run.losses[1]
+
+
+def test_frozen_first_stage_is_refused_without_allow_frozen_stages(tmp_path):
+    run = launch(tiny_config(tmp_path, ext=FROZEN_FIRST_STAGE))
+    assert run.rc != 0
+    assert _ranks_saying(run.out, f"nanotron_ext: the 'layout' plan for pp=2 {REFUSED}") == {"0", "1"}, run.out
+    assert "allow_frozen_stages" in run.out
+    assert not run.losses
+
+
+def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_checkpoint(tmp_path):
+    ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
+    run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True))
+    assert run.rc == 0, run.out[-3000:]
+    assert "PP rank(s) [0] hold nothing trainable" in run.out
+    assert sorted(run.losses) == list(range(1, 11)) and run.losses[10] < run.losses[1]
+
+    ckpt = tmp_path / "checkpoints"
+    start, end = weight_digests(ckpt / "0"), weight_digests(ckpt / "10")
+    assert start.keys() == end.keys() and len(start) == 15
+    trained = {k for k in start if k.startswith(("model/decoder/1/", "model/lm_head/"))}
+    frozen = set(start) - trained
+    assert {k for k in frozen if "pp-rank-0" in k} and "model/final_layer_norm/pp_block/model_weight.safetensors" in frozen
+    assert {k for k in frozen if start[k] != end[k]} == set()  # bit-identical, on rank 0 and rank 1
+    assert {k for k in trained if start[k] == end[k]} == set()  # every trained matrix moved
+
+    # Resume: the trainer loads weights, optimizer (empty on the frozen rank) and scheduler, trains step 11.
+    resumed = launch(tiny_config(tmp_path, ext=ext, steps=11, checkpoints__resume_checkpoint_path=str(ckpt / "10"),
+                                 checkpoints__checkpoint_interval=1))
+    assert resumed.rc == 0, resumed.out[-3000:]
+    assert sorted(resumed.losses) == [11]
+    after = weight_digests(ckpt / "11")
+    assert {k for k in frozen if after[k] != start[k]} == set()
+    assert {k for k in trained if after[k] == end[k]} == set()
