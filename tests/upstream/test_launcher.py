@@ -12,6 +12,9 @@ FREEZE = {"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_laye
 # Stage 0 = embedding + decoder.0, all frozen by FREEZE; stage 1 = decoder.1 (trained), final norm (frozen),
 # lm_head (trained), cast, loss.
 FROZEN_FIRST_STAGE = {"cost_strategy": "layout", "layout": "E,t|t,L", "freeze": FREEZE}
+# Nanotron's usual training precision: bf16 weights, fp32 gradient accumulation (its FP32 accumulator keeps a
+# master copy of each weight the optimizer is given).
+BF16 = {"model__dtype": "bfloat16", "optimizer__accumulate_grad_in_fp32": True}
 
 
 def _ranks_saying(out: str, text: str) -> set[str]:
@@ -55,7 +58,7 @@ def test_frozen_first_stage_is_refused_without_allow_frozen_stages(tmp_path):
 
 def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_checkpoint(tmp_path):
     ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
-    run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True))
+    run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True, **BF16))
     assert run.rc == 0, run.out[-3000:]
     assert "PP rank(s) [0] hold nothing trainable" in run.out
     assert sorted(run.losses) == list(range(1, 11)) and run.losses[10] < run.losses[1]
@@ -71,9 +74,19 @@ def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_che
 
     # Resume: the trainer loads weights, optimizer (empty on the frozen rank) and scheduler, trains step 11.
     resumed = launch(tiny_config(tmp_path, ext=ext, steps=11, checkpoints__resume_checkpoint_path=str(ckpt / "10"),
-                                 checkpoints__checkpoint_interval=1))
+                                 checkpoints__checkpoint_interval=1, **BF16))
     assert resumed.rc == 0, resumed.out[-3000:]
     assert sorted(resumed.losses) == [11]
     after = weight_digests(ckpt / "11")
     assert {k for k in frozen if after[k] != start[k]} == set()
     assert {k for k in trained if after[k] == end[k]} == set()
+
+
+def test_frozen_first_stage_at_dp2_runs_without_ddp_there_and_with_ddp_on_the_trained_stage(tmp_path):
+    # 4 processes: dp=2 x pp=2. Upstream would stop in check_model_has_grad ("Can't use DDP because model in
+    # PP=0 has no gradient"); the frozen rank runs unwrapped, stage 1's replicas sync through DDP.
+    ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2, **BF16), nproc=4)
+    assert run.rc == 0, run.out[-3000:]
+    assert "PP rank(s) [0] hold nothing trainable" in run.out
+    assert sorted(run.losses) == [1, 2, 3]
