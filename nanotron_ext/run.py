@@ -19,6 +19,7 @@ from pathlib import Path
 from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
 from nanotron_ext.errors import ConfigError, NanotronExtError
+from nanotron_ext.strategies import get_strategy
 
 __all__ = ["config_file_of", "main"]
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"CONFIG.yaml (or --config-file before the script name)"
             )
         cfg = load_config(config_file, cost_strategy=opts.cost_strategy)
+        get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
         undo = install_launcher(cfg, opts.cost_strategy)
     except NanotronExtError as exc:
         return report_error(exc, prefix)

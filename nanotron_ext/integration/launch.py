@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
+from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.build import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
 
@@ -85,11 +86,18 @@ def install_launcher(
         A function that undoes everything installed.
 
     Raises:
-        NanotronExtError: Nanotron's model or trainer modules cannot be imported (nothing is left installed).
+        RunFailure: Nanotron's trainer cannot be imported (flash-attn missing, say); nothing is installed.
     """
-    import nanotron.config.config as nanotron_config
-    import nanotron.trainer as trainer
-    from nanotron.models.base import NanotronModel
+    try:
+        import nanotron.config.config as nanotron_config
+        import nanotron.trainer as trainer
+        from nanotron.models.base import NanotronModel
+    except Exception as exc:  # ImportError, or upstream's RuntimeError when grouped_gemm is missing
+        raise RunFailure(
+            f"importing Nanotron's trainer failed ({type(exc).__name__}: {exc}); the launcher runs Nanotron's own "
+            f"trainer, which needs what it imports: on a GPU machine `pip install flash-attn` (and grouped_gemm "
+            f"for MoE models); without a GPU, `nanotron-ext train` runs the CPU runtime instead"
+        ) from exc
 
     undo_build = patch_nanotron(cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say))
     patches = _Patches()
@@ -213,10 +221,10 @@ def _upstream_fixes(trainer: Any) -> list[Callable[[_Patches], None]]:
     if re.search(r"(?<!\w)loss_avg\.item\(\)", logs) and not re.search(r"(?<!\w)loss_avg is not None", logs):
         fixes.append(lambda p: _fix_loss_log(p, trainer.DistributedTrainer))
     qwen = _import_or_none("nanotron.models.qwen")
-    if qwen is not None and "if position_ids.numel() > 0" in _source(qwen.Qwen2Model.forward):
+    if "if position_ids.numel() > 0" in _source(getattr(getattr(qwen, "Qwen2Model", None), "forward", None)):
         fixes.append(lambda p: _fix_qwen2_pp(p, qwen.Qwen2Model))
     metadata = _import_or_none("nanotron.serialize.metadata")
-    if metadata is not None and "consumed_tokens_total == sum(" in _source(metadata.TrainingMetadata.__post_init__):
+    if "consumed_tokens_total == sum(" in _source(getattr(getattr(metadata, "TrainingMetadata", None), "__post_init__", None)):
         fixes.append(lambda p: _fix_resume_metadata(p, metadata.TrainingMetadata))
     return fixes
 

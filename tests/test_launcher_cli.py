@@ -1,0 +1,128 @@
+"""``python -m nanotron_ext.run``: arguments, bad input, and what it installs into the Nanotron at hand (0.2 or
+upstream main; the trainer module is imported with the test stand-ins for flash-attn, in a child process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotron_ext.config import bundled_config
+from nanotron_ext.integration.launch import strip_ext_keys
+from nanotron_ext.run import config_file_of, main
+
+ROOT = Path(__file__).resolve().parents[1]
+STUBS = ROOT / "tests" / "upstream_stubs"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config-file", "a.yaml"], "a.yaml"),
+        (["--config-file=b.yaml", "--x", "1"], "b.yaml"),
+        (["--sanity", "2", "--config_file", "c.yaml"], "c.yaml"),
+        (["--config", "d.yaml"], "d.yaml"),
+        (["--config-file"], None),
+        ([], None),
+    ],
+)
+def test_config_file_is_read_from_the_scripts_own_arguments(args, expected):
+    assert config_file_of(args) == expected
+
+
+def test_strip_removes_only_our_keys():
+    raw = yaml.safe_load(bundled_config().read_text())
+    raw["parallelism"]["cost_strategy"] = "constrained"
+    stripped = strip_ext_keys(raw)
+    assert "nanotron_ext" in raw and "nanotron_ext" not in stripped
+    assert "cost_strategy" not in stripped["parallelism"] and raw["parallelism"]["cost_strategy"] == "constrained"
+    assert {k: v for k, v in raw.items() if k != "nanotron_ext"}.keys() == stripped.keys()
+    plain = {"model": {"dtype": "float32"}}
+    assert strip_ext_keys(plain) is plain
+
+
+def test_missing_script_is_a_usage_error(tmp_path, capsys):
+    assert main([str(tmp_path / "run_train.py"), "--config-file", str(bundled_config())]) == 2
+    assert "training script" in capsys.readouterr().err
+
+
+def test_missing_config_file_argument_says_how_to_pass_it(tmp_path, capsys):
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    assert main([str(script), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no config file" in err and "--config-file" in err
+
+
+def test_unknown_cost_strategy_names_the_known_ones(tmp_path, capsys):
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    assert main(["--cost-strategy", "bogus", str(script), "--config-file", str(bundled_config())]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "constrained" in err
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    import nanotron.trainer as trainer
+    from nanotron.config import get_config_from_file
+    from nanotron_ext import load_config
+    from nanotron_ext.integration.launch import install_launcher
+
+    path = sys.argv[1]
+    try:
+        get_config_from_file(path)
+        print("LOADED-BEFORE")
+    except Exception as exc:
+        print("REFUSED-BEFORE", type(exc).__name__)
+    names = ("build_model", "mark_tied_parameters", "check_model_has_grad", "DistributedDataParallel",
+             "init_optimizer_and_grad_accumulator", "sync_gradients_across_dp", "load_optimizer")
+    before = {n: getattr(trainer, n) for n in names}
+    undo = install_launcher(load_config(path), say=lambda s: None)
+    cfg = get_config_from_file(path)
+    print("LOADED-AFTER", cfg.parallelism.pp)
+    print("SWAPPED", sorted(n for n in names if getattr(trainer, n) is not before[n]))
+    undo()
+    print("RESTORED", all(getattr(trainer, n) is before[n] for n in names))
+    """
+)
+
+
+def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
+    # The bundled example is written for Nanotron 0.2's loader; upstream's strict loader wants its own
+    # sections, so under upstream use its example shrunk by the end-to-end helper.
+    try:
+        from upstream.e2e import tiny_config
+        from upstream.harness import NANOTRON
+    except ImportError:  # pragma: no cover
+        NANOTRON = "0.2"
+    path = (tiny_config(tmp_path, ext={"cost_strategy": "constrained"}) if NANOTRON == "upstream"
+            else bundled_config())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("REFUSED-BEFORE") for line in lines), out.stdout  # strict: our keys are unknown
+    assert "LOADED-AFTER 2" in lines
+    assert "SWAPPED ['DistributedDataParallel', 'build_model', 'check_model_has_grad', " \
+           "'init_optimizer_and_grad_accumulator', 'load_optimizer', 'mark_tied_parameters', " \
+           "'sync_gradients_across_dp']" in lines
+    assert "RESTORED True" in lines
+
+
+@pytest.mark.nanotron02
+def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, capsys):
+    # In the 0.2 pass flash-attn is missing, as on any CPU machine: Nanotron's trainer cannot be imported.
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    assert main([str(script), "--config-file", str(bundled_config())]) == 3
+    err = capsys.readouterr().err
+    assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
