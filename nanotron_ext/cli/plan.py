@@ -57,8 +57,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(_header(cfg, plan))
         print(plan.table())
-        print("\nmemory per stage (peak = weights + gradients + optimizer + buffers + overhead + the larger of "
-              "activations/mb × in flight + temporaries and the optimizer step's temporaries):")
+        print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
+              "alive then):")
         print(plan.memory_table())
         print(_verdict(plan, step_time_line(cfg, blocks, plan)))
         tradeoff = frozen_tradeoff(cfg, blocks)
