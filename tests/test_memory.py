@@ -34,15 +34,15 @@ def _run(cfg, **kw):
 def test_bytes_per_parameter_follow_nanotrons_optimizer(tiny):
     cfg, _ = tiny
     per = lambda **kw: dataclasses.astuple(param_bytes(_run(cfg, **kw)))  # noqa: E731
-    # (weights, gradients, optimizer, Adam state element)
-    assert per(dtype="float32") == (4, 4, 8, 4)
+    # (weights, gradients, optimizer, Adam state element, gradients allocated before training)
+    assert per(dtype="float32") == (4, 4, 8, 4, 0)
     # bf16 without fp32 accumulation: AdamW on the bf16 parameters themselves, 8 B in all.
-    assert per(dtype="bfloat16") == (2, 2, 4, 2)
+    assert per(dtype="bfloat16") == (2, 2, 4, 2, 0)
     # fp32 accumulation: fp32 buffer + the bf16 .grad until it is added; fp32 master + Adam.
-    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True) == (2, 6, 12, 4)
+    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True) == (2, 6, 12, 4, 4)
     # dp > 1: DDP's bucket holds one more gradient in the model dtype; ZeRO-1 shards master + Adam.
-    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True, dp=4) == (2, 8, 12, 4)
-    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True, dp=4, zero_stage=1) == (2, 8, 3, 4)
+    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True, dp=4) == (2, 8, 12, 4, 6)
+    assert per(dtype="bfloat16", accumulate_grad_in_fp32=True, dp=4, zero_stage=1) == (2, 8, 3, 4, 6)
 
 
 def test_decoder_saves_what_the_cpu_runtime_saves(tiny):
@@ -189,3 +189,14 @@ def test_plan_shows_the_breakdown_per_stage_and_in_json(tiny):
     for s, d in zip(plan.stages, stages):
         assert d["memory"]["peak"] == s.memory_bytes == s.memory.peak
         assert set(d["memory"]) >= {"weights", "gradients", "optimizer", "activations", "in_flight", "overhead"}
+
+
+def test_fp32_accumulation_buffer_and_ddp_buckets_exist_before_any_backward(tiny):
+    cfg, blocks = tiny
+    # One micro-batch: the forward peak comes before any backward, so no .grad exists yet; the fp32 buffer
+    # (4 B/param) and DDP's bf16 bucket (2 B/param) were allocated when the accumulator and DDP were built.
+    run = _run(cfg, dtype="bfloat16", accumulate_grad_in_fp32=True, dp=2, n_micro_batches=1)
+    mem = stage_memory(blocks[4:], cfg.model, run, stage=1)
+    assert mem.gradients == 804_432 * (4 + 2 + 2)
+    assert mem.pipeline_gradients == 804_432 * (4 + 2)
+    assert stage_memory(blocks[4:], cfg.model, _run(cfg, n_micro_batches=1), stage=1).pipeline_gradients == 0

@@ -182,12 +182,15 @@ class ParamBytes:
         optimizer: Adam's two moments, plus fp32 master weights when a 16-bit model accumulates in fp32
             (divided by dp under ZeRO-1).
         state: bytes of one optimizer-state element (the dtype Adam's temporaries are made in).
+        gradients_allocated: the part of ``gradients`` allocated before training and kept (the fp32
+            accumulation buffer, DDP's buckets); the rest, ``.grad``, appears during the backward.
     """
 
     weights: float
     gradients: float
     optimizer: float
     state: float
+    gradients_allocated: float = 0.0
 
 
 def param_bytes(run: RunShape) -> ParamBytes:
@@ -202,18 +205,22 @@ def param_bytes(run: RunShape) -> ParamBytes:
     * ZeRO-1: the optimizer column (master weights and Adam) divided by dp.
     """
     w = DTYPE_BYTES[run.dtype]
+    allocated = 0.0
     if w == 4:
         grads, state, master = 4.0, 4.0, 0.0
     elif run.accumulate_grad_in_fp32:
-        grads, state, master = 4.0 + w, 4.0, 4.0
+        # FP32GradientAccumulator allocates its contiguous fp32 buffer when it is built.
+        grads, state, master, allocated = 4.0 + w, 4.0, 4.0, 4.0
     else:
         grads, state, master = float(w), float(w), 0.0
     if run.dp > 1:
         grads += w  # DDP keeps its own bucket copy of every gradient (gradient_as_bucket_view is off)
+        allocated += w  # ... allocated when DDP wraps the model
     optimizer = 2 * state + master
     if run.zero_stage >= 1:
         optimizer /= run.dp
-    return ParamBytes(weights=float(w), gradients=grads, optimizer=optimizer, state=state)
+    return ParamBytes(weights=float(w), gradients=grads, optimizer=optimizer, state=state,
+                      gradients_allocated=allocated)
 
 
 def static_bytes(block: BlockInfo, run: RunShape) -> float:

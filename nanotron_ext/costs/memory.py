@@ -299,7 +299,10 @@ def stage_memory(
         # One tensor on this rank: Nanotron ties the two names to the same parameter.
         params -= blocks[roles["lm_head"]].params
         trainable[roles["lm_head"]] = 0
-    grads = [x * per.gradients for x in trainable]
+    # Buffers made before training (fp32 accumulation, DDP buckets) are alive throughout; .grad only once a
+    # backward has made it.
+    allocated = sum(trainable) * per.gradients_allocated
+    grads = [x * (per.gradients - per.gradients_allocated) for x in trainable]
     n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
     # 1F1B with more micro-batches than it holds runs a backward before its next forward: from then on every
     # gradient exists during forwards too. Otherwise (AFAB, or all forwards first) the first backward makes
@@ -338,7 +341,7 @@ def stage_memory(
                     candidates.append(((n - 2) * activations + saved_so_far + held_out, g_all,
                                        x.output + x.backward_temp))
         worst = max(candidates, key=sum)
-        worst = (worst[0], worst[1], worst[2] + sent)
+        worst = (worst[0], worst[1] + allocated, worst[2] + sent)
     largest = max((_largest_param(b, m, run) for b, tr in zip(blocks, trainable) if tr), default=0)
     if optimizer == "for_loop":
         # torch's single-tensor AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps), two tensors for a moment.
@@ -349,7 +352,7 @@ def stage_memory(
         opt_temp = 0.0
     return StageMemory(
         weights=params * per.weights,
-        gradients=sum(grads),
+        gradients=sum(grads) + allocated,
         optimizer=sum(trainable) * per.optimizer,
         buffers=sum(x.persistent for x in mems) + (RUNTIME_TENSORS_BYTES if blocks else 0.0),
         activations=activations,
