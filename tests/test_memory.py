@@ -200,3 +200,15 @@ def test_fp32_accumulation_buffer_and_ddp_buckets_exist_before_any_backward(tiny
     assert mem.gradients == 804_432 * (4 + 2 + 2)
     assert mem.pipeline_gradients == 804_432 * (4 + 2)
     assert stage_memory(blocks[4:], cfg.model, _run(cfg, n_micro_batches=1), stage=1).pipeline_gradients == 0
+
+
+def test_without_a_cast_block_the_loss_copies_the_16_bit_logits_to_fp32():
+    cfg = load_config(bundled_config("smollm3_3b.yaml"))  # Qwen2: lm_head -> loss, bf16, tp=2
+    blocks = inventory_from_config(cfg)
+    assert [b.role for b in blocks[-2:]] == ["lm_head", "loss"]
+    t, v = 3 * 4096, 128_256 // 2
+    loss = block_memory(blocks[-1], cfg.model, cfg.run)
+    assert (loss.input, loss.forward_temp) == (t * v * 2, t * v * 4)
+    # The loss's forward: bf16 logits, their fp32 copy and the shifted softmax it saves, 10·t·V/tp bytes.
+    mem = stage_memory(blocks[-2:], cfg.model, cfg.run, stage=1)
+    assert mem.pipeline_temporaries == t * v * (2 + 4)

@@ -122,10 +122,12 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
                            input=t * v * w, input_saved=False, output=t * v * 4.0)
     if role == "loss":
         # sharded_cross_entropy saves exp(logits - max) normalised in place (fp32), the int64 targets, the
-        # target mask; Loss keeps the float label mask.
-        # Its backward turns the saved softmax into the logits' gradient in place.
-        return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=0.0, backward_temp=0.0, persistent=0.0,
-                           input=t * v * 4.0, input_saved=False, output=0.0)
+        # target mask; Loss keeps the float label mask. Its backward turns the saved softmax into the logits'
+        # gradient in place. Without a cast_to_fp32 block (Qwen2) the logits arrive in the model dtype and
+        # its .to(float) copy is alive next to them while it shifts.
+        logits = 4.0 if m.family != "qwen2" else float(w)
+        return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
+                           backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
     # projector / other: a linear layer on the hidden states.
     return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
                        input=t * h * w, input_saved=True, output=t * h * w)
