@@ -101,8 +101,7 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
         # The dense gradient of the table is made fresh (embedding_dense_backward) before it joins .grad, from a
         # contiguous copy of the incoming [seq, batch, hidden] gradient.
         return BlockMemory(saved=ids, forward_temp=0.0, backward_temp=grad_temp + tn * h * w, persistent=0.0,
-                           input=ids + t,
-                           input_saved=False, output=tn * h * w + t)
+                           input=ids + t, input_saved=False, output=tn * h * w + t)
     if role == "decoder":
         return _decoder(block, m, run, t, tn, tl, grad_temp)
     if role == "final_norm":
@@ -111,13 +110,11 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
                            persistent=0.0, input=tn * h * w, input_saved=w == 4, output=tn * h * w)
     v = m.vocab_size / tp
     if role == "lm_head":
-        # Saves its input; the backward makes the weight gradient and the input gradient.
-        # Backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
+        # Saves its input; backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
         return BlockMemory(saved=tl * h * w, forward_temp=0.0, backward_temp=grad_temp + 2 * tl * h * w, persistent=0.0,
                            input=tn * h * w, input_saved=not seq_parallel or run.tp_async, output=t * v * w)
     if role == "cast":
-        # x.float(): a copy in 16-bit, the tensor itself in fp32.
-        # Backward: the gradient cast back to the model dtype.
+        # x.float(): a copy in 16-bit, the tensor itself in fp32; backward: the gradient cast back to 16-bit.
         return BlockMemory(saved=0.0, forward_temp=0.0, backward_temp=t * v * w if w < 4 else 0.0, persistent=0.0,
                            input=t * v * w, input_saved=False, output=t * v * 4.0)
     if role == "loss":
@@ -151,7 +148,7 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
         keys_values = kv + (q + 2 * kv)  # rotated k; v is a view that keeps the whole qkv output alive
     o_copy = q if run.micro_batch_size > 1 else 0  # [seq, batch, q] is not contiguous unless batch == 1
     attention = t * (w * (q + keys_values + q + o_copy) + 4.0 * heads)
-    mlp = t * w * mlp_saved_width(m, block_layer(block)) / tp
+    mlp = t * w * mlp_saved_width(m, _block_layer(block)) / tp
     saved = 2 * _norm(tn, h, w) + 2 * tl * h * w + attention + mlp
     f = m.intermediate_size / tp
     # Forward: the qkv output next to rotary's fp32 products; backward: the MLP's gradients (merged 2f and f) next
@@ -166,7 +163,7 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
                        input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
 
 
-def block_layer(block: BlockInfo) -> int | None:
+def _block_layer(block: BlockInfo) -> int | None:
     """A decoder block's layer index from its name (``model.decoder.7`` -> 7)."""
     tail = block.name.rsplit(".", 1)[-1]
     return int(tail) if tail.isdigit() else None
