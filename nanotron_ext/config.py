@@ -26,6 +26,7 @@ from nanotron_ext.schedule import Engine
 __all__ = [
     "DEFAULT_STRATEGY",
     "DTYPE_BYTES",
+    "DEFAULT_MEMORY_OVERHEAD_GIB",
     "DType",
     "EXT_SECTION",
     "ExtConfig",
@@ -39,6 +40,13 @@ __all__ = [
 ]
 
 DType = Literal["float32", "bfloat16", "float16"]
+TPMode = Literal["ALL_REDUCE", "REDUCE_SCATTER"]
+#: Where the memory estimate's plan runs: Nanotron's trainer on CUDA, or this package's CPU runtime.
+MemoryRuntime = Literal["gpu", "cpu"]
+#: ``memory_overhead_gib`` when not given, per runtime: on a GPU the CUDA context (~0.5 GiB), NCCL's
+#: communicator buffers and the caching allocator's fragmentation are not tensors; on CPU the measured
+#: quantity is torch's live tensor bytes, so nothing is added.
+DEFAULT_MEMORY_OVERHEAD_GIB: dict[str, float] = {"gpu": 1.0, "cpu": 0.0}
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 EXT_SECTION = "nanotron_ext"
 DEFAULT_STRATEGY = "constrained"
@@ -107,12 +115,16 @@ class RunShape:
     dtype: DType = "bfloat16"
     zero_stage: int = 0
     accumulate_grad_in_fp32: bool = False
+    tp_mode: TPMode = "ALL_REDUCE"  # Nanotron's parallelism.tp_mode (REDUCE_SCATTER: sequence parallel)
+    tp_async: bool = False  # parallelism.tp_linear_async_communication
+    torch_adam_is_fused: bool = False  # optimizer.torch_adam_is_fused
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
             _check_positive_int(name, getattr(self, name))
         _check_choice("parallelism.pp_engine", self.engine, Engine)
         _check_choice("model.dtype", self.dtype, DType)
+        _check_choice("parallelism.tp_mode", self.tp_mode, TPMode)
         if self.zero_stage not in (0, 1):
             raise ConfigError(f"optimizer.zero_stage={self.zero_stage!r}: Nanotron supports 0 or 1")
 
@@ -142,6 +154,10 @@ class ExtConfig:
             ``step_time`` (default), the simulated step under the config's schedule
             (:mod:`nanotron_ext.partition.schedule_aware`), or ``slowest_stage``, the slowest stage's cost.
         p2p_gbps: link bandwidth (GB/s) the ``step_time`` objective prices transfers with; None ignores p2p.
+        memory_runtime: ``gpu`` (Nanotron's trainer: foreach AdamW unless fused) or ``cpu`` (the CPU runtime:
+            single-tensor AdamW); decides the optimizer step's temporaries and the default overhead.
+        memory_overhead_gib: per-stage allowance for memory that is not tensors (context, communication
+            buffers, fragmentation); None: :data:`DEFAULT_MEMORY_OVERHEAD_GIB` of the runtime (1 GiB on gpu).
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -154,8 +170,30 @@ class ExtConfig:
     profile_cache: str | None = None
     objective: str = "step_time"
     p2p_gbps: float | None = None
+    memory_runtime: str = "gpu"
+    memory_overhead_gib: float | None = None
+
+    @property
+    def overhead_gib(self) -> float:
+        """The overhead allowance in effect (the default of ``memory_runtime`` when not set)."""
+        if self.memory_overhead_gib is not None:
+            return float(self.memory_overhead_gib)
+        return DEFAULT_MEMORY_OVERHEAD_GIB[self.memory_runtime]
 
     def __post_init__(self) -> None:
+        if self.memory_runtime not in get_args(MemoryRuntime):
+            raise ConfigError(
+                f"nanotron_ext.memory_runtime={self.memory_runtime!r} is unknown; use gpu (Nanotron's trainer) or "
+                f"cpu (nanotron-ext train)"
+            )
+        if self.memory_overhead_gib is not None and not (
+            isinstance(self.memory_overhead_gib, (int, float)) and not isinstance(self.memory_overhead_gib, bool)
+            and math.isfinite(self.memory_overhead_gib) and self.memory_overhead_gib >= 0
+        ):
+            raise ConfigError(
+                f"nanotron_ext.memory_overhead_gib={self.memory_overhead_gib!r} must be a number of GiB >= 0, or null "
+                f"for the default ({DEFAULT_MEMORY_OVERHEAD_GIB['gpu']:g} GiB on gpu)"
+            )
         if self.objective not in OBJECTIVES:
             raise ConfigError(
                 f"nanotron_ext.objective={self.objective!r} is unknown; use one of {', '.join(OBJECTIVES)}"
@@ -269,8 +307,21 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> PlannerConfig:
         dtype=str(get("model.dtype", default="bfloat16")),
         zero_stage=get("optimizer.zero_stage", default=0),
         accumulate_grad_in_fp32=bool(get("optimizer.accumulate_grad_in_fp32", default=False)),
+        tp_mode=str(get("parallelism.tp_mode", default="ALL_REDUCE")).upper().removeprefix("TENSORPARALLELLINEARMODE."),
+        tp_async=bool(get("parallelism.tp_linear_async_communication", default=False)),
+        torch_adam_is_fused=bool(_adam_fused(nanotron)),
     )
     return PlannerConfig(model=model, run=run, ext=ext, nanotron=nanotron, source=source)
+
+
+def _adam_fused(nanotron: dict[str, Any]) -> bool:
+    # Nanotron 0.2 keeps torch_adam_is_fused next to the other optimizer keys; upstream main under
+    # optimizer.optimizer_factory.
+    opt = nanotron.get("optimizer") or {}
+    if not isinstance(opt, dict):
+        return False
+    factory = opt.get("optimizer_factory") or {}
+    return bool(opt.get("torch_adam_is_fused") or (isinstance(factory, dict) and factory.get("torch_adam_is_fused")))
 
 
 def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict[str, Any], ExtConfig]:

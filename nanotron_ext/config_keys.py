@@ -54,7 +54,7 @@ __all__ = [
 #: Keys of our ``nanotron_ext:`` section (the fields of ``config.ExtConfig``; a test keeps them in step).
 EXT_KEYS = frozenset({
     "cost_strategy", "base_strategy", "layout", "memory_cap_gib", "allow_frozen_stages", "projector", "freeze",
-    "profile_cache", "objective", "p2p_gbps",
+    "profile_cache", "objective", "p2p_gbps", "memory_overhead_gib", "memory_runtime",
 })
 #: Keys of ``nanotron_ext.freeze:``.
 FREEZE_KEYS = frozenset({"modules", "unfreeze", "unfreeze_last_decoder_layers"})

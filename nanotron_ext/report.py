@@ -58,7 +58,9 @@ def human_bytes(n: float) -> str:
     """``3.5 · 2**30`` → ``3.5 GiB``."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
+            x = n / size
+            # 1000-1023 of a unit: .3g would write 1e+03
+            return f"{x:.0f} {unit}" if abs(x) >= 1000 else f"{x:.3g} {unit}"
     return f"{n:.0f} B"
 
 

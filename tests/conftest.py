@@ -12,6 +12,7 @@ from upstream.harness import NANOTRON
 
 # Modules that drive Nanotron 0.2's engines through the CPU runtime (nanotron_ext.runtime) at import time.
 _RUNTIME_ONLY = [
+    "runtime/test_memory_cap.py",
     "runtime/test_runtime_layers.py",
     "runtime/test_runtime_pipeline.py",
     "runtime/test_spawn_helper.py",

@@ -57,6 +57,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(_header(cfg, plan))
         print(plan.table())
+        print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
+              "alive then):")
+        print(plan.memory_table())
         print(_verdict(plan, step_time_line(cfg, blocks, plan)))
         tradeoff = frozen_tradeoff(cfg, blocks)
         if tradeoff:

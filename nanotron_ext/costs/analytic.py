@@ -24,9 +24,12 @@ from nanotron_ext.schedule import Engine
 __all__ = [
     "GIB",
     "BlockWork",
+    "ParamBytes",
     "block_work",
     "decoder_linear_params",
     "in_flight",
+    "mlp_saved_width",
+    "param_bytes",
     "stage_memory_bytes",
     "static_bytes",
     "trainable_before",
@@ -72,6 +75,14 @@ def _mlp_active(m: ModelShape, layer: int | None) -> tuple[int, int]:
         return weights, moe.top_k * matrices * moe.expert_intermediate_size + 3 * shared
     matrices = 2 if m.family == "starcoder2" else 3
     return matrices * m.intermediate_size * h, matrices * m.intermediate_size
+
+
+def mlp_saved_width(m: ModelShape, layer: int | None = None) -> float:
+    """Elements per token a layer's MLP saves for backward: the matmul outputs (gate|up and down's input: 3f;
+    Starcoder2's up: 2f), plus the gate's activation in a gated MLP (4f in all)."""
+    width = float(_mlp_active(m, layer)[1])
+    gated = m.moe.glu if m.moe_layer(layer) and m.moe is not None else m.family != "starcoder2"
+    return width + width / 3 if gated else width
 
 
 def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0, layer: int | None = None) -> BlockWork:
@@ -161,22 +172,72 @@ def in_flight(engine: Engine, pp: int, n_micro_batches: int) -> list[int]:
     return [min(n_micro_batches, pp - stage) for stage in range(pp)]
 
 
-def static_bytes(block: BlockInfo, run: RunShape) -> float:
-    """Weights + gradients + optimizer state (+ fp32 master weights) of a block, ZeRO-1 aware.
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per trainable parameter (``weights`` also per frozen one).
 
-    Frozen weights carry no gradient or optimizer state.
+    Attributes:
+        weights: the parameter in the model dtype.
+        gradients: ``.grad`` (plus the fp32 accumulation buffer, plus DDP's bucket when dp > 1).
+        optimizer: Adam's two moments, plus fp32 master weights when a 16-bit model accumulates in fp32
+            (divided by dp under ZeRO-1).
+        state: bytes of one optimizer-state element (the dtype Adam's temporaries are made in).
+        gradients_allocated: the part of ``gradients`` allocated before training and kept (the fp32
+            accumulation buffer, DDP's buckets); the rest, ``.grad``, appears during the backward.
+    """
+
+    weights: float
+    gradients: float
+    optimizer: float
+    state: float
+    gradients_allocated: float = 0.0
+
+
+def param_bytes(run: RunShape) -> ParamBytes:
+    """Bytes per parameter under ``run``'s dtype, gradient accumulation, ZeRO stage and dp.
+
+    * fp32: weights 4, ``.grad`` 4, Adam 8.
+    * 16-bit with ``accumulate_grad_in_fp32``: weights 2; gradients: the fp32 buffer 4 plus the 16-bit ``.grad``
+      that lives until the accumulator adds it (2); optimizer: fp32 master weights 4 + Adam 8 in fp32.
+    * 16-bit without it: Nanotron runs AdamW on the 16-bit parameters themselves: weights 2, ``.grad`` 2,
+      Adam 2 + 2.
+    * dp > 1: DDP's gradient buckets, one more gradient in the model dtype.
+    * ZeRO-1: the optimizer column (master weights and Adam) divided by dp.
     """
     w = DTYPE_BYTES[run.dtype]
-    grad = 4 if (run.accumulate_grad_in_fp32 or w == 4) else w
-    master = 4 if w < 4 else 0  # Nanotron keeps fp32 master weights for a 16-bit model
-    optimizer = 8.0 + master  # AdamW exp_avg and exp_avg_sq in fp32
+    allocated = 0.0
+    if w == 4:
+        grads, state, master = 4.0, 4.0, 0.0
+    elif run.accumulate_grad_in_fp32:
+        # FP32GradientAccumulator allocates its contiguous fp32 buffer when it is built.
+        grads, state, master, allocated = 4.0 + w, 4.0, 4.0, 4.0
+    else:
+        grads, state, master = float(w), float(w), 0.0
+    if run.dp > 1:
+        grads += w  # DDP keeps its own bucket copy of every gradient (gradient_as_bucket_view is off)
+        allocated += w  # ... allocated when DDP wraps the model
+    optimizer = 2 * state + master
     if run.zero_stage >= 1:
         optimizer /= run.dp
-    return block.params * w + block.trainable * (grad + optimizer)
+    return ParamBytes(weights=float(w), gradients=grads, optimizer=optimizer, state=state,
+                      gradients_allocated=allocated)
+
+
+def static_bytes(block: BlockInfo, run: RunShape) -> float:
+    """Weights + gradients + optimizer state (+ fp32 master weights) of a block, ZeRO-1 and DDP aware.
+
+    Bytes per parameter are :func:`param_bytes`'s. Frozen weights carry no gradient or
+    optimizer state.
+    """
+    per = param_bytes(run)
+    return block.params * per.weights + block.trainable * (per.gradients + per.optimizer)
 
 
 def stage_memory_bytes(blocks: Sequence[BlockInfo], run: RunShape, stage: int, pp: int | None = None) -> float:
-    """Estimated peak memory of a stage holding ``blocks`` (static + activations in flight)."""
+    """Static bytes + the blocks' ``activation_bytes`` × micro-batches in flight: an additive approximation.
+
+    The estimate ``plan`` prints and checks the cap against is :func:`nanotron_ext.costs.memory.stage_memory`.
+    """
     pp = run.pp if pp is None else pp
     n = in_flight(run.engine, pp, run.n_micro_batches)[stage]
     return sum(static_bytes(b, run) for b in blocks) + n * sum(b.activation_bytes for b in blocks)

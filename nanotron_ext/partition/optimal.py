@@ -45,12 +45,18 @@ class Requirement:
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """Per-stage memory ceiling: ``sum(static) + in_flight[stage] · sum(activation) <= cap`` (bytes)."""
+    """Per-stage memory ceiling: ``overhead + sum(static) + in_flight[stage] · sum(activation) <= cap`` (bytes)."""
 
     static: tuple[float, ...]
     activation: tuple[float, ...]
     in_flight: tuple[int, ...]
     cap: float
+    overhead: float = 0.0  # per stage, whatever it holds (runtime overhead allowance)
+
+    @property
+    def room(self) -> float:
+        """What the blocks of one stage may use: the cap less the overhead."""
+        return self.cap - self.overhead
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,7 @@ def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: Me
         return lambda k: base
     sp = np.concatenate([[0.0], np.cumsum(memory.static)])
     ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
-    limit = memory.cap * (1 + _RTOL)
+    limit = memory.room + memory.cap * _RTOL
 
     def valid(k: int) -> np.ndarray:
         mem = (sp[None, :] - sp[:, None]) + memory.in_flight[k] * (ap[None, :] - ap[:, None])
@@ -244,7 +250,8 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     gib = float(1 << 30)
     return PlanningError(
         f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
-        f"{mem.max_cost / gib:.3g} GiB on stage {worst} ({(mem.max_cost - memory.cap) / gib:.3g} GiB over); "
+        f"{(mem.max_cost + memory.overhead) / gib:.3g} GiB on stage {worst} "
+        f"({(mem.max_cost + memory.overhead - memory.cap) / gib:.3g} GiB over); "
         f"raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer micro-batches "
         f"in flight)"
     )

@@ -435,7 +435,7 @@ class _Validity:
         if memory is not None:
             sp = np.concatenate([[0.0], np.cumsum(memory.static)])
             ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
-            mem = (sp, ap, tuple(memory.in_flight), memory.cap * (1 + _RTOL))
+            mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * _RTOL)
         return _Validity(n=n, hi=hi, mem=mem)
 
     def lo(self, k: int) -> np.ndarray:

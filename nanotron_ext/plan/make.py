@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.analytic import stage_memory_bytes, training_flops
+from nanotron_ext.costs.analytic import training_flops
+from nanotron_ext.costs.memory import config_stage_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
@@ -46,6 +47,7 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
     for k in range(pp):
         members = [b for b, r in zip(blocks, ranks) if r == k]
         cost = sum(c for c, r in zip(assignment.costs, ranks) if r == k)
+        memory = config_stage_memory(members, cfg, k)
         stages.append(
             StagePlan(
                 stage=k,
@@ -56,7 +58,8 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
                 cost=cost,
                 share=cost / total_cost,
                 flops=sum(f for f, r in zip(flops, ranks) if r == k),
-                memory_bytes=stage_memory_bytes(members, cfg.run, k),
+                memory_bytes=memory.peak,
+                memory=memory,
             )
         )
     plan = Plan(

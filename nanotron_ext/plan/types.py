@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+from nanotron_ext.costs.memory import StageMemory
 from nanotron_ext.report import human_bytes, human_count, table
 
 __all__ = ["Finding", "Plan", "Severity", "StagePlan"]
@@ -50,6 +51,7 @@ class StagePlan:
         share: the stage's fraction of the strategy's total cost.
         flops: training FLOPs per micro-batch (the yardstick every strategy is compared on).
         memory_bytes: estimated peak memory.
+        memory: its breakdown (weights, gradients, optimizer, activations × in flight, temporaries, overhead).
     """
 
     stage: int
@@ -61,6 +63,7 @@ class StagePlan:
     share: float
     flops: float
     memory_bytes: float
+    memory: StageMemory | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for stage, out in zip(self.stages, d["stages"]):
+            out["memory"] = stage.memory.to_dict() if stage.memory is not None else None
         d.update(ok=self.ok, optimum_flops=self.optimum_flops, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,
                  spread=self.spread, bubble_estimate=self.bubble_estimate)
         return d
@@ -154,4 +159,17 @@ class Plan:
         ]
         head = ["stage", "blocks", "params", "trainable", f"share ({self.unit})", "train FLOPs/mb",
                 "memory", "verdict"]
+        return table(head, rows)
+
+    def memory_table(self) -> str:
+        """Per-stage peak-memory breakdown: peak = weights + gradients + optimizer + buffers + overhead
+        + the larger of (activations × in flight + pipeline temporaries) and the optimizer step's temporaries."""
+        rows = [
+            [s.stage, human_bytes(m.weights), human_bytes(m.gradients), human_bytes(m.optimizer),
+             human_bytes(m.buffers), human_bytes(m.activations), m.in_flight, human_bytes(m.temporaries),
+             human_bytes(m.overhead), human_bytes(m.peak), m.peak_at]
+            for s in self.stages if (m := s.memory) is not None
+        ]
+        head = ["stage", "weights", "gradients", "optimizer", "buffers", "activations/mb", "in flight", "temporaries",
+                "overhead", "peak", "peak at"]
         return table(head, rows)

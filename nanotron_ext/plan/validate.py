@@ -64,7 +64,8 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 "error", "memory", s.stage,
                 f"stage {s.stage} needs about {s.memory_bytes / GIB:.3g} GiB, over memory_cap_gib={cap:g} by "
                 f"{s.memory_bytes / GIB - cap:.3g} GiB",
-                "use `--cost-strategy memory` or `constrained` (they respect the cap), a larger pp, or zero_stage 1",
+                "raise the cap, use a larger pp, optimizer.zero_stage: 1, the 1f1b engine (fewer micro-batches in "
+                "flight) or `--cost-strategy memory` (it balances the estimate's additive part)",
             ))
     m, engine = cfg.run.n_micro_batches, cfg.run.engine
     if not fills_pipeline(engine, plan.pp, m):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
+from nanotron_ext.costs.memory import block_memory
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.partition import MemoryCap, Requirement, layout_ranks, nanotron_greedy_ranks, partition
 from nanotron_ext.partition.schedule_aware import step_time_partition
@@ -95,13 +96,24 @@ def _constraints(
         reqs.append(_has_trainable(blocks))
     memory = None
     if cfg.ext.memory_cap_gib is not None:
+        static, saved = _memory_terms(blocks, cfg)
+        # The additive part of each stage's estimate (weights, gradients, optimizer, buffers, saved activations
+        # × in flight) plus the overhead: a lower bound of the full estimate, so no split that fits is lost. The
+        # validator then checks the chosen split's full estimate (temporaries, held tensors) against the cap.
         memory = MemoryCap(
-            static=tuple(static_bytes(b, run) for b in blocks),
-            activation=tuple(b.activation_bytes for b in blocks),
+            static=tuple(static),
+            activation=tuple(saved),
             in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
             cap=cfg.ext.memory_cap_gib * GIB,
+            overhead=cfg.ext.overhead_gib * GIB,
         )
     return reqs, memory
+
+
+def _memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[list[float], list[float]]:
+    """Per block: bytes held for the whole step (static + buffers), and bytes saved per micro-batch."""
+    mems = [block_memory(b, cfg.model, cfg.run) for b in blocks]
+    return ([static_bytes(b, cfg.run) + x.persistent for b, x in zip(blocks, mems)], [x.saved for x in mems])
 
 
 def step_time_assignment(
@@ -193,7 +205,8 @@ def _price_flops(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Pricing:
 
 def _price_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Pricing:
     # Activations are priced per micro-batch in flight, which depends on the stage.
-    return [static_bytes(b, cfg.run) for b in blocks], "bytes", [b.activation_bytes for b in blocks]
+    static, saved = _memory_terms(blocks, cfg)
+    return static, "bytes", saved
 
 
 _PRICERS: dict[str, Callable[[Sequence[BlockInfo], PlannerConfig], _Pricing]] = {

@@ -293,3 +293,11 @@ def fail_on_rank_one_else_hang() -> None:
         raise RuntimeError("boom on rank 1")
     while True:
         time.sleep(0.1)
+
+
+def measure_memory(raw: dict[str, Any], block_ranks: list[int]) -> dict[str, Any]:
+    """Train the planned split of the YAML dict ``raw`` for two steps; return this rank's measured memory."""
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.runtime.memory import measure_training_memory
+
+    return measure_training_memory(config_from_dict(raw), block_ranks, steps=2)

@@ -1,0 +1,210 @@
+"""Estimated vs measured peak memory per stage and per term, on the CPU runtime (Nanotron 0.2's engines, gloo).
+
+For each scenario, ``dp × pp × tp`` fresh processes build the planned split with the CPU runtime
+(``nanotron_ext.runtime``), train 2 steps (the second with Adam's state alive) and record every allocation of
+torch's CPU allocator (:class:`nanotron_ext.runtime.memory.MemoryRecorder`, from before the model is built). The
+estimate is the plan's (``nanotron_ext.costs.memory``) with ``memory_runtime: cpu`` (single-tensor AdamW, no
+overhead allowance: the measured quantity is live tensor bytes, which has no CUDA context or NCCL buffers).
+
+Per rank it prints weights, gradients and Adam state (estimated / measured tensor bytes), the peak of the
+pipeline part (``train_batch_iter``), of the optimizer step, and of the whole run, with ``est ÷ meas``. The check
+at the end: on every row the estimated peak is at least the measured peak and at most 1.10× it.
+
+Scenarios: the bundled tiny example (``tiny_llama_large_vocab.yaml``: 2 layers, hidden 16, vocabulary 50277,
+sequence 32, micro-batch 2, 4 micro-batches) and a SmolLM-135M-shaped model shrunk to CPU (hidden 576, 9/3 heads,
+intermediate 1536, vocabulary 49152, tied embeddings; 6 layers, sequence 128, micro-batch 2, 4 micro-batches),
+each in fp32 and bf16, 1F1B and AFAB, at pp=2; the tiny example also at tp=2 (``ALL_REDUCE``; gloo has no
+reduce-scatter, so ``REDUCE_SCATTER`` cannot run here). bf16 runs AdamW on the bf16 parameters
+(``accumulate_grad_in_fp32`` needs Nanotron's CUDA-only fp32 accumulator).
+
+Usage: ``python benchmarks/measured_memory.py [--scenario LABEL]``. Writes
+``benchmarks/results/measured_memory.json``; exit status 1 when the check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "nanotron_ext" / "configs"
+RESULTS = Path(__file__).resolve().parent / "results"
+#: The issue's bound: estimated peak within [1, 1.10] × measured.
+BOUND = 1.10
+TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A model, dtype, engine and parallelism to measure."""
+
+    label: str
+    yaml_name: str
+    dtype: str
+    engine: str
+    tp: int = 1
+    pp: int = 2
+    num_hidden_layers: int | None = None
+    sequence_length: int | None = None
+    micro_batch_size: int | None = None
+    n_micro_batches: int | None = None
+
+    def raw_config(self) -> dict[str, Any]:
+        raw = yaml.safe_load((CONFIGS / self.yaml_name).read_text())
+        raw["model"]["dtype"] = self.dtype
+        raw["parallelism"].update(pp=self.pp, tp=self.tp, dp=1, pp_engine=self.engine, tp_mode="ALL_REDUCE",
+                                  tp_linear_async_communication=False)
+        raw["optimizer"]["accumulate_grad_in_fp32"] = False
+        raw["optimizer"]["zero_stage"] = 0
+        if self.num_hidden_layers is not None:
+            raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
+        for key, value in (("sequence_length", self.sequence_length), ("micro_batch_size", self.micro_batch_size),
+                           ("batch_accumulation_per_replica", self.n_micro_batches)):
+            if value is not None:
+                raw["tokens"][key] = value
+        raw.setdefault("nanotron_ext", {})
+        raw["nanotron_ext"] = {**(raw["nanotron_ext"] or {}), "memory_runtime": "cpu"}
+        return raw
+
+
+def scenarios() -> list[Scenario]:
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for engine in ("1f1b", "afab"):
+            out.append(Scenario(f"tiny {dtype} {engine}", "tiny_llama_large_vocab.yaml", dtype, engine))
+    out.append(Scenario("tiny float32 1f1b tp=2", "tiny_llama_large_vocab.yaml", "float32", "1f1b", tp=2))
+    for dtype in ("float32", "bfloat16"):
+        for engine in ("1f1b", "afab"):
+            out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
+                                num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
+    return out
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """One rank: measure the planned split; write this rank's measurements to ``out_path.RANK``."""
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.runtime.memory import measure_training_memory
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = config_from_dict(spec["raw"], source=spec["label"])
+    result = measure_training_memory(cfg, spec["block_ranks"], steps=2)
+    Path(f"{out_path}.{os.environ['RANK']}").write_text(json.dumps(result))
+
+
+def run_scenario(sc: Scenario) -> dict[str, Any]:
+    """Plan, measure every rank, and pair each rank with its stage's estimate."""
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.runtime.launch import free_port, kill_process_group
+
+    raw = sc.raw_config()
+    cfg = config_from_dict(raw, source=sc.label)
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    world = cfg.run.dp * cfg.run.pp * cfg.run.tp
+    with tempfile.TemporaryDirectory(prefix="measured_memory_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps({"raw": raw, "label": sc.label, "block_ranks": list(plan.block_ranks)}))
+        env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                                   str(out_path)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(ROOT),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                 for r in range(world)]
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                kill_process_group(p)
+        if any(p.returncode != 0 for p in procs):
+            logs = "\n".join(f"--- rank {r}:\n" + p.stdout.read().decode(errors="replace")[-3000:]
+                             for r, p in enumerate(procs))
+            raise RuntimeError(f"scenario {sc.label!r} failed:\n{logs}")
+        measured = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(world)]
+    rows = []
+    for m in measured:
+        est = plan.stages[m["pp_rank"]].memory
+        assert est is not None
+        rows.append({
+            "scenario": sc.label, "pp_rank": m["pp_rank"], "tp_rank": m["tp_rank"],
+            "blocks": plan.stages[m["pp_rank"]].label, "estimate": est.to_dict(), "measured": m,
+            "est_pipeline": est.pipeline_peak, "est_optimizer": est.optimizer_peak, "est_peak": est.peak,
+            "ratio": est.peak / m["peak"],
+        })
+    return {"label": sc.label, "block_ranks": list(plan.block_ranks), "rows": rows}
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["scenario", "stage", "tp", "weights MiB est/meas", "grads", "adam", "pipeline peak", "optimizer peak",
+            "peak est", "peak meas", "est ÷ meas"]
+    rows = []
+    for res in results:
+        for r in res["rows"]:
+            e, m = r["estimate"], r["measured"]
+            rows.append([
+                r["scenario"], str(r["pp_rank"]), str(r["tp_rank"]),
+                f"{_mib(e['weights'])} / {_mib(m['weights'])}",
+                f"{_mib(e['gradients'])} / {_mib(m['gradients'])}",
+                f"{_mib(e['optimizer'])} / {_mib(m['optimizer'])}",
+                f"{_mib(r['est_pipeline'])} / {_mib(m['pipeline_peak'])}",
+                f"{_mib(r['est_optimizer'])} / {_mib(m['optimizer_peak'])}",
+                _mib(r["est_peak"]), _mib(m["peak"]), f"{r['ratio']:.3f}",
+            ])
+    return head, rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenario", help="run only this scenario (its label)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    from nanotron_ext.report import table
+
+    chosen = [s for s in scenarios() if args.scenario in (None, s.label)]
+    if not chosen:
+        parser.error(f"no scenario {args.scenario!r}; scenarios: {', '.join(s.label for s in scenarios())}")
+    results = []
+    for sc in chosen:
+        t0 = time.perf_counter()
+        results.append(run_scenario(sc))
+        print(f"{sc.label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    head, rows = table_rows(results)
+    print(table(head, rows))
+    print()
+    print(table(head, rows, markdown=True))
+    bad = [f"{r['scenario']} stage {r['pp_rank']} tp {r['tp_rank']}: {r['ratio']:.4f} "
+           f"({r['est_peak'] - r['measured']['peak']:+.0f} B)"
+           for res in results for r in res["rows"] if not 1.0 <= r["ratio"] <= BOUND]
+    print(f"\ncheck: estimated peak >= measured and <= {BOUND:.2f}x on every row: "
+          + ("OK" if not bad else "FAILED: " + "; ".join(bad)))
+    if args.scenario is None:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "measured_memory.json").write_text(json.dumps(results, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

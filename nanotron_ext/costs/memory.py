@@ -1,0 +1,381 @@
+"""Peak memory of a pipeline stage: what each block saves for backward, what is alive at once, and why.
+
+Per micro-batch of ``t = b·s`` tokens, a stage's peak is the larger of two moments:
+
+* **pipeline** — weights + gradients + optimizer state + buffers, plus the activations of every micro-batch in
+  flight (AFAB: ``m``; 1F1B: ``pp − stage``), plus the largest temporary of one block's forward or backward
+  (the loss holds the fp32 logits next to their shifted copy; a weight's gradient is computed into a fresh
+  tensor before it is added to ``.grad``);
+* **optimizer step** — weights + gradients + optimizer state + buffers, plus the step's temporaries.
+
+What a block saves is counted from the code that runs (the CPU runtime's Llama, ``nanotron_ext.runtime.llama``,
+with Nanotron's tensor-parallel linears and ``sharded_cross_entropy``), tensor by tensor, per dtype:
+
+* RMSNorm (normalised in fp32): the fp32 input (the input itself in fp32, an upcast copy in 16-bit), the
+  ``rsqrt`` column and the normalised tensor in the model dtype; the linear after it saves the norm's output;
+* attention: the rotated q, k and v at full head count after the GQA repeat (without GQA, v stays a view of the
+  qkv output and keeps all of it alive), the output and the fp32 log-sum-exp; ``o_proj`` saves a 2D copy of its
+  input when the micro-batch holds more than one sequence;
+* MLP: 4f — the merged gate|up output (2f), the activation (f) and the product (f);
+* rotary cos/sin tables, one pair per layer, fp32, allocated once;
+* the loss: the fp32 softmax of the logits (``t·V·4``), the targets and the masks.
+
+Tensor parallelism divides what is sharded: heads, ``f`` and ``V`` by ``tp``. Under ``REDUCE_SCATTER``
+(sequence parallel) the norms' tensors are split along the sequence too, while a column-parallel linear saves the
+gathered input (the shard only with ``tp_linear_async_communication``).
+
+Static bytes per parameter follow Nanotron's optimizer and gradient accumulator
+(:func:`nanotron_ext.costs.analytic.param_bytes`). Nanotron
+on GPU attends with flash-attn, which saves k and v at their own width and keeps no ``o_proj`` copy; this model
+counts the CPU runtime's SDPA path, so it errs high there, never low. Runtime overhead (CUDA context,
+communication buffers, fragmentation) is not a tensor: it is the config's ``memory_overhead_gib``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
+from nanotron_ext.costs.analytic import GIB, in_flight, mlp_saved_width, param_bytes
+
+__all__ = [
+    "RUNTIME_TENSORS_BYTES",
+    "BlockMemory",
+    "StageMemory",
+    "block_memory",
+    "config_stage_memory",
+    "stage_memory",
+]
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """What one block holds, per micro-batch unless said otherwise (bytes).
+
+    Attributes:
+        saved: kept from its forward until its backward.
+        forward_temp: alive for a moment during its forward, beyond ``saved``, its input and its output.
+        backward_temp: alive for a moment during its backward, beyond what is saved and the gradient it
+            receives (a weight's gradient is made fresh before it is added to ``.grad``; input gradients).
+        persistent: allocated at its first forward and kept (rotary tables).
+        input: the tensors it receives; a stage that starts with this block holds them per micro-batch.
+        input_saved: ``saved`` already includes the input.
+        output: what it hands on; a stage that ends with this block holds it until the backward.
+    """
+
+    saved: float
+    forward_temp: float
+    backward_temp: float
+    persistent: float
+    input: float
+    input_saved: bool
+    output: float
+
+
+def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
+    """Memory of one block by role (see the module docstring for what each role saves).
+
+    Args:
+        block: the block (its role, and its parameters for the gradient temporaries).
+        m: model shape.
+        run: batch shape, dtype, tp and its mode.
+
+    Returns:
+        The block's :class:`BlockMemory`.
+    """
+    b, s = run.micro_batch_size, run.sequence_length
+    t = b * s
+    w = DTYPE_BYTES[run.dtype]
+    tp = run.tp
+    h = m.hidden_size
+    seq_parallel = run.tp_mode == "REDUCE_SCATTER" and tp > 1
+    tn = t / tp if seq_parallel else t  # tokens of the hidden-sized tensors between the linears
+    tl = tn if (seq_parallel and run.tp_async) else t  # tokens of a column-parallel linear's saved input
+    grad_temp = _largest_param(block, m, run) * w  # a weight gradient, made fresh before it is added to .grad
+    role = block.role
+    if role == "embedding":
+        ids = t * 8.0
+        # The dense gradient of the table is made fresh (embedding_dense_backward) before it joins .grad, from a
+        # contiguous copy of the incoming [seq, batch, hidden] gradient.
+        return BlockMemory(saved=ids, forward_temp=0.0, backward_temp=grad_temp + tn * h * w, persistent=0.0,
+                           input=ids + t, input_saved=False, output=tn * h * w + t)
+    if role == "decoder":
+        return _decoder(block, m, run, t, tn, tl, grad_temp)
+    if role == "final_norm":
+        # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
+        return BlockMemory(saved=_norm(tn, h, w), forward_temp=tn * h * 4.0, backward_temp=2 * tn * h * 4.0 + grad_temp,
+                           persistent=0.0, input=tn * h * w, input_saved=w == 4, output=tn * h * w)
+    v = m.vocab_size / tp
+    if role == "lm_head":
+        # Saves its input; backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
+        return BlockMemory(saved=tl * h * w, forward_temp=0.0, backward_temp=grad_temp + 2 * tl * h * w, persistent=0.0,
+                           input=tn * h * w, input_saved=not seq_parallel or run.tp_async, output=t * v * w)
+    if role == "cast":
+        # x.float(): a copy in 16-bit, the tensor itself in fp32; backward: the gradient cast back to 16-bit.
+        return BlockMemory(saved=0.0, forward_temp=0.0, backward_temp=t * v * w if w < 4 else 0.0, persistent=0.0,
+                           input=t * v * w, input_saved=False, output=t * v * 4.0)
+    if role == "loss":
+        # sharded_cross_entropy saves exp(logits - max) normalised in place (fp32), the int64 targets, the
+        # target mask; Loss keeps the float label mask. Its backward turns the saved softmax into the logits'
+        # gradient in place. Without a cast_to_fp32 block (Qwen2) the logits arrive in the model dtype and
+        # its .to(float) copy is alive next to them while it shifts.
+        logits = 4.0 if m.family != "qwen2" else float(w)
+        return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
+                           backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
+    # projector / other: a linear layer on the hidden states.
+    return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
+                       input=t * h * w, input_saved=True, output=t * h * w)
+
+
+def _norm(tokens: float, h: int, w: int) -> float:
+    """RMSNorm's saved tensors: the fp32 input (or upcast), rsqrt, the normalised tensor in the model dtype."""
+    return tokens * (4.0 * h + 4.0 + w * h)
+
+
+def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
+             grad_temp: float) -> BlockMemory:
+    """A Llama decoder layer (dense MLP; a MoE layer is priced by its active width)."""
+    w = DTYPE_BYTES[run.dtype]
+    tp, h, d = run.tp, m.hidden_size, m.head_dim
+    heads, kv_heads = m.num_attention_heads / tp, m.num_key_value_heads / tp
+    q, kv = heads * d, kv_heads * d
+    if m.num_attention_heads != m.num_key_value_heads:
+        keys_values = 2 * q  # repeat_interleave copies k and v to every query head
+    else:
+        keys_values = kv + (q + 2 * kv)  # rotated k; v is a view that keeps the whole qkv output alive
+    o_copy = q if run.micro_batch_size > 1 else 0  # [seq, batch, q] is not contiguous unless batch == 1
+    attention = t * (w * (q + keys_values + q + o_copy) + 4.0 * heads)
+    mlp = t * w * mlp_saved_width(m, _block_layer(block)) / tp
+    saved = 2 * _norm(tn, h, w) + 2 * tl * h * w + attention + mlp
+    f = m.intermediate_size / tp
+    # Forward: the qkv output next to rotary's fp32 products; backward: the MLP's gradients (merged 2f and f) next
+    # to a weight's fresh gradient.
+    forward_temp = t * (w * (q + 2 * kv) + 4.0 * 2 * q)
+    backward_temp = grad_temp + t * w * 3 * f
+    end = m.max_position_embeddings
+    while run.sequence_length > end:
+        end *= 2
+    rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
+    return BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
+                       input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
+
+
+def _block_layer(block: BlockInfo) -> int | None:
+    """A decoder block's layer index from its name (``model.decoder.7`` -> 7)."""
+    tail = block.name.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
+    """Elements of the block's largest trainable tensor (its parameter list, or the role's shape)."""
+    trainable = [p.numel for p in block.parameters if p.trainable]
+    if trainable:
+        return max(trainable)
+    if not block.trainable:
+        return 0
+    h, tp = m.hidden_size, run.tp
+    if block.role in ("embedding", "lm_head"):
+        return m.vocab_size // tp * h
+    if block.role == "decoder":
+        return 2 * m.intermediate_size // tp * h
+    return block.trainable
+
+
+#: Small tensors of the engine, P2P, TP collectives and optimizer that no block owns (metadata buffers, Adam's
+#: step counters, losses, the masks of the data): 9–70 KiB per rank measured on the CPU runtime, varying from run
+#: to run at tp=2; counted with the buffers.
+RUNTIME_TENSORS_BYTES = 128 * 1024
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated peak memory of one stage, by term (bytes).
+
+    Attributes:
+        weights: parameters (a tied weight held twice on one rank counted once).
+        gradients: gradients, fp32 accumulation buffers and DDP buckets.
+        optimizer: Adam's moments and fp32 master weights (ZeRO-1 sharded).
+        buffers: allocated once outside the parameters (rotary tables, the runtime's small tensors).
+        activations: one micro-batch's activations (saved tensors, plus the stage's held input and output).
+        in_flight: micro-batches in flight at the stage (AFAB: ``m``; 1F1B: ``pp − stage``).
+        pipeline_activations: activations alive at the pipeline's peak: the other micro-batches in flight in
+            full, and what the one being computed has saved so far.
+        pipeline_gradients: gradient bytes alive at the pipeline's peak (all of them once a backward has run
+            before a forward, as in 1F1B's steady state; under AFAB only those of the blocks already back-propagated
+            in the first backward).
+        pipeline_temporaries: the rest of the pipeline's peak: the computing block's input, output and
+            temporaries, the gradient it receives, and (CPU runtime) sent tensors kept until the step ends.
+        optimizer_temporaries: the optimizer step's temporaries.
+        overhead: the configured allowance for runtime overhead.
+    """
+
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    activations: float
+    in_flight: int
+    pipeline_activations: float
+    pipeline_gradients: float
+    pipeline_temporaries: float
+    optimizer_temporaries: float
+    overhead: float
+
+    @property
+    def static(self) -> float:
+        """Bytes held through the optimizer step: weights, gradients, optimizer state, buffers."""
+        return self.weights + self.gradients + self.optimizer + self.buffers
+
+    @property
+    def pipeline_peak(self) -> float:
+        return (self.weights + self.optimizer + self.buffers + self.pipeline_gradients
+                + self.pipeline_activations + self.pipeline_temporaries + self.overhead)
+
+    @property
+    def optimizer_peak(self) -> float:
+        return self.static + self.optimizer_temporaries + self.overhead
+
+    @property
+    def peak(self) -> float:
+        """The estimated peak: the larger of the pipeline and the optimizer step."""
+        return max(self.pipeline_peak, self.optimizer_peak)
+
+    @property
+    def peak_at(self) -> str:
+        """``pipeline`` or ``optimizer``: the moment of the peak."""
+        return "pipeline" if self.pipeline_peak >= self.optimizer_peak else "optimizer"
+
+    @property
+    def temporaries(self) -> float:
+        """The temporaries of the peak's moment."""
+        return self.pipeline_temporaries if self.peak_at == "pipeline" else self.optimizer_temporaries
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak, "peak_at": self.peak_at, "pipeline_peak": self.pipeline_peak,
+                "optimizer_peak": self.optimizer_peak}
+
+
+def stage_memory(
+    blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, stage: int, *, pp: int | None = None,
+    overhead_gib: float = 0.0, optimizer: str = "foreach", retain_sends: bool = False,
+) -> StageMemory:
+    """The peak-memory breakdown of a stage holding ``blocks`` (contiguous, forward order).
+
+    The micro-batch being computed is followed block by block: in its forward, block ``i`` holds the stage's
+    input, what blocks ``0..i`` saved, its own input (when not saved), temporaries and output; in its backward,
+    what blocks ``0..i`` saved, the stage's output, the gradient it receives and its backward temporaries. The other
+    ``in_flight − 1`` micro-batches hold their full activations.
+
+    Args:
+        blocks: the stage's blocks.
+        m: model shape.
+        run: parallelism, batch, dtype, engine.
+        stage: the stage's PP rank (1F1B holds ``pp − stage`` micro-batches).
+        pp: number of stages (``run.pp`` when None).
+        overhead_gib: runtime overhead allowance added to the peak.
+        optimizer: how AdamW runs: ``foreach`` (torch's default on CUDA: one temporary per state element of
+            every parameter at once), ``for_loop`` (CPU: two temporaries the size of the largest parameter) or
+            ``fused`` (none).
+        retain_sends: the CPU runtime's P2P keeps every sent tensor until the step ends.
+
+    Returns:
+        The :class:`StageMemory`.
+
+    Raises:
+        ValueError: an unknown ``optimizer``.
+    """
+    if optimizer not in ("foreach", "for_loop", "fused"):
+        raise ValueError(f"optimizer={optimizer!r} is not one of foreach, for_loop, fused")
+    pp = run.pp if pp is None else pp
+    per = param_bytes(run)
+    params = sum(b.params for b in blocks)
+    trainable = [b.trainable for b in blocks]
+    roles = {b.role: i for i, b in enumerate(blocks)}
+    if m.tie_word_embeddings and "embedding" in roles and "lm_head" in roles:
+        # One tensor on this rank: Nanotron ties the two names to the same parameter.
+        params -= blocks[roles["lm_head"]].params
+        trainable[roles["lm_head"]] = 0
+    # Buffers made before training (fp32 accumulation, DDP buckets) are alive throughout; .grad only once a
+    # backward has made it.
+    allocated = sum(trainable) * per.gradients_allocated
+    grads = [x * (per.gradients - per.gradients_allocated) for x in trainable]
+    n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
+    # 1F1B with more micro-batches than it holds runs a backward before its next forward: from then on every
+    # gradient exists during forwards too. Otherwise (AFAB, or all forwards first) the first backward makes
+    # them block by block from the last, each in place (no fresh copy to add), while every micro-batch is held.
+    grads_early = run.engine == "1f1b" and run.n_micro_batches > n
+    g_all = sum(grads)
+    mems = [block_memory(b, m, run) for b in blocks]
+    activations = 0.0
+    worst = (0.0, 0.0, 0.0)  # (activations, gradients, temporaries) alive at the worst moment
+    if mems:
+        held_in = 0.0 if mems[0].input_saved else mems[0].input
+        held_out = mems[-1].output
+        activations = held_in + sum(x.saved for x in mems) + held_out
+        sent = 0.0
+        if retain_sends:
+            # CPUP2P keeps every sent tensor until the step ends: outputs beyond those still held, and the
+            # gradients sent back for the stage's input.
+            sent = ((run.n_micro_batches - n) * held_out * (stage < pp - 1)
+                    + run.n_micro_batches * mems[0].input * (stage > 0))
+        saved_so_far = held_in
+        candidates = []
+        for i, (b, x) in enumerate(zip(blocks, mems)):
+            saved_so_far += x.saved
+            own_input = x.input if i > 0 and not x.input_saved else 0.0
+            others = (n - 1) * activations
+            fresh = _largest_param(b, m, run) * per.weights if trainable[i] else 0.0
+            candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
+                               own_input + x.forward_temp + x.output))
+            if grads_early:
+                candidates.append((others + saved_so_far + held_out, g_all, x.output + x.backward_temp))
+            else:
+                # The first backward: the block's gradient is made in place of .grad (no fresh copy).
+                candidates.append((others + saved_so_far + held_out, sum(grads[i:]),
+                                   x.output + x.backward_temp - fresh))
+                if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
+                    candidates.append(((n - 2) * activations + saved_so_far + held_out, g_all,
+                                       x.output + x.backward_temp))
+        worst = max(candidates, key=sum)
+        worst = (worst[0], worst[1] + allocated, worst[2] + sent)
+    largest = max((_largest_param(b, m, run) for b, tr in zip(blocks, trainable) if tr), default=0)
+    if optimizer == "for_loop":
+        # torch's single-tensor AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps), two tensors for a moment.
+        opt_temp = 2.0 * largest * per.state
+    elif optimizer == "foreach":
+        opt_temp = max(2.0 * largest, sum(trainable)) * per.state
+    else:
+        opt_temp = 0.0
+    return StageMemory(
+        weights=params * per.weights,
+        gradients=sum(grads) + allocated,
+        optimizer=sum(trainable) * per.optimizer,
+        buffers=sum(x.persistent for x in mems) + (RUNTIME_TENSORS_BYTES if blocks else 0.0),
+        activations=activations,
+        in_flight=n,
+        pipeline_activations=worst[0],
+        pipeline_gradients=worst[1],
+        pipeline_temporaries=worst[2],
+        optimizer_temporaries=opt_temp,
+        overhead=overhead_gib * GIB,
+    )
+
+
+def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int) -> StageMemory:
+    """:func:`stage_memory` with the config's runtime, optimizer and overhead (what ``plan`` prints).
+
+    Args:
+        blocks: the stage's blocks.
+        cfg: the config (``nanotron_ext.memory_runtime``, ``memory_overhead_gib``, ``torch_adam_is_fused``).
+        stage: the stage's PP rank.
+    """
+    cpu = cfg.ext.memory_runtime == "cpu"
+    if cpu:
+        optimizer = "for_loop"
+    else:
+        optimizer = "fused" if cfg.run.torch_adam_is_fused else "foreach"
+    return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
+                        retain_sends=cpu)
