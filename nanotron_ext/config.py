@@ -32,6 +32,7 @@ __all__ = [
     "ModelShape",
     "PlannerConfig",
     "RunShape",
+    "VOCAB_SHARDS_AUTO",
     "bundled_config",
     "config_from_dict",
     "load_config",
@@ -121,6 +122,9 @@ class RunShape:
         return self.sequence_length * self.micro_batch_size
 
 
+#: ``nanotron_ext.vocab_shards: auto``: the planner picks the number of vocabulary shards.
+VOCAB_SHARDS_AUTO = "auto"
+
 #: What the optimal strategies minimise (``nanotron_ext.objective``).
 OBJECTIVES: tuple[str, ...] = ("step_time", "slowest_stage")
 
@@ -142,6 +146,9 @@ class ExtConfig:
             ``step_time`` (default), the simulated step under the config's schedule
             (:mod:`nanotron_ext.partition.schedule_aware`), or ``slowest_stage``, the slowest stage's cost.
         p2p_gbps: link bandwidth (GB/s) the ``step_time`` objective prices transfers with; None ignores p2p.
+        vocab_shards: split lm_head + cast + loss into this many vocabulary-shard blocks (an online
+            log-sum-exp chain the partitioner can spread over stages); 1 keeps Nanotron's lm_head, ``auto``
+            lets the planner pick (:func:`nanotron_ext.plan.resolve_vocab_shards`).
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -154,8 +161,15 @@ class ExtConfig:
     profile_cache: str | None = None
     objective: str = "step_time"
     p2p_gbps: float | None = None
+    vocab_shards: int | str = 1
 
     def __post_init__(self) -> None:
+        k = self.vocab_shards
+        if k != VOCAB_SHARDS_AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(
+                f"nanotron_ext.vocab_shards={k!r} is neither a positive integer nor 'auto'; write 1 to keep "
+                f"one lm_head block, K > 1 to split the vocabulary into K blocks, or auto to let the planner pick"
+            )
         if self.objective not in OBJECTIVES:
             raise ConfigError(
                 f"nanotron_ext.objective={self.objective!r} is unknown; use one of {', '.join(OBJECTIVES)}"
@@ -196,6 +210,36 @@ class PlannerConfig:
     ext: ExtConfig = field(default_factory=ExtConfig)
     nanotron: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     source: str = "<dict>"
+
+    def __post_init__(self) -> None:
+        k = self.ext.vocab_shards
+        if isinstance(k, int) and k > 1:
+            if k > self.model.vocab_size:
+                raise ConfigError(
+                    f"{self.source}: nanotron_ext.vocab_shards={k} is more than the vocabulary size "
+                    f"{self.model.vocab_size}: a shard would hold no row; use at most {self.model.vocab_size}"
+                )
+            if self.model.tie_word_embeddings:
+                raise ConfigError(
+                    f"{self.source}: nanotron_ext.vocab_shards={k} with tie_word_embeddings: true is not supported "
+                    f"(a shard would need a slice of the tied embedding, which Nanotron ties only as a whole "
+                    f"parameter); set model_config.tie_word_embeddings: false to untie, or vocab_shards: 1"
+                )
+
+    @property
+    def vocab_shards(self) -> int:
+        """The number of vocabulary-shard blocks (1: Nanotron's lm_head, cast and loss).
+
+        Raises:
+            ConfigError: still ``auto``; resolve it with :func:`nanotron_ext.plan.resolve_vocab_shards`.
+        """
+        k = self.ext.vocab_shards
+        if k == VOCAB_SHARDS_AUTO:
+            raise ConfigError(
+                f"{self.source}: nanotron_ext.vocab_shards is 'auto' and was not resolved; call "
+                f"nanotron_ext.plan.resolve_vocab_shards(cfg) first, or set a number"
+            )
+        return int(k)
 
     def with_overrides(
         self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,

@@ -54,7 +54,7 @@ __all__ = [
 #: Keys of our ``nanotron_ext:`` section (the fields of ``config.ExtConfig``; a test keeps them in step).
 EXT_KEYS = frozenset({
     "cost_strategy", "base_strategy", "layout", "memory_cap_gib", "allow_frozen_stages", "projector", "freeze",
-    "profile_cache", "objective", "p2p_gbps",
+    "profile_cache", "objective", "p2p_gbps", "vocab_shards",
 })
 #: Keys of ``nanotron_ext.freeze:``.
 FREEZE_KEYS = frozenset({"modules", "unfreeze", "unfreeze_last_decoder_layers"})
@@ -160,7 +160,7 @@ def parse_yaml(text: str, source: str) -> Any:
 def _suggest(key: Any, known: set[str] | frozenset[str]) -> str:
     close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1, cutoff=0.6)
     # Short lists are spelled out; Nanotron's sections run to dozens of keys.
-    listed = f"known keys are {', '.join(sorted(known))}" if len(known) <= 10 else ""
+    listed = f"known keys are {', '.join(sorted(known))}" if len(known) <= 12 else ""
     if close:
         return f"did you mean {close[0]!r}?" + (f" ({listed})" if listed else "")
     return listed or "remove it or check the spelling against Nanotron's config"

@@ -113,9 +113,9 @@ def preflight(
         PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
     """
     from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan
+    from nanotron_ext.plan import make_plan, resolve_vocab_shards
 
-    cfg = load_config(config_file, cost_strategy=cost_strategy)
+    cfg, _ = resolve_vocab_shards(load_config(config_file, cost_strategy=cost_strategy))
     raw, run = cfg.nanotron, cfg.run
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
 
