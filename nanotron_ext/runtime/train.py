@@ -463,7 +463,7 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     cfg = s.cfg
     model = integration.build_model(
         lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
-                                    projector=cfg.ext.projector),
+                                    projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards),
         ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
     )
     plan: Plan = model.nanotron_ext_plan

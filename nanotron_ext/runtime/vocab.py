@@ -1,0 +1,120 @@
+"""The vocabulary-shard chain: lm_head + cast + loss as K ``PipelineBlock``s (``nanotron_ext.vocab_shards``).
+
+Shard ``i`` holds rows ``[lo, hi)`` of the lm_head. It computes its fp32 logits slice and folds it into running
+statistics it passes on with the hidden state, an online log-sum-exp:
+
+* ``running_max`` ``m``: the largest logit seen so far (only for numerical range, so it is detached: the
+  log-sum-exp ``m + log s`` does not depend on it, and autograd differentiates ``s`` exactly);
+* ``running_sumexp`` ``s = Σ exp(logit − m)`` over the rows seen so far (rescaled by ``exp(m_old − m)``
+  whenever the max grows);
+* ``target_logit``: the label's logit, added by the shard whose rows hold the label (0 elsewhere).
+
+The last shard returns Nanotron's loss: ``mean over label_mask of (m + log s − target_logit)``. Every step is
+an ordinary differentiable torch op, so the loss and every gradient equal the unsplit model's.
+
+Labels: every shard reads ``label_ids`` (the last also ``label_mask``). The data loader hands the labels to each
+rank that holds a shard (:func:`nanotron_ext.runtime.engine.make_micro_batch` reads ``label_pp_ranks``), so
+no label crosses a pipeline link: a label sent from the last stage back to an earlier one would travel
+against the activations, in the direction of the gradients, and could be received in a gradient's place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from nanotron import distributed as dist
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock, TensorPointer
+from nanotron.parallel.pipeline_parallel.p2p import P2P
+from torch import nn
+
+from nanotron_ext.blocks import vocab_slices
+
+__all__ = ["VocabShard", "route_labels", "vocab_shard_blocks"]
+
+TensorOrPointer = torch.Tensor | TensorPointer
+STATS = ("running_max", "running_sumexp", "target_logit")
+
+
+class VocabShard(nn.Module):
+    """Rows ``[lo, hi)`` of the lm_head, the cast to fp32 and this slice's share of the cross-entropy.
+
+    Args:
+        hidden_size: model width.
+        lo, hi: the vocabulary rows this shard holds.
+        first: no statistics come in (the first shard starts them).
+        last: return the loss instead of the statistics.
+    """
+
+    def __init__(self, hidden_size: int, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.lo, self.hi, self.first, self.last = lo, hi, first, last
+        self.weight = nn.Parameter(torch.empty(hi - lo, hidden_size))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        label_ids: torch.Tensor,
+        label_mask: torch.Tensor | None = None,
+        running_max: torch.Tensor | None = None,
+        running_sumexp: torch.Tensor | None = None,
+        target_logit: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Args: hidden_states ``[seq, batch, hidden]``; label_ids, label_mask ``[batch, seq]``; the statistics
+        ``[seq, batch]`` fp32 (absent on the first shard).
+
+        Returns:
+            ``{"loss": scalar}`` on the last shard, else the hidden state and the updated statistics.
+        """
+        # Nanotron's lm_head runs in the model dtype, then cast_to_fp32.
+        logits = F.linear(hidden_states, self.weight).float()  # [seq, batch, rows]
+        local_max = logits.detach().amax(dim=-1)
+        new_max = local_max if running_max is None else torch.maximum(running_max, local_max)
+        sumexp = torch.exp(logits - new_max.unsqueeze(-1)).sum(dim=-1)
+        if running_sumexp is not None:
+            sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)
+        labels = label_ids.transpose(0, 1)  # [seq, batch], as the logits
+        here = (labels >= self.lo) & (labels < self.hi)
+        index = (labels - self.lo).clamp(0, self.hi - self.lo - 1).unsqueeze(-1)
+        target = torch.where(here, logits.gather(-1, index).squeeze(-1), torch.zeros_like(new_max))
+        if target_logit is not None:
+            target = target + target_logit
+        if self.last:
+            assert label_mask is not None  # the last block's input keys include it
+            loss = (new_max + torch.log(sumexp) - target).transpose(0, 1)
+            mask = label_mask.to(torch.float)
+            return {"loss": (loss * mask).sum(dtype=torch.float) / mask.sum()}
+        return {"hidden_states": hidden_states, "running_max": new_max, "running_sumexp": sumexp,
+                "target_logit": target}
+
+
+def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int) -> nn.ModuleList:
+    """The chain's ``PipelineBlock``s, in order (``model.vocab_shards.{i}``)."""
+    slices = vocab_slices(vocab_size, shards)
+    blocks = []
+    for i, (lo, hi) in enumerate(slices):
+        first, last = i == 0, i == len(slices) - 1
+        inputs = {"hidden_states", "label_ids"} | (set() if first else set(STATS)) | ({"label_mask"} if last else set())
+        outputs = {"loss"} if last else {"hidden_states", *STATS}
+        blocks.append(PipelineBlock(
+            p2p=p2p, module_builder=VocabShard,
+            module_kwargs={"hidden_size": hidden_size, "lo": lo, "hi": hi, "first": first, "last": last},
+            module_input_keys=inputs, module_output_keys=outputs,
+        ))
+    return nn.ModuleList(blocks)
+
+
+def route_labels(block: PipelineBlock, labels: TensorOrPointer, pp_pg: dist.ProcessGroup) -> TensorOrPointer:
+    """What one shard block receives as ``label_ids``/``label_mask`` on this rank: the local labels where the
+    block runs, a pointer to its rank elsewhere (a tensor given to a block on another rank would be *sent*).
+
+    Raises:
+        RuntimeError: this rank runs the block but was given no labels (the data loader must hand them to every
+            rank in ``label_pp_ranks``).
+    """
+    here = dist.get_rank(pp_pg) == block.rank
+    if here and not isinstance(labels, torch.Tensor):
+        raise RuntimeError(
+            f"pipeline rank {block.rank} runs a vocabulary shard but its micro-batch has no labels; hand labels to "
+            f"every rank in model.label_pp_ranks (nanotron_ext.runtime.make_micro_batch does)"
+        )
+    return labels if here else TensorPointer(group_rank=block.rank)
