@@ -150,6 +150,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       "new_max = local_max", (CHAIN,)),
     M("chain's slice test is off by one", VOCAB,
       "here = (labels >= self.lo) & (labels < self.hi)", "here = (labels >= self.lo) & (labels <= self.hi)", (CHAIN,)),
+    M("chain's backward drops the target logit's gradient", VOCAB,
+      "        grad.scatter_add_(-1, index, (grad_target * here).unsqueeze(-1).to(grad.dtype))\n", "", (CHAIN,)),
     M("chain's loss ignores label_mask", VOCAB,
       "mask = label_mask.to(torch.float)", "mask = torch.ones_like(label_mask, dtype=torch.float)", (CHAIN,)),
     M("shard rows start from fresh draws, not the lm_head's", LLAMA,

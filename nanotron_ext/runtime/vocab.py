@@ -20,6 +20,8 @@ against the activations, in the direction of the gradients, and could be receive
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from nanotron import distributed as dist
@@ -69,13 +71,12 @@ class VocabShard(nn.Module):
         logits = F.linear(hidden_states, self.weight).float()  # [seq, batch, rows]
         local_max = logits.detach().amax(dim=-1)
         new_max = local_max if running_max is None else torch.maximum(running_max, local_max)
-        sumexp = torch.exp(logits - new_max.unsqueeze(-1)).sum(dim=-1)
-        if running_sumexp is not None:
-            sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)
         labels = label_ids.transpose(0, 1)  # [seq, batch], as the logits
         here = (labels >= self.lo) & (labels < self.hi)
         index = (labels - self.lo).clamp(0, self.hi - self.lo - 1).unsqueeze(-1)
-        target = torch.where(here, logits.gather(-1, index).squeeze(-1), torch.zeros_like(new_max))
+        sumexp, target = _SliceStats.apply(logits, new_max, index, here)
+        if running_sumexp is not None:
+            sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)
         if target_logit is not None:
             target = target + target_logit
         if self.last:
@@ -85,6 +86,30 @@ class VocabShard(nn.Module):
             return {"loss": (loss * mask).sum(dtype=torch.float) / mask.sum()}
         return {"hidden_states": hidden_states, "running_max": new_max, "running_sumexp": sumexp,
                 "target_logit": target}
+
+
+class _SliceStats(torch.autograd.Function):
+    """``Σ exp(logit − m)`` and the label's logit (0 where the label is not in the slice) over one shard's logits,
+    with the gradient written in one pass: ``exp(logit − m) · ∂sumexp + onehot(label) · ∂target``.
+
+    Autograd through ``exp``, ``sum``, ``gather`` and ``where`` would allocate and add several logits-sized
+    tensors in backward; this keeps one, the ``exp`` it needs anyway, and turns it into the gradient in place.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, new_max: torch.Tensor, index: torch.Tensor,
+                here: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        exp = torch.exp(logits - new_max.unsqueeze(-1))
+        target = torch.where(here, logits.gather(-1, index).squeeze(-1), torch.zeros_like(new_max))
+        ctx.save_for_backward(exp, index, here)
+        return exp.sum(dim=-1), target
+
+    @staticmethod
+    def backward(ctx: Any, grad_sumexp: torch.Tensor, grad_target: torch.Tensor) -> tuple[Any, ...]:
+        exp, index, here = ctx.saved_tensors
+        grad = exp.mul_(grad_sumexp.unsqueeze(-1))  # exp is not needed after this
+        grad.scatter_add_(-1, index, (grad_target * here).unsqueeze(-1).to(grad.dtype))
+        return grad, None, None, None
 
 
 def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int) -> nn.ModuleList:

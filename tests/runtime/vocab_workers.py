@@ -19,14 +19,21 @@ def _batches(model, ctx, seed: int, masked: bool, n: int):
     third of the labels masked out when ``masked``."""
     import torch
 
+    from nanotron_ext.blocks import vocab_slices
     from nanotron_ext.runtime import make_micro_batch
 
+    # Every shard's first and last row, for K = 2, 3, 4: a label on a slice boundary must count in one shard.
+    edges = sorted({x for k in (2, 3, 4) for lo, hi in vocab_slices(VOCAB, k) for x in (lo, hi - 1)})
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+        if i == 0:
+            tokens[1, 1:1 + len(edges)] = torch.tensor(edges)
         mask = torch.rand(MICRO_BATCH, SEQ_LEN, generator=gen) > (0.35 if masked else -1.0)
         mask[0, 0] = True
+        if i == 0:
+            mask[1, :len(edges)] = True
         out.append(make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:], label_mask=mask))
     return out
 
