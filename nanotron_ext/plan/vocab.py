@@ -48,25 +48,31 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
 
     Returns:
         ``(cfg with an integer vocab_shards, the choice)``; the config unchanged and None when it was not ``auto``.
+
+    Raises:
+        PlanningError: no candidate can be planned (the error of the first one).
     """
     if cfg.ext.vocab_shards != VOCAB_SHARDS_AUTO:
         return cfg, None
     times: dict[int, float] = {}
-    best = 1
+    best: int | None = None
+    first_error: PlanningError | None = None
     for k in vocab_shard_candidates(cfg):
         trial = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=k))
         blocks = inventory_from_config(trial)
         try:
             plan = make_plan(blocks, trial, "constrained")
-        except PlanningError:  # a K that cannot be planned is simply not a candidate
-            if k == 1:
-                raise
+        except PlanningError as exc:  # a K that cannot be planned (too few blocks for pp) is not a candidate
+            first_error = first_error or exc
             continue
         gbps = cfg.ext.p2p_gbps
         problem = schedule_problem(blocks, trial, p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
         bounds = [0] + [sum(1 for r in plan.block_ranks if r <= s) for s in range(cfg.run.pp)]
         times[k] = float(StepTimeEvaluator(problem)([bounds])[0])
-        if times[k] < times[best] * (1.0 - MIN_GAIN):
+        if best is None or times[k] < times[best] * (1.0 - MIN_GAIN):
             best = k
+    if best is None:
+        assert first_error is not None
+        raise first_error
     resolved = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=best))
     return resolved, VocabChoice(best, times)
