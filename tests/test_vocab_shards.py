@@ -104,3 +104,18 @@ def test_auto_picks_the_k_with_the_smallest_simulated_step_and_plan_prints_it(ca
     out = capsys.readouterr().out
     assert "vocab_shards: auto -> 2 (simulated step K=1:" in out
     assert "vocab.1" in out
+
+
+def test_profiled_times_vocabulary_shards_and_auto_prices_with_them(tmp_path) -> None:
+    from nanotron_ext.costs import measured as profiled
+
+    cfg = _cfg(4).with_overrides(profile_cache=str(tmp_path), cost_strategy="profiled")
+    blocks = inventory_from_config(cfg)
+    timings = profiled.profile_blocks(blocks, cfg, warmup=1, repeats=3)
+    # Four shards of (almost) equal rows share one cache key or two; each is timed with a backward.
+    assert all(t.forward > 0 and t.backward > 0 for t in timings[-4:])
+    chosen, choice = resolve_vocab_shards(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards="auto")))
+    # The candidates were planned with profiled: their step times are measured seconds (> 10 µs here), not the
+    # FLOP-rate model's microseconds at 400 TFLOP/s.
+    assert min(choice.step_times.values()) > 1e-5
+    assert chosen.vocab_shards == choice.shards > 1

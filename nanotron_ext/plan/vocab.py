@@ -37,11 +37,12 @@ def vocab_shard_candidates(cfg: PlannerConfig) -> list[int]:
 
 
 def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice | None]:
-    """Replace ``vocab_shards: auto`` by the K whose default-strategy plan has the smallest simulated step.
+    """Replace ``vocab_shards: auto`` by the K whose plan has the smallest simulated step.
 
-    Each candidate is planned with ``constrained`` (the default) and priced by the step-time objective
-    (FLOP-rate model, p2p at ``nanotron_ext.p2p_gbps``); a larger K wins only if it is at least
-    :data:`MIN_GAIN` faster. Candidates that cannot be planned are skipped.
+    Each candidate is planned with the config's strategy (by default ``constrained``) and priced by the
+    step-time objective: the FLOP-rate model, or, under ``profiled``, the block times it measured; p2p at
+    ``nanotron_ext.p2p_gbps``. A larger K wins only if it is at least :data:`MIN_GAIN` faster. Candidates that
+    cannot be planned are skipped.
 
     Args:
         cfg: a loaded config.
@@ -61,12 +62,18 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
         trial = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=k))
         blocks = inventory_from_config(trial)
         try:
-            plan = make_plan(blocks, trial, "constrained")
+            plan = make_plan(blocks, trial)
         except PlanningError as exc:  # a K that cannot be planned (too few blocks for pp) is not a candidate
             first_error = first_error or exc
             continue
+        timings = None
+        if trial.ext.cost_strategy == "profiled":  # price with what it measured (cached: not measured twice)
+            from nanotron_ext.costs.measured import block_timings
+
+            timings = block_timings(blocks, trial)
         gbps = cfg.ext.p2p_gbps
-        problem = schedule_problem(blocks, trial, p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
+        problem = schedule_problem(blocks, trial, timings=timings,
+                                   p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
         bounds = [0] + [sum(1 for r in plan.block_ranks if r <= s) for s in range(cfg.run.pp)]
         times[k] = float(StepTimeEvaluator(problem)([bounds])[0])
         if best is None or times[k] < times[best] * (1.0 - MIN_GAIN):
