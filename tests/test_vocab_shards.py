@@ -11,7 +11,7 @@ import yaml
 from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.config import ExtConfig, bundled_config, config_from_dict, load_config
 from nanotron_ext.costs import static_bytes, training_flops
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, LayoutError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan, resolve_vocab_shards
 from nanotron_ext.report import compact_names
@@ -119,3 +119,12 @@ def test_profiled_times_vocabulary_shards_and_auto_prices_with_them(tmp_path) ->
     # FLOP-rate model's microseconds at 400 TFLOP/s.
     assert min(choice.step_times.values()) > 1e-5
     assert chosen.vocab_shards == choice.shards > 1
+
+
+def test_layout_places_vocabulary_shards_with_v() -> None:
+    cfg = _cfg(4, pp=2).with_overrides(cost_strategy="layout", layout="E,t*2,N,V|V*3")
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    assert list(plan.block_ranks) == [0, 0, 0, 0, 0, 1, 1, 1]
+    bad = cfg.with_overrides(layout="E,t*2,L|V*3")
+    with pytest.raises(LayoutError, match="block 4 of the model is .vocab_shard. but the layout says .lm_head."):
+        make_plan(inventory_from_config(bad), bad)
