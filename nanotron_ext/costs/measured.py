@@ -249,7 +249,7 @@ def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_g
     if role == "cast":
         return {"x": act(s, b, v)}
     if role == "vocab_shard":
-        # A middle shard (nanotron_ext.runtime.vocab): statistics in, statistics out; labels anywhere.
+        # A middle shard (nanotron_ext.vocab_chain): statistics in, statistics out; labels anywhere.
         stats = {"running_max": act(s, b, float_dtype=torch.float32).detach(),
                  "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
                  "target_logit": act(s, b, float_dtype=torch.float32)}

@@ -23,7 +23,7 @@ from nanotron_ext.runtime.engine import (
 )
 from nanotron_ext.runtime.llama import CPULlamaForTraining
 from nanotron_ext.runtime.p2p import CPUP2P, wait_pending_sends
-from nanotron_ext.runtime.vocab import VocabShard
+from nanotron_ext.vocab_chain import VocabShard
 
 __all__ = [
     "CPULlamaForTraining",

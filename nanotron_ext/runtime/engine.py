@@ -116,7 +116,7 @@ def make_micro_batch(
     if label_mask is None:
         label_mask = torch.ones_like(label_ids, dtype=torch.bool)
     in_rank, out_rank = unwrapped.input_pp_rank, unwrapped.output_pp_rank
-    # A vocabulary-shard chain reads the labels on every rank holding a shard (nanotron_ext.runtime.vocab).
+    # A vocabulary-shard chain reads the labels on every rank holding a shard (nanotron_ext.vocab_chain).
     label_ranks = getattr(unwrapped, "label_pp_ranks", [out_rank])
     has_labels = pp_rank in label_ranks
     return {

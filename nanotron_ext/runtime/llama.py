@@ -39,7 +39,7 @@ from torch import nn
 from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.inventory.layouts import llama_class_costs
 from nanotron_ext.runtime.p2p import CPUP2P
-from nanotron_ext.runtime.vocab import VocabShard, route_labels, vocab_shard_blocks
+from nanotron_ext.vocab_chain import VocabShard, route_labels, vocab_shard_blocks
 
 __all__ = [
     "CPULlamaForTraining",
@@ -538,7 +538,7 @@ class CPULlamaModel(nn.Module):
         )
         self.n_vocab_shards = vocab_shards
         if vocab_shards > 1:
-            # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.runtime.vocab).
+            # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.vocab_chain).
             self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size, vocab_shards)
             return
         self.lm_head = PipelineBlock(
@@ -619,7 +619,7 @@ class CPULlamaForTraining(NanotronModel):
         random_states: accepted for signature compatibility with Nanotron; unused.
         projector: add a trainable ``model.projector`` block right after the embedding.
         vocab_shards: K > 1 replaces ``model.lm_head``, ``model.cast_to_fp32`` and ``loss`` with
-            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.runtime.vocab`); the loss and gradients are the same.
+            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.vocab_chain`); the loss and gradients are the same.
 
     Raises:
         ValueError: head counts / vocabulary incompatible with the TP size; vocab_shards > 1 with tied

@@ -16,7 +16,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.runtime.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
-from nanotron_ext.runtime.vocab import VocabShard
+from nanotron_ext.vocab_chain import VocabShard
 
 __all__ = ["MEASURABLE_ROLES", "build_block_module", "llama_config_from_shape"]
 

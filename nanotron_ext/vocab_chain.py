@@ -35,6 +35,7 @@ __all__ = ["VocabShard", "route_labels", "vocab_shard_blocks"]
 
 TensorOrPointer = torch.Tensor | TensorPointer
 STATS = ("running_max", "running_sumexp", "target_logit")
+TOKEN_LAYOUTS = ("seq_batch", "flat")
 
 
 class VocabShard(nn.Module):
@@ -45,12 +46,21 @@ class VocabShard(nn.Module):
         lo, hi: the vocabulary rows this shard holds.
         first: no statistics come in (the first shard starts them).
         last: return the loss instead of the statistics.
+        token_layout: how the hidden state lays out tokens: ``seq_batch`` (Llama, ``[seq, batch, hidden]``) or
+            ``flat`` (upstream's Qwen2, ``[batch·seq, hidden]``); labels are ``[batch, seq]`` either way.
     """
 
-    def __init__(self, hidden_size: int, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, hidden_size: int, lo: int, hi: int, first: bool, last: bool,
+                 token_layout: str = "seq_batch") -> None:
         super().__init__()
-        self.lo, self.hi, self.first, self.last = lo, hi, first, last
+        if token_layout not in TOKEN_LAYOUTS:
+            raise ValueError(f"token_layout={token_layout!r} is not one of {', '.join(TOKEN_LAYOUTS)}")
+        self.lo, self.hi, self.first, self.last, self.token_layout = lo, hi, first, last, token_layout
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden_size))
+
+    def _as_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq]`` labels or mask in the hidden state's token order."""
+        return per_token.transpose(0, 1) if self.token_layout == "seq_batch" else per_token.reshape(-1)
 
     def forward(
         self,
@@ -71,7 +81,7 @@ class VocabShard(nn.Module):
         logits = F.linear(hidden_states, self.weight).float()  # [seq, batch, rows]
         local_max = logits.detach().amax(dim=-1)
         new_max = local_max if running_max is None else torch.maximum(running_max, local_max)
-        labels = label_ids.transpose(0, 1)  # [seq, batch], as the logits
+        labels = self._as_tokens(label_ids)
         here = (labels >= self.lo) & (labels < self.hi)
         index = (labels - self.lo).clamp(0, self.hi - self.lo - 1).unsqueeze(-1)
         sumexp, target = _SliceStats.apply(logits, new_max, index, here)
@@ -81,8 +91,8 @@ class VocabShard(nn.Module):
             target = target + target_logit
         if self.last:
             assert label_mask is not None  # the last block's input keys include it
-            loss = (new_max + torch.log(sumexp) - target).transpose(0, 1)
-            mask = label_mask.to(torch.float)
+            loss = new_max + torch.log(sumexp) - target
+            mask = self._as_tokens(label_mask).to(torch.float)
             return {"loss": (loss * mask).sum(dtype=torch.float) / mask.sum()}
         return {"hidden_states": hidden_states, "running_max": new_max, "running_sumexp": sumexp,
                 "target_logit": target}
@@ -112,7 +122,8 @@ class _SliceStats(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int) -> nn.ModuleList:
+def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int,
+                       token_layout: str = "seq_batch") -> nn.ModuleList:
     """The chain's ``PipelineBlock``s, in order (``model.vocab_shards.{i}``)."""
     slices = vocab_slices(vocab_size, shards)
     blocks = []
@@ -122,7 +133,8 @@ def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int)
         outputs = {"loss"} if last else {"hidden_states", *STATS}
         blocks.append(PipelineBlock(
             p2p=p2p, module_builder=VocabShard,
-            module_kwargs={"hidden_size": hidden_size, "lo": lo, "hi": hi, "first": first, "last": last},
+            module_kwargs={"hidden_size": hidden_size, "lo": lo, "hi": hi, "first": first, "last": last,
+                           "token_layout": token_layout},
             module_input_keys=inputs, module_output_keys=outputs,
         ))
     return nn.ModuleList(blocks)
