@@ -13,7 +13,7 @@ The last shard returns Nanotron's loss: ``mean over label_mask of (m + log s −
 an ordinary differentiable torch op, so the loss and every gradient equal the unsplit model's.
 
 Labels: every shard reads ``label_ids`` (the last also ``label_mask``). The data loader hands the labels to each
-rank that holds a shard (:func:`nanotron_ext.runtime.engine.make_micro_batch` reads ``label_pp_ranks``), so
+rank that holds a shard (:func:`label_pp_ranks`; :func:`nanotron_ext.runtime.engine.make_micro_batch` reads it), so
 no label crosses a pipeline link: a label sent from the last stage back to an earlier one would travel
 against the activations, in the direction of the gradients, and could be received in a gradient's place.
 """
@@ -31,7 +31,10 @@ from torch import nn
 
 from nanotron_ext.blocks import vocab_slices
 
-__all__ = ["VocabShard", "route_labels", "vocab_shard_blocks"]
+__all__ = [
+    "ChainLoss", "VocabShard", "label_pp_ranks", "replace_lm_head_with_vocab_chain", "route_labels",
+    "vocab_shard_blocks",
+]
 
 TensorOrPointer = torch.Tensor | TensorPointer
 STATS = ("running_max", "running_sumexp", "target_logit")
@@ -152,6 +155,111 @@ def route_labels(block: PipelineBlock, labels: TensorOrPointer, pp_pg: dist.Proc
     if here and not isinstance(labels, torch.Tensor):
         raise RuntimeError(
             f"pipeline rank {block.rank} runs a vocabulary shard but its micro-batch has no labels; hand labels to "
-            f"every rank in model.label_pp_ranks (nanotron_ext.runtime.make_micro_batch does)"
+            f"every rank in nanotron_ext.vocab_chain.label_pp_ranks(model) (nanotron_ext.runtime.make_micro_batch does)"
         )
     return labels if here else TensorPointer(group_rank=block.rank)
+
+
+class _PassThrough(nn.Module):
+    """Stands where upstream's ``lm_head`` / ``cast_to_fp32`` block was: hands the hidden state on unchanged
+    under the output key its caller reads. Not a ``PipelineBlock``, so it is no block and holds no weight."""
+
+    def __init__(self, output_key: str) -> None:
+        super().__init__()
+        self.output_key = output_key
+
+    def forward(self, x: TensorOrPointer) -> dict[str, TensorOrPointer]:
+        return {self.output_key: x}
+
+
+class ChainLoss(nn.Module):
+    """Stands where upstream's ``loss`` block was: runs the chain on the hidden state it is handed as
+    ``sharded_logits`` and returns ``{"loss": ...}`` (a ``TensorPointer`` on every rank but the last shard's).
+
+    The blocks are the model's ``model.vocab_shards`` (kept out of this module's children, so every weight has
+    one name).
+    """
+
+    def __init__(self, blocks: nn.ModuleList, pp_pg: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.__dict__["_blocks"] = blocks
+        self.__dict__["_pp_pg"] = pp_pg
+
+    def forward(self, sharded_logits: TensorOrPointer, label_ids: TensorOrPointer,
+                label_mask: TensorOrPointer) -> dict[str, TensorOrPointer]:
+        state: dict[str, TensorOrPointer] = {"hidden_states": sharded_logits}
+        for block in self._blocks:
+            kwargs = {**state, "label_ids": route_labels(block, label_ids, self._pp_pg)}
+            if "label_mask" in block.module_input_keys:
+                kwargs["label_mask"] = route_labels(block, label_mask, self._pp_pg)
+            state = block(**kwargs)
+        return {"loss": state["loss"]}
+
+
+#: Upstream model class name -> (its hidden state's token layout, whether it has a cast_to_fp32 block).
+UPSTREAM_MODELS = {"LlamaForTraining": ("seq_batch", True), "Qwen2ForTraining": ("flat", False)}
+
+
+def replace_lm_head_with_vocab_chain(model: nn.Module, shards: int) -> nn.Module:
+    """Put the vocabulary-shard chain into an upstream ``LlamaForTraining`` / ``Qwen2ForTraining``, in place,
+    before ``build_model`` assigns its blocks.
+
+    ``model.model.lm_head`` (and Llama's ``cast_to_fp32``) become pass-throughs of the hidden state,
+    ``model.loss`` runs the chain, and the K blocks are ``model.model.vocab_shards.{i}``, after the final norm in
+    forward order, so ``build_model`` and our planner see them as the model's last blocks. The model's own
+    ``forward`` is untouched. What the caller still owes: hand labels to every rank in :func:`label_pp_ranks`
+    (after the blocks are placed), and initialise the shards' weights (upstream's ``init_model_randomly`` does
+    not know them).
+
+    Args:
+        model: an upstream ``LlamaForTraining`` or ``Qwen2ForTraining``, not yet built (no ranks assigned).
+        shards: K >= 2.
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: another model class, K < 2 or more than the vocabulary, tied embeddings, z-loss, TP > 1.
+    """
+    name = type(model).__name__
+    if name not in UPSTREAM_MODELS:
+        raise ValueError(f"replace_lm_head_with_vocab_chain knows {', '.join(UPSTREAM_MODELS)}, not {name}")
+    config = model.config
+    if not 2 <= shards <= config.vocab_size:
+        raise ValueError(f"vocab_shards={shards} must be between 2 and the vocabulary size {config.vocab_size}")
+    if config.tie_word_embeddings:
+        raise ValueError(f"vocab_shards={shards} with tie_word_embeddings=True is not supported; set "
+                         f"tie_word_embeddings: false to untie, or vocab_shards: 1")
+    if getattr(config, "z_loss_enabled", False):
+        raise ValueError(f"vocab_shards={shards} with z_loss_enabled is not supported; disable z-loss or use "
+                         f"vocab_shards: 1")
+    tp = model.parallel_context.tp_pg.size()
+    if tp > 1:
+        raise ValueError(f"vocab_shards={shards} with tp={tp}: shards are not split across TP ranks; use tp: 1")
+    layout, has_cast = UPSTREAM_MODELS[name]
+    inner = model.model
+    inner.lm_head = _PassThrough("logits")
+    if has_cast:
+        inner.cast_to_fp32 = _PassThrough("output")
+    inner.vocab_shards = vocab_shard_blocks(inner.p2p, config.hidden_size, config.vocab_size, shards, layout)
+    model.loss = ChainLoss(inner.vocab_shards, model.parallel_context.pp_pg)
+    # Nanotron's build_model prices blocks by builder class: each shard an equal part of the lm_head's cost.
+    costs = model.get_block_compute_costs()
+    costs[VocabShard] = config.vocab_size * config.hidden_size // shards
+    model.get_block_compute_costs = lambda: costs
+    # NanotronModel keeps a module -> name map for tied parameters; refresh it for the new modules.
+    if hasattr(model, "module_id_to_prefix"):
+        model.module_id_to_prefix = {id(m): f"{n}." for n, m in model.named_modules()}
+        model.module_id_to_prefix[id(model)] = ""
+    return model
+
+
+def label_pp_ranks(model: nn.Module) -> list[int]:
+    """Pipeline ranks whose micro-batches must carry the labels: every rank holding a vocabulary shard, or, in a
+    model without the chain, its ``output_pp_rank`` (the loss block's), as Nanotron's data loader does.
+
+    Args:
+        model: a built model (ranks assigned), not DDP-wrapped.
+    """
+    ranks = {m.rank for m in model.modules() if isinstance(m, PipelineBlock) and m.module_builder is VocabShard}
+    return sorted(ranks) if ranks else [model.output_pp_rank]

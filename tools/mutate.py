@@ -158,7 +158,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "param.copy_(full[shard.lo:shard.hi].to(dtype=param.dtype))",
       "param.copy_(full[:shard.hi - shard.lo].to(dtype=param.dtype))", (CHAIN,)),
     M("labels only on the last stage", ENGINE,
-      'label_ranks = getattr(unwrapped, "label_pp_ranks", [out_rank])', "label_ranks = [out_rank]", (CHAIN,)),
+      "label_ranks = label_pp_ranks(unwrapped)", "label_ranks = [out_rank]", (CHAIN,)),
 )
 
 

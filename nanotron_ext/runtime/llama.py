@@ -39,7 +39,7 @@ from torch import nn
 from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.inventory.layouts import llama_class_costs
 from nanotron_ext.runtime.p2p import CPUP2P
-from nanotron_ext.vocab_chain import VocabShard, route_labels, vocab_shard_blocks
+from nanotron_ext.vocab_chain import ChainLoss, VocabShard, vocab_shard_blocks
 
 __all__ = [
     "CPULlamaForTraining",
@@ -654,7 +654,9 @@ class CPULlamaForTraining(NanotronModel):
             projector=projector,
             vocab_shards=vocab_shards,
         )
-        if vocab_shards <= 1:
+        if vocab_shards > 1:
+            self.chain_loss = ChainLoss(self.model.vocab_shards, parallel_context.pp_pg)
+        else:
             self.loss = PipelineBlock(
                 p2p=self.model.p2p,
                 module_builder=Loss,
@@ -682,27 +684,12 @@ class CPULlamaForTraining(NanotronModel):
         loss = self.loss(sharded_logits=sharded_logits, label_ids=label_ids, label_mask=label_mask)["loss"]
         return {"loss": loss}
 
-    @property
-    def label_pp_ranks(self) -> list[int]:
-        """Pipeline ranks whose micro-batches must carry the labels: every rank holding a vocabulary shard, or
-        the loss block's rank."""
-        if self.model.n_vocab_shards > 1:
-            return sorted({block.rank for block in self.model.vocab_shards})
-        return [self.loss.rank]
-
     def _forward_chain(
         self, input_ids: TensorOrPointer, input_mask: TensorOrPointer, label_ids: TensorOrPointer,
         label_mask: TensorOrPointer,
     ) -> dict[str, TensorOrPointer]:
         _, hidden_states = self.model.forward_with_hidden_states(input_ids=input_ids, input_mask=input_mask)
-        pp_pg = self.parallel_context.pp_pg
-        state: dict[str, TensorOrPointer] = {"hidden_states": hidden_states}
-        for block in self.model.vocab_shards:
-            kwargs = {**state, "label_ids": route_labels(block, label_ids, pp_pg)}
-            if "label_mask" in block.module_input_keys:
-                kwargs["label_mask"] = route_labels(block, label_mask, pp_pg)
-            state = block(**kwargs)
-        return {"loss": state["loss"]}
+        return self.chain_loss(sharded_logits=hidden_states, label_ids=label_ids, label_mask=label_mask)
 
     @torch.no_grad()
     def init_model_randomly(
