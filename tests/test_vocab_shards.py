@@ -106,6 +106,7 @@ def test_auto_picks_the_k_with_the_smallest_simulated_step_and_plan_prints_it(ca
     assert "vocab.1" in out
 
 
+@pytest.mark.nanotron02
 def test_profiled_times_vocabulary_shards_and_auto_prices_with_them(tmp_path) -> None:
     from nanotron_ext.costs import measured as profiled
 
