@@ -53,7 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     warn_memory(plan)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "vocab_shards": cfg.vocab_shards}, indent=2))
+        print(plan.to_json())
     else:
         print(_header(cfg, plan, choice))
         print(plan.table())
