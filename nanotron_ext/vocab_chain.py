@@ -9,8 +9,9 @@ statistics it passes on with the hidden state, an online log-sum-exp:
   whenever the max grows);
 * ``target_logit``: the label's logit, added by the shard whose rows hold the label (0 elsewhere).
 
-The last shard returns Nanotron's loss: ``mean over label_mask of (m + log s − target_logit)``. Every step is
-an ordinary differentiable torch op, so the loss and every gradient equal the unsplit model's.
+The last shard returns Nanotron's loss: ``mean over label_mask of (m + log s − target_logit)``. Every step is a
+differentiable torch op or, for a slice's sum-exp and target logit, a Function with its exact derivative, so the
+loss and every gradient equal the unsplit model's.
 
 Labels: every shard reads ``label_ids`` (the last also ``label_mask``). The data loader hands the labels to each
 rank that holds a shard (:func:`label_pp_ranks`; :func:`nanotron_ext.runtime.engine.make_micro_batch` reads it), so
