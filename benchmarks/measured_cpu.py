@@ -395,13 +395,15 @@ def worker(spec_path: str, out_path: str) -> None:
 # --- launching -----------------------------------------------------------------------------------------
 
 
-def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: bool = True) -> dict[str, Any]:
+def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: bool = True,
+           script: Path | None = None) -> dict[str, Any]:
     """Run :func:`worker` in ``PP`` fresh processes with torchrun's environment; return rank 0's JSON.
 
     Args:
         spec: the scenario (see :func:`main`).
         timeout: seconds before every rank is killed.
         malloc_env: give the ranks :data:`MALLOC_ENV` (unless the caller's environment sets those already).
+        script: the benchmark whose ``--worker SPEC OUT`` the ranks run (default: this one).
 
     Raises:
         RuntimeError: a rank failed or the run passed ``timeout`` seconds (every rank is killed then).
@@ -419,7 +421,7 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
             log = open(Path(tmp) / f"rank{rank}.log", "w+b")  # closed below
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+                [sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=str(ROOT),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))

@@ -12,9 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["BlockInfo", "ParamInfo", "Role", "role_of", "short_name"]
+__all__ = ["VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "role_of", "short_name", "vocab_slices"]
 
-Role = Literal["embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "other"]
+Role = Literal[
+    "embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"
+]
+
+#: Module path of the vocabulary-shard chain (``nanotron_ext.vocab_shards``): ``model.vocab_shards.{i}``.
+VOCAB_SHARDS_PATH = "model.vocab_shards"
 
 
 @dataclass(frozen=True)
@@ -93,17 +98,44 @@ def role_of(name: str) -> Role:
         return "loss"
     if last == "projector":
         return "projector"
+    if re.search(r"(^|\.)vocab_shards\.\d+$", name):
+        return "vocab_shard"
     return "other"
 
 
 def short_name(name: str, role: Role | None = None) -> str:
-    """The name tables print: ``decoder.7`` for a decoder layer, the role otherwise, the path for ``other``.
+    """The name tables print: ``decoder.7`` for a decoder layer, ``vocab.2`` for a vocabulary shard, the role
+    otherwise, the path for ``other``.
 
     Example:
-        >>> short_name("model.decoder.7"), short_name("model.lm_head")
-        ('decoder.7', 'lm_head')
+        >>> short_name("model.decoder.7"), short_name("model.lm_head"), short_name("model.vocab_shards.2")
+        ('decoder.7', 'lm_head', 'vocab.2')
     """
     role = role or role_of(name)
     if role == "decoder":
         return f"decoder.{int(name.rsplit('.', 1)[-1])}"
+    if role == "vocab_shard":
+        return f"vocab.{int(name.rsplit('.', 1)[-1])}"
     return role if role != "other" else name
+
+
+def vocab_slices(vocab_size: int, shards: int) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` of the lm_head each vocabulary shard holds: contiguous, in order, sizes differing
+    by at most one (the first ``vocab_size % shards`` shards get the extra row), so any ``vocab_size`` splits.
+
+    Example:
+        >>> vocab_slices(11, 3)
+        [(0, 4), (4, 8), (8, 11)]
+
+    Raises:
+        ValueError: ``shards`` is not between 1 and ``vocab_size``.
+    """
+    if not 1 <= shards <= vocab_size:
+        raise ValueError(f"vocab_shards={shards} must be between 1 and the vocabulary size {vocab_size}")
+    base, extra = divmod(vocab_size, shards)
+    out, lo = [], 0
+    for i in range(shards):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out

@@ -33,6 +33,7 @@ __all__ = [
     "ModelShape",
     "PlannerConfig",
     "RunShape",
+    "VOCAB_SHARDS_AUTO",
     "bundled_config",
     "config_from_dict",
     "load_config",
@@ -133,6 +134,9 @@ class RunShape:
         return self.sequence_length * self.micro_batch_size
 
 
+#: ``nanotron_ext.vocab_shards: auto``: the planner picks the number of vocabulary shards.
+VOCAB_SHARDS_AUTO = "auto"
+
 #: What the optimal strategies minimise (``nanotron_ext.objective``).
 OBJECTIVES: tuple[str, ...] = ("step_time", "slowest_stage")
 
@@ -158,6 +162,9 @@ class ExtConfig:
             single-tensor AdamW); decides the optimizer step's temporaries and the default overhead.
         memory_overhead_gib: per-stage allowance for memory that is not tensors (context, communication
             buffers, fragmentation); None: :data:`DEFAULT_MEMORY_OVERHEAD_GIB` of the runtime (1 GiB on gpu).
+        vocab_shards: split lm_head + cast + loss into this many vocabulary-shard blocks (an online
+            log-sum-exp chain the partitioner can spread over stages); 1 keeps Nanotron's lm_head, ``auto``
+            lets the planner pick (:func:`nanotron_ext.plan.resolve_vocab_shards`).
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -172,6 +179,7 @@ class ExtConfig:
     p2p_gbps: float | None = None
     memory_runtime: str = "gpu"
     memory_overhead_gib: float | None = None
+    vocab_shards: int | str = 1
 
     @property
     def overhead_gib(self) -> float:
@@ -181,6 +189,12 @@ class ExtConfig:
         return DEFAULT_MEMORY_OVERHEAD_GIB[self.memory_runtime]
 
     def __post_init__(self) -> None:
+        k = self.vocab_shards
+        if k != VOCAB_SHARDS_AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(
+                f"nanotron_ext.vocab_shards={k!r} is neither a positive integer nor 'auto'; write 1 to keep "
+                f"one lm_head block, K > 1 to split the vocabulary into K blocks, or auto to let the planner pick"
+            )
         if self.memory_runtime not in get_args(MemoryRuntime):
             raise ConfigError(
                 f"nanotron_ext.memory_runtime={self.memory_runtime!r} is unknown; use gpu (Nanotron's trainer) or "
@@ -234,6 +248,36 @@ class PlannerConfig:
     ext: ExtConfig = field(default_factory=ExtConfig)
     nanotron: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     source: str = "<dict>"
+
+    def __post_init__(self) -> None:
+        k = self.ext.vocab_shards
+        if isinstance(k, int) and k > 1:
+            if k > self.model.vocab_size:
+                raise ConfigError(
+                    f"{self.source}: nanotron_ext.vocab_shards={k} is more than the vocabulary size "
+                    f"{self.model.vocab_size}: a shard would hold no row; use at most {self.model.vocab_size}"
+                )
+            if self.model.tie_word_embeddings:
+                raise ConfigError(
+                    f"{self.source}: nanotron_ext.vocab_shards={k} with tie_word_embeddings: true is not supported "
+                    f"(a shard would need a slice of the tied embedding, which Nanotron ties only as a whole "
+                    f"parameter); set model_config.tie_word_embeddings: false to untie, or vocab_shards: 1"
+                )
+
+    @property
+    def vocab_shards(self) -> int:
+        """The number of vocabulary-shard blocks (1: Nanotron's lm_head, cast and loss).
+
+        Raises:
+            ConfigError: still ``auto``; resolve it with :func:`nanotron_ext.plan.resolve_vocab_shards`.
+        """
+        k = self.ext.vocab_shards
+        if k == VOCAB_SHARDS_AUTO:
+            raise ConfigError(
+                f"{self.source}: nanotron_ext.vocab_shards is 'auto' and was not resolved; call "
+                f"nanotron_ext.plan.resolve_vocab_shards(cfg) first, or set a number"
+            )
+        return int(k)
 
     def with_overrides(
         self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,

@@ -54,7 +54,7 @@ __all__ = [
 #: Keys of our ``nanotron_ext:`` section (the fields of ``config.ExtConfig``; a test keeps them in step).
 EXT_KEYS = frozenset({
     "cost_strategy", "base_strategy", "layout", "memory_cap_gib", "allow_frozen_stages", "projector", "freeze",
-    "profile_cache", "objective", "p2p_gbps", "memory_overhead_gib", "memory_runtime",
+    "profile_cache", "objective", "p2p_gbps", "memory_overhead_gib", "memory_runtime", "vocab_shards",
 })
 #: Keys of ``nanotron_ext.freeze:``.
 FREEZE_KEYS = frozenset({"modules", "unfreeze", "unfreeze_last_decoder_layers"})
@@ -157,17 +157,18 @@ def parse_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
-def _suggest(key: Any, known: set[str] | frozenset[str]) -> str:
+def _suggest(key: Any, known: set[str] | frozenset[str], spell_out: bool = False) -> str:
     close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1, cutoff=0.6)
-    # Short lists are spelled out; Nanotron's sections run to dozens of keys.
-    listed = f"known keys are {', '.join(sorted(known))}" if len(known) <= 10 else ""
+    # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
+    listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
     if close:
         return f"did you mean {close[0]!r}?" + (f" ({listed})" if listed else "")
     return listed or "remove it or check the spelling against Nanotron's config"
 
 
-def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str], why: str) -> ConfigError:
-    return ConfigError(f"{source}: unknown key(s) {key!r} in {where}: {why}; {_suggest(key, known)}")
+def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str], why: str,
+             spell_out: bool = False) -> ConfigError:
+    return ConfigError(f"{source}: unknown key(s) {key!r} in {where}: {why}; {_suggest(key, known, spell_out)}")
 
 
 def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext") -> None:
@@ -185,7 +186,8 @@ def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron
     if isinstance(section, dict):
         for key in section:
             if key not in EXT_KEYS:
-                raise _unknown(source, f"'{ext_section}:'", key, EXT_KEYS, "nanotron_ext has no such option")
+                raise _unknown(source, f"'{ext_section}:'", key, EXT_KEYS, "nanotron_ext has no such option",
+                               spell_out=True)
         freeze = section.get("freeze")
         if isinstance(freeze, dict):
             for key in freeze:

@@ -65,20 +65,24 @@ def human_bytes(n: float) -> str:
 
 
 def compact_names(shorts: Sequence[str]) -> str:
-    """``["embedding", "decoder.0", "decoder.1", "decoder.2"]`` → ``"embedding, decoder.0-2"``."""
+    """``["embedding", "decoder.0", "decoder.1", "decoder.2"]`` → ``"embedding, decoder.0-2"``; runs of
+    vocabulary shards likewise (``vocab.0-3``)."""
     parts: list[str] = []
     run: list[int] = []
+    prefix = ""
 
     def flush() -> None:
         if run:
-            parts.append(f"decoder.{run[0]}" if len(run) == 1 else f"decoder.{run[0]}-{run[-1]}")
+            parts.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
             run.clear()
 
     for name in shorts:
-        if name.startswith("decoder.") and name[8:].isdigit():
-            i = int(name[8:])
-            if run and i != run[-1] + 1:
+        head, _, tail = name.rpartition(".")
+        if head in ("decoder", "vocab") and tail.isdigit():
+            i = int(tail)
+            if run and (f"{head}." != prefix or i != run[-1] + 1):
                 flush()
+            prefix = f"{head}."
             run.append(i)
         else:
             flush()

@@ -16,6 +16,7 @@ _RUNTIME_ONLY = [
     "runtime/test_runtime_layers.py",
     "runtime/test_runtime_pipeline.py",
     "runtime/test_spawn_helper.py",
+    "runtime/test_vocab_chain.py",
     "test_faults.py",
     "test_frozen_training.py",
     "test_integration.py",

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "__init__": 0, "blocks": 0, "config": 0, "config_keys": 0, "errors": 0, "families": 0, "outputs": 0,
     "report": 0, "schedule": 0,
     "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
-    "simulate": 1, "integration": 1,
+    "simulate": 1, "integration": 1, "vocab_chain": 1,
     "runtime": 2,
     "cli": 3, "run": 3,
 }

@@ -53,6 +53,10 @@ MEASURED = "nanotron_ext/costs/measured.py"
 OPTIMAL = "nanotron_ext/partition/optimal.py"
 RULE = "nanotron_ext/partition/nanotron_rule.py"
 SIMULATOR = "nanotron_ext/schedule/simulator.py"
+VOCAB = "nanotron_ext/vocab_chain.py"
+LLAMA = "nanotron_ext/runtime/llama.py"
+ENGINE = "nanotron_ext/runtime/engine.py"
+CHAIN = "tests/runtime/test_vocab_chain.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the four that survived in issue 14 ----------------------------------------------------------------
@@ -135,6 +139,27 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    if dist.get_rank() == 0:\n        try:\n            timings = profile_blocks(",
       "    if True:\n        try:\n            timings = profile_blocks(",
       ("tests/test_profiled.py::test_same_plan_on_every_rank_when_one_rank_measures_differently",)),
+    # --- the vocabulary-shard chain (issue 15) ---------------------------------------------------------------
+    M("chain drops the running-max rescale", VOCAB,
+      "sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)", "sumexp = sumexp + running_sumexp",
+      (CHAIN,)),
+    M("chain drops the target-logit hand-off", VOCAB,
+      "            target = target + target_logit\n", "            pass\n", (CHAIN,)),
+    M("chain rescales by its own max only", VOCAB,
+      "new_max = local_max if running_max is None else torch.maximum(running_max, local_max)",
+      "new_max = local_max", (CHAIN,)),
+    M("chain's slice test is off by one", VOCAB,
+      "here = (labels >= self.lo) & (labels < self.hi)", "here = (labels >= self.lo) & (labels <= self.hi)", (CHAIN,)),
+    M("chain's backward drops the target logit's gradient", VOCAB,
+      "        grad.scatter_add_(-1, index, (grad_target * here).unsqueeze(-1).to(grad.dtype))\n", "", (CHAIN,)),
+    M("chain's loss ignores label_mask", VOCAB,
+      "mask = self._as_tokens(label_mask).to(torch.float)",
+      "mask = torch.ones_like(self._as_tokens(label_mask), dtype=torch.float)", (CHAIN,)),
+    M("shard rows start from fresh draws, not the lm_head's", LLAMA,
+      "param.copy_(full[shard.lo:shard.hi].to(dtype=param.dtype))",
+      "param.copy_(full[:shard.hi - shard.lo].to(dtype=param.dtype))", (CHAIN,)),
+    M("labels only on the last stage", ENGINE,
+      "label_ranks = label_pp_ranks(unwrapped)", "label_ranks = [out_rank]", (CHAIN,)),
 )
 
 

@@ -21,7 +21,7 @@ from nanotron_ext.cli.common import (
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan import Plan, make_plan, plan_every_strategy
+from nanotron_ext.plan import Plan, VocabChoice, make_plan, plan_every_strategy, resolve_vocab_shards
 from nanotron_ext.report import first_line, human_count, table
 from nanotron_ext.simulate import DEFAULT_TFLOPS, format_seconds, simulate_plan
 
@@ -39,7 +39,7 @@ def add_subcommand(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext plan``; returns the exit code."""
-    cfg = config_from_args(args, args.config)
+    cfg, choice = resolve_vocab_shards(config_from_args(args, args.config))
     blocks = inventory_from_config(cfg)
     if args.compare:
         return _compare(cfg, blocks, as_json=args.json)
@@ -55,7 +55,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        print(_header(cfg, plan))
+        print(_header(cfg, plan, choice))
         print(plan.table())
         print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
               "alive then):")
@@ -67,11 +67,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.ok else EXIT_INVALID
 
 
-def _header(cfg: PlannerConfig, plan: Plan) -> str:
+def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None) -> str:
     m, r = cfg.model, cfg.run
+    shards = ""
+    if choice is not None:
+        tried = ", ".join(f"K={k}: {format_seconds(t)}" for k, t in choice.step_times.items())
+        shards = f"\n  vocab_shards: auto -> {choice.shards} (simulated step {tried})"
+    elif cfg.vocab_shards > 1:
+        shards = f"\n  vocab_shards: {cfg.vocab_shards}"
     return (f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
             f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
-            f" | strategy: {plan.strategy}\n")
+            f" | strategy: {plan.strategy}{shards}\n")
 
 
 def _verdict(plan: Plan, step_line: str = "") -> str:

@@ -36,7 +36,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.outputs import PICTURE_SUFFIXES
-from nanotron_ext.plan import Plan, make_plan, plan_every_strategy
+from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_vocab_shards
 from nanotron_ext.report import first_line, table
 from nanotron_ext.simulate import (
     DEFAULT_TFLOPS,
@@ -122,6 +122,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
     if args.p2p_gbps is not None:  # the step-time objective prices transfers as this simulation does
         cfg = cfg.with_overrides(p2p_gbps=args.p2p_gbps)
+    cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
     source, model_text = _time_source(args, cfg, blocks)
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)

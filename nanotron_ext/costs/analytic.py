@@ -5,7 +5,9 @@ With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vo
 * a linear layer with ``P`` weights: forward ``2·t·P``, input-gradient ``2·t·P``, weight-gradient ``2·t·P``;
 * attention scores and weighted sum: forward ``4·t·s·h``, input-gradient ``8·t·s·h``, no weights
   (full, not causal-halved: torch SDPA on CPU computes the whole square);
-* lm_head forward ``2·t·h·V``; cast ``t·V``; cross-entropy about ``5·t·V`` forward, ``3·t·V`` backward.
+* lm_head forward ``2·t·h·V``; cast ``t·V``; cross-entropy about ``5·t·V`` forward, ``3·t·V`` backward;
+* a vocabulary shard of ``V_i`` rows (``nanotron_ext.vocab_shards``): the three above on its slice, keeping its
+  fp32 logits for backward, and sending the hidden state plus three fp32 statistics per token.
 
 Training work of a block depends on what is trainable: a frozen block pays no weight-gradient
 work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
@@ -121,6 +123,13 @@ def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0, layer:
     if role == "loss":
         # Cross-entropy keeps fp32 logits (or their softmax) alive until backward.
         return BlockWork(5.0 * t * v, 3.0 * t * v, 0.0, 4.0 * t * v, 4.0)
+    if role == "vocab_shard":
+        # lm_head + cast + loss on the shard's rows (params = rows x h on this TP rank, priced like the lm_head,
+        # whose FLOPs count the whole vocabulary); it keeps its input and its fp32 logits slice for backward
+        # and sends the hidden state plus running max, running sum-exp and target logit (fp32) per token.
+        vi = params * run.tp / h
+        mm = 2.0 * t * h * vi
+        return BlockWork(mm + 6.0 * t * vi, mm + 4.0 * t * vi, mm, w * t * h + 4.0 * t * vi, w * t * h + 12.0 * t)
     # projector / other: a linear layer of the given size.
     return BlockWork(2.0 * t * params, 2.0 * t * params, 2.0 * t * params, w * t * h, w * t * h)
 

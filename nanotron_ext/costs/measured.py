@@ -248,6 +248,13 @@ def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_g
         return {"x": act(s, b, h)}
     if role == "cast":
         return {"x": act(s, b, v)}
+    if role == "vocab_shard":
+        # A middle shard (nanotron_ext.vocab_chain): statistics in, statistics out; labels anywhere.
+        stats = {"running_max": act(s, b, float_dtype=torch.float32).detach(),
+                 "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
+                 "target_logit": act(s, b, float_dtype=torch.float32)}
+        labels = torch.randint(0, v, (b, s), generator=gen).to(device)
+        return {"hidden_states": act(s, b, h), "label_ids": labels, **stats}
     # loss: Nanotron's cast_to_fp32 hands it fp32 logits.
     labels = torch.randint(0, v, (b, s), generator=gen).to(device)
     return {"sharded_logits": act(s, b, v, float_dtype=torch.float32), "label_ids": labels, "label_mask": mask}

@@ -125,6 +125,17 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
         logits = 4.0 if m.family != "qwen2" else float(w)
         return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
                            backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
+    if role == "vocab_shard":
+        # nanotron_ext.vocab_chain: lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64
+        # label index and the mask, the linear's input saved; the statistics are [tokens] fp32. Forward: the
+        # 16-bit logits, their fp32 copy and the subtraction before exp; backward: the logits gradient is
+        # written into the saved exp, cast back to 16-bit, then the linear's input and fresh weight gradients.
+        rows = block.params / h
+        stats = 3 * t * 4.0
+        return BlockMemory(saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
+                           forward_temp=t * rows * (2 * 4.0 + (w if w < 4 else 0.0)),
+                           backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
+                           persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
     # projector / other: a linear layer on the hidden states.
     return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
                        input=t * h * w, input_saved=True, output=t * h * w)
@@ -179,6 +190,8 @@ def _largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
     h, tp = m.hidden_size, run.tp
     if block.role in ("embedding", "lm_head"):
         return m.vocab_size // tp * h
+    if block.role == "vocab_shard":
+        return block.params
     if block.role == "decoder":
         return 2 * m.intermediate_size // tp * h
     return block.trainable

@@ -60,11 +60,15 @@ def inventory_from_config(cfg: PlannerConfig) -> list[BlockInfo]:
 
     Returns:
         One :class:`BlockInfo` per PipelineBlock in forward order, with the config's freeze spec applied.
+
+    Raises:
+        ConfigError: ``vocab_shards: auto`` not yet resolved (:func:`nanotron_ext.plan.resolve_vocab_shards`).
     """
     m, run = cfg.model, cfg.run
     costs = class_costs(m)
     blocks = []
-    for i, (name, builder, params) in enumerate(block_layout(m, projector=cfg.ext.projector)):
+    layout = block_layout(m, projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards)
+    for i, (name, builder, params) in enumerate(layout):
         shards = [ParamInfo(f"{name}.pp_block.{p}", _tp_shard(p, n, run.tp, name)) for p, n in params]
         blocks.append(make_block(i, name, builder, shards, m, run, costs.get(builder, 0.0)))
     return apply_config_freeze(blocks, cfg)
@@ -81,5 +85,5 @@ _TP_SHARDED = (
 
 
 def _tp_shard(param: str, numel: int, tp: int, block: str) -> int:
-    sharded = param.endswith(_TP_SHARDED) or block.endswith("lm_head")
+    sharded = param.endswith(_TP_SHARDED) or block.endswith("lm_head") or role_of(block) == "vocab_shard"
     return numel // tp if sharded else numel

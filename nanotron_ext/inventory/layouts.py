@@ -7,6 +7,7 @@ Counts are at tp = 1; :mod:`nanotron_ext.inventory.from_config` shards them.
 
 from __future__ import annotations
 
+from nanotron_ext.blocks import VOCAB_SHARDS_PATH, vocab_slices
 from nanotron_ext.config import ModelShape
 
 __all__ = ["block_layout", "class_costs", "llama_class_costs"]
@@ -21,10 +22,12 @@ _DECODER_BUILDER = {
 }
 
 
-def block_layout(m: ModelShape, projector: bool = False) -> Layout:
+def block_layout(m: ModelShape, projector: bool = False, vocab_shards: int = 1) -> Layout:
     """Blocks of the config's model in forward order: ``(module path, builder class, [(parameter, numel)])``.
 
-    The projector, when asked for (CPU model only), sits right after the embedding, as a VLM's does.
+    The projector, when asked for (CPU model only), sits right after the embedding, as a VLM's does. With
+    ``vocab_shards`` K > 1 the lm_head, cast and loss blocks become K ``VocabShard`` blocks
+    (``model.vocab_shards.{i}``), each holding a slice of the lm_head rows (:func:`~nanotron_ext.blocks.vocab_slices`).
     """
     h, v = m.hidden_size, m.vocab_size
     embedding = "model.token_embeddings" if m.family == "starcoder2" else "model.token_position_embeddings"
@@ -39,6 +42,9 @@ def block_layout(m: ModelShape, projector: bool = False) -> Layout:
         blocks.append(("model.final_layer_norm", "TritonLayerNorm", [("weight", h), ("bias", h)]))
     else:
         blocks.append(("model.final_layer_norm", "RMSNorm" if m.family == "llama" else "TritonRMSNorm", [("weight", h)]))
+    if vocab_shards > 1:
+        return blocks + [(f"{VOCAB_SHARDS_PATH}.{i}", "VocabShard", [("weight", (hi - lo) * h)])
+                         for i, (lo, hi) in enumerate(vocab_slices(v, vocab_shards))]
     blocks.append(("model.lm_head", "TensorParallelColumnLinear", [("weight", v * h)]))
     if m.family != "qwen2":
         blocks.append(("model.cast_to_fp32", "<lambda>", []))

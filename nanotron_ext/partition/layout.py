@@ -5,7 +5,8 @@ Syntax:
 * ``|`` separates stages, ``,`` separates items within a stage; spaces are ignored;
 * ``E`` embedding, ``P`` projector, ``t`` one decoder layer, ``t*K`` K decoder layers;
 * ``L`` the output group: final norm, lm_head, cast and loss; or, one by one,
-  ``N`` final norm, ``H`` lm_head, ``C`` cast to fp32, ``X`` loss.
+  ``N`` final norm, ``H`` lm_head, ``C`` cast to fp32, ``X`` loss;
+* ``V`` one vocabulary shard, ``V*K`` K of them (``nanotron_ext.vocab_shards``), e.g. ``"E,t*8,N,V|V*3"``.
 
 Every block of the model must appear exactly once, in forward order.
 """
@@ -28,6 +29,7 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "C": ("cast",),
     "X": ("loss",),
     "L": ("final_norm", "lm_head", "cast", "loss"),
+    "V": ("vocab_shard",),
 }
 _ITEM = re.compile(r"\s*([A-Za-z])\s*(?:\*\s*(\d*))?\s*")
 
@@ -57,7 +59,7 @@ def parse_layout(layout: str) -> list[list[str]]:
             match = _ITEM.fullmatch(item)
             if match is None:
                 bad = item_pos + _first_bad(item)
-                raise _error(layout, bad, "expected a symbol (E, P, t, N, H, C, X, L) optionally followed by *K")
+                raise _error(layout, bad, "expected a symbol (E, P, t, N, H, C, X, L, V) optionally followed by *K")
             symbol, count = match.group(1), match.group(2)
             at = item_pos + match.start(1)
             if symbol not in SYMBOLS:

@@ -5,14 +5,17 @@ from nanotron_ext.plan.compare import Attempt, plan_every_strategy
 from nanotron_ext.plan.make import make_plan
 from nanotron_ext.plan.types import Finding, Plan, StagePlan
 from nanotron_ext.plan.validate import cannot_train_message, validate_plan
+from nanotron_ext.plan.vocab import VocabChoice, resolve_vocab_shards
 
 __all__ = [
     "Attempt",
     "Finding",
     "Plan",
     "StagePlan",
+    "VocabChoice",
     "cannot_train_message",
     "make_plan",
     "plan_every_strategy",
+    "resolve_vocab_shards",
     "validate_plan",
 ]

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+from nanotron_ext.blocks import role_of
 from nanotron_ext.costs.memory import StageMemory
 from nanotron_ext.report import human_bytes, human_count, table
 
@@ -143,8 +144,13 @@ class Plan:
         for stage, out in zip(self.stages, d["stages"]):
             out["memory"] = stage.memory.to_dict() if stage.memory is not None else None
         d.update(ok=self.ok, optimum_flops=self.optimum_flops, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,
-                 spread=self.spread, bubble_estimate=self.bubble_estimate)
+                 spread=self.spread, bubble_estimate=self.bubble_estimate, vocab_shards=self.vocab_shards)
         return d
+
+    @property
+    def vocab_shards(self) -> int:
+        """Vocabulary-shard blocks in the model (1: Nanotron's lm_head, cast and loss)."""
+        return sum(1 for name in self.block_names if role_of(name) == "vocab_shard") or 1
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

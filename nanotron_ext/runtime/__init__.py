@@ -23,11 +23,13 @@ from nanotron_ext.runtime.engine import (
 )
 from nanotron_ext.runtime.llama import CPULlamaForTraining
 from nanotron_ext.runtime.p2p import CPUP2P, wait_pending_sends
+from nanotron_ext.vocab_chain import VocabShard
 
 __all__ = [
     "CPULlamaForTraining",
     "CPUP2P",
     "GlooParallelContext",
+    "VocabShard",
     "assign_blocks",
     "build_cpu_llama",
     "build_optimizer",

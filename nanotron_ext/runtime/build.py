@@ -198,6 +198,7 @@ def build_cpu_llama(
     projector: bool = False,
     freeze: Callable[[str, nn.Parameter], bool] | None = None,
     ddp: bool = True,
+    vocab_shards: int = 1,
 ) -> NanotronModel | DistributedDataParallel:
     """Everything Nanotron's trainer does to get a trainable model, on CPU.
 
@@ -214,6 +215,7 @@ def build_cpu_llama(
         projector: add the ``model.projector`` block.
         freeze: ``freeze(name, param) -> True`` to set ``requires_grad=False`` on that (local) parameter.
         ddp: wrap in DDP when DP > 1 (see ``wrap_ddp``).
+        vocab_shards: K > 1 ends the model with K vocabulary-shard blocks instead of lm_head, cast and loss.
 
     Returns:
         The model (DDP-wrapped where applicable).
@@ -225,6 +227,7 @@ def build_cpu_llama(
             parallel_context=parallel_context,
             parallel_config=parallel_config,
             projector=projector,
+            vocab_shards=vocab_shards,
         )
 
     if block_ranks is None:

@@ -36,8 +36,10 @@ from nanotron.parallel.tensor_parallel.nn import (
 from nanotron.random import RandomStates
 from torch import nn
 
+from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.inventory.layouts import llama_class_costs
 from nanotron_ext.runtime.p2p import CPUP2P
+from nanotron_ext.vocab_chain import ChainLoss, VocabShard, vocab_shard_blocks
 
 __all__ = [
     "CPULlamaForTraining",
@@ -477,6 +479,7 @@ class CPULlamaModel(nn.Module):
         parallel_context: ParallelContext,
         parallel_config: ParallelismArgs | None,
         projector: bool = False,
+        vocab_shards: int = 1,
     ) -> None:
         super().__init__()
         # Nanotron's P2P on the CPU device, with non-blocking sends (gloo's blocking send deadlocks the
@@ -533,6 +536,11 @@ class CPULlamaModel(nn.Module):
             module_input_keys={"input"},
             module_output_keys={"hidden_states"},
         )
+        self.n_vocab_shards = vocab_shards
+        if vocab_shards > 1:
+            # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.vocab_chain).
+            self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size, vocab_shards)
+            return
         self.lm_head = PipelineBlock(
             p2p=self.p2p,
             module_builder=TensorParallelColumnLinear,
@@ -574,6 +582,8 @@ class CPULlamaModel(nn.Module):
         for encoder_block in self.decoder:
             hidden_encoder_states = encoder_block(**hidden_encoder_states)
         hidden_states = self.final_layer_norm(input=hidden_encoder_states["hidden_states"])["hidden_states"]
+        if self.n_vocab_shards > 1:
+            return TensorPointer(group_rank=self.vocab_shards[0].rank), hidden_states
         sharded_logits = self.lm_head(x=hidden_states)["logits"]
         fp32_sharded_logits = self.cast_to_fp32(x=sharded_logits)["output"]
         return fp32_sharded_logits, hidden_states
@@ -584,7 +594,10 @@ class CPULlamaModel(nn.Module):
         by_name = llama_class_costs(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                                     intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
         classes = {cls.__name__: cls for cls in (LlamaDecoderLayer, TensorParallelColumnLinear)}
-        return {classes[name]: cost for name, cost in by_name.items()}
+        costs = {classes[name]: cost for name, cost in by_name.items()}
+        # Nanotron's rule prices by class: each shard gets an equal part of the lm_head's cost.
+        costs[VocabShard] = c.vocab_size * c.hidden_size // max(1, self.n_vocab_shards)
+        return costs
 
 
 def _name_seed(base_seed: int, name: str) -> int:
@@ -605,9 +618,12 @@ class CPULlamaForTraining(NanotronModel):
         parallel_config: Nanotron ``ParallelismArgs`` (tp_mode, async comm) or None for defaults.
         random_states: accepted for signature compatibility with Nanotron; unused.
         projector: add a trainable ``model.projector`` block right after the embedding.
+        vocab_shards: K > 1 replaces ``model.lm_head``, ``model.cast_to_fp32`` and ``loss`` with
+            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.vocab_chain`); the loss and gradients are the same.
 
     Raises:
-        ValueError: head counts / vocabulary incompatible with the TP size.
+        ValueError: head counts / vocabulary incompatible with the TP size; vocab_shards > 1 with tied
+            embeddings or TP > 1.
     """
 
     def __init__(
@@ -617,22 +633,37 @@ class CPULlamaForTraining(NanotronModel):
         parallel_config: ParallelismArgs | None,
         random_states: RandomStates | None = None,
         projector: bool = False,
+        vocab_shards: int = 1,
     ) -> None:
         super().__init__()
         _check_attention_shapes(config, parallel_context.tp_pg.size())
+        if vocab_shards > 1 and config.tie_word_embeddings:
+            raise ValueError(
+                f"vocab_shards={vocab_shards} with tie_word_embeddings=True is not supported: Nanotron ties whole "
+                f"parameters, not row slices; set tie_word_embeddings: false to untie, or vocab_shards: 1"
+            )
+        if vocab_shards > 1 and parallel_context.tp_pg.size() > 1:
+            raise ValueError(
+                f"vocab_shards={vocab_shards} with tp={parallel_context.tp_pg.size()}: the CPU runtime's shards are "
+                f"not split across TP ranks; use tp: 1 or vocab_shards: 1"
+            )
         self.model = CPULlamaModel(
             config=config,
             parallel_context=parallel_context,
             parallel_config=parallel_config,
             projector=projector,
+            vocab_shards=vocab_shards,
         )
-        self.loss = PipelineBlock(
-            p2p=self.model.p2p,
-            module_builder=Loss,
-            module_kwargs={"tp_pg": parallel_context.tp_pg},
-            module_input_keys={"sharded_logits", "label_ids", "label_mask"},
-            module_output_keys={"loss"},
-        )
+        if vocab_shards > 1:
+            self.chain_loss = ChainLoss(self.model.vocab_shards, parallel_context.pp_pg)
+        else:
+            self.loss = PipelineBlock(
+                p2p=self.model.p2p,
+                module_builder=Loss,
+                module_kwargs={"tp_pg": parallel_context.tp_pg},
+                module_input_keys={"sharded_logits", "label_ids", "label_mask"},
+                module_output_keys={"loss"},
+            )
         self.parallel_context = parallel_context
         self.config = config
         self.parallel_config = parallel_config
@@ -647,9 +678,18 @@ class CPULlamaForTraining(NanotronModel):
         label_ids: TensorOrPointer,
         label_mask: TensorOrPointer,
     ) -> dict[str, TensorOrPointer]:
+        if self.model.n_vocab_shards > 1:
+            return self._forward_chain(input_ids, input_mask, label_ids, label_mask)
         sharded_logits = self.model(input_ids=input_ids, input_mask=input_mask)
         loss = self.loss(sharded_logits=sharded_logits, label_ids=label_ids, label_mask=label_mask)["loss"]
         return {"loss": loss}
+
+    def _forward_chain(
+        self, input_ids: TensorOrPointer, input_mask: TensorOrPointer, label_ids: TensorOrPointer,
+        label_mask: TensorOrPointer,
+    ) -> dict[str, TensorOrPointer]:
+        _, hidden_states = self.model.forward_with_hidden_states(input_ids=input_ids, input_mask=input_mask)
+        return self.chain_loss(sharded_logits=hidden_states, label_ids=label_ids, label_mask=label_mask)
 
     @torch.no_grad()
     def init_model_randomly(
@@ -687,6 +727,8 @@ class CPULlamaForTraining(NanotronModel):
                     continue
                 if param_name == "bias":
                     param.zero_()
+                elif isinstance(module, VocabShard):
+                    self._init_vocab_shard(param, module, init_method, base_seed)
                 elif isinstance(module, RMSNorm):
                     param.fill_(1.0)
                 elif isinstance(module, TensorParallelRowLinear):
@@ -699,6 +741,17 @@ class CPULlamaForTraining(NanotronModel):
                         f"(module {type(module).__name__})."
                     )
                 initialized.add(full_name)
+
+    def _init_vocab_shard(
+        self, param: torch.Tensor, shard: VocabShard, init: Callable[[torch.Tensor], Any], base_seed: int
+    ) -> None:
+        # The rows the unsplit lm_head would get: same stream, same full draw, so K shards start from exactly
+        # the weights of vocab_shards: 1 and the two models can be compared step for step.
+        vocab = self.config.vocab_size
+        assert (shard.lo, shard.hi) in vocab_slices(vocab, self.model.n_vocab_shards)
+        full = torch.empty(vocab, self.config.hidden_size)
+        self._seeded_init(full, "model.lm_head.pp_block.weight", init, base_seed)
+        param.copy_(full[shard.lo:shard.hi].to(dtype=param.dtype))
 
     @staticmethod
     def _seeded_init(

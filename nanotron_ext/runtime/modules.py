@@ -16,10 +16,11 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.runtime.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
+from nanotron_ext.vocab_chain import VocabShard
 
 __all__ = ["MEASURABLE_ROLES", "build_block_module", "llama_config_from_shape"]
 
-MEASURABLE_ROLES = ("embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss")
+MEASURABLE_ROLES = ("embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard")
 
 
 def llama_config_from_shape(cfg: PlannerConfig) -> LlamaConfig:
@@ -62,6 +63,10 @@ def build_block_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any) -> Call
         return lambda x: x.float()  # Nanotron's cast_to_fp32 builder, exactly
     if role == "loss":
         return Loss(tp_pg=tp_pg)
+    if role == "vocab_shard":
+        # A middle shard of the chain (statistics in and out); the last one's loss is a few more element-wise ops.
+        rows = block.params // lcfg.hidden_size
+        return VocabShard(lcfg.hidden_size, 0, rows, first=False, last=False)
     raise PlanningError(
         f"the profiled strategy cannot build block {block.name} (role {role!r}); it measures the Llama blocks "
         f"({', '.join(MEASURABLE_ROLES)}). Use cost_strategy: flops for other architectures"

@@ -113,9 +113,9 @@ def preflight(
         PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
     """
     from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan
+    from nanotron_ext.plan import make_plan, resolve_vocab_shards
 
-    cfg = load_config(config_file, cost_strategy=cost_strategy)
+    cfg, _ = resolve_vocab_shards(load_config(config_file, cost_strategy=cost_strategy))
     raw, run = cfg.nanotron, cfg.run
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
 
@@ -463,7 +463,7 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     cfg = s.cfg
     model = integration.build_model(
         lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
-                                    projector=cfg.ext.projector),
+                                    projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards),
         ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
     )
     plan: Plan = model.nanotron_ext_plan

@@ -23,17 +23,23 @@ from . import workers
 from .spawn import run_distributed
 
 
-def _raw(dtype: str, engine: str) -> dict[str, Any]:
+def _raw(dtype: str, engine: str, vocab_shards: int = 1) -> dict[str, Any]:
     raw = yaml.safe_load(bundled_config().read_text())
+    raw["nanotron_ext"]["vocab_shards"] = vocab_shards
     raw["model"]["dtype"] = dtype
     raw["parallelism"]["pp_engine"] = engine
     raw["nanotron_ext"]["memory_runtime"] = "cpu"
     return raw
 
 
-@pytest.mark.parametrize("dtype,engine", [("float32", "1f1b"), ("bfloat16", "afab")])
-def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(dtype: str, engine: str) -> None:
-    raw = _raw(dtype, engine)
+@pytest.mark.parametrize("dtype,engine,vocab_shards", [
+    ("float32", "1f1b", 1), ("bfloat16", "afab", 1),
+    ("float32", "1f1b", 3),  # the vocabulary-shard chain: lm_head rows, fp32 exp of the slice, statistics
+])
+def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(
+    dtype: str, engine: str, vocab_shards: int
+) -> None:
+    raw = _raw(dtype, engine, vocab_shards)
     cfg = config_from_dict(raw)
     blocks = inventory_from_config(cfg)
     estimate = max(s.memory_bytes for s in make_plan(blocks, cfg).stages)

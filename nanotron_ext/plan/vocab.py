@@ -1,0 +1,85 @@
+"""``nanotron_ext.vocab_shards: auto``: the number of vocabulary shards the step-time objective likes best."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
+from nanotron_ext.plan.make import make_plan
+from nanotron_ext.strategies.step_time import schedule_problem
+
+__all__ = ["VocabChoice", "resolve_vocab_shards", "vocab_shard_candidates"]
+
+#: A larger K must beat the best smaller one by this much: each shard is one more block, one more p2p hop
+#: and one more label copy, which the FLOP-rate model does not charge.
+MIN_GAIN = 0.01
+
+
+@dataclass(frozen=True)
+class VocabChoice:
+    """What ``auto`` chose: ``shards``, and the simulated step time (seconds) of each candidate it planned."""
+
+    shards: int
+    step_times: dict[int, float]
+
+
+def vocab_shard_candidates(cfg: PlannerConfig) -> list[int]:
+    """K values ``auto`` tries: 1, 2, 3, 4, 6, 8, 12, 16 up to ``2·pp`` (more shards than that only add
+    hops) and the vocabulary size; only 1 for a model with tied embeddings (see ``PlannerConfig``)."""
+    if cfg.model.tie_word_embeddings:
+        return [1]
+    limit = min(2 * cfg.run.pp, cfg.model.vocab_size)
+    return [k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k == 1 or k <= limit]
+
+
+def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice | None]:
+    """Replace ``vocab_shards: auto`` by the K whose plan has the smallest simulated step.
+
+    Each candidate is planned with the config's strategy (by default ``constrained``) and priced by the
+    step-time objective: the FLOP-rate model, or, under ``profiled``, the block times it measured; p2p at
+    ``nanotron_ext.p2p_gbps``. A larger K wins only if it is at least :data:`MIN_GAIN` faster. Candidates that
+    cannot be planned are skipped.
+
+    Args:
+        cfg: a loaded config.
+
+    Returns:
+        ``(cfg with an integer vocab_shards, the choice)``; the config unchanged and None when it was not ``auto``.
+
+    Raises:
+        PlanningError: no candidate can be planned (the error of the first one).
+    """
+    if cfg.ext.vocab_shards != VOCAB_SHARDS_AUTO:
+        return cfg, None
+    times: dict[int, float] = {}
+    best: int | None = None
+    first_error: PlanningError | None = None
+    for k in vocab_shard_candidates(cfg):
+        trial = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=k))
+        blocks = inventory_from_config(trial)
+        try:
+            plan = make_plan(blocks, trial)
+        except PlanningError as exc:  # a K that cannot be planned (too few blocks for pp) is not a candidate
+            first_error = first_error or exc
+            continue
+        timings = None
+        if trial.ext.cost_strategy == "profiled":  # price with what it measured (cached: not measured twice)
+            from nanotron_ext.costs.measured import block_timings
+
+            timings = block_timings(blocks, trial)
+        gbps = cfg.ext.p2p_gbps
+        problem = schedule_problem(blocks, trial, timings=timings,
+                                   p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
+        bounds = [0] + [sum(1 for r in plan.block_ranks if r <= s) for s in range(cfg.run.pp)]
+        times[k] = float(StepTimeEvaluator(problem)([bounds])[0])
+        if best is None or times[k] < times[best] * (1.0 - MIN_GAIN):
+            best = k
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    resolved = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=best))
+    return resolved, VocabChoice(best, times)
