@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         cfg = load_config(config_file, cost_strategy=opts.cost_strategy)
         get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
+        if cfg.ext.vocab_shards != 1:
+            raise ConfigError(
+                f"nanotron_ext.vocab_shards={cfg.ext.vocab_shards!r} is not wired into Nanotron's own trainer yet: "
+                f"its data loaders hand labels to one PP rank, and every rank that holds a vocabulary shard needs "
+                f"them; use vocab_shards: 1 with the launcher, or train the chain with `nanotron-ext train`"
+            )
         undo = install_launcher(cfg, opts.cost_strategy)
     except NanotronExtError as exc:
         return report_error(exc, prefix)
