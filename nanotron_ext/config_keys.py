@@ -162,7 +162,8 @@ def _suggest(key: Any, known: set[str] | frozenset[str], spell_out: bool = False
     # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
     listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
     if close:
-        return f"did you mean {close[0]!r}?" + (f" ({listed})" if listed else "")
+        # The list goes on a line of its own: our section has grown past a dozen keys.
+        return f"did you mean {close[0]!r}?" + (f"\n  {listed}" if listed else "")
     return listed or "remove it or check the spelling against Nanotron's config"
 
 
