@@ -19,6 +19,7 @@ from pathlib import Path
 from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
 from nanotron_ext.errors import ConfigError, NanotronExtError
+from nanotron_ext.plan import resolve_vocab_shards
 from nanotron_ext.strategies import get_strategy
 
 __all__ = ["config_file_of", "main"]
@@ -69,12 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         cfg = load_config(config_file, cost_strategy=opts.cost_strategy)
         get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
-        if cfg.ext.vocab_shards != 1:
-            raise ConfigError(
-                f"nanotron_ext.vocab_shards={cfg.ext.vocab_shards!r} is not wired into Nanotron's own trainer yet: "
-                f"its data loaders hand labels to one PP rank, and every rank that holds a vocabulary shard needs "
-                f"them; use vocab_shards: 1 with the launcher, or train the chain with `nanotron-ext train`"
-            )
+        cfg, choice = resolve_vocab_shards(cfg)
+        if choice is not None and os.environ.get("RANK", "0") == "0":
+            print(f"nanotron_ext: vocab_shards: auto -> {choice.shards}", flush=True)
         undo = install_launcher(cfg, opts.cost_strategy)
     except NanotronExtError as exc:
         return report_error(exc, prefix)

@@ -126,16 +126,3 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert main([str(script), "--config-file", str(bundled_config())]) == 3
     err = capsys.readouterr().err
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize("shards", [2, "auto"])
-def test_vocab_shards_are_refused_by_the_launcher_with_what_to_do(tmp_path, capsys, shards):
-    raw = yaml.safe_load(bundled_config().read_text())
-    raw["nanotron_ext"]["vocab_shards"] = shards
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    script = tmp_path / "run_train.py"
-    script.write_text("raise SystemExit(0)\n")
-    assert main([str(script), "--config-file", str(config)]) == 2
-    err = capsys.readouterr().err
-    assert f"vocab_shards={shards!r}" in err and "vocab_shards: 1" in err and "nanotron-ext train" in err

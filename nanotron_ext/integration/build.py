@@ -77,6 +77,8 @@ def build_model(
     if cfg.run.pp != len(ranks):
         cfg = cfg.with_overrides(pp=len(ranks))
     model = model_builder()
+    if _ACTIVE.get("model_transform") is not None:
+        model = _ACTIVE["model_transform"](model)
     blocks = inventory_from_model(model, cfg)
     plan = plan_for_model(model, cfg, strategy, blocks=blocks)
     assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,
@@ -190,6 +192,7 @@ def patch_nanotron(
     strategy: str | None = None,
     *,
     after_build: Callable[[Any, Any], None] | None = None,
+    model_transform: Callable[[Any], Any] | None = None,
 ) -> Callable[[], None]:
     """Make Nanotron's own code (``DistributedTrainer`` included) build models with nanotron_ext.
 
@@ -203,6 +206,8 @@ def patch_nanotron(
         strategy: overrides ``config.ext.cost_strategy``.
         after_build: called as ``after_build(model, parallel_context)`` once the blocks are built (the
             launcher freezes and runs the collective check there, before the trainer wraps the model).
+        model_transform: applied to the unbuilt model before it is planned (the launcher puts the
+            vocabulary-shard chain in there).
 
     Returns:
         A function that undoes the patch.
@@ -233,7 +238,7 @@ def patch_nanotron(
             raise NanotronExtError(_patch_failure(module_name, exc)) from exc
         undo.append((module, "build_model", module.build_model))
         module.build_model = build_model
-    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build)
+    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build, model_transform=model_transform)
     return restore
 
 

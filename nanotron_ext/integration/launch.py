@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
-from nanotron_ext.errors import RunFailure
+from nanotron_ext.errors import ConfigError, RunFailure
 from nanotron_ext.integration.build import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
+from nanotron_ext.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 
 __all__ = ["UPSTREAM_FIXES", "install_launcher", "strip_ext_keys"]
 
@@ -99,8 +100,16 @@ def install_launcher(
             f"for MoE models); without a GPU, `nanotron-ext train` runs the CPU runtime instead"
         ) from exc
 
-    undo_build = patch_nanotron(cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say))
+    shards = cfg.ext.vocab_shards
+    if not isinstance(shards, int):
+        raise ConfigError(f"vocab_shards={shards!r}: resolve 'auto' first (nanotron_ext.plan.resolve_vocab_shards)")
+    undo_build = patch_nanotron(
+        cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say),
+        model_transform=(lambda model: replace_lm_head_with_vocab_chain(model, shards)) if shards > 1 else None,
+    )
     patches = _Patches()
+    if shards > 1:
+        _feed_the_vocab_chain(patches, trainer)
     load_dict = nanotron_config.get_config_from_dict
     patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
 
@@ -179,6 +188,52 @@ def _freeze_and_check(model: Any, cfg: PlannerConfig, say: Callable[[str], None]
     if dist.get_rank() == 0 and frozen:
         say(f"nanotron_ext: PP rank(s) {frozen} hold nothing trainable and run without DDP and with an empty "
             f"optimizer (allow_frozen_stages: true)")
+
+
+def _feed_the_vocab_chain(patches: _Patches, trainer: Any) -> None:
+    """What Nanotron's trainer needs for ``vocab_shards: K > 1``: labels on every rank that holds a shard, and
+    an initialiser for the shards' weights."""
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+    from nanotron.scaling.parametrization import Parametrizator
+
+    parametrize = Parametrizator.parametrize
+
+    def parametrize_shards_too(self: Any, param_name: str, module: Any) -> Any:
+        # A shard is rows of the lm_head: initialised as the lm_head is (a column-parallel linear).
+        if isinstance(module, VocabShard):
+            return self._parametrize_column_linear(param_name, module)
+        return parametrize(self, param_name, module)
+
+    patches.set(Parametrizator, "parametrize", parametrize_shards_too)
+    training_step = trainer.DistributedTrainer.training_step
+
+    def training_step_with_labels(self: Any, dataloader: Any) -> Any:
+        # Nanotron's loaders put the labels on the output rank only. Take the step's micro-batches first, then
+        # broadcast each one's labels over the pipeline group (every rank calls this at the same point of the
+        # step, so the collectives line up), keeping them on the ranks that run a shard.
+        import torch.distributed as dist
+
+        model = self.unwrapped_model
+        pp_pg = self.parallel_context.pp_pg
+        here = dist.get_rank(pp_pg)
+        source = dist.get_global_rank(pp_pg, model.output_pp_rank)
+        needs = set(label_pp_ranks(model))
+        shape = (self.micro_batch_size, self.sequence_length)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        micro_batches = [dict(next(dataloader)) for _ in range(self.n_micro_batches_per_batch)]
+        for mb in micro_batches:
+            for key, dtype in (("label_ids", torch.long), ("label_mask", torch.bool)):
+                value = mb[key]
+                wire = (value.to(device, torch.long) if isinstance(value, torch.Tensor)
+                        else torch.empty(shape, dtype=torch.long, device=device))
+                dist.broadcast(wire, src=source, group=pp_pg)
+                if here in needs:
+                    mb[key] = wire.to(dtype)
+                elif not isinstance(value, TensorPointer):
+                    mb[key] = TensorPointer(group_rank=model.output_pp_rank)
+        return training_step(self, iter(micro_batches))
+
+    patches.set(trainer.DistributedTrainer, "training_step", training_step_with_labels)
 
 
 def _frozen_rank(model: Any) -> bool:

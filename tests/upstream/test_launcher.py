@@ -90,3 +90,24 @@ def test_frozen_first_stage_at_dp2_runs_without_ddp_there_and_with_ddp_on_the_tr
     assert run.rc == 0, run.out[-3000:]
     assert "PP rank(s) [0] hold nothing trainable" in run.out
     assert sorted(run.losses) == [1, 2, 3]
+
+
+def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(tmp_path):
+    # vocab_shards: auto splits the lm_head's rows over both stages of the seed model at pp=2. The launcher
+    # puts the chain into upstream's LlamaForTraining, broadcasts each micro-batch's labels to the shard ranks
+    # and initialises the shards as the lm_head.
+    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto"}))
+    assert run.rc == 0, run.out[-3000:]
+    chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
+    assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
+    assert re.search(r"^ +0  embedding, decoder\.0-1, final_norm, vocab\.0", run.out, re.M), run.out[:3000]
+    assert re.search(r"^ +1  vocab\.\d", run.out, re.M)
+    assert sorted(run.losses) == list(range(1, 11))
+    assert run.losses[10] < run.losses[1] - 0.5, run.losses
+
+
+def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
+    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=3, ext={"cost_strategy": "constrained",
+                                                                           "vocab_shards": 3}))
+    assert run.rc == 0, run.out[-3000:]
+    assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
