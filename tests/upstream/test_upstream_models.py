@@ -10,7 +10,6 @@ strategy's block → rank against upstream's own ``build_model`` at pp 1, 2 and 
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from nanotron.config import get_config_from_dict  # noqa: E402  (upstream main o
 from nanotron.models.base import build_model  # noqa: E402
 from nanotron.models.llama import LlamaForTraining  # noqa: E402
 from nanotron.models.qwen import Qwen2ForTraining  # noqa: E402
-from nanotron.parallel import ParallelContext  # noqa: E402
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
 
 from nanotron_ext.config import config_from_dict, split_ext_keys
@@ -58,20 +56,6 @@ CASES = {
     "llama_plain_dict_no_marker": _variant("config_tiny_llama", num_hidden_layers=3),
 }
 del CASES["llama_plain_dict_no_marker"]["model"]["model_config"]["is_llama_config"]
-
-
-@pytest.fixture(scope="module")
-def parallel_context():
-    """Upstream's own ParallelContext on a one-process gloo group (its set_device is the CUDA call it makes)."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    original = ParallelContext.set_device
-    ParallelContext.set_device = lambda self: None  # test-side stand-in: no GPU to select
-    try:
-        yield ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
-    finally:
-        ParallelContext.set_device = original
-        torch.distributed.destroy_process_group()
 
 
 def _upstream_model(raw: dict, parallel_context):

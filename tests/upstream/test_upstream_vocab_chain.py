@@ -10,7 +10,6 @@ unsplit upstream model's on the same weights, masked labels included.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from nanotron.config import get_config_from_dict  # noqa: E402  (upstream main o
 from nanotron.models.base import build_model  # noqa: E402
 from nanotron.models.llama import LlamaForTraining  # noqa: E402
 from nanotron.models.qwen import Qwen2ForTraining  # noqa: E402
-from nanotron.parallel import ParallelContext  # noqa: E402
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
 
 from nanotron_ext.blocks import vocab_slices
@@ -43,19 +41,6 @@ def _raw(case: str) -> dict:
         if "vocab_size" in dataset:
             dataset["vocab_size"] = VOCAB
     return raw
-
-
-@pytest.fixture(scope="module")
-def parallel_context():
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    original = ParallelContext.set_device
-    ParallelContext.set_device = lambda self: None  # test-side stand-in: no GPU to select
-    try:
-        yield ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
-    finally:
-        ParallelContext.set_device = original
-        torch.distributed.destroy_process_group()
 
 
 def _build(case: str, parallel_context, shards: int, device: str):
