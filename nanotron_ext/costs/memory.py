@@ -128,12 +128,12 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
     if role == "vocab_shard":
         # nanotron_ext.vocab_chain: lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64
         # label index and the mask, the linear's input saved; the statistics are [tokens] fp32. Forward: the
-        # 16-bit logits, their fp32 copy and the subtraction before exp; backward: the logits gradient is
-        # written into the saved exp, cast back to 16-bit, then the linear's input and fresh weight gradients.
+        # fp32 logits and the subtraction before exp (the 16-bit logits are gone by then); backward: the logits
+        # gradient is written into the saved exp, cast back to 16-bit, then the linear's gradients.
         rows = block.params / h
         stats = 3 * t * 4.0
         return BlockMemory(saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
-                           forward_temp=t * rows * (2 * 4.0 + (w if w < 4 else 0.0)),
+                           forward_temp=t * rows * 2 * 4.0,
                            backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
                            persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
     # projector / other: a linear layer on the hidden states.

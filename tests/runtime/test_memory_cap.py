@@ -35,6 +35,7 @@ def _raw(dtype: str, engine: str, vocab_shards: int = 1) -> dict[str, Any]:
 @pytest.mark.parametrize("dtype,engine,vocab_shards", [
     ("float32", "1f1b", 1), ("bfloat16", "afab", 1),
     ("float32", "1f1b", 3),  # the vocabulary-shard chain: lm_head rows, fp32 exp of the slice, statistics
+    ("bfloat16", "1f1b", 2),
 ])
 def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(
     dtype: str, engine: str, vocab_shards: int
