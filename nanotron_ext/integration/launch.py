@@ -17,17 +17,17 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
-from nanotron_ext.errors import ConfigError, RunFailure
+from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.build import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
 from nanotron_ext.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
@@ -100,9 +100,7 @@ def install_launcher(
             f"for MoE models); without a GPU, `nanotron-ext train` runs the CPU runtime instead"
         ) from exc
 
-    shards = cfg.ext.vocab_shards
-    if not isinstance(shards, int):
-        raise ConfigError(f"vocab_shards={shards!r}: resolve 'auto' first (nanotron_ext.plan.resolve_vocab_shards)")
+    shards = cfg.vocab_shards  # raises while still 'auto'
     undo_build = patch_nanotron(
         cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say),
         model_transform=(lambda model: replace_lm_head_with_vocab_chain(model, shards)) if shards > 1 else None,
@@ -291,7 +289,7 @@ def _fix_llama_init(patches: _Patches, cls: type) -> None:
         # The method reads config.model.init_method, then hands config.model to a parametrizator that reads
         # .model.init_method and .parallelism: give it a view that answers both ways.
         view = _Either(config.model, config)
-        return original(self, _Either(_Attrs(model=view), config))
+        return original(self, _Either(types.SimpleNamespace(model=view), config))
 
     patches.set(cls, "init_model_randomly", init_model_randomly)
 
@@ -345,22 +343,14 @@ def _fix_resume_metadata(patches: _Patches, cls: type) -> None:
     patches.set(cls, "__post_init__", post_init)
 
 
-@dataclasses.dataclass
 class _Either:
     """Attribute lookup in ``first``, then ``second``."""
 
-    first: Any
-    second: Any
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("first", "second"):
-            raise AttributeError(name)
         return getattr(self.first, name) if hasattr(self.first, name) else getattr(self.second, name)
-
-
-class _Attrs:
-    def __init__(self, **values: Any) -> None:
-        self.__dict__.update(values)
 
 
 def _import_or_none(name: str) -> Any:

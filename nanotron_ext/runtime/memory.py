@@ -133,13 +133,6 @@ class MemoryRecorder:
         return MemoryTrace(times=times, live=live, marks=marks)
 
 
-def _shards(cfg: PlannerConfig) -> int:
-    k = cfg.ext.vocab_shards
-    if not isinstance(k, int):
-        raise ValueError(f"vocab_shards={k!r}: resolve 'auto' first (nanotron_ext.plan.resolve_vocab_shards)")
-    return k
-
-
 def measure_training_memory(
     cfg: PlannerConfig, block_ranks: Sequence[int], *, steps: int = 2, dtype: str | None = None,
     seed: int = 0,
@@ -192,7 +185,7 @@ def measure_training_memory(
         torch.manual_seed(seed)
         model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),
                                 parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype],
-                                vocab_shards=_shards(cfg))
+                                vocab_shards=cfg.vocab_shards)
         unwrapped = getattr(model, "module", model)
         optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
         rec.mark("built")
