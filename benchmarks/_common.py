@@ -67,16 +67,6 @@ def stage_loads(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
     return [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
 
 
-def ranks_from_bounds(bounds: Sequence[int]) -> list[int]:
-    """Stage of each block; an empty stage simply holds no block."""
-    return [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
-
-
-def bounds_from_ranks(ranks: Sequence[int], pp: int) -> list[int]:
-    """Split points of a block→stage map; stages after the last used one are empty."""
-    return [0] + [sum(1 for r in ranks if r <= k) for k in range(pp)]
-
-
 # --- torchgpipe ------------------------------------------------------------------------------------
 
 

@@ -76,7 +76,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.runtime.launch import free_port, kill_process_group
+from nanotron_ext.runtime.procs import free_port, kill_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -271,11 +271,11 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
     from nanotron_ext.config import config_from_dict
-    from nanotron_ext.costs import measured as profiled
+    from nanotron_ext.costs import profiled
     from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
-    from nanotron_ext.runtime.modules import llama_config_from_shape
     from nanotron_ext.runtime.timing import StepTimer, summarize
     from nanotron_ext.simulate import simulate_plan
 

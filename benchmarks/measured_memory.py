@@ -2,8 +2,8 @@
 
 For each scenario, ``dp × pp × tp`` fresh processes build the planned split with the CPU runtime
 (``nanotron_ext.runtime``), train 2 steps (the second with Adam's state alive) and record every allocation of
-torch's CPU allocator (:class:`nanotron_ext.runtime.memory.MemoryRecorder`, from before the model is built). The
-estimate is the plan's (``nanotron_ext.costs.memory``) with ``memory_runtime: cpu`` (single-tensor AdamW, no
+torch's CPU allocator (:class:`nanotron_ext.runtime.memory_measure.MemoryRecorder`, from before the model is built). The
+estimate is the plan's (``nanotron_ext.costs.memory_estimate``) with ``memory_runtime: cpu`` (single-tensor AdamW, no
 overhead allowance: the measured quantity is live tensor bytes, which has no CUDA context or NCCL buffers).
 
 Per rank it prints weights, gradients and Adam state (estimated / measured tensor bytes), the peak of the
@@ -94,7 +94,7 @@ def scenarios() -> list[Scenario]:
 def worker(spec_path: str, out_path: str) -> None:
     """One rank: measure the planned split; write this rank's measurements to ``out_path.RANK``."""
     from nanotron_ext.config import config_from_dict
-    from nanotron_ext.runtime.memory import measure_training_memory
+    from nanotron_ext.runtime.memory_measure import measure_training_memory
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = config_from_dict(spec["raw"], source=spec["label"])
@@ -107,7 +107,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from nanotron_ext.config import config_from_dict
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
-    from nanotron_ext.runtime.launch import free_port, kill_process_group
+    from nanotron_ext.runtime.procs import free_port, kill_process_group
 
     raw = sc.raw_config()
     cfg = config_from_dict(raw, source=sc.label)

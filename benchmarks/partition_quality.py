@@ -28,12 +28,10 @@ from _common import (
     STRATEGIES,
     Partitioner,
     Timeout,
-    bounds_from_ranks,
     external_partitioners,
     fmt_ratio,
     print_command,
     progress,
-    ranks_from_bounds,
     stage_loads,
     time_limit,
     transcriptions,
@@ -44,7 +42,7 @@ from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.costs import training_flops
 from nanotron_ext.errors import NanotronExtError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.partition import nanotron_greedy_ranks, partition
+from nanotron_ext.partition import bounds_from_ranks, nanotron_greedy_ranks, partition, ranks_from_bounds
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.strategies import Assignment, register_strategy

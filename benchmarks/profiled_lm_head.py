@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from _common import print_command
 
 from nanotron_ext.config import bundled_config, load_config
-from nanotron_ext.costs import measured
+from nanotron_ext.costs import profiled
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
@@ -29,8 +29,8 @@ from nanotron_ext.report import table
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=measured.DEFAULT_WARMUP)
-    parser.add_argument("--repeats", type=int, default=measured.DEFAULT_REPEATS)
+    parser.add_argument("--warmup", type=int, default=profiled.DEFAULT_WARMUP)
+    parser.add_argument("--repeats", type=int, default=profiled.DEFAULT_REPEATS)
     args = parser.parse_args(argv)
     print_command()
     ratios = []
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="nanotron_ext_bench_") as cache:
             cfg = load_config(bundled_config()).with_overrides(profile_cache=cache)
             blocks = inventory_from_config(cfg)
-            timings = measured.profile_blocks(blocks, cfg, warmup=args.warmup, repeats=args.repeats)
+            timings = profiled.profile_blocks(blocks, cfg, warmup=args.warmup, repeats=args.repeats)
             if round_ == args.rounds:
                 plan = make_plan(blocks, cfg, "profiled")  # reads this round's cache: no new measurement
         by_name = dict(zip((b.short for b in blocks), timings))

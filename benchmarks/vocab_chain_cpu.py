@@ -60,9 +60,9 @@ def worker(spec_path: str, out_path: str) -> None:
 
     from nanotron_ext.config import config_from_dict
     from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.plan import make_plan, resolve_vocab_shards
     from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
-    from nanotron_ext.runtime.modules import llama_config_from_shape
     from nanotron_ext.runtime.timing import StepTimer
 
     spec = json.loads(Path(spec_path).read_text())

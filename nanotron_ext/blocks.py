@@ -43,8 +43,6 @@ class BlockInfo:
         params: parameter count (this TP shard).
         trainable: parameters that receive gradients.
         param_bytes: bytes of the weights in the model dtype.
-        activation_bytes: bytes kept for backward per micro-batch.
-        output_bytes: bytes sent to the next block per micro-batch.
         flops_fwd / flops_bwd_input / flops_bwd_weight: FLOPs per micro-batch.
         nanotron_cost: the value Nanotron's ``get_block_compute_costs()`` gives this block (0 if absent).
         parameters: the block's parameter tensors, for freezing by name.
@@ -57,8 +55,6 @@ class BlockInfo:
     params: int
     trainable: int
     param_bytes: int
-    activation_bytes: float
-    output_bytes: float
     flops_fwd: float
     flops_bwd_input: float
     flops_bwd_weight: float

@@ -5,7 +5,7 @@ script with the planned split, freezing and the every-rank check. Put it where t
 
 The config file is the script's own ``--config-file`` (or this module's ``--config-file``): our keys stay in
 it and are stripped before Nanotron's loader reads it. What is installed is described in
-:mod:`nanotron_ext.integration.launch`.
+:mod:`nanotron_ext.integration.trainer_patches`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
-    from nanotron_ext.integration.launch import install_launcher
+    from nanotron_ext.integration.trainer_patches import install_launcher
 
     opts = _parser().parse_args(argv)
     prefix = f"nanotron_ext.run [rank {os.environ.get('RANK', '0')}]: "

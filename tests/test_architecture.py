@@ -1,9 +1,10 @@
-"""The package's import graph: no cycles, and the layers only look down.
+"""The package's import graph: no cycles, and every part only looks down.
 
-Layers, bottom up: the planner core (config → inventory → costs → partition → strategies → plan, with the
-shared leaf modules), then the simulator and the Nanotron adapter side by side, then the CPU runtime, then
-the command line. Every import counts: module level, inside functions, under ``TYPE_CHECKING``, and a module
-named in a string (``importlib`` / ``module:attr``), which is allowed only where listed below with its reason.
+One layer per top-level module or folder, bottom up, in the order the README's module map gives: the shared
+leaves, the schedule, then the flow inventory → models → costs → partition → strategies → plan → simulate →
+integration → runtime → cli → run. A module may import its own part and the parts below it, never one above.
+Every import counts: module level, inside functions, under ``TYPE_CHECKING``, and a module named in a string
+(``importlib`` / ``module:attr``).
 """
 
 from __future__ import annotations
@@ -17,25 +18,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nanotron_ext"
 ROOT = "nanotron_ext"
 
-#: Layer of each top-level part of the package; a module may import its own layer and the ones below.
-LAYERS: dict[str, int] = {
-    "__init__": 0, "blocks": 0, "config": 0, "config_keys": 0, "errors": 0, "families": 0, "outputs": 0,
-    "report": 0, "schedule": 0,
-    "inventory": 0, "costs": 0, "partition": 0, "strategies": 0, "plan": 0,
-    "simulate": 1, "integration": 1, "vocab_chain": 1,
-    "runtime": 2,
-    "cli": 3, "run": 3,
-}
-#: Parts of one layer that must not import each other.
-SIBLINGS_APART = {
-    ("simulate", "integration"), ("integration", "simulate"),
-    ("run", "runtime"),  # the launcher drives Nanotron's own trainer (on GPUs): never the CPU runtime
-}
-#: Modules named in strings (loaded on demand), with why that is allowed.
-NAMED_IMPORTS_ALLOWED = {
-    # The profiled strategy times the CPU runtime's Llama blocks; planning never loads them unless it measures.
-    ("nanotron_ext.costs.measured", "nanotron_ext.runtime.modules"),
-}
+#: The parts of the package, bottom up; a module may import its own part and the ones before it.
+ORDER = (
+    "errors", "report", "outputs", "blocks", "schedule", "families", "config_keys", "config",
+    "inventory", "models", "costs", "partition", "strategies", "plan", "__init__", "simulate", "integration",
+    "runtime", "cli", "run",
+)
+LAYERS: dict[str, int] = {part: i for i, part in enumerate(ORDER)}
+# The package's own ``__init__`` is the planner's public API: it sits right above the parts it re-exports.
 _NAMED = re.compile(r"nanotron_ext(?:\.\w+)+(?::\w+)?")
 
 
@@ -146,7 +136,7 @@ def test_graph_sees_the_package():
     # A parser that found nothing would pass every check below.
     assert {"nanotron_ext.plan.make", "nanotron_ext.runtime.train", "nanotron_ext.cli.simulate"} <= set(MODULES)
     assert "nanotron_ext.strategies" in GRAPH["nanotron_ext.plan.make"][0]
-    assert "nanotron_ext.runtime.modules" in GRAPH["nanotron_ext.costs.measured"][1]
+    assert "nanotron_ext.models.profiled_blocks" in GRAPH["nanotron_ext.costs.profiled"][0]
     # Lazy imports inside functions count: cli.train imports the runtime only when training.
     assert "nanotron_ext.runtime.train" in GRAPH["nanotron_ext.cli.train"][0]
 
@@ -160,14 +150,14 @@ def test_no_import_cycles():
 def test_layers_only_import_downwards(module: str):
     imported, named = GRAPH[module]
     part = _part(module)
-    assert part in LAYERS, f"{module}: add its folder to LAYERS"
-    wrong = sorted(
-        t for t in imported
-        if LAYERS[_part(t)] > LAYERS[part] or (part, _part(t)) in SIBLINGS_APART
-    )
-    assert not wrong, f"{module} (layer {LAYERS[part]}) imports {wrong}"
-    named_up = sorted(t for t in named if LAYERS[_part(t)] > LAYERS[part] and (module, t) not in NAMED_IMPORTS_ALLOWED)
-    assert not named_up, f"{module} names {named_up} in a string; load it from a higher layer instead"
+    assert part in LAYERS, f"{module}: add its folder to ORDER"
+    wrong = sorted(t for t in imported | named if LAYERS[_part(t)] > LAYERS[part])
+    assert not wrong, f"{module} ({part}, layer {LAYERS[part]}) imports {wrong}, from a part above it in {ORDER}"
+
+
+def test_every_part_has_a_layer():
+    # A new folder must be placed in the order, not silently left out of the check.
+    assert {_part(m) for m in MODULES} == set(ORDER)
 
 
 def test_planner_simulator_and_adapter_never_import_the_runtime():

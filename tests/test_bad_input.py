@@ -25,8 +25,8 @@ from nanotron_ext import config_keys
 from nanotron_ext.cli import main
 from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from nanotron_ext.config import ExtConfig, bundled_config
-from nanotron_ext.costs import measured
-from nanotron_ext.runtime.launch import free_port
+from nanotron_ext.costs import profiled
+from nanotron_ext.runtime.procs import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = bundled_config()
@@ -273,9 +273,9 @@ def fake_measure(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     def measure(block, cfg, **_):
         calls.append(block.short)
-        return measured.BlockTiming(1e-3, 2e-3, 1e-4)
+        return profiled.BlockTiming(1e-3, 2e-3, 1e-4)
 
-    monkeypatch.setattr(measured, "measure_block", measure)
+    monkeypatch.setattr(profiled, "measure_block", measure)
     return calls
 
 
@@ -295,7 +295,7 @@ def test_profiled_cache_bad_entry_is_measured_again(bad: str, tmp_path: Path, fa
     victim.write_text(victim.read_text().replace('"forward": 0.001', f'"forward": {bad}', 1))
     fake_measure.clear()
     capsys.readouterr()
-    with pytest.warns(measured.CacheWarning, match=f"cache entry {victim} is unusable .*measuring that block again"):
+    with pytest.warns(profiled.CacheWarning, match=f"cache entry {victim} is unusable .*measuring that block again"):
         assert main(argv) == EXIT_OK
     assert "Traceback" not in capsys.readouterr().err
     assert len(fake_measure) == 1, "exactly the bad entry is measured again"
@@ -312,7 +312,7 @@ def test_profiled_cache_entry_replaced_by_a_directory_leaves_no_temporary_file(
     victim.unlink()
     victim.mkdir()
     for _ in range(2):
-        with pytest.warns(measured.CacheWarning, match=str(victim)):
+        with pytest.warns(profiled.CacheWarning, match=str(victim)):
             assert main(argv) == EXIT_OK
     assert "Traceback" not in capsys.readouterr().err
     assert not list((tmp_path / "cache").glob(".tmp-*")), "temporary files left behind"

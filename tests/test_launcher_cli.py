@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from nanotron_ext.config import bundled_config
-from nanotron_ext.integration.launch import strip_ext_keys
+from nanotron_ext.integration.trainer_patches import strip_ext_keys
 from nanotron_ext.run import config_file_of, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ _CHILD = textwrap.dedent(
     import nanotron.trainer as trainer
     from nanotron.config import get_config_from_file
     from nanotron_ext import load_config
-    from nanotron_ext.integration.launch import install_launcher
+    from nanotron_ext.integration.trainer_patches import install_launcher
 
     path = sys.argv[1]
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nanotron_ext.errors import LayoutError
-from nanotron_ext.partition.layout import layout_ranks, parse_layout
+from nanotron_ext.partition.layout_string import layout_ranks, parse_layout
 
 TINY = ["embedding", "decoder", "decoder", "final_norm", "lm_head", "cast", "loss"]
 

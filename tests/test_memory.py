@@ -1,4 +1,4 @@
-"""The per-stage peak-memory estimate (``nanotron_ext.costs.memory``): exact tiny cases, term by term.
+"""The per-stage peak-memory estimate (``nanotron_ext.costs.memory_estimate``): exact tiny cases, term by term.
 
 What it must match on the real runtime is checked with real processes in ``tests/runtime/test_memory_cap.py`` and
 measured in ``benchmarks/measured_memory.py``; here each rule is pinned by a hand count.
@@ -15,7 +15,7 @@ import yaml
 from nanotron_ext.config import bundled_config, config_from_dict, load_config
 from nanotron_ext.costs import block_memory, param_bytes, stage_memory
 from nanotron_ext.costs.analytic import GIB
-from nanotron_ext.costs.memory import RUNTIME_TENSORS_BYTES
+from nanotron_ext.costs.memory_estimate import RUNTIME_TENSORS_BYTES
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan

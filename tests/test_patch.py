@@ -12,7 +12,7 @@ import pytest
 
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.errors import NanotronExtError
-from nanotron_ext.integration import build, build_model, patch_nanotron
+from nanotron_ext.integration import adapter, build_model, patch_nanotron
 
 
 def _trainer():
@@ -35,7 +35,7 @@ def test_patch_swaps_every_build_model_name_and_undo_restores_them():
         undo()
     assert (nanotron.models.base.build_model, nanotron.models.build_model) == originals
     assert trainer is None or trainer.build_model is trainer_original
-    assert not build._ACTIVE
+    assert not adapter._ACTIVE
 
 
 class _FailingTrainer(importlib.abc.MetaPathFinder):
@@ -55,4 +55,4 @@ def test_a_failing_import_leaves_nothing_patched(monkeypatch):
                                                r"Grouped GEMM is not available.*\), so nothing was patched\. Install"):
         patch_nanotron(load_config(bundled_config()))
     assert (nanotron.models.base.build_model, nanotron.models.build_model) == originals
-    assert not build._ACTIVE
+    assert not adapter._ACTIVE

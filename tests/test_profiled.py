@@ -12,7 +12,7 @@ import timing_workers
 from runtime.spawn import run_distributed
 
 from nanotron_ext.config import bundled_config, load_config
-from nanotron_ext.costs import measured as profiled
+from nanotron_ext.costs import profiled
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan

@@ -12,7 +12,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.cli import main
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import training_flops
-from nanotron_ext.costs.measured import BlockTiming
+from nanotron_ext.costs.profiled import BlockTiming
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.plan import Plan
 from nanotron_ext.simulate import StageTimes, simulate

@@ -18,7 +18,7 @@ from nanotron_ext import make_plan
 from nanotron_ext.config import bundled_config, config_from_dict, load_config
 from nanotron_ext.errors import ConfigError, LayoutError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.partition.layout import layout_ranks, parse_layout
+from nanotron_ext.partition.layout_string import layout_ranks, parse_layout
 from nanotron_ext.strategies import Assignment, get_strategy, register_strategy
 
 

@@ -92,7 +92,7 @@ SCRIPT_B = {**SCRIPT_A, "lm_head": (40.0, 60.0)}
 class ScriptedTime:
     """A clock for the profiler (``measured.clock``) and block modules that advance it by scripted seconds.
 
-    ``factory`` is a ``module_factory`` for :func:`nanotron_ext.costs.measured.measure_block`: each block's module
+    ``factory`` is a ``module_factory`` for :func:`nanotron_ext.costs.profiled.measure_block`: each block's module
     moves ``now`` forward by its role's forward seconds when called, and by its backward seconds when autograd
     runs its backward; a block with weights has one (trainable) parameter, so the optimizer step runs too (and
     takes no scripted time). The profiler's own code (warm-up, medians, cache, broadcast) runs unchanged.
@@ -161,7 +161,7 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
         The rank's plan, its local-only plan, and how many blocks it measured while planning.
     """
     from nanotron_ext.config import bundled_config, load_config
-    from nanotron_ext.costs import measured as profiled
+    from nanotron_ext.costs import profiled
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext
@@ -214,7 +214,7 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
         spawn helper's deadline.
     """
     from nanotron_ext.config import bundled_config, load_config
-    from nanotron_ext.costs import measured as profiled
+    from nanotron_ext.costs import profiled
     from nanotron_ext.errors import PlanningError
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan

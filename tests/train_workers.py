@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.launch import free_port, kill_process_group
+from nanotron_ext.runtime.procs import free_port, kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
@@ -246,7 +246,7 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     from nanotron_ext import integration
     from nanotron_ext.inventory import inventory_from_config, inventory_from_model
-    from nanotron_ext.runtime import CPULlamaForTraining, GlooParallelContext, assign_blocks, pipeline_blocks
+    from nanotron_ext.runtime import GlooParallelContext, assign_blocks, cpu_llama, pipeline_blocks
 
     ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
@@ -255,7 +255,7 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         config = _llama_config(cfg)
 
         def builder(projector: bool = False, llama=config):
-            return CPULlamaForTraining(config=llama, parallel_context=ctx, parallel_config=None, projector=projector)
+            return cpu_llama(llama, ctx, projector=projector)
 
         # 1. Nanotron's greedy ranks: every weight on PP rank 0. The collective check must fail on both ranks.
         greedy = assign_blocks(builder(), ctx, [0, 0, 0, 0, 0, 1, 1])

@@ -156,7 +156,7 @@ def _time_source(
     if args.times == "profiled":
         if args.tflops is not None:
             raise ConfigError("--tflops sets the FLOP-rate model's throughput; drop it with --times profiled")
-        from nanotron_ext.costs.measured import block_timings
+        from nanotron_ext.costs.profiled import block_timings
 
         return {"timings": block_timings(blocks, cfg)}, "block times profiled on this machine (forward, backward, optimizer step)"
     tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops

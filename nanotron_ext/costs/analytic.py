@@ -1,15 +1,8 @@
-"""The analytic cost model: FLOPs and bytes per block and micro-batch.
+"""The analytic cost model: the training FLOPs of blocks (what trains decides what is paid), the micro-batches a
+stage holds, and the bytes per parameter of weights, gradients and optimizer state.
 
-With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vocabulary:
-
-* a linear layer with ``P`` weights: forward ``2·t·P``, input-gradient ``2·t·P``, weight-gradient ``2·t·P``;
-* attention scores and weighted sum: forward ``4·t·s·h``, input-gradient ``8·t·s·h``, no weights
-  (full, not causal-halved: torch SDPA on CPU computes the whole square);
-* lm_head forward ``2·t·h·V``; cast ``t·V``; cross-entropy about ``5·t·V`` forward, ``3·t·V`` backward;
-* a vocabulary shard of ``V_i`` rows (``nanotron_ext.vocab_shards``): the three above on its slice, keeping its
-  fp32 logits for backward, and sending the hidden state plus three fp32 statistics per token.
-
-Training work of a block depends on what is trainable: a frozen block pays no weight-gradient
+Each block's forward / input-gradient / weight-gradient FLOPs are inventory facts
+(:mod:`nanotron_ext.inventory.flops`). Training work of a block depends on what is trainable: a frozen block pays no weight-gradient
 work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
 it), so a fully frozen prefix costs forward only.
 """
@@ -19,119 +12,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nanotron_ext.blocks import BlockInfo, Role
-from nanotron_ext.config import DTYPE_BYTES, ModelShape, RunShape
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import DTYPE_BYTES, RunShape
 from nanotron_ext.schedule import Engine
 
 __all__ = [
     "GIB",
-    "BlockWork",
     "ParamBytes",
-    "block_work",
-    "decoder_linear_params",
     "in_flight",
-    "mlp_saved_width",
     "param_bytes",
-    "stage_memory_bytes",
     "static_bytes",
     "trainable_before",
     "training_flops",
 ]
 
 GIB = float(1 << 30)
-
-
-@dataclass(frozen=True)
-class BlockWork:
-    """Analytic work of one block for one micro-batch."""
-
-    flops_fwd: float
-    flops_bwd_input: float
-    flops_bwd_weight: float
-    activation_bytes: float  # kept for backward, per micro-batch in flight
-    output_bytes: float  # sent to the next stage per micro-batch
-
-
-def decoder_linear_params(m: ModelShape, layer: int | None = None) -> int:
-    """Matmul weights one token runs through in a decoder layer (attention, then the MLP or its routed
-    experts), norms and biases excluded.
-
-    A dense MLP is gated (three matrices) except Starcoder2's (two). A mixture-of-experts layer counts the
-    router, the ``top_k`` experts a token is sent to and the shared expert, not every expert.
-    """
-    d, h = m.head_dim, m.hidden_size
-    attention = h * d * (m.num_attention_heads + 2 * m.num_key_value_heads) + m.num_attention_heads * d * h
-    return attention + _mlp_active(m, layer)[0]
-
-
-def _mlp_active(m: ModelShape, layer: int | None) -> tuple[int, int]:
-    """(matmul weights per token, width of the activations kept for backward) of a layer's MLP."""
-    h = m.hidden_size
-    if m.moe_layer(layer):
-        moe = m.moe
-        assert moe is not None  # moe_layer() checked it
-        matrices = 3 if moe.glu else 2
-        shared = moe.shared_expert_intermediate_size
-        weights = moe.num_experts * h + moe.top_k * matrices * moe.expert_intermediate_size * h
-        weights += 3 * shared * h + h if shared else 0
-        return weights, moe.top_k * matrices * moe.expert_intermediate_size + 3 * shared
-    matrices = 2 if m.family == "starcoder2" else 3
-    return matrices * m.intermediate_size * h, matrices * m.intermediate_size
-
-
-def mlp_saved_width(m: ModelShape, layer: int | None = None) -> float:
-    """Elements per token a layer's MLP saves for backward: the matmul outputs (gate|up and down's input: 3f;
-    Starcoder2's up: 2f), plus the gate's activation in a gated MLP (4f in all)."""
-    width = float(_mlp_active(m, layer)[1])
-    gated = m.moe.glu if m.moe_layer(layer) and m.moe is not None else m.family != "starcoder2"
-    return width + width / 3 if gated else width
-
-
-def block_work(role: Role, m: ModelShape, run: RunShape, params: int = 0, layer: int | None = None) -> BlockWork:
-    """Work of a block by role.
-
-    Args:
-        role: the block's role (see ``nanotron_ext.blocks.Role``).
-        m: model shape.
-        run: batch shape and dtype.
-        params: the block's parameter count; prices ``projector``/``other`` blocks as a linear layer.
-        layer: a decoder block's layer index (MoE models mix dense and expert layers).
-
-    Returns:
-        FLOPs of forward / input-gradient / weight-gradient, activation and output bytes.
-    """
-    t, s, h, v = run.tokens_per_micro_batch, run.sequence_length, m.hidden_size, m.vocab_size
-    w = DTYPE_BYTES[run.dtype]
-    if role == "embedding":
-        # A gather: no matmul; the weight gradient is a scatter-add of t rows.
-        return BlockWork(t * h, 0.0, t * h, 8.0 * t, w * t * h)
-    if role == "decoder":
-        lin = decoder_linear_params(m, layer)
-        kv = m.num_key_value_heads * m.head_dim
-        attn = 4.0 * t * s * h
-        norms = 2 * 4.0 * t * h
-        act = w * t * (7 * h + 2 * kv + _mlp_active(m, layer)[1])
-        return BlockWork(2.0 * t * lin + attn + norms, 2.0 * t * lin + 2 * attn + 2 * norms,
-                         2.0 * t * lin + norms / 2, act, w * t * h)
-    if role == "final_norm":
-        return BlockWork(4.0 * t * h, 8.0 * t * h, 2.0 * t * h, w * t * h, w * t * h)
-    if role == "lm_head":
-        mm = 2.0 * t * h * v
-        return BlockWork(mm, mm, mm, w * t * h, w * t * v)
-    if role == "cast":
-        return BlockWork(1.0 * t * v, 1.0 * t * v, 0.0, 0.0, 4.0 * t * v)
-    if role == "loss":
-        # Cross-entropy keeps fp32 logits (or their softmax) alive until backward.
-        return BlockWork(5.0 * t * v, 3.0 * t * v, 0.0, 4.0 * t * v, 4.0)
-    if role == "vocab_shard":
-        # lm_head + cast + loss on the shard's rows (params = rows x h on this TP rank, priced like the lm_head,
-        # whose FLOPs count the whole vocabulary); it keeps its input and its fp32 logits slice for backward
-        # and sends the hidden state plus running max, running sum-exp and target logit (fp32) per token.
-        vi = params * run.tp / h
-        mm = 2.0 * t * h * vi
-        return BlockWork(mm + 6.0 * t * vi, mm + 4.0 * t * vi, mm, w * t * h + 4.0 * t * vi, w * t * h + 12.0 * t)
-    # projector / other: a linear layer of the given size.
-    return BlockWork(2.0 * t * params, 2.0 * t * params, 2.0 * t * params, w * t * h, w * t * h)
 
 
 def trainable_before(blocks: Sequence[BlockInfo]) -> list[bool]:
@@ -240,13 +135,3 @@ def static_bytes(block: BlockInfo, run: RunShape) -> float:
     """
     per = param_bytes(run)
     return block.params * per.weights + block.trainable * (per.gradients + per.optimizer)
-
-
-def stage_memory_bytes(blocks: Sequence[BlockInfo], run: RunShape, stage: int, pp: int | None = None) -> float:
-    """Static bytes + the blocks' ``activation_bytes`` × micro-batches in flight: an additive approximation.
-
-    The estimate ``plan`` prints and checks the cap against is :func:`nanotron_ext.costs.memory.stage_memory`.
-    """
-    pp = run.pp if pp is None else pp
-    n = in_flight(run.engine, pp, run.n_micro_batches)[stage]
-    return sum(static_bytes(b, run) for b in blocks) + n * sum(b.activation_bytes for b in blocks)

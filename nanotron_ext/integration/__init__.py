@@ -3,7 +3,7 @@
 collective check that every PP rank has a gradient."""
 
 from nanotron_ext.errors import PipelineValidationError
-from nanotron_ext.integration.build import (
+from nanotron_ext.integration.adapter import (
     assign_blocks,
     build_model,
     patch_nanotron,

@@ -2,9 +2,9 @@
 from a config alone (``inventory_from_config``) or from a real model (``inventory_from_model``), with what
 the freeze spec leaves trainable."""
 
+from nanotron_ext.inventory.family_blocks import block_layout, class_costs, llama_class_costs
 from nanotron_ext.inventory.freeze import FreezeSpec, apply_config_freeze, apply_freeze, frozen_names
 from nanotron_ext.inventory.from_config import inventory_from_config
-from nanotron_ext.inventory.layouts import block_layout, class_costs, llama_class_costs
 from nanotron_ext.inventory.model import inventory_from_model
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The blocks of the config's model (any family of :mod:`nanotron_ext.inventory.layouts`), computed from the
+"""The blocks of the config's model (any family of :mod:`nanotron_ext.inventory.family_blocks`), computed from the
 config alone (a dry run).
 
 Parameter counts equal what :func:`nanotron_ext.inventory.model.inventory_from_model` reads from a built
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 from nanotron_ext.blocks import BlockInfo, ParamInfo, role_of
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
-from nanotron_ext.costs.analytic import block_work
+from nanotron_ext.inventory.family_blocks import block_layout, class_costs
+from nanotron_ext.inventory.flops import block_flops
 from nanotron_ext.inventory.freeze import apply_config_freeze
-from nanotron_ext.inventory.layouts import block_layout, class_costs
 
 __all__ = ["inventory_from_config", "make_block"]
 
@@ -30,7 +30,7 @@ def make_block(
     """Price one block from its parameters and role."""
     role = role_of(name)
     params = sum(p.numel for p in parameters)
-    work = block_work(role, m, run, params, layer=int(name.rsplit(".", 1)[-1]) if role == "decoder" else None)
+    flops = block_flops(role, m, run, params, layer=int(name.rsplit(".", 1)[-1]) if role == "decoder" else None)
     return BlockInfo(
         index=index,
         name=name,
@@ -39,11 +39,9 @@ def make_block(
         params=params,
         trainable=sum(p.numel for p in parameters if p.trainable),
         param_bytes=params * DTYPE_BYTES[run.dtype],
-        activation_bytes=work.activation_bytes,
-        output_bytes=work.output_bytes,
-        flops_fwd=work.flops_fwd,
-        flops_bwd_input=work.flops_bwd_input,
-        flops_bwd_weight=work.flops_bwd_weight,
+        flops_fwd=flops.forward,
+        flops_bwd_input=flops.backward_input,
+        flops_bwd_weight=flops.backward_weight,
         nanotron_cost=float(nanotron_cost),
         parameters=tuple(parameters),
     )

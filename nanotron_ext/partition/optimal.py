@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition.split import bounds_from_ranks, ranks_from_bounds
 
 __all__ = ["MemoryCap", "Partition", "Requirement", "partition"]
 
@@ -76,7 +77,7 @@ class Partition:
 
     def ranks(self) -> list[int]:
         """Stage of each block, in block order."""
-        return [k for k in range(self.pp) for _ in range(self.bounds[k], self.bounds[k + 1])]
+        return ranks_from_bounds(self.bounds)
 
     @staticmethod
     def from_ranks(ranks: Sequence[int], costs: Sequence[float]) -> Partition:
@@ -84,7 +85,7 @@ class Partition:
         pp = max(ranks) + 1 if ranks else 0
         if any(b < a for a, b in zip(ranks, ranks[1:])):
             raise PlanningError(f"block→stage map {list(ranks)} is not in forward order; stages must be contiguous")
-        bounds = [0] + [sum(1 for r in ranks if r <= k) for k in range(pp)]
+        bounds = bounds_from_ranks(ranks, pp)
         stage_costs = tuple(float(sum(costs[bounds[k] : bounds[k + 1]])) for k in range(pp))
         return Partition(tuple(bounds), stage_costs)
 

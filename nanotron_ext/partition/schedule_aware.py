@@ -38,6 +38,7 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
+from nanotron_ext.partition.split import ranks_from_bounds
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
 from nanotron_ext.schedule.simulator import engine_program
 
@@ -514,7 +515,7 @@ class StepTimeSplit:
         return max(0.0, self.step_time / self.lower_bound - 1.0)
 
     def ranks(self) -> list[int]:
-        return [k for k in range(len(self.bounds) - 1) for _ in range(self.bounds[k], self.bounds[k + 1])]
+        return ranks_from_bounds(self.bounds)
 
 
 def lower_bound(problem: ScheduleProblem, bounds: Sequence[int]) -> float:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import training_flops
-from nanotron_ext.costs.memory import config_stage_memory
+from nanotron_ext.costs.memory_estimate import config_stage_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan

@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from nanotron_ext.blocks import role_of
-from nanotron_ext.costs.memory import StageMemory
+from nanotron_ext.costs.memory_estimate import StageMemory
 from nanotron_ext.report import human_bytes, human_count, table
 
 __all__ = ["Finding", "Plan", "Severity", "StagePlan"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
 from nanotron_ext.plan.make import make_plan
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -68,13 +69,13 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
             continue
         timings = None
         if trial.ext.cost_strategy == "profiled":  # price with what it measured (cached: not measured twice)
-            from nanotron_ext.costs.measured import block_timings
+            from nanotron_ext.costs.profiled import block_timings
 
             timings = block_timings(blocks, trial)
         gbps = cfg.ext.p2p_gbps
         problem = schedule_problem(blocks, trial, timings=timings,
                                    p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
-        bounds = [0] + [sum(1 for r in plan.block_ranks if r <= s) for s in range(cfg.run.pp)]
+        bounds = bounds_from_ranks(plan.block_ranks, cfg.run.pp)
         times[k] = float(StepTimeEvaluator(problem)([bounds])[0])
         if best is None or times[k] < times[best] * (1.0 - MIN_GAIN):
             best = k

@@ -1,19 +1,22 @@
-"""Runtime: training on CPU through Nanotron 0.2's real engines — gloo context, flash-attn-free Llama, data,
-the training loop, and the modules the ``profiled`` strategy times.
+"""Runtime: training on CPU through Nanotron 0.2's real engines — gloo context, P2P, building the CPU Llama of
+:mod:`nanotron_ext.models`, data, the training loop, step timing and measured memory.
 
 Everything parallel is Nanotron's own code (PipelineBlock, P2P, pipeline engines, tensor-parallel layers,
 optimizer builders); only the parallel context and the model's attention/norm kernels are replaced.
 """
 
-from nanotron_ext.integration.build import assign_blocks, pipeline_blocks
-from nanotron_ext.runtime.build import (
+from nanotron_ext.integration.adapter import assign_blocks, pipeline_blocks
+from nanotron_ext.models.llama import CPULlamaForTraining
+from nanotron_ext.models.vocab_chain import VocabShard
+from nanotron_ext.runtime.context import GlooParallelContext
+from nanotron_ext.runtime.cpu_model import (
     build_cpu_llama,
+    cpu_llama,
     init_weights,
     mark_tied_parameters,
     nanotron_block_ranks,
     wrap_ddp,
 )
-from nanotron_ext.runtime.context import GlooParallelContext
 from nanotron_ext.runtime.engine import (
     build_optimizer,
     make_engine,
@@ -21,9 +24,7 @@ from nanotron_ext.runtime.engine import (
     train_step,
     train_steps,
 )
-from nanotron_ext.runtime.llama import CPULlamaForTraining
 from nanotron_ext.runtime.p2p import CPUP2P, wait_pending_sends
-from nanotron_ext.vocab_chain import VocabShard
 
 __all__ = [
     "CPULlamaForTraining",
@@ -33,6 +34,7 @@ __all__ = [
     "assign_blocks",
     "build_cpu_llama",
     "build_optimizer",
+    "cpu_llama",
     "init_weights",
     "make_engine",
     "make_micro_batch",

@@ -37,9 +37,9 @@ from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_ext.models.vocab_chain import label_pp_ranks
 from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.schedule import Engine, min_micro_batches
-from nanotron_ext.vocab_chain import label_pp_ranks
 
 __all__ = [
     "EngineName",
@@ -95,7 +95,7 @@ def make_micro_batch(
     """A micro-batch as Nanotron's data loader hands it to the engine.
 
     Inputs live only on ``model.input_pp_rank`` and labels only on ``model.output_pp_rank`` (or, with a
-    vocabulary-shard chain, on every rank holding a shard: ``nanotron_ext.vocab_chain.label_pp_ranks``); every other rank
+    vocabulary-shard chain, on every rank holding a shard: ``nanotron_ext.models.vocab_chain.label_pp_ranks``); every other rank
     gets ``TensorPointer``s (a real tensor on a rank that does not own its block would be *sent* to that
     block).
 
@@ -117,7 +117,7 @@ def make_micro_batch(
     if label_mask is None:
         label_mask = torch.ones_like(label_ids, dtype=torch.bool)
     in_rank, out_rank = unwrapped.input_pp_rank, unwrapped.output_pp_rank
-    # A vocabulary-shard chain reads the labels on every rank holding a shard (nanotron_ext.vocab_chain).
+    # A vocabulary-shard chain reads the labels on every rank holding a shard (nanotron_ext.models.vocab_chain).
     label_ranks = label_pp_ranks(unwrapped)
     has_labels = pp_rank in label_ranks
     return {

@@ -44,7 +44,7 @@ from nanotron_ext.runtime.data import (
     data_files_from_config,
     load_packed_windows,
 )
-from nanotron_ext.runtime.launch import free_port
+from nanotron_ext.runtime.procs import free_port
 from nanotron_ext.schedule import min_micro_batches
 
 __all__ = ["TrainSettings", "preflight", "run_training"]
@@ -458,12 +458,12 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     from nanotron.parallel.parameters import sanity_check
 
     from nanotron_ext import integration
-    from nanotron_ext.runtime import CPULlamaForTraining, init_weights, mark_tied_parameters
+    from nanotron_ext.runtime import cpu_llama, init_weights, mark_tied_parameters
 
     cfg = s.cfg
     model = integration.build_model(
-        lambda: CPULlamaForTraining(config=s.model_config, parallel_context=ctx, parallel_config=s.parallel_config,
-                                    projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards),
+        lambda: cpu_llama(s.model_config, ctx, s.parallel_config, projector=cfg.ext.projector,
+                          vocab_shards=cfg.vocab_shards),
         ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
     )
     plan: Plan = model.nanotron_ext_plan

@@ -15,10 +15,9 @@ from nanotron_ext.simulate.stage_times import (
     DEFAULT_TFLOPS,
     format_seconds,
     gradient_cuts,
+    plan_stage_times,
     simulate_plan,
     stage_labels,
-    stage_times_from_plan,
-    stage_times_from_timings,
 )
 
 __all__ = [
@@ -34,6 +33,5 @@ __all__ = [
     "simulate",
     "simulate_plan",
     "stage_labels",
-    "stage_times_from_plan",
-    "stage_times_from_timings",
+    "plan_stage_times",
 ]

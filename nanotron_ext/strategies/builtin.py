@@ -7,8 +7,8 @@
 * ``constrained`` — ``base_strategy`` (``flops`` by default) plus a trainable block on every stage; with
   ``flops`` and ``objective: step_time`` (the defaults) it minimises the simulated step time instead of the
   slowest stage (:mod:`nanotron_ext.partition.schedule_aware`);
-* ``layout`` — an explicit layout string (see :mod:`nanotron_ext.partition.layout`);
-* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.measured`), constrained as ``constrained``;
+* ``layout`` — an explicit layout string (see :mod:`nanotron_ext.partition.layout_string`);
+* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.profiled`), constrained as ``constrained``;
   under ``objective: step_time`` it minimises the step simulated from those times (optimizer step included).
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
-from nanotron_ext.costs.memory import block_memory
+from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.partition import MemoryCap, Requirement, layout_ranks, nanotron_greedy_ranks, partition
 from nanotron_ext.partition.schedule_aware import step_time_partition
@@ -29,7 +29,7 @@ from nanotron_ext.strategies.registry import Assignment, register_strategy
 from nanotron_ext.strategies.step_time import schedule_problem
 
 if TYPE_CHECKING:
-    from nanotron_ext.costs.measured import BlockTiming
+    from nanotron_ext.costs.profiled import BlockTiming
 
 __all__ = [
     "Constrained",
@@ -266,7 +266,7 @@ class Constrained:
 
 @register_strategy("layout")
 class Layout:
-    """An explicit layout string (``nanotron_ext.partition.layout``, Megatron-style)."""
+    """An explicit layout string (``nanotron_ext.partition.layout_string``, Megatron-style)."""
 
     name = "layout"
 
@@ -293,7 +293,7 @@ class Profiled:
     name = "profiled"
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
-        from nanotron_ext.costs.measured import block_timings  # needs torch: only when asked for
+        from nanotron_ext.costs.profiled import block_timings  # needs torch: only when asked for
 
         each = require_trainable_per_stage(blocks, cfg)
         timings = block_timings(blocks, cfg)

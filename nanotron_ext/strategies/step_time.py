@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops
+from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.partition.schedule_aware import ScheduleProblem
 
 if TYPE_CHECKING:
-    from nanotron_ext.costs.measured import BlockTiming
+    from nanotron_ext.costs.profiled import BlockTiming
 
 __all__ = ["DEFAULT_TFLOPS", "schedule_problem"]
 
@@ -51,7 +52,10 @@ def schedule_problem(
         fwd = [b.flops_fwd / rate for b in blocks]
         bwd = [max(0.0, t - b.flops_fwd) / rate for b, t in zip(blocks, train)]
         upd = [0.0] * len(blocks)
-    send = [0.0 if p2p_bytes_per_second is None else b.output_bytes / p2p_bytes_per_second for b in blocks]
+    if p2p_bytes_per_second is None:
+        send = [0.0] * len(blocks)
+    else:  # what a block hands on, counted once: the memory model's output (the tensors the engine sends)
+        send = [block_memory(b, cfg.model, cfg.run).output / p2p_bytes_per_second for b in blocks]
     return ScheduleProblem(
         forward=tuple(map(float, fwd)),
         backward=tuple(map(float, bwd)),

@@ -2,7 +2,7 @@
 
 Real processes: two gloo ranks build the planned split with the CPU runtime (Nanotron 0.2's engines), train two
 steps (the second with Adam's state alive), and record every allocation of torch's CPU allocator from before the
-model is built (``nanotron_ext.runtime.memory``). The cap is set 1 % above the plan's own estimate, with
+model is built (``nanotron_ext.runtime.memory_measure``). The cap is set 1 % above the plan's own estimate, with
 ``memory_runtime: cpu`` (single-tensor AdamW, no overhead allowance: the measured quantity is live tensor bytes).
 """
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from nanotron.config import LlamaConfig
 
+from nanotron_ext.models.llama import CoreAttention, RMSNorm, RotaryEmbedding
 from nanotron_ext.runtime.context import GlooParallelContext
 from nanotron_ext.runtime.engine import make_engine
-from nanotron_ext.runtime.llama import CoreAttention, RMSNorm, RotaryEmbedding
 
 
 def _naive_attention(q, k, v, mask):

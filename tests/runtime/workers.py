@@ -149,15 +149,13 @@ def nanotron_split(pp: int) -> dict[str, Any]:
     import torch
     from nanotron.models.base import build_model
 
-    from nanotron_ext.runtime import CPULlamaForTraining, assign_blocks, nanotron_block_ranks, pipeline_blocks
+    from nanotron_ext.runtime import assign_blocks, cpu_llama, nanotron_block_ranks, pipeline_blocks
 
     ctx = _context(1, pp, 1)
     try:
         config = tiny_config()
         model = build_model(
-            model_builder=lambda: CPULlamaForTraining(
-                config=config, parallel_context=ctx, parallel_config=None
-            ),
+            model_builder=lambda: cpu_llama(config, ctx),
             parallel_context=ctx,
             dtype=torch.float32,
             device=torch.device("cpu"),
@@ -172,7 +170,7 @@ def nanotron_split(pp: int) -> dict[str, Any]:
         for label, ranks in bad_inputs.items():
             try:
                 assign_blocks(
-                    CPULlamaForTraining(config=config, parallel_context=ctx, parallel_config=None), ctx, ranks
+                    cpu_llama(config, ctx), ctx, ranks
                 )
             except ValueError as exc:
                 errors[label] = str(exc)
@@ -298,6 +296,6 @@ def fail_on_rank_one_else_hang() -> None:
 def measure_memory(raw: dict[str, Any], block_ranks: list[int]) -> dict[str, Any]:
     """Train the planned split of the YAML dict ``raw`` for two steps; return this rank's measured memory."""
     from nanotron_ext.config import config_from_dict
-    from nanotron_ext.runtime.memory import measure_training_memory
+    from nanotron_ext.runtime.memory_measure import measure_training_memory
 
     return measure_training_memory(config_from_dict(raw), block_ranks, steps=2)

@@ -23,7 +23,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E40
 from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.config import config_from_dict
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.vocab_chain import label_pp_ranks, replace_lm_head_with_vocab_chain
+from nanotron_ext.models.vocab_chain import label_pp_ranks, replace_lm_head_with_vocab_chain
 from upstream.harness import UPSTREAM_EXAMPLES, cuda_to
 
 K, VOCAB = 3, 1009  # a prime vocabulary: uneven shards

@@ -3,7 +3,7 @@
 Analytic FLOPs miss what real kernels do: a thin ``[t, h] × [h, V]`` lm_head is memory-bound, attention and
 the loss are slower per FLOP than large matmuls, the embedding's backward fills a dense ``V × h`` gradient.
 The ``profiled`` strategy builds each block's module standalone (by default the CPU Llama modules of
-:mod:`nanotron_ext.runtime.modules`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
+:mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
 hidden]`` layout), and times forward and backward separately: a few warm-up runs, then the median of
 ``repeats``. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
-    "DEFAULT_MODULE_FACTORY",
     "BlockTiming",
     "CacheWarning",
     "ModuleFactory",
@@ -69,9 +67,6 @@ DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 5
 #: ``factory(block, cfg, tp_pg)`` builds the module (or callable) that one block runs, for timing.
 ModuleFactory = Callable[[BlockInfo, PlannerConfig, Any], Callable[..., Any]]
-#: The modules timed by default: the CPU runtime's Llama blocks (torch SDPA attention runs on CPU and GPU).
-#: Named rather than imported, so that planning loads the runtime only when something is measured.
-DEFAULT_MODULE_FACTORY = "nanotron_ext.runtime.modules:build_block_module"
 
 #: The clock every measurement reads (a module attribute so that tests can substitute a fake one).
 clock: Callable[[], float] = time.perf_counter
@@ -219,10 +214,15 @@ def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
 
 
 def _module_factory(factory: ModuleFactory | None) -> ModuleFactory:
+    """``factory``, or the CPU Llama's blocks (torch SDPA attention runs on CPU and GPU).
+
+    Imported here, not at the top: they need torch and Nanotron, which planning loads only when it measures.
+    """
     if factory is not None:
         return factory
-    module_name, _, attr = DEFAULT_MODULE_FACTORY.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    from nanotron_ext.models.profiled_blocks import build_block_module
+
+    return build_block_module
 
 
 def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_grad: bool, gen: Any) -> dict:
@@ -249,7 +249,7 @@ def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_g
     if role == "cast":
         return {"x": act(s, b, v)}
     if role == "vocab_shard":
-        # A middle shard (nanotron_ext.vocab_chain): statistics in, statistics out; labels anywhere.
+        # A middle shard (nanotron_ext.models.vocab_chain): statistics in, statistics out; labels anywhere.
         stats = {"running_max": act(s, b, float_dtype=torch.float32).detach(),
                  "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
                  "target_logit": act(s, b, float_dtype=torch.float32)}
@@ -297,7 +297,7 @@ def measure_block(
         warmup: untimed runs first (allocator, kernel selection, caches).
         repeats: timed runs; the median is kept.
         device: where to run; CUDA when available, else CPU.
-        module_factory: builds the block's module; default :data:`DEFAULT_MODULE_FACTORY`.
+        module_factory: builds the block's module; default the CPU Llama's block (:func:`nanotron_ext.models.profiled_blocks.build_block_module`).
 
     Returns:
         Median forward, backward and optimizer-step seconds.

@@ -1,6 +1,6 @@
 """Building a Nanotron model on CPU: parameter tying, initialisation, DDP, and Nanotron's own split.
 
-Blocks are placed by the adapter's ``assign_blocks`` (:mod:`nanotron_ext.integration.build`);
+Blocks are placed by the adapter's ``assign_blocks`` (:mod:`nanotron_ext.integration.adapter`);
 ``nanotron_block_ranks`` reports what Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
 trainer's function of the same name (``nanotron.trainer`` imports flash-attn and cannot be imported on CPU).
 """
@@ -23,11 +23,13 @@ from nanotron.parallel.tied_parameters import create_pg_for_tied_weights, get_ti
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nanotron_ext.integration.build import assign_blocks, pipeline_blocks
-from nanotron_ext.runtime.llama import CPULlamaForTraining
+from nanotron_ext.integration.adapter import assign_blocks, pipeline_blocks
+from nanotron_ext.models.llama import CPULlamaForTraining
+from nanotron_ext.runtime.p2p import CPUP2P
 
 __all__ = [
     "build_cpu_llama",
+    "cpu_llama",
     "init_weights",
     "mark_tied_parameters",
     "nanotron_block_ranks",
@@ -35,6 +37,15 @@ __all__ = [
 ]
 
 CPU = torch.device("cpu")
+
+
+def cpu_llama(
+    config: LlamaConfig, parallel_context: ParallelContext, parallel_config: ParallelismArgs | None = None, **kwargs
+) -> CPULlamaForTraining:
+    """``CPULlamaForTraining`` whose blocks talk over this runtime's :class:`CPUP2P` (non-blocking sends)."""
+    p2p = CPUP2P(parallel_context.pp_pg, device=CPU)
+    return CPULlamaForTraining(config=config, parallel_context=parallel_context, parallel_config=parallel_config,
+                               p2p=p2p, **kwargs)
 
 
 def nanotron_block_ranks(
@@ -69,9 +80,7 @@ def nanotron_block_ranks(
             f"pp={pp} but the parallel context has pipeline_parallel_size={parallel_context.pp_pg.size()}."
         )
     model = build_model(
-        model_builder=lambda: CPULlamaForTraining(
-            config=config, parallel_context=parallel_context, parallel_config=None
-        ),
+        model_builder=lambda: cpu_llama(config, parallel_context),
         parallel_context=parallel_context,
         dtype=torch.float32,
         device=torch.device("meta"),
@@ -222,13 +231,7 @@ def build_cpu_llama(
     """
 
     def builder() -> CPULlamaForTraining:
-        return CPULlamaForTraining(
-            config=config,
-            parallel_context=parallel_context,
-            parallel_config=parallel_config,
-            projector=projector,
-            vocab_shards=vocab_shards,
-        )
+        return cpu_llama(config, parallel_context, parallel_config, projector=projector, vocab_shards=vocab_shards)
 
     if block_ranks is None:
         model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=CPU)

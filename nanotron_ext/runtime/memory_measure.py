@@ -163,10 +163,10 @@ def measure_training_memory(
     from nanotron import distributed as dist
     from nanotron.config import ParallelismArgs
 
-    from nanotron_ext.runtime.build import build_cpu_llama
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.runtime.context import GlooParallelContext
+    from nanotron_ext.runtime.cpu_model import build_cpu_llama
     from nanotron_ext.runtime.engine import build_optimizer, make_micro_batch, train_step
-    from nanotron_ext.runtime.modules import llama_config_from_shape
 
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")

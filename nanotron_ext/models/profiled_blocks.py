@@ -1,7 +1,6 @@
 """The modules the ``profiled`` strategy times: one standalone CPU-runtime module per block role.
 
-:mod:`nanotron_ext.costs.measured` builds blocks through :data:`~nanotron_ext.costs.measured.DEFAULT_MODULE_FACTORY`,
-which names :func:`build_block_module`.
+:mod:`nanotron_ext.costs.profiled` builds each block it times with :func:`build_block_module`.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from nanotron.parallel.tensor_parallel.nn import TensorParallelColumnLinear, Ten
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
-from nanotron_ext.runtime.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
-from nanotron_ext.vocab_chain import VocabShard
+from nanotron_ext.models.llama import Embedding, LlamaDecoderLayer, Loss, Projector, RMSNorm
+from nanotron_ext.models.vocab_chain import VocabShard
 
 __all__ = ["MEASURABLE_ROLES", "build_block_module", "llama_config_from_shape"]
 

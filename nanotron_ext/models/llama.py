@@ -26,6 +26,7 @@ from nanotron.nn.activations import ACT2FN
 from nanotron.parallel import ParallelContext
 from nanotron.parallel.parameters import NanotronParameter
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock, TensorPointer
+from nanotron.parallel.pipeline_parallel.p2p import P2P
 from nanotron.parallel.tensor_parallel.functional import sharded_cross_entropy
 from nanotron.parallel.tensor_parallel.nn import (
     TensorParallelColumnLinear,
@@ -37,9 +38,8 @@ from nanotron.random import RandomStates
 from torch import nn
 
 from nanotron_ext.blocks import vocab_slices
-from nanotron_ext.inventory.layouts import llama_class_costs
-from nanotron_ext.runtime.p2p import CPUP2P
-from nanotron_ext.vocab_chain import ChainLoss, VocabShard, vocab_shard_blocks
+from nanotron_ext.inventory.family_blocks import llama_class_costs
+from nanotron_ext.models.vocab_chain import ChainLoss, VocabShard, vocab_shard_blocks
 
 __all__ = [
     "CPULlamaForTraining",
@@ -480,11 +480,13 @@ class CPULlamaModel(nn.Module):
         parallel_config: ParallelismArgs | None,
         projector: bool = False,
         vocab_shards: int = 1,
+        *,
+        p2p: P2P,
     ) -> None:
         super().__init__()
-        # Nanotron's P2P on the CPU device, with non-blocking sends (gloo's blocking send deadlocks the
-        # engines; see nanotron_ext.runtime.p2p).
-        self.p2p = CPUP2P(parallel_context.pp_pg, device=torch.device("cpu"))
+        # The runtime passes its CPUP2P: Nanotron's P2P with non-blocking sends (gloo's blocking send deadlocks
+        # the engines; see nanotron_ext.runtime.p2p).
+        self.p2p = p2p
         self.config = config
         self.parallel_config = parallel_config
         self.parallel_context = parallel_context
@@ -538,7 +540,7 @@ class CPULlamaModel(nn.Module):
         )
         self.n_vocab_shards = vocab_shards
         if vocab_shards > 1:
-            # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.vocab_chain).
+            # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.models.vocab_chain).
             self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size, vocab_shards)
             return
         self.lm_head = PipelineBlock(
@@ -618,8 +620,9 @@ class CPULlamaForTraining(NanotronModel):
         parallel_config: Nanotron ``ParallelismArgs`` (tp_mode, async comm) or None for defaults.
         random_states: accepted for signature compatibility with Nanotron; unused.
         projector: add a trainable ``model.projector`` block right after the embedding.
+        p2p: the pipeline's point-to-point channel (the runtime's ``CPUP2P`` over ``parallel_context.pp_pg``).
         vocab_shards: K > 1 replaces ``model.lm_head``, ``model.cast_to_fp32`` and ``loss`` with
-            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.vocab_chain`); the loss and gradients are the same.
+            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.models.vocab_chain`); the loss and gradients are the same.
 
     Raises:
         ValueError: head counts / vocabulary incompatible with the TP size; vocab_shards > 1 with tied
@@ -634,6 +637,8 @@ class CPULlamaForTraining(NanotronModel):
         random_states: RandomStates | None = None,
         projector: bool = False,
         vocab_shards: int = 1,
+        *,
+        p2p: P2P,
     ) -> None:
         super().__init__()
         _check_attention_shapes(config, parallel_context.tp_pg.size())
@@ -653,6 +658,7 @@ class CPULlamaForTraining(NanotronModel):
             parallel_config=parallel_config,
             projector=projector,
             vocab_shards=vocab_shards,
+            p2p=p2p,
         )
         if vocab_shards > 1:
             self.chain_loss = ChainLoss(self.model.vocab_shards, parallel_context.pp_pg)

@@ -8,7 +8,7 @@ Per micro-batch of ``t = b·s`` tokens, a stage's peak is the larger of two mome
   tensor before it is added to ``.grad``);
 * **optimizer step** — weights + gradients + optimizer state + buffers, plus the step's temporaries.
 
-What a block saves is counted from the code that runs (the CPU runtime's Llama, ``nanotron_ext.runtime.llama``,
+What a block saves is counted from the code that runs (the CPU runtime's Llama, ``nanotron_ext.models.llama``,
 with Nanotron's tensor-parallel linears and ``sharded_cross_entropy``), tensor by tensor, per dtype:
 
 * RMSNorm (normalised in fp32): the fp32 input (the input itself in fp32, an upcast copy in 16-bit), the
@@ -39,7 +39,8 @@ from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
-from nanotron_ext.costs.analytic import GIB, in_flight, mlp_saved_width, param_bytes
+from nanotron_ext.costs.analytic import GIB, in_flight, param_bytes
+from nanotron_ext.inventory.flops import mlp_active
 
 __all__ = [
     "RUNTIME_TENSORS_BYTES",
@@ -126,7 +127,7 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
         return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
                            backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
     if role == "vocab_shard":
-        # nanotron_ext.vocab_chain: lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64
+        # nanotron_ext.models.vocab_chain: lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64
         # label index and the mask, the linear's input saved; the statistics are [tokens] fp32. Forward: the
         # fp32 logits and the subtraction before exp (the 16-bit logits are gone by then); backward: the logits
         # gradient is written into the saved exp, cast back to 16-bit, then the linear's gradients.
@@ -139,6 +140,14 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
     # projector / other: a linear layer on the hidden states.
     return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
                        input=t * h * w, input_saved=True, output=t * h * w)
+
+
+def mlp_saved_width(m: ModelShape, layer: int | None = None) -> float:
+    """Elements per token a layer's MLP saves for backward: the matmul outputs (gate|up and down's input: 3f;
+    Starcoder2's up: 2f), plus the gate's activation in a gated MLP (4f in all)."""
+    width = float(mlp_active(m, layer)[1])
+    gated = m.moe.glu if m.moe_layer(layer) and m.moe is not None else m.family != "starcoder2"
+    return width + width / 3 if gated else width
 
 
 def _norm(tokens: float, h: int, w: int) -> float:

@@ -28,9 +28,9 @@ import torch
 
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
 from nanotron_ext.errors import RunFailure
-from nanotron_ext.integration.build import patch_nanotron
+from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
-from nanotron_ext.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
+from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 
 __all__ = ["UPSTREAM_FIXES", "install_launcher", "strip_ext_keys"]
 
