@@ -166,3 +166,27 @@ def test_micro_batches_override_reaches_the_run_and_the_yaml():
     cfg = load_config("nanotron_ext/configs/smollm_360m.yaml").with_overrides(n_micro_batches=13)
     assert cfg.run.n_micro_batches == 13
     assert cfg.nanotron["tokens"]["batch_accumulation_per_replica"] == 13
+
+
+@pytest.mark.parametrize("gbps", [None, 1.0])
+def test_the_planner_and_simulate_price_every_split_identically(gbps):
+    # One pricing: the step-time objective (schedule_problem + StepTimeEvaluator) and `simulate` (simulate_plan)
+    # give every split of the seed model the same step time, sends included. The seed model's splits differ a
+    # lot in what crosses a cut (hidden states, or vocabulary-sized logits after the lm_head).
+    from nanotron_ext.partition import ranks_from_bounds
+    from nanotron_ext.plan import Plan
+    from nanotron_ext.strategies.step_time import DEFAULT_TFLOPS, schedule_problem
+
+    cfg = load_config("nanotron_ext/configs/tiny_llama_large_vocab.yaml")
+    blocks = inventory_from_config(cfg)
+    bandwidth = None if gbps is None else gbps * 1e9
+    planner = StepTimeEvaluator(schedule_problem(blocks, cfg, p2p_bytes_per_second=bandwidth))
+    splits = _all_splits(len(blocks), cfg.run.pp)
+    priced = planner(splits)
+    base = make_plan(blocks, cfg, "constrained")
+    for bounds, step in zip(splits, priced):
+        plan = Plan(**{**base.__dict__, "block_ranks": tuple(ranks_from_bounds(bounds))})
+        simulated = simulate_plan(plan, blocks, cfg, flops_per_second=DEFAULT_TFLOPS * 1e12,
+                                  p2p_bytes_per_second=bandwidth).step_time
+        assert simulated == pytest.approx(step, rel=1e-12), bounds
+    assert len(set(priced.round(15))) > 2  # the splits really differ

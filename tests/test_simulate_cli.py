@@ -11,36 +11,28 @@ import yaml
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.cli import main
 from nanotron_ext.config import bundled_config, load_config
-from nanotron_ext.costs import training_flops
+from nanotron_ext.costs import block_memory, training_flops
 from nanotron_ext.costs.profiled import BlockTiming
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.plan import Plan
 from nanotron_ext.simulate import StageTimes, simulate
-from nanotron_ext.simulate.stage_times import (
-    format_seconds,
-    gradient_cuts,
-    simulate_plan,
-    stage_times_from_plan,
-    stage_times_from_timings,
-)
+from nanotron_ext.simulate.stage_times import format_seconds, gradient_cuts, plan_stage_times, simulate_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T = 1e12  # FLOPs of one unit in the hand-made blocks below
 
 
 def _block(
-    i: int, fwd: float, bwd_in: float, bwd_w: float, params: int, trainable: int, out: float
+    i: int, fwd: float, bwd_in: float, bwd_w: float, params: int, trainable: int, role: str = "other"
 ) -> BlockInfo:
     return BlockInfo(
         index=i,
-        name=f"b{i}",
-        role="other",
+        name=f"b{i}" if role == "other" else f"model.{role}",
+        role=role,  # type: ignore[arg-type]
         builder="X",
         params=params,
         trainable=trainable,
         param_bytes=2 * params,
-        activation_bytes=0.0,
-        output_bytes=out,
         flops_fwd=fwd * T,
         flops_bwd_input=bwd_in * T,
         flops_bwd_weight=bwd_w * T,
@@ -61,31 +53,36 @@ def _plan(blocks: list[BlockInfo], ranks: list[int]) -> Plan:
     )
 
 
-# A (trainable) B (frozen) | C (trainable) D (weightless, like the loss); FLOPs in units of 1e12.
+# A (trainable) B (frozen lm_head) | C (trainable) D (weightless: the loss); FLOPs in units of 1e12.
 HAND = [
-    _block(0, 1, 2, 2, 10, 10, 100.0),
-    _block(1, 3, 6, 6, 10, 0, 200.0),
-    _block(2, 2, 4, 4, 10, 10, 400.0),
-    _block(3, 1, 1, 0, 0, 0, 4.0),
+    _block(0, 1, 2, 2, 10, 10),
+    _block(1, 3, 6, 6, 10, 0, "lm_head"),
+    _block(2, 2, 4, 4, 10, 10),
+    _block(3, 1, 1, 0, 0, 0, "loss"),
 ]
+CFG = load_config(bundled_config())  # 1f1b, 4 micro-batches of 2 x 32 tokens, fp32, vocabulary 50277
+#: What the lm_head sends (its fp32 logits, t x V x 4 bytes: the memory model's output, the one home of "what a
+#: block sends"); a bandwidth that ships them in 2 s. Other blocks send t x h x 4 bytes, 1/3142 of it.
+LOGITS = block_memory(HAND[1], CFG.model, CFG.run).output
+BW = LOGITS / 2.0
 
 
 def test_stage_times_of_a_hand_made_two_stage_plan():
     # training FLOPs: A = 1 + 2 (weights; no input-grad, nothing trainable before it) = 3;
     # B = 3 + 6 (input-grad) + 0 (frozen) = 9; C = 2 + 4 + 4 = 10; D = 1 + 1 = 2.
     # stage 0: forward 1 + 3 = 4, backward 3 + 9 - 4 = 8; stage 1: forward 2 + 1 = 3, backward 10 + 2 - 3 = 9.
-    # p2p: stage 0's last block (B) sends 200 bytes; at 100 B/s that is 2 s. Stage 1 sends nothing.
-    stages, p2p = stage_times_from_plan(
-        _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=100.0
-    )
+    # p2p: stage 0's last block (B, the lm_head) sends its logits: 2 s at BW. Stage 1 sends nothing.
+    assert LOGITS == 2 * 32 * 50277 * 4
+    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
     assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
     assert p2p == 2.0
+    # A cut after A instead ships hidden states (t x h x 4 bytes), not logits.
+    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, flops_per_second=1e12,
+                            p2p_bytes_per_second=BW)[1] == pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)
 
 
 def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
-    stages, p2p = stage_times_from_plan(
-        _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=100.0
-    )
+    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
     r = simulate(stages, 2, "1f1b", p2p)
     # Transfers take 2 s and start once both sides are there. Stage 0: F0 [0,4] F1 [4,8], sending each at once.
     # Stage 1: activation 0 arrives at 6; F0 [6,9] B0 [9,18]; activation 1 (sent at 8) is only received from
@@ -107,49 +104,40 @@ def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
 
 
 def test_p2p_ignored_without_bandwidth_and_on_one_stage():
-    assert (
-        stage_times_from_plan(
-            _plan(HAND, [0, 0, 1, 1]), HAND, flops_per_second=1e12, p2p_bytes_per_second=None
-        )[1]
-        == 0.0
-    )
-    stages, p2p = stage_times_from_plan(
-        _plan(HAND, [0, 0, 0, 0]), HAND, flops_per_second=2e12, p2p_bytes_per_second=1.0
-    )
+    assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12)[1] == 0.0
+    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, flops_per_second=2e12, p2p_bytes_per_second=1.0)
     assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
 
 
 def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
-    frozen = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 3, 6, 6, 10, 0, 8.0), _block(2, 2, 4, 4, 10, 10, 8.0)]
+    frozen = [_block(0, 1, 2, 2, 10, 0), _block(1, 3, 6, 6, 10, 0), _block(2, 2, 4, 4, 10, 10)]
     assert gradient_cuts(_plan(frozen, [0, 1, 2]), frozen) == [False, False]  # only C, on stage 2, trains
-    middle = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 2, 4, 4, 10, 10, 8.0), _block(2, 1, 2, 2, 10, 0, 8.0)]
+    middle = [_block(0, 1, 2, 2, 10, 0), _block(1, 2, 4, 4, 10, 10), _block(2, 1, 2, 2, 10, 0)]
     assert gradient_cuts(_plan(middle, [0, 1, 2]), middle) == [False, True]
     assert gradient_cuts(_plan(frozen, [0, 1, 1]), frozen) == [False]
     assert gradient_cuts(_plan(HAND, [0, 0, 1, 1]), HAND) == [True]
-    cfg = load_config(bundled_config())
+    cfg = CFG
     plan = _plan(frozen, [0, 1, 1])
     r = simulate_plan(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
-    stages, p2p = stage_times_from_plan(plan, frozen, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    stages, p2p = plan_stage_times(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
     assert r == simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p, grad_cuts=[False])
     assert r != simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p)  # stage 0 would wait for gradients
 
 
 def test_frozen_prefix_pays_no_backward():
-    frozen = [_block(0, 1, 2, 2, 10, 0, 8.0), _block(1, 3, 6, 6, 10, 0, 8.0), _block(2, 2, 4, 4, 10, 10, 8.0)]
-    stages, _ = stage_times_from_plan(
-        _plan(frozen, [0, 1, 2]), frozen, flops_per_second=1e12, p2p_bytes_per_second=None
-    )
+    frozen = [_block(0, 1, 2, 2, 10, 0), _block(1, 3, 6, 6, 10, 0), _block(2, 2, 4, 4, 10, 10)]
+    stages, _ = plan_stage_times(_plan(frozen, [0, 1, 2]), frozen, CFG, flops_per_second=1e12)
     assert stages == [StageTimes(1.0, 0.0), StageTimes(3.0, 0.0), StageTimes(2.0, 4.0)]
 
 
 def test_stage_times_reject_bad_rates_and_foreign_blocks():
     plan = _plan(HAND, [0, 0, 1, 1])
     with pytest.raises(ConfigError, match="flops_per_second"):
-        stage_times_from_plan(plan, HAND, flops_per_second=0.0, p2p_bytes_per_second=None)
+        plan_stage_times(plan, HAND, CFG, flops_per_second=0.0)
     with pytest.raises(ConfigError, match="p2p_bytes_per_second"):
-        stage_times_from_plan(plan, HAND, flops_per_second=1.0, p2p_bytes_per_second=float("inf"))
+        plan_stage_times(plan, HAND, CFG, flops_per_second=1.0, p2p_bytes_per_second=float("inf"))
     with pytest.raises(PlanningError, match="inventory the plan was made from"):
-        stage_times_from_plan(plan, HAND[:3], flops_per_second=1.0, p2p_bytes_per_second=None)
+        plan_stage_times(plan, HAND[:3], CFG, flops_per_second=1.0)
 
 
 def test_format_seconds():
@@ -292,7 +280,7 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
     path = tmp_path / "few.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert main(["simulate", str(path), "--out", str(tmp_path / "x.png")]) == 2
-    assert "1f1b needs at least pp - 1 = 5 micro-batches, got 2" in capsys.readouterr().err
+    assert "1F1B needs at least pp - 1 = 5 micro-batches, got 2" in capsys.readouterr().err
 
 
 # --- measured times (--times profiled) ---------------------------------------------------------------
@@ -301,11 +289,11 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
 def test_stage_times_from_timings_sum_each_stage_and_keep_p2p():
     timings = [BlockTiming(1.0, 2.0, 0.5), BlockTiming(3.0, 0.0, 0.0), BlockTiming(4.0, 5.0, 0.25),
                BlockTiming(6.0, 1.0, 0.0)]  # fmt: skip
-    stages, p2p = stage_times_from_timings(_plan(HAND, [0, 0, 1, 1]), HAND, timings, p2p_bytes_per_second=100.0)
+    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings, p2p_bytes_per_second=BW)
     assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
-    assert p2p == 2.0  # B's 200 bytes at 100 B/s, as in the FLOP-rate model
+    assert p2p == 2.0  # B's logits at BW, as in the FLOP-rate model
     with pytest.raises(PlanningError, match="3 block timings for 4 blocks"):
-        stage_times_from_timings(_plan(HAND, [0, 0, 1, 1]), HAND, timings[:3], p2p_bytes_per_second=None)
+        plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings[:3])
     with pytest.raises(ConfigError, match="exactly one of flops_per_second"):
         simulate_plan(_plan(HAND, [0, 0, 1, 1]), HAND, load_config(bundled_config()))
 

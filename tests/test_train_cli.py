@@ -176,7 +176,7 @@ def _bad_yaml(tmp_path: Path, kind: str) -> tuple[list[str], int, tuple[str, ...
     if kind == "few_micro_batches":
         c = tw.write_config(tmp_path / "m.yaml", {"parallelism": {"pp": 4},
                                                   "tokens": {"batch_accumulation_per_replica": 2}})
-        return ["--config-file", str(c)], 4, ("needs at least pp-1=3 micro-batches per step", "got 2",
+        return ["--config-file", str(c)], 4, ("needs at least pp - 1 = 3 micro-batches", "got 2",
                                               "pp_engine: afab")
     if kind == "unknown_strategy":
         return ["--config-file", str(tw.TINY_YAML), "--cost-strategy", "bogus"], 2, (

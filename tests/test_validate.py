@@ -31,7 +31,10 @@ def test_1f1b_needs_pp_minus_1_micro_batches(tiny):
     assert [(f.severity, f.code, f.stage) for f in fatal.findings] == [("error", "few-micro-batches", None)]
     assert fatal.ok is False
     assert fatal.findings[0].message == (
-        "1F1B with 1 micro-batches on 3 stages: Nanotron's engine asserts nb_microbatches >= pp - 1 and stops")
+        "1F1B needs at least pp - 1 = 2 micro-batches, got 1: Nanotron's engine asserts nb_microbatches >= pp - 1 "
+        "and stops")
+    assert fatal.findings[0].fix == (
+        "set tokens.batch_accumulation_per_replica >= 3 (>= pp fills the pipeline), or pp_engine: afab")
     runs = make_plan(blocks, _run(cfg, pp=3, n_micro_batches=2), "flops")
     assert [(f.severity, f.code) for f in runs.findings] == [("warning", "few-micro-batches")]
     assert runs.ok is True and "bubble at least 50%" in runs.findings[0].message

@@ -13,7 +13,7 @@ from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.partition import nanotron_greedy_ranks
 from nanotron_ext.plan.types import Finding, Plan, Severity
 from nanotron_ext.report import compact_names
-from nanotron_ext.schedule import fills_pipeline, too_few_micro_batches
+from nanotron_ext.schedule import micro_batch_shortfall
 
 __all__ = ["FIX_STRATEGY", "cannot_train_message", "validate_plan"]
 
@@ -67,16 +67,10 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 "raise the cap, use a larger pp, optimizer.zero_stage: 1, the 1f1b engine (fewer micro-batches in "
                 "flight) or `--cost-strategy memory` (it balances the estimate's additive part)",
             ))
-    m, engine = cfg.run.n_micro_batches, cfg.run.engine
-    if not fills_pipeline(engine, plan.pp, m):
-        fatal = too_few_micro_batches(engine, plan.pp, m) is not None
-        findings.append(Finding(
-            "error" if fatal else "warning", "few-micro-batches", None,
-            f"1F1B with {m} micro-batches on {plan.pp} stages: "
-            + ("Nanotron's engine asserts nb_microbatches >= pp - 1 and stops" if fatal else
-               f"the pipeline never fills (bubble at least {(plan.pp - 1) / (m + plan.pp - 1):.0%})"),
-            f"set tokens.batch_accumulation_per_replica >= {plan.pp}, or pp_engine: afab",
-        ))
+    shortfall = micro_batch_shortfall(cfg.run.engine, plan.pp, cfg.run.n_micro_batches)
+    if shortfall is not None:
+        findings.append(Finding("error" if shortfall.fatal else "warning", "few-micro-batches", None,
+                                shortfall.reason, shortfall.fix))
     return sorted(findings, key=lambda f: (f.severity != "error", f.stage if f.stage is not None else -1))
 
 

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.models.vocab_chain import label_pp_ranks
 from nanotron_ext.runtime.p2p import wait_pending_sends
-from nanotron_ext.schedule import Engine, min_micro_batches
+from nanotron_ext.schedule import Engine, too_few_micro_batches
 
 __all__ = [
     "EngineName",
@@ -265,11 +265,9 @@ def train_step(
         raise ValueError(f"n_micro_batches must be >= 1, got {n_micro_batches}.")
     pipeline_engine = make_engine(engine)
     engine_name = "1f1b" if isinstance(pipeline_engine, OneForwardOneBackwardPipelineEngine) else "afab"
-    if n_micro_batches < min_micro_batches(engine_name, pp_pg.size()):
-        raise ValueError(
-            f"The 1F1B engine needs at least pp-1={pp_pg.size() - 1} micro-batches per step, got "
-            f"{n_micro_batches}; raise batch_accumulation_per_replica or use 'afab'."
-        )
+    shortfall = too_few_micro_batches(engine_name, pp_pg.size(), n_micro_batches)
+    if shortfall is not None:
+        raise ValueError(shortfall)
     unwrapped = _unwrap(model)
     iterator: Iterator[MicroBatch] = iter(micro_batches)
     outputs = pipeline_engine.train_batch_iter(

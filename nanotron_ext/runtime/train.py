@@ -45,7 +45,7 @@ from nanotron_ext.runtime.data import (
     load_packed_windows,
 )
 from nanotron_ext.runtime.procs import free_port
-from nanotron_ext.schedule import min_micro_batches
+from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["TrainSettings", "preflight", "run_training"]
 
@@ -120,12 +120,9 @@ def preflight(
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
 
     # At exactly pp - 1 micro-batches 1F1B runs, never filling the pipeline; the plan carries a warning for that.
-    if run.n_micro_batches < min_micro_batches(run.engine, run.pp):
-        raise ConfigError(
-            f"pp_engine 1f1b with pp={run.pp} needs at least pp-1={run.pp - 1} micro-batches per step "
-            f"(tokens.batch_accumulation_per_replica), got {run.n_micro_batches}: Nanotron's 1F1B engine asserts "
-            f"it. Set batch_accumulation_per_replica >= {run.pp} (>= pp fills the pipeline) or pp_engine: afab"
-        )
+    shortfall = too_few_micro_batches(run.engine, run.pp, run.n_micro_batches)
+    if shortfall is not None:
+        raise ConfigError(shortfall)
 
     world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
     timeout_s = _timeout_s()

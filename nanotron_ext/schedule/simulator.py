@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from nanotron_ext.schedule import ENGINES, Engine, too_few_micro_batches
+from nanotron_ext.schedule import ENGINES, Engine, ideal_bubble_fraction, too_few_micro_batches
 
 __all__ = [
     "Action",
@@ -151,17 +151,6 @@ class SimResult:
             + f"ideal {ideal_bubble_fraction(self.pp, self.n_micro_batches):.1%})"
         )
         return f"{head}\n{self.table()}"
-
-
-def ideal_bubble_fraction(pp: int, m: int) -> float:
-    """Bubble fraction ``(pp - 1) / (m + pp - 1)`` of ``pp`` equal stages and ``m`` micro-batches.
-
-    Raises:
-        ValueError: if ``pp`` or ``m`` is below 1.
-    """
-    if pp < 1 or m < 1:
-        raise ValueError(f"ideal_bubble_fraction needs pp >= 1 and m >= 1, got pp={pp}, m={m}")
-    return (pp - 1) / (m + pp - 1)
 
 
 def _check_engine(engine: str) -> None:
