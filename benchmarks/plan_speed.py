@@ -99,7 +99,8 @@ def scaling(repeat: int = 3) -> bool:
     stretch), the load average, and the search's proven bound (step ≤ (1 + gap) · optimum)."""
     import os
 
-    from nanotron_ext.partition.schedule_aware import _graph, step_time_partition
+    from nanotron_ext.partition.schedule_aware import step_time_partition
+    from nanotron_ext.partition.step_time_eval import schedule_graph
     from nanotron_ext.strategies.builtin import _constraints
     from nanotron_ext.strategies.step_time import schedule_problem
 
@@ -117,7 +118,7 @@ def scaling(repeat: int = 3) -> bool:
         rule_s = time.perf_counter() - t0
         walls, cpus = [], []
         for _ in range(repeat):
-            _graph.cache_clear()
+            schedule_graph.cache_clear()
             t0, c0 = time.perf_counter(), time.process_time()
             plan = make_plan(blocks, cfg, "constrained")
             walls.append(time.perf_counter() - t0)

@@ -1,0 +1,257 @@
+"""A lower bound of the step time of splits, and the exact min-max of it over every feasible split.
+
+Every split's step time is at least ``max_k g_k(s_k, s_{k+1})``: per stage ``k``, the paths of the schedule's
+dependency graph that run through ``k``'s own serial work (see :func:`_terms`), plus the largest update. Each term
+depends on the stage's own segment only, so ``LB* = min over feasible splits of max_k g_k`` is a min-max partition
+problem, solved exactly by :func:`minimise` (bisection on the value from checked brackets; each test a
+reachability sweep with prefix sums, ``O(pp · n log n)``, one binary search per distinct term).
+``LB*`` ≤ the true optimum. :class:`Validity` holds which segments a split may use (requirements, memory cap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition.optimal import MemoryCap, Requirement
+from nanotron_ext.partition.step_time_eval import ScheduleProblem
+
+__all__ = ["RTOL", "Bound", "Validity", "feasible_bound", "lower_bound", "minimise", "reconstruct",
+           "slowest_stage_optimum"]
+
+RTOL = 1e-9  # relative tolerance of every comparison of times
+
+
+
+
+def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
+    """Lower-bound terms of each stage ``k``: tuples ``(wf, wb, pf, pb, qf, qb, hops)``. For the segment
+    ``[s, e)`` a term is ``wf·F(s,e) + wb·B(s,e) + U(s,e) + pf·F(0,s) + pb·B(0,s) + qf·F(e,n) + qb·B(e,n)
+    + hops · p2p_min``, where ``F``, ``B``, ``U`` sum forward, backward and update times over blocks.
+
+    Each is the length of a path of the schedule's dependency graph, so no split's step time is below it
+    (``U``: the stage's own update comes after the pipeline; a transfer takes at least the smallest p2p
+    time any cut can have):
+
+    * fill-drain through ``k`` (both engines): micro-batch 0's forwards on stages ``< k``, stage ``k``'s ``m``
+      forwards and ``m`` backwards (serial on one rank), then micro-batch ``m-1``'s backwards below ``k``;
+    * 1F1B: micro-batch 0 forwards through every stage and backwards down to ``k + 1``; only then can stage
+      ``k`` start its first backward, after which its program still holds ``m`` backwards and
+      ``m - min(pp - k, m)`` forwards; then the backwards below ``k``;
+    * AFAB: micro-batch 0's forwards below ``k``, ``m`` forwards on ``k``, micro-batch ``m-1``'s forwards above
+      ``k``; backward 0 from the last stage down to ``k``, ``m`` backwards on ``k``, backward ``m-1`` below.
+
+    Backward chains need every cut to carry a gradient: with a frozen first block they are left out.
+    """
+    pp, m = problem.pp, problem.n_micro_batches
+    grads = bool(problem.grad_after[1])  # block 0 trains, so every cut carries a gradient
+    g = 1.0 if grads else 0.0
+    out = []
+    for k in range(pp):
+        terms = [(m, m, 1.0, g, 0.0, 0.0, k + (k if grads else 0))]
+        if problem.engine == "1f1b" and grads:
+            terms.append((1 + m - min(pp - k, m), m, 1.0, 1.0, 1.0, 1.0, 2 * (pp - 1)))
+        elif problem.engine == "afab":
+            terms.append((m, m * g, 1.0, g, 1.0, g, (pp - 1) * (2 if grads else 1)))
+        out.append(terms)
+    return out
+
+
+class Bound:
+    """The lower bound ``max_k g_k(s_k, s_{k+1})`` of splits, and reachability sweeps under it."""
+
+    def __init__(self, problem: ScheduleProblem, valid: Validity, *, slowest_stage: bool = False) -> None:
+        self.problem, self.valid = problem, valid
+        n = problem.n
+        F = np.concatenate([[0.0], np.cumsum(problem.forward)])
+        B = np.concatenate([[0.0], np.cumsum(problem.backward)])
+        U = np.concatenate([[0.0], np.cumsum(problem.update)])
+        p2p_min = float(min(problem.send[: n - 1])) if problem.pp > 1 and n > 1 else 0.0
+        self.F, self.B, self.U = F, B, U
+        # Per stage, per term: E(e) (non-decreasing), S(s) (non-decreasing), constant; g = E(e) - S(s) + K.
+        self.terms: list[list[tuple[np.ndarray, np.ndarray, float]]] = []
+        # slowest_stage: the plain min-max of a stage's forward + backward (the FLOP objective).
+        stage_terms = [[(1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)]] * problem.pp if slowest_stage else _terms(problem)
+        u_weight = 0.0 if slowest_stage else 1.0
+        for per_stage in stage_terms:
+            rows = []
+            for wf, wb, pf, pb, qf, qb, hops in per_stage:
+                e_arr = (wf - qf) * F + (wb - qb) * B + u_weight * U
+                s_arr = (wf - pf) * F + (wb - pb) * B + u_weight * U
+                const = qf * F[-1] + qb * B[-1] + hops * p2p_min
+                rows.append((e_arr, s_arr, const))
+            self.terms.append(rows)
+        # The searches windows() runs, each once: stages often share a term (the fill-drain term does whenever
+        # p2p is ignored, the FLOP objective always), and then one search per bound serves them all.
+        self._search: list[tuple[np.ndarray, np.ndarray]] = []
+        self._stage_search: list[list[int]] = []
+        seen: dict[bytes, int] = {}
+        for rows in self.terms:
+            ids = []
+            for e_arr, s_arr, const in rows:
+                e_const = e_arr + const
+                key = e_const.tobytes() + s_arr.tobytes()
+                if key not in seen:
+                    seen[key] = len(self._search)
+                    self._search.append((e_const, s_arr))
+                ids.append(seen[key])
+            self._stage_search.append(ids)
+        self._found: tuple[float, dict[int, np.ndarray]] = (math.nan, {})  # the searches under the last bound
+        # The same terms stacked (pp, terms, n + 1) for :meth:`values`; a stage with fewer terms repeats its first.
+        width = max(len(rows) for rows in self.terms)
+        padded = [rows + rows[:1] * (width - len(rows)) for rows in self.terms]
+        self._E = np.array([[e_arr for e_arr, _, _ in rows] for rows in padded])
+        self._S = np.array([[s_arr for _, s_arr, _ in rows] for rows in padded])
+        self._C = np.array([[const for _, _, const in rows] for rows in padded])
+
+    def value(self, bounds: Sequence[int]) -> float:
+        """The lower bound of one split."""
+        return max(
+            float(e_arr[e] - s_arr[s] + const)
+            for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))
+            for e_arr, s_arr, const in self.terms[k]
+        )
+
+    def values(self, bounds: np.ndarray) -> np.ndarray:
+        """:meth:`value` of each split (rows of ``bounds``), with the same arithmetic."""
+        stage = np.arange(self.problem.pp)[:, None]
+        term = np.arange(self._C.shape[1])
+        g = self._E[stage, term, bounds[:, 1:, None]] - self._S[stage, term, bounds[:, :-1, None]] + self._C
+        return g.reshape(len(bounds), -1).max(axis=1)
+
+    def stage_value(self, k: int, s: np.ndarray | int, e: np.ndarray | int) -> np.ndarray:
+        return np.max([e_arr[e] - s_arr[s] + const for e_arr, s_arr, const in self.terms[k]], axis=0)
+
+    def windows(self, k: int, x: float) -> tuple[np.ndarray, np.ndarray]:
+        """For every end ``e`` (0..n): the starts ``s`` in ``[lo[e], hi[e]]`` give stage ``k`` a valid segment
+        ``[s, e)`` whose bound is at most ``x``."""
+        lo = self.valid.lo(k)
+        if self._found[0] != x:
+            self._found = (x, {})
+        found = self._found[1]
+        for i in self._stage_search[k]:
+            if i not in found:
+                # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the
+                # optimum's own split feasible against rounding.
+                e_const, s_arr = self._search[i]
+                found[i] = np.searchsorted(s_arr, e_const - x - RTOL * abs(x), side="left")
+            lo = np.maximum(lo, found[i])
+        return lo, self.valid.hi
+
+    def reach(self, x: float) -> list[np.ndarray] | None:
+        """Forward reachability under bound ``x``: ``reach[k][s]`` — blocks ``[0, s)`` split into ``k`` stages.
+        None when ``[0, n)`` cannot be split into ``pp`` stages."""
+        n, pp = self.problem.n, self.problem.pp
+        cur = np.zeros(n + 1, dtype=bool)
+        cur[0] = True
+        out = [cur]
+        cnt = np.zeros(n + 2, dtype=np.int64)  # cnt[i]: reachable starts below i
+        hi_next = self.valid.hi + 1  # hi >= -1
+        for k in range(pp):
+            lo, hi = self.windows(k, x)  # lo in 0..n + 1
+            np.cumsum(cur, out=cnt[1:])
+            cur = (hi >= lo) & (cnt[hi_next] > cnt[lo])
+            if not cur.any():
+                return None
+            out.append(cur)
+        return out if cur[n] else None
+
+
+@dataclass
+class Validity:
+    """Which segments may form stage ``k``: ``s`` in ``[lo(k)[e], hi[e]]`` (non-empty, every requirement met,
+    memory under the cap)."""
+
+    n: int
+    hi: np.ndarray
+    mem: tuple[np.ndarray, np.ndarray, tuple[int, ...], float] | None = None
+    _lo: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @staticmethod
+    def build(n: int, requirements: Sequence[Requirement], memory: MemoryCap | None) -> Validity:
+        hi = np.arange(n + 1) - 1  # non-empty: s <= e - 1
+        for req in requirements:
+            flags = np.asarray(req.flags, dtype=bool)
+            idx = np.where(flags, np.arange(n), -1)
+            last = np.concatenate([[-1], np.maximum.accumulate(idx)]) if n else np.array([-1])
+            hi = np.minimum(hi, last)  # s <= the last flagged block before e
+        mem = None
+        if memory is not None:
+            sp = np.concatenate([[0.0], np.cumsum(memory.static)])
+            ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
+            mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * RTOL)
+        return Validity(n=n, hi=hi, mem=mem)
+
+    def lo(self, k: int) -> np.ndarray:
+        if k not in self._lo:
+            if self.mem is None:
+                self._lo[k] = np.zeros(self.n + 1, dtype=np.int64)
+            else:
+                sp, ap, flight, cap = self.mem
+                q = sp + flight[k] * ap  # memory of [s, e) = q[e] - q[s] <= cap
+                self._lo[k] = np.searchsorted(q, q - cap, side="left").astype(np.int64)
+        return self._lo[k]
+
+
+def minimise(bound: Bound, hi: float, lo: float = 0.0) -> tuple[float, list[np.ndarray]]:
+    """The smallest bound any feasible split reaches (bisection to ``RTOL``), with its reachability sweep.
+
+    ``hi``: a bound some feasible split meets (else PlanningError). ``lo``: a hint below the answer; it is
+    tested first and dropped (for 0) if some split meets it, so it only saves bisection steps."""
+    reach = bound.reach(hi)
+    if reach is None:
+        raise PlanningError("no split satisfies the constraints")  # callers check feasibility first
+    if not 0.0 < lo < hi or bound.reach(lo) is not None:
+        lo = 0.0
+    while hi - lo > RTOL * hi:
+        mid = 0.5 * (lo + hi)
+        r = bound.reach(mid)
+        if r is None:
+            lo = mid
+        else:
+            hi, reach = mid, r
+    return hi, reach
+
+
+def feasible_bound(bound: Bound, hint: float, fallback: float) -> float:
+    """``hint`` when some feasible split meets it (and it is below ``fallback``), else ``fallback``."""
+    return hint if hint < fallback and bound.reach(hint) is not None else fallback
+
+
+def reconstruct(bound: Bound, x: float, reach: list[np.ndarray], latest: bool) -> list[int]:
+    """A split whose every stage stays within ``x``: from the end, each stage starts as late (or early) as
+    the earlier stages allow."""
+    n, pp = bound.problem.n, bound.problem.pp
+    bounds, e = [n], n
+    for k in range(pp - 1, -1, -1):
+        lo, hi = bound.windows(k, x)
+        ok = np.flatnonzero(reach[k][max(lo[e], 0) : hi[e] + 1]) + max(lo[e], 0)
+        e = int(ok[-1] if latest else ok[0])
+        bounds.append(e)
+    return bounds[::-1]
+
+
+def lower_bound(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
+    """The path lower bound of one split's step time (see :func:`_terms`); never above ``simulate``'s."""
+    return Bound(problem, Validity.build(problem.n, (), None)).value(bounds)
+
+
+def slowest_stage_optimum(costs: Sequence[float], pp: int) -> float:
+    """The smallest slowest-stage cost any contiguous split of ``costs`` into ``pp`` non-empty stages has.
+
+    Same value as ``partition(costs, pp).max_cost`` (to ``1e-9`` relative) in ``O(pp · n log n)``: bisection
+    on the value, each test a reachability sweep.
+    """
+    n = len(costs)
+    if not 1 <= pp <= n:
+        raise PlanningError(f"pp={pp} stages for {n} blocks; pp must be in 1..{n}")
+    zeros = (0.0,) * n
+    problem = ScheduleProblem(
+        tuple(map(float, costs)), zeros, zeros, zeros, (True,) * (n + 1), pp, max(pp - 1, 1), "1f1b"
+    )
+    bound = Bound(problem, Validity.build(n, (), None), slowest_stage=True)
+    return minimise(bound, float(sum(costs)) + 1.0)[0] if sum(costs) > 0 else 0.0

@@ -1,0 +1,244 @@
+"""Step time of many splits at once: the planner's evaluator of Nanotron's schedule.
+
+:class:`ScheduleProblem` holds per-block times of one model under one schedule (the one pricing, made by
+:func:`nanotron_ext.strategies.step_time.schedule_problem`); :class:`StepTimeEvaluator` gives the step time of
+any number of contiguous splits of it, equal to :func:`nanotron_ext.schedule.simulator.simulate`'s. It replays the
+per-rank programs (:func:`~nanotron_ext.schedule.simulator.engine_program`) as a max-plus recurrence over a fixed
+dependency graph (a send is its sender's previous node, a receive and the compute right after it are one node),
+levelled so numpy evaluates a whole level for every candidate at once, additions in ``simulate``'s order (checked
+in ``tests/test_schedule_aware.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.schedule import ENGINES, too_few_micro_batches
+from nanotron_ext.schedule.simulator import engine_program
+
+__all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
+
+_CHUNK_FLOATS = 2e7  # most entries of one evaluation's time table (160 MB)
+
+
+@dataclass(frozen=True)
+class ScheduleProblem:
+    """Per-block times of one model under one schedule; every time in the same unit (seconds, usually).
+
+    Attributes:
+        forward / backward / update: each block's forward and backward per micro-batch, and its share of the
+            stage's update after the pipeline (optimizer step, gradient sync).
+        send: p2p time of the tensors that leave block ``i`` when a cut follows it.
+        grad_after: ``n + 1`` flags; entry ``c``: does a gradient cross a cut placed before block ``c``
+            (is any of blocks ``0..c-1`` trainable)?
+        pp / n_micro_batches / engine: the schedule.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    update: tuple[float, ...]
+    send: tuple[float, ...]
+    grad_after: tuple[bool, ...]
+    pp: int
+    n_micro_batches: int
+    engine: str
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        for name in ("backward", "update", "send"):
+            if len(getattr(self, name)) != n:
+                raise PlanningError(f"ScheduleProblem.{name} has {len(getattr(self, name))} entries for {n} blocks")
+            for i, v in enumerate(getattr(self, name)):
+                if not math.isfinite(v) or v < 0:
+                    raise PlanningError(f"ScheduleProblem.{name}[{i}] = {v!r}; times must be finite and >= 0")
+        for i, v in enumerate(self.forward):
+            if not math.isfinite(v) or v < 0:
+                raise PlanningError(f"ScheduleProblem.forward[{i}] = {v!r}; times must be finite and >= 0")
+        if len(self.grad_after) != n + 1:
+            raise PlanningError(f"grad_after has {len(self.grad_after)} entries; pass n + 1 = {n + 1}")
+        if self.engine not in ENGINES:
+            raise PlanningError(f"engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or not 1 <= self.pp <= max(n, 1):
+            raise PlanningError(f"pp={self.pp!r} with {n} blocks; pp must be an integer in 1..{n}")
+        shortfall = too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)
+        if shortfall is not None:
+            raise PlanningError(shortfall)
+
+    @property
+    def n(self) -> int:
+        return len(self.forward)
+
+    def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], float, list[bool]]:
+        """(forward, backward, update per stage, the p2p time, gradient per cut) of one split."""
+        f, b, u = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward, self.update))
+        segs = list(zip(bounds[:-1], bounds[1:]))
+        p2p = max((self.send[e - 1] for s, e in segs[:-1] if e > s), default=0.0)
+        return (
+            [float(f[s:e].sum()) for s, e in segs],
+            [float(b[s:e].sum()) for s, e in segs],
+            [float(u[s:e].sum()) for s, e in segs],
+            float(p2p),
+            [bool(self.grad_after[e]) for _, e in segs[:-1]],
+        )
+
+
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """One schedule's dependency graph, numbered level by level (node 0: the start, time 0).
+
+    Node ``i`` of level ``[a, b)`` ends at ``max(t[pred_rank], t[pred_msg]) + add[code]``, and the first
+    ``n_fused`` nodes of the level then add ``add[code2]`` too: a receive and the forward or backward right
+    after it on the same rank (nothing else waits on the receive alone), in ``simulate``'s order of additions.
+    Sends are not nodes: a receive waits on the sender's last node before the send (``simulate`` posts a send
+    at the sender's clock). Nodes without a message come last in a level (``n_msg`` have one)."""
+
+    levels: tuple[tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    # (a, b, n_fused, n_msg, pred_rank, pred_msg[:n_msg], code, code2[:n_fused])
+    last: np.ndarray  # last node of each rank
+    n_nodes: int  # nodes, the start included
+    n_actions: int  # actions of the per-rank programs: the unit of the search's work budget
+
+
+@lru_cache(maxsize=64)
+def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Graph:
+    """Compile the per-rank programs into a graph, in the order ``simulate`` would process them."""
+    programs = [
+        engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])  # type: ignore[arg-type]
+        for s in range(pp)
+    ]
+    n_actions = sum(len(p) for p in programs)
+    p2p, nothing = 2 * pp, 2 * pp + 1  # codes: 0..pp-1 forward of stage; pp..2pp-1 backward; p2p; nothing
+    pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
+    # Per action: 0 compute, 1 send, 2 receive; and the message's key part (1 activation, 2 gradient) with the
+    # sender's offset from the receiver.
+    kinds = {"F": (0, 0, 0), "B": (0, 0, 0), "send_act": (1, 1, 0), "send_grad": (1, 2, 0),
+             "recv_act": (2, 1, -1), "recv_grad": (2, 2, 1)}
+    posted: dict[tuple[int, int, int], int] = {}
+    prev = [0] * pp
+    fusable = [False] * pp  # prev[s] is a receive that nothing else waits on yet
+    pos = [0] * pp
+    done = 0
+    while done < n_actions:
+        progressed = False
+        for s in range(pp):
+            prog, i, node, fuse = programs[s], pos[s], prev[s], fusable[s]
+            start = i
+            while i < len(prog):
+                action, j = prog[i]
+                kind, msg, offset = kinds[action]
+                if kind == 0:
+                    c = s if action == "F" else pp + s
+                    if fuse:
+                        code2[node] = c
+                        fuse = False
+                    else:
+                        pred_rank.append(node)
+                        pred_msg.append(0)
+                        code.append(c)
+                        code2.append(nothing)
+                        depth.append(depth[node] + 1)
+                        node = len(code) - 1
+                elif kind == 1:
+                    posted[(msg, s, j)] = node
+                    fuse = False
+                else:
+                    sent = posted.get((msg, s + offset, j))
+                    if sent is None:
+                        break
+                    pred_rank.append(node)
+                    pred_msg.append(sent)
+                    code.append(p2p)
+                    code2.append(nothing)
+                    depth.append(max(depth[node], depth[sent]) + 1)
+                    node = len(code) - 1
+                    fuse = True
+                i += 1
+            if i > start:
+                done += i - start
+                progressed = True
+            pos[s], prev[s], fusable[s] = i, node, fuse
+        if not progressed:  # pragma: no cover - engine programs cannot deadlock
+            raise RuntimeError(f"schedule deadlocked at {pos}; this is a bug in engine_program")
+    dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
+    cd, cd2 = np.asarray(code), np.asarray(code2)
+    fused, has_msg = cd2 != nothing, cd == p2p
+    order = np.lexsort((~has_msg, ~fused, dep))  # by level; in a level: fused, other receives, the rest
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    pr, pm, cd, cd2, fused, has_msg = new[pr[order]], new[pm[order]], cd[order], cd2[order], fused[order], has_msg[order]
+    starts = np.flatnonzero(np.diff(dep[order])) + 1
+    levels = []
+    for a, b in zip(starts, [*starts[1:], len(order)]):
+        a, b = int(a), int(b)
+        nf, nm = int(fused[a:b].sum()), int(has_msg[a:b].sum())
+        levels.append((a, b, nf, nm, pr[a:b], pm[a : a + nm], cd[a:b], cd2[a : a + nf]))
+    return _Graph(levels=tuple(levels), last=new[np.asarray(prev)], n_nodes=len(order), n_actions=n_actions)
+
+
+class StepTimeEvaluator:
+    """Step time of many splits of one :class:`ScheduleProblem` at once (equal to ``simulate``'s)."""
+
+    def __init__(self, problem: ScheduleProblem) -> None:
+        self.problem = problem
+        self.evaluated = 0
+        self.work = 0.0  # program actions replayed (the graph's n_actions), summed over splits
+        self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
+        self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
+        self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
+        self._send = np.concatenate([np.asarray(problem.send, dtype=np.float64), [0.0]])
+        self._grad = np.asarray(problem.grad_after, dtype=bool)
+        self._table = np.empty(0)
+
+    def __call__(self, splits: Sequence[Sequence[int]]) -> np.ndarray:
+        """Step time of each split (``bounds``: ``pp + 1`` increasing cut positions from 0 to n)."""
+        if len(splits) == 0:
+            return np.zeros(0)
+        bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
+        pp = self.problem.pp
+        out = np.empty(len(bounds))
+        cuts = self._grad[bounds[:, 1:-1]] if pp > 1 else np.zeros((len(bounds), 0), dtype=bool)
+        keys, inverse = np.unique(cuts, axis=0, return_inverse=True)
+        for g, key in enumerate(keys):
+            rows = np.flatnonzero(inverse.reshape(-1) == g)
+            cuts_key = tuple(bool(x) for x in key)
+            graph = schedule_graph(self.problem.engine, pp, self.problem.n_micro_batches, cuts_key)
+            chunk = max(1, int(_CHUNK_FLOATS // graph.n_nodes))  # bounds the (nodes × splits) time table
+            for i in range(0, len(rows), chunk):
+                out[rows[i : i + chunk]] = self._run(bounds[rows[i : i + chunk]], cuts_key)
+            self.work += graph.n_actions * len(rows)
+        self.evaluated += len(bounds)
+        return out
+
+    def _run(self, bounds: np.ndarray, cuts: tuple[bool, ...]) -> np.ndarray:
+        p = self.problem
+        pp, k = p.pp, len(bounds)
+        graph = schedule_graph(p.engine, pp, p.n_micro_batches, cuts)
+        lo, hi = bounds[:, :-1], bounds[:, 1:]
+        add = np.zeros((2 * pp + 2, k))
+        add[:pp] = (self._f[hi] - self._f[lo]).T
+        add[pp : 2 * pp] = (self._b[hi] - self._b[lo]).T
+        if pp > 1:
+            nonempty = hi[:, :-1] > lo[:, :-1]
+            add[2 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
+        if self._table.size < graph.n_nodes * k:  # one table reused: fresh pages cost as much as the work
+            self._table = np.empty(graph.n_nodes * k)
+        t = self._table[: graph.n_nodes * k].reshape(graph.n_nodes, k)
+        t[0] = 0.0
+        for a, b, nf, nm, pr, pm, cd, cd2 in graph.levels:
+            out = t[a:b]
+            np.take(t, pr, axis=0, out=out, mode="clip")
+            if nm:
+                np.maximum(out[:nm], t[pm], out=out[:nm])
+            out += add[cd]
+            if nf:
+                out[:nf] += add[cd2]
+        update = (self._u[hi] - self._u[lo]).max(axis=1)
+        return t[graph.last].max(axis=0) + update
