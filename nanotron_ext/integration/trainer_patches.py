@@ -12,15 +12,12 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
   ``check_model_has_grad``) and gets an optimizer over no parameters; every other step of the trainer runs
   as it is. DP replicas of a stage are frozen alike, so DDP's collectives stay within matching ranks.
 * Upstream bugs that stop any run, on GPUs too, are fixed while they are present in the installed Nanotron
-  (each is detected, named in :data:`UPSTREAM_FIXES`, and skipped once upstream has its own fix).
+  (:data:`nanotron_ext.integration.upstream_fixes.UPSTREAM_FIXES`: each is detected, and skipped once upstream
+  has its own fix).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-import re
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,22 +27,10 @@ from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
 from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
+from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 
-__all__ = ["UPSTREAM_FIXES", "install_launcher", "strip_ext_keys"]
-
-#: The upstream bugs the launcher carries a fix for, each applied only where the installed Nanotron has it.
-UPSTREAM_FIXES = {
-    "llama-random-init": "models/llama.py: LlamaForTraining.init_model_randomly gives config.model to the "
-    "parametrizator, which reads config.model.init_method ('ModelArgs' object has no attribute 'model')",
-    "loss-log-on-pp-ranks": "trainer.py: train_step_logs calls loss_avg.item() on every rank, but loss_avg is "
-    "None on the PP ranks that do not hold the loss (AttributeError at the first log step when pp > 1)",
-    "qwen2-pp": "models/qwen.py: Qwen2Model.forward calls position_ids.numel() on every PP rank, but a rank "
-    "without the input holds a TensorPointer there (AttributeError at the first step when pp > 1)",
-    "resume-without-folder-tokens": "serialize/metadata.py: TrainingMetadata checks consumed tokens against a "
-    "per-folder count that only the Nanoset loader records, so a checkpoint from other data cannot be resumed",
-}
-
+__all__ = ["install_launcher", "strip_ext_keys"]
 
 def strip_ext_keys(config_dict: Any) -> Any:
     """The dict Nanotron's strict loader accepts: ``config_dict`` without our keys (unchanged if it has none)."""
@@ -55,22 +40,6 @@ def strip_ext_keys(config_dict: Any) -> Any:
     ):
         return config_dict
     return split_ext_keys(config_dict)[0]
-
-
-class _Patches:
-    """Attribute swaps that can all be undone, last first."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        self._undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    def undo(self) -> None:
-        for owner, name, original in reversed(self._undo):
-            setattr(owner, name, original)
-        self._undo.clear()
 
 
 def install_launcher(
@@ -105,18 +74,37 @@ def install_launcher(
         cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say),
         model_transform=(lambda model: replace_lm_head_with_vocab_chain(model, shards)) if shards > 1 else None,
     )
-    patches = _Patches()
-    if shards > 1:
-        _feed_the_vocab_chain(patches, trainer)
-    load_dict = nanotron_config.get_config_from_dict
-    patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
+    patches = Patches()
 
-    # Freeze and check once Nanotron has tied its parameters (tying makes new Parameters, which would thaw
-    # a frozen norm or embedding), and in any case before DDP or the optimizer sees the model.
     def ready(model: Any) -> Any:
         _freeze_and_check(model, cfg, say)
         return model
 
+    _one_config_file(patches, nanotron_config)
+    _freeze_and_check_before_ddp(patches, trainer, ready)
+    _optimize_trainable_only(patches, NanotronModel)
+    _frozen_ranks(patches, trainer)
+    if shards > 1:
+        _feed_the_vocab_chain(patches, trainer)
+    for fix, target in present_upstream_fixes(trainer):
+        fix.apply(patches, target)
+
+    def undo() -> None:
+        patches.undo()
+        undo_build()
+
+    return undo
+
+
+def _one_config_file(patches: Patches, nanotron_config: Any) -> None:
+    """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file."""
+    load_dict = nanotron_config.get_config_from_dict
+    patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
+
+
+def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable[[Any], Any]) -> None:
+    """Freeze and check once Nanotron has tied its parameters (tying makes new Parameters, which would thaw a
+    frozen norm or embedding), and in any case before DDP or the optimizer sees the model."""
     tie = trainer.mark_tied_parameters
     patches.set(trainer, "mark_tied_parameters", lambda model, *a, **k: (tie(model, *a, **k), ready(model))[0])
     check = trainer.check_model_has_grad
@@ -129,10 +117,18 @@ def install_launcher(
         return build_optimizer(*args, model=ready(model), **kwargs)
 
     patches.set(trainer, "init_optimizer_and_grad_accumulator", init_optimizer_and_grad_accumulator)
-    # The optimizer steps only what trains: weight decay would move a frozen weight even with a zero gradient.
+
+
+def _optimize_trainable_only(patches: Patches, NanotronModel: type) -> None:  # noqa: N803 (Nanotron's class)
+    """The optimizer steps only what trains: weight decay would move a frozen weight even with a zero gradient."""
     named = NanotronModel.get_named_params_with_correct_tied
     patches.set(NanotronModel, "get_named_params_with_correct_tied",
                 lambda self: ((n, p) for n, p in named(self) if p.requires_grad))
+
+
+def _frozen_ranks(patches: Patches, trainer: Any) -> None:
+    """A rank with nothing to train (``allow_frozen_stages``): no optimizer state to load or move on resume,
+    and the trainer's own dp gradient sync sees only parameters that have a gradient."""
     load_optimizer = trainer.load_optimizer
 
     def load_optimizer_unless_frozen(*args: Any, **kwargs: Any) -> Any:
@@ -149,14 +145,6 @@ def install_launcher(
     sync = trainer.sync_gradients_across_dp
     patches.set(trainer, "sync_gradients_across_dp",
                 lambda module, *args, **kwargs: sync(_WithGradients(module), *args, **kwargs))
-    for fix in _upstream_fixes(trainer):
-        fix(patches)
-
-    def undo() -> None:
-        patches.undo()
-        undo_build()
-
-    return undo
 
 
 def _after_build(model: Any, parallel_context: Any, say: Callable[[str], None]) -> None:
@@ -188,7 +176,7 @@ def _freeze_and_check(model: Any, cfg: PlannerConfig, say: Callable[[str], None]
             f"optimizer (allow_frozen_stages: true)")
 
 
-def _feed_the_vocab_chain(patches: _Patches, trainer: Any) -> None:
+def _feed_the_vocab_chain(patches: Patches, trainer: Any) -> None:
     """What Nanotron's trainer needs for ``vocab_shards: K > 1``: labels on every rank that holds a shard, and
     an initialiser for the shards' weights."""
     from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
@@ -261,109 +249,3 @@ class _WithGradients:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
-
-
-def _upstream_fixes(trainer: Any) -> list[Callable[[_Patches], None]]:
-    fixes = []
-    llama = _import_or_none("nanotron.models.llama")
-    if llama is not None and "parametrizator_cls(config=config.model)" in _source(
-        llama.LlamaForTraining.init_model_randomly
-    ):
-        fixes.append(lambda p: _fix_llama_init(p, llama.LlamaForTraining))
-    logs = _source(getattr(trainer.DistributedTrainer, "train_step_logs", None))
-    if re.search(r"(?<!\w)loss_avg\.item\(\)", logs) and not re.search(r"(?<!\w)loss_avg is not None", logs):
-        fixes.append(lambda p: _fix_loss_log(p, trainer.DistributedTrainer))
-    qwen = _import_or_none("nanotron.models.qwen")
-    if "if position_ids.numel() > 0" in _source(getattr(getattr(qwen, "Qwen2Model", None), "forward", None)):
-        fixes.append(lambda p: _fix_qwen2_pp(p, qwen.Qwen2Model))
-    metadata = _import_or_none("nanotron.serialize.metadata")
-    if "consumed_tokens_total == sum(" in _source(getattr(getattr(metadata, "TrainingMetadata", None), "__post_init__", None)):
-        fixes.append(lambda p: _fix_resume_metadata(p, metadata.TrainingMetadata))
-    return fixes
-
-
-def _fix_llama_init(patches: _Patches, cls: type) -> None:
-    original = cls.init_model_randomly
-
-    def init_model_randomly(self: Any, config: Any) -> Any:
-        # The method reads config.model.init_method, then hands config.model to a parametrizator that reads
-        # .model.init_method and .parallelism: give it a view that answers both ways.
-        view = _Either(config.model, config)
-        return original(self, _Either(types.SimpleNamespace(model=view), config))
-
-    patches.set(cls, "init_model_randomly", init_model_randomly)
-
-
-def _fix_loss_log(patches: _Patches, cls: type) -> None:
-    original = cls.train_step_logs
-
-    def train_step_logs(self: Any, outputs: Any, loss_avg: Any, *args: Any, **kwargs: Any) -> Any:
-        # Ranks without the loss only build the log line; the logger ranks hold the loss and print it.
-        if loss_avg is None:
-            loss_avg = torch.tensor(math.nan)
-        return original(self, outputs, loss_avg, *args, **kwargs)
-
-    patches.set(cls, "train_step_logs", train_step_logs)
-
-
-def _fix_qwen2_pp(patches: _Patches, cls: type) -> None:
-    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-
-    original = cls.forward
-
-    def forward(self: Any, input_ids: Any, position_ids: Any) -> Any:
-        if not isinstance(position_ids, TensorPointer):
-            return original(self, input_ids=input_ids, position_ids=position_ids)
-        # The same walk over the blocks as upstream's, on a rank without the input: cu_seqlens, like
-        # position_ids, lives on the input rank, so the blocks that need it receive it from there.
-        output = self.token_position_embeddings(input_ids=input_ids, position_ids=position_ids)
-        states = {"hidden_states": output["input_embeds"], "position_ids": output["position_ids"],
-                  "cu_seqlens": TensorPointer(group_rank=position_ids.group_rank)}
-        for decoder_layer in self.decoder:
-            states = decoder_layer(**states)
-        hidden_states = self.final_layer_norm(input=states["hidden_states"])["hidden_states"]
-        return self.lm_head(x=hidden_states)["logits"]
-
-    patches.set(cls, "forward", forward)
-
-
-def _fix_resume_metadata(patches: _Patches, cls: type) -> None:
-    original = cls.__post_init__
-
-    def post_init(self: Any) -> None:
-        recorded = sum(stage.consumed_tokens_all_datasets for stage in (self.data_stages or []))
-        if self.consumed_tokens_total and recorded == 0:
-            # No loader recorded tokens per folder (dummy data, `datasets`): there is nothing to check against.
-            total, self.consumed_tokens_total = self.consumed_tokens_total, None
-            original(self)
-            self.consumed_tokens_total = total
-        else:
-            original(self)
-
-    patches.set(cls, "__post_init__", post_init)
-
-
-class _Either:
-    """Attribute lookup in ``first``, then ``second``."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.first, self.second = first, second
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.first, name) if hasattr(self.first, name) else getattr(self.second, name)
-
-
-def _import_or_none(name: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def _source(obj: Any) -> str:
-    try:
-        return inspect.getsource(obj) if obj is not None else ""
-    except (OSError, TypeError):
-        return ""
