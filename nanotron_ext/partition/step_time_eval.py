@@ -15,12 +15,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
-from nanotron_ext.schedule.simulator import engine_program
+from nanotron_ext.schedule.simulator import Action, engine_program
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
 
@@ -90,6 +91,20 @@ class ScheduleProblem:
 
 
 
+class _Level(NamedTuple):
+    """Nodes ``[start, end)`` of one level: the first ``n_fused`` are fused receive+compute nodes, the first
+    ``n_msg`` wait on a message; per node its rank predecessor, message predecessor and time codes."""
+
+    start: int
+    end: int
+    n_fused: int
+    n_msg: int
+    pred_rank: np.ndarray
+    pred_msg: np.ndarray  # [:n_msg]
+    code: np.ndarray
+    code2: np.ndarray  # [:n_fused]
+
+
 @dataclass(frozen=True)
 class _Graph:
     """One schedule's dependency graph, numbered level by level (node 0: the start, time 0).
@@ -100,8 +115,7 @@ class _Graph:
     Sends are not nodes: a receive waits on the sender's last node before the send (``simulate`` posts a send
     at the sender's clock). Nodes without a message come last in a level (``n_msg`` have one)."""
 
-    levels: tuple[tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
-    # (a, b, n_fused, n_msg, pred_rank, pred_msg[:n_msg], code, code2[:n_fused])
+    levels: tuple[_Level, ...]
     last: np.ndarray  # last node of each rank
     n_nodes: int  # nodes, the start included
     n_actions: int  # actions of the per-rank programs: the unit of the search's work budget
@@ -117,11 +131,7 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
     n_actions = sum(len(p) for p in programs)
     p2p, nothing = 2 * pp, 2 * pp + 1  # codes: 0..pp-1 forward of stage; pp..2pp-1 backward; p2p; nothing
     pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
-    # Per action: 0 compute, 1 send, 2 receive; and the message's key part (1 activation, 2 gradient) with the
-    # sender's offset from the receiver.
-    kinds = {"F": (0, 0, 0), "B": (0, 0, 0), "send_act": (1, 1, 0), "send_grad": (1, 2, 0),
-             "recv_act": (2, 1, -1), "recv_grad": (2, 2, 1)}
-    posted: dict[tuple[int, int, int], int] = {}
+    posted: dict[tuple[bool, int, int], int] = {}  # (gradient?, sender, micro-batch) -> node before the send
     prev = [0] * pp
     fusable = [False] * pp  # prev[s] is a receive that nothing else waits on yet
     pos = [0] * pp
@@ -133,9 +143,8 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
             start = i
             while i < len(prog):
                 action, j = prog[i]
-                kind, msg, offset = kinds[action]
-                if kind == 0:
-                    c = s if action == "F" else pp + s
+                if action.is_compute:
+                    c = s if action is Action.FORWARD else pp + s
                     if fuse:
                         code2[node] = c
                         fuse = False
@@ -146,11 +155,11 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
                         code2.append(nothing)
                         depth.append(depth[node] + 1)
                         node = len(code) - 1
-                elif kind == 1:
-                    posted[(msg, s, j)] = node
+                elif action.is_send:
+                    posted[(action.carries_gradient, s, j)] = node
                     fuse = False
                 else:
-                    sent = posted.get((msg, s + offset, j))
+                    sent = posted.get((action.carries_gradient, s + action.peer, j))
                     if sent is None:
                         break
                     pred_rank.append(node)
@@ -179,7 +188,7 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
     for a, b in zip(starts, [*starts[1:], len(order)]):
         a, b = int(a), int(b)
         nf, nm = int(fused[a:b].sum()), int(has_msg[a:b].sum())
-        levels.append((a, b, nf, nm, pr[a:b], pm[a : a + nm], cd[a:b], cd2[a : a + nf]))
+        levels.append(_Level(a, b, nf, nm, pr[a:b], pm[a : a + nm], cd[a:b], cd2[a : a + nf]))
     return _Graph(levels=tuple(levels), last=new[np.asarray(prev)], n_nodes=len(order), n_actions=n_actions)
 
 

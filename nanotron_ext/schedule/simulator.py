@@ -34,13 +34,15 @@ import numbers
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from enum import Enum
+from typing import Any, Literal, NamedTuple
 
 from nanotron_ext.schedule import ENGINES, Engine, ideal_bubble_fraction, too_few_micro_batches
 
 __all__ = [
     "Action",
     "Op",
+    "Step",
     "SimResult",
     "StageTimes",
     "engine_order",
@@ -49,8 +51,49 @@ __all__ = [
     "simulate",
 ]
 
-#: The actions of a rank's program: compute, and the four kinds of communication of Nanotron's engines.
-Action = Literal["F", "B", "send_act", "recv_act", "send_grad", "recv_grad"]
+class Action(str, Enum):
+    """What a rank does next: compute, or one of the four kinds of communication of Nanotron's engines.
+
+    A ``str`` enum, so ``Action.FORWARD == "F"`` and programs compare equal to ``("F", 0)`` tuples.
+    """
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "send_act"
+    RECV_ACT = "recv_act"
+    SEND_GRAD = "send_grad"
+    RECV_GRAD = "recv_grad"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Action.FORWARD, Action.BACKWARD)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Action.SEND_ACT, Action.SEND_GRAD)
+
+    @property
+    def carries_gradient(self) -> bool:
+        """A communication of a gradient (backward, towards stage 0) rather than an activation."""
+        return self in (Action.SEND_GRAD, Action.RECV_GRAD)
+
+    @property
+    def peer(self) -> int:
+        """The other stage of a receive, relative to this one: activations come from ``-1``, gradients ``+1``."""
+        return {Action.RECV_ACT: -1, Action.RECV_GRAD: 1}.get(self, 0)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Step(NamedTuple):
+    """One entry of a rank's program: an action on one micro-batch; prints as ``F0``, ``recv_grad3``."""
+
+    action: Action
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.action.value}{self.micro_batch}"
 
 
 @dataclass(frozen=True)
@@ -177,7 +220,7 @@ def engine_program(
     *,
     grad_in: bool = True,
     grad_out: bool = True,
-) -> list[tuple[Action, int]]:
+) -> list[Step]:
     """The ``(action, micro_batch)`` sequence Nanotron's engine runs on PP rank ``stage``, communication included.
 
     Mirrors ``nanotron.parallel.pipeline_parallel.engine`` and ``PipelineTrainBatchState.run_communication``:
@@ -191,9 +234,8 @@ def engine_program(
     (``grad_out=False``; its backward only sends a queued activation).
 
     Example:
-        >>> engine_program("1f1b", 2, 1, 2)  # doctest: +NORMALIZE_WHITESPACE
-        [('recv_act', 0), ('F', 0), ('B', 0), ('recv_act', 1), ('send_grad', 0), ('F', 1), ('B', 1),
-         ('send_grad', 1)]
+        >>> print(*engine_program("1f1b", 2, 1, 2))
+        recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 send_grad1
 
     Args:
         engine: ``"1f1b"`` or ``"afab"``.
@@ -210,58 +252,58 @@ def engine_program(
     _check_stage(engine, pp, stage, n_micro_batches)
     m, first, last = n_micro_batches, stage == 0, stage == pp - 1
     sends_grads, gets_grads = not first and grad_in, not last and grad_out
-    program: list[tuple[Action, int]] = []
+    program: list[Step] = []
     acts_to_send: deque[int] = deque()
     grads_to_send: deque[int] = deque()
 
     def forward(j: int) -> None:
         if not first:  # recv_from_pipeline_state_buffer -> run_communication()
             if acts_to_send:
-                program.append(("send_act", acts_to_send.popleft()))
-            program.append(("recv_act", j))
+                program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
+            program.append(Step(Action.RECV_ACT, j))
             # An activation that needs no gradient ends run_communication right after its receive.
             if sends_grads and grads_to_send:
-                program.append(("send_grad", grads_to_send.popleft()))
-        program.append(("F", j))
+                program.append(Step(Action.SEND_GRAD, grads_to_send.popleft()))
+        program.append(Step(Action.FORWARD, j))
         if not last:
             acts_to_send.append(j)
 
     def backward(j: int) -> None:
         if gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
             while acts_to_send:
-                program.append(("send_act", acts_to_send.popleft()))
+                program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
             if grads_to_send:
-                program.append(("send_grad", grads_to_send.popleft()))
-            program.append(("recv_grad", j))
+                program.append(Step(Action.SEND_GRAD, grads_to_send.popleft()))
+            program.append(Step(Action.RECV_GRAD, j))
         elif not last and acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
-            program.append(("send_act", acts_to_send.popleft()))
-        program.append(("B", j))
+            program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
+        program.append(Step(Action.BACKWARD, j))
         if sends_grads:
             grads_to_send.append(j)
 
     def flush(queue: deque[int], action: Action) -> None:
         while queue:
-            program.append((action, queue.popleft()))
+            program.append(Step(action, queue.popleft()))
 
     if engine == "afab":
         for j in range(m):
             forward(j)
-            flush(acts_to_send, "send_act")
+            flush(acts_to_send, Action.SEND_ACT)
         for j in range(m):
             backward(j)
-            flush(grads_to_send, "send_grad")
+            flush(grads_to_send, Action.SEND_GRAD)
         return program
     warmup = pp - stage - 1
     for j in range(warmup):
         forward(j)
-        flush(acts_to_send, "send_act")
+        flush(acts_to_send, Action.SEND_ACT)
     for i in range(m - warmup):
         forward(warmup + i)
         backward(i)
-    flush(grads_to_send, "send_grad")
+    flush(grads_to_send, Action.SEND_GRAD)
     for j in range(m - warmup, m):
         backward(j)
-        flush(grads_to_send, "send_grad")
+        flush(grads_to_send, Action.SEND_GRAD)
     return program
 
 
@@ -271,7 +313,7 @@ def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> l
     Raises:
         ValueError: as :func:`engine_program`.
     """
-    return [(a, j) for a, j in engine_program(engine, pp, stage, n_micro_batches) if a in ("F", "B")]
+    return [(str(a), j) for a, j in engine_program(engine, pp, stage, n_micro_batches) if a.is_compute]
 
 
 def simulate(
@@ -309,35 +351,7 @@ def simulate(
         for s in range(pp)
     ]
 
-    # When each send was posted, keyed by (kind, sender, micro-batch); a receive completes p2p_time after
-    # both sides are there (rendezvous).
-    posted: dict[tuple[str, int, int], float] = {}
-    per_stage: list[list[Op]] = [[] for _ in range(pp)]
-    clock = [0.0] * pp
-    pos = [0] * pp
-    while any(pos[s] < len(programs[s]) for s in range(pp)):
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(programs[s]):
-                action, j = programs[s][pos[s]]
-                if action in ("F", "B"):
-                    dur = stages[s].forward if action == "F" else stages[s].backward
-                    op = Op(stage=s, kind=action, micro_batch=j, start=clock[s], end=clock[s] + dur)
-                    per_stage[s].append(op)
-                    clock[s] = op.end
-                elif action in ("send_act", "send_grad"):
-                    posted[(action[5:], s, j)] = clock[s]
-                else:
-                    src = s - 1 if action == "recv_act" else s + 1
-                    sent = posted.get((action[5:], src, j))
-                    if sent is None:
-                        break  # the sender has not got there yet
-                    clock[s] = max(clock[s], sent) + p2p_time
-                pos[s] += 1
-                progressed = True
-        if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
-            raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_program")
-
+    per_stage, clock = _replay(programs, stages, p2p_time)
     pipeline_time = max(clock)
     for s in range(pp):
         if stages[s].update > 0:
@@ -367,6 +381,43 @@ def simulate(
         stages=stages,
         pipeline_time=pipeline_time,
     )
+
+
+def _replay(
+    programs: Sequence[Sequence[Step]], stages: Sequence[StageTimes], p2p_time: float
+) -> tuple[list[list[Op]], list[float]]:
+    """Run every rank's program: the compute ops of each stage and each rank's clock at its end.
+
+    A send is posted at its sender's clock; a receive completes ``p2p_time`` after both sides are there
+    (rendezvous). Ranks advance in turn until each is blocked on a receive whose send is not yet posted.
+    """
+    pp = len(programs)
+    posted: dict[tuple[bool, int, int], float] = {}  # (gradient?, sender, micro-batch) -> when the send was posted
+    per_stage: list[list[Op]] = [[] for _ in range(pp)]
+    clock = [0.0] * pp
+    pos = [0] * pp
+    while any(pos[s] < len(programs[s]) for s in range(pp)):
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(programs[s]):
+                action, j = programs[s][pos[s]]
+                if action.is_compute:
+                    dur = stages[s].forward if action is Action.FORWARD else stages[s].backward
+                    op = Op(stage=s, kind=action.value, micro_batch=j, start=clock[s], end=clock[s] + dur)
+                    per_stage[s].append(op)
+                    clock[s] = op.end
+                elif action.is_send:
+                    posted[(action.carries_gradient, s, j)] = clock[s]
+                else:
+                    sent = posted.get((action.carries_gradient, s + action.peer, j))
+                    if sent is None:
+                        break  # the sender has not got there yet
+                    clock[s] = max(clock[s], sent) + p2p_time
+                pos[s] += 1
+                progressed = True
+        if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
+            raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_program")
+    return per_stage, clock
 
 
 def _peak_in_flight(ops: list[Op]) -> int:
