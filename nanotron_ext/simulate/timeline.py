@@ -10,7 +10,7 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.outputs import atomic_write_bytes, picture_format
 from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
@@ -49,8 +49,6 @@ def plot_timeline(
     Raises:
         ValueError: if ``stage_labels`` does not have one entry per stage.
     """
-    from matplotlib.patches import Patch
-
     pp = result.pp
     labels = (
         list(stage_labels) if stage_labels is not None else [f"stage {s} (PP rank {s})" for s in range(pp)]
@@ -61,8 +59,19 @@ def plot_timeline(
     fig = _new_figure(width=11.0, height=1.6 + 0.5 * pp)
     ax = fig.add_subplot()
     span = result.step_time * 1e3 or 1.0  # ms; a zero-length step still gets a visible axis
-    # Idle is whatever part of the grey row the compute boxes do not cover.
-    ax.barh(range(pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0)
+    _draw_ops(ax, result, span)
+    _stage_axes(ax, labels, span)
+    _idle_shares(ax, result, span)
+    _legend_and_title(fig, ax, result, title)
+    # Numbers go in only once the layout is final, so box widths in pixels are known.
+    fig.canvas.draw()
+    _number_the_boxes(ax, result, span)
+    return _save(fig, path)
+
+
+def _draw_ops(ax: Any, result: SimResult, span: float) -> None:
+    """One box per forward, backward and update, over a hatched row: idle is what the boxes leave uncovered."""
+    ax.barh(range(result.pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0)
     for op in result.ops:
         ax.barh(
             op.stage,
@@ -74,6 +83,9 @@ def plot_timeline(
             linewidth=0.6,
         )
 
+
+def _stage_axes(ax: Any, labels: list[str], span: float) -> None:
+    pp = len(labels)
     ax.set_ylim(pp - 0.5, -0.5)  # stage 0 on top, like the usual pipeline diagrams
     ax.set_yticks(range(pp), labels)
     ax.set_xlim(0, span)
@@ -83,18 +95,26 @@ def plot_timeline(
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
 
-    right = ax.twinx()  # per-stage idle share, next to the row it describes
+
+def _idle_shares(ax: Any, result: SimResult, span: float) -> None:
+    """Each stage's idle share on a right-hand axis, next to the row it describes."""
+    right = ax.twinx()
     right.set_ylim(ax.get_ylim())
-    right.set_yticks(range(pp), [f"idle {result.idle[s] / span * 1e3:.0%}" for s in range(pp)])
+    right.set_yticks(range(result.pp), [f"idle {result.idle[s] / span * 1e3:.0%}" for s in range(result.pp)])
     right.tick_params(length=0, labelsize=8, labelcolor="#555555")
     for side in ("top", "right", "left", "bottom"):
         right.spines[side].set_visible(False)
+
+
+def _legend_and_title(fig: Figure, ax: Any, result: SimResult, title: str | None) -> None:
+    from matplotlib.patches import Patch
 
     handles = [Patch(color=FORWARD_COLOR, label="forward"), Patch(color=BACKWARD_COLOR, label="backward")]
     if any(op.kind == "U" for op in result.ops):
         handles.append(Patch(color=UPDATE_COLOR, label="update (gradient sync + optimizer)"))
     handles.append(Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label="idle (bubble)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
+    pp = result.pp
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
     ideal = ideal_bubble_fraction(pp, result.n_micro_batches)
     ax.set_title(
@@ -104,8 +124,9 @@ def plot_timeline(
         f"step {_ms(result.step_time)} ms"
     )
 
-    # Numbers go in only once the layout is final, so box widths in pixels are known.
-    fig.canvas.draw()
+
+def _number_the_boxes(ax: Any, result: SimResult, span: float) -> None:
+    """The micro-batch number inside every forward and backward box wide enough to hold it."""
     px_per_ms = ax.get_window_extent().width / span
     digit_px = 0.62 * _LABEL_PT * DPI / 72
     for op in result.ops:
@@ -123,7 +144,6 @@ def plot_timeline(
                 color="white",
                 fontweight="bold",
             )
-    return _save(fig, path)
 
 
 def plot_stage_loads(
@@ -148,18 +168,7 @@ def plot_stage_loads(
     Raises:
         ValueError: on no labels, no strategy, a load list of the wrong length, or a non-finite load.
     """
-    if not labels:
-        raise ValueError("labels is empty; pass one label per stage")
-    if not loads_by_strategy:
-        raise ValueError("loads_by_strategy is empty; pass {strategy name: [load per stage]}")
-    for name, loads in loads_by_strategy.items():
-        if len(loads) != len(labels):
-            raise ValueError(
-                f"strategy {name!r} has {len(loads)} loads for {len(labels)} labels; pass one load per stage"
-            )
-        if not all(math.isfinite(x) for x in loads):
-            raise ValueError(f"strategy {name!r} has a non-finite load in {list(loads)}; pass finite numbers")
-
+    _check_loads(labels, loads_by_strategy)
     from matplotlib import colormaps
 
     n_stages, n_strats = len(labels), len(loads_by_strategy)
@@ -193,6 +202,21 @@ def plot_stage_loads(
     )
     ax.set_title(title or "Per-stage load by strategy")
     return _save(fig, path)
+
+
+def _check_loads(labels: list[str], loads_by_strategy: dict[str, list[float]]) -> None:
+    if not labels:
+        raise ValueError("labels is empty; pass one label per stage")
+    if not loads_by_strategy:
+        raise ValueError("loads_by_strategy is empty; pass {strategy name: [load per stage]}")
+    for name, loads in loads_by_strategy.items():
+        if len(loads) != len(labels):
+            raise ValueError(
+                f"strategy {name!r} has {len(loads)} loads for {len(labels)} labels; pass one load per stage"
+            )
+        if not all(math.isfinite(x) for x in loads):
+            raise ValueError(f"strategy {name!r} has a non-finite load in {list(loads)}; pass finite numbers")
+
 
 
 def _ms(seconds: float) -> str:
