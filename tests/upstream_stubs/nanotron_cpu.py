@@ -5,7 +5,7 @@ Installed in every torchrun worker by ``sitecustomize.py`` beside this file when
 needs CUDA (device selection, the NCCL init, devices written as ``"cuda"``, CUDA timers and memory stats).
 None of them touches what the end-to-end tests check: which block is built on which rank, freezing, whether
 DDP and the optimizer are built and with which parameters, and the pipeline engine's schedule. The list, with
-the reason each is safe, is in the README ("Nanotron's own trainer on CPU").
+the reason each is safe, is in docs/stand-ins.md ("Upstream's trainer on CPU").
 """
 
 from __future__ import annotations
