@@ -38,7 +38,7 @@ class UpstreamFix:
 
     Attributes:
         name: short name, as the docs list it.
-        why: where the bug is and what it breaks.
+        why: what the bug is and what it breaks (markdown, as ``docs/launcher.md`` shows it).
         detect: ``detect(trainer_module)`` is what to patch (a class) while the installed source has the bug,
             else None.
         apply: ``apply(patches, target)`` installs the fix on ``target``.
@@ -164,26 +164,26 @@ def _fix_resume_metadata(patches: Patches, cls: type) -> None:
 UPSTREAM_FIXES: tuple[UpstreamFix, ...] = (
     UpstreamFix(
         "llama-random-init",
-        "models/llama.py: LlamaForTraining.init_model_randomly gives config.model to the parametrizator, which "
-        "reads config.model.init_method ('ModelArgs' object has no attribute 'model')",
+        "`LlamaForTraining.init_model_randomly` hands `config.model` to the parametrizator, which reads "
+        "`config.model.init_method`: a Llama cannot be initialised",
         _detect_llama_init, _fix_llama_init,
     ),
     UpstreamFix(
         "loss-log-on-pp-ranks",
-        "trainer.py: train_step_logs calls loss_avg.item() on every rank, but loss_avg is None on the PP ranks "
-        "that do not hold the loss (AttributeError at the first log step when pp > 1)",
+        "`train_step_logs` calls `loss_avg.item()` on every rank; `loss_avg` is None on PP ranks without the "
+        "loss: pp > 1 stops at the first log",
         _detect_loss_log, _fix_loss_log,
     ),
     UpstreamFix(
         "qwen2-pp",
-        "models/qwen.py: Qwen2Model.forward calls position_ids.numel() on every PP rank, but a rank without the "
-        "input holds a TensorPointer there (AttributeError at the first step when pp > 1)",
+        "`Qwen2Model.forward` calls `position_ids.numel()` on every rank; a rank without the input holds a "
+        "`TensorPointer`: Qwen2 with pp > 1 stops at the first step",
         _detect_qwen2_pp, _fix_qwen2_pp,
     ),
     UpstreamFix(
         "resume-without-folder-tokens",
-        "serialize/metadata.py: TrainingMetadata checks consumed tokens against a per-folder count that only the "
-        "Nanoset loader records, so a checkpoint from other data cannot be resumed",
+        "`TrainingMetadata` checks consumed tokens against a per-folder count only the Nanoset loader records: "
+        "a checkpoint from dummy data or `datasets` cannot be resumed",
         _detect_resume_metadata, _fix_resume_metadata,
     ),
 )
