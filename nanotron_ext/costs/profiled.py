@@ -306,18 +306,40 @@ def measure_block(
         PlanningError: a block role that cannot be built standalone.
         ConfigError: ``warmup < 0`` or ``repeats < 1``.
     """
-    import torch
 
     if warmup < 0 or repeats < 1:
         raise ConfigError(f"profiling needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     device = device or _device()
-    dtype = getattr(torch, cfg.run.dtype)
-    module = _module_factory(module_factory)(block, cfg, tp_pg)
+    module = _standalone_module(block, cfg, tp_pg, device, module_factory)
+    forward, backward = _time_forward_backward(module, block, cfg, device, input_grad, warmup, repeats)
+    # Weight gradients accumulate across repeats, as they do across micro-batches within a step.
+    return BlockTiming(
+        max(0.0, statistics.median(forward)),
+        max(0.0, statistics.median(backward)),
+        _time_optimizer_step(module, device, warmup, repeats),
+    )
+
+
+def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any,
+                       factory: ModuleFactory | None) -> Any:
+    """The block's module on ``device`` in the config's dtype, its parameters trainable as the block's are."""
+    import torch
+
+    module = _module_factory(factory)(block, cfg, tp_pg)
     if isinstance(module, torch.nn.Module):
-        module = module.to(device=device, dtype=dtype)
+        module = module.to(device=device, dtype=getattr(torch, cfg.run.dtype))
         trainable = dict(_trainable_flags(block))
         for name, param in module.named_parameters():
             param.requires_grad_(trainable.get(name, trainable.get("*", block.trainable > 0)))
+    return module
+
+
+def _time_forward_backward(module: Any, block: BlockInfo, cfg: PlannerConfig, device: Any, input_grad: bool,
+                           warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each timed forward and backward (fresh random inputs each run, the warm-up runs left out)."""
+    import torch
+
+    dtype = getattr(torch, cfg.run.dtype)
     gen = torch.Generator().manual_seed(0)
     forward, backward = [], []
     for i in range(warmup + repeats):
@@ -340,12 +362,7 @@ def measure_block(
             forward.append(t1 - t0)
             backward.append(t3 - t2)
         del out, tensors, inputs
-    # Weight gradients accumulate across repeats, as they do across micro-batches within a step.
-    return BlockTiming(
-        max(0.0, statistics.median(forward)),
-        max(0.0, statistics.median(backward)),
-        _time_optimizer_step(module, device, warmup, repeats),
-    )
+    return forward, backward
 
 
 def _time_optimizer_step(module: Any, device: Any, warmup: int, repeats: int) -> float:

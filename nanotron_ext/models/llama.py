@@ -491,9 +491,16 @@ class CPULlamaModel(nn.Module):
         self.parallel_config = parallel_config
         self.parallel_context = parallel_context
         self.tp_mode = _tp_mode(parallel_config)
-        tp_async = _tp_async(parallel_config)
-
+        self.has_projector = projector
+        self.n_vocab_shards = vocab_shards
         # Attribute order == named_modules() order == forward order; build_model relies on it.
+        self._input_blocks()
+        self._decoder_blocks()
+        self._head_blocks()
+
+    def _input_blocks(self) -> None:
+        """The embedding, and the projector when asked for."""
+        config, parallel_config, parallel_context = self.config, self.parallel_config, self.parallel_context
         self.token_position_embeddings = PipelineBlock(
             p2p=self.p2p,
             module_builder=Embedding,
@@ -505,8 +512,7 @@ class CPULlamaModel(nn.Module):
             module_input_keys={"input_ids", "input_mask"},
             module_output_keys={"input_embeds"},
         )
-        self.has_projector = projector
-        if projector:
+        if self.has_projector:
             self.projector = PipelineBlock(
                 p2p=self.p2p,
                 module_builder=Projector,
@@ -514,6 +520,9 @@ class CPULlamaModel(nn.Module):
                 module_input_keys={"input_embeds"},
                 module_output_keys={"input_embeds"},
             )
+
+    def _decoder_blocks(self) -> None:
+        config, parallel_config, parallel_context = self.config, self.parallel_config, self.parallel_context
         self.decoder = nn.ModuleList(
             [
                 PipelineBlock(
@@ -531,6 +540,10 @@ class CPULlamaModel(nn.Module):
                 for layer_idx in range(config.num_hidden_layers)
             ]
         )
+
+    def _head_blocks(self) -> None:
+        """The final norm, then the vocabulary chain or Nanotron's lm_head and cast (the loss is the model's)."""
+        config, parallel_context = self.config, self.parallel_context
         self.final_layer_norm = PipelineBlock(
             p2p=self.p2p,
             module_builder=RMSNorm,
@@ -538,10 +551,10 @@ class CPULlamaModel(nn.Module):
             module_input_keys={"input"},
             module_output_keys={"hidden_states"},
         )
-        self.n_vocab_shards = vocab_shards
-        if vocab_shards > 1:
+        if self.n_vocab_shards > 1:
             # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.models.vocab_chain).
-            self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size, vocab_shards)
+            self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size,
+                                                   self.n_vocab_shards)
             return
         self.lm_head = PipelineBlock(
             p2p=self.p2p,
@@ -552,7 +565,7 @@ class CPULlamaModel(nn.Module):
                 "pg": parallel_context.tp_pg,
                 "bias": False,
                 "mode": self.tp_mode,
-                "async_communication": tp_async,
+                "async_communication": _tp_async(self.parallel_config),
             },
             module_input_keys={"x"},
             module_output_keys={"logits"},

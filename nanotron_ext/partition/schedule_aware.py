@@ -118,26 +118,11 @@ def step_time_partition(
     Raises:
         PlanningError: no split satisfies the constraints.
     """
-    n, pp = problem.n, problem.pp
-    valid = Validity.build(n, requirements, memory)
+    pp = problem.pp
+    valid = Validity.build(problem.n, requirements, memory)
     bound = Bound(problem, valid)
     evaluate = StepTimeEvaluator(problem)
-    big = (problem.n_micro_batches + pp) * (bound.F[-1] + bound.B[-1]) + bound.U[-1]
-    big += 2 * pp * (max(problem.send) if n else 0.0) + 1.0
-    if bound.reach(big) is None:
-        raise PlanningError("no contiguous split satisfies the constraints")
-    # Brackets that save bisection steps (each is checked): the FLOP min-max lies between the larger of the
-    # mean stage and the largest block, and their sum (when the constraints allow it); every stage's
-    # fill-drain term is at least m × its forward + backward, and the FLOP split meets its own bound.
-    flop_bound = Bound(problem, valid, slowest_stage=True)
-    work_per_block = np.asarray(problem.forward) + np.asarray(problem.backward)
-    floor = max((bound.F[-1] + bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
-    ceiling = (bound.F[-1] + bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
-    flop_x, flop_reach = minimise(flop_bound, feasible_bound(flop_bound, ceiling, big), floor)
-    flop_splits = {tuple(reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
-    ceiling = min(bound.value(s) for s in flop_splits)
-    lb, reach = minimise(bound, feasible_bound(bound, ceiling, big), problem.n_micro_batches * flop_x)
-
+    lb, reach, flop_splits = _bound_and_flop_splits(problem, valid, bound)
     if pp * problem.n_micro_batches > _MAX_SIMULATED:
         # Too large to search by simulation: the bound's own split, simulated once (while that stays within a
         # few seconds) so that the answer still carries a proven gap, step ≤ (1 + gap) · optimum.
@@ -158,6 +143,33 @@ def step_time_partition(
     left = max(0.0, work - evaluate.work)
     best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
+
+
+def _bound_and_flop_splits(
+    problem: ScheduleProblem, valid: Validity, bound: Bound
+) -> tuple[float, list[np.ndarray], set[tuple[int, ...]]]:
+    """Step 1: ``LB*`` with its reachability sweep, and the FLOP min-max splits (candidates of step 2).
+
+    Raises:
+        PlanningError: no split satisfies the constraints.
+    """
+    n, pp = problem.n, problem.pp
+    big = (problem.n_micro_batches + pp) * (bound.F[-1] + bound.B[-1]) + bound.U[-1]
+    big += 2 * pp * (max(problem.send) if n else 0.0) + 1.0
+    if bound.reach(big) is None:
+        raise PlanningError("no contiguous split satisfies the constraints")
+    # Brackets that save bisection steps (each is checked): the FLOP min-max lies between the larger of the
+    # mean stage and the largest block, and their sum (when the constraints allow it); every stage's
+    # fill-drain term is at least m × its forward + backward, and the FLOP split meets its own bound.
+    flop_bound = Bound(problem, valid, slowest_stage=True)
+    work_per_block = np.asarray(problem.forward) + np.asarray(problem.backward)
+    floor = max((bound.F[-1] + bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
+    ceiling = (bound.F[-1] + bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
+    flop_x, flop_reach = minimise(flop_bound, feasible_bound(flop_bound, ceiling, big), floor)
+    flop_splits = {tuple(reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
+    ceiling = min(bound.value(s) for s in flop_splits)
+    lb, reach = minimise(bound, feasible_bound(bound, ceiling, big), problem.n_micro_batches * flop_x)
+    return lb, reach, flop_splits
 
 
 _Scored = tuple[float, float, tuple[int, ...]]  # (step time, lower bound, bounds): min() is the tie-break

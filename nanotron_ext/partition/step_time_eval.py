@@ -21,7 +21,7 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
-from nanotron_ext.schedule.simulator import Action, engine_program
+from nanotron_ext.schedule.simulator import Action, Step, engine_program
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
 
@@ -128,6 +128,24 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
         engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])  # type: ignore[arg-type]
         for s in range(pp)
     ]
+    nodes, last = _nodes(programs)
+    return _levelled(nodes, last, pp, n_actions=sum(len(p) for p in programs))
+
+
+class _Nodes(NamedTuple):
+    """The graph's nodes in creation order (node 0: the start)."""
+
+    pred_rank: list[int]
+    pred_msg: list[int]
+    code: list[int]
+    code2: list[int]
+    depth: list[int]
+
+
+def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
+    """Replay the programs as ``simulate`` does, making one node per compute (fused into the receive before it
+    when nothing else waits on that receive) and one per receive; returns the nodes and each rank's last."""
+    pp = len(programs)
     n_actions = sum(len(p) for p in programs)
     p2p, nothing = 2 * pp, 2 * pp + 1  # codes: 0..pp-1 forward of stage; pp..2pp-1 backward; p2p; nothing
     pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
@@ -176,6 +194,13 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
             pos[s], prev[s], fusable[s] = i, node, fuse
         if not progressed:  # pragma: no cover - engine programs cannot deadlock
             raise RuntimeError(f"schedule deadlocked at {pos}; this is a bug in engine_program")
+    return _Nodes(pred_rank, pred_msg, code, code2, depth), prev
+
+
+def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph:
+    """Number the nodes level by level (a node's level: its longest path from the start), receives first."""
+    p2p, nothing = 2 * pp, 2 * pp + 1
+    depth, pred_rank, pred_msg, code, code2 = nodes.depth, nodes.pred_rank, nodes.pred_msg, nodes.code, nodes.code2
     dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
     cd, cd2 = np.asarray(code), np.asarray(code2)
     fused, has_msg = cd2 != nothing, cd == p2p

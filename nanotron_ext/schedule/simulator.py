@@ -251,60 +251,69 @@ def engine_program(
     """
     _check_stage(engine, pp, stage, n_micro_batches)
     m, first, last = n_micro_batches, stage == 0, stage == pp - 1
-    sends_grads, gets_grads = not first and grad_in, not last and grad_out
-    program: list[Step] = []
-    acts_to_send: deque[int] = deque()
-    grads_to_send: deque[int] = deque()
-
-    def forward(j: int) -> None:
-        if not first:  # recv_from_pipeline_state_buffer -> run_communication()
-            if acts_to_send:
-                program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
-            program.append(Step(Action.RECV_ACT, j))
-            # An activation that needs no gradient ends run_communication right after its receive.
-            if sends_grads and grads_to_send:
-                program.append(Step(Action.SEND_GRAD, grads_to_send.popleft()))
-        program.append(Step(Action.FORWARD, j))
-        if not last:
-            acts_to_send.append(j)
-
-    def backward(j: int) -> None:
-        if gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
-            while acts_to_send:
-                program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
-            if grads_to_send:
-                program.append(Step(Action.SEND_GRAD, grads_to_send.popleft()))
-            program.append(Step(Action.RECV_GRAD, j))
-        elif not last and acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
-            program.append(Step(Action.SEND_ACT, acts_to_send.popleft()))
-        program.append(Step(Action.BACKWARD, j))
-        if sends_grads:
-            grads_to_send.append(j)
-
-    def flush(queue: deque[int], action: Action) -> None:
-        while queue:
-            program.append(Step(action, queue.popleft()))
-
+    rank = _RankProgram(first, last, sends_grads=not first and grad_in, gets_grads=not last and grad_out)
     if engine == "afab":
         for j in range(m):
-            forward(j)
-            flush(acts_to_send, Action.SEND_ACT)
+            rank.forward(j)
+            rank.flush(rank.acts_to_send, Action.SEND_ACT)
         for j in range(m):
-            backward(j)
-            flush(grads_to_send, Action.SEND_GRAD)
-        return program
+            rank.backward(j)
+            rank.flush(rank.grads_to_send, Action.SEND_GRAD)
+        return rank.program
     warmup = pp - stage - 1
     for j in range(warmup):
-        forward(j)
-        flush(acts_to_send, Action.SEND_ACT)
+        rank.forward(j)
+        rank.flush(rank.acts_to_send, Action.SEND_ACT)
     for i in range(m - warmup):
-        forward(warmup + i)
-        backward(i)
-    flush(grads_to_send, Action.SEND_GRAD)
+        rank.forward(warmup + i)
+        rank.backward(i)
+    rank.flush(rank.grads_to_send, Action.SEND_GRAD)
     for j in range(m - warmup, m):
-        backward(j)
-        flush(grads_to_send, Action.SEND_GRAD)
-    return program
+        rank.backward(j)
+        rank.flush(rank.grads_to_send, Action.SEND_GRAD)
+    return rank.program
+
+
+@dataclass
+class _RankProgram:
+    """One rank's program as Nanotron's engine issues it: forwards and backwards, with the sends they queue
+    (``PipelineTrainBatchState``) and the communication points that run them (``run_communication``)."""
+
+    first: bool
+    last: bool
+    sends_grads: bool
+    gets_grads: bool
+    program: list[Step] = field(default_factory=list)
+    acts_to_send: deque[int] = field(default_factory=deque)
+    grads_to_send: deque[int] = field(default_factory=deque)
+
+    def forward(self, j: int) -> None:
+        if not self.first:  # recv_from_pipeline_state_buffer -> run_communication()
+            if self.acts_to_send:
+                self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
+            self.program.append(Step(Action.RECV_ACT, j))
+            # An activation that needs no gradient ends run_communication right after its receive.
+            if self.sends_grads and self.grads_to_send:
+                self.program.append(Step(Action.SEND_GRAD, self.grads_to_send.popleft()))
+        self.program.append(Step(Action.FORWARD, j))
+        if not self.last:
+            self.acts_to_send.append(j)
+
+    def backward(self, j: int) -> None:
+        if self.gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
+            self.flush(self.acts_to_send, Action.SEND_ACT)
+            if self.grads_to_send:
+                self.program.append(Step(Action.SEND_GRAD, self.grads_to_send.popleft()))
+            self.program.append(Step(Action.RECV_GRAD, j))
+        elif not self.last and self.acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
+            self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
+        self.program.append(Step(Action.BACKWARD, j))
+        if self.sends_grads:
+            self.grads_to_send.append(j)
+
+    def flush(self, queue: deque[int], action: Action) -> None:
+        while queue:
+            self.program.append(Step(action, queue.popleft()))
 
 
 def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[str, int]]:
@@ -352,7 +361,13 @@ def simulate(
     ]
 
     per_stage, clock = _replay(programs, stages, p2p_time)
-    pipeline_time = max(clock)
+    return _result(engine, m, stages, per_stage, max(clock), p2p_time)
+
+
+def _result(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[list[Op]], pipeline_time: float,
+            p2p_time: float) -> SimResult:
+    """The step's record: the updates after the pipeline, busy and idle time per stage, bubble fractions."""
+    pp = len(stages)
     for s in range(pp):
         if stages[s].update > 0:
             per_stage[s].append(Op(s, "U", -1, pipeline_time, pipeline_time + stages[s].update))
