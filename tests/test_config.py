@@ -126,6 +126,7 @@ def test_our_sections_unknown_key_has_one_message_on_every_path(raw):
 @pytest.mark.parametrize("key, known, close", [
     ("cost_stratgy", {"cost_strategy", "pp"}, "cost_strategy"),
     ("costStrategy", {"cost_strategy", "pp"}, "cost_strategy"),
+    ("tpLinearAsyncCommunication", {"tp_linear_async_communication", "tp"}, "tp_linear_async_communication"),
     ("ppp", {"pp", "dp", "tp"}, "pp"),
     ("nanotron-ext", {"nanotron_ext", "model"}, "nanotron_ext"),
     ("rms_norm_esp", {"rms_norm_eps"}, "rms_norm_eps"),
