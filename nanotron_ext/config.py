@@ -346,10 +346,9 @@ def config_from_dict(raw: Any, *, source: str = "<dict>", nanotron_keys: dict[st
     model_config = (raw.get("model") or {}).get("model_config") if isinstance(raw.get("model"), dict) else None
     if isinstance(model_config, dict):
         model_family(model_config, source=source)  # a family we cannot price says so before its keys are checked
-    config_keys.check_ext_section(raw.get(EXT_SECTION), source, ext_keys=EXT_KEYS, ext_section=EXT_SECTION)
     config_keys.check_keys(raw, source, ext_section=EXT_SECTION, installed=nanotron_keys)
     config_keys.check_values(raw, source, ext_section=EXT_SECTION)
-    nanotron, ext = split_ext_keys(raw, source=source)
+    nanotron, ext = split_ext_keys(raw, source=source)  # our section's keys are checked there, once
 
     def get(dotted: str, default: Any = config_keys.REQUIRED) -> Any:
         return config_keys.get_dotted(nanotron, dotted, default, source=source)
