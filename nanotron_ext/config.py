@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nanotron_ext import config_keys
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, check_positive_int
 from nanotron_ext.families import Family, MoEShape, model_family, moe_shape
 from nanotron_ext.schedule import Engine
 
@@ -28,6 +29,7 @@ __all__ = [
     "DTYPE_BYTES",
     "DEFAULT_MEMORY_OVERHEAD_GIB",
     "DType",
+    "EXT_KEYS",
     "EXT_SECTION",
     "ExtConfig",
     "ModelShape",
@@ -78,10 +80,10 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            _check_positive_int(f"model_config.{name}", getattr(self, name))
+            check_positive_int(f"model_config.{name}", getattr(self, name))
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _check_positive_int("model_config.num_key_value_heads", self.num_key_value_heads)
+        check_positive_int("model_config.num_key_value_heads", self.num_key_value_heads)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model_config.hidden_size={self.hidden_size} is not divisible by "
@@ -122,7 +124,7 @@ class RunShape:
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         _check_choice("parallelism.pp_engine", self.engine, Engine)
         _check_choice("model.dtype", self.dtype, DType)
         _check_choice("parallelism.tp_mode", self.tp_mode, TPMode)
@@ -231,6 +233,10 @@ class ExtConfig:
             raise ConfigError(f"nanotron_ext.freeze must be a mapping, got {type(self.freeze).__name__}")
 
 
+#: Keys of our ``nanotron_ext:`` section: the fields of :class:`ExtConfig`, so a new option is a new field only.
+EXT_KEYS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(ExtConfig))
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """Everything the planner reads from one YAML file.
@@ -305,39 +311,47 @@ def bundled_config(name: str = "tiny_llama_large_vocab.yaml") -> Path:
     return Path(str(resources.files("nanotron_ext") / "configs" / name))
 
 
-def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int | None = None) -> PlannerConfig:
+def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int | None = None,
+                nanotron_keys: dict[str, Any] | None = None) -> PlannerConfig:
     """Load a Nanotron YAML with our keys.
 
     Args:
         path: the YAML file.
         cost_strategy: overrides the YAML's ``cost_strategy`` (the ``--cost-strategy`` flag).
         pp: overrides ``parallelism.pp``.
+        nanotron_keys: the keys of the Nanotron that will load the file
+            (:func:`nanotron_ext.config_keys.installed_nanotron_keys`), known on top of 0.2's and main's: where
+            that Nanotron reads a key, it is not ours to refuse or warn about.
 
     Returns:
         The parsed config; ``.nanotron`` holds the dict Nanotron's own loader accepts.
 
     Raises:
-        ConfigError: the file is missing or malformed, a required key is missing, or one of our keys is unknown.
+        ConfigError: the file is missing or malformed, a required key is missing, one of our keys is unknown or
+            a key is a near miss of a known one (keys no Nanotron reads are a
+            :class:`~nanotron_ext.config_keys.UnreadKeyWarning`).
     """
     path = Path(path)
     raw = config_keys.parse_yaml(config_keys.read_config_text(path), str(path))
-    cfg = config_from_dict(raw, source=str(path))
+    cfg = config_from_dict(raw, source=str(path), nanotron_keys=nanotron_keys)
     if cost_strategy is not None or pp is not None:
         cfg = cfg.with_overrides(cost_strategy=cost_strategy, pp=pp)
     return cfg
 
 
-def config_from_dict(raw: Any, *, source: str = "<dict>") -> PlannerConfig:
+def config_from_dict(raw: Any, *, source: str = "<dict>", nanotron_keys: dict[str, Any] | None = None) -> PlannerConfig:
     """Parse an already-loaded YAML dict; see :func:`load_config`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
     model_config = (raw.get("model") or {}).get("model_config") if isinstance(raw.get("model"), dict) else None
     if isinstance(model_config, dict):
         model_family(model_config, source=source)  # a family we cannot price says so before its keys are checked
-    config_keys.check_keys(raw, source, ext_section=EXT_SECTION)
+    config_keys.check_keys(raw, source, ext_section=EXT_SECTION, installed=nanotron_keys)
     config_keys.check_values(raw, source, ext_section=EXT_SECTION)
-    nanotron, ext = split_ext_keys(raw, source=source)
-    get = _Getter(nanotron, source)
+    nanotron, ext = split_ext_keys(raw, source=source)  # our section's keys are checked there, once
+
+    def get(dotted: str, default: Any = config_keys.REQUIRED) -> Any:
+        return config_keys.get_dotted(nanotron, dotted, default, source=source)
 
     model = _model_shape(get, source)
     run = RunShape(
@@ -381,13 +395,7 @@ def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict
     section = nanotron.pop(EXT_SECTION, None) or {}
     if not isinstance(section, dict):
         raise ConfigError(f"{source}: '{EXT_SECTION}:' must be a mapping of our options")
-    known = {f.name for f in dataclasses.fields(ExtConfig)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)} in '{EXT_SECTION}:'; "
-            f"known keys are {', '.join(sorted(known))}"
-        )
+    config_keys.check_ext_section(section, source, ext_keys=EXT_KEYS, ext_section=EXT_SECTION)
     parallelism = nanotron.get("parallelism")
     if isinstance(parallelism, dict) and "cost_strategy" in parallelism:
         value = parallelism.pop("cost_strategy")
@@ -400,9 +408,12 @@ def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict
     return nanotron, ExtConfig(**section)
 
 
-def _model_shape(get: _Getter, source: str) -> ModelShape:
-    """The model's shape and family from ``model.model_config`` (family keys as Nanotron's config classes name them)."""
-    model_cfg = get.section("model.model_config")
+def _model_shape(get: Callable[..., Any], source: str) -> ModelShape:
+    """The model's shape and family from ``model.model_config`` (family keys as Nanotron's config classes name them);
+    ``get(dotted, default)`` reads the YAML."""
+    model_cfg = get("model.model_config")
+    if not isinstance(model_cfg, dict):
+        raise ConfigError(f"{source}: 'model.model_config' must be a mapping, got {type(model_cfg).__name__}")
     family = model_family(model_cfg, source=source)
     hidden = get("model.model_config.hidden_size")
     layers = get("model.model_config.num_hidden_layers")
@@ -435,44 +446,11 @@ def _model_shape(get: _Getter, source: str) -> ModelShape:
     )
 
 
-class _Getter:
-    """Dotted-path access with errors that name the missing key and the file."""
-
-    def __init__(self, data: dict[str, Any], source: str) -> None:
-        self.data, self.source = data, source
-
-    def section(self, dotted: str) -> dict[str, Any]:
-        value = self(dotted)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self.source}: '{dotted}' must be a mapping, got {type(value).__name__}")
-        return value
-
-    _MISSING = object()
-
-    def __call__(self, dotted: str, default: Any = _MISSING) -> Any:
-        node: Any = self.data
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node or node[part] is None:
-                if default is not _Getter._MISSING:
-                    return default
-                raise ConfigError(
-                    f"{self.source}: required key '{dotted}' is missing; add it to the YAML "
-                    f"(see examples/configs/tiny_llama_large_vocab.yaml)"
-                )
-            node = node[part]
-        return node
-
-
 def _padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     # Nanotron's trainer pads the vocabulary before building the model; plan what it will build.
-    _check_positive_int("model_config.vocab_size", vocab)
+    check_positive_int("model_config.vocab_size", vocab)
     multiple = max(1, int(divisible_by)) * max(1, int(tp))
     return -(-vocab // multiple) * multiple
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 def _check_choice(name: str, value: Any, choices: Any) -> None:

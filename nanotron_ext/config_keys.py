@@ -1,14 +1,20 @@
-"""Reading a config file strictly: every key we or Nanotron would ignore or reject is an error, before any work.
+"""Reading a config file: a misspelt key or a bad value is an error before any work; a key no Nanotron we
+know reads is a warning, because forks and examples read keys of their own.
 
 A leaf (it imports only :mod:`nanotron_ext.errors` and the standard library, plus PyYAML), called from
 :mod:`nanotron_ext.config`:
 
 * :func:`read_config_text` — the file itself: a folder, an unreadable file or bytes that are not UTF-8 get a
   message that says which;
-* :func:`parse_yaml` — YAML with duplicate keys refused (PyYAML silently keeps the last one);
-* :func:`check_keys` — unknown keys, with "did you mean": in our ``nanotron_ext:`` section (and its
-  ``freeze:``), at the top level (a ``nanotron-ext:`` section is a misspelling, not a section Nanotron knows),
-  and in every section of Nanotron 0.2's ``Config`` that its strict (dacite) loader checks;
+* :func:`parse_yaml` — YAML with duplicate keys warned about (PyYAML silently keeps the last one);
+* :func:`check_ext_section` — our ``nanotron_ext:`` section (and its ``freeze:``): an unknown key is an error,
+  with "did you mean" and the known keys (Nanotron never sees this section, so no one else would catch it);
+* :func:`check_keys` — Nanotron's sections: a key that is a near miss of a known key (``ppp``, ``cost_stratgy``,
+  ``costStrategy``, a ``nanotron-ext:`` section) is an error with "did you mean"; any other key that neither
+  Nanotron 0.2 nor upstream main reads is an :class:`UnreadKeyWarning` (SmolLM3's configs carry
+  ``parallelism.moe_layer_recompute`` from the Nanotron branch that trained it, upstream's DoReMi example a
+  ``doremi:`` section its own config class reads): the plan goes on, and the Nanotron that loads the file has
+  the final word;
 * :func:`check_values` — the values the planner reads as numbers, under their YAML names, and the tensor-
   parallel degree against the head counts, so that neither an ``int("abc")`` traceback nor an internal field
   name reaches the user.
@@ -16,7 +22,9 @@ A leaf (it imports only :mod:`nanotron_ext.errors` and the standard library, plu
 ``NANOTRON_SCHEMA`` is the config layout of Nanotron 0.2 and of upstream main together (``nanotron.config.Config``
 and its nested dataclasses; the model config is the union of the model families' keys), stored in
 ``nanotron_ext/data/nanotron_config_keys.json`` rather than imported, because importing ``nanotron`` pulls in
-torch, which planning never needs; ``tests/test_bad_input.py`` checks it against the installed Nanotron.
+torch, which planning never needs; ``tests/test_bad_input.py`` checks it against the installed Nanotron. Where
+Nanotron is imported anyway (the launcher, ``train``), :func:`installed_nanotron_keys` adds the installed one's
+keys, so that a fork's own keys are neither refused nor warned about.
 A key given twice in one mapping is a :class:`DuplicateKeyWarning`, not an error: upstream's own
 ``examples/config_qwen_with_moe.yaml`` gives ``moe_config`` twice, and its loader keeps the last one.
 """
@@ -35,27 +43,26 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, check_positive_int
 
 __all__ = [
-    "EXT_KEYS",
     "FREEZE_KEYS",
     "NANOTRON_SCHEMA",
     "NANOTRON_SCHEMAS",
+    "REQUIRED",
     "DuplicateKeyWarning",
+    "UnreadKeyWarning",
+    "check_ext_section",
     "check_keys",
     "check_values",
     "dataclass_keys",
     "get_dotted",
+    "installed_nanotron_keys",
+    "near_miss",
     "parse_yaml",
     "read_config_text",
 ]
 
-#: Keys of our ``nanotron_ext:`` section (the fields of ``config.ExtConfig``; a test keeps them in step).
-EXT_KEYS = frozenset({
-    "cost_strategy", "base_strategy", "layout", "memory_cap_gib", "allow_frozen_stages", "projector", "freeze",
-    "profile_cache", "objective", "p2p_gbps", "memory_overhead_gib", "memory_runtime", "vocab_shards",
-})
 #: Keys of ``nanotron_ext.freeze:``.
 FREEZE_KEYS = frozenset({"modules", "unfreeze", "unfreeze_last_decoder_layers"})
 #: Our key that may also sit under ``parallelism:``.
@@ -157,56 +164,143 @@ def parse_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
-def _suggest(key: Any, known: set[str] | frozenset[str], spell_out: bool = False) -> str:
-    close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1, cutoff=0.6)
-    # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
-    listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
-    if close:
-        # The list goes on a line of its own: our section has grown past a dozen keys.
-        return f"did you mean {close[0]!r}?" + (f"\n  {listed}" if listed else "")
-    return listed or "remove it or check the spelling against Nanotron's config"
+class UnreadKeyWarning(UserWarning):
+    """Keys that no Nanotron we know reads (a fork's or an example's own): the plan goes on without them."""
+
+
+def near_miss(key: Any, known: set[str] | frozenset[str]) -> str | None:
+    """The known key ``key`` is a slip of: the same once case, ``-`` and ``_`` are ignored (``costStrategy``,
+    ``nanotron-ext``), or one edit away (two for keys longer than 5 characters; a swap of neighbours is one
+    edit: ``rms_norm_esp``). None when it is no near miss (``doremi``, ``moe_layer_recompute``).
+    """
+    word = str(key).lower().replace("-", "_")
+    best: tuple[int, str] | None = None
+    for name in sorted(known):
+        if word.replace("_", "") == name.lower().replace("_", ""):
+            return name
+        distance = _edit_distance(word, name.lower())
+        if distance <= (1 if len(name) <= 5 else 2) and (best is None or distance < best[0]):
+            best = (distance, name)
+    return None if best is None else best[1]
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance where swapping two neighbours counts as one edit (optimal string alignment)."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
 
 
 def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str], why: str,
-             spell_out: bool = False) -> ConfigError:
-    return ConfigError(f"{source}: unknown key(s) {key!r} in {where}: {why}; {_suggest(key, known, spell_out)}")
+             suggestion: str | None = None, spell_out: bool = False) -> ConfigError:
+    """The one message of an unknown key: what it is, where, why it is refused, "did you mean" for a near miss,
+    and (for short lists and our own section) the known keys on a line of their own."""
+    close = suggestion or next(iter(difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1,
+                                                              cutoff=0.6)), None)
+    # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
+    listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
+    if close:
+        hint = f"did you mean {close!r}?" + (f"\n  {listed}" if listed else "")
+    else:
+        hint = listed or "remove it or check the spelling against Nanotron's config"
+    return ConfigError(f"{source}: unknown key(s) {key!r} in {where}: {why}; {hint}")
 
 
-def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext") -> None:
-    """Refuse unknown keys in our section and in every section Nanotron's strict loader checks.
+def check_ext_section(section: Any, source: str, *, ext_keys: frozenset[str], ext_section: str) -> None:
+    """Refuse an unknown key in our section or in its ``freeze:`` (the one check of our section's keys).
 
     Raises:
-        ConfigError: the first unknown key, with the closest known key ("did you mean").
+        ConfigError: the first unknown key, with "did you mean" and the known keys.
     """
-    top_known = set(NANOTRON_SCHEMA) | {ext_section}
-    for key in raw:
-        if key not in top_known:
-            raise _unknown(source, "the top level", key, top_known,
-                           "neither Nanotron nor nanotron_ext reads it (Nanotron's loader rejects it)")
-    section = raw.get(ext_section)
-    if isinstance(section, dict):
-        for key in section:
-            if key not in EXT_KEYS:
-                raise _unknown(source, f"'{ext_section}:'", key, EXT_KEYS, "nanotron_ext has no such option",
-                               spell_out=True)
-        freeze = section.get("freeze")
-        if isinstance(freeze, dict):
-            for key in freeze:
-                if key not in FREEZE_KEYS:
-                    raise _unknown(source, f"'{ext_section}.freeze:'", key, FREEZE_KEYS, "freezing has no such option")
-    for name, schema in NANOTRON_SCHEMA.items():
-        _check_section(raw.get(name), schema, name, source)
+    if not isinstance(section, dict):
+        return
+    for key in section:
+        if key not in ext_keys:
+            raise _unknown(source, f"'{ext_section}:'", key, ext_keys, "nanotron_ext has no such option",
+                           spell_out=True)
+    freeze = section.get("freeze")
+    if isinstance(freeze, dict):
+        for key in freeze:
+            if key not in FREEZE_KEYS:
+                raise _unknown(source, f"'{ext_section}.freeze:'", key, FREEZE_KEYS, "freezing has no such option")
 
 
-def _check_section(node: Any, schema: dict[str, Any], where: str, source: str) -> None:
+def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext",
+               installed: dict[str, Any] | None = None) -> None:
+    """Check the keys outside our section against every Nanotron we know (and ``installed``, the keys of the
+    Nanotron that will load the file, where it is imported anyway).
+
+    A near miss of a known key is an error; any other key no Nanotron we know reads is one
+    :class:`UnreadKeyWarning` naming them all and the loaders that reject them.
+
+    Raises:
+        ConfigError: the first near miss, with "did you mean".
+    """
+    schema = _merge(NANOTRON_SCHEMA, installed) if installed else NANOTRON_SCHEMA
+    unread = _unread_keys(raw, schema, "", source, top={ext_section})
+    if not unread:
+        return
+    shown = ", ".join(repr(k) for k in unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+    rejecting = [name for name, table in NANOTRON_SCHEMAS.items() if any(not _has(table, k) for k in unread)]
+    warnings.warn(
+        f"{source}: {shown} {'is' if len(unread) == 1 else 'are'} read by no Nanotron nanotron_ext knows: the "
+        f"loader{'s' if len(rejecting) > 1 else ''} of Nanotron {' and '.join(rejecting)} "
+        f"reject{'' if len(rejecting) > 1 else 's'} {'it' if len(unread) == 1 else 'them'} (a fork or the "
+        f"example's own config class may read {'it' if len(unread) == 1 else 'them'}); the plan goes on without "
+        f"{'it' if len(unread) == 1 else 'them'}",
+        UnreadKeyWarning, stacklevel=3,
+    )
+
+
+def _unread_keys(node: Any, schema: dict[str, Any], where: str, source: str,
+                 top: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Dotted names of the keys under ``node`` that ``schema`` lacks (not looking inside them).
+
+    Raises:
+        ConfigError: a key that is a near miss of a known one.
+    """
     if not isinstance(node, dict):
-        return  # a missing or null section; a wrong type is reported where it is read
-    known = set(schema) | (PARALLELISM_EXT_KEYS if where == "parallelism" else set())
+        return []  # a missing or null section; a wrong type is reported where it is read
+    known = set(schema) | set(top) | (PARALLELISM_EXT_KEYS if where == "parallelism" else set())
+    unread: list[str] = []
     for key, value in node.items():
-        if key not in known:
-            raise _unknown(source, f"'{where}:'", key, known, "Nanotron's config loader rejects it")
-        if isinstance(schema.get(key), dict):
-            _check_section(value, schema[key], f"{where}.{key}", source)
+        if key in known:
+            if isinstance(schema.get(key), dict):
+                unread += _unread_keys(value, schema[key], f"{where}.{key}" if where else str(key), source)
+            continue
+        close = near_miss(key, known)
+        if close is not None:
+            where_ = f"'{where}:'" if where else "the top level"
+            raise _unknown(source, where_, key, known, "Nanotron's config loader rejects it (0.2's and main's alike)",
+                           suggestion=close)
+        unread.append(f"{where}.{key}" if where else str(key))
+    return unread
+
+
+def _has(schema: dict[str, Any], dotted: str) -> bool:
+    node: Any = schema
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def installed_nanotron_keys() -> dict[str, Any] | None:
+    """The keys of the installed Nanotron's ``Config`` (None when none can be imported). Imports Nanotron, hence
+    torch: for the launcher and ``train``, which import them anyway."""
+    try:
+        from nanotron.config import Config
+    except ImportError:
+        return None
+    return dataclass_keys(Config)
 
 
 _POSITIVE_INTS = (
@@ -221,13 +315,25 @@ _POSITIVE_INTS = (
 _POSITIVE_NUMBERS = ("model.model_config.rms_norm_eps",)
 _EXT_STRINGS = ("cost_strategy", "base_strategy", "layout", "profile_cache")
 
+#: ``get_dotted``'s default: the key must be there.
+REQUIRED: Any = object()
 
-def get_dotted(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
-    """``raw["a"]["b"]`` for ``"a.b"``; ``default`` where a part is missing or null."""
+
+def get_dotted(raw: dict[str, Any], dotted: str, default: Any = REQUIRED, *, source: str = "<dict>") -> Any:
+    """``raw["a"]["b"]`` for ``"a.b"``; ``default`` where a part is missing or null.
+
+    Raises:
+        ConfigError: a part is missing or null and no ``default`` was given; the message names the key and the file.
+    """
     node: Any = raw
     for part in dotted.split("."):
         if not isinstance(node, dict) or node.get(part) is None:
-            return default
+            if default is not REQUIRED:
+                return default
+            raise ConfigError(
+                f"{source}: required key '{dotted}' is missing; add it to the YAML "
+                f"(see examples/configs/tiny_llama_large_vocab.yaml)"
+            )
         node = node[part]
     return node
 
@@ -269,12 +375,11 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
         the attention head counts.
     """
     for dotted in _POSITIVE_INTS:
-        value = get_dotted(raw, dotted)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{source}: {dotted}={value!r} must be a positive integer; write e.g. "
-                              f"{dotted.rsplit('.', 1)[-1]}: 1")
+        value = get_dotted(raw, dotted, None)
+        if value is not None:
+            check_positive_int(dotted, value, source=source, fix=f"write e.g. {dotted.rsplit('.', 1)[-1]}: 1")
     for dotted in _POSITIVE_NUMBERS:
-        value = get_dotted(raw, dotted)
+        value = get_dotted(raw, dotted, None)
         if value is not None and not _positive_number(value):
             raise ConfigError(f"{source}: {dotted}={value!r} must be a positive number, e.g. 1.0e-5")
     section = raw.get(ext_section)
@@ -285,9 +390,9 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
                 raise ConfigError(f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
                                   + (" such as \"E,t*5|t*6,L\"" if key == "layout" else
                                      ", a folder path" if key == "profile_cache" else ""))
-    tp = get_dotted(raw, "parallelism.tp")
+    tp = get_dotted(raw, "parallelism.tp", None)
     for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = get_dotted(raw, f"model.model_config.{heads_key}")
+        heads = get_dotted(raw, f"model.model_config.{heads_key}", None)
         if isinstance(tp, int) and isinstance(heads, int) and tp > 1 and heads % tp:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise ConfigError(

@@ -1,9 +1,13 @@
-"""Exceptions raised for user errors: each message names the value, the reason and the fix."""
+"""Exceptions raised for user errors: each message names the value, the reason and the fix; and the one check
+every count in a config shares (:func:`check_positive_int`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError", "RunFailure",
+    "check_positive_int",
 ]
 
 
@@ -29,3 +33,15 @@ class PipelineValidationError(NanotronExtError, RuntimeError):
 
 class RunFailure(NanotronExtError, RuntimeError):
     """A run that started failed for a reason outside the config: a peer rank died or stopped answering."""
+
+
+def check_positive_int(name: str, value: Any, *, source: str | None = None, fix: str | None = None) -> int:
+    """``value`` if it is a positive integer (``True`` is not one, though Python says it is an int).
+
+    Raises:
+        ConfigError: ``{source}: {name}={value!r} must be a positive integer; {fix}``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source + ': ' if source else ''}{name}={value!r} must be a positive integer"
+                          f"{'; ' + fix if fix else ''}")
+    return value

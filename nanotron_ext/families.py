@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, check_positive_int
 
 __all__ = ["FAMILIES", "Family", "MoEShape", "model_family", "moe_shape"]
 
@@ -111,9 +111,7 @@ def moe_shape(family: str, model_config: dict[str, Any], num_layers: int, *, sou
     else:
         return None
     for name in ("num_experts", "top_k", "expert_intermediate_size"):
-        value = getattr(shape, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{source}: MoE {name}={value!r} must be a positive integer")
+        check_positive_int(f"MoE {name}", getattr(shape, name), source=source)
     if shape.top_k > shape.num_experts:
         raise ConfigError(f"{source}: MoE top_k={shape.top_k} is above num_experts={shape.num_experts}; lower top_k")
     bad = [i for i in shape.layers if not (isinstance(i, int) and 0 <= i < num_layers)]

@@ -14,10 +14,12 @@ import argparse
 import os
 import runpy
 import sys
+import warnings
 from pathlib import Path
 
 from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
+from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.plan import resolve_vocab_shards
 from nanotron_ext.strategies import get_strategy
@@ -68,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"no config file in the script's arguments {opts.script_args}; pass the script's --config-file "
                 f"CONFIG.yaml (or --config-file before the script name)"
             )
-        cfg = load_config(config_file, cost_strategy=opts.cost_strategy)
+        # Keys the installed Nanotron reads are known (a fork's own); any other key no Nanotron reads is a
+        # warning, and the script's own loader has the final word on it. Said once, by rank 0, on one line.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config(config_file, cost_strategy=opts.cost_strategy, nanotron_keys=installed_nanotron_keys())
+        if os.environ.get("RANK", "0") == "0":
+            for w in caught:
+                print(f"{prefix}warning: {w.message}", file=sys.stderr, flush=True)
         get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
         cfg, choice = resolve_vocab_shards(cfg)
         if choice is not None and os.environ.get("RANK", "0") == "0":

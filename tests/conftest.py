@@ -3,6 +3,11 @@
 The suite runs twice in CI (``.ci/run``): against ``nanotron==0.2`` from PyPI, whose engines the CPU runtime
 drives, and against upstream main installed from ``../shared/upstream/nanotron`` with the import stand-ins of
 ``tests/upstream_stubs`` on ``PYTHONPATH``. The planner's own tests run in both.
+
+A plain ``git clone`` has no ``../shared``: upstream's example configs are read from their copies under
+``tests/data``, and a test that needs upstream's source tree itself (``tests/upstream/e2e.py``: its
+``run_train.py``) skips saying so, or fails with ``NANOTRON_EXT_REQUIRE_SHARED=1`` (set by ``.ci/run``); see
+``upstream.harness.upstream_tree``.
 """
 
 from __future__ import annotations

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import warnings
 
 import pytest
 import yaml
 from nanotron.config.config import Config, get_config_from_dict
 
-from nanotron_ext.config import bundled_config, config_from_dict, load_config, split_ext_keys
+from nanotron_ext.config import (
+    EXT_KEYS,
+    bundled_config,
+    config_from_dict,
+    load_config,
+    split_ext_keys,
+)
+from nanotron_ext.config_keys import UnreadKeyWarning, near_miss
 from nanotron_ext.errors import ConfigError
 
 
@@ -94,3 +103,70 @@ def test_bad_values(raw, edit, match):
 def test_vocab_padded_like_nanotrons_trainer(raw):
     raw["model"]["make_vocab_size_divisible_by"] = 128
     assert config_from_dict(raw).model.vocab_size == 50304  # ceil(50277 / 128) * 128
+
+
+# --- one home per rule: our section's keys, near misses, unread keys, the installed Nanotron's keys
+
+
+def test_our_sections_unknown_key_has_one_message_on_every_path(raw):
+    # config_from_dict (plan, train) and split_ext_keys alone (the launcher's strip before Nanotron's loader).
+    raw["nanotron_ext"]["memory_cap"] = 1
+    messages = []
+    for parse in (config_from_dict, split_ext_keys):
+        with pytest.raises(ConfigError) as exc:
+            parse(copy.deepcopy(raw))
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1]
+    first, listed = messages[0].split("\n")
+    assert first == ("<dict>: unknown key(s) 'memory_cap' in 'nanotron_ext:': nanotron_ext has no such option; "
+                     "did you mean 'memory_cap_gib'?")
+    assert listed == f"  known keys are {', '.join(sorted(EXT_KEYS))}"
+
+
+@pytest.mark.parametrize("key, known, close", [
+    ("cost_stratgy", {"cost_strategy", "pp"}, "cost_strategy"),
+    ("costStrategy", {"cost_strategy", "pp"}, "cost_strategy"),
+    ("tpLinearAsyncCommunication", {"tp_linear_async_communication", "tp"}, "tp_linear_async_communication"),
+    ("ppp", {"pp", "dp", "tp"}, "pp"),
+    ("nanotron-ext", {"nanotron_ext", "model"}, "nanotron_ext"),
+    ("rms_norm_esp", {"rms_norm_eps"}, "rms_norm_eps"),
+    ("doremi", {"model", "data", "general", "tokens"}, None),
+    ("moe_layer_recompute", {"recompute_layer", "pp"}, None),
+    ("interleaved_rotary", {"rope_interleaved", "rope_theta"}, None),
+])
+def test_near_miss(key, known, close):
+    assert near_miss(key, known) == close
+
+
+def test_a_near_miss_is_an_error_and_an_unread_key_a_warning(raw):
+    raw["parallelism"]["recompute_layers"] = True  # one letter from upstream's recompute_layer
+    with pytest.raises(ConfigError, match=r"'recompute_layers' in 'parallelism:'.*did you mean 'recompute_layer'\?"):
+        config_from_dict(copy.deepcopy(raw))
+    del raw["parallelism"]["recompute_layers"]
+    raw["parallelism"]["moe_layer_recompute"] = True
+    with pytest.warns(UnreadKeyWarning, match=r"'parallelism.moe_layer_recompute' is read by no Nanotron .*the plan "
+                                              r"goes on without it"):
+        cfg = config_from_dict(raw)
+    assert cfg.nanotron["parallelism"]["moe_layer_recompute"] is True  # Nanotron's loader gets it, and decides
+
+
+def test_the_installed_nanotrons_keys_have_the_final_word(raw):
+    # A fork whose loader reads parallelism.recompute_layers: the launcher and train pass its keys, and then
+    # neither refuse nor warn about what it accepts.
+    raw["parallelism"]["recompute_layers"] = True
+    fork = {"parallelism": {"recompute_layers": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config_from_dict(raw, nanotron_keys=fork).nanotron["parallelism"]["recompute_layers"] is True
+
+
+@pytest.mark.nanotron02  # the CPU runtime's settings go through 0.2's ParallelismArgs
+def test_the_cpu_trainer_takes_tp_mode_from_the_parsed_config():
+    from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
+
+    from nanotron_ext.runtime.train import _nanotron_settings
+
+    cfg = load_config(bundled_config())
+    assert "tp_mode" not in cfg.nanotron["parallelism"] or cfg.nanotron["parallelism"]["tp_mode"] != "REDUCE_SCATTER"
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, tp_mode="REDUCE_SCATTER"))
+    assert _nanotron_settings(cfg)["parallel_config"].tp_mode is TensorParallelLinearMode.REDUCE_SCATTER

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 
 if __name__ == "__main__":
-    from nanotron.config import Config
+    from nanotron_ext.config_keys import installed_nanotron_keys
 
-    from nanotron_ext.config_keys import dataclass_keys
-
-    print(json.dumps(dataclass_keys(Config), indent=1, sort_keys=True))
+    keys = installed_nanotron_keys()
+    if keys is None:
+        raise SystemExit("no Nanotron is importable here; activate the environment of the version to record")
+    print(json.dumps(keys, indent=1, sort_keys=True))

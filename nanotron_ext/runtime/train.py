@@ -33,8 +33,8 @@ from typing import Any
 
 from nanotron_ext.blocks import short_name
 from nanotron_ext.config import PlannerConfig, load_config
-from nanotron_ext.config_keys import get_dotted
-from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
+from nanotron_ext.config_keys import get_dotted, installed_nanotron_keys
+from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError, check_positive_int
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan, cannot_train_message
 from nanotron_ext.report import compact_names, human_count, table
@@ -115,7 +115,9 @@ def preflight(
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan, resolve_vocab_shards
 
-    cfg, _ = resolve_vocab_shards(load_config(config_file, cost_strategy=cost_strategy))
+    # The installed Nanotron's keys count as known: where its loader reads a key, it has the final word.
+    cfg = load_config(config_file, cost_strategy=cost_strategy, nanotron_keys=installed_nanotron_keys())
+    cfg, _ = resolve_vocab_shards(cfg)
     raw, run = cfg.nanotron, cfg.run
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
 
@@ -154,7 +156,7 @@ def _timeout_s() -> float:
 def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -> tuple[int, int, int]:
     """``(steps, weight seed, data seed)``: the command line's values, else the YAML's."""
     steps = steps if steps is not None else get_dotted(raw, "tokens.train_steps", 1)
-    _positive_int("--steps (tokens.train_steps)", steps)
+    check_positive_int("--steps (tokens.train_steps)", steps)
     general_seed = get_dotted(raw, "general.seed", 42)
     data_seed = seed if seed is not None else get_dotted(raw, "data.seed", general_seed)
     seed = seed if seed is not None else general_seed
@@ -189,7 +191,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
         parallel_config = ParallelismArgs(
             dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine,
             # Asynchronous TP communication overlaps CUDA streams (Nanotron asserts CUDA_DEVICE_MAX_CONNECTIONS=1).
-            tp_mode=par.get("tp_mode"), tp_linear_async_communication=False,
+            tp_mode=run.tp_mode, tp_linear_async_communication=False,
         )
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
@@ -277,11 +279,6 @@ def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
             f"is {world_size}"
         )
     return world_size, rank
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 def _lr_schedule(schedule: Any, total_steps: int) -> Callable[[int], float]:

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import yaml
 
-from upstream.harness import UPSTREAM, UPSTREAM_EXAMPLES
+from upstream.harness import UPSTREAM_EXAMPLES, upstream_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "tests" / "upstream_stubs"
-RUN_TRAIN = UPSTREAM / "run_train.py"
 SEED_VOCAB = 50277  # the seed case: a tiny model with GPT-NeoX's vocabulary
 
 
@@ -79,8 +78,9 @@ def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 2
     """``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file CONFIG`` on CPU."""
     env = {**os.environ, "NANOTRON_EXT_CPU_TRAINER": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "nanotron_ext.run", *launcher_args, str(RUN_TRAIN), "--config-file", str(config)]
+           "-m", "nanotron_ext.run", *launcher_args, str(run_train), "--config-file", str(config)]
     proc = subprocess.run(cmd, env=env, cwd=config.parent, capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout + proc.stderr)
 

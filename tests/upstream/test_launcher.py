@@ -111,3 +111,14 @@ def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
                                                                            "vocab_shards": 3}))
     assert run.rc == 0, run.out[-3000:]
     assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
+
+
+def test_a_key_no_nanotron_reads_is_left_to_nanotrons_own_loader(tmp_path):
+    # DoReMi's section: not a near miss, so the launcher only warns (once, rank 0) and runs the script, whose own
+    # loader has the final word; upstream main's strict loader refuses it, and the user sees its message.
+    run = launch(tiny_config(tmp_path, steps=1, doremi={"domain_names": "a, b"}))
+    assert run.rc != 0
+    assert _ranks_saying(run.out, "warning: ") == {"0"}, run.out
+    assert "'doremi' is read by no Nanotron nanotron_ext knows" in run.out and "the plan goes on" in run.out
+    assert 'can not match "doremi" to any data class field' in run.out, run.out  # dacite, in upstream's loader
+    assert "unknown key(s)" not in run.out  # not refused by us
