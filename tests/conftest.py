@@ -17,12 +17,12 @@ _RUNTIME_ONLY = [
     "runtime/test_runtime_pipeline.py",
     "runtime/test_spawn_helper.py",
     "runtime/test_vocab_chain.py",
-    "test_faults.py",
-    "test_frozen_training.py",
-    "test_integration.py",
-    "test_profiled.py",
-    "test_timing.py",
-    "test_train_cli.py",
+    "runtime/test_faults.py",
+    "runtime/test_frozen_training.py",
+    "runtime/test_integration.py",
+    "runtime/test_profiled.py",
+    "runtime/test_timing.py",
+    "runtime/test_train_cli.py",
 ]
 collect_ignore = _RUNTIME_ONLY if NANOTRON == "upstream" else ["upstream"]
 

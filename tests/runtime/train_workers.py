@@ -30,7 +30,7 @@ from typing import Any
 
 from nanotron_ext.runtime.procs import free_port, kill_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
 
 
