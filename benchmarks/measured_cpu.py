@@ -65,7 +65,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +75,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.runtime.procs import local_env, run_local_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -411,39 +410,15 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
     with tempfile.TemporaryDirectory(prefix="measured_cpu_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, WORLD_SIZE=str(PP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env = local_env(ROOT)
         if malloc_env:
             env = {**MALLOC_ENV, **env}
-        procs, logs = [], []
-        for rank in range(PP):
-            log = open(Path(tmp) / f"rank{rank}.log", "w+b")  # closed below
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=str(ROOT),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
-        deadline, failed = time.monotonic() + timeout, False
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = any(p.poll() not in (None, 0) for p in procs)
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:  # each rank leads its own session
-                kill_process_group(p)
-        tails = []
-        for rank, log in enumerate(logs):
-            log.seek(0)
-            tails.append(f"--- rank {rank} (exit {procs[rank].returncode}):\n"
-                         + "\n".join(log.read().decode(errors="replace").splitlines()[-30:]))
-            log.close()
-        if any(p.returncode != 0 for p in procs) or not out_path.exists():
-            reason = "timed out" if not failed and time.monotonic() > deadline else "failed"
-            raise RuntimeError(f"scenario {spec['label']!r} {reason}:\n" + "\n".join(tails))
+        # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
+        run = run_local_ranks([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)
+        if not run.ok or not out_path.exists():
+            reason = "timed out" if run.deadline_hit else "failed"
+            raise RuntimeError(f"scenario {spec['label']!r} {reason}:\n" + run.describe())
         return json.loads(out_path.read_text())
 
 
