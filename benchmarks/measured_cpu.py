@@ -280,9 +280,8 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(1, PP, 1, timeout_s=300)
-    rank = dist.get_rank()
-    try:
+    with GlooParallelContext(1, PP, 1, timeout_s=300) as ctx:
+        rank = dist.get_rank()
         cfg = config_from_dict(spec["raw"], source=spec["label"]).with_overrides(profile_cache=spec["cache"])
         blocks = inventory_from_config(cfg)
         t0 = time.perf_counter()
@@ -385,10 +384,6 @@ def worker(spec_path: str, out_path: str) -> None:
                 "steps_per_turn": spec["steps_per_turn"],
             }
             Path(out_path).write_text(json.dumps(out))
-    except BaseException:
-        ctx.destroy(barrier=False)  # a barrier would wait for a peer that may be stuck until gloo's timeout
-        raise
-    ctx.destroy()
 
 
 # --- launching -----------------------------------------------------------------------------------------

@@ -67,8 +67,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(1, PP, 1, timeout_s=300)
-    try:
+    with GlooParallelContext(1, PP, 1, timeout_s=300) as ctx:
         runs: dict[str, dict[str, Any]] = {}
         for label, shards, strategy in VARIANTS:
             raw = {**spec["raw"], "nanotron_ext": {"vocab_shards": shards, "profile_cache": spec["cache"]}}
@@ -108,10 +107,6 @@ def worker(spec_path: str, out_path: str) -> None:
                 }
         if dist.get_rank() == 0:
             Path(out_path).write_text(json.dumps({"runs": out, "load_average": loads}))
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
 
 
 def _worst_loss_gap(result: dict[str, Any]) -> float:

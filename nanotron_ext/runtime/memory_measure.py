@@ -175,8 +175,7 @@ def measure_training_memory(
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
     run = cfg.run
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300)
-    try:
+    with GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300) as ctx:
         tp_mode = ((cfg.nanotron.get("parallelism") or {}).get("tp_mode")) or "ALL_REDUCE"
         parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine, tp_mode=tp_mode,
                                           tp_linear_async_communication=False)
@@ -229,10 +228,6 @@ def measure_training_memory(
             "pipeline_peak": trace.peak_between("step:start", "optimizer:start" if has_opt else "step:end"),
             "optimizer_peak": trace.peak_between("optimizer:start", "optimizer:end") if has_opt else 0,
         }
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return out
 
 

@@ -49,9 +49,8 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
     from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer
     from nanotron_ext.runtime.timing import summarize, timed_train_steps
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         for name, ranks in cases.items():
             torch.manual_seed(0)
             model = build_cpu_llama(LlamaConfig(**SMALL), ctx, block_ranks=ranks)
@@ -72,10 +71,6 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
                 "records": None if per_rank is None else [[r.to_dict() for r in recs] for recs in per_rank],
                 "summary": None if per_rank is None else summarize(per_rank).to_dict(),
             }
-    except BaseException:
-        ctx.destroy(barrier=False)  # do not wait in a barrier for a peer that may be stuck
-        raise
-    ctx.destroy()
     return out
 
 
@@ -167,9 +162,8 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
     from nanotron_ext.runtime import GlooParallelContext
     from nanotron_ext.strategies import optimal_assignment
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     rank = int(os.environ["RANK"])
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         scripted = ScriptedTime(SCRIPT_A if rank == 0 else SCRIPT_B)
         calls = {"n": 0}
         real_measure = with_factory(profiled.measure_block, scripted.factory)
@@ -198,10 +192,6 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
             "local_ranks": list(local_ranks),
             "measured_while_planning": measured_while_planning,
         }
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return result
 
 
@@ -220,7 +210,6 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     rank = int(os.environ["RANK"])
     scripted = ScriptedTime(SCRIPT_A)
 
@@ -229,7 +218,7 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
             raise RuntimeError(f"scripted failure on rank {rank}: cannot build {block.name}")
         return scripted.factory(block, cfg, tp_pg)
 
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1):
         profiled.measure_block = with_factory(profiled.measure_block, failing_factory)
         profiled.clock = scripted.clock
         cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
@@ -238,8 +227,4 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
             result = {"rank": rank, "error": None}
         except PlanningError as exc:
             result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return result

@@ -198,9 +198,8 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from nanotron_ext.inventory import inventory_from_config, inventory_from_model
     from nanotron_ext.runtime import GlooParallelContext, assign_blocks, cpu_llama, pipeline_blocks
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         cfg = _planner_config()
         config = _llama_config(cfg)
 
@@ -243,5 +242,3 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "allocated": sum(p.numel() for p in unbuilt.parameters()),
             }
         return out
-    finally:
-        ctx.destroy()

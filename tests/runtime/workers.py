@@ -299,3 +299,28 @@ def measure_memory(raw: dict[str, Any], block_ranks: list[int]) -> dict[str, Any
     from nanotron_ext.runtime.memory_measure import measure_training_memory
 
     return measure_training_memory(config_from_dict(raw), block_ranks, steps=2)
+
+
+def context_exit_seconds(fail_rank: int, hold_s: float) -> dict[str, Any]:
+    """``with GlooParallelContext(...)`` on 2 ranks: rank 0 holds the block ``hold_s`` seconds, rank
+    ``fail_rank`` (-1: none) raises inside it. Returns this rank's seconds from the block's end to after the
+    ``with`` (its teardown), whether the error came out, and whether the default group is gone."""
+    import time
+
+    import torch.distributed as torch_dist
+
+    from nanotron_ext.runtime import GlooParallelContext
+
+    rank = int(os.environ["RANK"])
+    raised = False
+    end = time.monotonic()
+    try:
+        with GlooParallelContext(1, 2, 1, timeout_s=20):
+            if rank == 0:
+                time.sleep(hold_s)
+            end = time.monotonic()
+            if rank == fail_rank:
+                raise KeyError("planned failure")
+    except KeyError:
+        raised = True
+    return {"exit_s": time.monotonic() - end, "raised": raised, "initialized": torch_dist.is_initialized()}
