@@ -251,17 +251,6 @@ def _measure_links(ctx: Any, cfg: Any, plans: dict[str, Any], blocks: Sequence[A
     return out
 
 
-def _token_batches(model: Any, ctx: Any, vocab: int, micro_batch_size: int, seq: int):
-    import torch
-
-    from nanotron_ext.runtime import make_micro_batch
-
-    gen = torch.Generator().manual_seed(0)
-    while True:
-        tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=gen)
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
-
-
 def worker(spec_path: str, out_path: str) -> None:
     """One rank: profile (rank 0), plan every strategy, train each distinct plan with timing; rank 0 writes JSON."""
     import gc
@@ -274,7 +263,13 @@ def worker(spec_path: str, out_path: str) -> None:
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.plan import make_plan
-    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+        train_step,
+    )
     from nanotron_ext.runtime.timing import StepTimer, summarize
     from nanotron_ext.simulate import simulate_plan
 
@@ -308,8 +303,8 @@ def worker(spec_path: str, out_path: str) -> None:
                 "model": model,
                 "optimizer": optimizer,
                 "grad_acc": grad_acc,
-                "batches": _token_batches(model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size,
-                                          cfg.run.sequence_length),
+                "batches": random_micro_batches(model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size,
+                                                cfg.run.sequence_length),
                 "timer": StepTimer(model, ctx),
                 "losses": [],
             }

@@ -26,17 +26,6 @@ MICRO_BATCH = 2
 N_MICRO = 4
 
 
-def _micro_batches(model: Any, ctx: Any, vocab: int, seed: int = 0):
-    import torch
-
-    from nanotron_ext.runtime import make_micro_batch
-
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
-
-
 def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2) -> dict[str, Any]:
     """Train ``SMALL`` at pp=2 with each block→rank split in ``cases``; time every step with ``StepTimer``.
 
@@ -46,7 +35,12 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
     import torch
     from nanotron.config import LlamaConfig
 
-    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+    )
     from nanotron_ext.runtime.timing import summarize, timed_train_steps
 
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
@@ -59,7 +53,7 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
                 model,
                 ctx,
                 "1f1b",
-                _micro_batches(model, ctx, SMALL["vocab_size"]),
+                random_micro_batches(model, ctx, SMALL["vocab_size"], MICRO_BATCH, SEQ_LEN),
                 N_MICRO,
                 optimizer,
                 n_steps=n_steps,

@@ -7,7 +7,6 @@ one world (one process start-up each) to keep the suite fast on 2 cores.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 TINY = {
@@ -34,23 +33,11 @@ def tiny_config(**overrides: Any):
     return LlamaConfig(**{**TINY, **overrides})
 
 
-def token_stream(seed: int) -> Iterator[Any]:
-    """Endless ``[MICRO_BATCH, SEQ_LEN + 1]`` token batches, identical on every rank for a given seed."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    pool = torch.randint(0, SUB_VOCAB, (POOL, MICRO_BATCH, SEQ_LEN + 1), generator=generator)
-    i = 0
-    while True:
-        yield pool[i % POOL]
-        i += 1
-
-
 def micro_batches(model, ctx, seed: int):
-    from nanotron_ext.runtime import make_micro_batch
+    """Endless micro-batches over ``POOL`` fixed random sequences, identical on every rank for a given seed."""
+    from nanotron_ext.runtime import random_micro_batches
 
-    for tokens in token_stream(seed):
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
+    return random_micro_batches(model, ctx, SUB_VOCAB, MICRO_BATCH, SEQ_LEN, seed, pool=POOL)
 
 
 _CONTEXTS: dict[tuple[int, int, int], Any] = {}
