@@ -65,7 +65,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +75,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.runtime.procs import local_env, run_local_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -252,17 +251,6 @@ def _measure_links(ctx: Any, cfg: Any, plans: dict[str, Any], blocks: Sequence[A
     return out
 
 
-def _token_batches(model: Any, ctx: Any, vocab: int, micro_batch_size: int, seq: int):
-    import torch
-
-    from nanotron_ext.runtime import make_micro_batch
-
-    gen = torch.Generator().manual_seed(0)
-    while True:
-        tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=gen)
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
-
-
 def worker(spec_path: str, out_path: str) -> None:
     """One rank: profile (rank 0), plan every strategy, train each distinct plan with timing; rank 0 writes JSON."""
     import gc
@@ -271,19 +259,24 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
     from nanotron_ext.config import config_from_dict
-    from nanotron_ext.costs import profiled
+    from nanotron_ext.costs import block_memory, profiled
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.plan import make_plan
-    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+        train_step,
+    )
     from nanotron_ext.runtime.timing import StepTimer, summarize
     from nanotron_ext.simulate import simulate_plan
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(1, PP, 1, timeout_s=300)
-    rank = dist.get_rank()
-    try:
+    with GlooParallelContext(1, PP, 1, timeout_s=300) as ctx:
+        rank = dist.get_rank()
         cfg = config_from_dict(spec["raw"], source=spec["label"]).with_overrides(profile_cache=spec["cache"])
         blocks = inventory_from_config(cfg)
         t0 = time.perf_counter()
@@ -310,8 +303,8 @@ def worker(spec_path: str, out_path: str) -> None:
                 "model": model,
                 "optimizer": optimizer,
                 "grad_acc": grad_acc,
-                "batches": _token_batches(model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size,
-                                          cfg.run.sequence_length),
+                "batches": random_micro_batches(model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size,
+                                                cfg.run.sequence_length),
                 "timer": StepTimer(model, ctx),
                 "losses": [],
             }
@@ -363,8 +356,9 @@ def worker(spec_path: str, out_path: str) -> None:
                              for f in ("forward", "backward", "optimizer")] for k in range(len(blocks))],
                 "planning_timings": [[t.forward, t.backward, t.optimizer] for t in timings],
                 "round_timings": [[[t.forward, t.backward, t.optimizer] for t in p] for p in profiles],
-                "blocks": [{"name": b.name, "short": b.short, "role": b.role, "output_bytes": b.output_bytes}
-                           for b in blocks],
+                # What a block sends when a cut follows it: the memory model's output, as the planner prices it.
+                "blocks": [{"name": b.name, "short": b.short, "role": b.role,
+                            "output_bytes": block_memory(b, cfg.model, cfg.run).output} for b in blocks],
                 "p2p": {key: statistics.median(r[key] for r in links) for key in links[0]},
                 "round_p2p": links,
                 "tied": cfg.model.tie_word_embeddings,
@@ -386,10 +380,6 @@ def worker(spec_path: str, out_path: str) -> None:
                 "steps_per_turn": spec["steps_per_turn"],
             }
             Path(out_path).write_text(json.dumps(out))
-    except BaseException:
-        ctx.destroy(barrier=False)  # a barrier would wait for a peer that may be stuck until gloo's timeout
-        raise
-    ctx.destroy()
 
 
 # --- launching -----------------------------------------------------------------------------------------
@@ -411,39 +401,15 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
     with tempfile.TemporaryDirectory(prefix="measured_cpu_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, WORLD_SIZE=str(PP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env = local_env(ROOT)
         if malloc_env:
             env = {**MALLOC_ENV, **env}
-        procs, logs = [], []
-        for rank in range(PP):
-            log = open(Path(tmp) / f"rank{rank}.log", "w+b")  # closed below
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=str(ROOT),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
-        deadline, failed = time.monotonic() + timeout, False
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = any(p.poll() not in (None, 0) for p in procs)
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:  # each rank leads its own session
-                kill_process_group(p)
-        tails = []
-        for rank, log in enumerate(logs):
-            log.seek(0)
-            tails.append(f"--- rank {rank} (exit {procs[rank].returncode}):\n"
-                         + "\n".join(log.read().decode(errors="replace").splitlines()[-30:]))
-            log.close()
-        if any(p.returncode != 0 for p in procs) or not out_path.exists():
-            reason = "timed out" if not failed and time.monotonic() > deadline else "failed"
-            raise RuntimeError(f"scenario {spec['label']!r} {reason}:\n" + "\n".join(tails))
+        # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
+        run = run_local_ranks([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)
+        if not run.ok or not out_path.exists():
+            reason = "timed out" if run.deadline_hit else "failed"
+            raise RuntimeError(f"scenario {spec['label']!r} {reason}:\n" + run.describe())
         return json.loads(out_path.read_text())
 
 

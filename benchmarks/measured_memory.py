@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,7 +106,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from nanotron_ext.config import config_from_dict
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
-    from nanotron_ext.runtime.procs import free_port, kill_process_group
+    from nanotron_ext.runtime.procs import local_env, run_local_ranks
 
     raw = sc.raw_config()
     cfg = config_from_dict(raw, source=sc.label)
@@ -116,26 +115,10 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="measured_memory_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps({"raw": raw, "label": sc.label, "block_ranks": list(plan.block_ranks)}))
-        env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                                   str(out_path)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(ROOT),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-                 for r in range(world)]
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                kill_process_group(p)
-        if any(p.returncode != 0 for p in procs):
-            logs = "\n".join(f"--- rank {r}:\n" + p.stdout.read().decode(errors="replace")[-3000:]
-                             for r, p in enumerate(procs))
-            raise RuntimeError(f"scenario {sc.label!r} failed:\n{logs}")
+        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(out_path)], world, timeout=TIMEOUT_S, grace=0, env=local_env(ROOT), cwd=ROOT)
+        if not run.ok:
+            raise RuntimeError(f"scenario {sc.label!r} failed:\n{run.describe(tail=60)}")
         measured = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(world)]
     rows = []
     for m in measured:

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measured_cpu import ENGINE, PP, _token_batches, launch  # noqa: E402
+from measured_cpu import ENGINE, PP, launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
@@ -62,13 +62,18 @@ def worker(spec_path: str, out_path: str) -> None:
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.plan import make_plan, resolve_vocab_shards
-    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+        train_step,
+    )
     from nanotron_ext.runtime.timing import StepTimer
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(1, PP, 1, timeout_s=300)
-    try:
+    with GlooParallelContext(1, PP, 1, timeout_s=300) as ctx:
         runs: dict[str, dict[str, Any]] = {}
         for label, shards, strategy in VARIANTS:
             raw = {**spec["raw"], "nanotron_ext": {"vocab_shards": shards, "profile_cache": spec["cache"]}}
@@ -82,8 +87,8 @@ def worker(spec_path: str, out_path: str) -> None:
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
             runs[label] = {
                 "model": model, "optimizer": optimizer, "grad_acc": grad_acc, "cfg": cfg, "plan": plan,
-                "batches": _token_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                          cfg.run.sequence_length),
+                "batches": random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
+                                                cfg.run.sequence_length),
                 "timer": StepTimer(model, ctx), "losses": [], "labels": [s.label for s in plan.stages],
             }
         loads = []
@@ -108,10 +113,6 @@ def worker(spec_path: str, out_path: str) -> None:
                 }
         if dist.get_rank() == 0:
             Path(out_path).write_text(json.dumps({"runs": out, "load_average": loads}))
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
 
 
 def _worst_loss_gap(result: dict[str, Any]) -> float:

@@ -1,35 +1,30 @@
-"""Which Nanotron this run tests against, and the tests that only one of them can run.
+"""Which Nanotron this run tests against, and which folder of tests each one runs.
 
 The suite runs twice in CI (``.ci/run``): against ``nanotron==0.2`` from PyPI, whose engines the CPU runtime
 drives, and against upstream main installed from ``../shared/upstream/nanotron`` with the import stand-ins of
-``tests/upstream_stubs`` on ``PYTHONPATH``. The planner's own tests run in both.
+``tests/upstream_stubs`` on ``PYTHONPATH``. The rule is by folder:
+
+* ``tests/runtime/``: every test that starts processes or drives Nanotron 0.2's engines (the CPU runtime);
+  only against Nanotron 0.2;
+* ``tests/upstream/``: upstream main's models, loader and launcher; only against upstream main;
+* everything else (the planner's own tests): both; quick (``pytest tests --ignore=tests/runtime
+  --ignore=tests/upstream`` runs them alone).
 
 A plain ``git clone`` has no ``../shared``: upstream's example configs are read from their copies under
 ``tests/data``, and a test that needs upstream's source tree itself (``tests/upstream/e2e.py``: its
 ``run_train.py``) skips saying so, or fails with ``NANOTRON_EXT_REQUIRE_SHARED=1`` (set by ``.ci/run``); see
 ``upstream.harness.upstream_tree``.
+
+This file must not import torch (nor nanotron): collecting the planner's tests should not pay for it.
 """
 
 from __future__ import annotations
 
 import pytest
-from upstream.harness import NANOTRON
+from installed_nanotron import NANOTRON
 
-# Modules that drive Nanotron 0.2's engines through the CPU runtime (nanotron_ext.runtime) at import time.
-_RUNTIME_ONLY = [
-    "runtime/test_memory_cap.py",
-    "runtime/test_runtime_layers.py",
-    "runtime/test_runtime_pipeline.py",
-    "runtime/test_spawn_helper.py",
-    "runtime/test_vocab_chain.py",
-    "test_faults.py",
-    "test_frozen_training.py",
-    "test_integration.py",
-    "test_profiled.py",
-    "test_timing.py",
-    "test_train_cli.py",
-]
-collect_ignore = _RUNTIME_ONLY if NANOTRON == "upstream" else ["upstream"]
+#: The folder of tests the other Nanotron runs.
+collect_ignore = ["runtime"] if NANOTRON == "upstream" else ["upstream"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,14 +32,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    left_out = ", ".join(collect_ignore)
-    return f"nanotron under test: {NANOTRON} (not collected here: {left_out}; they run against the other one)"
+    return f"nanotron under test: {NANOTRON} (not collected here: tests/{collect_ignore[0]}/; the other pass runs it)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if NANOTRON != "upstream":
         return
-    skip = pytest.mark.skip(reason="needs Nanotron 0.2's CPU runtime; runs in the nanotron==0.2 pass of CI")
+    skip = pytest.mark.skip(reason="needs Nanotron 0.2; runs in the nanotron==0.2 pass of CI")
     for item in items:
         if item.get_closest_marker("nanotron02"):
             item.add_marker(skip)

@@ -1,9 +1,9 @@
 """User-facing errors that no other test triggered (issue 14): each one raised for real, its message matched.
 
 The distributed ones live with their real-process tests: rank 0's profiling failing
-(``test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank``), a stage holding only frozen weights
-in the collective check (``test_integration.py::test_collective_check_names_a_frozen_only_stage``) and a NaN
-loss (``test_train_cli.py::test_nan_loss_stops_with_its_step``).
+(``runtime/test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank``), a stage holding only frozen weights
+in the collective check (``runtime/test_integration.py::test_collective_check_names_a_frozen_only_stage``) and a NaN
+loss (``runtime/test_train_cli.py::test_nan_loss_stops_with_its_step``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from nanotron_ext.runtime.cpu_model import (
     nanotron_block_ranks,
     wrap_ddp,
 )
+from nanotron_ext.runtime.data import random_micro_batches, random_token_batches
 from nanotron_ext.runtime.engine import (
     build_optimizer,
     make_engine,
@@ -41,6 +42,8 @@ __all__ = [
     "mark_tied_parameters",
     "nanotron_block_ranks",
     "pipeline_blocks",
+    "random_micro_batches",
+    "random_token_batches",
     "train_step",
     "train_steps",
     "wait_pending_sends",

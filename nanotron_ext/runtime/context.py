@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+from types import TracebackType
 
 import numpy as np
 import torch.distributed as torch_dist
@@ -54,6 +55,10 @@ _UPSTREAM_SIGNATURE = "context_parallel_size" in inspect.signature(ParallelConte
 
 class GlooParallelContext(ParallelContext):
     """Nanotron ``ParallelContext`` over gloo on CPU, with the same process-group layout as Nanotron's.
+
+    Use it as a context manager: ``with GlooParallelContext(1, 2, 1) as ctx: ...`` tears the groups down on the
+    way out, after a barrier when the block ended normally and without one when it raised (a barrier would
+    wait for a peer that may be dead or stuck, until gloo's timeout).
 
     Args:
         tensor_parallel_size: TP degree.
@@ -162,6 +167,14 @@ class GlooParallelContext(ParallelContext):
 
     def set_device(self) -> None:
         """No-op: no accelerator to select on CPU (Nanotron's version calls ``torch.cuda.set_device``)."""
+
+    def __enter__(self) -> GlooParallelContext:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Destroy the groups: with a barrier on a clean exit, without one on an error (which propagates)."""
+        self.destroy(barrier=exc_type is None)
 
     def destroy(self, barrier: bool = True) -> None:
         """Tear down the process groups; safe to call more than once or after a failed start.

@@ -13,6 +13,9 @@ and every PP/TP rank of one replica sees the same batches.
 In the Nanotron YAML, ``data.dataset.hf_dataset_or_datasets`` may name a local ``.txt`` file, a folder of
 ``.txt`` files, or a list of them (relative paths are looked up from the working directory, then from the
 YAML's folder); ``data.dataset: null`` uses the bundled corpus.
+
+Tests, benchmarks and the memory measurement train on random tokens instead: :func:`random_token_batches` /
+:func:`random_micro_batches`, the one seeded stream they share (identical on every rank for a seed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ __all__ = [
     "bundled_corpus",
     "data_files_from_config",
     "load_packed_windows",
+    "random_micro_batches",
+    "random_token_batches",
 ]
 
 DATA_KEY = "data.dataset.hf_dataset_or_datasets"
@@ -273,3 +278,50 @@ class PackedTextData:
                 batch = torch.from_numpy(self.windows[idx[start : start + b]])
                 yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             epoch += 1
+
+
+def random_token_batches(vocab_size: int, micro_batch_size: int, sequence_length: int, seed: int = 0, *,
+                         pool: int | None = None) -> Iterator[Any]:
+    """Endless random ``[micro_batch_size, sequence_length + 1]`` ``torch.long`` token windows, uniform in
+    ``[0, vocab_size)``: the same sequence on every rank for a given ``seed`` (a private generator; the global
+    torch seed is left alone).
+
+    Args:
+        vocab_size: token ids are drawn below it (a small range gives a tiny model something learnable).
+        micro_batch_size: rows per window batch.
+        sequence_length: model sequence length; windows hold one more token (inputs ``[:, :-1]``, labels
+            ``[:, 1:]``).
+        seed: the generator's seed.
+        pool: draw only this many batches and cycle through them (a small fixed data set, so that losses fall);
+            None draws a fresh batch every time. Cycled batches are the same tensors: do not modify them.
+
+    Raises:
+        ValueError: a size or ``pool`` below 1.
+    """
+    import torch
+
+    for name, value in (("vocab_size", vocab_size), ("micro_batch_size", micro_batch_size),
+                        ("sequence_length", sequence_length), ("pool", 1 if pool is None else pool)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw() -> Any:
+        return torch.randint(0, vocab_size, (micro_batch_size, sequence_length + 1), generator=generator)
+
+    if pool is None:
+        while True:
+            yield draw()
+    batches = [draw() for _ in range(pool)]
+    while True:
+        yield from batches
+
+
+def random_micro_batches(model: Any, parallel_context: Any, vocab_size: int, micro_batch_size: int,
+                         sequence_length: int, seed: int = 0, *, pool: int | None = None) -> Iterator[Any]:
+    """:func:`random_token_batches` as the engine's micro-batches (``nanotron_ext.runtime.engine.make_micro_batch``:
+    inputs on the model's input rank, labels where the loss is computed, ``TensorPointer``s elsewhere)."""
+    from nanotron_ext.runtime.engine import make_micro_batch
+
+    for tokens in random_token_batches(vocab_size, micro_batch_size, sequence_length, seed, pool=pool):
+        yield make_micro_batch(model, parallel_context, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])

@@ -17,7 +17,7 @@ Not counted: memory outside torch's allocator (gloo's own socket buffers, Python
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +166,8 @@ def measure_training_memory(
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.runtime.context import GlooParallelContext
     from nanotron_ext.runtime.cpu_model import build_cpu_llama
-    from nanotron_ext.runtime.engine import build_optimizer, make_micro_batch, train_step
+    from nanotron_ext.runtime.data import random_micro_batches
+    from nanotron_ext.runtime.engine import build_optimizer, train_step
 
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
@@ -175,8 +176,7 @@ def measure_training_memory(
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
     run = cfg.run
     torch.set_num_threads(1)
-    ctx = GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300)
-    try:
+    with GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300) as ctx:
         tp_mode = ((cfg.nanotron.get("parallelism") or {}).get("tp_mode")) or "ALL_REDUCE"
         parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine, tp_mode=tp_mode,
                                           tp_linear_async_communication=False)
@@ -201,15 +201,8 @@ def measure_training_memory(
                 rec.mark("optimizer:end")
 
             optimizer.step = step_with_marks
-        gen = torch.Generator().manual_seed(seed)
-        vocab, b, s = cfg.model.vocab_size, run.micro_batch_size, run.sequence_length
-
-        def batches() -> Iterator[Any]:
-            while True:
-                tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
-                yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
-
-        stream = batches()
+        stream = random_micro_batches(model, ctx, cfg.model.vocab_size, run.micro_batch_size, run.sequence_length,
+                                      seed)
         for _ in range(steps):
             rec.mark("step:start")
             train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer, grad_accumulator=grad_acc)
@@ -229,10 +222,6 @@ def measure_training_memory(
             "pipeline_peak": trace.peak_between("step:start", "optimizer:start" if has_opt else "step:end"),
             "optimizer_peak": trace.peak_between("optimizer:start", "optimizer:end") if has_opt else 0,
         }
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return out
 
 

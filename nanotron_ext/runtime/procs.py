@@ -1,22 +1,38 @@
-"""Helpers for starting ranks on this machine: a free port for the rendezvous, killing one rank, and making a
-rank exit when its launcher dies.
+"""Starting ranks on this machine and waiting for them with a deadline: :func:`run_local_ranks` (the one launcher
+of the test suite and the benchmarks), a free port for the rendezvous, killing one rank with whatever it spawned,
+and making a rank exit when its launcher dies.
 
-Used by ``nanotron-ext train`` (a single process standing in for torchrun), the test suite's process launchers
-and ``benchmarks/measured_cpu.py``.
+Used by ``nanotron-ext train`` (a single process standing in for torchrun), ``tests/runtime`` (``spawn.py``,
+``train_workers.py``), ``tests/upstream/e2e.py`` and the measured benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
-__all__ = ["exit_with_parent", "free_port", "kill_process_group"]
+__all__ = [
+    "LocalRun",
+    "RankExit",
+    "exit_with_parent",
+    "free_port",
+    "kill_process_group",
+    "local_env",
+    "rendezvous_env",
+    "run_local_ranks",
+]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Seconds between two looks at the parent pid (the fallback where prctl is missing).
@@ -74,3 +90,161 @@ def exit_with_parent(poll_s: float = PARENT_POLL_S) -> bool:
 
     threading.Thread(target=watch, name="nanotron-ext-parent-watchdog", daemon=True).start()
     return kernel
+
+
+# --- launching local ranks ---------------------------------------------------------------------------------
+
+
+def local_env(pythonpath_first: str | Path | None = None, base: Mapping[str, str] | None = None,
+              **extra: str) -> dict[str, str]:
+    """The environment a local rank gets: ``base`` (default ``os.environ``) with one thread per rank and
+    unbuffered output, ``pythonpath_first`` put first on ``PYTHONPATH``, then ``extra``.
+
+    One thread per rank: ranks share this machine's cores, and oversubscribed BLAS threads make CPU timings and
+    gloo timeouts erratic.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if pythonpath_first is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath_first), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def rendezvous_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-machine world (``MASTER_*`` on 127.0.0.1:``port``)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@dataclass
+class RankExit:
+    """How one rank ended.
+
+    Attributes:
+        rank: its rank.
+        returncode: its exit status; None when the launcher killed it (deadline, or a peer failed and the grace
+            period passed).
+        stdout: its output (with stderr merged in, unless the launch kept them apart).
+        stderr: its error output when kept apart, else "".
+    """
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str = ""
+
+    @property
+    def killed(self) -> bool:
+        """The launcher killed it (it did not exit by itself)."""
+        return self.returncode is None
+
+
+@dataclass
+class LocalRun:
+    """Every rank of one launch, in rank order, and how long it took."""
+
+    ranks: list[RankExit]
+    elapsed_s: float
+    #: The deadline passed with ranks still running (they were killed).
+    deadline_hit: bool
+
+    @property
+    def ok(self) -> bool:
+        """Every rank exited with status 0."""
+        return all(r.returncode == 0 for r in self.ranks)
+
+    def describe(self, tail: int = 30) -> str:
+        """Every rank's exit status and last ``tail`` output lines, for error and assertion messages."""
+        parts = []
+        for r in self.ranks:
+            status = "killed by the launcher" if r.killed else f"exit {r.returncode}"
+            lines = "\n".join((r.stdout + "\n" + r.stderr).strip().splitlines()[-tail:])
+            parts.append(f"--- rank {r.rank} ({status}):\n{lines}")
+        return "\n".join(parts)
+
+
+def run_local_ranks(
+    command: Sequence[str] | Callable[[int], Sequence[str]],
+    world_size: int,
+    *,
+    timeout: float,
+    grace: float | None = None,
+    env: Mapping[str, str] | None = None,
+    rendezvous: bool = True,
+    merge_output: bool = True,
+    cwd: str | Path | None = None,
+    poll_s: float = 0.05,
+) -> LocalRun:
+    """Start ``world_size`` processes on this machine and wait for them, never longer than ``timeout`` seconds.
+
+    Each process leads its own session, so killing it (:func:`kill_process_group`) also kills whatever it
+    started (a torchrun's workers, a rank's helpers); none outlives this call, whatever happens here.
+
+    Args:
+        command: the argv of every rank, or a function ``rank -> argv``. ``python`` is not added.
+        world_size: number of processes.
+        timeout: wall-clock limit in seconds; ranks still running then are killed (``returncode`` None).
+        grace: after the first rank exits with a non-zero status, how long the others get before they are
+            killed; 0 stops at once (a benchmark wants no more), None waits for every rank until the deadline
+            (a test that checks *every* rank's error message).
+        env: the environment (default: ``os.environ``); see :func:`local_env`.
+        rendezvous: add torchrun's variables (:func:`rendezvous_env`, one free port for the world); False
+            starts the processes as they are (a torchrun, a one-process run without a launcher).
+        merge_output: stderr into stdout (one interleaved log per rank); False keeps them apart.
+        cwd: working directory of the processes.
+        poll_s: seconds between two looks at the processes.
+
+    Returns:
+        Every rank's exit status and output, in rank order.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``timeout`` <= 0.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: start at least one process")
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout}: give a positive number of seconds (a launch never waits forever)")
+    argv_of = command if callable(command) else (lambda rank: command)
+    base = dict(os.environ if env is None else env)
+    port = free_port() if rendezvous else None
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="nanotron_ext_ranks_") as tmp, contextlib.ExitStack() as files:
+        # Output goes to files, not pipes: a rank that writes more than a pipe holds would block until read.
+        logs = [(files.enter_context(open(Path(tmp) / f"rank{r}.out", "w+b")),
+                 None if merge_output else files.enter_context(open(Path(tmp) / f"rank{r}.err", "w+b")))
+                for r in range(world_size)]
+        start = time.monotonic()
+        deadline, killed, deadline_hit = start + timeout, set(), False
+        try:
+            for rank in range(world_size):
+                rank_env = dict(base, **rendezvous_env(rank, world_size, port)) if port is not None else base
+                out, err = logs[rank]
+                procs.append(subprocess.Popen(
+                    [str(a) for a in argv_of(rank)], env=rank_env, cwd=None if cwd is None else str(cwd),
+                    stdout=out, stderr=subprocess.STDOUT if err is None else err, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                ))
+            first_failure: float | None = None
+            while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop early)
+                now = time.monotonic()
+                if first_failure is None and any(c not in (None, 0) for c in codes):
+                    first_failure = now
+                deadline_hit = now >= deadline
+                if deadline_hit or (grace is not None and first_failure is not None and now - first_failure >= grace):
+                    killed = {r for r, p in enumerate(procs) if p.poll() is None}
+                    break
+                time.sleep(poll_s)
+        finally:
+            for proc in procs:  # also on an exception here (KeyboardInterrupt): no rank outlives the launch
+                kill_process_group(proc)
+        elapsed = time.monotonic() - start
+        ranks = [RankExit(rank, None if rank in killed else proc.returncode, _read(out),
+                          "" if err is None else _read(err))
+                 for rank, (proc, (out, err)) in enumerate(zip(procs, logs))]
+    return LocalRun(ranks, elapsed, deadline_hit)
+
+
+def _read(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read().decode("utf-8", errors="replace")

@@ -341,20 +341,17 @@ def run_training(
         PipelineValidationError: some rank would have no gradient (raised on every rank).
     """
     settings = preflight(config_file, cost_strategy=cost_strategy, steps=steps, seed=seed)
-    ctx = None
     try:
         import torch
 
         from nanotron_ext.runtime import GlooParallelContext
 
         run = settings.cfg.run
-        ctx = GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
-                                  data_parallel_size=run.dp, timeout_s=settings.timeout_s)
-        torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
-        metrics = _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
-        ctx.destroy()
-        ctx = None
-        return metrics
+        # Failing, the context is torn down without a barrier: ranks may have died.
+        with GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
+                                 data_parallel_size=run.dp, timeout_s=settings.timeout_s) as ctx:
+            torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
+            return _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
     except RuntimeError as exc:
         if isinstance(exc, NanotronExtError):
             raise
@@ -364,10 +361,6 @@ def run_training(
         if failure is None:
             raise
         raise failure from None
-    finally:
-        if ctx is not None:
-            # Failing: do not wait in a barrier for ranks that may have died.
-            ctx.destroy(barrier=False)
 
 
 def _train(

@@ -1,4 +1,5 @@
-"""Run a function in N real processes with torchrun's environment, with a hard timeout.
+"""Run a function in N real processes with torchrun's environment, with a hard timeout (through
+``nanotron_ext.runtime.procs.run_local_ranks``, the launcher the benchmarks and ``train_workers`` use too).
 
 Each rank is a fresh ``python`` subprocess (no fork of the pytest process, so no inherited process group or
 thread state) that loads the function's source file by path, calls it, and pickles back the return value or
@@ -10,18 +11,15 @@ grace period.
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.runtime.procs import local_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +59,7 @@ class RankOutcome:
     """What one rank produced."""
 
     rank: int
+    #: None when it was killed (deadline, or a peer failed).
     returncode: int | None
     ok: bool
     value: Any = None
@@ -112,89 +111,31 @@ def run_ranks(
                 },
                 f,
             )
-        port = free_port()
-        base_env = dict(os.environ)
-        base_env.update(
-            {
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(
-                    [str(REPO_ROOT)] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
-                ),
-                "PYTHONUNBUFFERED": "1",
-            }
+        env = local_env(REPO_ROOT, **(extra_env or {}))
+        dump_after = str(max(1.0, timeout - 3.0))
+        run = run_local_ranks(
+            lambda rank: [sys.executable, "-c", _BOOTSTRAP, str(payload_path), str(rank),
+                          str(Path(tmp) / f"out{rank}.pkl"), dump_after],
+            world_size, timeout=timeout, grace=grace, env=env, cwd=REPO_ROOT,
         )
-        base_env.update(extra_env or {})
-        procs: list[subprocess.Popen] = []
-        logs = []
-        for rank in range(world_size):
-            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-            log = open(Path(tmp) / f"rank{rank}.log", "w+b")  # closed after the run
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        _BOOTSTRAP,
-                        str(payload_path),
-                        str(rank),
-                        str(Path(tmp) / f"out{rank}.pkl"),
-                        str(max(1.0, timeout - 3.0)),
-                    ],
-                    env=env,
-                    cwd=str(REPO_ROOT),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        timed_out: set[int] = set()
-        first_failure: float | None = None
-        try:
-            while True:
-                codes = [p.poll() for p in procs]
-                if all(c is not None for c in codes):
-                    break
-                now = time.monotonic()
-                if first_failure is None and any(c not in (None, 0) for c in codes):
-                    first_failure = now
-                if now >= deadline or (first_failure is not None and now - first_failure >= grace):
-                    for rank, proc in enumerate(procs):
-                        if proc.poll() is None:
-                            timed_out.add(rank)
-                            kill_process_group(proc)
-                    break
-                time.sleep(0.02)
-        finally:
-            for proc in procs:
-                kill_process_group(proc)
         outcomes = []
-        for rank, (proc, log) in enumerate(zip(procs, logs)):
-            log.seek(0)
-            output = log.read().decode("utf-8", errors="replace")
-            log.close()
-            out_path = Path(tmp) / f"out{rank}.pkl"
+        for rank_exit in run.ranks:
+            out_path = Path(tmp) / f"out{rank_exit.rank}.pkl"
             result: dict[str, Any] = {}
             if out_path.exists():
                 with open(out_path, "rb") as f:
                     result = pickle.load(f)
             outcomes.append(
                 RankOutcome(
-                    rank=rank,
-                    returncode=proc.returncode,
-                    ok=bool(result.get("ok")) and rank not in timed_out,
+                    rank=rank_exit.rank,
+                    returncode=rank_exit.returncode,
+                    ok=bool(result.get("ok")) and not rank_exit.killed,
                     value=result.get("value"),
                     error=result.get("error")
-                    or ("killed at the deadline / after a peer failed" if rank in timed_out else None),
+                    or ("killed at the deadline / after a peer failed" if rank_exit.killed else None),
                     traceback=result.get("traceback"),
-                    output=output,
-                    timed_out=rank in timed_out,
+                    output=rank_exit.stdout,
+                    timed_out=rank_exit.killed,
                 )
             )
         return outcomes

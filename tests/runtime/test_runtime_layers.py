@@ -93,3 +93,21 @@ def test_make_engine() -> None:
     assert type(make_engine("AFAB")).__name__ == "AllForwardAllBackwardPipelineEngine"
     with pytest.raises(ValueError, match="Unknown pipeline engine"):
         make_engine("gpipe")
+
+
+def test_random_token_batches_are_seeded_shaped_and_pooled() -> None:
+    from itertools import islice
+
+    from nanotron_ext.runtime.data import random_token_batches
+
+    first = list(islice(random_token_batches(50, 2, 8, seed=3), 4))
+    again = list(islice(random_token_batches(50, 2, 8, seed=3), 4))
+    other = list(islice(random_token_batches(50, 2, 8, seed=4), 4))
+    assert all(t.shape == (2, 9) and t.dtype == torch.long and 0 <= t.min() and t.max() < 50 for t in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "same seed, same stream (every rank agrees)"
+    assert not torch.equal(first[0], other[0]) and not torch.equal(first[0], first[1])
+    pooled = list(islice(random_token_batches(50, 2, 8, seed=3, pool=3), 7))
+    assert [torch.equal(pooled[i], pooled[i % 3]) for i in range(7)] == [True] * 7
+    assert not torch.equal(pooled[0], pooled[1])
+    with pytest.raises(ValueError, match="pool=0 must be >= 1"):
+        next(random_token_batches(50, 2, 8, pool=0))

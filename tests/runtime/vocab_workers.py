@@ -20,14 +20,15 @@ def _batches(model, ctx, seed: int, masked: bool, n: int):
     import torch
 
     from nanotron_ext.blocks import vocab_slices
-    from nanotron_ext.runtime import make_micro_batch
+    from nanotron_ext.runtime import make_micro_batch, random_token_batches
 
     # Every shard's first and last row, for K = 2, 3, 4: a label on a slice boundary must count in one shard.
     edges = sorted({x for k in (2, 3, 4) for lo, hi in vocab_slices(VOCAB, k) for x in (lo, hi - 1)})
-    gen = torch.Generator().manual_seed(seed)
+    stream = random_token_batches(VOCAB, MICRO_BATCH, SEQ_LEN, seed)
+    gen = torch.Generator().manual_seed(seed + 1)  # the masks' own stream
     out = []
     for i in range(n):
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+        tokens = next(stream)
         if i == 0:
             tokens[1, 1:1 + len(edges)] = torch.tensor(edges)
         mask = torch.rand(MICRO_BATCH, SEQ_LEN, generator=gen) > (0.35 if masked else -1.0)

@@ -7,7 +7,6 @@ one world (one process start-up each) to keep the suite fast on 2 cores.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 TINY = {
@@ -34,23 +33,11 @@ def tiny_config(**overrides: Any):
     return LlamaConfig(**{**TINY, **overrides})
 
 
-def token_stream(seed: int) -> Iterator[Any]:
-    """Endless ``[MICRO_BATCH, SEQ_LEN + 1]`` token batches, identical on every rank for a given seed."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    pool = torch.randint(0, SUB_VOCAB, (POOL, MICRO_BATCH, SEQ_LEN + 1), generator=generator)
-    i = 0
-    while True:
-        yield pool[i % POOL]
-        i += 1
-
-
 def micro_batches(model, ctx, seed: int):
-    from nanotron_ext.runtime import make_micro_batch
+    """Endless micro-batches over ``POOL`` fixed random sequences, identical on every rank for a given seed."""
+    from nanotron_ext.runtime import random_micro_batches
 
-    for tokens in token_stream(seed):
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
+    return random_micro_batches(model, ctx, SUB_VOCAB, MICRO_BATCH, SEQ_LEN, seed, pool=POOL)
 
 
 _CONTEXTS: dict[tuple[int, int, int], Any] = {}
@@ -299,3 +286,28 @@ def measure_memory(raw: dict[str, Any], block_ranks: list[int]) -> dict[str, Any
     from nanotron_ext.runtime.memory_measure import measure_training_memory
 
     return measure_training_memory(config_from_dict(raw), block_ranks, steps=2)
+
+
+def context_exit_seconds(fail_rank: int, hold_s: float) -> dict[str, Any]:
+    """``with GlooParallelContext(...)`` on 2 ranks: rank 0 holds the block ``hold_s`` seconds, rank
+    ``fail_rank`` (-1: none) raises inside it. Returns this rank's seconds from the block's end to after the
+    ``with`` (its teardown), whether the error came out, and whether the default group is gone."""
+    import time
+
+    import torch.distributed as torch_dist
+
+    from nanotron_ext.runtime import GlooParallelContext
+
+    rank = int(os.environ["RANK"])
+    raised = False
+    end = time.monotonic()
+    try:
+        with GlooParallelContext(1, 2, 1, timeout_s=20):
+            if rank == 0:
+                time.sleep(hold_s)
+            end = time.monotonic()
+            if rank == fail_rank:
+                raise KeyError("planned failure")
+    except KeyError:
+        raised = True
+    return {"exit_s": time.monotonic() - end, "raised": raised, "initialized": torch_dist.is_initialized()}

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import yaml
 
+from nanotron_ext.runtime.procs import local_env, run_local_ranks
 from upstream.harness import UPSTREAM_EXAMPLES, upstream_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,13 +77,18 @@ class Run:
 
 def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240) -> Run:
     """``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file CONFIG`` on CPU."""
-    env = {**os.environ, "NANOTRON_EXT_CPU_TRAINER": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = local_env(ROOT, NANOTRON_EXT_CPU_TRAINER="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(STUBS), env["PYTHONPATH"]])
     run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "nanotron_ext.run", *launcher_args, str(run_train), "--config-file", str(config)]
-    proc = subprocess.run(cmd, env=env, cwd=config.parent, capture_output=True, text=True, timeout=timeout)
-    return Run(proc.returncode, proc.stdout + proc.stderr)
+    # torchrun in its own session: at the deadline its workers are killed with it (subprocess.run's timeout
+    # would kill torchrun alone).
+    run = run_local_ranks(cmd, 1, timeout=timeout, env=env, rendezvous=False, merge_output=False, cwd=config.parent)
+    only = run.ranks[0]
+    if only.killed:
+        raise subprocess.TimeoutExpired(cmd, timeout, only.stdout, only.stderr)
+    return Run(only.returncode, only.stdout + only.stderr)
 
 
 def weight_digests(checkpoint: Path) -> dict[str, str]:

@@ -7,17 +7,15 @@ built. It changes where tensors are allocated, never their shapes, names or whic
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from installed_nanotron import NANOTRON  # noqa: F401  (re-exported: the Nanotron under test)
 from torch.overrides import TorchFunctionMode
 
-#: The Nanotron under test: "upstream" when upstream main is installed (it has Qwen2), "0.2" otherwise.
-NANOTRON = "upstream" if importlib.util.find_spec("nanotron.models.qwen") else "0.2"
 #: The copy of upstream main beside the project (see ../shared/upstream/README.md): the upstream pass installs
 #: it, and its run_train.py drives the end-to-end tests. A plain clone has no ../shared; see upstream_tree().
 UPSTREAM = Path(__file__).resolve().parents[3] / "shared" / "upstream" / "nanotron"

@@ -65,12 +65,9 @@ def gloo_context_groups(pp: int) -> dict[str, Any]:
 
     from nanotron_ext.runtime import GlooParallelContext
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=pp, data_parallel_size=2 // pp)
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=pp, data_parallel_size=2 // pp) as ctx:
         return {
             "sizes": {g: ctx.__getattribute__(g).size() for g in ("tp_pg", "pp_pg", "dp_pg", "cp_pg", "world_pg")},
             "matrix_shape": list(ctx.world_rank_matrix.shape),
             "pp_rank": torch.distributed.get_rank(ctx.pp_pg),
         }
-    finally:
-        ctx.destroy()

@@ -7,10 +7,11 @@ check its results. ``patch_nanotron``'s swap and undo are also checked in this p
 from __future__ import annotations
 
 import pytest
-import train_workers
-from runtime.spawn import run_distributed
 
 from nanotron_ext.config import load_config
+
+from . import train_workers
+from .spawn import run_distributed
 
 VARIANTS = {
     "tiny": {},

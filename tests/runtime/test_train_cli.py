@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 
 import pytest
-import train_workers as tw
 import yaml
 
 from nanotron_ext.cli import main
+
+from . import train_workers as tw
 
 STEPS = 20
 ERROR_PREFIX = "nanotron-ext train: error on rank {rank}: "

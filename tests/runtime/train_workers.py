@@ -10,7 +10,8 @@ Two launchers:
 * :func:`torchrun` runs the documented command, ``torchrun --standalone --nproc_per_node=N -m
   nanotron_ext.cli train ...``.
 
-Both have a hard timeout: a rank that hangs is killed and reported, never waited on forever. Kept free of
+Both go through ``nanotron_ext.runtime.procs.run_local_ranks``: a hard timeout (a rank that hangs is killed
+with whatever it started and reported, never waited on forever). Kept free of
 pytest imports: spawned ranks load this file by path.
 """
 
@@ -20,17 +21,15 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.runtime.procs import LocalRun, local_env, run_local_ranks
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
 
 
@@ -68,14 +67,6 @@ class Launch:
         return "\n".join(parts)
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(extra or {})
-    return env
-
-
 def _with_outputs(args: list[str], out_dir: Path) -> tuple[list[str], Path, Path]:
     metrics, plan = out_dir / "metrics.json", out_dir / "plan.json"
     return [*args, "--metrics-out", str(metrics), "--plan-out", str(plan)], metrics, plan
@@ -106,47 +97,12 @@ def launch_ranks(
         Every rank's outcome, and rank 0's metrics and plan when written.
     """
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_train_") as tmp:
-        tmp_path = Path(tmp)
-        argv, metrics_path, plan_path = _with_outputs(args, tmp_path) if outputs else (args, None, None)
-        port = str(free_port())
-        procs, files = [], []
-        start = time.monotonic()
-        for rank in range(world_size):
-            extra = {}
-            if torchrun_env:
-                extra = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            out = open(tmp_path / f"rank{rank}.out", "w+")  # closed below
-            err = open(tmp_path / f"rank{rank}.err", "w+")
-            files.append((out, err))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "nanotron_ext.cli", "train", *argv],
-                env=_env(extra), cwd=str(REPO_ROOT), stdout=out, stderr=err, start_new_session=True,
-            ))
-        deadline = start + timeout
-        timed_out: set[int] = set()
-        try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() >= deadline:
-                    for rank, proc in enumerate(procs):
-                        if proc.poll() is None:
-                            timed_out.add(rank)
-                            kill_process_group(proc)
-                    break
-                time.sleep(0.05)
-        finally:
-            for proc in procs:
-                kill_process_group(proc)
-        elapsed = time.monotonic() - start
-        ranks = []
-        for rank, (proc, (out, err)) in enumerate(zip(procs, files)):
-            out.seek(0)
-            err.seek(0)
-            ranks.append(RankRun(rank, None if rank in timed_out else proc.returncode, out.read(), err.read(),
-                                 rank in timed_out))
-            out.close()
-            err.close()
-        return Launch(ranks, elapsed,
+        argv, metrics_path, plan_path = _with_outputs(args, Path(tmp)) if outputs else (args, None, None)
+        # No grace period: every rank runs to its own end (or the deadline), so each prints its own error.
+        run = run_local_ranks([sys.executable, "-m", "nanotron_ext.cli", "train", *argv], world_size,
+                              timeout=timeout, env=local_env(REPO_ROOT), rendezvous=torchrun_env, merge_output=False,
+                              cwd=REPO_ROOT)
+        return Launch(_rank_runs(run), run.elapsed_s,
                       _read_json(metrics_path) if metrics_path else None,
                       _read_json(plan_path) if plan_path else None)
 
@@ -155,27 +111,21 @@ def torchrun(args: list[str], nproc: int, *, timeout: float = 90.0) -> Launch:
     """The documented command: ``torchrun --standalone --nproc_per_node=N -m nanotron_ext.cli train *args``.
 
     Returns:
-        A :class:`Launch` with a single entry holding torchrun's own exit code and (merged) output.
+        A :class:`Launch` with a single entry holding torchrun's own exit code and output.
     """
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_torchrun_") as tmp:
         argv, metrics_path, plan_path = _with_outputs(args, Path(tmp))
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron_ext.cli", "train", *argv],
-            env=_env(), cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
+        run = run_local_ranks(
+            [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron_ext.cli", "train", *argv], 1,
+            timeout=timeout, env=local_env(REPO_ROOT), rendezvous=False, merge_output=False, cwd=REPO_ROOT,
         )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            kill_process_group(proc)
-            stdout, stderr = proc.communicate()
-            timed_out = True
-        return Launch([RankRun(0, None if timed_out else proc.returncode, stdout, stderr, timed_out)],
-                      time.monotonic() - start, _read_json(metrics_path), _read_json(plan_path))
+        return Launch(_rank_runs(run), run.elapsed_s, _read_json(metrics_path), _read_json(plan_path))
+
+
+def _rank_runs(run: LocalRun) -> list[RankRun]:
+    return [RankRun(r.rank, r.returncode, r.stdout, r.stderr, r.killed) for r in run.ranks]
 
 
 def _deep_update(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -248,9 +198,8 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from nanotron_ext.inventory import inventory_from_config, inventory_from_model
     from nanotron_ext.runtime import GlooParallelContext, assign_blocks, cpu_llama, pipeline_blocks
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         cfg = _planner_config()
         config = _llama_config(cfg)
 
@@ -293,5 +242,3 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "allocated": sum(p.numel() for p in unbuilt.parameters()),
             }
         return out
-    finally:
-        ctx.destroy()

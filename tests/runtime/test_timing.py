@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import timing_workers
-from runtime.spawn import run_distributed
 
 from nanotron_ext.runtime.timing import StepRecord, summarize
+
+from . import timing_workers
+from .spawn import run_distributed
 
 # 9 blocks: embedding, decoder.0-3, final_norm, lm_head, cast, loss (small vocabulary: decoders dominate).
 CASES = {

@@ -26,17 +26,6 @@ MICRO_BATCH = 2
 N_MICRO = 4
 
 
-def _micro_batches(model: Any, ctx: Any, vocab: int, seed: int = 0):
-    import torch
-
-    from nanotron_ext.runtime import make_micro_batch
-
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
-        yield make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:])
-
-
 def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2) -> dict[str, Any]:
     """Train ``SMALL`` at pp=2 with each block→rank split in ``cases``; time every step with ``StepTimer``.
 
@@ -46,12 +35,16 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
     import torch
     from nanotron.config import LlamaConfig
 
-    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama, build_optimizer
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+    )
     from nanotron_ext.runtime.timing import summarize, timed_train_steps
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         for name, ranks in cases.items():
             torch.manual_seed(0)
             model = build_cpu_llama(LlamaConfig(**SMALL), ctx, block_ranks=ranks)
@@ -60,7 +53,7 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
                 model,
                 ctx,
                 "1f1b",
-                _micro_batches(model, ctx, SMALL["vocab_size"]),
+                random_micro_batches(model, ctx, SMALL["vocab_size"], MICRO_BATCH, SEQ_LEN),
                 N_MICRO,
                 optimizer,
                 n_steps=n_steps,
@@ -72,10 +65,6 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
                 "records": None if per_rank is None else [[r.to_dict() for r in recs] for recs in per_rank],
                 "summary": None if per_rank is None else summarize(per_rank).to_dict(),
             }
-    except BaseException:
-        ctx.destroy(barrier=False)  # do not wait in a barrier for a peer that may be stuck
-        raise
-    ctx.destroy()
     return out
 
 
@@ -167,9 +156,8 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
     from nanotron_ext.runtime import GlooParallelContext
     from nanotron_ext.strategies import optimal_assignment
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     rank = int(os.environ["RANK"])
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         scripted = ScriptedTime(SCRIPT_A if rank == 0 else SCRIPT_B)
         calls = {"n": 0}
         real_measure = with_factory(profiled.measure_block, scripted.factory)
@@ -198,10 +186,6 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
             "local_ranks": list(local_ranks),
             "measured_while_planning": measured_while_planning,
         }
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return result
 
 
@@ -220,7 +204,6 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
     from nanotron_ext.plan import make_plan
     from nanotron_ext.runtime import GlooParallelContext
 
-    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1)
     rank = int(os.environ["RANK"])
     scripted = ScriptedTime(SCRIPT_A)
 
@@ -229,7 +212,7 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
             raise RuntimeError(f"scripted failure on rank {rank}: cannot build {block.name}")
         return scripted.factory(block, cfg, tp_pg)
 
-    try:
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1):
         profiled.measure_block = with_factory(profiled.measure_block, failing_factory)
         profiled.clock = scripted.clock
         cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
@@ -238,8 +221,4 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
             result = {"rank": rank, "error": None}
         except PlanningError as exc:
             result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-    except BaseException:
-        ctx.destroy(barrier=False)
-        raise
-    ctx.destroy()
     return result

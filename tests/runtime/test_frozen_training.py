@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import train_workers as tw
+
+from . import train_workers as tw
 
 STEPS = 10
 PROJECTOR_ONLY = {"projector": True, "freeze": {"modules": ["*"], "unfreeze": ["projector"]}}

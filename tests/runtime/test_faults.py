@@ -23,7 +23,7 @@ import pytest
 
 from nanotron_ext.runtime.procs import kill_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
 TIMEOUT_S = 3
 #: Kill a rank: torchrun notices the dead worker and stops the other one (SIGTERM); rank 0 may also fail first

@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import timing_workers
-from runtime.spawn import run_distributed
 
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import profiled
@@ -17,6 +15,9 @@ from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
 from nanotron_ext.strategies import available_strategies
+
+from . import timing_workers
+from .spawn import run_distributed
 
 FAST = {"warmup": 1, "repeats": 3}
 
