@@ -243,7 +243,7 @@ def _pytest(copy: Path, tests: tuple[str, ...], timeout: float, *, stop_first: b
 
 
 def _failures(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    return re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M)  # ids may hold spaces: [tp: 4 ...]
 
 
 def _nothing_ran(code: int | None, output: str) -> bool:
