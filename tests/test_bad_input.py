@@ -129,6 +129,11 @@ CASES = [
          ("nanotron_ext.profile_cache=5 must be a non-empty string", "a folder path")),
     Case("tp: 3 with 4 heads", lambda t: ["plan", _edit(t, _set("parallelism.tp", 3))], EXIT_USAGE,
          ("parallelism.tp=3 does not divide model_config.num_attention_heads=4", "Use tp in {1, 2, 4}")),
+    # 4 heads divide by tp=4, the 2 KV heads do not: each rank would hold half a KV head.
+    Case("tp: 4 with 2 KV heads",
+         lambda t: ["plan", _edit(t, lambda raw: (_set("parallelism.tp", 4)(raw),
+                                                  _set("model.model_config.num_key_value_heads", 2)(raw)))],
+         EXIT_USAGE, ("parallelism.tp=4 does not divide model_config.num_key_value_heads=2", "Use tp in {1, 2}")),
     # --- strategies
     Case("--cost-strategy :", lambda t: ["plan", "--cost-strategy", ":"], EXIT_USAGE,
          ("cost_strategy ':' is not an import path", "give 'package.module:ClassName'")),

@@ -118,6 +118,62 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
     assert "RESTORED True" in lines
 
 
+_OPTIMIZER_CHILD = textwrap.dedent(
+    """
+    import os
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import nanotron.trainer as trainer
+    from nanotron.config import get_config_from_file
+    from nanotron_ext import load_config
+    from nanotron_ext.integration.trainer_patches import install_launcher
+    from nanotron_ext.runtime import GlooParallelContext, build_cpu_llama
+
+    path = sys.argv[1]
+    build_optimizer = trainer.init_optimizer_and_grad_accumulator  # Nanotron's own, before the launcher wraps it
+    ctx = GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
+
+    def optimized(model, optimizer_args):
+        optimizer, _ = build_optimizer(model=model, optimizer_args=optimizer_args, parallel_context=ctx)
+        return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    undo = install_launcher(load_config(path), say=lambda s: None)
+    nanotron_cfg = get_config_from_file(path)
+    model = build_cpu_llama(nanotron_cfg.model.model_config, ctx, ddp=False,
+                            freeze=lambda name, param: "token_position_embeddings" in name or "decoder.0." in name)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    print("COUNTS", len(trainable), len(frozen))
+    print("INSTALLED", optimized(model, nanotron_cfg.optimizer) == trainable)
+    undo()
+    print("NANOTRON-ALONE", optimized(model, nanotron_cfg.optimizer) == trainable | frozen)
+    """
+)
+
+
+@pytest.mark.nanotron02
+def test_the_optimizer_nanotron_builds_under_the_launcher_gets_only_trainable_parameters():
+    # Nanotron hands every parameter to AdamW, frozen or not, and weight decay moves a frozen weight even with a
+    # zero gradient; the launcher filters the named parameters Nanotron's optimizer builder reads. Here Nanotron's
+    # own init_optimizer_and_grad_accumulator builds the optimizer of a model with a frozen embedding and first
+    # decoder layer (0.2's trainer imported with the flash-attn stand-in, one gloo process).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _OPTIMIZER_CHILD, str(bundled_config())], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    counts = next(line for line in lines if line.startswith("COUNTS")).split()[1:]
+    assert int(counts[0]) > 0 and int(counts[1]) > 0, out.stdout
+    assert "INSTALLED True" in lines, out.stdout
+    assert "NANOTRON-ALONE True" in lines, out.stdout  # without the launcher the frozen weights go in too
+
+
 @pytest.mark.nanotron02
 def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, capsys):
     # In the 0.2 pass flash-attn is missing, as on any CPU machine: Nanotron's trainer cannot be imported.

@@ -117,6 +117,38 @@ def test_afab_and_1f1b_hold_their_micro_batches_and_gradients_when_they_exist(ti
     assert stage_memory(blocks[4:], cfg.model, _run(cfg, engine="afab"), stage=1).pipeline_gradients == 0
 
 
+def test_two_micro_batches_peak_in_the_second_backward_with_every_gradient_alive(tiny):
+    cfg, blocks = tiny
+    t, h = 64, 16
+    # AFAB, 2 micro-batches, stage 0 (embedding, 2 decoders, final norm): the first backward made every .grad;
+    # in the second, the other micro-batch is gone, and the embedding makes its table's gradient fresh (50277 × 16
+    # fp32) before adding it to .grad. That moment is the pipeline's peak.
+    mem = stage_memory(blocks[:4], cfg.model, _run(cfg, engine="afab", n_micro_batches=2), stage=0)
+    trainable = 50277 * 16 + 2 * 4128 + 16
+    # Held: the input ids (int64) and their mask (1 B) of this micro-batch, the ids the embedding saved, the
+    # final norm's output kept until the backward reaches it.
+    assert mem.pipeline_activations == t * (8 + 1) + t * 8 + t * h * 4
+    assert mem.pipeline_gradients == trainable * 4
+    # The embedding's output (hidden states + mask), its fresh table gradient, the contiguous gradient copy.
+    assert mem.pipeline_temporaries == (t * h * 4 + t) + 50277 * 16 * 4 + t * h * 4
+
+
+def test_the_overhead_allowance_counts_at_both_moments():
+    # Gemma-2B's first stage (the 256k x 2048 embedding) peaks in the optimizer step; the allowance belongs there
+    # as much as in the pipeline.
+    cfg = load_config(bundled_config("gemma_2b.yaml"))
+    blocks = inventory_from_config(cfg)
+    first = make_plan(blocks, cfg).stages[0]
+    assert first.memory.peak_at == "optimizer" and cfg.ext.overhead_gib == 1.0
+    assert first.memory_bytes / GIB == pytest.approx(14.672, abs=5e-4)
+    members = [b for b in blocks if b.name in first.blocks]
+    for overhead in (0.0, 0.25):
+        mem = stage_memory(members, cfg.model, cfg.run, 0, overhead_gib=overhead)
+        bare = stage_memory(members, cfg.model, cfg.run, 0)
+        assert mem.optimizer_peak - bare.optimizer_peak == overhead * GIB
+        assert mem.pipeline_peak - bare.pipeline_peak == overhead * GIB
+
+
 def test_tied_embedding_counted_once_on_the_rank_that_holds_both():
     cfg = load_config(bundled_config("smollm_135m.yaml"), pp=1)
     blocks = inventory_from_config(cfg)

@@ -110,6 +110,42 @@ def test_search_respects_requirements_and_memory_cap():
         assert found.step_time == pytest.approx(min(StepTimeEvaluator(problem)(valid)), rel=1e-9, abs=1e-15)
 
 
+def test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight():
+    # The cap holds the overhead allowance too, and each stage's activations count once per micro-batch it holds
+    # (1F1B: pp - stage): a search that compares a stage with the whole cap, or with one micro-batch, picks splits
+    # that do not fit. Both searches (step time and FLOPs) are checked against brute force.
+    rng = random.Random(17)
+    checked = 0
+    for _ in range(40):
+        problem = _random_problem(rng)
+        n, pp = problem.n, problem.pp
+        static = tuple(rng.random() for _ in range(n))
+        activation = tuple(0.3 * rng.random() for _ in range(n))
+        flight = tuple(min(problem.n_micro_batches, pp - k) if problem.engine == "1f1b" else problem.n_micro_batches
+                       for k in range(pp))
+        overhead = max(static)
+        fair = (sum(static) + max(flight) * sum(activation)) / pp  # one stage's share of the largest stage memory
+        memory = MemoryCap(static, activation, flight, cap=overhead + fair * rng.uniform(1.0, 2.0), overhead=overhead)
+
+        def fits(bounds, memory=memory) -> bool:
+            return all(memory.overhead + sum(memory.static[s:e]) + memory.in_flight[k] * sum(memory.activation[s:e])
+                       <= memory.cap * (1 + 1e-9) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+
+        splits = _all_splits(n, pp)
+        valid = [s for s in splits if fits(s)]
+        if not valid:
+            with pytest.raises(PlanningError):
+                step_time_partition(problem, memory=memory)
+            continue
+        checked += len(valid) < len(splits)
+        found = step_time_partition(problem, memory=memory)
+        assert fits(found.bounds), (found.bounds, memory)
+        assert found.step_time == pytest.approx(min(StepTimeEvaluator(problem)(valid)), rel=1e-9, abs=1e-15)
+        flop = partition(list(problem.forward), pp, memory=memory)
+        assert fits(flop.bounds), (flop.bounds, memory)
+    assert checked >= 10  # cases where the cap rules out some splits but not all
+
+
 def test_slowest_stage_optimum_equals_the_dp():
     rng = random.Random(3)
     for _ in range(100):

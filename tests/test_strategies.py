@@ -103,6 +103,17 @@ def test_memory_cap_is_respected_or_explained(tiny):
     assert {f.code for f in make_plan(blocks, tight, "nanotron").findings} == {"no-params", "memory"}
 
 
+def test_memory_cap_search_keeps_the_overhead_allowance(tiny):
+    # 1 MiB above the 1 GiB overhead allowance: every stage of the tiny model needs more than that (its lm_head
+    # alone is 3 MiB of weights), so no split fits; a search that forgot the overhead would take the whole GiB.
+    cfg, blocks = tiny
+    assert cfg.ext.overhead_gib == 1.0 and cfg.ext.objective == "step_time"
+    almost = cfg.with_overrides(memory_cap_gib=1.0 + 1 / 1024)
+    for name in ("flops", "constrained"):  # the FLOP partitioner and the step-time search
+        with pytest.raises(PlanningError, match=r"no split fits memory_cap_gib=1: .*GiB over"):
+            make_plan(blocks, almost, name)
+
+
 def test_layout_strategy(tiny):
     cfg, blocks = tiny
     plan = make_plan(blocks, cfg.with_overrides(layout="E,t|t,L"), "layout")

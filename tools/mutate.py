@@ -11,8 +11,14 @@ The copy's package must be the one imported: the virtual environment has an edit
 original checkout, so ``PYTHONPATH`` is set to the copy (setuptools' editable finder comes after ``PYTHONPATH``
 on ``sys.meta_path``; the script checks it), and the spawned test ranks put the copy first as well.
 
-Usage: ``python tools/mutate.py [--only SUBSTRING] [--worktree] [--keep]``; exit 1 if a mutation survives or
-cannot be applied.
+Some tests run against only one Nanotron (``tests/conftest.py``): each mutation names the pass its tests run in
+(``nanotron``: ``any``, ``0.2`` or ``upstream``). The script runs the mutations of the Nanotron installed in the
+interpreter that runs it and lists the others as left for the other pass, so run it once per environment (the
+upstream one with ``tests/upstream_stubs`` on ``PYTHONPATH``, as CI does; ``--only`` to run a few). The copy
+sits beside a link to the project's ``../shared`` so that the upstream tests find upstream's checkout.
+
+Usage: ``python tools/mutate.py [--only SUBSTRING] [--worktree] [--keep]``; exit 1 if a mutation survives, cannot
+be applied, or its tests collect nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]
+    nanotron: str = "any"  # the pass its tests run in: "any", "0.2" or "upstream" (tests/conftest.py)
 
 
 M = Mutation
@@ -57,6 +64,11 @@ VOCAB = "nanotron_ext/models/vocab_chain.py"
 LLAMA = "nanotron_ext/models/llama.py"
 ENGINE = "nanotron_ext/runtime/engine.py"
 CHAIN = "tests/runtime/test_vocab_chain.py"
+STEP_TIME = "nanotron_ext/partition/schedule_aware.py"
+STRATEGIES = "nanotron_ext/strategies/builtin.py"
+MEMORY = "nanotron_ext/costs/memory_estimate.py"
+LAUNCHER = "nanotron_ext/integration/trainer_patches.py"
+CONFIG_KEYS = "nanotron_ext/config_keys.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the four that survived in issue 14 ----------------------------------------------------------------
@@ -69,10 +81,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_freeze.py",)),
     M("collective check tests params, not trainable", CHECKS,
       'bad = [r for r in rows if r["trainable"] == 0]', 'bad = [r for r in rows if r["params"] == 0]',
-      ("tests/runtime/test_integration.py",)),
+      ("tests/runtime/test_integration.py",), "0.2"),
     M("rank 0 re-raises its profiling error", MEASURED,
       '            payload[0] = {"error": f"{type(exc).__name__}: {exc}"}\n', "            raise\n",
-      ("tests/runtime/test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank",)),
+      ("tests/runtime/test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank",), "0.2"),
     # --- partitioner ---------------------------------------------------------------------------------------
     M("partitioner allows empty stages", OPTIMAL,
       "base = idx[:, None] < idx[None, :]  # non-empty", "base = idx[:, None] <= idx[None, :]  # non-empty",
@@ -123,43 +135,79 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- collective check ----------------------------------------------------------------------------------
     M("collective check ignores allow_frozen_stages", CHECKS,
       "if bad and not allow_frozen_stages:", "if bad:",
-      ("tests/runtime/test_integration.py",)),
+      ("tests/runtime/test_integration.py",), "0.2"),
     M("collective check counts frozen weights as trainable", CHECKS,
       '"trainable": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),',
       '"trainable": sum(p.numel() for p in unwrapped.parameters()),',
-      ("tests/runtime/test_integration.py",)),
+      ("tests/runtime/test_integration.py",), "0.2"),
     # --- profiling -----------------------------------------------------------------------------------------
     M("profiler keeps the last warm-up run", MEASURED,
       "        if i >= warmup:\n            forward.append(t1 - t0)", "        if i >= warmup - 1:\n            forward.append(t1 - t0)",
-      ("tests/runtime/test_profiled.py",)),
+      ("tests/runtime/test_profiled.py",), "0.2"),
     M("profiler keys a block by its own trainability", MEASURED,
       "for b, g in zip(blocks, trainable_before(blocks))]", "for b, g in zip(blocks, trainable_before(blocks)[1:])]",
-      ("tests/runtime/test_profiled.py",)),
+      ("tests/runtime/test_profiled.py",), "0.2"),
     M("every rank measures for itself", MEASURED,
       "    if dist.get_rank() == 0:\n        try:\n            timings = profile_blocks(",
       "    if True:\n        try:\n            timings = profile_blocks(",
-      ("tests/runtime/test_profiled.py::test_same_plan_on_every_rank_when_one_rank_measures_differently",)),
+      ("tests/runtime/test_profiled.py::test_same_plan_on_every_rank_when_one_rank_measures_differently",), "0.2"),
     # --- the vocabulary-shard chain (issue 15) ---------------------------------------------------------------
     M("chain drops the running-max rescale", VOCAB,
       "sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)", "sumexp = sumexp + running_sumexp",
-      (CHAIN,)),
+      (CHAIN,), "0.2"),
     M("chain drops the target-logit hand-off", VOCAB,
-      "            target = target + target_logit\n", "            pass\n", (CHAIN,)),
+      "            target = target + target_logit\n", "            pass\n", (CHAIN,), "0.2"),
     M("chain rescales by its own max only", VOCAB,
       "new_max = local_max if running_max is None else torch.maximum(running_max, local_max)",
-      "new_max = local_max", (CHAIN,)),
+      "new_max = local_max", (CHAIN,), "0.2"),
     M("chain's slice test is off by one", VOCAB,
-      "here = (labels >= self.lo) & (labels < self.hi)", "here = (labels >= self.lo) & (labels <= self.hi)", (CHAIN,)),
+      "here = (labels >= self.lo) & (labels < self.hi)", "here = (labels >= self.lo) & (labels <= self.hi)", (CHAIN,), "0.2"),
     M("chain's backward drops the target logit's gradient", VOCAB,
-      "        grad.scatter_add_(-1, index, (grad_target * here).unsqueeze(-1).to(grad.dtype))\n", "", (CHAIN,)),
+      "        grad.scatter_add_(-1, index, (grad_target * here).unsqueeze(-1).to(grad.dtype))\n", "", (CHAIN,), "0.2"),
     M("chain's loss ignores label_mask", VOCAB,
       "mask = self._as_tokens(label_mask).to(torch.float)",
-      "mask = torch.ones_like(self._as_tokens(label_mask), dtype=torch.float)", (CHAIN,)),
+      "mask = torch.ones_like(self._as_tokens(label_mask), dtype=torch.float)", (CHAIN,), "0.2"),
     M("shard rows start from fresh draws, not the lm_head's", LLAMA,
       "param.copy_(full[shard.lo:shard.hi].to(dtype=param.dtype))",
-      "param.copy_(full[:shard.hi - shard.lo].to(dtype=param.dtype))", (CHAIN,)),
+      "param.copy_(full[:shard.hi - shard.lo].to(dtype=param.dtype))", (CHAIN,), "0.2"),
     M("labels only on the last stage", ENGINE,
-      "label_ranks = label_pp_ranks(unwrapped)", "label_ranks = [out_rank]", (CHAIN,)),
+      "label_ranks = label_pp_ranks(unwrapped)", "label_ranks = [out_rank]", (CHAIN,), "0.2"),
+    # --- bugs that passed the whole suite (issue 21 §3) ------------------------------------------------------
+    M("step-time search compares a stage with the whole cap", STEP_TIME,
+      "mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * _RTOL)",
+      "mem = (sp, ap, tuple(memory.in_flight), memory.cap + memory.cap * _RTOL)",
+      ("tests/test_schedule_aware.py::test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight",
+       "tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance")),
+    M("FLOP partitioner compares a stage with the whole cap", OPTIMAL,
+      "    limit = memory.room + memory.cap * _RTOL\n", "    limit = memory.cap + memory.cap * _RTOL\n",
+      ("tests/test_schedule_aware.py::test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight",
+       "tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance")),
+    M("strategies' memory cap leaves out the overhead", STRATEGIES,
+      "            overhead=cfg.ext.overhead_gib * GIB,\n", "            overhead=0.0,\n",
+      ("tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance",)),
+    M("optimizer-step peak drops the overhead", MEMORY,
+      "return self.static + self.optimizer_temporaries + self.overhead",
+      "return self.static + self.optimizer_temporaries",
+      ("tests/test_memory.py::test_the_overhead_allowance_counts_at_both_moments",)),
+    M("2 micro-batches in flight skip the later backward", MEMORY,
+      "            if n >= 2:  # a later backward", "            if n >= 3:  # a later backward",
+      ("tests/test_memory.py::test_two_micro_batches_peak_in_the_second_backward_with_every_gradient_alive",)),
+    M("chain flattens Qwen2's labels seq-major", VOCAB,
+      'per_token.transpose(0, 1) if self.token_layout == "seq_batch" else per_token.reshape(-1)',
+      'per_token.transpose(0, 1) if self.token_layout == "seq_batch" else per_token.transpose(0, 1).reshape(-1)',
+      (f"{CHAIN}::test_token_layouts_read_labels_in_the_hidden_states_order",), "0.2"),
+    M("label broadcast takes the group rank for a global one", LAUNCHER,
+      "source = dist.get_global_rank(pp_pg, model.output_pp_rank)", "source = model.output_pp_rank",
+      ("tests/upstream/test_launcher.py::"
+       "test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_rank",), "upstream"),
+    M("launcher hands frozen weights to the optimizer", LAUNCHER,
+      '    patches.set(NanotronModel, "get_named_params_with_correct_tied",\n'
+      "                lambda self: ((n, p) for n, p in named(self) if p.requires_grad))\n", "",
+      ("tests/test_launcher_cli.py::"
+       "test_the_optimizer_nanotron_builds_under_the_launcher_gets_only_trainable_parameters",), "0.2"),
+    M("tp need not divide the KV heads", CONFIG_KEYS,
+      'for heads_key in ("num_attention_heads", "num_key_value_heads"):', 'for heads_key in ("num_attention_heads",):',
+      ("tests/test_bad_input.py::test_bad_input[tp: 4 with 2 KV heads]",)),
 )
 
 
@@ -195,7 +243,22 @@ def _pytest(copy: Path, tests: tuple[str, ...], timeout: float, *, stop_first: b
 
 
 def _failures(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    return re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M)  # ids may hold spaces: [tp: 4 ...]
+
+
+def _nothing_ran(code: int | None, output: str) -> bool:
+    """pytest collected nothing (exit 4 or 5), or passed without one passing test (every one skipped, as a test
+    of the other Nanotron's pass is): a "pass" that tests nothing. The project's ``-q`` plus ours leave no summary
+    line, so the passes are counted in the progress lines (``..s.   [100%]``)."""
+    progress = re.findall(r"^([.sxXFE]+)\s+\[\s*\d+%\]\s*$", output, re.M)
+    return code in (4, 5) or (code == 0 and not any("." in line for line in progress))
+
+
+def _nanotron_under_test(copy: Path) -> str:
+    """``upstream`` or ``0.2``, decided as ``tests/upstream/harness.py`` decides (upstream main has Qwen2)."""
+    probe = "import importlib.util; print('upstream' if importlib.util.find_spec('nanotron.models.qwen') else '0.2')"
+    return subprocess.run([sys.executable, "-c", probe], cwd=copy, env=_env(copy), capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,20 +267,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worktree", action="store_true", help="copy the working tree instead of HEAD")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = parser.parse_args(argv)
-    mutations = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
+    selected = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
     tmp = Path(tempfile.mkdtemp(prefix="nanotron_ext_mutate_"))
     copy = tmp / "repo"
+    rows = []
     try:
         _copy_repo(copy, args.worktree)
+        if (ROOT.parent / "shared").is_dir():  # tests/upstream/harness.py finds upstream's checkout at ../shared
+            (tmp / "shared").symlink_to(ROOT.parent / "shared")
+        nanotron = _nanotron_under_test(copy)
+        mutations = [m for m in selected if m.nanotron in ("any", nanotron)]
+        for m in selected:
+            if m not in mutations:
+                rows.append((m.name, m.file, f"LEFT FOR THE {m.nanotron} PASS", 0.0))
         where = subprocess.run([sys.executable, "-c", "import nanotron_ext; print(nanotron_ext.__file__)"],
                                cwd=copy, env=_env(copy), capture_output=True, text=True, check=True).stdout.strip()
         if not Path(where).resolve().is_relative_to(copy.resolve()):
             print(f"the copy's package is not the one imported ({where}); stopping", file=sys.stderr)
             return 2
-        print(f"copy: {copy} ({'working tree' if args.worktree else 'HEAD'}); nanotron_ext from {where}")
+        print(f"copy: {copy} ({'working tree' if args.worktree else 'HEAD'}); nanotron_ext from {where}; "
+              f"Nanotron under test: {nanotron} ({len(rows)} mutation(s) left for the other pass)")
         selection = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+        if not selection:  # pytest without paths would run the whole suite
+            print("no mutation for this Nanotron was selected")
+            mutations = []
         start = time.monotonic()
-        code, output = _pytest(copy, selection, MUTATION_TIMEOUT_S * 2, stop_first=False)
+        code, output = _pytest(copy, selection, MUTATION_TIMEOUT_S * 2, stop_first=False) if selection else (0, "")
         broken = tuple(_failures(output))
         if code != 0 and not broken:
             print(f"baseline: the selected tests do not run:\n{output[-4000:]}", file=sys.stderr)
@@ -225,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baseline: {len(selection)} test selections unmutated ({time.monotonic() - start:.0f} s); "
               + (f"{len(broken)} fail already and are left out: {', '.join(broken)}" if broken else "all pass"))
         print()
-        rows = []
         for m in mutations:
             path = copy / m.file
             original = path.read_text()
@@ -243,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.monotonic() - start
             if code is None:
                 verdict = "TIMEOUT"
+            elif _nothing_ran(code, output):
+                verdict = f"NOT RUN (pytest exit code {code}, no test passed or failed)"
             elif code == 0:
                 verdict = "SURVIVED"
             else:
@@ -254,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    order = {m.name: i for i, m in enumerate(MUTATIONS)}
+    rows.sort(key=lambda r: order[r[0]])
     headers = ("mutation", "file", "caught by", "s")
     cells = [(n, f.removeprefix("nanotron_ext/"), v, f"{s:.0f}") for n, f, v, s in rows]
     widths = [max(len(str(r[i])) for r in [headers, *cells]) for i in range(4)]
@@ -262,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join("-" * w for w in widths))
     for r in cells:
         print("  ".join(str(c).rjust(w) if i == 3 else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    bad = [r for r in rows if r[2] in ("SURVIVED", "TIMEOUT") or r[2].startswith("NOT APPLIED")]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught; "
-          f"{sum(r[2] == 'SURVIVED' for r in rows)} survived")
+    bad = [r for r in rows if r[2] in ("SURVIVED", "TIMEOUT") or r[2].startswith(("NOT APPLIED", "NOT RUN"))]
+    left = [r for r in rows if r[2].startswith("LEFT FOR")]
+    ran = len(rows) - len(left)
+    print(f"\n{ran - len(bad)} of {ran} mutations caught; {sum(r[2] == 'SURVIVED' for r in rows)} survived"
+          + (f"; {len(left)} left for the other Nanotron's pass" if left else ""))
     return 1 if bad else 0
 
 

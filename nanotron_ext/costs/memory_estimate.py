@@ -39,7 +39,7 @@ from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
-from nanotron_ext.costs.analytic import GIB, in_flight, param_bytes
+from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.inventory.flops import mlp_active
 
 __all__ = [
@@ -127,16 +127,7 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
         return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
                            backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
     if role == "vocab_shard":
-        # nanotron_ext.models.vocab_chain: lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64
-        # label index and the mask, the linear's input saved; the statistics are [tokens] fp32. Forward: the
-        # fp32 logits and the subtraction before exp (the 16-bit logits are gone by then); backward: the logits
-        # gradient is written into the saved exp, cast back to 16-bit, then the linear's gradients.
-        rows = block.params / h
-        stats = 3 * t * 4.0
-        return BlockMemory(saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
-                           forward_temp=t * rows * 2 * 4.0,
-                           backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
-                           persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
+        return _vocab_shard(block, m, run, t, tn, tl, grad_temp)
     # projector / other: a linear layer on the hidden states.
     return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
                        input=t * h * w, input_saved=True, output=t * h * w)
@@ -181,6 +172,22 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
     rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
     return BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
                        input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
+
+
+def _vocab_shard(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
+                 grad_temp: float) -> BlockMemory:
+    """A block of the vocabulary chain (:mod:`nanotron_ext.models.vocab_chain`)."""
+    w, h = DTYPE_BYTES[run.dtype], m.hidden_size
+    # lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64 label index and the mask, the
+    # linear's input saved; the statistics are [tokens] fp32. Forward: the fp32 logits and the subtraction before
+    # exp (the 16-bit logits are gone by then); backward: the logits gradient is written into the saved exp, cast
+    # back to 16-bit, then the linear's gradients.
+    rows = block.params / h
+    stats = 3 * t * 4.0
+    return BlockMemory(saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
+                       forward_temp=t * rows * 2 * 4.0,
+                       backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
+                       persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
 
 
 def _block_layer(block: BlockInfo) -> int | None:
@@ -313,6 +320,44 @@ def stage_memory(
         raise ValueError(f"optimizer={optimizer!r} is not one of foreach, for_loop, fused")
     pp = run.pp if pp is None else pp
     per = param_bytes(run)
+    held = _stage_parameters(blocks, m, per)
+    n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
+    mems = [block_memory(b, m, run) for b in blocks]
+    activations, worst = _pipeline_moment(blocks, mems, m, run, stage, pp, n, held, retain_sends)
+    return StageMemory(
+        weights=held.params * per.weights,
+        gradients=sum(held.grads) + held.allocated,
+        optimizer=sum(held.trainable) * per.optimizer,
+        buffers=sum(x.persistent for x in mems) + (RUNTIME_TENSORS_BYTES if blocks else 0.0),
+        activations=activations,
+        in_flight=n,
+        pipeline_activations=worst[0],
+        pipeline_gradients=worst[1],
+        pipeline_temporaries=worst[2],
+        optimizer_temporaries=_optimizer_temporaries(blocks, m, run, held.trainable, per.state, optimizer),
+        overhead=overhead_gib * GIB,
+    )
+
+
+@dataclass(frozen=True)
+class _StageParameters:
+    """The static terms of a stage, per block where the moments need them.
+
+    Attributes:
+        params: parameters held on the rank (a tied weight held twice counted once).
+        trainable: trainable parameters per block (a tied ``lm_head`` counts 0: the embedding holds the tensor).
+        grads: ``.grad`` bytes per block, alive once a backward has made them.
+        allocated: gradient bytes allocated before training and kept (fp32 accumulation, DDP buckets).
+    """
+
+    params: int
+    trainable: list[int]
+    grads: list[float]
+    allocated: float
+
+
+def _stage_parameters(blocks: Sequence[BlockInfo], m: ModelShape, per: ParamBytes) -> _StageParameters:
+    """Parameters, trainable counts and gradient bytes of the stage's blocks (see :class:`_StageParameters`)."""
     params = sum(b.params for b in blocks)
     trainable = [b.trainable for b in blocks]
     roles = {b.role: i for i, b in enumerate(blocks)}
@@ -324,66 +369,74 @@ def stage_memory(
     # backward has made it.
     allocated = sum(trainable) * per.gradients_allocated
     grads = [x * (per.gradients - per.gradients_allocated) for x in trainable]
-    n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
+    return _StageParameters(params=params, trainable=trainable, grads=grads, allocated=allocated)
+
+
+def _pipeline_moment(
+    blocks: Sequence[BlockInfo], mems: Sequence[BlockMemory], m: ModelShape, run: RunShape, stage: int, pp: int,
+    n: int, held: _StageParameters, retain_sends: bool,
+) -> tuple[float, tuple[float, float, float]]:
+    """One micro-batch's activations, and the (activations, gradients, temporaries) alive at the pipeline's
+    worst moment (zeros for an empty stage)."""
+    if not mems:
+        return 0.0, (0.0, 0.0, 0.0)
+    held_in = 0.0 if mems[0].input_saved else mems[0].input
+    held_out = mems[-1].output
+    activations = held_in + sum(x.saved for x in mems) + held_out
+    sent = 0.0
+    if retain_sends:
+        # CPUP2P keeps every sent tensor until the step ends: outputs beyond those still held, and the
+        # gradients sent back for the stage's input.
+        sent = ((run.n_micro_batches - n) * held_out * (stage < pp - 1)
+                + run.n_micro_batches * mems[0].input * (stage > 0))
+    worst = max(_pipeline_candidates(blocks, mems, m, run, n, held, held_in, held_out, activations), key=sum)
+    return activations, (worst[0], worst[1] + held.allocated, worst[2] + sent)
+
+
+def _pipeline_candidates(
+    blocks: Sequence[BlockInfo], mems: Sequence[BlockMemory], m: ModelShape, run: RunShape, n: int,
+    held: _StageParameters, held_in: float, held_out: float, activations: float,
+) -> list[tuple[float, float, float]]:
+    """Every moment of the micro-batch being computed, block by block, forward then backward, as (activations,
+    gradients, temporaries); the worst is the stage's pipeline peak."""
+    trainable, grads = held.trainable, held.grads
+    weight_bytes = param_bytes(run).weights
     # 1F1B with more micro-batches than it holds runs a backward before its next forward: from then on every
     # gradient exists during forwards too. Otherwise (AFAB, or all forwards first) the first backward makes
     # them block by block from the last, each in place (no fresh copy to add), while every micro-batch is held.
     grads_early = run.engine == "1f1b" and run.n_micro_batches > n
     g_all = sum(grads)
-    mems = [block_memory(b, m, run) for b in blocks]
-    activations = 0.0
-    worst = (0.0, 0.0, 0.0)  # (activations, gradients, temporaries) alive at the worst moment
-    if mems:
-        held_in = 0.0 if mems[0].input_saved else mems[0].input
-        held_out = mems[-1].output
-        activations = held_in + sum(x.saved for x in mems) + held_out
-        sent = 0.0
-        if retain_sends:
-            # CPUP2P keeps every sent tensor until the step ends: outputs beyond those still held, and the
-            # gradients sent back for the stage's input.
-            sent = ((run.n_micro_batches - n) * held_out * (stage < pp - 1)
-                    + run.n_micro_batches * mems[0].input * (stage > 0))
-        saved_so_far = held_in
-        candidates = []
-        for i, (b, x) in enumerate(zip(blocks, mems)):
-            saved_so_far += x.saved
-            own_input = x.input if i > 0 and not x.input_saved else 0.0
-            others = (n - 1) * activations
-            fresh = _largest_param(b, m, run) * per.weights if trainable[i] else 0.0
-            candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
-                               own_input + x.forward_temp + x.output))
-            if grads_early:
-                candidates.append((others + saved_so_far + held_out, g_all, x.output + x.backward_temp))
-            else:
-                # The first backward: the block's gradient is made in place of .grad (no fresh copy).
-                candidates.append((others + saved_so_far + held_out, sum(grads[i:]),
-                                   x.output + x.backward_temp - fresh))
-                if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
-                    candidates.append(((n - 2) * activations + saved_so_far + held_out, g_all,
-                                       x.output + x.backward_temp))
-        worst = max(candidates, key=sum)
-        worst = (worst[0], worst[1] + allocated, worst[2] + sent)
+    saved_so_far = held_in
+    candidates = []
+    for i, (b, x) in enumerate(zip(blocks, mems)):
+        saved_so_far += x.saved
+        own_input = x.input if i > 0 and not x.input_saved else 0.0
+        others = (n - 1) * activations
+        fresh = _largest_param(b, m, run) * weight_bytes if trainable[i] else 0.0
+        candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
+                           own_input + x.forward_temp + x.output))
+        if grads_early:
+            candidates.append((others + saved_so_far + held_out, g_all, x.output + x.backward_temp))
+        else:
+            # The first backward: the block's gradient is made in place of .grad (no fresh copy).
+            candidates.append((others + saved_so_far + held_out, sum(grads[i:]),
+                               x.output + x.backward_temp - fresh))
+            if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
+                candidates.append(((n - 2) * activations + saved_so_far + held_out, g_all,
+                                   x.output + x.backward_temp))
+    return candidates
+
+
+def _optimizer_temporaries(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, trainable: Sequence[int],
+                           state_bytes: float, optimizer: str) -> float:
+    """The optimizer step's temporaries (bytes) for AdamW run as ``optimizer`` (see :func:`stage_memory`)."""
     largest = max((_largest_param(b, m, run) for b, tr in zip(blocks, trainable) if tr), default=0)
     if optimizer == "for_loop":
         # torch's single-tensor AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps), two tensors for a moment.
-        opt_temp = 2.0 * largest * per.state
-    elif optimizer == "foreach":
-        opt_temp = max(2.0 * largest, sum(trainable)) * per.state
-    else:
-        opt_temp = 0.0
-    return StageMemory(
-        weights=params * per.weights,
-        gradients=sum(grads) + allocated,
-        optimizer=sum(trainable) * per.optimizer,
-        buffers=sum(x.persistent for x in mems) + (RUNTIME_TENSORS_BYTES if blocks else 0.0),
-        activations=activations,
-        in_flight=n,
-        pipeline_activations=worst[0],
-        pipeline_gradients=worst[1],
-        pipeline_temporaries=worst[2],
-        optimizer_temporaries=opt_temp,
-        overhead=overhead_gib * GIB,
-    )
+        return 2.0 * largest * state_bytes
+    if optimizer == "foreach":
+        return max(2.0 * largest, sum(trainable)) * state_bytes
+    return 0.0
 
 
 def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int) -> StageMemory:

@@ -122,3 +122,17 @@ def test_a_key_no_nanotron_reads_is_left_to_nanotrons_own_loader(tmp_path):
     assert "'doremi' is read by no Nanotron nanotron_ext knows" in run.out and "the plan goes on" in run.out
     assert 'can not match "doremi" to any data class field' in run.out, run.out  # dacite, in upstream's loader
     assert "unknown key(s)" not in run.out  # not refused by us
+
+
+def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_rank(tmp_path):
+    # 4 processes: dp=2 x pp=2, a vocabulary shard on each stage. Upstream lays ranks out pp-major, so the
+    # pipeline groups are {0, 2} and {1, 3}: each replica's labels are broadcast from global rank 2 or 3 (its
+    # output stage), not from rank 1, the output stage's rank within the group.
+    ext = {"cost_strategy": "layout", "layout": "E,t*2,N,V|V", "vocab_shards": 2}
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2), nproc=4)
+    assert run.rc == 0, run.out[-3000:]
+    assert re.search(r"^ +0  embedding, decoder\.0-1, final_norm, vocab\.0 ", run.out, re.M), run.out[:3000]
+    assert re.search(r"^ +1  vocab\.1 ", run.out, re.M), run.out[:3000]
+    # Dummy labels are uniform over the vocabulary: ln(50277) = 10.8 is the floor and init_method.std 0.5 starts
+    # above it. (Broadcasting from group rank 1 as if it were global stops the run: rank 1 is not in {0, 2}.)
+    assert sorted(run.losses) == [1, 2, 3] and all(10.8 < v < 1e3 for v in run.losses.values()), run.losses
