@@ -64,7 +64,7 @@ VOCAB = "nanotron_ext/models/vocab_chain.py"
 LLAMA = "nanotron_ext/models/llama.py"
 ENGINE = "nanotron_ext/runtime/engine.py"
 CHAIN = "tests/runtime/test_vocab_chain.py"
-STEP_TIME = "nanotron_ext/partition/schedule_aware.py"
+STEP_TIME = "nanotron_ext/partition/step_time_bound.py"
 STRATEGIES = "nanotron_ext/strategies/builtin.py"
 MEMORY = "nanotron_ext/costs/memory_estimate.py"
 LAUNCHER = "nanotron_ext/integration/trainer_patches.py"
@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_strategies.py", "tests/test_partition.py")),
     # --- validator -----------------------------------------------------------------------------------------
     M("too few 1F1B micro-batches is only a warning", VALIDATE,
-      '"error" if fatal else "warning", "few-micro-batches"', '"warning", "few-micro-batches"',
+      'Finding("error" if shortfall.fatal else "warning", "few-micro-batches"', 'Finding("warning", "few-micro-batches"',
       ("tests/test_validate.py", "tests/test_strategies.py")),
     M("memory cap compared in bytes, not GiB", VALIDATE,
       "if cap is not None and s.memory_bytes > cap * GIB:", "if cap is not None and s.memory_bytes > cap * 1e9:",
@@ -174,8 +174,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       "label_ranks = label_pp_ranks(unwrapped)", "label_ranks = [out_rank]", (CHAIN,), "0.2"),
     # --- bugs that passed the whole suite (issue 21 §3) ------------------------------------------------------
     M("step-time search compares a stage with the whole cap", STEP_TIME,
-      "mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * _RTOL)",
-      "mem = (sp, ap, tuple(memory.in_flight), memory.cap + memory.cap * _RTOL)",
+      "mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * RTOL)",
+      "mem = (sp, ap, tuple(memory.in_flight), memory.cap + memory.cap * RTOL)",
       ("tests/test_schedule_aware.py::test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight",
        "tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance")),
     M("FLOP partitioner compares a stage with the whole cap", OPTIMAL,
