@@ -160,14 +160,9 @@ def measure_training_memory(
     Raises:
         ValueError: ``steps`` < 1 or an unsupported dtype.
     """
-    from nanotron import distributed as dist
-    from nanotron.config import ParallelismArgs
-
-    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.runtime.context import GlooParallelContext
-    from nanotron_ext.runtime.cpu_model import build_cpu_llama
     from nanotron_ext.runtime.data import random_micro_batches
-    from nanotron_ext.runtime.engine import build_optimizer, train_step
+    from nanotron_ext.runtime.engine import train_step
 
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
@@ -177,52 +172,74 @@ def measure_training_memory(
     run = cfg.run
     torch.set_num_threads(1)
     with GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300) as ctx:
-        tp_mode = ((cfg.nanotron.get("parallelism") or {}).get("tp_mode")) or "ALL_REDUCE"
-        parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine, tp_mode=tp_mode,
-                                          tp_linear_async_communication=False)
         rec = MemoryRecorder().start()
         rec.mark("start")
-        torch.manual_seed(seed)
-        model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),
-                                parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype],
-                                vocab_shards=cfg.vocab_shards)
-        unwrapped = getattr(model, "module", model)
-        optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
+        model, optimizer, grad_acc = _build(cfg, ctx, block_ranks, dtype, seed)
         rec.mark("built")
-        sizes: dict[str, int] = {}
-        if optimizer is not None:
-            inner_step = optimizer.step
-
-            def step_with_marks() -> None:
-                # The gradients are complete (and synchronised) here; count them before Adam frees nothing.
-                sizes["gradients"] = _tensor_bytes(p.grad for p in unwrapped.parameters() if p.grad is not None)
-                rec.mark("optimizer:start")
-                inner_step()
-                rec.mark("optimizer:end")
-
-            optimizer.step = step_with_marks
+        gradients = _mark_the_optimizer_step(optimizer, getattr(model, "module", model), rec)
         stream = random_micro_batches(model, ctx, cfg.model.vocab_size, run.micro_batch_size, run.sequence_length,
                                       seed)
         for _ in range(steps):
             rec.mark("step:start")
             train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer, grad_accumulator=grad_acc)
             rec.mark("step:end")
-        trace = rec.stop()
-        has_opt = optimizer is not None
-        state = optimizer.get_base_optimizer().state if has_opt else {}
-        out = {
-            "pp_rank": dist.get_rank(ctx.pp_pg),
-            "tp_rank": dist.get_rank(ctx.tp_pg),
-            "params": sum(p.numel() for p in {id(p): p for p in unwrapped.parameters()}.values()),
-            "peak": trace.peak,
-            "weights": _tensor_bytes(unwrapped.parameters()),
-            "gradients": sizes.get("gradients", 0),
-            "optimizer": _tensor_bytes(t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)),
-            "step_start": trace.live_at("step:start"),
-            "pipeline_peak": trace.peak_between("step:start", "optimizer:start" if has_opt else "step:end"),
-            "optimizer_peak": trace.peak_between("optimizer:start", "optimizer:end") if has_opt else 0,
-        }
-    return out
+        return _measurements(rec.stop(), ctx, getattr(model, "module", model), optimizer, gradients)
+
+
+def _build(cfg: PlannerConfig, ctx: Any, block_ranks: Sequence[int], dtype: str, seed: int) -> tuple[Any, Any, Any]:
+    """The CPU Llama with ``block_ranks``' split on this rank, its optimizer and gradient accumulator."""
+    from nanotron.config import ParallelismArgs
+
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
+    from nanotron_ext.runtime.cpu_model import build_cpu_llama
+    from nanotron_ext.runtime.engine import build_optimizer
+
+    run = cfg.run
+    parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine, tp_mode=run.tp_mode,
+                                      tp_linear_async_communication=False)
+    torch.manual_seed(seed)
+    model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),
+                            parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype], vocab_shards=cfg.vocab_shards)
+    optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
+    return model, optimizer, grad_acc
+
+
+def _mark_the_optimizer_step(optimizer: Any, model: Any, rec: MemoryRecorder) -> dict[str, int]:
+    """Wrap ``optimizer.step`` in marks; the returned dict gets the bytes of the gradients it was given."""
+    sizes: dict[str, int] = {}
+    if optimizer is None:
+        return sizes
+    inner_step = optimizer.step
+
+    def step_with_marks() -> None:
+        # The gradients are complete (and synchronised) here; count them before Adam frees nothing.
+        sizes["gradients"] = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        rec.mark("optimizer:start")
+        inner_step()
+        rec.mark("optimizer:end")
+
+    optimizer.step = step_with_marks
+    return sizes
+
+
+def _measurements(trace: MemoryTrace, ctx: Any, model: Any, optimizer: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """This rank's figures (see :func:`measure_training_memory`) from the trace and the live tensors."""
+    from nanotron import distributed as dist
+
+    has_opt = optimizer is not None
+    state = optimizer.get_base_optimizer().state if has_opt else {}
+    return {
+        "pp_rank": dist.get_rank(ctx.pp_pg),
+        "tp_rank": dist.get_rank(ctx.tp_pg),
+        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "peak": trace.peak,
+        "weights": _tensor_bytes(model.parameters()),
+        "gradients": sizes.get("gradients", 0),
+        "optimizer": _tensor_bytes(t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)),
+        "step_start": trace.live_at("step:start"),
+        "pipeline_peak": trace.peak_between("step:start", "optimizer:start" if has_opt else "step:end"),
+        "optimizer_peak": trace.peak_between("optimizer:start", "optimizer:end") if has_opt else 0,
+    }
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
