@@ -115,8 +115,7 @@ def partition(
         The optimal :class:`Partition` (ties: most even, then earliest split points).
 
     Raises:
-        PlanningError: bad costs, or no split satisfies the constraints (the message says which and what
-        to change).
+        PlanningError: bad costs, or no split satisfies the constraints (saying which, and what to change).
 
     Example:
         >>> partition([1, 1, 1, 3], 2).bounds

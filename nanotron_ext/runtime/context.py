@@ -83,33 +83,8 @@ class GlooParallelContext(ParallelContext):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         # Deliberately no super().__init__(): it calls torch.cuda.set_device and asserts NCCL.
-        sizes = {
-            "tensor_parallel_size": tensor_parallel_size,
-            "pipeline_parallel_size": pipeline_parallel_size,
-            "data_parallel_size": data_parallel_size,
-            "expert_parallel_size": expert_parallel_size,
-        }
-        for name, value in sizes.items():
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-        missing = [key for key in _REQUIRED_ENV if key not in os.environ]
-        if missing:
-            raise ValueError(
-                f"GlooParallelContext needs the torchrun environment variables {', '.join(_REQUIRED_ENV)}; "
-                f"missing: {', '.join(missing)}. Launch with `torchrun --nproc_per_node=N ...` or set them."
-            )
-
-        world_size = int(os.environ["WORLD_SIZE"])
-        needed = tensor_parallel_size * pipeline_parallel_size * data_parallel_size * expert_parallel_size
-        if needed != world_size:
-            raise ValueError(
-                f"WORLD_SIZE={world_size} but tp*pp*dp*ep = {tensor_parallel_size}*{pipeline_parallel_size}*"
-                f"{data_parallel_size}*{expert_parallel_size} = {needed}. Launch {needed} processes "
-                f"(torchrun --nproc_per_node={needed}) or change the parallel sizes so their product is "
-                f"{world_size}."
-            )
-
+        world_size = _check_world(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                                  expert_parallel_size)
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.pipeline_parallel_size = int(pipeline_parallel_size)
         self.data_parallel_size = int(data_parallel_size)
@@ -117,19 +92,7 @@ class GlooParallelContext(ParallelContext):
         self._groups: dict = {}
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
-        if not torch_dist.is_initialized():
-            torch_dist.init_process_group(
-                backend="gloo",
-                rank=int(os.environ["RANK"]),
-                world_size=world_size,
-                timeout=self.timeout,
-            )
-        elif torch_dist.get_backend() != "gloo":
-            raise RuntimeError(
-                f"A default process group with backend {torch_dist.get_backend()!r} already exists; "
-                "GlooParallelContext needs gloo (CPU). Destroy the existing group first."
-            )
-
+        _init_gloo(world_size, self.timeout)
         if _UPSTREAM_SIGNATURE:
             # Upstream main's context has more groups (context parallel, local, a 5-D rank matrix) and only checks
             # its backend *argument*: with gloo already up and set_device a no-op, its own __init__ builds them.
@@ -191,3 +154,51 @@ class GlooParallelContext(ParallelContext):
                 # A peer already left (or timed out); still release our own resources.
                 pass
         torch_dist.destroy_process_group()
+
+
+def _check_world(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
+                 expert_parallel_size: int) -> int:
+    """``WORLD_SIZE``, once the sizes are positive integers whose product it is, under torchrun's variables."""
+    sizes = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "data_parallel_size": data_parallel_size,
+        "expert_parallel_size": expert_parallel_size,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+    missing = [key for key in _REQUIRED_ENV if key not in os.environ]
+    if missing:
+        raise ValueError(
+            f"GlooParallelContext needs the torchrun environment variables {', '.join(_REQUIRED_ENV)}; "
+            f"missing: {', '.join(missing)}. Launch with `torchrun --nproc_per_node=N ...` or set them."
+        )
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    needed = tensor_parallel_size * pipeline_parallel_size * data_parallel_size * expert_parallel_size
+    if needed != world_size:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} but tp*pp*dp*ep = {tensor_parallel_size}*{pipeline_parallel_size}*"
+            f"{data_parallel_size}*{expert_parallel_size} = {needed}. Launch {needed} processes "
+            f"(torchrun --nproc_per_node={needed}) or change the parallel sizes so their product is "
+            f"{world_size}."
+        )
+    return world_size
+
+
+def _init_gloo(world_size: int, timeout: datetime.timedelta) -> None:
+    """The default process group over gloo (or the one that exists, if it is gloo)."""
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group(
+            backend="gloo",
+            rank=int(os.environ["RANK"]),
+            world_size=world_size,
+            timeout=timeout,
+        )
+    elif torch_dist.get_backend() != "gloo":
+        raise RuntimeError(
+            f"A default process group with backend {torch_dist.get_backend()!r} already exists; "
+            "GlooParallelContext needs gloo (CPU). Destroy the existing group first."
+        )

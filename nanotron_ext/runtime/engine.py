@@ -244,8 +244,7 @@ def train_step(
         model: built, tied, initialised model (DDP-wrapped when DP > 1 and the rank trains something).
         parallel_context: its context.
         engine: ``"1f1b"``, ``"afab"`` or a Nanotron engine instance.
-        micro_batches: iterator/iterable of micro-batches (see ``make_micro_batch``); ``n_micro_batches`` are
-            consumed.
+        micro_batches: micro-batches (``make_micro_batch``); ``n_micro_batches`` of them are consumed.
         n_micro_batches: micro-batches per step (gradient accumulation).
         optimizer: Nanotron/torch optimizer, or None on a rank with nothing trainable (step skipped).
         grad_accumulator: Nanotron gradient accumulator or None.
@@ -279,21 +278,41 @@ def train_step(
     )
     # Sends were posted asynchronously (CPUP2P); make sure the peer has taken them before buffers are reused.
     wait_pending_sends(unwrapped)
+    _finish_gradients(model, parallel_context, grad_accumulator, clip_grad, grad_norms)
+    loss = _step_loss(outputs, parallel_context, unwrapped.output_pp_rank)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    return loss
 
+
+def _finish_gradients(
+    model: NanotronModel | DistributedDataParallel,
+    parallel_context: ParallelContext,
+    grad_accumulator: GradientAccumulator | None,
+    clip_grad: float | None,
+    grad_norms: list[float] | None,
+) -> None:
+    """After the pipeline, as the trainer does: dp average (unless DDP did it), tied weights, clipping."""
+    unwrapped = _unwrap(model)
     if not isinstance(model, DistributedDataParallel):
         # DDP already averaged gradients in the last backward; otherwise do it here, as the trainer does.
         _sync_dp_gradients_manually(unwrapped, parallel_context)
     sync_tied_weights_gradients(
         module=unwrapped, parallel_context=parallel_context, grad_accumulator=grad_accumulator
     )
-
     if clip_grad is not None or grad_norms is not None:
         # max_norm=inf measures without scaling.
         norm = _clip_gradients(unwrapped, parallel_context, clip_grad if clip_grad is not None else math.inf)
         if grad_norms is not None:
             grad_norms.append(float(norm))
 
-    # Loss: summed over micro-batches (the engine already divided each by n_micro_batches), averaged over DP.
+
+def _step_loss(outputs: list[dict[str, Any]], parallel_context: ParallelContext, output_pp_rank: int) -> float:
+    """The step's loss on every rank: summed over micro-batches (the engine already divided each by their
+    number), averaged over DP, broadcast from the output stage over the pipeline so any rank can log it."""
     loss = torch.zeros([], dtype=torch.float)
     if len(outputs) > 0 and isinstance(outputs[0]["loss"], torch.Tensor):
         loss = torch.stack([output["loss"].detach().float() for output in outputs]).sum()
@@ -301,14 +320,8 @@ def train_step(
         if dp_pg.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_pg)
             loss.div_(dp_pg.size())
-    # Every rank of the PP group gets the output stage's value, so any rank can log it.
-    dist.broadcast(loss, src=dist.get_global_rank(pp_pg, unwrapped.output_pp_rank), group=pp_pg)
-
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad()
-    if lr_scheduler is not None:
-        lr_scheduler.step()
+    pp_pg = parallel_context.pp_pg
+    dist.broadcast(loss, src=dist.get_global_rank(pp_pg, output_pp_rank), group=pp_pg)
     return float(loss.item())
 
 
