@@ -1,8 +1,8 @@
 """Simulated step time and bubble of every strategy's plan, under Nanotron's 1F1B schedule.
 
 For each public model shape (``nanotron_ext/configs/*.yaml``) at PP 2/4/8, each strategy's plan is turned
-into per-stage forward/backward times by the FLOP-rate model (``nanotron_ext.simulate.
-stage_times_from_plan``) and simulated with the config's micro-batch count. Printed per strategy: step time
+into per-stage forward/backward times by the planner's own pricing with the FLOP-rate model (``nanotron_ext.simulate.
+plan_stage_times``) and simulated with the config's micro-batch count. Printed per strategy: step time
 ÷ the fastest valid plan's, and the bubble (idle) fraction; beside them the equal-stage ideal
 ``(p−1)/(m+p−1)``. With p2p ignored (the default) both numbers are independent of the throughput.
 

@@ -286,7 +286,7 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
 # --- measured times (--times profiled) ---------------------------------------------------------------
 
 
-def test_stage_times_from_timings_sum_each_stage_and_keep_p2p():
+def test_measured_timings_sum_each_stage_and_keep_p2p():
     timings = [BlockTiming(1.0, 2.0, 0.5), BlockTiming(3.0, 0.0, 0.0), BlockTiming(4.0, 5.0, 0.25),
                BlockTiming(6.0, 1.0, 0.0)]  # fmt: skip
     stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings, p2p_bytes_per_second=BW)

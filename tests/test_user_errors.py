@@ -122,7 +122,7 @@ def test_custom_strategy_with_bad_ranks(tiny, name, match):
         make_plan(blocks, cfg, name)
 
 
-# --- partition/layout.py -------------------------------------------------------------------------------------
+# --- partition/layout_string.py -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text", ["", "   "])

@@ -1,8 +1,11 @@
-"""Per-block times of a model under the config's schedule: the input of the step-time objective.
+"""The one pricing of a model's blocks under the config's schedule: per-block forward, backward, update and send
+times (:class:`~nanotron_ext.partition.step_time_eval.ScheduleProblem`).
 
-The FLOP-rate model here is the one ``nanotron_ext.simulate.stage_times_from_plan`` simulates a plan with
-(forward FLOPs ÷ throughput; backward = the rest of the training FLOPs, freeze-aware; p2p = bytes a block
-sends ÷ bandwidth), so the split ``constrained`` picks is the one ``simulate`` reports fastest.
+The step-time objective, ``vocab_shards: auto`` and ``simulate`` (:func:`nanotron_ext.simulate.plan_stage_times`)
+all read time through :func:`schedule_problem`: FLOP-rate model (forward FLOPs ÷ throughput; backward = the rest
+of the training FLOPs, freeze-aware) or measured timings, and p2p = what a block sends (the memory model's
+``output``) ÷ bandwidth. So the split ``constrained`` picks is the one ``simulate`` reports fastest
+(``tests/test_schedule_aware.py`` checks that both price every split alike).
 """
 
 from __future__ import annotations
