@@ -76,7 +76,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.procs import free_port, kill_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"

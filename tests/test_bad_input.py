@@ -26,7 +26,7 @@ from nanotron_ext.cli import main
 from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from nanotron_ext.config import ExtConfig, bundled_config
 from nanotron_ext.costs import profiled
-from nanotron_ext.runtime.procs import free_port
+from nanotron_ext.procs import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = bundled_config()

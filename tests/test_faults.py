@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_ext.runtime.procs import kill_process_group
+from nanotron_ext.procs import kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.procs import free_port, kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"

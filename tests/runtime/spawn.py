@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import free_port, kill_process_group
+from nanotron_ext.procs import free_port, kill_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
