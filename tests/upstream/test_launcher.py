@@ -111,3 +111,19 @@ def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
                                                                            "vocab_shards": 3}))
     assert run.rc == 0, run.out[-3000:]
     assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
+
+
+def test_lm_head_in_the_freeze_spec_trains_every_vocabulary_shard_under_auto(tmp_path):
+    # `unfreeze: [lm_head]` with vocab_shards: auto: the launcher plans, builds and freezes with the chain's
+    # shards standing for the lm_head; every shard's weight moves, every frozen weight is bit-identical.
+    ext = {"cost_strategy": "constrained", "vocab_shards": "auto", "freeze": FREEZE}
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, checkpoints__save_initial_state=True))
+    assert run.rc == 0, run.out[-3000:]
+    chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
+    assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
+    start, end = weight_digests(tmp_path / "checkpoints" / "0"), weight_digests(tmp_path / "checkpoints" / "3")
+    assert start.keys() == end.keys()
+    trained = {k for k in start if k.startswith(("model/vocab_shards/", "model/decoder/1/"))}
+    assert len({k for k in trained if "vocab_shards" in k}) == int(chosen.group(1)), sorted(start)
+    assert {k for k in trained if start[k] == end[k]} == set()
+    assert {k for k in set(start) - trained if start[k] != end[k]} == set()
