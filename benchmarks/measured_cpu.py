@@ -75,7 +75,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.runtime.procs import local_env, run_local_ranks
+from nanotron_ext.procs import local_env, run_local_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"

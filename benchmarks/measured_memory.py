@@ -106,7 +106,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from nanotron_ext.config import config_from_dict
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import make_plan
-    from nanotron_ext.runtime.procs import local_env, run_local_ranks
+    from nanotron_ext.procs import local_env, run_local_ranks
 
     raw = sc.raw_config()
     cfg = config_from_dict(raw, source=sc.label)

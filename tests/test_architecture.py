@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ ROOT = "nanotron_ext"
 
 #: The parts of the package, bottom up; a module may import its own part and the ones before it.
 ORDER = (
-    "errors", "report", "outputs", "blocks", "schedule", "families", "config_keys", "config",
+    "errors", "report", "outputs", "procs", "blocks", "schedule", "families", "config_keys", "config",
     "inventory", "models", "costs", "partition", "strategies", "plan", "__init__", "simulate", "integration",
     "runtime", "cli", "run",
 )
@@ -164,3 +166,13 @@ def test_planner_simulator_and_adapter_never_import_the_runtime():
     below = [m for m in MODULES if LAYERS[_part(m)] < LAYERS["runtime"]]
     offenders = {m: sorted(t for t in GRAPH[m][0] if _part(t) == "runtime") for m in below}
     assert not {m: t for m, t in offenders.items() if t}
+
+
+def test_the_launcher_never_loads_the_runtime():
+    # `python -m nanotron_ext.run` drives the Nanotron at hand (upstream main too); the CPU runtime is built on
+    # Nanotron 0.2's engines. Checked in a fresh interpreter, so lazy imports in what main() loads count too.
+    code = ("import sys, nanotron_ext.run, nanotron_ext.integration.trainer_patches; "
+            "print(sorted(m for m in sys.modules if m.startswith('nanotron_ext.runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    assert "nanotron_ext.procs" in GRAPH["nanotron_ext.run"][0]  # the parent-death hook comes from the leaf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -137,3 +138,44 @@ def test_layout_places_vocabulary_shards_with_v() -> None:
 def test_plan_json_says_how_many_shards() -> None:
     assert json.loads(make_plan(inventory_from_config(_cfg(3)), _cfg(3)).to_json())["vocab_shards"] == 3
     assert json.loads(make_plan(inventory_from_config(_cfg(1)), _cfg(1)).to_json())["vocab_shards"] == 1
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def _head_and_last(k, **freeze):
+    """The example that trains the lm_head and the last decoder layer (4 layers, pp=2), with ``vocab_shards=k``."""
+    cfg = load_config(EXAMPLES / "last_layer_lm_head_pp2.yaml")
+    spec = {**cfg.ext.freeze, **freeze}
+    return dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards=k, freeze=spec))
+
+
+def _trainable(cfg) -> dict[str, bool]:
+    """Short block name -> whether all of it trains (False: all frozen); a half-frozen block fails here."""
+    out = {}
+    for b in inventory_from_config(cfg):
+        if b.params:
+            assert b.trainable in (0, b.params), (b.short, b.trainable, b.params)
+            out[b.short] = b.trainable == b.params
+    return out
+
+
+@pytest.mark.parametrize("k", ["auto", 2, 3])
+def test_lm_head_in_a_freeze_spec_means_the_chains_shards(k) -> None:
+    # `unfreeze: [lm_head]` with a chain: every shard trains, as the one lm_head would; `auto` plans its K > 1
+    # candidates with the same spec instead of stopping at "matches no module".
+    cfg, choice = resolve_vocab_shards(_head_and_last(k))
+    assert cfg.vocab_shards >= 2 and (choice is None or set(choice.step_times) >= {1, 2})
+    shards = [f"vocab.{i}" for i in range(cfg.vocab_shards)]
+    frozen = ["embedding", "decoder.0", "decoder.1", "decoder.2", "final_norm"]
+    assert _trainable(cfg) == {**dict.fromkeys(frozen, False), "decoder.3": True, **dict.fromkeys(shards, True)}
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    assert all(stage.trainable > 0 for stage in plan.stages)
+
+
+def test_shards_can_still_be_named_alone() -> None:
+    # The role word vocab_shard and a shard's short name pick shards, not the whole chain.
+    cfg = _head_and_last(3, unfreeze=["vocab.2"], unfreeze_last_decoder_layers=0)
+    assert [s for s, t in _trainable(cfg).items() if t] == ["vocab.2"]
+    cfg = _head_and_last(3, modules=["vocab_shard"], unfreeze=[], unfreeze_last_decoder_layers=0)
+    assert [s for s, t in _trainable(cfg).items() if not t] == ["vocab.0", "vocab.1", "vocab.2"]

@@ -54,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
-            from nanotron_ext.runtime.procs import exit_with_parent
+            from nanotron_ext.procs import exit_with_parent
 
             exit_with_parent()
         check_outputs((args.metrics_out, "--metrics-out"), (args.plan_out, "--plan-out"))

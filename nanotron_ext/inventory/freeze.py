@@ -10,7 +10,10 @@ YAML, under ``nanotron_ext:``::
 
 A pattern matches a block by role (``embedding``, ``projector``, ``decoder``, ``final_norm``, ``lm_head``),
 by short name glob (``decoder.3``, ``decoder.1*``, ``*``), by module path glob (``model.decoder.3``), or a
-parameter by its full name glob (``model.decoder.*.pp_block.mlp.*``). Examples:
+parameter by its full name glob (``model.decoder.*.pp_block.mlp.*``). With ``vocab_shards`` K > 1 (or ``auto``)
+the lm_head is the chain's K shards (``vocab.0`` ... ``vocab.K-1``, role ``vocab_shard``): the role word
+``lm_head`` then names all of them, so one freeze spec means the same whatever K is, by hand or chosen by
+``auto``; ``vocab_shard`` or ``vocab.1`` name shards alone. Examples:
 
 * freeze the decoder: ``modules: [decoder]``;
 * freeze embedding and output: ``modules: [embedding, lm_head]``;
@@ -83,10 +86,14 @@ class FreezeSpec:
         return FreezeSpec(**raw)
 
 
+#: Role words that name more than their own role: the vocabulary chain's shards are the lm_head split by rows.
+_ROLE_WORDS: dict[str, tuple[str, ...]] = {"lm_head": ("lm_head", "vocab_shard")}
+
+
 def matches(pattern: str, block: BlockInfo, param: ParamInfo) -> bool:
     """Whether ``pattern`` selects ``param`` of ``block``."""
     return (
-        pattern == block.role
+        block.role in _ROLE_WORDS.get(pattern, (pattern,))
         or fnmatchcase(block.short, pattern)
         or fnmatchcase(block.name, pattern)
         or fnmatchcase(param.name, pattern)

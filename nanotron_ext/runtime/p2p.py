@@ -34,22 +34,29 @@ def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailu
     """gloo's raw error as a message that names the peer and the setting, or None when it is not a
     communication failure.
 
+    The message has one form whatever was in flight: which operation a rank is blocked in when a peer goes
+    silent depends on timing (a receive in the pipeline, or the gradient-norm all-reduce after it), so the
+    message leads with what is certain, the silent peer and the wait, and says the operation after.
+
     Args:
         exc: what gloo raised.
-        peer: the global rank waited on, when known (point-to-point); None for a collective.
+        peer: the global rank waited on, when known (point-to-point); None for a collective, where in a world
+            of two ranks it can only be the other one.
         what: what was being exchanged ("activations or gradients", "the gradient all-reduce").
     """
     from nanotron_ext.runtime.context import TIMEOUT_ENV
 
     text = str(exc)
     me = dist.get_rank() if dist.is_initialized() else "?"
+    if peer is None and dist.is_initialized() and dist.get_world_size() == 2:
+        peer = 1 - int(me)
     who = f"rank {peer}" if peer is not None else "a peer rank"
     match = _TIMEOUT.search(text)
     if match:
         seconds = int(match.group(1)) / 1e3
         return RunFailure(
-            f"rank {me} waited {seconds:g} s for {what} from {who}, which stopped answering (stopped, hung or "
-            f"overloaded); its process may still be alive. If it is only slow, raise {TIMEOUT_ENV} (now "
+            f"rank {me} waited {seconds:g} s for {who}, which stopped answering (stopped, hung or overloaded), "
+            f"during {what}; its process may still be alive. If it is only slow, raise {TIMEOUT_ENV} (now "
             f"{seconds:g} s)"
         )
     if any(word in text for word in _GONE):
@@ -80,14 +87,14 @@ class CPUP2P(P2P):
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device = CPU) -> None:
         super().__init__(pg=pg, device=device)
-        # (work, tensor) pairs: the tensor must outlive the asynchronous send that reads it.
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # (work, tensor, global peer): the tensor must outlive the asynchronous send that reads it; the peer
+        # names who stopped answering if the wait times out.
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
 
     def _isend(self, tensor: torch.Tensor, to_rank: int, tag: int) -> dist.Work:
-        work = dist.isend(
-            tensor, dst=dist.get_global_rank(group=self.pg, group_rank=to_rank), group=self.pg, tag=tag
-        )
-        self._pending.append((work, tensor))
+        peer = dist.get_global_rank(group=self.pg, group_rank=to_rank)
+        work = dist.isend(tensor, dst=peer, group=self.pg, tag=tag)
+        self._pending.append((work, tensor, peer))
         return work
 
     def _send_meta(self, tensor: torch.Tensor, to_rank: int, tag: int) -> None:
@@ -136,11 +143,11 @@ class CPUP2P(P2P):
         work no longer depends on this rank.
         """
         pending, self._pending = self._pending, []
-        for work, _ in pending:
+        for work, _, peer in pending:
             try:
                 work.wait()
             except RuntimeError as exc:
-                failure = comm_failure(exc, peer=None, what="a pipeline send")
+                failure = comm_failure(exc, peer=peer, what="a pipeline send")
                 if failure is None:
                     raise
                 raise failure from None

@@ -37,6 +37,7 @@ from nanotron_ext.config_keys import get_dotted, installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError, check_positive_int
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan, cannot_train_message
+from nanotron_ext.procs import free_port
 from nanotron_ext.report import compact_names, human_count, table
 from nanotron_ext.runtime.data import (
     ByteTokenizer,
@@ -44,7 +45,6 @@ from nanotron_ext.runtime.data import (
     data_files_from_config,
     load_packed_windows,
 )
-from nanotron_ext.runtime.procs import free_port
 from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["TrainSettings", "preflight", "run_training"]

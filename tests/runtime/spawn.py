@@ -1,5 +1,5 @@
 """Run a function in N real processes with torchrun's environment, with a hard timeout (through
-``nanotron_ext.runtime.procs.run_local_ranks``, the launcher the benchmarks and ``train_workers`` use too).
+``nanotron_ext.procs.run_local_ranks``, the launcher the benchmarks and ``train_workers`` use too).
 
 Each rank is a fresh ``python`` subprocess (no fork of the pytest process, so no inherited process group or
 thread state) that loads the function's source file by path, calls it, and pickles back the return value or
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import local_env, run_local_ranks
+from nanotron_ext.procs import local_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

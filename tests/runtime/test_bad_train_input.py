@@ -11,7 +11,7 @@ import pytest
 from test_bad_input import TRAIN_CASES, Case, check_reply
 
 from nanotron_ext.cli.common import EXIT_USAGE
-from nanotron_ext.runtime.procs import free_port, local_env, run_local_ranks
+from nanotron_ext.procs import free_port, local_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -103,3 +103,12 @@ def test_frozen_stages_do_not_change_the_numbers(head_runs: dict[int, dict[str, 
     """pp=4 with two frozen stages trains exactly like pp=2 (same config, seed and data)."""
     for a, b in zip(head_runs[2]["losses"], head_runs[4]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (head_runs[2]["losses"], head_runs[4]["losses"])
+
+
+def test_lm_head_means_every_vocabulary_shard_when_auto_chooses_a_chain(tmp_path: Path) -> None:
+    # `unfreeze: [lm_head]` with vocab_shards: auto: the chain's shards train (every one, on both stages), as
+    # the one lm_head would; the plan, the build and the freeze on each rank agree on it.
+    m = _train(_config(tmp_path, "head_auto", {**HEAD_AND_LAST, "vocab_shards": "auto"}, lr=0.01), 2)
+    shards = sorted(n for n in m["block_to_rank"] if n.startswith("model.vocab_shards."))
+    assert len(shards) >= 2 and {m["block_to_rank"][n] for n in shards} == {0, 1}, m["block_to_rank"]
+    _check_frozen_run(m, lambda name: name.startswith(("model.vocab_shards.", "model.decoder.1.")))

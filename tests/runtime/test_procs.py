@@ -1,4 +1,4 @@
-"""``nanotron_ext.runtime.procs.run_local_ranks``, the one launcher of the tests and benchmarks: the rendezvous
+"""``nanotron_ext.procs.run_local_ranks``, the one launcher of the tests and benchmarks: the rendezvous
 environment, the deadline, the grace period after a failure, and that nothing it started outlives it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nanotron_ext.runtime.procs import local_env, run_local_ranks
+from nanotron_ext.procs import local_env, run_local_ranks
 
 PY = sys.executable
 

@@ -10,7 +10,7 @@ Two launchers:
 * :func:`torchrun` runs the documented command, ``torchrun --standalone --nproc_per_node=N -m
   nanotron_ext.cli train ...``.
 
-Both go through ``nanotron_ext.runtime.procs.run_local_ranks``: a hard timeout (a rank that hangs is killed
+Both go through ``nanotron_ext.procs.run_local_ranks``: a hard timeout (a rank that hangs is killed
 with whatever it started and reported, never waited on forever). Kept free of
 pytest imports: spawned ranks load this file by path.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanotron_ext.runtime.procs import LocalRun, local_env, run_local_ranks
+from nanotron_ext.procs import LocalRun, local_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import yaml
 
-from nanotron_ext.runtime.procs import local_env, run_local_ranks
+from nanotron_ext.procs import local_env, run_local_ranks
 from upstream.harness import UPSTREAM_EXAMPLES, upstream_tree
 
 ROOT = Path(__file__).resolve().parents[2]

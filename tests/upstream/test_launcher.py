@@ -136,3 +136,19 @@ def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_
     # Dummy labels are uniform over the vocabulary: ln(50277) = 10.8 is the floor and init_method.std 0.5 starts
     # above it. (Broadcasting from group rank 1 as if it were global stops the run: rank 1 is not in {0, 2}.)
     assert sorted(run.losses) == [1, 2, 3] and all(10.8 < v < 1e3 for v in run.losses.values()), run.losses
+
+
+def test_lm_head_in_the_freeze_spec_trains_every_vocabulary_shard_under_auto(tmp_path):
+    # `unfreeze: [lm_head]` with vocab_shards: auto: the launcher plans, builds and freezes with the chain's
+    # shards standing for the lm_head; every shard's weight moves, every frozen weight is bit-identical.
+    ext = {"cost_strategy": "constrained", "vocab_shards": "auto", "freeze": FREEZE}
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, checkpoints__save_initial_state=True))
+    assert run.rc == 0, run.out[-3000:]
+    chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
+    assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
+    start, end = weight_digests(tmp_path / "checkpoints" / "0"), weight_digests(tmp_path / "checkpoints" / "3")
+    assert start.keys() == end.keys()
+    trained = {k for k in start if k.startswith(("model/vocab_shards/", "model/decoder/1/"))}
+    assert len({k for k in trained if "vocab_shards" in k}) == int(chosen.group(1)), sorted(start)
+    assert {k for k in trained if start[k] == end[k]} == set()
+    assert {k for k in set(start) - trained if start[k] != end[k]} == set()

@@ -2,8 +2,9 @@
 of the test suite and the benchmarks), a free port for the rendezvous, killing one rank with whatever it spawned,
 and making a rank exit when its launcher dies.
 
-Used by ``nanotron-ext train`` (a single process standing in for torchrun), ``tests/runtime`` (``spawn.py``,
-``train_workers.py``), ``tests/upstream/e2e.py`` and the measured benchmarks.
+Used by ``nanotron-ext train`` (a single process standing in for torchrun) and the torchrun workers of
+``python -m nanotron_ext.run``, ``tests/runtime`` (``spawn.py``, ``train_workers.py``), ``tests/upstream/e2e.py``
+and the measured benchmarks. A leaf (standard library only): the launcher imports it without the CPU runtime.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ __all__ = [
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Seconds between two looks at the parent pid (the fallback where prctl is missing).
 PARENT_POLL_S = 0.5
+#: Command-line words of torch's launchers: a process 1 showing one is torchrun itself, run as the first
+#: process of a container (``docker run IMAGE torchrun ...``, a Kubernetes pod's command), not init.
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
 def free_port() -> int:
@@ -60,6 +64,20 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _init_is_a_launcher() -> bool:
+    """Whether process 1 is torchrun (a container's first process) rather than the init that adopts orphans.
+
+    A parent pid of 1 then means "started by torchrun", not "the launcher already died". Unreadable counts as
+    a launcher: wrongly killing every rank at start is worse than the rare race it guards against (and a rank
+    whose torchrun is gone fails at the rendezvous anyway, the store lived in torchrun).
+    """
+    try:
+        cmdline = Path("/proc/1/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return True
+    return any(word in cmdline for word in _LAUNCHERS)
+
+
 def exit_with_parent(poll_s: float = PARENT_POLL_S) -> bool:
     """Make this process die with SIGKILL as soon as its parent (the launcher, e.g. torchrun) dies.
 
@@ -79,7 +97,7 @@ def exit_with_parent(poll_s: float = PARENT_POLL_S) -> bool:
             kernel = ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
         except (OSError, AttributeError):
             kernel = False
-    if os.getppid() != parent or parent == 1:  # the parent died before the hook was set
+    if os.getppid() != parent or (parent == 1 and not _init_is_a_launcher()):  # the parent died before the hook
         os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
