@@ -233,26 +233,12 @@ def run_local_ranks(
                  None if merge_output else files.enter_context(open(Path(tmp) / f"rank{r}.err", "w+b")))
                 for r in range(world_size)]
         start = time.monotonic()
-        deadline, killed, deadline_hit = start + timeout, set(), False
+        deadline, killed, deadline_hit = start + timeout, set[int](), False
         try:
             for rank in range(world_size):
                 rank_env = dict(base, **rendezvous_env(rank, world_size, port)) if port is not None else base
-                out, err = logs[rank]
-                procs.append(subprocess.Popen(
-                    [str(a) for a in argv_of(rank)], env=rank_env, cwd=None if cwd is None else str(cwd),
-                    stdout=out, stderr=subprocess.STDOUT if err is None else err, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                ))
-            first_failure: float | None = None
-            while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop early)
-                now = time.monotonic()
-                if first_failure is None and any(c not in (None, 0) for c in codes):
-                    first_failure = now
-                deadline_hit = now >= deadline
-                if deadline_hit or (grace is not None and first_failure is not None and now - first_failure >= grace):
-                    killed = {r for r, p in enumerate(procs) if p.poll() is None}
-                    break
-                time.sleep(poll_s)
+                procs.append(_start(argv_of(rank), rank_env, cwd, *logs[rank]))
+            killed, deadline_hit = _wait(procs, deadline, grace, poll_s)
         finally:
             for proc in procs:  # also on an exception here (KeyboardInterrupt): no rank outlives the launch
                 kill_process_group(proc)
@@ -261,6 +247,31 @@ def run_local_ranks(
                           "" if err is None else _read(err))
                  for rank, (proc, (out, err)) in enumerate(zip(procs, logs))]
     return LocalRun(ranks, elapsed, deadline_hit)
+
+
+def _start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, out: IO[bytes],
+           err: IO[bytes] | None) -> subprocess.Popen:
+    """One rank, leading its own session (so that its group can be killed whole), its output in files."""
+    return subprocess.Popen(
+        [str(a) for a in argv], env=env, cwd=None if cwd is None else str(cwd),
+        stdout=out, stderr=subprocess.STDOUT if err is None else err, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, grace: float | None, poll_s: float) -> tuple[set[int], bool]:
+    """Wait until every process has exited, the deadline passes, or ``grace`` seconds after the first failure;
+    returns (the ranks still running then, whether the deadline was hit). Killing them is the caller's."""
+    first_failure: float | None = None
+    while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop early)
+        now = time.monotonic()
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            first_failure = now
+        deadline_hit = now >= deadline
+        if deadline_hit or (grace is not None and first_failure is not None and now - first_failure >= grace):
+            return {r for r, p in enumerate(procs) if p.poll() is None}, deadline_hit
+        time.sleep(poll_s)
+    return set(), False
 
 
 def _read(log: IO[bytes]) -> str:

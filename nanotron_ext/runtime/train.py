@@ -166,11 +166,33 @@ def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -
     return steps, seed, data_seed
 
 
+def _optimizer_settings(cfg: PlannerConfig) -> tuple[dict[str, Any], Any, list[str], float | None]:
+    """(Adam's settings, Nanotron's ``LRSchedulerArgs``, scheduler keys left unused, ``clip_grad``) of the YAML."""
+    from nanotron.config import LRSchedulerArgs
+
+    raw = cfg.nanotron
+    opt = get_dotted(raw, "optimizer", {}) or {}
+    # Upstream main keeps Adam's settings under optimizer.optimizer_factory; 0.2 next to the others.
+    opt = {**opt, **(opt.get("optimizer_factory") or {})}
+    lr_raw = opt.get("learning_rate_scheduler")
+    if not isinstance(lr_raw, dict) or "learning_rate" not in lr_raw:
+        raise ConfigError(f"{cfg.source}: required key 'optimizer.learning_rate_scheduler.learning_rate' is missing")
+    lr_raw, unused_lr = _known_fields(LRSchedulerArgs, lr_raw)
+    try:
+        lr_schedule = LRSchedulerArgs(**lr_raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg.source}: invalid optimizer.learning_rate_scheduler: {exc}") from exc
+    clip = opt.get("clip_grad")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
+    return opt, lr_schedule, unused_lr, clip
+
+
 def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     """Model, parallelism, optimizer and schedule settings through Nanotron's own config classes (which
     validate them), plus notes on the settings the CPU runtime changes."""
     # Importing nanotron pulls in torch: a second or two, so only after the cheap checks.
-    from nanotron.config import LlamaConfig, LRSchedulerArgs, ParallelismArgs
+    from nanotron.config import LlamaConfig, ParallelismArgs
 
     raw, run = cfg.nanotron, cfg.run
     if cfg.model.family != "llama":
@@ -196,20 +218,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
 
-    opt = get_dotted(raw, "optimizer", {}) or {}
-    # Upstream main keeps Adam's settings under optimizer.optimizer_factory; 0.2 next to the others.
-    opt = {**opt, **(opt.get("optimizer_factory") or {})}
-    lr_raw = opt.get("learning_rate_scheduler")
-    if not isinstance(lr_raw, dict) or "learning_rate" not in lr_raw:
-        raise ConfigError(f"{cfg.source}: required key 'optimizer.learning_rate_scheduler.learning_rate' is missing")
-    lr_raw, unused_lr = _known_fields(LRSchedulerArgs, lr_raw)
-    try:
-        lr_schedule = LRSchedulerArgs(**lr_raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cfg.source}: invalid optimizer.learning_rate_scheduler: {exc}") from exc
-    clip = opt.get("clip_grad")
-    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
+    opt, lr_schedule, unused_lr, clip = _optimizer_settings(cfg)
     return {
         "model_config": model_config,
         "parallel_config": parallel_config,
@@ -374,9 +383,9 @@ def _train(
     """Build, freeze, validate, wrap and train on an existing context; rank 0 prints and writes files."""
     from nanotron import distributed as dist
 
-    from nanotron_ext.runtime import build_optimizer, make_micro_batch, pipeline_blocks, wrap_ddp
+    from nanotron_ext.runtime import build_optimizer, make_micro_batch, wrap_ddp
 
-    cfg, run = s.cfg, s.cfg.run
+    run = s.cfg.run
     model, plan, rank_rows = _build_checked_model(s, ctx)
     before = _checksums(model) if metrics_out else {}
 
@@ -403,8 +412,23 @@ def _train(
     gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
     dist.all_gather_object(gathered, local, group=ctx.world_pg)
     per_rank = [{**row, **{k: v for k, v in g.items() if k != "world_rank"}} for row, g in zip(rank_rows, gathered)]
+    metrics = _metrics(s, plan, unwrapped, per_rank, losses, grad_norms, times, lrs)
+    if s.rank == 0:
+        print(_summary(metrics), flush=True)
+        if metrics_out:
+            _write_json(metrics_out, metrics)
+        if plan_out:
+            _write_json(plan_out, plan.to_dict())
+    return metrics
 
-    block_map = {name: int(block.rank) for name, block in pipeline_blocks(unwrapped)}
+
+def _metrics(s: TrainSettings, plan: Plan, model: Any, per_rank: list[dict[str, Any]], losses: list[float],
+             grad_norms: list[float], times: list[float], lrs: list[float]) -> dict[str, Any]:
+    """The run's record (``--metrics-out``): the setup, per-step losses, norms, times and rates, the split."""
+    from nanotron_ext.runtime import pipeline_blocks
+
+    cfg, run = s.cfg, s.cfg.run
+    block_map = {name: int(block.rank) for name, block in pipeline_blocks(model)}
     steady = times[1:] or times  # step 1 pays one-off costs (allocations, first P2P handshakes)
     metrics = {
         "config": str(cfg.source),
@@ -430,12 +454,6 @@ def _train(
         "block_to_rank": block_map,
         "ranks": per_rank,
     }
-    if s.rank == 0:
-        print(_summary(metrics), flush=True)
-        if metrics_out:
-            _write_json(metrics_out, metrics)
-        if plan_out:
-            _write_json(plan_out, plan.to_dict())
     return metrics
 
 
