@@ -324,13 +324,18 @@ def test_nanotron_schema_matches_the_installed_nanotron() -> None:
     assert config_keys.NANOTRON_SCHEMAS[installed] == config_keys.installed_nanotron_keys()
 
 
+def _plan_json(path: str | Path) -> subprocess.CompletedProcess:
+    """``nanotron-ext plan PATH --json`` in a fresh interpreter: its warnings on stderr, the plan on stdout."""
+    return subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "plan", str(path), "--json"],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_a_key_no_nanotron_reads_is_one_warning_and_the_plan_goes_on(tmp_path: Path) -> None:
     # SmolLM3's configs carry parallelism.moe_layer_recompute (the Nanotron branch that trained it reads it);
     # upstream's DoReMi example a top-level doremi: section (its own config class reads it). No near miss.
     path = _edit(tmp_path, lambda raw: (raw["parallelism"].update(moe_layer_recompute=False),
                                         raw.update(doremi={"domain_names": "a, b"})))
-    proc = subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "plan", path, "--json"], capture_output=True,
-                          text=True, timeout=120)
+    proc = _plan_json(path)
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stderr.splitlines() == [
         f"nanotron-ext: warning: {path}: 'parallelism.moe_layer_recompute', 'doremi' are read by no Nanotron "
@@ -344,8 +349,7 @@ def test_duplicate_yaml_key_is_a_one_line_warning_and_the_last_one_wins(tmp_path
     # A warning, not an error: upstream's own examples/config_qwen_with_moe.yaml gives moe_config twice, and
     # Nanotron's loader keeps the last one too.
     path = _replace(tmp_path, "  pp: 2\n", "  pp: 2\n  pp: 4\n")
-    proc = subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "plan", path, "--json"], capture_output=True,
-                          text=True, timeout=120)
+    proc = _plan_json(path)
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stderr.splitlines() == [
         f"nanotron-ext: warning: {path}: key 'pp' appears twice in one mapping (line 17 and line 18); YAML keeps "
