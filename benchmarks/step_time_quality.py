@@ -28,9 +28,11 @@ from _common import CONFIGS, PPS, SHAPES, external_partitioners, print_command, 
 from nanotron_ext.config import load_config
 from nanotron_ext.costs.analytic import training_flops
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import ScheduleProblem, StepTimeEvaluator, step_time_partition
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
+from nanotron_ext.schedule import min_micro_batches
 from nanotron_ext.strategies.step_time import schedule_problem
 
 TOL = 1e-9
@@ -38,7 +40,7 @@ PEERS = ("nanotron", "uniform", "flops", "deepspeed", "torchgpipe")
 
 
 def _bounds(ranks: Sequence[int], pp: int) -> tuple[int, ...]:
-    return (0, *[sum(1 for r in ranks if r <= k) for k in range(pp)])
+    return tuple(bounds_from_ranks(ranks, pp))
 
 
 def public_cases() -> tuple[list[list[str]], int, float]:
@@ -91,7 +93,7 @@ def _random_problem(rng: random.Random) -> ScheduleProblem:
     n = rng.randint(3, 11)
     pp = rng.randint(2, min(n, 6))
     engine = rng.choice(["1f1b", "1f1b", "afab"])
-    m = rng.randint(pp - 1 if engine == "1f1b" else 1, 3 * pp)
+    m = rng.randint(min_micro_batches(engine, pp), 3 * pp)
     family = rng.choice(["uniform", "lognormal", "llm", "spiky"])
     if family == "uniform":
         f = [rng.random() for _ in range(n)]

@@ -27,7 +27,9 @@ from typing import IO
 __all__ = [
     "LocalRun",
     "RankExit",
+    "RENDEZVOUS_VARIABLES",
     "exit_with_parent",
+    "exit_with_torchrun",
     "free_port",
     "kill_process_group",
     "local_env",
@@ -51,17 +53,18 @@ def free_port() -> int:
 
 
 def kill_process_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group and reap it, if it still runs.
+    """SIGKILL ``proc``'s process group, and reap ``proc``.
 
     ``proc`` must have been started with ``start_new_session=True``: its process group id is then its pid, so
-    this kills that process and whatever it spawned, never unrelated processes.
+    this kills that process and whatever it spawned, never unrelated processes. The group is killed even when
+    ``proc`` itself has exited: a child it left behind is still in it (and Linux reuses no pid while a group of
+    that id exists).
     """
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left in the group
+        pass
+    proc.wait()
 
 
 def _init_is_a_launcher() -> bool:
@@ -127,6 +130,16 @@ def local_env(pythonpath_first: str | Path | None = None, base: Mapping[str, str
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath_first), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+#: The variables a rank needs to join its world (torchrun sets them).
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def exit_with_torchrun() -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), die with it: never train on as an orphan."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()
 
 
 def rendezvous_env(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -22,7 +22,7 @@ from nanotron_ext.config import load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.plan import resolve_vocab_shards
-from nanotron_ext.procs import exit_with_parent
+from nanotron_ext.procs import exit_with_torchrun
 from nanotron_ext.strategies import get_strategy
 
 __all__ = ["config_file_of", "main"]
@@ -57,8 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on as an orphan
-        exit_with_parent()
+    exit_with_torchrun()
     from nanotron_ext.integration.trainer_patches import install_launcher
 
     opts = _parser().parse_args(argv)

@@ -20,6 +20,7 @@ from nanotron_ext.partition.schedule_aware import (
     step_time_partition,
 )
 from nanotron_ext.plan import make_plan
+from nanotron_ext.schedule import min_micro_batches
 from nanotron_ext.schedule.simulator import StageTimes, simulate
 from nanotron_ext.simulate import simulate_plan
 
@@ -28,7 +29,7 @@ def _random_problem(rng: random.Random) -> ScheduleProblem:
     n = rng.randint(2, 9)
     pp = rng.randint(1, min(n, 5))
     engine = rng.choice(["1f1b", "afab"])
-    m = rng.randint(max(1, pp - 1) if engine == "1f1b" else 1, 9)
+    m = rng.randint(min_micro_batches(engine, pp), 9)
     f = [rng.choice([0.0, rng.random(), 5 * rng.random()]) for _ in range(n)]
     b = [x * rng.uniform(0.5, 3) for x in f]
     u = [0.5 * rng.random() if rng.random() < 0.3 else 0.0 for _ in range(n)]

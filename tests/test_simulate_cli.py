@@ -16,7 +16,7 @@ from nanotron_ext.costs.profiled import BlockTiming
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.plan import Plan
 from nanotron_ext.simulate import StageTimes, simulate
-from nanotron_ext.simulate.stage_times import format_seconds, gradient_cuts, plan_stage_times, simulate_plan
+from nanotron_ext.simulate.stage_times import format_seconds, plan_stage_times, simulate_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T = 1e12  # FLOPs of one unit in the hand-made blocks below
@@ -73,7 +73,7 @@ def test_stage_times_of_a_hand_made_two_stage_plan():
     # stage 0: forward 1 + 3 = 4, backward 3 + 9 - 4 = 8; stage 1: forward 2 + 1 = 3, backward 10 + 2 - 3 = 9.
     # p2p: stage 0's last block (B, the lm_head) sends its logits: 2 s at BW. Stage 1 sends nothing.
     assert LOGITS == 2 * 32 * 50277 * 4
-    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
     assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
     assert p2p == 2.0
     # A cut after A instead ships hidden states (t x h x 4 bytes), not logits.
@@ -82,7 +82,7 @@ def test_stage_times_of_a_hand_made_two_stage_plan():
 
 
 def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
-    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
     r = simulate(stages, 2, "1f1b", p2p)
     # Transfers take 2 s and start once both sides are there. Stage 0: F0 [0,4] F1 [4,8], sending each at once.
     # Stage 1: activation 0 arrives at 6; F0 [6,9] B0 [9,18]; activation 1 (sent at 8) is only received from
@@ -105,28 +105,33 @@ def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
 
 def test_p2p_ignored_without_bandwidth_and_on_one_stage():
     assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12)[1] == 0.0
-    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, flops_per_second=2e12, p2p_bytes_per_second=1.0)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, flops_per_second=2e12, p2p_bytes_per_second=1.0)
     assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
+
+
+def _cuts(plan: Plan, blocks: list[BlockInfo]) -> list[bool]:
+    return plan_stage_times(plan, blocks, CFG, flops_per_second=1.0).grad_cuts
 
 
 def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
     frozen = [_block(0, 1, 2, 2, 10, 0), _block(1, 3, 6, 6, 10, 0), _block(2, 2, 4, 4, 10, 10)]
-    assert gradient_cuts(_plan(frozen, [0, 1, 2]), frozen) == [False, False]  # only C, on stage 2, trains
+    assert _cuts(_plan(frozen, [0, 1, 2]), frozen) == [False, False]  # only C, on stage 2, trains
     middle = [_block(0, 1, 2, 2, 10, 0), _block(1, 2, 4, 4, 10, 10), _block(2, 1, 2, 2, 10, 0)]
-    assert gradient_cuts(_plan(middle, [0, 1, 2]), middle) == [False, True]
-    assert gradient_cuts(_plan(frozen, [0, 1, 1]), frozen) == [False]
-    assert gradient_cuts(_plan(HAND, [0, 0, 1, 1]), HAND) == [True]
+    assert _cuts(_plan(middle, [0, 1, 2]), middle) == [False, True]
+    assert _cuts(_plan(frozen, [0, 1, 1]), frozen) == [False]
+    assert _cuts(_plan(HAND, [0, 0, 1, 1]), HAND) == [True]
     cfg = CFG
     plan = _plan(frozen, [0, 1, 1])
     r = simulate_plan(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
-    stages, p2p = plan_stage_times(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    stages, p2p, cuts = plan_stage_times(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    assert cuts == [False]
     assert r == simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p, grad_cuts=[False])
     assert r != simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p)  # stage 0 would wait for gradients
 
 
 def test_frozen_prefix_pays_no_backward():
     frozen = [_block(0, 1, 2, 2, 10, 0), _block(1, 3, 6, 6, 10, 0), _block(2, 2, 4, 4, 10, 10)]
-    stages, _ = plan_stage_times(_plan(frozen, [0, 1, 2]), frozen, CFG, flops_per_second=1e12)
+    stages, _, _ = plan_stage_times(_plan(frozen, [0, 1, 2]), frozen, CFG, flops_per_second=1e12)
     assert stages == [StageTimes(1.0, 0.0), StageTimes(3.0, 0.0), StageTimes(2.0, 4.0)]
 
 
@@ -289,7 +294,7 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
 def test_measured_timings_sum_each_stage_and_keep_p2p():
     timings = [BlockTiming(1.0, 2.0, 0.5), BlockTiming(3.0, 0.0, 0.0), BlockTiming(4.0, 5.0, 0.25),
                BlockTiming(6.0, 1.0, 0.0)]  # fmt: skip
-    stages, p2p = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings, p2p_bytes_per_second=BW)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings, p2p_bytes_per_second=BW)
     assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
     assert p2p == 2.0  # B's logits at BW, as in the FLOP-rate model
     with pytest.raises(PlanningError, match="3 block timings for 4 blocks"):

@@ -208,6 +208,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("tp need not divide the KV heads", CONFIG_KEYS,
       'for heads_key in ("num_attention_heads", "num_key_value_heads"):', 'for heads_key in ("num_attention_heads",):',
       ("tests/test_bad_input.py::test_bad_input[tp: 4 with 2 KV heads]",)),
+    # --- fault messages --------------------------------------------------------------------------------------
+    M("the context names a collective's failure after tearing its groups down", "nanotron_ext/runtime/context.py",
+      "            failure = comm_failure(exc, peer=None, what=\"a collective (barrier, all-reduce or gather)\")\n"
+      "        self.destroy(barrier=exc_type is None)\n",
+      "            pass\n        self.destroy(barrier=exc_type is None)\n"
+      "        if isinstance(exc, RuntimeError) and not isinstance(exc, NanotronExtError):\n"
+      "            failure = comm_failure(exc, peer=None, what=\"a collective (barrier, all-reduce or gather)\")\n",
+      ("tests/runtime/test_faults.py::test_a_silent_peer_is_named_whatever_rank_0_waits_in",), "0.2"),
+    M("the launcher spares what an exited rank left behind", "nanotron_ext/procs.py",
+      "    try:\n        os.killpg(proc.pid, signal.SIGKILL)\n    except ProcessLookupError:  # nothing left in the group\n"
+      "        pass\n    proc.wait()\n",
+      "    if proc.poll() is None:\n        os.killpg(proc.pid, signal.SIGKILL)\n    proc.wait()\n",
+      ("tests/runtime/test_procs.py::test_a_rank_that_exits_leaves_no_child_behind",), "0.2"),
 )
 
 

@@ -53,10 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     """
     rank = os.environ.get("RANK", "0")
     try:
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
-            from nanotron_ext.procs import exit_with_parent
+        from nanotron_ext.procs import exit_with_torchrun
 
-            exit_with_parent()
+        exit_with_torchrun()
         check_outputs((args.metrics_out, "--metrics-out"), (args.plan_out, "--plan-out"))
         from nanotron_ext.runtime.train import run_training  # imports torch and nanotron: only when training
 

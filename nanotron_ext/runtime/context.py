@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import re
 from types import TracebackType
 
 import numpy as np
@@ -19,9 +20,10 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.context import ParallelContext
 
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, NanotronExtError, RunFailure
+from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooParallelContext", "timeout_from_env"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooParallelContext", "comm_failure", "timeout_from_env"]
 
 # Nanotron's groups default to a 10 minute timeout; a CPU test that deadlocks should fail much sooner.
 DEFAULT_TIMEOUT_S = 60.0
@@ -48,7 +50,6 @@ def timeout_from_env() -> float:
         raise ConfigError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds, e.g. {TIMEOUT_ENV}=60")
     return value
 
-_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: Upstream main's ParallelContext takes a context-parallel size (0.2's does not).
 _UPSTREAM_SIGNATURE = "context_parallel_size" in inspect.signature(ParallelContext.__init__).parameters
 
@@ -136,8 +137,16 @@ class GlooParallelContext(ParallelContext):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        """Destroy the groups: with a barrier on a clean exit, without one on an error (which propagates)."""
+        """Destroy the groups: with a barrier on a clean exit, without one on an error (which propagates).
+
+        gloo's raw error from a collective becomes a :func:`comm_failure` message first, while the groups still
+        exist to name the ranks (a pipeline send or receive has already named its peer: ``CPUP2P``)."""
+        failure = None
+        if isinstance(exc, RuntimeError) and not isinstance(exc, NanotronExtError):
+            failure = comm_failure(exc, peer=None, what="a collective (barrier, all-reduce or gather)")
         self.destroy(barrier=exc_type is None)
+        if failure is not None:
+            raise failure from None
 
     def destroy(self, barrier: bool = True) -> None:
         """Tear down the process groups; safe to call more than once or after a failed start.
@@ -169,10 +178,10 @@ def _check_world(tensor_parallel_size: int, pipeline_parallel_size: int, data_pa
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
-    missing = [key for key in _REQUIRED_ENV if key not in os.environ]
+    missing = [key for key in RENDEZVOUS_VARIABLES if key not in os.environ]
     if missing:
         raise ValueError(
-            f"GlooParallelContext needs the torchrun environment variables {', '.join(_REQUIRED_ENV)}; "
+            f"GlooParallelContext needs the torchrun environment variables {', '.join(RENDEZVOUS_VARIABLES)}; "
             f"missing: {', '.join(missing)}. Launch with `torchrun --nproc_per_node=N ...` or set them."
         )
 
@@ -202,3 +211,42 @@ def _init_gloo(world_size: int, timeout: datetime.timedelta) -> None:
             f"A default process group with backend {torch_dist.get_backend()!r} already exists; "
             "GlooParallelContext needs gloo (CPU). Destroy the existing group first."
         )
+
+
+#: gloo's words for a peer that stopped answering, and for one whose process is gone.
+_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+         "connection closed", "EOF")
+
+
+def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailure | None:
+    """gloo's raw error as a message that names the peer and the setting, or None when it is not a
+    communication failure.
+
+    The message has one form whatever was in flight: which operation a rank is blocked in when a peer goes
+    silent depends on timing (a receive in the pipeline, or the gradient-norm all-reduce after it), so the
+    message leads with what is certain, the silent peer and the wait, and says the operation after.
+
+    Args:
+        exc: what gloo raised.
+        peer: the global rank waited on, when known (point-to-point); None for a collective, where in a world
+            of two ranks it can only be the other one.
+        what: what was being exchanged ("activations or gradients", "the gradient all-reduce").
+    """
+    text = str(exc)
+    me = dist.get_rank() if dist.is_initialized() else "?"
+    if peer is None and dist.is_initialized() and dist.get_world_size() == 2:
+        peer = 1 - int(me)
+    who = f"rank {peer}" if peer is not None else "a peer rank"
+    match = _TIMEOUT.search(text)
+    if match:
+        seconds = int(match.group(1)) / 1e3
+        return RunFailure(
+            f"rank {me} waited {seconds:g} s for {who}, which stopped answering (stopped, hung or overloaded), "
+            f"during {what}; its process may still be alive. If it is only slow, raise {TIMEOUT_ENV} (now "
+            f"{seconds:g} s)"
+        )
+    if any(word in text for word in _GONE):
+        return RunFailure(f"rank {me} lost {who} during {what}: its process exited or was killed; see that "
+                          f"rank's own error, if it printed one")
+    return None

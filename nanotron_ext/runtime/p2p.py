@@ -14,56 +14,13 @@ are unchanged (blocking, as in Nanotron). This restores NCCL's host semantics on
 
 from __future__ import annotations
 
-import re
-
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
-from nanotron_ext.errors import RunFailure
+from nanotron_ext.runtime.context import comm_failure
 
-__all__ = ["CPUP2P", "comm_failure", "wait_pending_sends"]
-
-#: gloo's words for a peer that stopped answering, and for one whose process is gone.
-_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
-_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
-         "connection closed", "EOF")
-
-
-def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailure | None:
-    """gloo's raw error as a message that names the peer and the setting, or None when it is not a
-    communication failure.
-
-    The message has one form whatever was in flight: which operation a rank is blocked in when a peer goes
-    silent depends on timing (a receive in the pipeline, or the gradient-norm all-reduce after it), so the
-    message leads with what is certain, the silent peer and the wait, and says the operation after.
-
-    Args:
-        exc: what gloo raised.
-        peer: the global rank waited on, when known (point-to-point); None for a collective, where in a world
-            of two ranks it can only be the other one.
-        what: what was being exchanged ("activations or gradients", "the gradient all-reduce").
-    """
-    from nanotron_ext.runtime.context import TIMEOUT_ENV
-
-    text = str(exc)
-    me = dist.get_rank() if dist.is_initialized() else "?"
-    if peer is None and dist.is_initialized() and dist.get_world_size() == 2:
-        peer = 1 - int(me)
-    who = f"rank {peer}" if peer is not None else "a peer rank"
-    match = _TIMEOUT.search(text)
-    if match:
-        seconds = int(match.group(1)) / 1e3
-        return RunFailure(
-            f"rank {me} waited {seconds:g} s for {who}, which stopped answering (stopped, hung or overloaded), "
-            f"during {what}; its process may still be alive. If it is only slow, raise {TIMEOUT_ENV} (now "
-            f"{seconds:g} s)"
-        )
-    if any(word in text for word in _GONE):
-        return RunFailure(f"rank {me} lost {who} during {what}: its process exited or was killed; see that "
-                          f"rank's own error, if it printed one")
-    return None
-
+__all__ = ["CPUP2P", "wait_pending_sends"]
 
 def _global(pg: dist.ProcessGroup, group_rank: int) -> int | None:
     try:

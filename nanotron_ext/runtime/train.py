@@ -37,7 +37,7 @@ from nanotron_ext.config_keys import get_dotted, installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError, check_positive_int
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan, cannot_train_message
-from nanotron_ext.procs import free_port
+from nanotron_ext.procs import RENDEZVOUS_VARIABLES, free_port, rendezvous_env
 from nanotron_ext.report import compact_names, human_count, table
 from nanotron_ext.runtime.data import (
     ByteTokenizer,
@@ -49,7 +49,6 @@ from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["TrainSettings", "preflight", "run_training"]
 
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -268,16 +267,15 @@ def _world_from_env(needed: int, cfg: PlannerConfig) -> tuple[int, int]:
     """``(world_size, rank)`` from torchrun's variables; a 1-process run may go without torchrun."""
     r = cfg.run
     shape = f"dp×pp×tp = {r.dp}×{r.pp}×{r.tp} = {needed}"
-    if not any(k in os.environ for k in _TORCHRUN_ENV):
+    if not any(k in os.environ for k in RENDEZVOUS_VARIABLES):
         if needed != 1:
             raise ConfigError(
                 f"{cfg.source} asks for {shape} processes; launch them with torchrun: "
                 f"`torchrun --nproc_per_node={needed} -m nanotron_ext.cli train --config-file {cfg.source}`"
             )
         # A single process needs no launcher: stand in for torchrun's rendezvous variables.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+        os.environ.update(rendezvous_env(0, 1, free_port()))
+    missing = [k for k in RENDEZVOUS_VARIABLES if k not in os.environ]
     if missing:
         raise ConfigError(f"torchrun environment incomplete: {', '.join(missing)} not set; launch with torchrun")
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -350,26 +348,17 @@ def run_training(
         PipelineValidationError: some rank would have no gradient (raised on every rank).
     """
     settings = preflight(config_file, cost_strategy=cost_strategy, steps=steps, seed=seed)
-    try:
-        import torch
+    import torch
 
-        from nanotron_ext.runtime import GlooParallelContext
+    from nanotron_ext.runtime import GlooParallelContext
 
-        run = settings.cfg.run
-        # Failing, the context is torn down without a barrier: ranks may have died.
-        with GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
-                                 data_parallel_size=run.dp, timeout_s=settings.timeout_s) as ctx:
-            torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
-            return _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
-    except RuntimeError as exc:
-        if isinstance(exc, NanotronExtError):
-            raise
-        from nanotron_ext.runtime.p2p import comm_failure
-
-        failure = comm_failure(exc, peer=None, what="a collective (barrier, all-reduce or gather)")
-        if failure is None:
-            raise
-        raise failure from None
+    run = settings.cfg.run
+    # Failing, the context is torn down without a barrier (ranks may have died), and a collective's raw gloo
+    # error comes out of the `with` as a message naming the silent rank.
+    with GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
+                             data_parallel_size=run.dp, timeout_s=settings.timeout_s) as ctx:
+        torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
+        return _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
 
 
 def _train(

@@ -13,8 +13,8 @@ from nanotron_ext.schedule.simulator import (
 )
 from nanotron_ext.simulate.stage_times import (
     DEFAULT_TFLOPS,
+    PlanTimes,
     format_seconds,
-    gradient_cuts,
     plan_stage_times,
     simulate_plan,
     stage_labels,
@@ -28,10 +28,10 @@ __all__ = [
     "engine_order",
     "engine_program",
     "format_seconds",
-    "gradient_cuts",
     "ideal_bubble_fraction",
     "simulate",
     "simulate_plan",
     "stage_labels",
+    "PlanTimes",
     "plan_stage_times",
 ]

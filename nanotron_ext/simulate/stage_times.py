@@ -18,11 +18,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.plan import Plan
@@ -35,11 +34,26 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TFLOPS",
     "format_seconds",
-    "gradient_cuts",
+    "PlanTimes",
     "plan_stage_times",
     "simulate_plan",
     "stage_labels",
 ]
+
+
+class PlanTimes(NamedTuple):
+    """A plan priced for the simulator.
+
+    Attributes:
+        stages: one :class:`~nanotron_ext.schedule.simulator.StageTimes` per stage, seconds.
+        p2p: seconds of one transfer between neighbouring stages.
+        grad_cuts: per cut between stages ``k`` and ``k + 1``, whether a gradient crosses it back (is anything on
+            stages ``0..k`` trainable?); Nanotron sends none across a cut behind a frozen prefix.
+    """
+
+    stages: list[StageTimes]
+    p2p: float
+    grad_cuts: list[bool]
 
 
 def plan_stage_times(
@@ -50,8 +64,9 @@ def plan_stage_times(
     flops_per_second: float | None = None,
     timings: Sequence[BlockTiming] | None = None,
     p2p_bytes_per_second: float | None = None,
-) -> tuple[list[StageTimes], float]:
-    """Per-stage forward/backward/update time of one micro-batch, and the p2p time of one transfer.
+) -> PlanTimes:
+    """Per-stage forward/backward/update time of one micro-batch, the p2p time of one transfer, and which cuts
+    carry a gradient back.
 
     Args:
         plan: a plan made from ``blocks`` (:func:`nanotron_ext.plan.make_plan`).
@@ -62,7 +77,7 @@ def plan_stage_times(
         p2p_bytes_per_second: link bandwidth between neighbouring stages, bytes/s; ``None`` ignores p2p.
 
     Returns:
-        (one :class:`~nanotron_ext.schedule.simulator.StageTimes` per stage in seconds, p2p seconds per transfer).
+        The :class:`PlanTimes`.
 
     Raises:
         ConfigError: a throughput or bandwidth that is not a positive finite number; both or neither of
@@ -87,8 +102,8 @@ def plan_stage_times(
                                    flops_per_second=flops_per_second, p2p_bytes_per_second=p2p_bytes_per_second)
     except PlanningError as exc:  # the schedule itself cannot run (1F1B with too few micro-batches)
         raise ConfigError(str(exc)) from exc
-    fwd, bwd, upd, p2p, _ = problem.stage_times(bounds_from_ranks(plan.block_ranks, plan.pp))
-    return [StageTimes(f, b, u) for f, b, u in zip(fwd, bwd, upd)], p2p
+    fwd, bwd, upd, p2p, cuts = problem.stage_times(bounds_from_ranks(plan.block_ranks, plan.pp))
+    return PlanTimes([StageTimes(f, b, u) for f, b, u in zip(fwd, bwd, upd)], p2p, cuts)
 
 
 def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:
@@ -132,20 +147,12 @@ def simulate_plan(
     """
     if engine is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, engine=engine))
-    stages, p2p = plan_stage_times(plan, blocks, cfg, flops_per_second=flops_per_second, timings=timings,
-                                   p2p_bytes_per_second=p2p_bytes_per_second)
+    times = plan_stage_times(plan, blocks, cfg, flops_per_second=flops_per_second, timings=timings,
+                             p2p_bytes_per_second=p2p_bytes_per_second)
     try:
-        return simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p, grad_cuts=gradient_cuts(plan, blocks))
+        return simulate(times.stages, cfg.run.n_micro_batches, cfg.run.engine, times.p2p, grad_cuts=times.grad_cuts)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-
-
-def gradient_cuts(plan: Plan, blocks: Sequence[BlockInfo]) -> list[bool]:
-    """Per cut between stages ``k`` and ``k + 1``: does a gradient cross it back (is anything on stages ``0..k``
-    trainable)? Nanotron sends no gradient across a cut behind a frozen prefix."""
-    before = trainable_before(blocks)
-    # Ranks never decrease along the blocks, so the blocks of stages 0..k are the first "count ≤ k" ones.
-    return [before[sum(r <= k for r in plan.block_ranks)] for k in range(plan.pp - 1)]
 
 
 def format_seconds(seconds: float) -> str:

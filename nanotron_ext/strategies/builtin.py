@@ -22,7 +22,14 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.partition import MemoryCap, Requirement, layout_ranks, nanotron_greedy_ranks, partition
+from nanotron_ext.partition import (
+    MemoryCap,
+    Requirement,
+    bounds_from_ranks,
+    layout_ranks,
+    nanotron_greedy_ranks,
+    partition,
+)
 from nanotron_ext.partition.schedule_aware import step_time_partition
 from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.strategies.registry import Assignment, register_strategy
@@ -142,7 +149,7 @@ def step_time_assignment(
     gbps = cfg.ext.p2p_gbps
     problem = schedule_problem(blocks, cfg, timings=timings, p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
     greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
-    seed = [0] + [sum(1 for r in greedy if r <= k) for k in range(cfg.run.pp)]
+    seed = bounds_from_ranks(greedy, cfg.run.pp)
     try:
         found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed])
     except PlanningError:

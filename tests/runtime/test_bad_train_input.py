@@ -11,7 +11,7 @@ import pytest
 from test_bad_input import TRAIN_CASES, Case, check_reply
 
 from nanotron_ext.cli.common import EXIT_USAGE
-from nanotron_ext.procs import free_port, local_env, run_local_ranks
+from nanotron_ext.procs import free_port, local_env, rendezvous_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def _run_train(argv: list[str]) -> tuple[int | None, str, str]:
     """``python -m nanotron_ext.cli train ARGV --steps 1`` as rank 0 of a 2-rank world; ``env:K=V`` arguments
     set environment variables instead."""
-    env = local_env(REPO_ROOT, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port()))
+    env = local_env(REPO_ROOT, **rendezvous_env(0, 2, free_port()))
     for arg in [a for a in argv if a.startswith("env:")]:
         key, _, value = arg[4:].partition("=")
         env[key] = value

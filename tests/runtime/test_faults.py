@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_ext.procs import free_port, kill_process_group
+from nanotron_ext.procs import kill_process_group, local_env, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = REPO_ROOT / "nanotron_ext" / "configs" / "tiny_llama_large_vocab.yaml"
@@ -38,32 +38,30 @@ STOP_RANK_BOUND_S = TIMEOUT_S + 30.0 + 15.0
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 
-#: One rank of a two-rank gloo world: rank 1 stops itself (SIGSTOP) right before OP; rank 0 runs OP through the
-#: runtime's own code and prints the message its timeout becomes.
+#: One rank of a two-rank gloo world, through the runtime's own code: both ranks build the context, then rank 1
+#: stops itself (SIGSTOP) right before OP; rank 0 runs OP inside the `with` and prints the message its timeout
+#: becomes (a pipeline receive or send: CPUP2P's; a collective: the context's exit, while the groups still exist).
 _SILENT_PEER = """
-import datetime, os, signal, sys, torch
+import os, signal, sys, torch
 import torch.distributed as torch_dist
 from nanotron_ext.errors import RunFailure
-from nanotron_ext.runtime.p2p import CPUP2P, comm_failure
-op, rank, timeout = sys.argv[1], int(os.environ["RANK"]), datetime.timedelta(seconds=int(sys.argv[2]))
-torch_dist.init_process_group("gloo", timeout=timeout)
-pg = torch_dist.new_group([0, 1], timeout=timeout)
-if rank == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)
-p2p = CPUP2P(pg)
+from nanotron_ext.runtime import CPUP2P, GlooParallelContext
+op, rank = sys.argv[1], int(os.environ["RANK"])
 try:
-    if op == "pipeline receive":
-        p2p.recv_tensors(num_tensors=1, from_rank=1)
-    elif op == "pipeline send":
-        p2p.send_tensors([torch.ones(4)], to_rank=1)
-        p2p.wait_pending()
-    else:  # run_training turns a collective's failure into this message
-        try:
-            torch_dist.all_reduce(torch.ones(1), group=pg)
-        except RuntimeError as exc:
-            raise comm_failure(exc, peer=None, what="a collective (barrier, all-reduce or gather)") from None
+    with GlooParallelContext(1, 2, 1, timeout_s=float(sys.argv[2])) as ctx:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        p2p = CPUP2P(ctx.pp_pg)
+        if op == "pipeline receive":
+            p2p.recv_tensors(num_tensors=1, from_rank=1)
+        elif op == "pipeline send":
+            p2p.send_tensors([torch.ones(4)], to_rank=1)
+            p2p.wait_pending()
+        else:  # the gradient-norm all-reduce of a step
+            torch_dist.all_reduce(torch.ones(1), group=ctx.world_pg)
 except RunFailure as exc:
     print(exc, flush=True)
+    sys.exit(3)  # the launcher then kills the stopped rank at once
 """
 
 
@@ -188,17 +186,10 @@ def test_kill_torchrun(run: Run) -> None:
 @pytest.mark.parametrize("op", ["pipeline receive", "pipeline send", "gradient-norm all-reduce"])
 def test_a_silent_peer_is_named_whatever_rank_0_waits_in(tmp_path: Path, op: str) -> None:
     # Each place rank 0 can be blocked in when rank 1 stops, caught deterministically: the same words lead.
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    procs = [subprocess.Popen([sys.executable, "-c", _SILENT_PEER, op, str(TIMEOUT_S)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in (0, 1)]
-    try:
-        out, _ = procs[0].communicate(timeout=60)
-    finally:
-        for proc in procs:
-            kill_process_group(proc)
+    run = run_local_ranks([sys.executable, "-c", _SILENT_PEER, op, str(TIMEOUT_S)], 2, timeout=60, grace=0,
+                          env=local_env(REPO_ROOT))
+    out = run.ranks[0].stdout
+    assert run.ranks[0].returncode == 3, run.describe()
     assert out.startswith(f"rank 0 waited {TIMEOUT_S} s for rank 1, which stopped answering"), out
     assert f"NANOTRON_EXT_TIMEOUT_S (now {TIMEOUT_S} s)" in out
 

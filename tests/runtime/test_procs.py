@@ -84,3 +84,16 @@ def test_command_per_rank_and_bad_arguments() -> None:
         run_local_ranks([PY], 0, timeout=1)
     with pytest.raises(ValueError, match="timeout=0"):
         run_local_ranks([PY], 1, timeout=0)
+
+
+def test_a_rank_that_exits_leaves_no_child_behind() -> None:
+    # The rank starts a grandchild and exits at once (status 0): the launch must still kill the grandchild.
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "print(p.pid, flush=True)")
+    run = run_local_ranks([PY, "-c", code], 1, timeout=30, rendezvous=False)
+    assert run.ok, run.describe()
+    grandchild = int(run.ranks[0].stdout.split()[0])
+    gone_by = time.monotonic() + 2.0  # SIGKILL is sent before the launch returns; let the kernel finish it
+    while _alive(grandchild) and time.monotonic() < gone_by:
+        time.sleep(0.01)
+    assert not _alive(grandchild), "a child of a rank that exited outlived the launch"

@@ -75,13 +75,20 @@ class Run:
         return {int(s): float(v) for s, v in re.findall(r"iteration: (\d+) / \d+ .*?\| lm_loss: ([0-9.]+)", self.out)}
 
 
-def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240) -> Run:
-    """``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file CONFIG`` on CPU."""
+def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of ``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file
+    CONFIG`` on CPU: upstream's own trainer with the CPU stand-ins switched on."""
     env = local_env(ROOT, NANOTRON_EXT_CPU_TRAINER="1")
     env["PYTHONPATH"] = os.pathsep.join([str(STUBS), env["PYTHONPATH"]])
     run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "nanotron_ext.run", *launcher_args, str(run_train), "--config-file", str(config)]
+    return cmd, env
+
+
+def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240) -> Run:
+    """Run :func:`torchrun_command` to its end (at most ``timeout`` seconds)."""
+    cmd, env = torchrun_command(config, *launcher_args, nproc=nproc)
     # torchrun in its own session: at the deadline its workers are killed with it (subprocess.run's timeout
     # would kill torchrun alone).
     run = run_local_ranks(cmd, 1, timeout=timeout, env=env, rendezvous=False, merge_output=False, cwd=config.parent)

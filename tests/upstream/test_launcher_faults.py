@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from nanotron_ext.procs import kill_process_group
-from upstream.e2e import ROOT, RUN_TRAIN, STUBS, tiny_config
+from upstream.e2e import tiny_config, torchrun_command
 
 #: The most seconds every process of the job may take to be gone after the fault.
 GONE_WITHIN_S = 5.0
@@ -62,10 +61,7 @@ class _Job:
         tmp.mkdir(parents=True, exist_ok=True)
         config = tiny_config(tmp, steps=STEPS, ext={"cost_strategy": "constrained"})
         self.log = tmp / "job.log"
-        env = {**os.environ, "NANOTRON_EXT_CPU_TRAINER": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "nanotron_ext.run", str(RUN_TRAIN), "--config-file", str(config)]
+        cmd, env = torchrun_command(config)
         with self.log.open("w") as out:  # its own session: the cleanup's killpg reaches torchrun, never pytest
             self.torchrun = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
