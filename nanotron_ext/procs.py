@@ -216,12 +216,10 @@ def run_local_ranks(
         command: the argv of every rank, or a function ``rank -> argv``. ``python`` is not added.
         world_size: number of processes.
         timeout: wall-clock limit in seconds; ranks still running then are killed (``returncode`` None).
-        grace: after the first rank exits with a non-zero status, how long the others get before they are
-            killed; 0 stops at once (a benchmark wants no more), None waits for every rank until the deadline
-            (a test that checks *every* rank's error message).
+        grace: seconds the others get after the first rank fails; 0 stops them at once (a benchmark), None
+            waits for every rank until the deadline (a test that checks *every* rank's error message).
         env: the environment (default: ``os.environ``); see :func:`local_env`.
-        rendezvous: add torchrun's variables (:func:`rendezvous_env`, one free port for the world); False
-            starts the processes as they are (a torchrun, a one-process run without a launcher).
+        rendezvous: add torchrun's variables (:func:`rendezvous_env`, one free port); False for a torchrun.
         merge_output: stderr into stdout (one interleaved log per rank); False keeps them apart.
         cwd: working directory of the processes.
         poll_s: seconds between two looks at the processes.
@@ -241,10 +239,7 @@ def run_local_ranks(
     port = free_port() if rendezvous else None
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_ranks_") as tmp, contextlib.ExitStack() as files:
-        # Output goes to files, not pipes: a rank that writes more than a pipe holds would block until read.
-        logs = [(files.enter_context(open(Path(tmp) / f"rank{r}.out", "w+b")),
-                 None if merge_output else files.enter_context(open(Path(tmp) / f"rank{r}.err", "w+b")))
-                for r in range(world_size)]
+        logs = _log_files(files, Path(tmp), world_size, merge_output)
         start = time.monotonic()
         deadline, killed, deadline_hit = start + timeout, set[int](), False
         try:
@@ -260,6 +255,15 @@ def run_local_ranks(
                           "" if err is None else _read(err))
                  for rank, (proc, (out, err)) in enumerate(zip(procs, logs))]
     return LocalRun(ranks, elapsed, deadline_hit)
+
+
+def _log_files(files: contextlib.ExitStack, folder: Path, world_size: int,
+               merge_output: bool) -> list[tuple[IO[bytes], IO[bytes] | None]]:
+    """(stdout, stderr or None when merged) file of every rank. Files, not pipes: a rank that writes more than a
+    pipe holds would block until read."""
+    return [(files.enter_context(open(folder / f"rank{r}.out", "w+b")),
+             None if merge_output else files.enter_context(open(folder / f"rank{r}.err", "w+b")))
+            for r in range(world_size)]
 
 
 def _start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, out: IO[bytes],
