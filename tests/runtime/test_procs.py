@@ -72,7 +72,9 @@ def test_a_failed_rank_stops_the_others_after_the_grace_period(grace: float | No
     run = run_local_ranks([PY, "-c", code], 2, timeout=30, grace=grace)
     assert run.ranks[1].returncode == 3
     if stops_early:
-        assert run.ranks[0].killed and run.elapsed_s < 2.5 and not run.deadline_hit, run.describe()
+        # Killed, not finished: with the grace ignored it would print 'done' and exit 0 (no clock is read here:
+        # a loaded machine may start the ranks slowly).
+        assert run.ranks[0].killed and "done" not in run.ranks[0].stdout and not run.deadline_hit, run.describe()
     else:
         assert run.ranks[0].returncode == 0 and "done" in run.ranks[0].stdout, run.describe()
 
