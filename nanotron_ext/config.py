@@ -46,6 +46,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 TPMode = Literal["ALL_REDUCE", "REDUCE_SCATTER"]
 #: Where the memory estimate's plan runs: Nanotron's trainer on CUDA, or this package's CPU runtime.
 MemoryRuntime = Literal["gpu", "cpu"]
+#: Where block times come from (``nanotron_ext.times``; ``--times``).
+BlockTimes = Literal["machine", "flops", "profiled"]
 #: ``memory_overhead_gib`` when not given, per runtime: on a GPU the CUDA context (~0.5 GiB), NCCL's
 #: communicator buffers and the caching allocator's fragmentation are not tensors; on CPU the measured
 #: quantity is torch's live tensor bytes, so nothing is added.
@@ -159,7 +161,12 @@ class ExtConfig:
         objective: what ``constrained`` (with ``base_strategy: flops``) and ``profiled`` minimise:
             ``step_time`` (default), the simulated step under the config's schedule
             (:mod:`nanotron_ext.partition.schedule_aware`), or ``slowest_stage``, the slowest stage's cost.
-        p2p_gbps: link bandwidth (GB/s) the ``step_time`` objective prices transfers with; None ignores p2p.
+        machine: a machine profile (JSON from ``nanotron-ext calibrate``) that prices every block, transfer and
+            sync; None: the analytic H100 model (see the machine package).
+        times: where block times come from: ``machine`` (the profile's), ``flops`` (one FLOP rate for every
+            block) or ``profiled`` (measured on this machine now, cached).
+        tflops: override: price every block at this FLOP rate (TFLOP/s), dropping measured block times.
+        p2p_gbps: override: every p2p link at this bandwidth (GB/s), keeping the profile's latency.
         memory_runtime: ``gpu`` (Nanotron's trainer: foreach AdamW unless fused) or ``cpu`` (the CPU runtime:
             single-tensor AdamW); decides the optimizer step's temporaries and the default overhead.
         memory_overhead_gib: per-stage allowance for memory that is not tensors (context, communication
@@ -178,6 +185,9 @@ class ExtConfig:
     freeze: dict[str, Any] | None = None
     profile_cache: str | None = None
     objective: str = "step_time"
+    machine: str | None = None
+    times: BlockTimes = "machine"
+    tflops: float | None = None
     p2p_gbps: float | None = None
     memory_runtime: str = "gpu"
     memory_overhead_gib: float | None = None
@@ -218,6 +228,18 @@ class ExtConfig:
             isinstance(self.p2p_gbps, (int, float)) and math.isfinite(self.p2p_gbps) and self.p2p_gbps > 0
         ):
             raise ConfigError(f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, or null")
+        if self.tflops is not None and not (
+            isinstance(self.tflops, (int, float)) and not isinstance(self.tflops, bool)
+            and math.isfinite(self.tflops) and self.tflops > 0
+        ):
+            raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
+        _check_choice("nanotron_ext.times", self.times, BlockTimes)
+        if self.times == "profiled" and self.tflops is not None:
+            raise ConfigError("nanotron_ext.times=profiled measures block times; tflops would replace them with a "
+                              "FLOP rate. Drop one of the two")
+        if self.machine is not None and (not isinstance(self.machine, str) or not self.machine):
+            raise ConfigError(f"{EXT_SECTION}.machine={self.machine!r} must be the path of a machine profile "
+                              f"(JSON from `nanotron-ext calibrate`), or null")
         if not isinstance(self.cost_strategy, str) or not self.cost_strategy:
             raise ConfigError(f"cost_strategy={self.cost_strategy!r} must be a non-empty strategy name")
         if self.base_strategy == "constrained":

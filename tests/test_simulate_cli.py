@@ -12,8 +12,9 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.cli import main
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import block_memory, training_flops
-from nanotron_ext.costs.profiled import BlockTiming
+from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.machine import BlockCost, Link, MachineProfile, block_signature
 from nanotron_ext.plan import Plan
 from nanotron_ext.simulate import StageTimes, simulate
 from nanotron_ext.simulate.stage_times import format_seconds, plan_stage_times, simulate_plan
@@ -67,22 +68,27 @@ LOGITS = block_memory(HAND[1], CFG.model, CFG.run).output
 BW = LOGITS / 2.0
 
 
+def _machine(rate: float, bandwidth: float | None = None, blocks: tuple[BlockCost, ...] = ()) -> MachineProfile:
+    """A hand-made machine: one FLOP rate, a link without latency (none: p2p not priced), measured blocks."""
+    links = () if bandwidth is None else (Link(-1, -1, 0.0, bandwidth),)
+    return MachineProfile(name="hand", source="test", flops_per_second=rate, links=links, blocks=blocks)
+
+
 def test_stage_times_of_a_hand_made_two_stage_plan():
     # training FLOPs: A = 1 + 2 (weights; no input-grad, nothing trainable before it) = 3;
     # B = 3 + 6 (input-grad) + 0 (frozen) = 9; C = 2 + 4 + 4 = 10; D = 1 + 1 = 2.
     # stage 0: forward 1 + 3 = 4, backward 3 + 9 - 4 = 8; stage 1: forward 2 + 1 = 3, backward 10 + 2 - 3 = 9.
     # p2p: stage 0's last block (B, the lm_head) sends its logits: 2 s at BW. Stage 1 sends nothing.
     assert LOGITS == 2 * 32 * 50277 * 4
-    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))
     assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
     assert p2p == 2.0
     # A cut after A instead ships hidden states (t x h x 4 bytes), not logits.
-    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, flops_per_second=1e12,
-                            p2p_bytes_per_second=BW)[1] == pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)
+    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))[1] == pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)
 
 
 def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
-    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12, p2p_bytes_per_second=BW)
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))
     r = simulate(stages, 2, "1f1b", p2p)
     # Transfers take 2 s and start once both sides are there. Stage 0: F0 [0,4] F1 [4,8], sending each at once.
     # Stage 1: activation 0 arrives at 6; F0 [6,9] B0 [9,18]; activation 1 (sent at 8) is only received from
@@ -104,13 +110,13 @@ def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
 
 
 def test_p2p_ignored_without_bandwidth_and_on_one_stage():
-    assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, flops_per_second=1e12)[1] == 0.0
-    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, flops_per_second=2e12, p2p_bytes_per_second=1.0)
+    assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12))[1] == 0.0
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, machine=_machine(2e12, 1.0))
     assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
 
 
 def _cuts(plan: Plan, blocks: list[BlockInfo]) -> list[bool]:
-    return plan_stage_times(plan, blocks, CFG, flops_per_second=1.0).grad_cuts
+    return plan_stage_times(plan, blocks, CFG, machine=_machine(1.0)).grad_cuts
 
 
 def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
@@ -122,8 +128,8 @@ def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
     assert _cuts(_plan(HAND, [0, 0, 1, 1]), HAND) == [True]
     cfg = CFG
     plan = _plan(frozen, [0, 1, 1])
-    r = simulate_plan(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
-    stages, p2p, cuts = plan_stage_times(plan, frozen, cfg, flops_per_second=1e12, p2p_bytes_per_second=1.0)
+    r = simulate_plan(plan, frozen, cfg, machine=_machine(1e12, 1.0))
+    stages, p2p, cuts = plan_stage_times(plan, frozen, cfg, machine=_machine(1e12, 1.0))
     assert cuts == [False]
     assert r == simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p, grad_cuts=[False])
     assert r != simulate(stages, cfg.run.n_micro_batches, cfg.run.engine, p2p)  # stage 0 would wait for gradients
@@ -131,18 +137,18 @@ def test_frozen_prefix_cut_carries_no_gradient_in_the_simulation():
 
 def test_frozen_prefix_pays_no_backward():
     frozen = [_block(0, 1, 2, 2, 10, 0), _block(1, 3, 6, 6, 10, 0), _block(2, 2, 4, 4, 10, 10)]
-    stages, _, _ = plan_stage_times(_plan(frozen, [0, 1, 2]), frozen, CFG, flops_per_second=1e12)
+    stages, _, _ = plan_stage_times(_plan(frozen, [0, 1, 2]), frozen, CFG, machine=_machine(1e12))
     assert stages == [StageTimes(1.0, 0.0), StageTimes(3.0, 0.0), StageTimes(2.0, 4.0)]
 
 
 def test_stage_times_reject_bad_rates_and_foreign_blocks():
     plan = _plan(HAND, [0, 0, 1, 1])
-    with pytest.raises(ConfigError, match="flops_per_second"):
-        plan_stage_times(plan, HAND, CFG, flops_per_second=0.0)
-    with pytest.raises(ConfigError, match="p2p_bytes_per_second"):
-        plan_stage_times(plan, HAND, CFG, flops_per_second=1.0, p2p_bytes_per_second=float("inf"))
+    with pytest.raises(ConfigError, match="flops_per_second=0.0 must be a positive"):
+        _machine(0.0)
+    with pytest.raises(ConfigError, match="bytes_per_second=inf must be a positive, finite"):
+        _machine(1.0, float("inf"))
     with pytest.raises(PlanningError, match="inventory the plan was made from"):
-        plan_stage_times(plan, HAND[:3], CFG, flops_per_second=1.0)
+        plan_stage_times(plan, HAND[:3], CFG, machine=_machine(1.0))
 
 
 def test_format_seconds():
@@ -193,7 +199,8 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
       b = 1,024 + 2·(802,816 + 528,384) + 8,192 + 2,048 = 2,673,664.
     * stage 1: forward c = 2·t·h·V + t·V + 5·t·V = 122,273,664; backward d = 4·t·h·V + t·V + 3·t·V = 218,805,504.
 
-    The cut carries fp32 activations of t × h = 4,096 bytes: τ = 4.096 s at 1000 B/s, the same for the gradient.
+    The cut carries fp32 activations of t × h = 4,096 bytes: τ = 4.096 s at 1000 B/s plus the analytic model's
+    10 µs latency (``--p2p-gbps`` overrides the bandwidth only), the same for the gradient.
     1F1B at pp=2, m=4: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3, stage 1 F0 B0 F1 B1 F2 B2 F3 B3. A transfer starts
     when both sides have reached it (rendezvous), and stage 1 receives the next activation before it sends the
     previous gradient, so with τ far above every compute time the critical path is: F0 (a), act0 (τ), stage 1's
@@ -211,7 +218,7 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
     assert data["ideal_bubble_fraction"] == 0.2  # (p-1)/(m+p-1) = 1/5
     assert data["plan"]["block_ranks"] == [0, 0, 0, 0, 1, 1, 1]
     sim = data["simulation"]
-    a, b, c, d, tau = 1_332_224e-12, 2_673_664e-12, 122_273_664e-12, 218_805_504e-12, 4.096
+    a, b, c, d, tau = 1_332_224e-12, 2_673_664e-12, 122_273_664e-12, 218_805_504e-12, 4.096 + 10e-6
     got = [(st["forward"], st["backward"], st["update"]) for st in sim["stages"]]
     assert got == [pytest.approx((a, b, 0.0), rel=1e-12), pytest.approx((c, d, 0.0), rel=1e-12)]
     assert sim["p2p_time"] == pytest.approx(tau, rel=1e-12)
@@ -291,16 +298,20 @@ def test_too_few_micro_batches_for_1f1b_exit_2(tmp_path, capsys):
 # --- measured times (--times profiled) ---------------------------------------------------------------
 
 
-def test_measured_timings_sum_each_stage_and_keep_p2p():
-    timings = [BlockTiming(1.0, 2.0, 0.5), BlockTiming(3.0, 0.0, 0.0), BlockTiming(4.0, 5.0, 0.25),
-               BlockTiming(6.0, 1.0, 0.0)]  # fmt: skip
-    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings, p2p_bytes_per_second=BW)
+def _measured(times: list[tuple[float, float, float]]) -> tuple[BlockCost, ...]:
+    grads = trainable_before(HAND)
+    return tuple(BlockCost(block_signature(b, input_grad=g), *t) for b, g, t in zip(HAND, grads, times))
+
+
+def test_measured_blocks_sum_each_stage_and_keep_p2p():
+    measured = _measured([(1.0, 2.0, 0.5), (3.0, 0.0, 0.0), (4.0, 5.0, 0.25), (6.0, 1.0, 0.0)])
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW, measured))
     assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
     assert p2p == 2.0  # B's logits at BW, as in the FLOP-rate model
-    with pytest.raises(PlanningError, match="3 block timings for 4 blocks"):
-        plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, timings=timings[:3])
-    with pytest.raises(ConfigError, match="exactly one of flops_per_second"):
-        simulate_plan(_plan(HAND, [0, 0, 1, 1]), HAND, load_config(bundled_config()))
+    # A block the profile did not measure falls back to the FLOP rate: C (forward 2, backward 8 units).
+    stages, _, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG,
+                                    machine=_machine(1e12, BW, measured[:2] + measured[3:]))
+    assert stages[1] == StageTimes(8.0, 9.0, 0.0)
 
 
 def test_simulate_with_profiled_times_measures_blocks_and_adds_the_update(tmp_path, capsys):
@@ -311,7 +322,7 @@ def test_simulate_with_profiled_times_measures_blocks_and_adds_the_update(tmp_pa
     argv = ["simulate", str(path), "--times", "profiled", "--json", "--out", str(tmp_path / "t.png")]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["times"] == "profiled" and data["tflops"] is None
+    assert "6 measured blocks" in data["machine"] and "blocks measured here" in data["machine"]
     sim = data["simulation"]
     # Both stages hold weights, so both have an optimizer step; the step is the pipeline plus the larger one.
     assert all(s["forward"] > 0 and s["backward"] > 0 and s["update"] > 0 for s in sim["stages"])
@@ -324,4 +335,4 @@ def test_simulate_with_profiled_times_measures_blocks_and_adds_the_update(tmp_pa
 def test_tflops_with_profiled_times_is_a_usage_error(tmp_path, capsys):
     argv = ["simulate", "--times", "profiled", "--tflops", "100", "--out", str(tmp_path / "x.png")]
     assert main(argv) == 2
-    assert "drop it with --times profiled" in capsys.readouterr().err
+    assert "times=profiled measures block times; tflops would replace them" in capsys.readouterr().err

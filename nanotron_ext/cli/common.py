@@ -16,9 +16,9 @@ import os
 import re
 import sys
 import traceback
-from typing import Any
+from typing import Any, get_args
 
-from nanotron_ext.config import PlannerConfig, bundled_config, load_config
+from nanotron_ext.config import BlockTimes, PlannerConfig, bundled_config, load_config
 from nanotron_ext.errors import (
     ConfigError,
     LayoutError,
@@ -123,9 +123,10 @@ def ratio_cell(value: float) -> str:
     return f"{value:.3f}x" if math.isfinite(value) else "-"
 
 
-def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False) -> None:
+def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False,
+                    machine: bool = False) -> None:
     """The config file (positional, optional) and the ``--cost-strategy`` and ``--pp`` overrides (and
-    ``--micro-batches`` with ``micro_batches``)."""
+    ``--micro-batches`` with ``micro_batches``; the machine and its overrides with ``machine``)."""
     if positional:
         p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
@@ -135,10 +136,29 @@ def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micr
         p.add_argument("--micro-batches", dest="micro_batches", type=int, metavar="N",
                        help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
                             "changes it too; 1f1b needs at least pp - 1)")
+    if machine:
+        _add_machine_args(p)
+
+
+def _add_machine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("machine", "what time costs: a calibrated profile, or the analytic H100 model "
+                                        "(named in every table header); the rest override it")
+    g.add_argument("--machine", metavar="FILE",
+                   help="machine profile from `nanotron-ext calibrate` (overrides nanotron_ext.machine)")
+    g.add_argument("--times", choices=get_args(BlockTimes), default=None,
+                   help="block times: machine (the profile's, default), flops (one FLOP rate for every block), "
+                        "profiled (every block measured on this machine now, cached)")
+    g.add_argument("--tflops", type=float, metavar="X",
+                   help="price every block at X TFLOP/s (drops measured block times)")
+    g.add_argument("--p2p-gbps", dest="p2p_gbps", type=float, metavar="Y",
+                   help="every p2p link at Y GB/s (10^9 bytes/s), keeping the profile's latency")
 
 
 def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfig:
     """The config at ``path`` (the bundled example when None) with the command line's overrides."""
     cfg = load_config(path or bundled_config(), cost_strategy=args.cost_strategy, pp=args.pp)
     m = getattr(args, "micro_batches", None)
-    return cfg if m is None else cfg.with_overrides(n_micro_batches=m)
+    cfg = cfg if m is None else cfg.with_overrides(n_micro_batches=m)
+    if hasattr(args, "machine"):
+        cfg = cfg.with_overrides(machine=args.machine, times=args.times, tflops=args.tflops, p2p_gbps=args.p2p_gbps)
+    return cfg

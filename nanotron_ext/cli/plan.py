@@ -21,9 +21,10 @@ from nanotron_ext.cli.common import (
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, VocabChoice, make_plan, plan_every_strategy, resolve_vocab_shards
 from nanotron_ext.report import first_line, human_count, table
-from nanotron_ext.simulate import DEFAULT_TFLOPS, format_seconds, simulate_plan
+from nanotron_ext.simulate import format_seconds, simulate_plan
 
 __all__ = ["add_subcommand", "cmd_plan", "frozen_tradeoff"]
 
@@ -31,7 +32,7 @@ __all__ = ["add_subcommand", "cmd_plan", "frozen_tradeoff"]
 def add_subcommand(subparsers: Any) -> None:
     """Register ``plan`` on the ``nanotron-ext`` parser."""
     p = subparsers.add_parser("plan", help="print the per-stage plan and verdict (dry run)")
-    add_config_args(p, micro_batches=True)
+    add_config_args(p, micro_batches=True, machine=True)
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
@@ -90,12 +91,10 @@ def _verdict(plan: Plan, step_line: str = "") -> str:
 
 
 def simulated_step(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> float | None:
-    """The plan's simulated step time (FLOP-rate model at the default throughput, the config's schedule and
-    ``p2p_gbps``), or None when the schedule cannot run it (1F1B with too few micro-batches)."""
-    gbps = cfg.ext.p2p_gbps
+    """The plan's simulated step time on the config's machine under its schedule, or None when the schedule
+    cannot run it (1F1B with too few micro-batches)."""
     try:
-        return simulate_plan(plan, blocks, cfg, flops_per_second=DEFAULT_TFLOPS * 1e12,
-                             p2p_bytes_per_second=None if gbps is None else gbps * 1e9).step_time
+        return simulate_plan(plan, blocks, cfg).step_time
     except NanotronExtError:
         return None
 
@@ -105,9 +104,8 @@ def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan) 
     step = simulated_step(plan, blocks, cfg)
     if step is None:
         return "simulated step: - (the engine cannot run this many micro-batches)"
-    p2p = "p2p ignored" if cfg.ext.p2p_gbps is None else f"p2p {cfg.ext.p2p_gbps:g} GB/s"
-    line = (f"simulated step: {format_seconds(step)} ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
-            f"FLOP-rate model at {DEFAULT_TFLOPS:g} TFLOP/s, {p2p})")
+    line = (f"simulated step: {format_seconds(step)} ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
+            f"{machine_for(cfg, blocks).describe()})")
     if plan.strategy != "nanotron":
         try:
             rule = simulated_step(make_plan(blocks, cfg, "nanotron"), blocks, cfg)
@@ -164,7 +162,7 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
         print(json.dumps(out, indent=2))
     else:
         print(f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; sim. step: "
-              f"simulated step time (FLOP-rate model at {DEFAULT_TFLOPS:g} TFLOP/s); vs nanotron: Nanotron's rule's "
+              f"simulated step time on {machine_for(cfg, blocks).describe()}; vs nanotron: Nanotron's rule's "
               f"step ÷ this one's\n")
         print(table(["strategy", "stages (block ranges)", "slowest/opt", "sim. step", "vs nanotron", "spread", "bubble est.",
                      "min trainable", "verdict"], rows))

@@ -1,12 +1,13 @@
 """``nanotron-ext simulate``: one training step of a plan under Nanotron's engine, as a table and a timeline.
 
-Stage times come from the FLOP-rate model (``--times flops``) or from blocks measured on this machine
-(``--times profiled``); see :mod:`nanotron_ext.simulate.stage_times`.
+Every time comes from the config's machine (``--machine FILE`` from ``calibrate``, or the analytic H100 model),
+with ``--times``, ``--tflops`` and ``--p2p-gbps`` as overrides; the plans are made under the same machine
+(:mod:`nanotron_ext.machine`).
 
 ::
 
-    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--times flops|profiled]
-                                 [--tflops 400] [--p2p-gbps 50] [--out timeline.png]
+    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--machine FILE]
+                                 [--times machine|flops|profiled] [--tflops X] [--p2p-gbps Y] [--out timeline.png]
                                  [--loads-out stage_loads.png] [--json]
 
 Exit codes as ``plan``: 0 when the chosen plan is valid, 1 when it has errors (it is still simulated and
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,13 +33,13 @@ from nanotron_ext.cli.common import (
     warn_memory,
 )
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_vocab_shards
 from nanotron_ext.report import first_line, table
 from nanotron_ext.simulate import (
-    DEFAULT_TFLOPS,
     SimResult,
     format_seconds,
     ideal_bubble_fraction,
@@ -47,55 +47,30 @@ from nanotron_ext.simulate import (
     stage_labels,
 )
 
-__all__ = ["TIME_SOURCES", "add_subcommand", "cmd_simulate"]
+__all__ = ["add_subcommand", "cmd_simulate"]
 
 _DESCRIPTION = (
     "Simulate one training step of the plan under Nanotron's engine (the config's pp_engine and "
-    "batch_accumulation_per_replica). --times flops (default), a FLOP-rate model: forward time = forward "
-    "FLOPs / --tflops, backward time = the rest of the training FLOPs (freeze-aware) / --tflops; it compares "
-    "splits of one model, it does not predict wall-clock time. --times profiled: every block's forward, "
-    "backward and optimizer step measured on this machine (cached), which predicts the step here. "
-    "p2p = largest activation sent / --p2p-gbps. Exit 0: valid plan; 1: the plan has errors (still simulated "
-    "and drawn); 2: usage error."
+    "batch_accumulation_per_replica), on one machine: --machine FILE (from `nanotron-ext calibrate`) or the "
+    "analytic H100 model, named in the header. Its blocks' forward, backward and update times, p2p (latency + "
+    "bytes / bandwidth of the largest tensor crossing a cut) and gradient syncs price the step; the plans are "
+    "made under the same machine. Exit 0: valid plan; 1: the plan has errors (still simulated and drawn); "
+    "2: usage error."
 )
-TIME_SOURCES: tuple[str, ...] = ("flops", "profiled")
 
 
 def add_subcommand(subparsers: Any) -> None:
     """Register ``simulate`` on the ``nanotron-ext`` parser's subparsers."""
     p = subparsers.add_parser(
         "simulate",
-        help="simulate the pipeline schedule of a plan (FLOP-rate model) and draw its timeline",
+        help="simulate the pipeline schedule of a plan on a machine model and draw its timeline",
         description=_DESCRIPTION,
     )
-    add_config_args(p, micro_batches=True)
+    add_config_args(p, micro_batches=True, machine=True)
     p.add_argument(
         "--compare",
         action="store_true",
         help="simulate every strategy; table of step time and bubble, plus a stage-load PNG",
-    )
-    p.add_argument(
-        "--times",
-        choices=TIME_SOURCES,
-        default="flops",
-        help="where stage times come from: flops (FLOP-rate model, default) or profiled (every block measured "
-        "on this machine, cached in nanotron_ext.profile_cache or ~/.cache/nanotron_ext)",
-    )
-    p.add_argument(
-        "--tflops",
-        type=float,
-        default=None,
-        metavar="X",
-        help=f"with --times flops: compute throughput in TFLOP/s for every block (default {DEFAULT_TFLOPS:g}: "
-        "about what bf16 training reaches on one H100)",
-    )
-    p.add_argument(
-        "--p2p-gbps",
-        dest="p2p_gbps",
-        type=float,
-        default=None,
-        metavar="Y",
-        help="p2p bandwidth between neighbouring stages in GB/s (10^9 bytes/s); default: p2p ignored",
     )
     p.add_argument(
         "--out",
@@ -118,13 +93,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext simulate``; returns the exit code."""
     check_outputs((args.out, "--out"), (args.loads_out if args.compare else None, "--loads-out"),
                   suffixes=PICTURE_SUFFIXES)
-    cfg = config_from_args(args, args.config)
-    bandwidth = None if args.p2p_gbps is None else _positive(args.p2p_gbps, "--p2p-gbps") * 1e9
-    if args.p2p_gbps is not None:  # the step-time objective prices transfers as this simulation does
-        cfg = cfg.with_overrides(p2p_gbps=args.p2p_gbps)
+    cfg = config_from_args(args, args.config)  # the machine and its overrides: plans and steps priced alike
     cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
-    source, model_text = _time_source(args, cfg, blocks)
+    machine = machine_for(cfg, blocks)
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
     out: dict[str, Any] = {
         "config": cfg.source,
@@ -132,43 +104,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "engine": cfg.run.engine,
         "pp": cfg.run.pp,
         "n_micro_batches": cfg.run.n_micro_batches,
-        "times": args.times,
-        "tflops": source["flops_per_second"] / 1e12 if "flops_per_second" in source else None,
-        "p2p_gbps": args.p2p_gbps,
+        "machine": machine.describe(),
         "ideal_bubble_fraction": ideal,
     }
     text: list[str] = [
-        f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
-        f"{model_text}" + (f", p2p {args.p2p_gbps:g} GB/s" if args.p2p_gbps is not None else ", p2p ignored"),
+        f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches",
+        f"machine: {machine.describe()}",
         "",
     ]
-    code = _simulate_chosen(args, cfg, blocks, source, bandwidth, out, text)
+    code = _simulate_chosen(args, cfg, blocks, out, text)
     if args.compare:
-        _simulate_every_strategy(args, cfg, blocks, source, bandwidth, model_text, out, text)
+        _simulate_every_strategy(args, cfg, blocks, machine.name, out, text)
     print(json.dumps(out, indent=2, default=str) if args.json else "\n".join(text))
     return code
-
-
-def _time_source(
-    args: argparse.Namespace, cfg: PlannerConfig, blocks: Sequence[BlockInfo]
-) -> tuple[dict[str, Any], str]:
-    """``simulate_plan``'s time argument (a FLOP rate, or measured timings) and a line that names it."""
-    if args.times == "profiled":
-        if args.tflops is not None:
-            raise ConfigError("--tflops sets the FLOP-rate model's throughput; drop it with --times profiled")
-        from nanotron_ext.costs.profiled import block_timings
-
-        return {"timings": block_timings(blocks, cfg)}, "block times profiled on this machine (forward, backward, optimizer step)"
-    tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops
-    return {"flops_per_second": _positive(tflops, "--tflops") * 1e12}, f"FLOP-rate model at {tflops:g} TFLOP/s"
 
 
 def _simulate_chosen(
     args: argparse.Namespace,
     cfg: PlannerConfig,
     blocks: Sequence[BlockInfo],
-    source: dict[str, Any],
-    bandwidth: float | None,
     out: dict[str, Any],
     text: list[str],
 ) -> int:
@@ -183,7 +137,7 @@ def _simulate_chosen(
         text.append(f"strategy {chosen!r}: no valid plan\n  {exc}")
         return EXIT_INVALID
     warn_memory(plan)
-    result = simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
+    result = simulate_plan(plan, blocks, cfg)
     png = plot_timeline(
         result,
         args.out,
@@ -218,8 +172,6 @@ def _simulate_every_strategy(
     args: argparse.Namespace,
     cfg: PlannerConfig,
     blocks: Sequence[BlockInfo],
-    source: dict[str, Any],
-    bandwidth: float | None,
     model_text: str,
     out: dict[str, Any],
     text: list[str],
@@ -227,7 +179,7 @@ def _simulate_every_strategy(
     """``--compare``: every strategy's step and bubble in a table, and the stage-load picture."""
     from nanotron_ext.simulate.timeline import plot_stage_loads
 
-    rows, loads, entries = _compare(cfg, blocks, source, bandwidth)
+    rows, loads, entries = _compare(cfg, blocks)
     out["compare"] = entries
     step = {e["strategy"]: e.get("step_time") for e in entries}
     chosen, rule = step.get(cfg.ext.cost_strategy), step.get("nanotron")
@@ -259,12 +211,12 @@ def _simulate_every_strategy(
 
 
 def _compare(
-    cfg: PlannerConfig, blocks: Sequence[BlockInfo], source: dict[str, Any], bandwidth: float | None
+    cfg: PlannerConfig, blocks: Sequence[BlockInfo]
 ) -> tuple[list[list[object]], dict[str, list[float]], list[dict[str, Any]]]:
     runs: list[tuple[str, Plan | None, SimResult | None, str]] = []
     for attempt in plan_every_strategy(blocks, cfg):
         plan = attempt.plan
-        result = None if plan is None else simulate_plan(plan, blocks, cfg, p2p_bytes_per_second=bandwidth, **source)
+        result = None if plan is None else simulate_plan(plan, blocks, cfg)
         runs.append((attempt.strategy, plan, result, attempt.error))
     steps = [r.step_time for _, _, r, _ in runs if r is not None]
     best = min(steps) if steps else 0.0
@@ -315,9 +267,3 @@ def _ms(seconds: float) -> str:
 
 def _model_name(cfg: PlannerConfig) -> str:
     return cfg.source.rsplit("/", 1)[-1].removesuffix(".yaml")
-
-
-def _positive(value: float, flag: str) -> float:
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{flag} {value!r} must be a positive number")
-    return value

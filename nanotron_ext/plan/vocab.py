@@ -41,8 +41,7 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
     """Replace ``vocab_shards: auto`` by the K whose plan has the smallest simulated step.
 
     Each candidate is planned with the config's strategy (by default ``constrained``) and priced by the
-    step-time objective: the FLOP-rate model, or, under ``profiled``, the block times it measured; p2p at
-    ``nanotron_ext.p2p_gbps``. A larger K wins only if it is at least :data:`MIN_GAIN` faster. Candidates that
+    step-time objective on the config's machine (:func:`nanotron_ext.machine.machine_for`). A larger K wins only if it is at least :data:`MIN_GAIN` faster. Candidates that
     cannot be planned are skipped.
 
     Args:
@@ -67,14 +66,7 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
         except PlanningError as exc:  # a K that cannot be planned (too few blocks for pp) is not a candidate
             first_error = first_error or exc
             continue
-        timings = None
-        if trial.ext.cost_strategy == "profiled":  # price with what it measured (cached: not measured twice)
-            from nanotron_ext.costs.profiled import block_timings
-
-            timings = block_timings(blocks, trial)
-        gbps = cfg.ext.p2p_gbps
-        problem = schedule_problem(blocks, trial, timings=timings,
-                                   p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
+        problem = schedule_problem(blocks, trial)  # the config's machine, as the plan was made under
         bounds = bounds_from_ranks(plan.block_ranks, cfg.run.pp)
         times[k] = float(StepTimeEvaluator(problem)([bounds])[0])
         if best is None or times[k] < times[best] * (1.0 - MIN_GAIN):

@@ -12,7 +12,6 @@ from nanotron_ext.schedule.simulator import (
     simulate,
 )
 from nanotron_ext.simulate.stage_times import (
-    DEFAULT_TFLOPS,
     PlanTimes,
     format_seconds,
     plan_stage_times,
@@ -21,7 +20,6 @@ from nanotron_ext.simulate.stage_times import (
 )
 
 __all__ = [
-    "DEFAULT_TFLOPS",
     "Op",
     "SimResult",
     "StageTimes",

@@ -8,20 +8,20 @@
   ``flops`` and ``objective: step_time`` (the defaults) it minimises the simulated step time instead of the
   slowest stage (:mod:`nanotron_ext.partition.schedule_aware`);
 * ``layout`` — an explicit layout string (see :mod:`nanotron_ext.partition.layout_string`);
-* ``profiled`` — measured seconds per block (:mod:`nanotron_ext.costs.profiled`), constrained as ``constrained``;
-  under ``objective: step_time`` it minimises the step simulated from those times (optimizer step included).
+* ``profiled`` — ``constrained`` under a measured machine (the config's ``machine`` profile, or blocks measured
+  here now, :mod:`nanotron_ext.costs.profiled`); under ``objective: step_time`` it minimises the simulated step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.machine import machine_for, price_blocks
 from nanotron_ext.partition import (
     MemoryCap,
     Requirement,
@@ -34,9 +34,6 @@ from nanotron_ext.partition.schedule_aware import step_time_partition
 from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.strategies.registry import Assignment, register_strategy
 from nanotron_ext.strategies.step_time import schedule_problem
-
-if TYPE_CHECKING:
-    from nanotron_ext.costs.profiled import BlockTiming
 
 __all__ = [
     "Constrained",
@@ -130,13 +127,12 @@ def step_time_assignment(
     unit: str,
     *,
     trainable_per_stage: bool,
-    timings: Sequence[BlockTiming] | None = None,
 ) -> Assignment:
     """The split with the smallest simulated step time under the shared constraints
     (:func:`nanotron_ext.partition.schedule_aware.step_time_partition`); ``costs`` are only reported.
 
-    Stage times come from ``timings`` when given, else from the FLOP-rate model; p2p from
-    ``nanotron_ext.p2p_gbps``. Nanotron's own split seeds the search, so the answer is never slower than it.
+    Every time comes from the config's machine (:func:`nanotron_ext.machine.machine_for`). Nanotron's own split
+    seeds the search, so the answer is never slower than it.
     """
     reqs, memory = _constraints(blocks, cfg, trainable_per_stage)
     if too_few_micro_batches(cfg.run.engine, cfg.run.pp, cfg.run.n_micro_batches) is not None:
@@ -146,8 +142,7 @@ def step_time_assignment(
     if _infeasible_quickly(blocks, cfg, reqs):
         # Let the FLOP partitioner raise its message (which constraint, and what to change).
         optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
-    gbps = cfg.ext.p2p_gbps
-    problem = schedule_problem(blocks, cfg, timings=timings, p2p_bytes_per_second=None if gbps is None else gbps * 1e9)
+    problem = schedule_problem(blocks, cfg)
     greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
     seed = bounds_from_ranks(greedy, cfg.run.pp)
     try:
@@ -291,20 +286,19 @@ class Layout:
 
 @register_strategy("profiled")
 class Profiled:
-    """Measured forward + backward seconds per block (rank 0 measures, every rank plans), optimal split.
+    """``constrained`` planned under a measured machine: the config's profile when it has measured blocks, else
+    every block measured here now (rank 0 measures, every rank plans; cached on disk).
 
-    Constrained as ``constrained`` is: every stage gets a block with parameters, and a trainable block
-    whenever the model has ``pp`` of them.
+    Under ``objective: step_time`` it minimises the step simulated on that machine (optimizer step included),
+    under ``slowest_stage`` the slowest stage's measured forward + backward.
     """
 
     name = "profiled"
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
-        from nanotron_ext.costs.profiled import block_timings  # needs torch: only when asked for
-
         each = require_trainable_per_stage(blocks, cfg)
-        timings = block_timings(blocks, cfg)
-        costs = [t.total for t in timings]
+        prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
+        costs = [f + b for f, b in zip(prices.forward, prices.backward)]
         if cfg.ext.objective == "step_time":
-            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, timings=timings)
+            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each)
         return optimal_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each)

@@ -1,0 +1,36 @@
+"""The machine model: one profile (plain data, versioned JSON) that prices every block, transfer and sync for
+planning and simulation alike; the analytic H100 default; and the one place that reads time
+(:func:`machine_for`, :func:`price_blocks`)."""
+
+from nanotron_ext.machine.analytic import ANALYTIC_GPU
+from nanotron_ext.machine.pricing import BlockPrices, machine_for, measured_blocks, price_blocks
+from nanotron_ext.machine.profile import (
+    FORMAT_VERSION,
+    BlockCost,
+    Collective,
+    EngineOverhead,
+    Link,
+    MachineKey,
+    MachineProfile,
+    block_signature,
+    key_for,
+    load_machine,
+)
+
+__all__ = [
+    "ANALYTIC_GPU",
+    "FORMAT_VERSION",
+    "BlockCost",
+    "BlockPrices",
+    "Collective",
+    "EngineOverhead",
+    "Link",
+    "MachineKey",
+    "MachineProfile",
+    "block_signature",
+    "key_for",
+    "load_machine",
+    "machine_for",
+    "measured_blocks",
+    "price_blocks",
+]

@@ -1,0 +1,37 @@
+"""The default machine when no profile is given: a named analytic model of one H100 SXM per stage.
+
+Where its numbers come from:
+
+* **compute, 400 TFLOP/s** for every block: NVIDIA's H100 SXM datasheet gives 989 TFLOP/s dense bf16; Nanotron
+  and Megatron-LM runs of Llama-sized models report 35–45 % model FLOP utilisation, so 40 % of peak. Real kernels
+  do not all run at one rate (a thin lm_head is memory-bound), which is what ``calibrate`` measures.
+* **p2p, 50 GB/s + 10 µs** between neighbouring stages: pipeline stages usually sit on different nodes (tensor
+  parallelism fills a node's NVLink), linked by one 400 Gb/s InfiniBand NDR port per GPU (= 50 GB/s); a few µs of
+  wire latency plus NCCL's launch, about 10 µs for a small p2p message.
+* **gradient all-reduce, 50 GB/s bus bandwidth + 10 µs** for dp (and the tied embedding's all-reduce): the same
+  NDR port, the ring's bus bandwidth in NCCL-tests' sense.
+* **engine overhead: 0** (not modelled; ``calibrate`` measures it), **optimizer step: 0** (not modelled).
+"""
+
+from __future__ import annotations
+
+from nanotron_ext.machine.profile import Collective, Link, MachineProfile
+
+__all__ = ["ANALYTIC_GPU", "H100_BF16_TFLOPS", "IB_NDR_GBPS"]
+
+#: Sustained training throughput assumed per GPU: 40 % of the H100 SXM's 989 TFLOP/s dense bf16 peak.
+H100_BF16_TFLOPS = 400.0
+#: One InfiniBand NDR port (400 Gb/s) per GPU, in GB/s.
+IB_NDR_GBPS = 50.0
+#: Latency of one small NCCL p2p message or all-reduce step across nodes, seconds.
+IB_LATENCY = 10e-6
+
+ANALYTIC_GPU = MachineProfile(
+    name="H100 SXM (analytic)",
+    source=("datasheet: 989 TFLOP/s dense bf16, 40 % of it sustained; stages on separate nodes over "
+            "InfiniBand NDR (400 Gb/s = 50 GB/s, ~10 µs); see nanotron_ext/machine/analytic.py"),
+    flops_per_second=H100_BF16_TFLOPS * 1e12,
+    links=(Link(-1, -1, IB_LATENCY, IB_NDR_GBPS * 1e9),),
+    dp_allreduce=Collective(IB_LATENCY, IB_NDR_GBPS * 1e9),
+    tied_allreduce=Collective(IB_LATENCY, IB_NDR_GBPS * 1e9),
+)

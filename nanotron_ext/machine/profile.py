@@ -1,0 +1,356 @@
+"""A machine profile: what one training step costs on one machine, as plain data (versioned JSON).
+
+It holds, for one model shape, dtype, device, backend and world layout (:class:`MachineKey`):
+
+* ``blocks``: measured forward, backward and update seconds of each distinct block (:class:`BlockCost`, found
+  by its :func:`block_signature`), and ``rates``: training FLOP/s per block role, for blocks not measured;
+* ``links``: p2p between pipeline neighbours as latency + bytes ÷ bandwidth (:class:`Link`);
+* ``overhead``: the engine's per-call costs (:class:`EngineOverhead`);
+* ``dp_allreduce`` / ``tied_allreduce``: the gradient syncs after the pipeline (:class:`Collective`).
+
+A profile made for one key is refused for another (:meth:`MachineKey.differences` names what differs). The
+analytic default (:mod:`nanotron_ext.machine.analytic`) has a key of wildcards (``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlockCost",
+    "Collective",
+    "EngineOverhead",
+    "Link",
+    "MachineKey",
+    "MachineProfile",
+    "block_signature",
+    "key_for",
+    "load_machine",
+]
+
+#: Bump when the JSON layout changes; older files are refused with the command that re-measures them.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MachineKey:
+    """What a profile's times depend on. ``None`` is a wildcard (matches anything): the analytic default has
+    only wildcards; a compute-only profile (``calibrate`` without torchrun) leaves ``pp`` and ``dp`` open."""
+
+    model: tuple[tuple[str, Any], ...] | None = None  # ModelShape fields, the layer count left out
+    micro_batch_size: int | None = None
+    sequence_length: int | None = None
+    dtype: str | None = None
+    tp: int | None = None
+    dp: int | None = None
+    pp: int | None = None
+    device: str | None = None  # "cpu", "cuda" (a name after a colon is shown, not compared)
+    backend: str | None = None  # "gloo", "nccl"
+
+    def differences(self, other: MachineKey) -> list[str]:
+        """``field: this vs that`` for every field both set and disagree on (the device compared by type)."""
+        out = []
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is None or theirs is None:
+                continue
+            if f.name == "model":
+                a, b = dict(mine), dict(theirs)
+                out += [f"model.{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+                        if a.get(k) != b.get(k)]
+            elif f.name == "device":
+                if mine.split(":")[0] != theirs.split(":")[0]:
+                    out.append(f"device: {mine!r} vs {theirs!r}")
+            elif mine != theirs:
+                out.append(f"{f.name}: {mine!r} vs {theirs!r}")
+        return out
+
+
+def key_for(cfg: PlannerConfig, *, device: str | None = None, backend: str | None = None,
+            world: bool = True) -> MachineKey:
+    """The key a profile must have to price ``cfg`` (``world=False``: leave pp and dp open)."""
+    shape = dataclasses.asdict(cfg.model)
+    shape.pop("num_hidden_layers")
+    model = tuple(sorted((k, _jsonable(v)) for k, v in shape.items()))
+    return MachineKey(
+        model=model, micro_batch_size=cfg.run.micro_batch_size, sequence_length=cfg.run.sequence_length,
+        dtype=cfg.run.dtype, tp=cfg.run.tp, dp=cfg.run.dp if world else None, pp=cfg.run.pp if world else None,
+        device=device, backend=backend,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    """Lists for tuples and dicts as sorted pairs, so a key survives a JSON round trip unchanged."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _jsonable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_jsonable(v) for v in value)
+    return value
+
+
+def block_signature(block: BlockInfo, *, input_grad: bool) -> str:
+    """What a block's time depends on within one key: role, size, which parameters train, whether its input
+    needs a gradient. Identical decoder layers share a signature (a readable role, then a short hash)."""
+    marker = ".pp_block."
+    flags = sorted((p.name.split(marker, 1)[-1], bool(p.trainable)) for p in block.parameters)
+    if not flags and block.params:
+        flags = [("*", block.trainable > 0)]
+    digest = hashlib.sha256(json.dumps([block.role, block.params, flags, bool(input_grad)]).encode()).hexdigest()
+    return f"{block.role}:{digest[:12]}"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step."""
+
+    signature: str
+    forward: float
+    backward: float
+    update: float = 0.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """p2p from pipeline stage ``src`` to ``dst`` (``-1``: any): ``latency + bytes / bytes_per_second``."""
+
+    src: int
+    dst: int
+    latency: float
+    bytes_per_second: float
+
+    def time(self, n_bytes: float) -> float:
+        return self.latency + n_bytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class Collective:
+    """An all-reduce over ``n`` ranks: ``latency + 2 (n − 1) / n × bytes / bus_bytes_per_second`` (a ring's
+    traffic; ``bus`` bandwidth in NCCL-tests' sense, so one figure fits every ``n``)."""
+
+    latency: float
+    bus_bytes_per_second: float
+
+    def time(self, n_bytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return self.latency + 2.0 * (n - 1) / n * n_bytes / self.bus_bytes_per_second
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """Seconds the engine spends around the compute: per ``PipelineBlock`` forward or backward call, and per
+    send or receive it posts (metadata, buffers, bookkeeping)."""
+
+    block_call: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """What one step costs on one machine (see the module docstring). Plain data: prints, compares, saves.
+
+    Attributes:
+        name: what a table header shows, e.g. ``H100 SXM (analytic)`` or ``calibrated: cpu, gloo``.
+        source: where the numbers come from (a citation, or the command that measured them).
+        key: what the times depend on; pricing another key is refused.
+        flops_per_second: training FLOP/s of a block whose role has no rate in ``rates``.
+        rates: training FLOP/s per block role, fitted from the measured blocks.
+        blocks: measured blocks by signature.
+        links: p2p between stages; empty: not measured (transfers cost nothing, and headers say so).
+        overhead: the engine's per-call costs.
+        dp_allreduce / tied_allreduce: the gradient syncs; None: not priced.
+        notes: what was overridden after measuring (``--tflops``, ``--p2p-gbps``), shown in headers.
+    """
+
+    name: str
+    source: str
+    key: MachineKey = field(default_factory=MachineKey)
+    flops_per_second: float = 400e12
+    rates: tuple[tuple[str, float], ...] = ()
+    blocks: tuple[BlockCost, ...] = ()
+    links: tuple[Link, ...] = ()
+    overhead: EngineOverhead = field(default_factory=EngineOverhead)
+    dp_allreduce: Collective | None = None
+    tied_allreduce: Collective | None = None
+    notes: tuple[str, ...] = ()
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        _positive("flops_per_second", self.flops_per_second)
+        for role, rate in self.rates:
+            _positive(f"rates[{role}]", rate)
+        for b in self.blocks:
+            for name in ("forward", "backward", "update"):
+                _nonnegative(f"blocks[{b.signature}].{name}", getattr(b, name))
+        for link in self.links:
+            _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
+            _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)
+        for name in ("block_call", "send", "recv"):
+            _nonnegative(f"overhead.{name}", getattr(self.overhead, name))
+        for name in ("dp_allreduce", "tied_allreduce"):
+            c = getattr(self, name)
+            if c is not None:
+                _nonnegative(f"{name}.latency", c.latency)
+                _positive(f"{name}.bus_bytes_per_second", c.bus_bytes_per_second)
+
+    # --- lookups -----------------------------------------------------------------------------------------
+
+    def block(self, signature: str) -> BlockCost | None:
+        return next((b for b in self.blocks if b.signature == signature), None)
+
+    def rate(self, role: str) -> float:
+        """Training FLOP/s of a block of ``role`` that was not measured."""
+        return dict(self.rates).get(role, self.flops_per_second)
+
+    def p2p_time(self, n_bytes: float) -> float:
+        """One transfer of ``n_bytes`` over the slowest link, posting included; 0 when no link is known."""
+        if not self.links:
+            return 0.0
+        return max(link.time(n_bytes) for link in self.links) + self.overhead.send + self.overhead.recv
+
+    def check_key(self, expected: MachineKey, *, origin: str) -> None:
+        """Raise unless this profile can price ``expected``.
+
+        Raises:
+            ConfigError: naming each field that differs and how to get a matching profile.
+        """
+        diffs = self.key.differences(expected)
+        if diffs:
+            raise ConfigError(
+                f"machine profile {origin} was measured for another setup ({'; '.join(diffs)}; profile vs "
+                f"config); its times would not predict this run. Measure one for this config with "
+                f"`nanotron-ext calibrate CONFIG --out FILE` (under torchrun for the links), or drop "
+                f"--machine / nanotron_ext.machine to plan with the analytic model"
+            )
+
+    # --- overrides and text ------------------------------------------------------------------------------
+
+    def with_flop_rate(self, flops_per_second: float | None) -> MachineProfile:
+        """Every block priced by one FLOP rate (the profile's own when None); measured block times dropped."""
+        rate = self.flops_per_second if flops_per_second is None else flops_per_second
+        _positive("tflops", rate / 1e12, unit="TFLOP/s")
+        return dataclasses.replace(self, flops_per_second=rate, rates=(), blocks=(),
+                                   notes=(*self.notes, f"compute: FLOP-rate model at {rate / 1e12:g} TFLOP/s"))
+
+    def with_p2p_bandwidth(self, gbps: float) -> MachineProfile:
+        """Every link at ``gbps`` GB/s, keeping the slowest link's latency (0 when none was known)."""
+        _positive("p2p_gbps", gbps, unit="GB/s")
+        latency = max((link.latency for link in self.links), default=0.0)
+        return dataclasses.replace(self, links=(Link(-1, -1, latency, gbps * 1e9),),
+                                   notes=(*self.notes, f"p2p overridden: {gbps:g} GB/s"))
+
+    def with_blocks(self, blocks: Sequence[BlockCost], note: str) -> MachineProfile:
+        """Measured blocks added (replacing any with the same signature)."""
+        new = {b.signature: b for b in self.blocks} | {b.signature: b for b in blocks}
+        return dataclasses.replace(self, blocks=tuple(new.values()), notes=(*self.notes, note))
+
+    def describe(self) -> str:
+        """One line for a table header: the machine, its compute, its p2p."""
+        if self.blocks:
+            compute = f"{len(self.blocks)} measured blocks"
+        else:
+            compute = f"{self.key.dtype or 'bf16'} at {self.flops_per_second / 1e12:.3g} TFLOP/s"
+        if self.links:
+            slow = max(self.links, key=lambda link: link.time(1e6))
+            p2p = f"p2p {slow.bytes_per_second / 1e9:.3g} GB/s + {slow.latency * 1e6:.3g} µs"
+        else:
+            p2p = "p2p not measured (priced 0: calibrate under torchrun, or --p2p-gbps)"
+        notes = f" [{'; '.join(self.notes)}]" if self.notes else ""
+        return f"{self.name}: {compute}, {p2p}{notes}"
+
+    # --- JSON --------------------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["key"]["model"] = None if self.key.model is None else _to_lists(dict(self.key.model))
+        data["rates"] = dict(self.rates)
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, origin: str = "<json>") -> MachineProfile:
+        """Parse a profile.
+
+        Raises:
+            ConfigError: not JSON, another format version, a missing or malformed field (named).
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"machine profile {origin} is not JSON ({exc}); write it with "
+                              f"`nanotron-ext calibrate CONFIG --out {origin}`") from exc
+        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ConfigError(f"machine profile {origin} has format version {found!r}, this nanotron_ext reads "
+                              f"{FORMAT_VERSION}; measure it again with `nanotron-ext calibrate CONFIG --out FILE`")
+        try:
+            key = dict(data["key"])
+            if key.get("model") is not None:
+                key["model"] = tuple(sorted((k, _jsonable(v)) for k, v in key["model"].items()))
+            return cls(
+                name=str(data["name"]), source=str(data["source"]), key=MachineKey(**key),
+                flops_per_second=float(data["flops_per_second"]),
+                rates=tuple(sorted((str(k), float(v)) for k, v in data["rates"].items())),
+                blocks=tuple(BlockCost(**b) for b in data["blocks"]),
+                links=tuple(Link(**link) for link in data["links"]),
+                overhead=EngineOverhead(**data["overhead"]),
+                dp_allreduce=None if data["dp_allreduce"] is None else Collective(**data["dp_allreduce"]),
+                tied_allreduce=None if data["tied_allreduce"] is None else Collective(**data["tied_allreduce"]),
+                notes=tuple(data.get("notes", ())),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise ConfigError(f"machine profile {origin}: {exc}") from exc
+            raise ConfigError(f"machine profile {origin} is malformed ({type(exc).__name__}: {exc}); write it "
+                              f"with `nanotron-ext calibrate CONFIG --out FILE`") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def _to_lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_lists(v) for k, v in value.items()}
+    if isinstance(value, tuple) and value and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+                                                  for x in value):
+        return {k: _to_lists(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_to_lists(v) for v in value]
+    return value
+
+
+def load_machine(path: str | Path) -> MachineProfile:
+    """Read a profile file.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or not a profile (see :meth:`MachineProfile.from_json`).
+    """
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"machine profile {str(path)!r} cannot be read ({exc.strerror or exc}); write one with "
+                          f"`nanotron-ext calibrate CONFIG --out {path}`") from exc
+    return MachineProfile.from_json(text, origin=str(path))
+
+
+def _positive(name: str, value: float, *, unit: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive, finite number{' of ' + unit if unit else ''}")
+
+
+def _nonnegative(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"machine profile: {name}={value!r} must be a finite number >= 0 (seconds)")
