@@ -75,9 +75,12 @@ from typing import Any
 
 import yaml
 
+from nanotron_ext.machine import MachineProfile
 from nanotron_ext.procs import local_env, run_local_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The FLOP-rate model alone (1 TFLOP/s, no links): the planner's compute-only prediction, for comparison.
+FLOP_RATE = MachineProfile(name="FLOP rate, p2p not priced", source="benchmarks/measured_cpu.py", flops_per_second=1e12)
 CONFIGS = ROOT / "nanotron_ext" / "configs"
 RESULTS = Path(__file__).resolve().parent / "results"
 PP = 2
@@ -374,7 +377,7 @@ def worker(spec_path: str, out_path: str) -> None:
                 },
                 "runs": summaries,
                 # The planner's own prediction: each plan simulated with the FLOP-rate model (p2p ignored).
-                "flop_rate_sim": {name: simulate_plan(p, blocks, cfg, flops_per_second=1e12).step_time
+                "flop_rate_sim": {name: simulate_plan(p, blocks, cfg, machine=FLOP_RATE).step_time
                                   for name, p in plans.items()},
                 "load_average": loads,
                 "steps_per_turn": spec["steps_per_turn"],

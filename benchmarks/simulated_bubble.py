@@ -4,12 +4,12 @@ For each public model shape (``nanotron_ext/configs/*.yaml``) at PP 2/4/8, each 
 into per-stage forward/backward times by the planner's own pricing with the FLOP-rate model (``nanotron_ext.simulate.
 plan_stage_times``) and simulated with the config's micro-batch count. Printed per strategy: step time
 ÷ the fastest valid plan's, and the bubble (idle) fraction; beside them the equal-stage ideal
-``(p−1)/(m+p−1)``. With p2p ignored (the default) both numbers are independent of the throughput.
+``(p−1)/(m+p−1)``. The machine is the analytic H100 model unless ``--machine``.
 
 Also writes, for Llama-3.2-1B at PP 8, the timelines of Nanotron's rule and of ``constrained`` and their
 per-stage loads into ``benchmarks/results/``.
 
-Usage: ``python benchmarks/simulated_bubble.py [--tflops 400] [--p2p-gbps Y]``
+Usage: ``python benchmarks/simulated_bubble.py [--machine FILE] [--tflops X] [--p2p-gbps Y]``
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from _common import CONFIGS, PPS, RESULTS, SHAPES, STRATEGIES, print_command, pr
 
 from nanotron_ext.config import load_config
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.simulate import ideal_bubble_fraction
-from nanotron_ext.simulate.stage_times import DEFAULT_TFLOPS, simulate_plan, stage_labels
+from nanotron_ext.simulate.stage_times import simulate_plan, stage_labels
 from nanotron_ext.simulate.timeline import plot_stage_loads, plot_timeline
 
 ENGINE = "1f1b"
@@ -34,17 +35,14 @@ PICTURE = ("Llama-3.2-1B", 8, ("nanotron", "constrained"))
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="compute throughput, TFLOP/s")
-    parser.add_argument(
-        "--p2p-gbps", type=float, default=None, help="p2p bandwidth in GB/s (default: ignored)"
-    )
+    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
+    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
+    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
     args = parser.parse_args(argv)
     print_command()
-    rate = args.tflops * 1e12
-    bandwidth = None if args.p2p_gbps is None else args.p2p_gbps * 1e9
-    p2p = "ignored" if bandwidth is None else f"{args.p2p_gbps:g} GB/s"
+    machine = {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
     print(
-        f"FLOP-rate model at {args.tflops:g} TFLOP/s, p2p {p2p}, {ENGINE.upper()}, the config's "
+        f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}, {ENGINE.upper()}, the config's "
         f"micro-batches. Cells: step ÷ fastest valid plan · bubble; ✗ = plan cannot train.\n"
     )
 
@@ -52,14 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bubbles: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     speedups = []
     for (label, yaml_name), pp in progress([(s, pp) for s in SHAPES for pp in PPS], desc="shapes × pp"):
-        cfg = load_config(CONFIGS / yaml_name, pp=pp)
+        cfg = load_config(CONFIGS / yaml_name, pp=pp).with_overrides(**machine)
         blocks = inventory_from_config(cfg)
         m = cfg.run.n_micro_batches
         results = {}
         for name in STRATEGIES:
             plan = make_plan(blocks, cfg, name)
             result = simulate_plan(
-                plan, blocks, cfg, flops_per_second=rate, p2p_bytes_per_second=bandwidth, engine=ENGINE
+                plan, blocks, cfg, engine=ENGINE
             )
             results[name] = (plan, result)
             if (label, pp) == PICTURE[:2] and name in PICTURE[2]:

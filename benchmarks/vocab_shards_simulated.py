@@ -3,7 +3,7 @@
 For each shape at PP 2/4/8: the default planner (``constrained``, step-time objective) splits the unsplit model
 (``vocab_shards: 1``) and the chain (``vocab_shards: auto``, which tries K = 1, 2, 3, 4, 6, 8, 12, 16 up to
 2·pp and keeps the fastest); both plans are simulated under 1F1B with max(the config's micro-batches, pp),
-with the FLOP-rate model (p2p ignored unless ``--p2p-gbps``). Printed: the chosen K, the ratio of the two
+on one machine (the analytic H100 model unless ``--machine``). Printed: the chosen K, the ratio of the two
 simulated step times (the gain), the ratio of their slowest stages (training FLOPs), and the FLOP bound on the
 gain: the whole-block split's slowest stage ÷ the slowest stage of the FLOP-optimal split with the vocabulary
 in 64 shards (the decoder layers cannot be divided, so no chain does much better than that).
@@ -11,7 +11,7 @@ in 64 shards (the decoder layers cannot be divided, so no chain does much better
 The chain refuses tied embeddings (see README), and Llama-3.2-1B and Gemma-2B tie them: they are planned
 untied here. Their FLOPs are the same either way; only memory and the tied gradient's all-reduce differ.
 
-Usage: ``python benchmarks/vocab_shards_simulated.py [--tflops 400] [--p2p-gbps Y]``
+Usage: ``python benchmarks/vocab_shards_simulated.py [--machine FILE] [--tflops X] [--p2p-gbps Y]``
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.costs import training_flops
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, make_plan, resolve_vocab_shards
 from nanotron_ext.report import table
-from nanotron_ext.simulate.stage_times import DEFAULT_TFLOPS, simulate_plan
+from nanotron_ext.simulate.stage_times import simulate_plan
 
 SHAPES: tuple[tuple[str, str], ...] = (
     ("Llama-3.2-1B", "llama_3_2_1b.yaml"),
@@ -58,22 +59,20 @@ def _slowest(plan: Plan, blocks: Sequence[Any]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="compute throughput, TFLOP/s")
-    parser.add_argument("--p2p-gbps", type=float, default=None, help="p2p bandwidth in GB/s (default: ignored)")
+    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
+    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
+    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
     args = parser.parse_args(argv)
     print_command()
-    rate = args.tflops * 1e12
-    bandwidth = None if args.p2p_gbps is None else args.p2p_gbps * 1e9
-    p2p = "ignored" if bandwidth is None else f"{args.p2p_gbps:g} GB/s"
-    print(f"1F1B, micro-batches max(config's, pp), FLOP-rate model at {args.tflops:g} TFLOP/s, p2p {p2p}; "
-          f"both plans by the default planner.\n")
+    machine = {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
+    print(f"1F1B, micro-batches max(config's, pp), on "
+          f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}; "
+          f"both plans by the default planner under that machine.\n")
     rows = []
     for label, yaml_name in SHAPES:
         base = load_config(CONFIGS / yaml_name)
         for pp in PPS:
-            whole_cfg = _with(_untied(base, pp), 1)
-            if args.p2p_gbps is not None:
-                whole_cfg = whole_cfg.with_overrides(p2p_gbps=args.p2p_gbps)
+            whole_cfg = _with(_untied(base, pp), 1).with_overrides(**machine)
             chain_cfg, _ = resolve_vocab_shards(_with(whole_cfg, "auto"))
             try:
                 whole_blocks = inventory_from_config(whole_cfg)
@@ -84,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             chain_blocks = inventory_from_config(chain_cfg)
             chain = make_plan(chain_blocks, chain_cfg)
-            steps = [simulate_plan(p, b, c, flops_per_second=rate, p2p_bytes_per_second=bandwidth).step_time
+            steps = [simulate_plan(p, b, c).step_time
                      for p, b, c in ((whole, whole_blocks, whole_cfg), (chain, chain_blocks, chain_cfg))]
             fine_cfg = _with(whole_cfg, FINE)
             fine_blocks = inventory_from_config(fine_cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -136,7 +137,8 @@ def test_two_micro_batches_peak_in_the_second_backward_with_every_gradient_alive
 def test_the_overhead_allowance_counts_at_both_moments():
     # Gemma-2B's first stage (the 256k x 2048 embedding) peaks in the optimizer step; the allowance belongs there
     # as much as in the pipeline.
-    cfg = load_config(bundled_config("gemma_2b.yaml"))
+    flops_only = Path(__file__).parent / "data" / "machine_flops_only.json"  # the embedding alone on stage 0
+    cfg = load_config(bundled_config("gemma_2b.yaml")).with_overrides(machine=str(flops_only))
     blocks = inventory_from_config(cfg)
     first = make_plan(blocks, cfg).stages[0]
     assert first.memory.peak_at == "optimizer" and cfg.ext.overhead_gib == 1.0

@@ -191,7 +191,7 @@ def test_constrained_is_never_slower_than_the_flop_split_on_a_bundled_shape(pp):
     cfg = load_config("nanotron_ext/configs/smollm_360m.yaml", pp=pp)
     blocks = inventory_from_config(cfg)
     steps = {
-        name: simulate_plan(make_plan(blocks, cfg, name), blocks, cfg, flops_per_second=1e12).step_time
+        name: simulate_plan(make_plan(blocks, cfg, name), blocks, cfg).step_time
         for name in ("constrained", "flops", "nanotron", "uniform")
     }
     assert steps["constrained"] <= min(steps.values()) * (1 + 1e-9)
@@ -212,18 +212,16 @@ def test_the_planner_and_simulate_price_every_split_identically(gbps):
     # lot in what crosses a cut (hidden states, or vocabulary-sized logits after the lm_head).
     from nanotron_ext.partition import ranks_from_bounds
     from nanotron_ext.plan import Plan
-    from nanotron_ext.strategies.step_time import DEFAULT_TFLOPS, schedule_problem
+    from nanotron_ext.strategies.step_time import schedule_problem
 
-    cfg = load_config("nanotron_ext/configs/tiny_llama_large_vocab.yaml")
+    cfg = load_config("nanotron_ext/configs/tiny_llama_large_vocab.yaml").with_overrides(p2p_gbps=gbps)
     blocks = inventory_from_config(cfg)
-    bandwidth = None if gbps is None else gbps * 1e9
-    planner = StepTimeEvaluator(schedule_problem(blocks, cfg, p2p_bytes_per_second=bandwidth))
+    planner = StepTimeEvaluator(schedule_problem(blocks, cfg))
     splits = _all_splits(len(blocks), cfg.run.pp)
     priced = planner(splits)
     base = make_plan(blocks, cfg, "constrained")
     for bounds, step in zip(splits, priced):
         plan = Plan(**{**base.__dict__, "block_ranks": tuple(ranks_from_bounds(bounds))})
-        simulated = simulate_plan(plan, blocks, cfg, flops_per_second=DEFAULT_TFLOPS * 1e12,
-                                  p2p_bytes_per_second=bandwidth).step_time
+        simulated = simulate_plan(plan, blocks, cfg).step_time
         assert simulated == pytest.approx(step, rel=1e-12), bounds
     assert len(set(priced.round(15))) > 2  # the splits really differ
