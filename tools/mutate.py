@@ -69,6 +69,9 @@ STRATEGIES = "nanotron_ext/strategies/builtin.py"
 MEMORY = "nanotron_ext/costs/memory_estimate.py"
 LAUNCHER = "nanotron_ext/integration/trainer_patches.py"
 CONFIG_KEYS = "nanotron_ext/config_keys.py"
+PRICING = "nanotron_ext/machine/pricing.py"
+PROFILE = "nanotron_ext/machine/profile.py"
+MACHINE_TESTS = "tests/test_machine_pricing.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the four that survived in issue 14 ----------------------------------------------------------------
@@ -221,6 +224,30 @@ MUTATIONS: tuple[Mutation, ...] = (
       "        pass\n    proc.wait()\n",
       "    if proc.poll() is None:\n        os.killpg(proc.pid, signal.SIGKILL)\n    proc.wait()\n",
       ("tests/runtime/test_procs.py::test_a_rank_that_exits_leaves_no_child_behind",), "0.2"),
+    # --- the machine model (issue 22) ----------------------------------------------------------------------
+    M("planner prices blocks by FLOPs, not the config's machine", STRATEGIES,
+      "    problem = schedule_problem(blocks, cfg)\n", "    problem = schedule_problem(blocks, cfg.with_overrides(times='flops'))\n",
+      (f"{MACHINE_TESTS}::test_the_planner_and_the_simulator_price_through_the_one_machine",)),
+    M("simulate prices with the analytic model, not the config's machine", "nanotron_ext/simulate/stage_times.py",
+      "problem = schedule_problem(blocks, dataclasses.replace(cfg, run=run), machine)",
+      "problem = schedule_problem(blocks, dataclasses.replace(cfg, run=run, ext=dataclasses.replace(cfg.ext, machine=None)), machine)",
+      (f"{MACHINE_TESTS}::test_the_planner_and_the_simulator_price_through_the_one_machine",)),
+    M("measured blocks are ignored", PRICING,
+      "measured = machine.block(block_signature(b, input_grad=grad))", "measured = None",
+      (MACHINE_TESTS,)),
+    M("dp all-reduce not priced", PRICING,
+      "u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)", "u += 0.0",
+      (MACHINE_TESTS,)),
+    M("p2p takes the fastest link", PROFILE,
+      "return max(link.time(n_bytes) for link in self.links) + self.overhead.send + self.overhead.recv",
+      "return min(link.time(n_bytes) for link in self.links) + self.overhead.send + self.overhead.recv",
+      (MACHINE_TESTS,)),
+    M("a key mismatch passes", PROFILE, "        if diffs:\n            raise ConfigError(",
+      "        if diffs and False:\n            raise ConfigError(", (MACHINE_TESTS,)),
+    M("the p2p override drops the latency", PROFILE,
+      "links=(Link(-1, -1, latency, gbps * 1e9),)", "links=(Link(-1, -1, 0.0, gbps * 1e9),)",
+      (MACHINE_TESTS, "tests/test_simulate_cli.py")),
+
 )
 
 
