@@ -180,7 +180,9 @@ def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig)
             f"or unfreeze more blocks; (2) set `allow_frozen_stages: true` under `nanotron_ext:` to run "
             f"frozen stages without optimizer or DDP"
         )
-    return n_trainable >= cfg.run.pp
+    # The user who allows frozen stages gets the fastest split, frozen stages included (one may be faster: no
+    # gradient crosses a cut behind a frozen prefix).
+    return n_trainable >= cfg.run.pp and not cfg.ext.allow_frozen_stages
 
 
 @register_strategy("nanotron")
