@@ -299,6 +299,7 @@ class Profiled:
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
         each = require_trainable_per_stage(blocks, cfg)
+        cfg = cfg.with_overrides(cost_strategy=self.name)  # named by make_plan's argument: machine_for measures
         prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
         costs = [f + b for f, b in zip(prices.forward, prices.backward)]
         if cfg.ext.objective == "step_time":
