@@ -65,6 +65,8 @@ class ScheduleProblem:
             raise PlanningError(f"grad_after has {len(self.grad_after)} entries; pass n + 1 = {n + 1}")
         if self.engine not in ENGINES:
             raise PlanningError(f"engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
+        if self.engine == "zb1p":  # TEMPORARY (step 1 of issue 23): no W times yet
+            raise PlanningError("the planner does not price zb1p's W yet")
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or not 1 <= self.pp <= max(n, 1):
             raise PlanningError(f"pp={self.pp!r} with {n} blocks; pp must be an integer in 1..{n}")
         shortfall = too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)

@@ -1,8 +1,12 @@
-"""Nanotron's two pipeline engines by name, and the one rule on micro-batches they share.
+"""Nanotron's two pipeline engines and the zero-bubble one by name, and the one rule on micro-batches.
 
 ``1f1b`` is ``OneForwardOneBackwardPipelineEngine``, ``afab`` ``AllForwardAllBackwardPipelineEngine``
 (``nanotron/parallel/pipeline_parallel/engine.py``). The 1F1B engine asserts ``nb_microbatches >= pp - 1``;
 at exactly ``pp - 1`` it runs, but the pipeline never fills.
+
+``zb1p`` is ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's program with each
+backward split into its input-gradient part (``B``) and a deferred weight-gradient part (``W``); it keeps
+1F1B's warm-up, so it shares 1F1B's rule on micro-batches (see ``docs/zero-bubble.md``).
 
 The event simulator of both engines' programs lives in :mod:`nanotron_ext.schedule.simulator` (pure Python,
 planner layer: the schedule-aware partitioner evaluates splits with it; ``nanotron_ext.simulate`` re-exports it).
@@ -15,6 +19,7 @@ from typing import Literal, get_args
 
 __all__ = [
     "ENGINES",
+    "ONE_F_ONE_B_FAMILY",
     "Engine",
     "MicroBatchShortfall",
     "fills_pipeline",
@@ -24,8 +29,11 @@ __all__ = [
     "too_few_micro_batches",
 ]
 
-Engine = Literal["1f1b", "afab"]
+Engine = Literal["1f1b", "afab", "zb1p"]
 ENGINES: tuple[str, ...] = get_args(Engine)
+#: Engines that run 1F1B's warm-up / steady / cool-down program (and so share its micro-batch rule).
+ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p")
+_NAMES = {"1f1b": "1F1B", "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)"}
 
 
 def ideal_bubble_fraction(pp: int, m: int) -> float:
@@ -41,17 +49,17 @@ def ideal_bubble_fraction(pp: int, m: int) -> float:
 
 def min_micro_batches(engine: str, pp: int) -> int:
     """The fewest micro-batches per step Nanotron's ``engine`` accepts on ``pp`` stages."""
-    return max(1, pp - 1) if engine == "1f1b" else 1
+    return max(1, pp - 1) if engine in ONE_F_ONE_B_FAMILY else 1
 
 
 def fills_pipeline(engine: str, pp: int, n_micro_batches: int) -> bool:
-    """Whether 1F1B reaches its steady phase on every stage (AFAB always does what it can)."""
-    return engine != "1f1b" or n_micro_batches >= pp
+    """Whether 1F1B (or zb1p) reaches its steady phase on every stage (AFAB always does what it can)."""
+    return engine not in ONE_F_ONE_B_FAMILY or n_micro_batches >= pp
 
 
 @dataclass(frozen=True)
 class MicroBatchShortfall:
-    """1F1B with fewer micro-batches than stages: ``fatal`` when Nanotron's engine refuses it (fewer than
+    """1F1B (or zb1p) with fewer micro-batches than stages: ``fatal`` when Nanotron's engine refuses it (fewer than
     ``pp - 1``), otherwise it runs with a pipeline that never fills."""
 
     fatal: bool
@@ -69,16 +77,25 @@ def micro_batch_shortfall(engine: str, pp: int, n_micro_batches: int) -> MicroBa
         >>> print(micro_batch_shortfall("1f1b", 4, 2))
         1F1B needs at least pp - 1 = 3 micro-batches, got 2: Nanotron's engine asserts nb_microbatches >= pp - 1 \
 and stops; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp_engine: afab
+        >>> print(micro_batch_shortfall("zb1p", 4, 2))
+        zb1p (ZB-H1, 1F1B's program with deferred weight gradients) needs at least pp - 1 = 3 micro-batches, got 2: it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as Nanotron's 1F1B engine does; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp_engine: afab
     """
     if fills_pipeline(engine, pp, n_micro_batches):
         return None
     fix = f"set tokens.batch_accumulation_per_replica >= {pp} (>= pp fills the pipeline), or pp_engine: afab"
     need = min_micro_batches(engine, pp)
+    name = _NAMES[engine]
     if n_micro_batches < need:
-        return MicroBatchShortfall(True, f"1F1B needs at least pp - 1 = {need} micro-batches, got {n_micro_batches}: "
-                                         f"Nanotron's engine asserts nb_microbatches >= pp - 1 and stops", fix)
+        why = (
+            "Nanotron's engine asserts nb_microbatches >= pp - 1 and stops" if engine == "1f1b"
+            else "it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as "
+                 "Nanotron's 1F1B engine does"
+        )
+        return MicroBatchShortfall(
+            True, f"{name} needs at least pp - 1 = {need} micro-batches, got {n_micro_batches}: {why}", fix
+        )
     bubble = ideal_bubble_fraction(pp, n_micro_batches)
-    return MicroBatchShortfall(False, f"1F1B with {n_micro_batches} micro-batches on {pp} stages: the pipeline "
+    return MicroBatchShortfall(False, f"{name} with {n_micro_batches} micro-batches on {pp} stages: the pipeline "
                                       f"never fills (bubble at least {bubble:.0%})", fix)
 
 

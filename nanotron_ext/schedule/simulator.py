@@ -54,11 +54,15 @@ __all__ = [
 class Action(str, Enum):
     """What a rank does next: compute, or one of the four kinds of communication of Nanotron's engines.
 
+    ``WEIGHT`` (``W``) is zb1p's deferred weight-gradient pass of one micro-batch; under zb1p ``BACKWARD``
+    is the input-gradient part alone, under AFAB and 1F1B the whole backward (input and weight gradients).
+
     A ``str`` enum, so ``Action.FORWARD == "F"`` and programs compare equal to ``("F", 0)`` tuples.
     """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
@@ -66,7 +70,7 @@ class Action(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Action.FORWARD, Action.BACKWARD)
+        return self in (Action.FORWARD, Action.BACKWARD, Action.WEIGHT)
 
     @property
     def is_send(self) -> bool:
@@ -237,8 +241,15 @@ def engine_program(
         >>> print(*engine_program("1f1b", 2, 1, 2))
         recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 send_grad1
 
+    ``zb1p`` (ZB-H1) is 1F1B's program with the deferred weight-gradient passes ``W`` added: rank ``stage``
+    defers the W of its first ``stage`` backwards; after each later backward (and the sends issued right after
+    it) it runs the oldest deferred W, and after its last backward every W left, oldest first. Rank 1 of 2:
+
+        >>> print(*engine_program("zb1p", 2, 1, 3))
+        recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 W0 recv_act2 send_grad1 F2 B2 send_grad2 W1 W2
+
     Args:
-        engine: ``"1f1b"`` or ``"afab"``.
+        engine: ``"1f1b"``, ``"afab"`` or ``"zb1p"``.
         pp: number of stages.
         stage: the PP rank.
         n_micro_batches: micro-batches per step.
@@ -247,7 +258,7 @@ def engine_program(
 
     Raises:
         ValueError: for ``pp`` or ``n_micro_batches`` below 1, a stage outside ``0..pp-1``, an unknown engine,
-            or under 1F1B with fewer than ``pp - 1`` micro-batches.
+            or under 1F1B or zb1p with fewer than ``pp - 1`` micro-batches.
     """
     _check_stage(engine, pp, stage, n_micro_batches)
     m, first, last = n_micro_batches, stage == 0, stage == pp - 1
@@ -260,6 +271,10 @@ def engine_program(
             rank.backward(j)
             rank.flush(rank.grads_to_send, Action.SEND_GRAD)
         return rank.program
+    # 1F1B; under zb1p each backward is B (input gradient) and rank ``stage`` defers the W of its first
+    # ``stage`` backwards, then runs the oldest deferred W after each later one (sail-sg's ZB-H1:
+    # ``if i >= rank: WeightGradStore.pop()``), placed after the sends issued right after that backward.
+    defer = stage if engine == "zb1p" else None
     warmup = pp - stage - 1
     for j in range(warmup):
         rank.forward(j)
@@ -267,10 +282,15 @@ def engine_program(
     for i in range(m - warmup):
         rank.forward(warmup + i)
         rank.backward(i)
+        if i == m - warmup - 1:
+            rank.flush(rank.grads_to_send, Action.SEND_GRAD)
+        rank.weight(i, defer)
     rank.flush(rank.grads_to_send, Action.SEND_GRAD)
     for j in range(m - warmup, m):
         rank.backward(j)
         rank.flush(rank.grads_to_send, Action.SEND_GRAD)
+        rank.weight(j, defer)
+    rank.weight_all(defer)
     return rank.program
 
 
@@ -286,6 +306,7 @@ class _RankProgram:
     program: list[Step] = field(default_factory=list)
     acts_to_send: deque[int] = field(default_factory=deque)
     grads_to_send: deque[int] = field(default_factory=deque)
+    weights_pending: deque[int] = field(default_factory=deque)
 
     def forward(self, j: int) -> None:
         if not self.first:  # recv_from_pipeline_state_buffer -> run_communication()
@@ -310,6 +331,20 @@ class _RankProgram:
         self.program.append(Step(Action.BACKWARD, j))
         if self.sends_grads:
             self.grads_to_send.append(j)
+
+    def weight(self, j: int, defer: int | None) -> None:
+        """After backward ``j`` under zb1p (``defer`` = the rank): defer its W, and run the oldest deferred W
+        once ``j >= defer``. Nothing under AFAB/1F1B (``defer`` None), where a backward is B and W in one."""
+        if defer is None:
+            return
+        self.weights_pending.append(j)
+        if j >= defer:
+            self.program.append(Step(Action.WEIGHT, self.weights_pending.popleft()))
+
+    def weight_all(self, defer: int | None) -> None:
+        """Under zb1p, after the last backward: every W still deferred, oldest first."""
+        if defer is not None:
+            self.flush(self.weights_pending, Action.WEIGHT)
 
     def flush(self, queue: deque[int], action: Action) -> None:
         while queue:
@@ -351,6 +386,8 @@ def simulate(
             engine, or 1F1B with fewer than ``pp - 1`` micro-batches (Nanotron rejects it too).
     """
     stages = _validate(stages, n_micro_batches, engine, p2p_time)
+    if engine == "zb1p":  # TEMPORARY (step 1 of issue 23): the programs exist, their W times do not yet
+        raise NotImplementedError("simulate does not price zb1p's W yet; engine_program('zb1p', ...) is ready")
     pp, m = len(stages), int(n_micro_batches)
     cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
     if len(cuts) != pp - 1:
