@@ -24,13 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock, TensorPointer
 from nanotron.parallel.pipeline_parallel.p2p import P2P
 from torch import nn
 
 from nanotron_ext.blocks import vocab_slices
+from nanotron_ext.zero_bubble.store import linear
 
 __all__ = [
     "ChainLoss", "VocabShard", "label_pp_ranks", "replace_lm_head_with_vocab_chain", "route_labels",
@@ -53,6 +53,9 @@ class VocabShard(nn.Module):
         token_layout: how the hidden state lays out tokens: ``seq_batch`` (Llama, ``[seq, batch, hidden]``) or
             ``flat`` (upstream's Qwen2, ``[batch·seq, hidden]``); labels are ``[batch, seq]`` either way.
     """
+
+    #: Under ``pp_engine: zb1p`` the shard's weight gradient is deferred to W (``nanotron_ext.zero_bubble``).
+    defers_weight_gradients = True
 
     def __init__(self, hidden_size: int, lo: int, hi: int, first: bool, last: bool,
                  token_layout: str = "seq_batch") -> None:
@@ -82,7 +85,7 @@ class VocabShard(nn.Module):
             ``{"loss": scalar}`` on the last shard, else the hidden state and the updated statistics.
         """
         # Nanotron's lm_head runs in the model dtype, then cast_to_fp32.
-        logits = F.linear(hidden_states, self.weight).float()  # [seq, batch, rows]
+        logits = linear(self, hidden_states, self.weight).float()  # [seq, batch, rows]
         local_max = logits.detach().amax(dim=-1)
         new_max = local_max if running_max is None else torch.maximum(running_max, local_max)
         labels = self._as_tokens(label_ids)

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nanotron_ext.models.vocab_chain import label_pp_ranks
 from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.schedule import Engine, too_few_micro_batches
+from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
 
 __all__ = [
     "EngineName",
@@ -57,6 +58,7 @@ MicroBatch = dict[str, torch.Tensor | TensorPointer]
 _ENGINES: dict[Engine, type[PipelineEngine]] = {
     "1f1b": OneForwardOneBackwardPipelineEngine,
     "afab": AllForwardAllBackwardPipelineEngine,
+    "zb1p": ZeroBubblePipelineEngine,  # ours: Nanotron has no zero-bubble engine (nanotron_ext.zero_bubble)
 }
 
 
@@ -64,7 +66,8 @@ def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
     """Nanotron pipeline engine from a name.
 
     Args:
-        engine: ``"1f1b"`` (OneForwardOneBackward), ``"afab"`` (AllForwardAllBackward), or an engine instance.
+        engine: ``"1f1b"`` (OneForwardOneBackward), ``"afab"`` (AllForwardAllBackward), ``"zb1p"``
+            (:class:`nanotron_ext.zero_bubble.ZeroBubblePipelineEngine`), or an engine instance.
 
     Returns:
         The engine.
@@ -78,6 +81,14 @@ def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
     if key not in _ENGINES:
         raise ValueError(f"Unknown pipeline engine {engine!r}; use one of {sorted(_ENGINES)}.")
     return _ENGINES[key]()
+
+
+def engine_name_of(engine: PipelineEngine) -> Engine:
+    """``"1f1b"``, ``"afab"`` or ``"zb1p"`` for an engine instance (its class or a subclass of one)."""
+    for name, cls in _ENGINES.items():
+        if isinstance(engine, cls):
+            return name
+    return "afab"  # another engine: no micro-batch rule of 1F1B's to check
 
 
 def _unwrap(model: NanotronModel | DistributedDataParallel) -> NanotronModel:
@@ -243,7 +254,7 @@ def train_step(
     Args:
         model: built, tied, initialised model (DDP-wrapped when DP > 1 and the rank trains something).
         parallel_context: its context.
-        engine: ``"1f1b"``, ``"afab"`` or a Nanotron engine instance.
+        engine: ``"1f1b"``, ``"afab"``, ``"zb1p"`` or a Nanotron engine instance.
         micro_batches: micro-batches (``make_micro_batch``); ``n_micro_batches`` of them are consumed.
         n_micro_batches: micro-batches per step (gradient accumulation).
         optimizer: Nanotron/torch optimizer, or None on a rank with nothing trainable (step skipped).
@@ -263,7 +274,7 @@ def train_step(
     if n_micro_batches < 1:
         raise ValueError(f"n_micro_batches must be >= 1, got {n_micro_batches}.")
     pipeline_engine = make_engine(engine)
-    engine_name = "1f1b" if isinstance(pipeline_engine, OneForwardOneBackwardPipelineEngine) else "afab"
+    engine_name = engine_name_of(pipeline_engine)
     shortfall = too_few_micro_batches(engine_name, pp_pg.size(), n_micro_batches)
     if shortfall is not None:
         raise ValueError(shortfall)

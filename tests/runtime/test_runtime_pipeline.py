@@ -160,6 +160,19 @@ TRACE_CASES_PP3 = {
     "pp3-1f1b": {"pp": 3, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 4},
     "pp3-afab": {"pp": 3, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 2},
 }
+# zb1p runs the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes, Nanotron's
+# communication included, is that program call by call.
+TRACE_CASES.update({
+    "pp2-zb1p": {"pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
+    "pp2-zb1p-decoder-cut": {"pp": 2, "engine": "zb1p", "block_ranks": BALANCED, "n_micro_batches": 3},
+    "pp2-zb1p-frozen-stage0": {
+        "pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
+    },
+})
+TRACE_CASES_PP3.update({
+    "pp3-zb1p": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 5},
+    "pp3-zb1p-decoder-cuts": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 2},
+})
 
 
 @pytest.mark.parametrize(("world", "cases"), [(2, TRACE_CASES), (3, TRACE_CASES_PP3)])

@@ -184,7 +184,7 @@ def engine_trace(cases: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, 
     (an activation goes to a higher PP rank, a gradient to a lower one); the boolean ``sequence_mask`` that
     travels with a decoder's hidden states is left out, as the simulator counts one transfer per micro-batch
     and cut. Forwards and backwards are recorded when the engine's ``forward`` / ``backward`` return (a
-    forward's receive happens inside it). The k-th record of a kind is micro-batch k: every queue in
+    forward's receive happens inside it), zb1p's W steps when they take their micro-batch from the store. The k-th record of a kind is micro-batch k: every queue in
     Nanotron's engine is first-in-first-out.
     """
     try:
@@ -203,6 +203,7 @@ def _trace_one_step(
     from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
     from nanotron_ext.runtime import CPUP2P, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.zero_bubble import WeightGradStore
 
     ctx = _context(1, pp, 1)
     me = dist.get_rank(ctx.pp_pg)
@@ -218,6 +219,7 @@ def _trace_one_step(
         (CPUP2P, "recv_tensors"): CPUP2P.recv_tensors,
         (PipelineEngine, "forward"): PipelineEngine.forward,
         (PipelineEngine, "backward"): PipelineEngine.backward,
+        (WeightGradStore, "pop"): WeightGradStore.pop,  # zb1p's W step takes its micro-batch's products
     }
 
     def send_tensors(self: Any, tensors: list[Any], to_rank: int, *args: Any, **kwargs: Any) -> Any:
@@ -241,11 +243,17 @@ def _trace_one_step(
         record("B")
         return result
 
+    def pop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = originals[(WeightGradStore, "pop")](self, *args, **kwargs)
+        record("W")
+        return result
+
     wrappers = {
         (CPUP2P, "send_tensors"): send_tensors,
         (CPUP2P, "recv_tensors"): recv_tensors,
         (PipelineEngine, "forward"): forward,
         (PipelineEngine, "backward"): backward,
+        (WeightGradStore, "pop"): pop,
     }
     torch.manual_seed(0)
     model = build_cpu_llama(tiny_config(), ctx, block_ranks=block_ranks)

@@ -1,0 +1,86 @@
+"""``pp_engine: zb1p`` (``nanotron_ext.zero_bubble``) against Nanotron's own 1F1B engine, in real gloo processes.
+
+Same model, weights and data under both engines, two optimizer steps each: the losses and every parameter
+gradient the optimizer sees (after the dp and tied-weight syncs) must match to fp32 rounding. Each dp replica
+reads its own data, so a missing DDP sync would show; every case also checks that W steps applied deferred
+products, so a zb1p that deferred nothing could not pass by being 1F1B. The order zb1p executes, communication
+included, is checked against ``engine_program("zb1p", ...)`` in ``test_runtime_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import zb_workers
+from .spawn import run_distributed
+
+TOL = 1e-5
+PP2 = [0, 0, 1, 1, 1, 1, 1]  # embedding, decoder.0 | decoder.1, final norm, lm_head, cast, loss
+TP2 = {"tp": 2, "pp": 2, "config": {"vocab_size": 50278}, "block_ranks": PP2}
+
+TWO_RANKS = {
+    "pp2": {"pp": 2, "block_ranks": PP2},
+    # Stage 0 wholly frozen, stage 1 with a frozen MLP: frozen weights get no W and no gradient.
+    "frozen": {"pp": 2, "block_ranks": PP2, "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
+    # Three vocabulary shards, the first on stage 0 with every decoder layer.
+    "vocab_chain": {"pp": 2, "block_ranks": [0, 0, 0, 0, 0, 1, 1], "vocab_shards": 3, "config": {"vocab_size": 1009}},
+    # The projector's linear is a subclass with its own forward: its W runs in B, with one warning.
+    "unknown_linear": {"pp": 2, "block_ranks": [0, 0, 0, 1, 1, 1, 1, 1], "opaque": True},
+}
+FOUR_RANKS = {
+    "pp4": {"pp": 4, "block_ranks": [0, 1, 2, 3, 3, 3, 3], "n_micro": 6},
+    "dp2_pp2": {"pp": 2, "dp": 2, "block_ranks": PP2},
+    "tp2_pp2": TP2,
+    # Nanotron's async REDUCE_SCATTER linears run their synchronous path under zb1p. The reference is 1F1B on
+    # the synchronous path: on gloo, Nanotron 0.2's async REDUCE_SCATTER backward gives other gradients.
+    "tp2_pp2_reduce_scatter_async": {**TP2, "tp_mode": "REDUCE_SCATTER", "tp_async": True,
+                                     "ref": {"tp_async": False}},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(zb_workers.compare_engines, 2, args=(TWO_RANKS,), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_distributed(zb_workers.compare_engines, 4, args=(FOUR_RANKS,), timeout=180)
+
+
+def _check(results: list[dict], name: str) -> None:
+    for res in results:
+        out = res[name]
+        assert "error" not in out, (name, res["rank"], out.get("error"))
+        assert out["steps"] == 2
+        assert out["zb_losses"] == pytest.approx(out["losses"], rel=TOL, abs=0), (name, res["rank"])
+        assert out["grad_rel"] <= TOL, (name, res["rank"], out["grad_rel"])
+    # Every W step applied something somewhere (one W per micro-batch and step on each rank).
+    assert any(sum(res[name]["popped"]) > 0 for res in results), name
+
+
+@pytest.mark.parametrize("name", sorted(TWO_RANKS))
+def test_zb1p_equals_1f1b_two_ranks(two_ranks: list[dict], name: str) -> None:
+    _check(two_ranks, name)
+
+
+@pytest.mark.parametrize("name", sorted(FOUR_RANKS))
+def test_zb1p_equals_1f1b_four_ranks(four_ranks: list[dict], name: str) -> None:
+    _check(four_ranks, name)
+
+
+def test_each_w_applies_its_stage_linears(two_ranks: list[dict]) -> None:
+    """pp2: stage 0 defers decoder.0's four linears, stage 1 decoder.1's four and the lm_head; the frozen stage
+    none; the vocabulary chain's shards defer like the lm_head."""
+    pp2 = [res["pp2"]["popped"] for res in two_ranks]
+    assert pp2 == [[4] * 8, [5] * 8]
+    assert [res["frozen"]["popped"] for res in two_ranks] == [[0] * 8, [3] * 8]
+    assert [res["vocab_chain"]["popped"] for res in two_ranks] == [[9] * 8, [2] * 8]
+
+
+def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict]) -> None:
+    rank0, rank1 = (res["unknown_linear"] for res in two_ranks)
+    assert len(rank0["fallbacks"]) == 1, rank0["fallbacks"]
+    assert "model.projector.pp_block.proj (OpaqueLinear)" in rank0["fallbacks"][0]
+    assert rank1["fallbacks"] == [] and rank0["ref_fallbacks"] == []
+    assert rank0["popped"] == [4] * 8  # decoder.0's linears still defer; the projector's W ran in B
