@@ -192,10 +192,10 @@ def _build(cfg: PlannerConfig, ctx: Any, block_ranks: Sequence[int], dtype: str,
 
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
     from nanotron_ext.runtime.cpu_model import build_cpu_llama
-    from nanotron_ext.runtime.engine import build_optimizer
+    from nanotron_ext.runtime.engine import build_optimizer, make_engine
 
     run = cfg.run
-    parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine, tp_mode=run.tp_mode,
+    parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=make_engine(run.engine), tp_mode=run.tp_mode,
                                       tp_linear_async_communication=False)
     torch.manual_seed(seed)
     model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),

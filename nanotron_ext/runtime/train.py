@@ -193,6 +193,8 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     # Importing nanotron pulls in torch: a second or two, so only after the cheap checks.
     from nanotron.config import LlamaConfig, ParallelismArgs
 
+    from nanotron_ext.runtime.engine import make_engine
+
     raw, run = cfg.nanotron, cfg.run
     if cfg.model.family != "llama":
         raise ConfigError(
@@ -210,7 +212,8 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     par = raw.get("parallelism") or {}
     try:
         parallel_config = ParallelismArgs(
-            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=run.engine,
+            # An engine instance: Nanotron's loader knows only "1f1b" and "afab" by name, not our "zb1p".
+            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=make_engine(run.engine),
             # Asynchronous TP communication overlaps CUDA streams (Nanotron asserts CUDA_DEVICE_MAX_CONNECTIONS=1).
             tp_mode=run.tp_mode, tp_linear_async_communication=False,
         )

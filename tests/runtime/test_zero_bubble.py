@@ -9,8 +9,11 @@ included, is checked against ``engine_program("zb1p", ...)`` in ``test_runtime_p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from . import train_workers as tw
 from . import zb_workers
 from .spawn import run_distributed
 
@@ -84,3 +87,17 @@ def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict]) -> None:
     assert "model.projector.pp_block.proj (OpaqueLinear)" in rank0["fallbacks"][0]
     assert rank1["fallbacks"] == [] and rank0["ref_fallbacks"] == []
     assert rank0["popped"] == [4] * 8  # decoder.0's linears still defer; the projector's W ran in B
+
+
+def test_cli_trains_with_pp_engine_zb1p(tmp_path: Path) -> None:
+    """``nanotron-ext train`` with ``pp_engine: zb1p`` in the YAML: the same losses as 1F1B on the same split.
+    (``flops`` places the blocks: the default schedule-aware strategy needs the simulator's price of W.)"""
+    losses = {}
+    for engine in ("zb1p", "1f1b"):
+        config = tw.write_config(tmp_path / f"{engine}.yaml", {"parallelism": {"pp_engine": engine}})
+        launch = tw.launch_ranks(["--config-file", str(config), "--steps", "3", "--cost-strategy", "flops"], 2,
+                                 timeout=120)
+        assert launch.ok and launch.metrics is not None, launch.describe()
+        assert launch.metrics["engine"] == engine and f"engine {engine} |" in launch.ranks[0].stdout
+        losses[engine] = launch.metrics["losses"]
+    assert losses["zb1p"] == pytest.approx(losses["1f1b"], rel=TOL, abs=0)
