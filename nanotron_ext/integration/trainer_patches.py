@@ -11,6 +11,9 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
 * With ``allow_frozen_stages``, a rank with nothing to train skips DDP (and Nanotron's
   ``check_model_has_grad``) and gets an optimizer over no parameters; every other step of the trainer runs
   as it is. DP replicas of a stage are frozen alike, so DDP's collectives stay within matching ranks.
+* ``pp_engine: zb1p``: Nanotron's config casts know the name, so its trainer runs
+  :class:`nanotron_ext.zero_bubble.ZeroBubblePipelineEngine` (Nanotron has no zero-bubble engine) and a checkpoint's
+  saved config names it.
 * Upstream bugs that stop any run, on GPUs too, are fixed while they are present in the installed Nanotron
   (:data:`nanotron_ext.integration.upstream_fixes.UPSTREAM_FIXES`: each is detected, and skipped once upstream
   has its own fix).
@@ -18,6 +21,7 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +33,7 @@ from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
+from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
 
 __all__ = ["install_launcher", "strip_ext_keys"]
 
@@ -81,6 +86,8 @@ def install_launcher(
         return model
 
     _one_config_file(patches, nanotron_config)
+    if cfg.run.engine == "zb1p":
+        _zero_bubble_engine(patches, say)
     _freeze_and_check_before_ddp(patches, trainer, ready)
     _optimize_trainable_only(patches, NanotronModel)
     _frozen_ranks(patches, trainer)
@@ -100,6 +107,25 @@ def _one_config_file(patches: Patches, nanotron_config: Any) -> None:
     """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file."""
     load_dict = nanotron_config.get_config_from_dict
     patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
+
+
+def _zero_bubble_engine(patches: Patches, say: Callable[[str], None]) -> None:
+    """``pp_engine: zb1p``: Nanotron's string <-> engine casts (its loader's, ``ParallelismArgs``', and the
+    serializer that writes a checkpoint's config) know our engine by name; every other name is theirs. Each PP
+    rank says once how many linears defer their weight gradient."""
+    import nanotron.config.utils_config as utils_config
+
+    to_engine, to_name = utils_config.cast_str_to_pipeline_engine, utils_config.cast_pipeline_engine_to_str
+
+    def cast_str_to_pipeline_engine(name: Any) -> Any:
+        return ZeroBubblePipelineEngine(say=say) if str(name).lower() == "zb1p" else to_engine(name)
+
+    for module_name in ("utils_config", "config", "parallelism_config"):  # each holds its own reference
+        module = importlib.import_module(f"nanotron.config.{module_name}")
+        if hasattr(module, "cast_str_to_pipeline_engine"):
+            patches.set(module, "cast_str_to_pipeline_engine", cast_str_to_pipeline_engine)
+    patches.set(utils_config, "cast_pipeline_engine_to_str",
+                lambda engine: "zb1p" if isinstance(engine, ZeroBubblePipelineEngine) else to_name(engine))
 
 
 def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable[[Any], Any]) -> None:

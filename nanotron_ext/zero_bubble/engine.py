@@ -28,7 +28,7 @@ Gradients end where 1F1B leaves them (see ``docs/zero-bubble.md``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.schedule.simulator import Action, Step, engine_program
-from nanotron_ext.zero_bubble.store import WeightGradStore, install_store
+from nanotron_ext.zero_bubble.store import WeightGradStore, install_store, store_of
 
 __all__ = ["ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
 
@@ -52,13 +52,18 @@ __all__ = ["ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parall
 class ZeroBubblePipelineEngine(PipelineEngine):
     """ZB-H1 on Nanotron's pipeline machinery (``pp_engine: zb1p``); see the module docstring.
 
+    Args:
+        say: where to report, once per model on the first TP and DP rank of each PP rank, how many linears
+            defer their weight gradient (None: say nothing).
+
     Attributes:
         trace: the compute steps (``F``, ``B``, ``W``) of the last ``train_batch_iter`` on this rank, in order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.trace: list[Step] = []
+        self.say = say
 
     def __str__(self) -> str:
         return "zb1p"
@@ -84,7 +89,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         self.nb_microbatches = nb_microbatches
         program = engine_program("zb1p", pg.size(), dist.get_rank(pg), nb_microbatches)
         _check_accumulator(grad_accumulator)
-        store = install_store(model)
+        store = store_of(model) or self._install(model, pg)
         store.clear()  # a step that failed half-way leaves nothing behind
         run = _StepRun(self, model, PipelineTrainBatchState(), store, grad_accumulator, iter(batch))
         with attach_pipeline_state_to_model(model=model, pipeline_state=run.state):
@@ -96,6 +101,15 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         sync_data_parallel(model, grad_accumulator)
         self.trace = run.trace
         return run.outputs
+
+    def _install(self, model: nn.Module, pg: dist.ProcessGroup) -> WeightGradStore:
+        store = install_store(model)
+        context = getattr(getattr(model, "module", model), "parallel_context", None)
+        first = context is None or dist.get_rank(context.tp_pg) == dist.get_rank(context.dp_pg) == 0
+        if self.say is not None and first:
+            self.say(f"nanotron_ext: zb1p on PP rank {dist.get_rank(pg)}: {len(store.modules)} linear(s) defer "
+                     f"their weight gradient to W")
+        return store
 
 
 def _check_accumulator(grad_accumulator: Any | None) -> None:

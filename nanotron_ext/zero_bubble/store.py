@@ -101,6 +101,8 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._open: list[WeightGradProduct] | None = None
         self._queue: deque[tuple[int, list[WeightGradProduct]]] = deque()
+        #: The modules that defer their weight gradient to this store (set by :func:`install_store`).
+        self.modules: list[str] = []
 
     @property
     def deferring(self) -> bool:
@@ -290,6 +292,7 @@ def install_store(model: nn.Module, store: WeightGradStore | None = None) -> Wei
             continue
         setattr(module, STORE_ATTR, store)
         setattr(module, _NAME_ATTR, name)
+        store.modules.append(name)
         if forward is not True:
             module.forward = types.MethodType(forward, module)
     setattr(model, STORE_ATTR, store)
