@@ -9,13 +9,14 @@ runs the oldest deferred W (micro-batch ``i - r``); after the last backward, eve
 from __future__ import annotations
 
 import doctest
+import random
 
 import pytest
 
 import nanotron_ext.schedule as schedule
 import nanotron_ext.schedule.simulator as simulator
 from nanotron_ext.schedule import micro_batch_shortfall, min_micro_batches, too_few_micro_batches
-from nanotron_ext.schedule.simulator import Action, engine_order, engine_program
+from nanotron_ext.schedule.simulator import Action, StageTimes, engine_order, engine_program, simulate
 
 
 def _prog(text: str) -> list[tuple[str, int]]:
@@ -123,3 +124,128 @@ def test_docstring_examples_run() -> None:
     for module in (schedule, simulator):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# --- simulate ---------------------------------------------------------------------------------------------------
+
+def _starts(result, stage: int) -> str:
+    return " ".join(f"{op.kind}{op.micro_batch}@{op.start:g}" for op in result.ops if op.stage == stage)
+
+
+def test_zb1p_pp2_m2_op_by_op() -> None:
+    """F = B = W = 1 (``StageTimes(forward=1, backward=2, weight=1)``: backward is B + W), no p2p.
+
+    Stage 1: F0 [1,2] (activation 0 at 1), B0 [2,3] (its W deferred), recv_act1 (posted by stage 0 at 2) at 3,
+    then it posts gradient 0, F1 [3,4], B1 [4,5], posts gradient 1, W0 [5,6], W1 [6,7].
+    Stage 0: F0 [0,1], F1 [1,2], waits for gradient 0 (posted at 3): B0 [3,4], W0 [4,5]; gradient 1 (posted at
+    5): B1 [5,6], W1 [6,7]. Step 7 = m(F+B+W) + (p-1)(F+B-W) = 6 + 1; 1F1B (backward 2 as one op): 9.
+    """
+    stages = [StageTimes(1.0, 2.0, weight=1.0)] * 2
+    r = simulate(stages, 2, "zb1p")
+    assert _starts(r, 0) == "F0@0 F1@1 B0@3 W0@4 B1@5 W1@6"
+    assert _starts(r, 1) == "F0@1 B0@2 F1@3 B1@4 W0@5 W1@6"
+    assert [op.duration for op in r.ops if op.kind in "BW"] == [1.0] * 8
+    assert r.step_time == 7.0
+    assert simulate(stages, 2, "1f1b").step_time == 9.0
+
+
+def test_zb1p_pp4_m8_equal_stages_hand_schedule() -> None:
+    """p = 4, m = 8, F = B = W = 1, no p2p: the step is 27 against 1F1B's 33.
+
+    Hand schedule (start times; stage r defers r W's, runs W_{i-r} after B_i, all the rest at the end):
+
+    * Forward of micro-batch 0 reaches stage k at k. Warm-up: stage k runs pp - k - 1 forwards back to back.
+    * Stage 3 (no warm-up): F0@3 B0@4; each next activation arrives one step after stage 2 sent it, so
+      F1@5 B1@6 F2@7 B2@8 F3@9 B3@10, then W0@11 (B3 is its 4th backward, i = 3 >= 3) and F B W from then on:
+      F4@12 B4@13 W1@14 ... F7@21 B7@22 W4@23, then W5 W6 W7 at 24 25 26: ends at 27.
+    * Stage 2: F0@2 F1@3; B0 needs stage 3's gradient 0, sent when stage 3 receives activation 1 (at 5): B0@5;
+      F2@6 (activation 2 from stage 1) B1@7 F3@8 B2@9 W0@10 F4@11 B3@12 W1@13 ... B7@23 W5@24 W6@25 W7@26.
+    * Stage 1: F0@1 F1@2 F2@3; gradient 0 leaves stage 2 at 6: B0@6 F3@7 B1@8 W0@9 F4@10 B2@11 W1@12 ...
+      F7@19 B5@20 W4@21 B6@22 W5@23 B7@24 W6@25 W7@26.
+    * Stage 0: F0..F3 @0..3; gradient 0 leaves stage 1 when it receives activation 3, at 7: B0@7 W0@8 F4@9 B1@10
+      W1@11 ... F7@18 B4@19 W4@20, then B5@21 W5@22 B6@23 W6@24 B7@25 W7@26.
+
+    Every stage ends at 27 and is busy m(F+B+W) = 24, so each idles (p-1)(F+B-W) = 3: bubble 3/27 = 1/9.
+    1F1B with the same backward (B + W = 2 as one op) takes (m + p - 1)(F + B + W) = 11 · 3 = 33.
+    (A bubble of (p-1)(F+B-2W) would be 0 here: the hand schedule says 3 per stage.)
+    """
+    r = simulate([StageTimes(1.0, 2.0, weight=1.0)] * 4, 8, "zb1p")
+    assert _starts(r, 3) == ("F0@3 B0@4 F1@5 B1@6 F2@7 B2@8 F3@9 B3@10 W0@11 F4@12 B4@13 W1@14 F5@15 B5@16 W2@17 "
+                             "F6@18 B6@19 W3@20 F7@21 B7@22 W4@23 W5@24 W6@25 W7@26")
+    assert _starts(r, 2) == ("F0@2 F1@3 B0@5 F2@6 B1@7 F3@8 B2@9 W0@10 F4@11 B3@12 W1@13 F5@14 B4@15 W2@16 "
+                             "F6@17 B5@18 W3@19 F7@20 B6@21 W4@22 B7@23 W5@24 W6@25 W7@26")
+    assert _starts(r, 1) == ("F0@1 F1@2 F2@3 B0@6 F3@7 B1@8 W0@9 F4@10 B2@11 W1@12 F5@13 B3@14 W2@15 "
+                             "F6@16 B4@17 W3@18 F7@19 B5@20 W4@21 B6@22 W5@23 B7@24 W6@25 W7@26")
+    assert _starts(r, 0) == ("F0@0 F1@1 F2@2 F3@3 B0@7 W0@8 F4@9 B1@10 W1@11 F5@12 B2@13 W2@14 F6@15 B3@16 W3@17 "
+                             "F7@18 B4@19 W4@20 B5@21 W5@22 B6@23 W6@24 B7@25 W7@26")
+    assert r.step_time == 27.0
+    assert r.busy == [24.0] * 4 and r.idle == [3.0] * 4
+    assert r.bubble_fraction == pytest.approx(1 / 9, abs=1e-15)
+    assert simulate([StageTimes(1.0, 2.0, weight=1.0)] * 4, 8, "1f1b").step_time == 33.0
+
+
+def _random_stages(rng, pp: int) -> list[StageTimes]:
+    out = []
+    for _ in range(pp):
+        f = rng.choice([0.0, rng.uniform(0.1, 3.0)])
+        b = f * rng.uniform(0.5, 3.0)
+        out.append(StageTimes(f, b, rng.choice([0.0, rng.random()]), b * rng.choice([0.0, rng.random(), 1.0])))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_without_a_split_zb1p_times_exactly_as_1f1b_and_afab_1f1b_ignore_weight(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(40):
+        pp = rng.randint(1, 6)
+        m = rng.randint(max(1, pp - 1), 10)
+        stages = _random_stages(rng, pp)
+        p2p = rng.choice([0.0, 0.3 * rng.random()])
+        first_grad = rng.choice([0, 0, rng.randint(0, pp)])  # a frozen prefix sends no gradient back
+        cuts = [i >= first_grad for i in range(pp - 1)]
+        unsplit = [StageTimes(st.forward, st.backward, st.update) for st in stages]
+        one = simulate(unsplit, m, "1f1b", p2p, grad_cuts=cuts)
+        zero_w = simulate(unsplit, m, "zb1p", p2p, grad_cuts=cuts)
+        assert zero_w.step_time == one.step_time
+        assert [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in zero_w.ops if o.kind != "W"] == \
+               [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in one.ops]
+        for engine in ("1f1b", "afab"):  # weight is inside backward for them: same result
+            assert simulate(stages, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"] == \
+                   simulate(unsplit, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"]
+        zb = simulate(stages, m, "zb1p", p2p, grad_cuts=cuts)
+        assert zb.peak_in_flight == one.peak_in_flight
+        assert zb.busy == pytest.approx(one.busy, rel=1e-12, abs=1e-15)  # the same work, split in two
+        assert sum(o.kind == "W" for o in zb.ops) == m * pp
+
+
+def test_weight_above_backward_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"stages\[1\]\.weight = 3\.0 exceeds its backward 2\.0; backward is the whole"):
+        simulate([StageTimes(1.0, 2.0), StageTimes(1.0, 2.0, weight=3.0)], 2, "zb1p")
+    with pytest.raises(ValueError, match=r"stages\[0\]\.weight = -1\.0; times must be finite, non-negative"):
+        simulate([StageTimes(1.0, 2.0, weight=-1.0)], 2, "zb1p")
+
+
+def test_simulate_refuses_zb1p_with_too_few_micro_batches() -> None:
+    with pytest.raises(ValueError, match=r"zb1p .*needs at least pp - 1 = 3 micro-batches, got 1.*>= 4"):
+        simulate([StageTimes(1.0, 2.0, weight=1.0)] * 4, 1, "zb1p")
+
+
+def test_timeline_draws_w_in_its_own_colour_with_a_legend_entry(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    from nanotron_ext.simulate import timeline
+
+    zb = simulate([StageTimes(1e-3, 2e-3, weight=1e-3)] * 3, 4, "zb1p")
+    one = simulate([StageTimes(1e-3, 2e-3, weight=1e-3)] * 3, 4, "1f1b")
+    assert (timeline.WEIGHT_COLOR, "weight gradient (deferred W)") in timeline.legend_entries(zb)
+    assert (timeline.BACKWARD_COLOR, "backward (input gradient)") in timeline.legend_entries(zb)
+    assert all(colour != timeline.WEIGHT_COLOR for colour, _ in timeline.legend_entries(one))
+    rgb = np.asarray(to_rgb(timeline.WEIGHT_COLOR))
+    share = {}
+    for name, result in (("zb", zb), ("one", one)):
+        img = imread(timeline.plot_timeline(result, tmp_path / f"{name}.png"))
+        share[name] = float((np.abs(img[..., :3] - rgb).max(axis=-1) < 0.02).mean())
+    assert share["one"] == 0.0 and share["zb"] > 0.01  # W boxes, not just a legend swatch

@@ -73,8 +73,8 @@ def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
         problem = schedule_problem(blocks, dataclasses.replace(cfg, run=run), machine)
     except PlanningError as exc:  # the schedule itself cannot run (1F1B with too few micro-batches)
         raise ConfigError(str(exc)) from exc
-    fwd, bwd, upd, p2p, cuts = problem.stage_times(bounds_from_ranks(plan.block_ranks, plan.pp))
-    return PlanTimes([StageTimes(f, b, u) for f, b, u in zip(fwd, bwd, upd)], p2p, cuts)
+    stages, p2p, cuts = problem.simulator_inputs(bounds_from_ranks(plan.block_ranks, plan.pp))
+    return PlanTimes(stages, p2p, cuts)
 
 
 def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:
