@@ -309,13 +309,19 @@ class PlannerConfig:
 
     def with_overrides(
         self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,
-        **ext: Any,
+        engine: str | None = None, **ext: Any,
     ) -> PlannerConfig:
         """A copy with command-line overrides applied (they win over the YAML); ``n_micro_batches`` replaces
-        ``tokens.batch_accumulation_per_replica``."""
+        ``tokens.batch_accumulation_per_replica``, ``engine`` ``parallelism.pp_engine``.
+
+        Raises:
+            ConfigError: an unknown engine (naming the choices).
+        """
         run = self.run if pp is None else dataclasses.replace(self.run, pp=pp)
         if n_micro_batches is not None:
             run = dataclasses.replace(run, n_micro_batches=n_micro_batches)
+        if engine is not None:
+            run = dataclasses.replace(run, engine=engine)  # RunShape checks the name
         changes = {k: v for k, v in ext.items() if v is not None}
         if cost_strategy is not None:
             changes["cost_strategy"] = cost_strategy
@@ -325,6 +331,8 @@ class PlannerConfig:
             nanotron["parallelism"]["pp"] = pp
         if n_micro_batches is not None and "tokens" in nanotron:
             nanotron["tokens"]["batch_accumulation_per_replica"] = n_micro_batches
+        if engine is not None and "parallelism" in nanotron:
+            nanotron["parallelism"]["pp_engine"] = engine
         return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
 
 

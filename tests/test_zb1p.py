@@ -249,3 +249,85 @@ def test_timeline_draws_w_in_its_own_colour_with_a_legend_entry(tmp_path) -> Non
         img = imread(timeline.plot_timeline(result, tmp_path / f"{name}.png"))
         share[name] = float((np.abs(img[..., :3] - rgb).max(axis=-1) < 0.02).mean())
     assert share["one"] == 0.0 and share["zb"] > 0.01  # W boxes, not just a legend swatch
+
+
+# --- pricing: the B/W split ---------------------------------------------------------------------------------------
+
+def _seed():
+    from nanotron_ext.config import bundled_config, load_config
+    from nanotron_ext.inventory import inventory_from_config
+
+    cfg = load_config(bundled_config())  # tiny_llama_large_vocab: embedding, 2 decoders, norm, head, cast, loss
+    return cfg, inventory_from_config(cfg)
+
+
+def test_rate_model_prices_b_and_w_by_their_own_flops() -> None:
+    from nanotron_ext.machine import EngineOverhead, MachineProfile, price_blocks
+
+    cfg, blocks = _seed()
+    machine = MachineProfile(name="1 TFLOP/s", source="test", flops_per_second=1e12,
+                             overhead=EngineOverhead(block_call=1e-6))
+    prices = price_blocks(machine, blocks, cfg)
+    by_name = {b.name: i for i, b in enumerate(blocks)}
+    # decoder.0: input-gradient 802816 FLOPs, weight-gradient 528384: W = 528384 / 1e12 s, B = the rest + the call
+    i = by_name["model.decoder.0"]
+    assert prices.weight[i] == pytest.approx(528384e-12, rel=1e-12)
+    assert prices.backward[i] - prices.weight[i] == pytest.approx(802816e-12 + 1e-6, rel=1e-12)
+    # the embedding's input needs no gradient: B is the call overhead alone, W its 1024 weight-gradient FLOPs
+    i = by_name["model.token_position_embeddings"]
+    assert prices.weight[i] == pytest.approx(1024e-12, rel=1e-12)
+    assert prices.backward[i] - prices.weight[i] == pytest.approx(1e-6, rel=1e-9)
+    # blocks without parameters (cast, loss) have no W
+    assert prices.weight[by_name["model.cast_to_fp32"]] == 0.0 and prices.weight[by_name["loss"]] == 0.0
+
+
+def test_frozen_blocks_have_no_w_and_measured_blocks_split_by_flops_or_by_their_measured_w() -> None:
+    import dataclasses
+
+    from nanotron_ext.costs import trainable_before
+    from nanotron_ext.machine import BlockCost, MachineProfile, block_signature, price_blocks
+
+    cfg, blocks = _seed()
+    frozen = [b.with_trainable(lambda name: False) if b.role == "decoder" and b.name.endswith(".1") else b
+              for b in blocks]
+    grads = trainable_before(frozen)
+    sig = {b.name: block_signature(b, input_grad=g) for b, g in zip(frozen, grads)}
+    costs = [BlockCost(sig["model.decoder.0"], 1e-3, 3e-3),  # no split: 3 ms × 528384 / (802816 + 528384)
+             BlockCost(sig["model.decoder.1"], 1e-3, 2e-3),  # frozen: W = 0
+             BlockCost(sig["model.lm_head"], 1e-3, 4e-3, backward_weight=1.5e-3)]  # measured split
+    prices = price_blocks(MachineProfile(name="m", source="test", blocks=tuple(costs)), frozen, cfg)
+    by_name = {b.name: i for i, b in enumerate(frozen)}
+    assert prices.weight[by_name["model.decoder.0"]] == pytest.approx(3e-3 * 528384 / 1331200, rel=1e-12)
+    assert prices.weight[by_name["model.decoder.1"]] == 0.0
+    assert prices.backward[by_name["model.decoder.1"]] == 2e-3
+    assert prices.weight[by_name["model.lm_head"]] == 1.5e-3
+    # the rate-model frozen decoder too
+    rate = price_blocks(MachineProfile(name="r", source="test", flops_per_second=1e12), frozen, cfg)
+    assert rate.weight[by_name["model.decoder.1"]] == 0.0
+    assert rate.backward[by_name["model.decoder.1"]] == pytest.approx(802816e-12, rel=1e-12)
+    assert dataclasses.replace(costs[2], backward_weight=None).backward_weight is None
+
+
+def test_backward_weight_survives_json_and_a_bad_one_is_refused(tmp_path) -> None:
+    from nanotron_ext.errors import ConfigError
+    from nanotron_ext.machine import BlockCost, MachineProfile, load_machine
+
+    machine = MachineProfile(name="m", source="t", blocks=(BlockCost("decoder:x", 1.0, 2.0, 0.5, 0.75),
+                                                           BlockCost("decoder:y", 1.0, 2.0)))
+    machine.save(tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json") == machine
+    with pytest.raises(ConfigError, match=r"backward_weight=3\.0 exceeds its backward=2\.0.*null: split by FLOPs"):
+        MachineProfile(name="m", source="t", blocks=(BlockCost("decoder:x", 1.0, 2.0, 0.0, 3.0),))
+    with pytest.raises(ConfigError, match=r"backward_weight=-1\.0 must be a finite number >= 0"):
+        MachineProfile(name="m", source="t", blocks=(BlockCost("decoder:x", 1.0, 2.0, 0.0, -1.0),))
+
+
+def test_one_pricing_for_every_engine_only_the_engine_differs() -> None:
+    from nanotron_ext.strategies.step_time import schedule_problem
+
+    cfg, blocks = _seed()
+    problems = {e: schedule_problem(blocks, cfg.with_overrides(engine=e)) for e in ("1f1b", "afab", "zb1p")}
+    for field in ("forward", "backward", "update", "send", "weight", "grad_after"):
+        assert len({getattr(p, field) for p in problems.values()}) == 1, field
+    assert {p.engine for p in problems.values()} == {"1f1b", "afab", "zb1p"}
+    assert sum(problems["zb1p"].weight) > 0
