@@ -348,7 +348,7 @@ def test_to_dict_is_json_ready_and_complete():
     assert d["step_time"] == 11.0
     assert d["peak_in_flight"] == [2, 1]
     assert d["ops"][2] == {"stage": 0, "kind": "B", "micro_batch": 0, "start": 5.0, "end": 7.0}
-    assert d["stages"][1] == {"forward": 3.0, "backward": 1.0, "update": 0.0, "weight": 0.0}
+    assert d["stages"][1] == {"forward": 3.0, "backward": 1.0, "update": 0.0}
     assert d["pipeline_time"] == 11.0
 
 

@@ -331,3 +331,26 @@ def test_one_pricing_for_every_engine_only_the_engine_differs() -> None:
         assert len({getattr(p, field) for p in problems.values()}) == 1, field
     assert {p.engine for p in problems.values()} == {"1f1b", "afab", "zb1p"}
     assert sum(problems["zb1p"].weight) > 0
+
+
+def test_plan_stage_times_carry_the_split_under_zb1p_only() -> None:
+    import json
+
+    from nanotron_ext.machine import MachineProfile, price_blocks
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.simulate import plan_stage_times, simulate_plan
+
+    cfg, blocks = _seed()
+    machine = MachineProfile(name="1 TFLOP/s", source="test", flops_per_second=1e12)
+    plan = make_plan(blocks, cfg, "flops")
+    weights = price_blocks(machine, blocks, cfg).weight
+    expected = [sum(w for w, r in zip(weights, plan.block_ranks) if r == k) for k in range(plan.pp)]
+    zb = plan_stage_times(plan, blocks, cfg.with_overrides(engine="zb1p"), machine=machine)
+    assert [st.weight for st in zb.stages] == pytest.approx(expected, rel=1e-12) and min(expected) > 0
+    one = plan_stage_times(plan, blocks, cfg.with_overrides(engine="1f1b"), machine=machine)
+    assert [st.weight for st in one.stages] == [0.0] * plan.pp
+    assert [st.backward for st in one.stages] == [st.backward for st in zb.stages]
+    result = simulate_plan(plan, blocks, cfg, machine=machine, engine="zb1p")
+    assert result.engine == "zb1p" and any(op.kind == "W" for op in result.ops)
+    assert [s["weight"] for s in json.loads(json.dumps(result.to_dict()))["stages"]] == pytest.approx(expected)
+    assert "weight" not in simulate_plan(plan, blocks, cfg, machine=machine).to_dict()["stages"][0]

@@ -186,9 +186,13 @@ class SimResult:
         return len(self.busy)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-serialisable dict (ops and stages as lists of dicts)."""
+        """Plain JSON-serialisable dict (ops and stages as lists of dicts; a stage's ``weight`` only under zb1p,
+        the one engine that reads it)."""
         out = asdict(self)
         out["pp"] = self.pp
+        if self.engine != "zb1p":
+            for stage in out["stages"]:
+                stage.pop("weight")
         return out
 
     def table(self) -> str:
