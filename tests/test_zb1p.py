@@ -354,3 +354,114 @@ def test_plan_stage_times_carry_the_split_under_zb1p_only() -> None:
     assert result.engine == "zb1p" and any(op.kind == "W" for op in result.ops)
     assert [s["weight"] for s in json.loads(json.dumps(result.to_dict()))["stages"]] == pytest.approx(expected)
     assert "weight" not in simulate_plan(plan, blocks, cfg, machine=machine).to_dict()["stages"][0]
+
+
+# --- memory: the deferred W's state -------------------------------------------------------------------------------
+
+def test_pending_tensors_of_the_tiny_config_by_hand() -> None:
+    """tiny_llama_large_vocab: micro-batch 2 × 32 = 64 tokens, h = 16, 4 heads of 4 (q = k = v = 16), f = 64,
+    V = 50277, fp32 (4 bytes). A hidden-sized tensor is 64 × 16 × 4 = 4096 bytes."""
+    from nanotron_ext.costs.memory_estimate import pending_tensors, weight_pending
+
+    cfg, blocks = _seed()
+    pending = {b.name: pending_tensors(b, cfg.model, cfg.run) for b in blocks}
+    assert pending["model.token_position_embeddings"] == {"token_embedding.ids": 64 * 8,  # int64 ids
+                                                          "token_embedding.output_grad": 4096}
+    decoder = pending["model.decoder.0"]
+    assert decoder["qkv_proj.input"] == 4096 and decoder["qkv_proj.output_grad"] == 64 * 48 * 4
+    assert decoder["o_proj.input"] == 64 * 16 * 4 and decoder["o_proj.output_grad"] == 4096
+    assert decoder["gate_up_proj.input"] == 4096 and decoder["gate_up_proj.output_grad"] == 64 * 128 * 4
+    assert decoder["down_proj.input"] == 64 * 64 * 4 and decoder["down_proj.output_grad"] == 4096
+    assert decoder["input_layernorm.normalised_input"] == decoder["post_attention_layernorm.output_grad"] == 4096
+    # 4 norm tensors (16384) + qkv 4096 + 12288 + o 4096 + 4096 + gate_up 4096 + 32768 + down 16384 + 4096
+    assert weight_pending(blocks[1], cfg.model, cfg.run) == 98304
+    assert pending["model.final_layer_norm"] == {"weight.normalised_input": 4096, "weight.output_grad": 4096}
+    assert pending["model.lm_head"] == {"weight.input": 4096, "weight.output_grad": 64 * 50277 * 4}  # logits' grad
+    assert pending["model.cast_to_fp32"] == {} and pending["loss"] == {}
+
+
+def test_frozen_weights_keep_nothing_for_a_deferred_w() -> None:
+    from nanotron_ext.costs.memory_estimate import pending_tensors, weight_pending
+
+    cfg, blocks = _seed()
+    decoder = blocks[1]
+    assert weight_pending(decoder.with_trainable(lambda name: False), cfg.model, cfg.run) == 0.0
+    mlp_only = pending_tensors(decoder.with_trainable(lambda name: ".mlp." in name), cfg.model, cfg.run)
+    assert mlp_only == {"gate_up_proj.input": 4096, "gate_up_proj.output_grad": 32768, "down_proj.input": 16384,
+                        "down_proj.output_grad": 4096}
+    assert weight_pending(blocks[4].with_trainable(lambda name: False), cfg.model, cfg.run) == 0.0  # lm_head
+
+
+def test_stage_peak_adds_rank_times_the_deferred_state_under_zb1p_only() -> None:
+    """Split embedding, decoder.0, decoder.1 | final_norm, lm_head, cast, loss (pp = 2, m = 4). Stage 0 defers
+    nothing; stage 1 defers one W at a time: final_norm 8192 + lm_head 4096 + 12870912 = 12883200 bytes more
+    than under 1F1B, at the pipeline's peak. AFAB's and 1F1B's estimates have no such term."""
+    from nanotron_ext.costs.memory_estimate import config_stage_memory
+
+    cfg, blocks = _seed()
+    parts = [blocks[:3], blocks[3:]]
+    zb = [config_stage_memory(part, cfg.with_overrides(engine="zb1p"), k) for k, part in enumerate(parts)]
+    one = [config_stage_memory(part, cfg.with_overrides(engine="1f1b"), k) for k, part in enumerate(parts)]
+    assert [m.deferred for m in zb] == [0, 1] and [m.deferred for m in one] == [0, 0]
+    assert zb[0].weight_pending == 4608 + 2 * 98304 and zb[1].weight_pending == 12883200
+    assert zb[0].pipeline_peak == one[0].pipeline_peak
+    assert zb[1].pipeline_peak - one[1].pipeline_peak == 12883200
+    assert zb[1].peak == max(zb[1].pipeline_peak, zb[1].optimizer_peak) and zb[1].to_dict()["deferred"] == 1
+    assert one[1].weight_pending == 0.0 and one[1].pending_weights == 0.0
+
+
+def test_deferred_counts() -> None:
+    from nanotron_ext.costs.memory_estimate import deferred_weights
+
+    assert deferred_weights("zb1p", 4, 8) == [0, 1, 2, 3]
+    assert deferred_weights("zb1p", 4, 3) == [0, 1, 2, 2]  # m = pp - 1: stage 3's last W runs first of three
+    assert deferred_weights("zb1p", 8, 7)[7] == 6
+    assert deferred_weights("1f1b", 4, 8) == deferred_weights("afab", 4, 8) == [0] * 4
+    # it is the most W's pending while the stage computes, the running W left out, counted from the program
+    for pp, m in [(2, 1), (3, 2), (4, 3), (4, 8), (5, 6), (8, 16)]:
+        for stage in range(pp):
+            pending = most = 0
+            for action, _ in engine_program("zb1p", pp, stage, m):
+                if action.is_compute:
+                    most = max(most, pending - (action is Action.WEIGHT))
+                pending += {Action.BACKWARD: 1, Action.WEIGHT: -1}.get(action, 0)
+            assert pending == 0 and most == deferred_weights("zb1p", pp, m)[stage], (pp, m, stage)
+
+
+def test_memory_cap_counts_the_deferred_state_brute_force() -> None:
+    from nanotron_ext.partition import MemoryCap, partition
+    from nanotron_ext.partition.schedule_aware import ScheduleProblem, step_time_partition
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(60):
+        n, pp = rng.randint(3, 8), rng.randint(2, 4)
+        pp = min(pp, n)
+        static = tuple(rng.random() for _ in range(n))
+        act = tuple(0.3 * rng.random() for _ in range(n))
+        pend = tuple(0.5 * rng.random() for _ in range(n))
+        flight, deferred = tuple(pp - k for k in range(pp)), tuple(range(pp))
+        cap = (sum(static) + pp * sum(act) + sum(pend)) / pp * rng.uniform(0.8, 2.0)
+        memory = MemoryCap(static, act, flight, cap=cap, pending=pend, deferred=deferred)
+
+        def fits(bounds, memory=memory) -> bool:
+            return all(sum(memory.static[s:e]) + memory.in_flight[k] * sum(memory.activation[s:e])
+                       + memory.deferred[k] * sum(memory.pending[s:e]) <= memory.cap * (1 + 1e-9)
+                       for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+
+        import itertools
+
+        splits = [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
+        valid = [s for s in splits if fits(s)]
+        costs = [rng.random() for _ in range(n)]
+        problem = ScheduleProblem(tuple(costs), tuple(2 * c for c in costs), (0.0,) * n, (0.0,) * n,
+                                  (True,) * (n + 1), pp, pp, "zb1p", tuple(c for c in costs))
+        if not valid:
+            with pytest.raises(Exception, match="memory_cap_gib|no split|constraints"):
+                partition(costs, pp, memory=memory)
+            continue
+        checked += len(valid) < len(splits)
+        assert fits(partition(costs, pp, memory=memory).bounds)
+        found = step_time_partition(problem, memory=memory)
+        assert fits(found.bounds)
+    assert checked >= 5

@@ -195,7 +195,7 @@ class Validity:
 
     n: int
     hi: np.ndarray
-    mem: tuple[np.ndarray, np.ndarray, tuple[int, ...], float] | None = None
+    mem: tuple[MemoryCap, float] | None = None
     _lo: dict[int, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
@@ -208,9 +208,7 @@ class Validity:
             hi = np.minimum(hi, last)  # s <= the last flagged block before e
         mem = None
         if memory is not None:
-            sp = np.concatenate([[0.0], np.cumsum(memory.static)])
-            ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
-            mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * RTOL)
+            mem = (memory, memory.room + memory.cap * RTOL)
         return Validity(n=n, hi=hi, mem=mem)
 
     def lo(self, k: int) -> np.ndarray:
@@ -218,8 +216,8 @@ class Validity:
             if self.mem is None:
                 self._lo[k] = np.zeros(self.n + 1, dtype=np.int64)
             else:
-                sp, ap, flight, cap = self.mem
-                q = sp + flight[k] * ap  # memory of [s, e) = q[e] - q[s] <= cap
+                memory, cap = self.mem
+                q = memory.prefix(k)  # memory of [s, e) = q[e] - q[s] <= cap
                 self._lo[k] = np.searchsorted(q, q - cap, side="left").astype(np.int64)
         return self._lo[k]
 
