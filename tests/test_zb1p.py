@@ -465,3 +465,86 @@ def test_memory_cap_counts_the_deferred_state_brute_force() -> None:
         found = step_time_partition(problem, memory=memory)
         assert fits(found.bounds)
     assert checked >= 5
+
+
+# --- CLI: --engine and plan --compare-engines ----------------------------------------------------------------------
+
+def test_engine_override_reaches_the_run_and_the_yaml() -> None:
+    from nanotron_ext.errors import ConfigError
+
+    cfg, _ = _seed()
+    zb = cfg.with_overrides(engine="zb1p")
+    assert zb.run.engine == "zb1p" and zb.nanotron["parallelism"]["pp_engine"] == "zb1p"
+    assert cfg.run.engine == "1f1b"  # the original is untouched
+    with pytest.raises(ConfigError, match=r"parallelism.pp_engine='zb2p' is not one of 1f1b, afab, zb1p"):
+        cfg.with_overrides(engine="zb2p")
+
+
+def test_plan_and_simulate_take_engine(tmp_path, capsys) -> None:
+    import json
+
+    from nanotron_ext.cli import main
+
+    assert main(["plan", "--engine", "zb1p", "--tflops", "0.001"]) == 0
+    text = capsys.readouterr().out
+    assert "engine=zb1p" in text and "simulated step:" in text and "(zb1p, 4 micro-batches" in text
+    assert "W state/mb" in text and "deferred W" in text  # the memory table shows the deferred state
+    assert main(["plan", "--engine", "1f1b", "--tflops", "0.001"]) == 0
+    assert "W state/mb" not in capsys.readouterr().out
+    assert main(["simulate", "--engine", "zb1p", "--tflops", "0.001", "--json", "--out", str(tmp_path / "t.png")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine"] == "zb1p" and data["simulation"]["engine"] == "zb1p"
+    kinds = {op["kind"] for op in data["simulation"]["ops"]}
+    assert kinds == {"F", "B", "W"}
+    assert main(["simulate", "--engine", "zb1p", "--tflops", "0.001", "--out", str(tmp_path / "t.png")]) == 0
+    assert "of which W ms/mb" in capsys.readouterr().out
+
+
+def test_zb1p_with_too_few_micro_batches_is_refused_on_the_command_line(tmp_path, capsys) -> None:
+    from nanotron_ext.cli import main
+
+    assert main(["simulate", "--engine", "zb1p", "--pp", "4", "--micro-batches", "2",
+                 "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert "zb1p (ZB-H1" in err and "needs at least pp - 1 = 3 micro-batches, got 2" in err
+    assert "batch_accumulation_per_replica >= 4" in err
+    assert main(["plan", "--engine", "zb1p", "--pp", "4", "--micro-batches", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "needs at least pp - 1 = 3 micro-batches, got 2" in out and "INVALID" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--engine", "zb2p"])
+    assert exc.value.code == 2 and "invalid choice: 'zb2p'" in capsys.readouterr().err
+
+
+def test_plan_compare_engines_table_and_json(capsys) -> None:
+    import json
+
+    from nanotron_ext.cli import main
+    from nanotron_ext.config import bundled_config, load_config
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.simulate import simulate_plan
+
+    config = str(bundled_config("llama_3_8b.yaml"))
+    assert main(["plan", config, "--pp", "4", "--compare-engines", "--json"]) == 0
+    rows = {r["engine"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"1f1b", "zb1p"}
+    for engine, row in rows.items():  # each engine's default plan, planned and simulated under that engine
+        cfg = load_config(config, pp=4).with_overrides(engine=engine)
+        blocks = inventory_from_config(cfg)
+        plan = make_plan(blocks, cfg)
+        assert row["block_ranks"] == list(plan.block_ranks)
+        assert row["simulated_step_time"] == simulate_plan(plan, blocks, cfg).step_time
+        assert row["memory_peak_bytes"] == [s.memory_bytes for s in plan.stages]
+    assert rows["zb1p"]["simulated_step_time"] < rows["1f1b"]["simulated_step_time"]
+    assert rows["zb1p"]["bubble_fraction"] < rows["1f1b"]["bubble_fraction"]
+    assert rows["zb1p"]["memory_peak_bytes"][3] > rows["1f1b"]["memory_peak_bytes"][3]  # 3 deferred W's
+    assert rows["zb1p"]["memory_peak_bytes"][0] == rows["1f1b"]["memory_peak_bytes"][0]  # stage 0 defers none
+    assert main(["plan", config, "--pp", "4", "--compare-engines"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("engine"))
+    assert lines[head].split()[:3] == ["engine", "stages", "(block"] and "memory peak per stage" in lines[head]
+    assert lines[head + 2].startswith("1f1b") and lines[head + 3].startswith("zb1p")
+    at = lines[head].index("verdict")  # aligned columns: every row's verdict starts under the header
+    assert lines[head + 2][at:].startswith("OK") and lines[head + 3][at:].startswith("OK")
+    assert main(["plan", "--compare", "--compare-engines"]) == 2
