@@ -298,10 +298,14 @@ def engine_program(
             rank.backward(j)
             rank.flush(rank.grads_to_send, Action.SEND_GRAD)
         return rank.program
-    # 1F1B; under zb1p each backward is B (input gradient) and rank ``stage`` defers the W of its first
-    # ``stage`` backwards, then runs the oldest deferred W after each later one (sail-sg's ZB-H1:
-    # ``if i >= rank: WeightGradStore.pop()``), placed after the sends issued right after that backward.
-    defer = stage if engine == "zb1p" else None
+    return _one_f_one_b(rank, pp, stage, m, zero_bubble=engine == "zb1p")
+
+
+def _one_f_one_b(rank: _RankProgram, pp: int, stage: int, m: int, *, zero_bubble: bool) -> list[Step]:
+    """1F1B's program on ``rank``; with ``zero_bubble`` (zb1p) each backward is B (input gradient) and rank
+    ``stage`` defers the W of its first ``stage`` backwards, then runs the oldest deferred W after each later one
+    (sail-sg's ZB-H1: ``if i >= rank: WeightGradStore.pop()``), after the sends issued right after it."""
+    defer = stage if zero_bubble else None
     warmup = pp - stage - 1
     for j in range(warmup):
         rank.forward(j)
