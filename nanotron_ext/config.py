@@ -233,7 +233,7 @@ class ExtConfig:
             and math.isfinite(self.tflops) and self.tflops > 0
         ):
             raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
-        _check_choice("nanotron_ext.times", self.times, BlockTimes)
+        _check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
         if self.times == "profiled" and self.tflops is not None:
             raise ConfigError("nanotron_ext.times=profiled measures block times; tflops would replace them with a "
                               "FLOP rate. Drop one of the two")
