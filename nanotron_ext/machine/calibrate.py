@@ -126,6 +126,7 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = 5, cache_di
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
+    """Raise a ConfigError unless ``warmup >= 0`` and ``repeats >= 1`` are integers."""
     for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"calibrate: {name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
@@ -397,6 +398,7 @@ def _share(build: Callable[[], MachineProfile], world: _World | None) -> Machine
 
 
 def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -> str:
+    """``calibrated: cpu, gloo, pp=2`` (``, dp=2`` and ``, tp=2`` where > 1), or ``calibrated: cpu (compute only)``."""
     where = device.split(":")[0]
     if world is None:
         return f"calibrated: {where} (compute only)"
@@ -405,6 +407,7 @@ def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -
 
 
 def _source(cfg: PlannerConfig) -> str:
+    """The command line, the config, the date, torch's version and the host."""
     import torch
 
     argv = list(getattr(sys, "orig_argv", sys.argv)) or ["python"]
@@ -418,6 +421,8 @@ def _source(cfg: PlannerConfig) -> str:
 
 @dataclass(frozen=True)
 class _Comm:
+    """What the process group measured: links, the P2P protocol's extra seconds per transfer, the syncs."""
+
     links: tuple[Link, ...] = ()
     send_recv: float = 0.0
     dp_allreduce: Collective | None = None
@@ -603,6 +608,7 @@ def _slowest(gathered: Sequence[Any], key: tuple[str, int, int]) -> dict[int, fl
 
 
 def _fit_comm(gathered: Sequence[Any], world: _World, tied: bool) -> _Comm:
+    """Every rank's ``(timings, P2P extra)`` fitted into links and collectives (the slowest rank per size)."""
     links = []
     for s in range(world.pp - 1):
         for src, dst in ((s, s + 1), (s + 1, s)):
