@@ -248,6 +248,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "links=(Link(-1, -1, latency, gbps * 1e9),)", "links=(Link(-1, -1, 0.0, gbps * 1e9),)",
       (MACHINE_TESTS, "tests/test_simulate_cli.py")),
 
+    M("allow_frozen_stages still forces a trainable block per stage", STRATEGIES,
+      "return n_trainable >= cfg.run.pp and not cfg.ext.allow_frozen_stages", "return n_trainable >= cfg.run.pp",
+      ("tests/test_strategies.py::test_allow_frozen_stages_lets_the_default_take_a_faster_frozen_stage",)),
+
 )
 
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from nanotron.models.base import init_on_device_and_dtype
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from torch import nn
@@ -18,6 +19,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_model
+from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message, make_plan
 
 __all__ = [
@@ -76,6 +78,8 @@ def build_model(
     ranks = list(target_pp_ranks) if target_pp_ranks is not None else list(range(parallel_context.pp_pg.size()))
     if cfg.run.pp != len(ranks):
         cfg = cfg.with_overrides(pp=len(ranks))
+    if cfg.ext.machine is not None:  # a profile from another device or backend would misprice this run
+        machine_for(cfg, device=(device or _CPU).type, backend=dist.get_backend(parallel_context.world_pg))
     model = model_builder()
     if _ACTIVE.get("model_transform") is not None:
         model = _ACTIVE["model_transform"](model)

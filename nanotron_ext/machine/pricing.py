@@ -33,11 +33,13 @@ class BlockPrices(NamedTuple):
     weight: list[float]
 
 
-def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None) -> MachineProfile:
+def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *, device: str | None = None,
+                backend: str | None = None) -> MachineProfile:
     """The machine that prices ``cfg``: ``nanotron_ext.machine`` (key-checked) or the analytic default, then the
     overrides ``times`` (``flops``: one FLOP rate; ``profiled``: ``blocks`` measured here now), ``tflops`` and
     ``p2p_gbps``. ``cost_strategy: profiled`` without a measured profile measures ``blocks`` as ``times:
-    profiled`` does.
+    profiled`` does. A run that knows its ``device`` type and process-group ``backend`` passes them, so that a
+    profile measured elsewhere (CPU for a GPU run, gloo for NCCL) is refused too.
 
     Raises:
         ConfigError: the profile is unreadable or was measured for another key.
@@ -45,7 +47,7 @@ def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None) -
     ext = cfg.ext
     if ext.machine is not None:
         machine = load_machine(ext.machine)
-        machine.check_key(key_for(cfg), origin=repr(ext.machine))
+        machine.check_key(key_for(cfg, device=device, backend=backend), origin=repr(ext.machine))
     else:
         machine = ANALYTIC_GPU
     if ext.times == "flops" or ext.tflops is not None:

@@ -183,7 +183,9 @@ def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig)
             f"or unfreeze more blocks; (2) set `allow_frozen_stages: true` under `nanotron_ext:` to run "
             f"frozen stages without optimizer or DDP"
         )
-    return n_trainable >= cfg.run.pp
+    # The user who allows frozen stages gets the fastest split, frozen stages included (one may be faster: no
+    # gradient crosses a cut behind a frozen prefix).
+    return n_trainable >= cfg.run.pp and not cfg.ext.allow_frozen_stages
 
 
 @register_strategy("nanotron")
@@ -300,6 +302,7 @@ class Profiled:
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
         each = require_trainable_per_stage(blocks, cfg)
+        cfg = cfg.with_overrides(cost_strategy=self.name)  # named by make_plan's argument: machine_for measures
         prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
         costs = [f + b for f, b in zip(prices.forward, prices.backward)]
         if cfg.ext.objective == "step_time":
