@@ -40,6 +40,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "split_ext_keys",
+    "vocab_shard_candidates",
 ]
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -309,13 +310,19 @@ class PlannerConfig:
 
     def with_overrides(
         self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,
-        **ext: Any,
+        engine: str | None = None, **ext: Any,
     ) -> PlannerConfig:
         """A copy with command-line overrides applied (they win over the YAML); ``n_micro_batches`` replaces
-        ``tokens.batch_accumulation_per_replica``."""
+        ``tokens.batch_accumulation_per_replica``, ``engine`` ``parallelism.pp_engine``.
+
+        Raises:
+            ConfigError: an unknown engine (naming the choices).
+        """
         run = self.run if pp is None else dataclasses.replace(self.run, pp=pp)
         if n_micro_batches is not None:
             run = dataclasses.replace(run, n_micro_batches=n_micro_batches)
+        if engine is not None:
+            run = dataclasses.replace(run, engine=engine)  # RunShape checks the name
         changes = {k: v for k, v in ext.items() if v is not None}
         if cost_strategy is not None:
             changes["cost_strategy"] = cost_strategy
@@ -325,7 +332,19 @@ class PlannerConfig:
             nanotron["parallelism"]["pp"] = pp
         if n_micro_batches is not None and "tokens" in nanotron:
             nanotron["tokens"]["batch_accumulation_per_replica"] = n_micro_batches
+        if engine is not None and "parallelism" in nanotron:
+            nanotron["parallelism"]["pp_engine"] = engine
         return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
+
+
+def vocab_shard_candidates(cfg: PlannerConfig) -> list[int]:
+    """K values ``vocab_shards: auto`` tries (and ``calibrate`` measures): 1, 2, 3, 4, 6, 8, 12, 16 up to ``2·pp``
+    (more shards than that only add hops) and the vocabulary size; only 1 for a model with tied embeddings (see
+    ``PlannerConfig``)."""
+    if cfg.model.tie_word_embeddings:
+        return [1]
+    limit = min(2 * cfg.run.pp, cfg.model.vocab_size)
+    return [k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k == 1 or k <= limit]
 
 
 def bundled_config(name: str = "tiny_llama_large_vocab.yaml") -> Path:

@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and every part only looks down.
 
 One layer per top-level module or folder, bottom up, in the order docs/architecture.md's module map gives: the shared
-leaves, the schedule, then the flow inventory → models → costs → partition → strategies → plan → simulate →
+leaves, the schedule, then the flow inventory → models → costs → machine → partition → strategies → plan → simulate →
 integration → runtime → cli → run. A module may import its own part and the parts below it, never one above.
 Every import counts: module level, inside functions, under ``TYPE_CHECKING``, and a module named in a string
 (``importlib`` / ``module:attr``).

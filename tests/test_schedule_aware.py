@@ -25,18 +25,19 @@ from nanotron_ext.schedule.simulator import StageTimes, simulate
 from nanotron_ext.simulate import simulate_plan
 
 
-def _random_problem(rng: random.Random) -> ScheduleProblem:
+def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afab", "zb1p")) -> ScheduleProblem:
     n = rng.randint(2, 9)
     pp = rng.randint(1, min(n, 5))
-    engine = rng.choice(["1f1b", "afab"])
+    engine = rng.choice(engines)
     m = rng.randint(min_micro_batches(engine, pp), 9)
     f = [rng.choice([0.0, rng.random(), 5 * rng.random()]) for _ in range(n)]
     b = [x * rng.uniform(0.5, 3) for x in f]
+    w = [x * rng.choice([0.0, rng.random(), 1.0]) for x in b]  # weight-gradient share: none, some, all
     u = [0.5 * rng.random() if rng.random() < 0.3 else 0.0 for _ in range(n)]
     send = [0.3 * rng.random() if rng.random() < 0.5 else 0.0 for _ in range(n)]
     first_trainable = rng.choice([0, 0, 0, 1, 2])
     grad_after = tuple(c > first_trainable for c in range(n + 1))
-    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine)
+    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w))
 
 
 def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
@@ -44,8 +45,8 @@ def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
 
 
 def _simulated(problem: ScheduleProblem, bounds) -> float:
-    f, b, u, p2p, cuts = problem.stage_times(bounds)
-    stages = [StageTimes(*t) for t in zip(f, b, u)]
+    stages, p2p, cuts = problem.simulator_inputs(bounds)
+    assert all(isinstance(st, StageTimes) for st in stages)
     return simulate(stages, problem.n_micro_batches, problem.engine, p2p, grad_cuts=cuts).step_time
 
 
@@ -59,6 +60,35 @@ def test_evaluator_equals_simulate_and_bound_never_above(seed):
         for bounds, t in zip(splits, times):
             assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
             assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_zb1p_evaluator_equals_simulate_bound_below_search_is_brute_force(seed):
+    rng = random.Random(300 + seed)
+    for _ in range(15):
+        problem = _random_problem(rng, ("zb1p",))
+        splits = _all_splits(problem.n, problem.pp)
+        times = StepTimeEvaluator(problem)(splits)
+        for bounds, t in zip(splits, times):
+            assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
+            assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+        found = step_time_partition(problem)
+        assert found.exact and found.step_time == pytest.approx(min(times), rel=1e-9, abs=1e-15)
+
+
+def test_zb1p_problem_of_the_hand_schedule():
+    # Four equal blocks F = 1, B = 1, W = 1 on 4 stages, m = 8: tests/test_zb1p.py's hand schedule, step 27;
+    # without the split (weight 0) zb1p is 1F1B: 33.
+    split = ScheduleProblem((1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, (True,) * 5, 4, 8, "zb1p", (1.0,) * 4)
+    assert list(StepTimeEvaluator(split)([(0, 1, 2, 3, 4)])) == [27.0]
+    assert step_time_partition(split).step_time == 27.0
+    assert lower_bound(split, (0, 1, 2, 3, 4)) <= 27.0
+    unsplit = ScheduleProblem((1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, (True,) * 5, 4, 8, "zb1p")
+    assert list(StepTimeEvaluator(unsplit)([(0, 1, 2, 3, 4)])) == [33.0]
+    with pytest.raises(PlanningError, match=r"weight\[2\] = 3\.0 exceeds backward\[2\] = 2\.0"):
+        ScheduleProblem((1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, (True,) * 5, 4, 8, "zb1p", (1.0, 1.0, 3.0, 1.0))
+    with pytest.raises(PlanningError, match=r"zb1p .*needs at least pp - 1 = 3 micro-batches, got 2"):
+        ScheduleProblem((1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, (True,) * 5, 4, 2, "zb1p", (1.0,) * 4)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -27,6 +27,7 @@ from nanotron_ext.errors import (
     PlanningError,
     RunFailure,
 )
+from nanotron_ext.schedule import ENGINES
 from nanotron_ext.strategies import available_strategies
 
 __all__ = [
@@ -125,13 +126,16 @@ def ratio_cell(value: float) -> str:
 
 def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False,
                     machine: bool = False) -> None:
-    """The config file (positional, optional) and the ``--cost-strategy`` and ``--pp`` overrides (and
-    ``--micro-batches`` with ``micro_batches``; the machine and its overrides with ``machine``)."""
+    """The config file (positional, optional) and the ``--cost-strategy``, ``--pp`` and ``--engine`` overrides
+    (and ``--micro-batches`` with ``micro_batches``; the machine and its overrides with ``machine``)."""
     if positional:
         p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
                    help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
     p.add_argument("--pp", type=int, help="overrides parallelism.pp")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="overrides parallelism.pp_engine: afab, 1f1b, or zb1p (zero-bubble ZB-H1: 1F1B with "
+                        "deferred weight gradients; see docs/zero-bubble.md)")
     if micro_batches:
         p.add_argument("--micro-batches", dest="micro_batches", type=int, metavar="N",
                        help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
@@ -159,6 +163,8 @@ def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfi
     cfg = load_config(path or bundled_config(), cost_strategy=args.cost_strategy, pp=args.pp)
     m = getattr(args, "micro_batches", None)
     cfg = cfg if m is None else cfg.with_overrides(n_micro_batches=m)
+    engine = getattr(args, "engine", None)
+    cfg = cfg if engine is None else cfg.with_overrides(engine=engine)
     if hasattr(args, "machine"):
         cfg = cfg.with_overrides(machine=args.machine, times=args.times, tflops=args.tflops, p2p_gbps=args.p2p_gbps)
     return cfg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
@@ -19,14 +20,18 @@ from nanotron_ext.cli.common import (
     warn_memory,
 )
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.errors import NanotronExtError, PlanningError
+from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, VocabChoice, make_plan, plan_every_strategy, resolve_vocab_shards
-from nanotron_ext.report import first_line, human_count, table
+from nanotron_ext.report import first_line, human_bytes, human_count, table
 from nanotron_ext.simulate import format_seconds, simulate_plan
 
-__all__ = ["add_subcommand", "cmd_plan", "frozen_tradeoff"]
+__all__ = ["COMPARED_ENGINES", "EngineRow", "add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
+           "frozen_tradeoff"]
+
+#: The engines ``plan --compare-engines`` puts side by side.
+COMPARED_ENGINES = ("1f1b", "zb1p")
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -34,12 +39,19 @@ def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="print the per-stage plan and verdict (dry run)")
     add_config_args(p, micro_batches=True, machine=True)
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
+    p.add_argument("--compare-engines", dest="compare_engines", action="store_true",
+                   help=f"the default plan under each of {' and '.join(COMPARED_ENGINES)}, each planned for its own "
+                        "engine: split, simulated step, bubble, per-stage memory peak")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext plan``; returns the exit code."""
+    if args.compare_engines:
+        if args.compare:
+            raise ConfigError("--compare and --compare-engines are two tables; pass one of them")
+        return compare_engines(config_from_args(args, args.config), as_json=args.json)
     cfg, choice = resolve_vocab_shards(config_from_args(args, args.config))
     blocks = inventory_from_config(cfg)
     if args.compare:
@@ -167,3 +179,63 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
         print(table(["strategy", "stages (block ranges)", "slowest/opt", "sim. step", "vs nanotron", "spread", "bubble est.",
                      "min trainable", "verdict"], rows))
     return EXIT_OK if selected_ok else EXIT_INVALID
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """The config's default plan under one engine, planned for that engine: None fields where it cannot run."""
+
+    engine: str
+    plan: Plan | None
+    step_time: float | None = None
+    bubble: float | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        base = {"engine": self.engine, "ok": self.plan is not None and self.plan.ok}
+        if self.plan is None:
+            return {**base, "error": self.error}
+        return {**base, "block_ranks": list(self.plan.block_ranks), "stages": self.plan.stage_map(),
+                "simulated_step_time": self.step_time, "bubble_fraction": self.bubble,
+                "memory_peak_bytes": [s.memory_bytes for s in self.plan.stages]}
+
+
+def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = COMPARED_ENGINES) -> list[EngineRow]:
+    """The default plan of ``cfg`` under each engine (``vocab_shards: auto`` resolved per engine), simulated."""
+    rows = []
+    for engine in engines:
+        cfg_e, _ = resolve_vocab_shards(cfg.with_overrides(engine=engine))
+        blocks = inventory_from_config(cfg_e)
+        try:
+            plan = make_plan(blocks, cfg_e)
+            result = simulate_plan(plan, blocks, cfg_e)
+        except NanotronExtError as exc:
+            rows.append(EngineRow(engine, None, error=first_line(exc, 300)))
+            continue
+        rows.append(EngineRow(engine, plan, result.step_time, result.bubble_fraction))
+    return rows
+
+
+def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
+    """``plan --compare-engines``: one row per engine; exit 0 when the configured engine's plan is valid (the
+    first compared one when the config names another)."""
+    rows = engine_rows(cfg)
+    if as_json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        base = next((r.step_time for r in rows if r.engine == "1f1b"), None)
+        cells = []
+        for r in rows:
+            if r.plan is None:
+                cells.append([r.engine, "-", "-", "-", "-", "-", f"cannot run: {r.error}"])
+                continue
+            cells.append([r.engine, stage_cell(r.plan.stage_map()), format_seconds(r.step_time or 0.0),
+                          f"{(r.bubble or 0.0):.1%}", f"{base / r.step_time:.3f}x" if base and r.step_time else "-",
+                          " / ".join(human_bytes(s.memory_bytes) for s in r.plan.stages), verdict_cell(r.plan.verdict)])
+        print(f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
+              f"{cfg.ext.cost_strategy!r} planned under each engine; sim. step on "
+              f"{machine_for(cfg).describe()}; vs 1f1b: 1F1B's step ÷ this one's\n")
+        print(table(["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage",
+                     "verdict"], cells))
+    chosen = next((r for r in rows if r.engine == cfg.run.engine), rows[0])
+    return EXIT_OK if chosen.plan is not None and chosen.plan.ok else EXIT_INVALID

@@ -6,7 +6,7 @@ with ``--times``, ``--tflops`` and ``--p2p-gbps`` as overrides; the plans are ma
 
 ::
 
-    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--compare] [--machine FILE]
+    nanotron-ext simulate CONFIG [--cost-strategy S] [--pp N] [--engine afab|1f1b|zb1p] [--compare] [--machine FILE]
                                  [--times machine|flops|profiled] [--tflops X] [--p2p-gbps Y] [--out timeline.png]
                                  [--loads-out stage_loads.png] [--json]
 
@@ -258,7 +258,12 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
     rows = [
         [s.stage, s.label, _ms(t.forward), _ms(t.backward), _ms(t.update)] for s, t in zip(plan.stages, result.stages)
     ]
-    return table(["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"], rows)
+    head = ["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"]
+    if result.engine == "zb1p":  # the backward's weight-gradient part, run later as W
+        head.insert(4, "of which W ms/mb")
+        for row, t in zip(rows, result.stages):
+            row.insert(4, _ms(t.weight))
+    return table(head, rows)
 
 
 def _ms(seconds: float) -> str:

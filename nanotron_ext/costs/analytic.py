@@ -69,7 +69,8 @@ def training_flops(blocks: Sequence[BlockInfo]) -> list[float]:
 def in_flight(engine: Engine, pp: int, n_micro_batches: int) -> list[int]:
     """Micro-batches whose activations a stage holds at its peak.
 
-    AFAB runs every forward first, so each stage holds all ``m``; 1F1B holds at most ``pp − stage``.
+    AFAB runs every forward first, so each stage holds all ``m``; 1F1B and zb1p (1F1B's program) hold at most
+    ``pp − stage``.
     """
     if engine == "afab":
         return [n_micro_batches] * pp

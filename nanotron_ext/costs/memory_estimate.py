@@ -8,6 +8,9 @@ Per micro-batch of ``t = b·s`` tokens, a stage's peak is the larger of two mome
   tensor before it is added to ``.grad``);
 * **optimizer step** — weights + gradients + optimizer state + buffers, plus the step's temporaries.
 
+Under zb1p the pipeline moment adds, on stage ``r``, ``min(r, m - 1)`` deferred weight-gradient passes, each keeping
+each trainable weight's input and output gradient (:func:`pending_tensors`).
+
 What a block saves is counted from the code that runs (the CPU runtime's Llama, ``nanotron_ext.models.llama``,
 with Nanotron's tensor-parallel linears and ``sharded_cross_entropy``), tensor by tensor, per dtype:
 
@@ -41,6 +44,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
 from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.inventory.flops import mlp_active
+from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY
 
 __all__ = [
     "RUNTIME_TENSORS_BYTES",
@@ -48,6 +52,9 @@ __all__ = [
     "StageMemory",
     "block_memory",
     "config_stage_memory",
+    "deferred_weights",
+    "pending_tensors",
+    "weight_pending",
     "stage_memory",
 ]
 
@@ -213,6 +220,85 @@ def _largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
     return block.trainable
 
 
+def deferred_weights(engine: str, pp: int, n_micro_batches: int) -> list[int]:
+    """Weight-gradient passes a stage keeps deferred while it computes, the running W left out: zb1p's rank
+    ``r`` defers the W of its first ``r`` backwards, so ``min(r, m - 1)`` (with ``m <= r`` the last backward's
+    W is the first to run); AFAB and 1F1B defer none."""
+    if engine != "zb1p":
+        return [0] * pp
+    return [min(stage, n_micro_batches - 1) for stage in range(pp)]
+
+
+def pending_tensors(block: BlockInfo, m: ModelShape, run: RunShape) -> dict[str, float]:
+    """What one deferred weight-gradient pass (zb1p's ``W``) of ``block`` keeps alive from its ``B`` until it
+    runs, per micro-batch, by tensor (bytes): for each trainable weight, the input it multiplies and the
+    gradient of its output (a norm's weight: its normalised input). Frozen weights keep nothing; blocks without
+    weights (cast, loss) keep nothing.
+
+    Example:
+        tiny_llama_large_vocab (h = 16, t = 2 × 32 tokens, fp32): the lm_head keeps its input, 64 × 16 × 4 =
+        4096 bytes, and the logits' gradient, 64 × 50277 × 4 = 12870912 bytes.
+    """
+    t = run.micro_batch_size * run.sequence_length
+    w, tp, h = DTYPE_BYTES[run.dtype], run.tp, m.hidden_size
+    seq_parallel = run.tp_mode == "REDUCE_SCATTER" and tp > 1
+    tn = t / tp if seq_parallel else t
+    tl = tn if (seq_parallel and run.tp_async) else t
+    role = block.role
+    if role == "embedding":
+        tensors = {"token_embedding.ids": t * 8.0, "token_embedding.output_grad": tn * h * w}
+    elif role == "decoder":
+        tensors = _decoder_pending(block, m, run, t, tn, tl)
+    elif role == "final_norm":
+        tensors = {"weight.normalised_input": tn * h * w, "weight.output_grad": tn * h * w}
+    elif role in ("lm_head", "vocab_shard"):
+        rows = m.vocab_size / tp if role == "lm_head" else block.params / h
+        tensors = {"weight.input": tl * h * w, "weight.output_grad": t * rows * w}
+    elif block.params:  # projector / other: a linear on the hidden states
+        tensors = {"weight.input": t * h * w, "weight.output_grad": t * h * w}
+    else:
+        tensors = {}
+    return {k: v for k, v in tensors.items() if _trains(block, k.split(".", 1)[0])}
+
+
+def weight_pending(block: BlockInfo, m: ModelShape, run: RunShape) -> float:
+    """Bytes one deferred ``W`` of ``block`` keeps (the sum of :func:`pending_tensors`)."""
+    return float(sum(pending_tensors(block, m, run).values()))
+
+
+#: Name fragments of a decoder layer's weights, by the tensor group of :func:`pending_tensors`.
+_DECODER_WEIGHTS = {"input_layernorm": ("input_layernorm",), "qkv_proj": ("qkv", "q_proj", "k_proj", "v_proj"),
+                    "o_proj": ("o_proj",), "post_attention_layernorm": ("post_attention_layernorm",),
+                    "gate_up_proj": ("gate_up", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
+
+
+def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float,
+                     tl: float) -> dict[str, float]:
+    """A decoder layer's deferred-W tensors: its two norms, qkv, o, the MLP's up (gate|up) and down linears."""
+    w, tp, h = DTYPE_BYTES[run.dtype], run.tp, m.hidden_size
+    q, kv = m.num_attention_heads / tp * m.head_dim, m.num_key_value_heads / tp * m.head_dim
+    width = mlp_active(m, _block_layer(block))[1] / tp
+    gated = m.moe.glu if m.moe_layer(_block_layer(block)) and m.moe is not None else m.family != "starcoder2"
+    down_in = width / (3 if gated else 2)
+    return {
+        "input_layernorm.normalised_input": tn * h * w, "input_layernorm.output_grad": tn * h * w,
+        "qkv_proj.input": tl * h * w, "qkv_proj.output_grad": t * (q + 2 * kv) * w,
+        "o_proj.input": t * q * w, "o_proj.output_grad": t * h * w,
+        "post_attention_layernorm.normalised_input": tn * h * w, "post_attention_layernorm.output_grad": tn * h * w,
+        "gate_up_proj.input": tl * h * w, "gate_up_proj.output_grad": t * (width - down_in) * w,
+        "down_proj.input": t * down_in * w, "down_proj.output_grad": t * h * w,
+    }
+
+
+def _trains(block: BlockInfo, group: str) -> bool:
+    """Whether the weights of ``group`` (a decoder's linear or norm; any other name: the block's weights) train."""
+    fragments = _DECODER_WEIGHTS.get(group) if block.role == "decoder" else None
+    named = [p for p in block.parameters if fragments is None or any(f in p.name for f in fragments)]
+    if named:
+        return any(p.trainable for p in named)
+    return block.trainable > 0
+
+
 #: Small tensors of the engine, P2P, TP collectives and optimizer that no block owns (metadata buffers, Adam's
 #: step counters, losses, the masks of the data): 9–70 KiB per rank measured on the CPU runtime, varying from run
 #: to run at tp=2; counted with the buffers.
@@ -239,6 +325,10 @@ class StageMemory:
             temporaries, the gradient it receives, and (CPU runtime) sent tensors kept until the step ends.
         optimizer_temporaries: the optimizer step's temporaries.
         overhead: the configured allowance for runtime overhead.
+        weight_pending: bytes one deferred weight-gradient pass (zb1p's ``W``) of one micro-batch keeps: the
+            stage's :func:`weight_pending`.
+        deferred: W's the stage keeps deferred at once besides the one running (zb1p: its rank, at most
+            ``m - 1``; AFAB and 1F1B: 0); ``deferred × weight_pending`` joins the pipeline's peak.
     """
 
     weights: float
@@ -252,6 +342,13 @@ class StageMemory:
     pipeline_temporaries: float
     optimizer_temporaries: float
     overhead: float
+    weight_pending: float = 0.0
+    deferred: int = 0
+
+    @property
+    def pending_weights(self) -> float:
+        """Bytes of the deferred W's at the pipeline's peak (zb1p)."""
+        return self.deferred * self.weight_pending
 
     @property
     def static(self) -> float:
@@ -261,7 +358,7 @@ class StageMemory:
     @property
     def pipeline_peak(self) -> float:
         return (self.weights + self.optimizer + self.buffers + self.pipeline_gradients
-                + self.pipeline_activations + self.pipeline_temporaries + self.overhead)
+                + self.pipeline_activations + self.pipeline_temporaries + self.pending_weights + self.overhead)
 
     @property
     def optimizer_peak(self) -> float:
@@ -296,7 +393,9 @@ def stage_memory(
     The micro-batch being computed is followed block by block: in its forward, block ``i`` holds the stage's
     input, what blocks ``0..i`` saved, its own input (when not saved), temporaries and output; in its backward,
     what blocks ``0..i`` saved, the stage's output, the gradient it receives and its backward temporaries. The other
-    ``in_flight − 1`` micro-batches hold their full activations.
+    ``in_flight − 1`` micro-batches hold their full activations. Under zb1p the stage also keeps the state of up to
+    ``stage`` deferred weight-gradient passes (:func:`pending_tensors`), counted at every moment of the pipeline;
+    the W that runs is counted as 1F1B's backward of its micro-batch (it keeps less than that backward held).
 
     Args:
         blocks: the stage's blocks.
@@ -336,6 +435,8 @@ def stage_memory(
         pipeline_temporaries=worst[2],
         optimizer_temporaries=_optimizer_temporaries(blocks, m, run, held.trainable, per.state, optimizer),
         overhead=overhead_gib * GIB,
+        weight_pending=sum(weight_pending(b, m, run) for b in blocks) if run.engine == "zb1p" else 0.0,
+        deferred=deferred_weights(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0,
     )
 
 
@@ -404,7 +505,7 @@ def _pipeline_candidates(
     # 1F1B with more micro-batches than it holds runs a backward before its next forward: from then on every
     # gradient exists during forwards too. Otherwise (AFAB, or all forwards first) the first backward makes
     # them block by block from the last, each in place (no fresh copy to add), while every micro-batch is held.
-    grads_early = run.engine == "1f1b" and run.n_micro_batches > n
+    grads_early = run.engine in ONE_F_ONE_B_FAMILY and run.n_micro_batches > n  # zb1p: counted as 1F1B (more)
     g_all = sum(grads)
     saved_so_far = held_in
     candidates = []

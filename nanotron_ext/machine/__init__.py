@@ -3,7 +3,7 @@ planning and simulation alike; the analytic H100 default; and the one place that
 (:func:`machine_for`, :func:`price_blocks`)."""
 
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
-from nanotron_ext.machine.pricing import BlockPrices, machine_for, measured_blocks, price_blocks
+from nanotron_ext.machine.pricing import BlockPrices, machine_for, measured_blocks, price_blocks, weight_part
 from nanotron_ext.machine.profile import (
     FORMAT_VERSION,
     BlockCost,
@@ -33,4 +33,5 @@ __all__ = [
     "machine_for",
     "measured_blocks",
     "price_blocks",
+    "weight_part",
 ]

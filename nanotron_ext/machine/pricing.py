@@ -18,17 +18,19 @@ from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
 
-__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks"]
+__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "weight_part"]
 
 
 class BlockPrices(NamedTuple):
     """Per block, seconds: forward and backward per micro-batch, update per step (optimizer, gradient syncs),
-    and one transfer of what it sends when a cut follows it."""
+    one transfer of what it sends when a cut follows it, and ``weight``: the weight-gradient part of
+    ``backward`` (zb1p's deferred ``W``; its ``B`` is ``backward - weight``, the call overhead included)."""
 
     forward: list[float]
     backward: list[float]
     update: list[float]
     send: list[float]
+    weight: list[float]
 
 
 def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *, device: str | None = None,
@@ -80,8 +82,13 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the lm_head of a tied model at pp > 1 the tied all-reduce, and a send costs
     :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's ``output``).
+
+    The weight-gradient part of the backward (:func:`weight_part`): a measured ``backward_weight``, else the
+    measured backward split by FLOPs, input-gradient : weight-gradient (freeze-aware); on the rate model the
+    weight-gradient FLOPs ÷ rate. The call overhead stays with the input-gradient part. AFAB and 1F1B only
+    read the whole ``backward``, which the split leaves as it was.
     """
-    fwd, bwd, upd, send = [], [], [], []
+    fwd, bwd, upd, send, wgt = [], [], [], [], []
     call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     for b, grad, train in zip(blocks, trainable_before(blocks), training_flops(blocks)):
@@ -93,6 +100,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
             f, w, u = b.flops_fwd / rate, max(0.0, train - b.flops_fwd) / rate, 0.0
         fwd.append(f + call)
         bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
+        wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
         if (cfg.model.tie_word_embeddings and b.role == "lm_head" and cfg.run.pp > 1
@@ -100,4 +108,27 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
             u += machine.tied_allreduce.time(cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * grad_bytes, 2)
         upd.append(u)
         send.append(machine.p2p_time(block_memory(b, cfg.model, cfg.run).output))
-    return BlockPrices(fwd, bwd, upd, send)
+    return BlockPrices(fwd, bwd, upd, send, wgt)
+
+
+def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None,
+                rate: float | None) -> float:
+    """Seconds of ``block``'s weight-gradient pass, a part of its ``backward`` seconds (the call overhead left
+    out): 0 for a frozen block; all of it for a block whose input needs no gradient.
+
+    ``measured.backward_weight`` when set; else ``backward`` × weight-gradient FLOPs ÷ backward FLOPs (both
+    freeze-aware); on the rate model (``rate``) weight-gradient FLOPs ÷ ``rate``.
+
+    Example:
+        A decoder layer with input-gradient and weight-gradient FLOPs 2 : 1 measured at 3 ms of backward
+        spends 1 ms on weight gradients; frozen, none.
+    """
+    if measured is not None and measured.backward_weight is not None:
+        return min(measured.backward_weight, backward)
+    w_flops = block.flops_bwd_weight * (block.trainable / block.params) if block.params else 0.0
+    if w_flops <= 0:
+        return 0.0
+    if rate is not None:
+        return min(w_flops / rate, backward)  # min: train - forward FLOPs can round a hair below
+    total = (block.flops_bwd_input if input_grad else 0.0) + w_flops
+    return backward * (w_flops / total)

@@ -113,12 +113,17 @@ def block_signature(block: BlockInfo, *, input_grad: bool) -> str:
 
 @dataclass(frozen=True)
 class BlockCost:
-    """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step."""
+    """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step.
+
+    ``backward_weight``: the weight-gradient part of ``backward`` (zb1p's deferred ``W``), when measured;
+    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`).
+    """
 
     signature: str
     forward: float
     backward: float
     update: float = 0.0
+    backward_weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,12 @@ class MachineProfile:
         for b in self.blocks:
             for name in ("forward", "backward", "update"):
                 _nonnegative(f"blocks[{b.signature}].{name}", getattr(b, name))
+            if b.backward_weight is not None:
+                _nonnegative(f"blocks[{b.signature}].backward_weight", b.backward_weight)
+                if b.backward_weight > b.backward:
+                    raise ConfigError(f"machine profile: blocks[{b.signature}].backward_weight={b.backward_weight!r} "
+                                      f"exceeds its backward={b.backward!r}; it is the weight-gradient part of the "
+                                      "backward (null: split by FLOPs)")
         for link in self.links:
             _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
             _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)

@@ -46,18 +46,30 @@ class Requirement:
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """Per-stage memory ceiling: ``overhead + sum(static) + in_flight[stage] · sum(activation) <= cap`` (bytes)."""
+    """Per-stage memory ceiling: ``overhead + sum(static) + in_flight[stage] · sum(activation)
+    + deferred[stage] · sum(pending) <= cap`` (bytes; ``pending``/``deferred``: zb1p's deferred weight-gradient
+    passes, empty for none)."""
 
     static: tuple[float, ...]
     activation: tuple[float, ...]
     in_flight: tuple[int, ...]
     cap: float
     overhead: float = 0.0  # per stage, whatever it holds (runtime overhead allowance)
+    pending: tuple[float, ...] = ()
+    deferred: tuple[int, ...] = ()
 
     @property
     def room(self) -> float:
         """What the blocks of one stage may use: the cap less the overhead."""
         return self.cap - self.overhead
+
+    def prefix(self, k: int) -> np.ndarray:
+        """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``."""
+        q = np.concatenate([[0.0], np.cumsum(self.static)])
+        q = q + self.in_flight[k] * np.concatenate([[0.0], np.cumsum(self.activation)])
+        if self.pending and self.deferred and self.deferred[k]:
+            q = q + self.deferred[k] * np.concatenate([[0.0], np.cumsum(self.pending)])
+        return q
 
 
 @dataclass(frozen=True)
@@ -182,13 +194,11 @@ def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: Me
         base = base & ((fp[None, :] - fp[:, None]) >= 1)
     if memory is None:
         return lambda k: base
-    sp = np.concatenate([[0.0], np.cumsum(memory.static)])
-    ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
     limit = memory.room + memory.cap * _RTOL
 
     def valid(k: int) -> np.ndarray:
-        mem = (sp[None, :] - sp[:, None]) + memory.in_flight[k] * (ap[None, :] - ap[:, None])
-        return base & (mem <= limit)
+        q = memory.prefix(k)
+        return base & ((q[None, :] - q[:, None]) <= limit)
 
     return valid
 
@@ -238,20 +248,17 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
         whats = " and ".join(r.what for r in requirements) or "non-empty stages"
         return PlanningError(f"no contiguous split into {pp} stages gives every stage {whats}; lower pp")
     # Which peak memory is reachable at all under the other constraints?
-    mem = partition(
-        memory.static,
-        pp,
-        per_in_flight=memory.activation,
-        in_flight=memory.in_flight,
-        requirements=requirements,
-        names=names,
-    )
-    worst = int(np.argmax(mem.stage_costs))
+    n = len(names)
+    flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
+    valid = _segment_validity(n, pp, flag_prefix, None)
+    prefixes = [memory.prefix(k) for k in range(pp)]
+    least, bounds = _dp(pp, n, lambda k: prefixes[k][None, :] - prefixes[k][:, None], valid, combine="max")
+    worst = int(np.argmax([prefixes[k][bounds[k + 1]] - prefixes[k][bounds[k]] for k in range(pp)]))
     gib = float(1 << 30)
     return PlanningError(
         f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
-        f"{(mem.max_cost + memory.overhead) / gib:.3g} GiB on stage {worst} "
-        f"({(mem.max_cost + memory.overhead - memory.cap) / gib:.3g} GiB over); "
+        f"{(least + memory.overhead) / gib:.3g} GiB on stage {worst} "
+        f"({(least + memory.overhead - memory.cap) / gib:.3g} GiB over); "
         f"raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer micro-batches "
         f"in flight)"
     )

@@ -29,21 +29,26 @@ RTOL = 1e-9  # relative tolerance of every comparison of times
 
 
 def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
-    """Lower-bound terms of each stage ``k``: tuples ``(wf, wb, pf, pb, qf, qb, hops)``. For the segment
-    ``[s, e)`` a term is ``wf·F(s,e) + wb·B(s,e) + U(s,e) + pf·F(0,s) + pb·B(0,s) + qf·F(e,n) + qb·B(e,n)
-    + hops · p2p_min``, where ``F``, ``B``, ``U`` sum forward, backward and update times over blocks.
+    """Lower-bound terms of each stage ``k``: tuples ``(wf, wb, ww, pf, pb, qf, qb, hops)``. For the segment
+    ``[s, e)`` a term is ``wf·F(s,e) + wb·B(s,e) + ww·W(s,e) + U(s,e) + pf·F(0,s) + pb·B(0,s) + qf·F(e,n)
+    + qb·B(e,n) + hops · p2p_min``, where ``F``, ``U`` sum forward and update times over blocks, ``B`` the
+    time of a backward op (the whole backward under AFAB and 1F1B; the input-gradient part under zb1p) and
+    ``W`` zb1p's weight-gradient pass (0 under AFAB and 1F1B, whose ``B`` holds it).
 
     Each is the length of a path of the schedule's dependency graph, so no split's step time is below it
     (``U``: the stage's own update comes after the pipeline; a transfer takes at least the smallest p2p
     time any cut can have):
 
-    * fill-drain through ``k`` (both engines): micro-batch 0's forwards on stages ``< k``, stage ``k``'s ``m``
+    * fill-drain through ``k`` (every engine): micro-batch 0's forwards on stages ``< k``, stage ``k``'s ``m``
       forwards and ``m`` backwards (serial on one rank), then micro-batch ``m-1``'s backwards below ``k``;
     * 1F1B: micro-batch 0 forwards through every stage and backwards down to ``k + 1``; only then can stage
       ``k`` start its first backward, after which its program still holds ``m`` backwards and
       ``m - min(pp - k, m)`` forwards; then the backwards below ``k``;
     * AFAB: micro-batch 0's forwards below ``k``, ``m`` forwards on ``k``, micro-batch ``m-1``'s forwards above
       ``k``; backward 0 from the last stage down to ``k``, ``m`` backwards on ``k``, backward ``m-1`` below.
+    * zb1p: the two 1F1B paths, where stage ``k`` has run ``max(0, m - 1 - k)`` of its ``W`` before its last
+      ``B`` (it defers its first ``k``, then one after each later ``B``), each also cut at stage ``k``'s
+      end, where all ``m`` of its ``W`` are done.
 
     Backward chains need every cut to carry a gradient: with a frozen first block they are left out.
     """
@@ -52,13 +57,30 @@ def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
     g = 1.0 if grads else 0.0
     out = []
     for k in range(pp):
-        terms = [(m, m, 1.0, g, 0.0, 0.0, k + (k if grads else 0))]
+        if problem.engine == "zb1p":
+            out.append(_zb1p_terms(pp, m, k, grads))
+            continue
+        terms = [(m, m, 0.0, 1.0, g, 0.0, 0.0, k + (k if grads else 0))]
         if problem.engine == "1f1b" and grads:
-            terms.append((1 + m - min(pp - k, m), m, 1.0, 1.0, 1.0, 1.0, 2 * (pp - 1)))
+            terms.append((1 + m - min(pp - k, m), m, 0.0, 1.0, 1.0, 1.0, 1.0, 2 * (pp - 1)))
         elif problem.engine == "afab":
-            terms.append((m, m * g, 1.0, g, 1.0, g, (pp - 1) * (2 if grads else 1)))
+            terms.append((m, m * g, 0.0, 1.0, g, 1.0, g, (pp - 1) * (2 if grads else 1)))
         out.append(terms)
     return out
+
+
+def _zb1p_terms(pp: int, m: int, k: int, grads: bool) -> list[tuple[float, ...]]:
+    """Stage ``k``'s terms under zb1p (see :func:`_terms`)."""
+    terms = [(m, m, m, 1.0, 0.0, 0.0, 0.0, k)]  # micro-batch 0's forwards below k, then all of k's work
+    if grads:
+        w_before_last = max(0, m - 1 - k)
+        f_after_first_b = 1 + m - min(pp - k, m)
+        terms += [
+            (m, m, w_before_last, 1.0, 1.0, 0.0, 0.0, 2 * k),
+            (f_after_first_b, m, w_before_last, 1.0, 1.0, 1.0, 1.0, 2 * (pp - 1)),
+            (f_after_first_b, m, m, 1.0, 0.0, 1.0, 1.0, 2 * (pp - 1) - k),
+        ]
+    return terms
 
 
 class Bound:
@@ -71,18 +93,23 @@ class Bound:
         B = np.concatenate([[0.0], np.cumsum(problem.backward)])
         U = np.concatenate([[0.0], np.cumsum(problem.update)])
         p2p_min = float(min(problem.send[: n - 1])) if problem.pp > 1 and n > 1 else 0.0
-        self.F, self.B, self.U = F, B, U
+        self.F, self.B, self.U = F, B, U  # B: the whole backward
+        Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass
+        if problem.engine == "zb1p" and not slowest_stage:
+            w = np.asarray(problem.weight, dtype=np.float64)
+            Bop = np.concatenate([[0.0], np.cumsum(np.maximum(np.asarray(problem.backward) - w, 0.0))])
+            W = np.concatenate([[0.0], np.cumsum(w)])
         # Per stage, per term: E(e) (non-decreasing), S(s) (non-decreasing), constant; g = E(e) - S(s) + K.
         self.terms: list[list[tuple[np.ndarray, np.ndarray, float]]] = []
         # slowest_stage: the plain min-max of a stage's forward + backward (the FLOP objective).
-        stage_terms = [[(1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)]] * problem.pp if slowest_stage else _terms(problem)
+        stage_terms = [[(1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]] * problem.pp if slowest_stage else _terms(problem)
         u_weight = 0.0 if slowest_stage else 1.0
         for per_stage in stage_terms:
             rows = []
-            for wf, wb, pf, pb, qf, qb, hops in per_stage:
-                e_arr = (wf - qf) * F + (wb - qb) * B + u_weight * U
-                s_arr = (wf - pf) * F + (wb - pb) * B + u_weight * U
-                const = qf * F[-1] + qb * B[-1] + hops * p2p_min
+            for wf, wb, ww, pf, pb, qf, qb, hops in per_stage:
+                e_arr = (wf - qf) * F + (wb - qb) * Bop + ww * W + u_weight * U
+                s_arr = (wf - pf) * F + (wb - pb) * Bop + ww * W + u_weight * U
+                const = qf * F[-1] + qb * Bop[-1] + hops * p2p_min
                 rows.append((e_arr, s_arr, const))
             self.terms.append(rows)
         # The searches windows() runs, each once: stages often share a term (the fill-drain term does whenever
@@ -168,7 +195,7 @@ class Validity:
 
     n: int
     hi: np.ndarray
-    mem: tuple[np.ndarray, np.ndarray, tuple[int, ...], float] | None = None
+    mem: tuple[MemoryCap, float] | None = None
     _lo: dict[int, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
@@ -181,9 +208,7 @@ class Validity:
             hi = np.minimum(hi, last)  # s <= the last flagged block before e
         mem = None
         if memory is not None:
-            sp = np.concatenate([[0.0], np.cumsum(memory.static)])
-            ap = np.concatenate([[0.0], np.cumsum(memory.activation)])
-            mem = (sp, ap, tuple(memory.in_flight), memory.room + memory.cap * RTOL)
+            mem = (memory, memory.room + memory.cap * RTOL)
         return Validity(n=n, hi=hi, mem=mem)
 
     def lo(self, k: int) -> np.ndarray:
@@ -191,8 +216,8 @@ class Validity:
             if self.mem is None:
                 self._lo[k] = np.zeros(self.n + 1, dtype=np.int64)
             else:
-                sp, ap, flight, cap = self.mem
-                q = sp + flight[k] * ap  # memory of [s, e) = q[e] - q[s] <= cap
+                memory, cap = self.mem
+                q = memory.prefix(k)  # memory of [s, e) = q[e] - q[s] <= cap
                 self._lo[k] = np.searchsorted(q, q - cap, side="left").astype(np.int64)
         return self._lo[k]
 

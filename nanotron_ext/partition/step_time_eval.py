@@ -21,7 +21,7 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
-from nanotron_ext.schedule.simulator import Action, Step, engine_program
+from nanotron_ext.schedule.simulator import Action, StageTimes, Step, engine_program
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
 
@@ -34,11 +34,14 @@ class ScheduleProblem:
 
     Attributes:
         forward / backward / update: each block's forward and backward per micro-batch, and its share of the
-            stage's update after the pipeline (optimizer step, gradient sync).
+            stage's update after the pipeline (optimizer step, gradient sync). ``backward`` is the whole
+            backward (input and weight gradients) under every engine.
         send: p2p time of the tensors that leave block ``i`` when a cut follows it.
         grad_after: ``n + 1`` flags; entry ``c``: does a gradient cross a cut placed before block ``c``
             (is any of blocks ``0..c-1`` trainable)?
         pp / n_micro_batches / engine: the schedule.
+        weight: each block's weight-gradient part of ``backward`` (``0 <= weight <= backward``): zb1p's
+            deferred ``W``; zb1p's ``B`` is the rest. Ignored by AFAB and 1F1B. Empty: all zero (no split).
     """
 
     forward: tuple[float, ...]
@@ -49,10 +52,13 @@ class ScheduleProblem:
     pp: int
     n_micro_batches: int
     engine: str
+    weight: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
-        for name in ("backward", "update", "send"):
+        if not self.weight:
+            object.__setattr__(self, "weight", (0.0,) * n)
+        for name in ("backward", "update", "send", "weight"):
             if len(getattr(self, name)) != n:
                 raise PlanningError(f"ScheduleProblem.{name} has {len(getattr(self, name))} entries for {n} blocks")
             for i, v in enumerate(getattr(self, name)):
@@ -61,12 +67,14 @@ class ScheduleProblem:
         for i, v in enumerate(self.forward):
             if not math.isfinite(v) or v < 0:
                 raise PlanningError(f"ScheduleProblem.forward[{i}] = {v!r}; times must be finite and >= 0")
+        for i, (w, b) in enumerate(zip(self.weight, self.backward)):
+            if w > b * (1 + 1e-12):
+                raise PlanningError(f"ScheduleProblem.weight[{i}] = {w!r} exceeds backward[{i}] = {b!r}; weight is "
+                                    "the weight-gradient part of the whole backward")
         if len(self.grad_after) != n + 1:
             raise PlanningError(f"grad_after has {len(self.grad_after)} entries; pass n + 1 = {n + 1}")
         if self.engine not in ENGINES:
             raise PlanningError(f"engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
-        if self.engine == "zb1p":  # TEMPORARY (step 1 of issue 23): no W times yet
-            raise PlanningError("the planner does not price zb1p's W yet")
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or not 1 <= self.pp <= max(n, 1):
             raise PlanningError(f"pp={self.pp!r} with {n} blocks; pp must be an integer in 1..{n}")
         shortfall = too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)
@@ -89,6 +97,13 @@ class ScheduleProblem:
             float(p2p),
             [bool(self.grad_after[e]) for _, e in segs[:-1]],
         )
+
+    def simulator_inputs(self, bounds: Sequence[int]) -> tuple[list[StageTimes], float, list[bool]]:
+        """(stage times, the p2p time, gradient per cut) of one split, as :func:`simulate` takes them."""
+        f, b, u, p2p, cuts = self.stage_times(bounds)
+        w = np.asarray(self.weight, dtype=np.float64)
+        weights = [float(w[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:])]
+        return [StageTimes(*t) for t in zip(f, b, u, weights)], p2p, cuts
 
 
 
@@ -134,6 +149,15 @@ def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Gra
     return _levelled(nodes, last, pp, n_actions=sum(len(p) for p in programs))
 
 
+#: Time codes: ``s + pp * kind`` for the forward (0), backward (1) and zb1p weight pass (2) of stage ``s``.
+_KIND = {Action.FORWARD: 0, Action.BACKWARD: 1, Action.WEIGHT: 2}
+
+
+def _codes(pp: int) -> tuple[int, int]:
+    """The codes after the compute ones: one p2p transfer, and nothing."""
+    return 3 * pp, 3 * pp + 1
+
+
 class _Nodes(NamedTuple):
     """The graph's nodes in creation order (node 0: the start)."""
 
@@ -149,7 +173,7 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
     when nothing else waits on that receive) and one per receive; returns the nodes and each rank's last."""
     pp = len(programs)
     n_actions = sum(len(p) for p in programs)
-    p2p, nothing = 2 * pp, 2 * pp + 1  # codes: 0..pp-1 forward of stage; pp..2pp-1 backward; p2p; nothing
+    p2p, nothing = _codes(pp)
     pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
     posted: dict[tuple[bool, int, int], int] = {}  # (gradient?, sender, micro-batch) -> node before the send
     prev = [0] * pp
@@ -164,7 +188,7 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
             while i < len(prog):
                 action, j = prog[i]
                 if action.is_compute:
-                    c = s if action is Action.FORWARD else pp + s
+                    c = s + pp * _KIND[action]
                     if fuse:
                         code2[node] = c
                         fuse = False
@@ -201,7 +225,7 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
 
 def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph:
     """Number the nodes level by level (a node's level: its longest path from the start), receives first."""
-    p2p, nothing = 2 * pp, 2 * pp + 1
+    p2p, nothing = _codes(pp)
     depth, pred_rank, pred_msg, code, code2 = nodes.depth, nodes.pred_rank, nodes.pred_msg, nodes.code, nodes.code2
     dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
     cd, cd2 = np.asarray(code), np.asarray(code2)
@@ -228,6 +252,7 @@ class StepTimeEvaluator:
         self.work = 0.0  # program actions replayed (the graph's n_actions), summed over splits
         self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
         self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
+        self._w = np.concatenate([[0.0], np.cumsum(problem.weight)])
         self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
         self._send = np.concatenate([np.asarray(problem.send, dtype=np.float64), [0.0]])
         self._grad = np.asarray(problem.grad_after, dtype=bool)
@@ -258,12 +283,15 @@ class StepTimeEvaluator:
         pp, k = p.pp, len(bounds)
         graph = schedule_graph(p.engine, pp, p.n_micro_batches, cuts)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
-        add = np.zeros((2 * pp + 2, k))
+        add = np.zeros((3 * pp + 2, k))
         add[:pp] = (self._f[hi] - self._f[lo]).T
         add[pp : 2 * pp] = (self._b[hi] - self._b[lo]).T
+        if p.engine == "zb1p":  # B is the backward less its weight-gradient part, W that part (as simulate)
+            add[2 * pp : 3 * pp] = (self._w[hi] - self._w[lo]).T
+            np.maximum(add[pp : 2 * pp] - add[2 * pp : 3 * pp], 0.0, out=add[pp : 2 * pp])
         if pp > 1:
             nonempty = hi[:, :-1] > lo[:, :-1]
-            add[2 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
+            add[3 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
         if self._table.size < graph.n_nodes * k:  # one table reused: fresh pages cost as much as the work
             self._table = np.empty(graph.n_nodes * k)
         t = self._table[: graph.n_nodes * k].reshape(graph.n_nodes, k)

@@ -169,7 +169,8 @@ class Plan:
 
     def memory_table(self) -> str:
         """Per-stage peak-memory breakdown: peak = weights + gradients + optimizer + buffers + overhead
-        + the larger of (activations × in flight + pipeline temporaries) and the optimizer step's temporaries."""
+        + the larger of (activations × in flight + pipeline temporaries + zb1p's deferred W state × deferred W)
+        and the optimizer step's temporaries."""
         rows = [
             [s.stage, human_bytes(m.weights), human_bytes(m.gradients), human_bytes(m.optimizer),
              human_bytes(m.buffers), human_bytes(m.activations), m.in_flight, human_bytes(m.temporaries),
@@ -178,4 +179,9 @@ class Plan:
         ]
         head = ["stage", "weights", "gradients", "optimizer", "buffers", "activations/mb", "in flight", "temporaries",
                 "overhead", "peak", "peak at"]
+        mems = [m for s in self.stages if (m := s.memory) is not None]
+        if any(m.deferred for m in mems):  # zb1p: the deferred weight-gradient passes' state, before the overhead
+            head[8:8] = ["W state/mb", "deferred W"]
+            for row, m in zip(rows, mems):
+                row[8:8] = [human_bytes(m.weight_pending), m.deferred]
         return table(head, rows)

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of Nanotron's two pipeline engines, sends and receives included.
+"""Discrete-event simulator of Nanotron's two pipeline engines and of zb1p, sends and receives included.
 
 Each PP rank runs a *program*: its forwards (``F``), backwards (``B``), activation and gradient sends and
 receives, in exactly the order Nanotron's engine code issues them (:func:`engine_program`):
@@ -12,6 +12,10 @@ receives, in exactly the order Nanotron's engine code issues them (:func:`engine
   gradient. So the last stage sends micro-batch ``j``'s gradient only after it has received micro-batch
   ``j + 1``'s activation, and a stage sends a forward's activation when its next backward asks for a
   gradient.
+* ``zb1p`` (ZB-H1 of Qi et al., ICLR 2024): 1F1B's program, where ``B`` computes input gradients only and
+  each micro-batch's weight gradients run later as a ``W``: rank ``r`` defers the W of its first ``r``
+  backwards, then runs the oldest deferred W after each backward (after the sends issued right after it),
+  and every W left after its last backward. ``StageTimes.weight`` is W; B takes ``backward - weight``.
 
 Backwards pop micro-batches first-in-first-out in both engines. A transfer is a rendezvous, as gloo's
 (``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
@@ -104,9 +108,16 @@ class Step(NamedTuple):
 class StageTimes:
     """Times of one pipeline stage, in seconds.
 
+    ``backward`` is the whole backward of a micro-batch (input and weight gradients) under every engine, and
+    ``weight`` the part of it that computes weight gradients (``0 <= weight <= backward``). AFAB and 1F1B run
+    both parts as one ``B`` op of ``backward``; zb1p runs ``B`` (input gradient, ``backward - weight``) and
+    later a ``W`` op of ``weight``. So one ``StageTimes`` prices a stage under all three engines, and
+    ``weight = 0`` (no split known) makes zb1p time exactly as 1F1B.
+
     Attributes:
         forward: forward of one micro-batch.
-        backward: backward of one micro-batch.
+        backward: backward of one micro-batch, weight gradients included.
+        weight: the weight-gradient part of ``backward`` (zb1p's deferred ``W``; 0 on a frozen stage).
         update: once per step, after the pipeline: gradient synchronisation (tied weights, data parallel) and
             the optimizer step. Every stage starts it when the last stage has finished its pipeline work: a
             collective over the pipeline lines the ranks up there (the loss broadcast of
@@ -117,15 +128,27 @@ class StageTimes:
     forward: float
     backward: float
     update: float = 0.0
+    weight: float = 0.0
+
+    def duration(self, action: Action, engine: str) -> float:
+        """Seconds of one compute ``action`` (F, B or W) of one micro-batch under ``engine``."""
+        if action is Action.FORWARD:
+            return self.forward
+        if engine != "zb1p":
+            return self.backward
+        if action is Action.WEIGHT:
+            return self.weight
+        return max(0.0, self.backward - self.weight)
 
 
 @dataclass
 class Op:
-    """One forward (``F``) or backward (``B``) of one micro-batch on one stage, or the stage's update (``U``,
-    micro-batch ``-1``), with its simulated start and end (s)."""
+    """One forward (``F``), backward (``B``) or, under zb1p, deferred weight-gradient pass (``W``) of one
+    micro-batch on one stage, or the stage's update (``U``, micro-batch ``-1``), with its simulated start and
+    end (s). Under zb1p ``B`` is the input-gradient part of the backward alone."""
 
     stage: int
-    kind: Literal["F", "B", "U"]
+    kind: Literal["F", "B", "W", "U"]
     micro_batch: int
     start: float
     end: float
@@ -163,9 +186,13 @@ class SimResult:
         return len(self.busy)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-serialisable dict (ops and stages as lists of dicts)."""
+        """Plain JSON-serialisable dict (ops and stages as lists of dicts; a stage's ``weight`` only under zb1p,
+        the one engine that reads it)."""
         out = asdict(self)
         out["pp"] = self.pp
+        if self.engine != "zb1p":
+            for stage in out["stages"]:
+                stage.pop("weight")
         return out
 
     def table(self) -> str:
@@ -271,10 +298,14 @@ def engine_program(
             rank.backward(j)
             rank.flush(rank.grads_to_send, Action.SEND_GRAD)
         return rank.program
-    # 1F1B; under zb1p each backward is B (input gradient) and rank ``stage`` defers the W of its first
-    # ``stage`` backwards, then runs the oldest deferred W after each later one (sail-sg's ZB-H1:
-    # ``if i >= rank: WeightGradStore.pop()``), placed after the sends issued right after that backward.
-    defer = stage if engine == "zb1p" else None
+    return _one_f_one_b(rank, pp, stage, m, zero_bubble=engine == "zb1p")
+
+
+def _one_f_one_b(rank: _RankProgram, pp: int, stage: int, m: int, *, zero_bubble: bool) -> list[Step]:
+    """1F1B's program on ``rank``; with ``zero_bubble`` (zb1p) each backward is B (input gradient) and rank
+    ``stage`` defers the W of its first ``stage`` backwards, then runs the oldest deferred W after each later one
+    (sail-sg's ZB-H1: ``if i >= rank: WeightGradStore.pop()``), after the sends issued right after it."""
+    defer = stage if zero_bubble else None
     warmup = pp - stage - 1
     for j in range(warmup):
         rank.forward(j)
@@ -370,9 +401,10 @@ def simulate(
     """Simulate one training step (all micro-batches) under Nanotron's engine order, sends and receives included.
 
     Args:
-        stages: per-stage forward/backward time of one micro-batch, PP rank 0 first.
+        stages: per-stage forward/backward time of one micro-batch, PP rank 0 first (``weight``: the part of
+            ``backward`` zb1p defers as ``W``; ignored by AFAB and 1F1B).
         n_micro_batches: micro-batches per step (Nanotron's ``batch_accumulation_per_replica``).
-        engine: ``"1f1b"`` or ``"afab"`` (the values of Nanotron's ``pp_engine``).
+        engine: ``"1f1b"`` or ``"afab"`` (the values of Nanotron's ``pp_engine``), or ``"zb1p"``.
         p2p_time: seconds one transfer of a micro-batch's activation or gradient takes between neighbouring
             stages once both sides are ready (see the module docstring).
         grad_cuts: per cut (``pp - 1`` of them), whether a gradient crosses it back; False where nothing at or
@@ -382,12 +414,11 @@ def simulate(
         The schedule, step time, per-stage busy/idle time, bubble fraction and peak in-flight micro-batches.
 
     Raises:
-        ValueError: on empty ``stages``, a negative/NaN/infinite time, ``n_micro_batches < 1``, an unknown
-            engine, or 1F1B with fewer than ``pp - 1`` micro-batches (Nanotron rejects it too).
+        ValueError: on empty ``stages``, a negative/NaN/infinite time, a ``weight`` above its ``backward``,
+            ``n_micro_batches < 1``, an unknown engine, or 1F1B or zb1p with fewer than ``pp - 1``
+            micro-batches (Nanotron rejects it too).
     """
     stages = _validate(stages, n_micro_batches, engine, p2p_time)
-    if engine == "zb1p":  # TEMPORARY (step 1 of issue 23): the programs exist, their W times do not yet
-        raise NotImplementedError("simulate does not price zb1p's W yet; engine_program('zb1p', ...) is ready")
     pp, m = len(stages), int(n_micro_batches)
     cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
     if len(cuts) != pp - 1:
@@ -397,7 +428,7 @@ def simulate(
         for s in range(pp)
     ]
 
-    per_stage, clock = _replay(programs, stages, p2p_time)
+    per_stage, clock = _replay(programs, stages, p2p_time, engine)
     return _result(engine, m, stages, per_stage, max(clock), p2p_time)
 
 
@@ -436,7 +467,7 @@ def _result(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[li
 
 
 def _replay(
-    programs: Sequence[Sequence[Step]], stages: Sequence[StageTimes], p2p_time: float
+    programs: Sequence[Sequence[Step]], stages: Sequence[StageTimes], p2p_time: float, engine: str = "1f1b"
 ) -> tuple[list[list[Op]], list[float]]:
     """Run every rank's program: the compute ops of each stage and each rank's clock at its end.
 
@@ -454,7 +485,7 @@ def _replay(
             while pos[s] < len(programs[s]):
                 action, j = programs[s][pos[s]]
                 if action.is_compute:
-                    dur = stages[s].forward if action is Action.FORWARD else stages[s].backward
+                    dur = stages[s].duration(action, engine)
                     op = Op(stage=s, kind=action.value, micro_batch=j, start=clock[s], end=clock[s] + dur)
                     per_stage[s].append(op)
                     clock[s] = op.end
@@ -498,12 +529,17 @@ def _validate(
             raise ValueError(
                 f"stages[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects"
             )
-        for name in ("forward", "backward", "update"):
+        for name in ("forward", "backward", "update", "weight"):
             value = getattr(st, name)
             if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(
                     f"stages[{s}].{name} = {value!r}; times must be finite, non-negative seconds"
                 )
+        if st.weight > st.backward * (1 + 1e-12):
+            raise ValueError(
+                f"stages[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}; backward is the whole "
+                "backward (input and weight gradients) and weight the weight-gradient part of it"
+            )
     if (
         isinstance(n_micro_batches, bool)
         or not isinstance(n_micro_batches, numbers.Integral)

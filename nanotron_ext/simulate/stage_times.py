@@ -49,7 +49,8 @@ class PlanTimes(NamedTuple):
 def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
                      machine: MachineProfile | None = None) -> PlanTimes:
     """Per-stage forward/backward/update time of one micro-batch, the p2p time of one transfer, and which cuts
-    carry a gradient back.
+    carry a gradient back. Under zb1p each stage's ``weight`` is the weight-gradient part of its backward (its
+    deferred ``W``); under AFAB and 1F1B, which run the whole backward as one op, it is 0.
 
     Args:
         plan: a plan made from ``blocks`` (:func:`nanotron_ext.plan.make_plan`).
@@ -73,8 +74,10 @@ def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
         problem = schedule_problem(blocks, dataclasses.replace(cfg, run=run), machine)
     except PlanningError as exc:  # the schedule itself cannot run (1F1B with too few micro-batches)
         raise ConfigError(str(exc)) from exc
-    fwd, bwd, upd, p2p, cuts = problem.stage_times(bounds_from_ranks(plan.block_ranks, plan.pp))
-    return PlanTimes([StageTimes(f, b, u) for f, b, u in zip(fwd, bwd, upd)], p2p, cuts)
+    stages, p2p, cuts = problem.simulator_inputs(bounds_from_ranks(plan.block_ranks, plan.pp))
+    if run.engine != "zb1p":  # the whole backward is one op: no split to carry (results as before zb1p)
+        stages = [dataclasses.replace(st, weight=0.0) for st in stages]
+    return PlanTimes(stages, p2p, cuts)
 
 
 def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:

@@ -18,11 +18,12 @@ from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_stage_loads", "plot_timeline"]
+__all__ = ["legend_entries", "plot_stage_loads", "plot_timeline"]
 
 DPI = 150
 FORWARD_COLOR = "#4C72B0"
 BACKWARD_COLOR = "#DD8452"
+WEIGHT_COLOR = "#8172B3"  # zb1p's deferred weight-gradient pass
 UPDATE_COLOR = "#55A868"
 IDLE_FACE = "#F2F2F2"
 IDLE_HATCH = "#C8C8C8"
@@ -35,7 +36,8 @@ def plot_timeline(
     title: str | None = None,
     stage_labels: list[str] | None = None,
 ) -> Path:
-    """Draw one row per stage (stage 0 on top): forward, backward and update boxes over a hatched idle background.
+    """Draw one row per stage (stage 0 on top): forward, backward, weight-gradient (zb1p's ``W``) and update
+    boxes over a hatched idle background.
 
     Args:
         result: output of :func:`nanotron_ext.schedule.simulator.simulate`.
@@ -69,8 +71,12 @@ def plot_timeline(
     return _save(fig, path)
 
 
+_OP_COLORS = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR, "W": WEIGHT_COLOR}
+
+
 def _draw_ops(ax: Any, result: SimResult, span: float) -> None:
-    """One box per forward, backward and update, over a hatched row: idle is what the boxes leave uncovered."""
+    """One box per forward, backward, weight-gradient pass (zb1p) and update, over a hatched row: idle is what
+    the boxes leave uncovered."""
     ax.barh(range(result.pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0)
     for op in result.ops:
         ax.barh(
@@ -78,7 +84,7 @@ def _draw_ops(ax: Any, result: SimResult, span: float) -> None:
             op.duration * 1e3,
             left=op.start * 1e3,
             height=0.8,
-            color={"F": FORWARD_COLOR, "B": BACKWARD_COLOR}.get(op.kind, UPDATE_COLOR),
+            color=_OP_COLORS.get(op.kind, UPDATE_COLOR),
             edgecolor="white",
             linewidth=0.6,
         )
@@ -106,13 +112,24 @@ def _idle_shares(ax: Any, result: SimResult, span: float) -> None:
         right.spines[side].set_visible(False)
 
 
+def legend_entries(result: SimResult) -> list[tuple[str, str]]:
+    """``(colour, label)`` of each legend entry of ``result``'s timeline: forward, backward (zb1p: its
+    input-gradient part, then the deferred weight-gradient ``W``), update if any, idle."""
+    zero_bubble = any(op.kind == "W" for op in result.ops)
+    entries = [(FORWARD_COLOR, "forward"),
+               (BACKWARD_COLOR, "backward (input gradient)" if zero_bubble else "backward")]
+    if zero_bubble:
+        entries.append((WEIGHT_COLOR, "weight gradient (deferred W)"))
+    if any(op.kind == "U" for op in result.ops):
+        entries.append((UPDATE_COLOR, "update (gradient sync + optimizer)"))
+    return [*entries, (IDLE_FACE, "idle (bubble)")]
+
+
 def _legend_and_title(fig: Figure, ax: Any, result: SimResult, title: str | None) -> None:
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=FORWARD_COLOR, label="forward"), Patch(color=BACKWARD_COLOR, label="backward")]
-    if any(op.kind == "U" for op in result.ops):
-        handles.append(Patch(color=UPDATE_COLOR, label="update (gradient sync + optimizer)"))
-    handles.append(Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label="idle (bubble)"))
+    handles = [Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label=label) if colour == IDLE_FACE
+               else Patch(color=colour, label=label) for colour, label in legend_entries(result)]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     pp = result.pp
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
@@ -126,7 +143,7 @@ def _legend_and_title(fig: Figure, ax: Any, result: SimResult, title: str | None
 
 
 def _number_the_boxes(ax: Any, result: SimResult, span: float) -> None:
-    """The micro-batch number inside every forward and backward box wide enough to hold it."""
+    """The micro-batch number inside every forward, backward and weight-gradient box wide enough to hold it."""
     px_per_ms = ax.get_window_extent().width / span
     digit_px = 0.62 * _LABEL_PT * DPI / 72
     for op in result.ops:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
-from nanotron_ext.costs.memory_estimate import block_memory
+from nanotron_ext.costs.memory_estimate import block_memory, deferred_weights, weight_pending
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.machine import machine_for, price_blocks
 from nanotron_ext.partition import (
@@ -102,14 +102,17 @@ def _constraints(
     if cfg.ext.memory_cap_gib is not None:
         static, saved = _memory_terms(blocks, cfg)
         # The additive part of each stage's estimate (weights, gradients, optimizer, buffers, saved activations
-        # × in flight) plus the overhead: a lower bound of the full estimate, so no split that fits is lost. The
-        # validator then checks the chosen split's full estimate (temporaries, held tensors) against the cap.
+        # × in flight, zb1p's deferred weight-gradient state) plus the overhead: a lower bound of the full
+        # estimate, so no split that fits is lost. The validator then checks the chosen split's full estimate
+        # (temporaries, held tensors) against the cap.
         memory = MemoryCap(
             static=tuple(static),
             activation=tuple(saved),
             in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
             cap=cfg.ext.memory_cap_gib * GIB,
             overhead=cfg.ext.overhead_gib * GIB,
+            pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine == "zb1p" else (),
+            deferred=tuple(deferred_weights(run.engine, run.pp, run.n_micro_batches)),
         )
     return reqs, memory
 

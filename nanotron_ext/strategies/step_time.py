@@ -23,7 +23,8 @@ __all__ = ["schedule_problem"]
 
 def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
                      machine: MachineProfile | None = None) -> ScheduleProblem:
-    """Per-block forward, backward, update and send times of ``blocks`` under ``cfg``'s engine and micro-batches.
+    """Per-block forward, backward, update and send times of ``blocks`` under ``cfg``'s engine and micro-batches,
+    with the weight-gradient part of each backward (zb1p's ``W``).
 
     Args:
         blocks, cfg: the inventory and the config.
@@ -40,4 +41,5 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         pp=cfg.run.pp,
         n_micro_batches=cfg.run.n_micro_batches,
         engine=cfg.run.engine,
+        weight=tuple(map(float, prices.weight)),
     )
