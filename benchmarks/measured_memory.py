@@ -13,7 +13,8 @@ at the end: on every row the estimated peak is at least the measured peak and at
 Scenarios: the bundled tiny example (``tiny_llama_large_vocab.yaml``: 2 layers, hidden 16, vocabulary 50277,
 sequence 32, micro-batch 2, 4 micro-batches) and a SmolLM-135M-shaped model shrunk to CPU (hidden 576, 9/3 heads,
 intermediate 1536, vocabulary 49152, tied embeddings; 6 layers, sequence 128, micro-batch 2, 4 micro-batches),
-each in fp32 and bf16, 1F1B and AFAB, at pp=2; the tiny example also at tp=2 (``ALL_REDUCE``; gloo has no
+each in fp32 and bf16, 1F1B, AFAB and zb1p (``nanotron_ext.zero_bubble``; the tiny example in fp32), at pp=2;
+the tiny example also at tp=2 (``ALL_REDUCE``; gloo has no
 reduce-scatter, so ``REDUCE_SCATTER`` cannot run here). bf16 runs AdamW on the bf16 parameters
 (``accumulate_grad_in_fp32`` needs Nanotron's CUDA-only fp32 accumulator).
 
@@ -83,8 +84,10 @@ def scenarios() -> list[Scenario]:
         for engine in ("1f1b", "afab"):
             out.append(Scenario(f"tiny {dtype} {engine}", "tiny_llama_large_vocab.yaml", dtype, engine))
     out.append(Scenario("tiny float32 1f1b tp=2", "tiny_llama_large_vocab.yaml", "float32", "1f1b", tp=2))
+    # zb1p (nanotron_ext.zero_bubble): 1F1B's activations plus the deferred weight-gradient products.
+    out.append(Scenario("tiny float32 zb1p", "tiny_llama_large_vocab.yaml", "float32", "zb1p"))
     for dtype in ("float32", "bfloat16"):
-        for engine in ("1f1b", "afab"):
+        for engine in ("1f1b", "afab", "zb1p"):
             out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
                                 num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
     return out

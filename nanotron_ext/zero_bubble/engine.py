@@ -172,14 +172,18 @@ class _StepRun:
         accumulate_into_fp32(self.grad_accumulator)
 
     def weight(self, micro_batch: int) -> None:
-        grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        """One parameter at a time, as autograd's backward accumulates them: one weight gradient alive at once.
+        A parameter used twice in the micro-batch gets the sum of its parts in one accumulation, as in autograd."""
+        groups: dict[int, tuple[nn.Parameter, list[Callable[[], torch.Tensor]]]] = {}
         for product in self.store.pop(micro_batch):
-            for param, grad in product.gradients():
-                seen = grads.get(id(param))
-                grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
-        if grads:
-            params, tensors = zip(*grads.values())
-            torch.autograd.backward(list(params), list(tensors))
+            for param, part in product.parts():
+                groups.setdefault(id(param), (param, []))[1].append(part)
+        for param, parts in groups.values():
+            grad = parts[0]()
+            for part in parts[1:]:
+                grad = grad + part()
+            torch.autograd.backward([param], [grad])
+            del grad
         accumulate_into_fp32(self.grad_accumulator)
 
 

@@ -85,13 +85,13 @@ class WeightGradProduct:
     def bias_gradient(self) -> torch.Tensor:
         return self.grad_output.sum(dim=0)
 
-    def gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(parameter, its gradient for this micro-batch)`` for the weight and the bias that train."""
-        out = []
+    def parts(self) -> list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]:
+        """``(parameter, what computes its gradient for this micro-batch)`` for the weight and the bias that train."""
+        out: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] = []
         if self.weight is not None:
-            out.append((self.weight, self.weight_gradient()))
+            out.append((self.weight, self.weight_gradient))
         if self.bias is not None:
-            out.append((self.bias, self.bias_gradient()))
+            out.append((self.bias, self.bias_gradient))
         return out
 
 

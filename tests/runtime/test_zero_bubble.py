@@ -91,7 +91,7 @@ def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict]) -> None:
 
 def test_cli_trains_with_pp_engine_zb1p(tmp_path: Path) -> None:
     """``nanotron-ext train`` with ``pp_engine: zb1p`` in the YAML: the same losses as 1F1B on the same split.
-    (``flops`` places the blocks: the default schedule-aware strategy needs the simulator's price of W.)"""
+    (``flops`` places the blocks: the default, schedule-aware strategy may split differently per engine.)"""
     losses = {}
     for engine in ("zb1p", "1f1b"):
         config = tw.write_config(tmp_path / f"{engine}.yaml", {"parallelism": {"pp_engine": engine}})

@@ -13,7 +13,7 @@ import torch
 from upstream.e2e import launch, tiny_config
 
 BF16 = {"model__dtype": "bfloat16", "optimizer__accumulate_grad_in_fp32": True}
-# The schedule-aware default strategy needs the simulator's price of W; flops places the blocks the same for both.
+# The default, schedule-aware strategy may split differently per engine; flops places the blocks alike for both.
 EXT = {"cost_strategy": "flops"}
 
 

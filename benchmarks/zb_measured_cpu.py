@@ -1,0 +1,291 @@
+"""Measured on CPU: zb1p (``nanotron_ext.zero_bubble``) against Nanotron's 1F1B on the same split, next to the gain
+the simulator predicts.
+
+Two real processes (gloo, one thread each) at pp=2 run the CPU runtime (``nanotron_ext.runtime``) on a
+SmolLM-135M-shaped model (hidden 576, 9/3 heads, vocabulary 49152, tied embeddings; fewer layers and a shorter
+sequence so that a run takes minutes), fp32. One split for every run (the ``flops`` strategy's, which does not
+depend on the engine or the machine); for each micro-batch count ``m`` one model per engine, all alive in the same
+processes and trained in interleaved turns (the engines' order alternates every round), so load from other
+processes slows both engines alike, as in ``measured_cpu.py``. Each round pairs one timed step of each engine:
+
+* measured gain: 1F1B's step ÷ zb1p's step within a round (slowest rank, ``StepTimer``), the median over rounds
+  with a distribution-free 95 % interval for the median (order statistics of the binomial);
+* simulated gain: ``simulate_plan(plan, blocks, cfg, engine=...)`` under the profile ``calibrate(cfg)`` measured
+  in the same two processes before training (blocks, links, engine overhead; W priced as the profile's split of
+  each backward);
+* where the time goes, per engine and PP rank (medians per step): busy, waits in receives, sends and collectives,
+  the closing wait for the slower rank, and (zb1p) the time in W steps.
+
+Usage: ``python benchmarks/zb_measured_cpu.py [--rounds R] [--layers L] [--seq S] [--m 4 --m 8] [--quick]``
+(``--quick``: 4 layers, sequence 64, 3 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from math import comb
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_cpu import MALLOC_ENV  # noqa: E402  (the sibling benchmark: one home for the malloc settings)
+
+from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PP = 2
+ENGINES = ("1f1b", "zb1p")
+STRATEGY = "flops"
+WORLD_TIMEOUT_S = 1500.0
+#: Below this measured gain at m=4, the report says where the time goes.
+GAIN_FLOOR = 1.08
+
+
+def raw_config(layers: int, seq: int, m: int) -> dict[str, Any]:
+    """SmolLM-135M's YAML at pp=2, fp32, micro-batch 1, ``layers`` layers, sequence ``seq``, ``m`` micro-batches."""
+    raw = yaml.safe_load((ROOT / "nanotron_ext" / "configs" / "smollm_135m.yaml").read_text())
+    raw["parallelism"].update(dp=1, tp=1, pp=PP, pp_engine="1f1b")
+    raw["tokens"].update(sequence_length=seq, micro_batch_size=1, batch_accumulation_per_replica=m)
+    raw["model"]["dtype"] = "float32"
+    raw["model"]["model_config"]["num_hidden_layers"] = layers
+    raw.setdefault("optimizer", {})["accumulate_grad_in_fp32"] = False
+    return raw
+
+
+# --- inside the two ranks ------------------------------------------------------------------------------
+
+_W_SECONDS = [0.0]
+
+
+def _time_w_steps() -> None:
+    """Count the wall time of zb1p's W steps in ``_W_SECONDS`` (this process only)."""
+    from nanotron_ext.zero_bubble import engine
+
+    weight = engine._StepRun.weight
+
+    def timed(self: Any, micro_batch: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            weight(self, micro_batch)
+        finally:
+            _W_SECONDS[0] += time.perf_counter() - t0
+
+    engine._StepRun.weight = timed
+
+
+def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """One model per (m, engine), same init and split, each with its optimizer, data and timer."""
+    import torch
+
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches
+    from nanotron_ext.runtime.timing import StepTimer
+
+    lcfg = llama_config_from_shape(cfg)
+    runs = {}
+    for m in ms:
+        for engine in ENGINES:
+            torch.manual_seed(0)
+            model = build_cpu_llama(lcfg, ctx, block_ranks=ranks)
+            optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
+            runs[f"{engine}@{m}"] = {
+                "engine": engine, "m": m, "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
+                "batches": random_micro_batches(model, ctx, lcfg.vocab_size, 1, cfg.run.sequence_length),
+                "timer": StepTimer(model, ctx), "w": [], "losses": [],
+            }
+    return runs
+
+
+def _step(run: dict[str, Any], ctx: Any, record: bool) -> None:
+    from nanotron_ext.runtime import train_step
+
+    _W_SECONDS[0] = 0.0
+    with run["timer"] as timer, timer.step(record=record):
+        # No clipping: the runtime's clip cannot run on a rank whose only weights are tied copies (measured_cpu.py).
+        run["losses"].append(train_step(run["model"], ctx, run["engine"], run["batches"], run["m"],
+                                        run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
+    if record:
+        run["w"].append(_W_SECONDS[0])
+
+
+def _train(runs: dict[str, dict[str, Any]], ctx: Any, ms: Sequence[int], rounds: int, warmup: int) -> None:
+    """Warm-up steps, then rounds in which each model takes one timed step; the engines' order alternates."""
+    for run in runs.values():
+        for _ in range(warmup):
+            _step(run, ctx, record=False)
+    for r in range(rounds):
+        for m in ms:
+            for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
+                _step(runs[f"{engine}@{m}"], ctx, record=True)
+
+
+def _gathered(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every run's per-rank step records and W times, on rank 0 (collective)."""
+    import torch.distributed as dist
+
+    out = {}
+    for key, run in runs.items():
+        per_rank = run["timer"].gather()
+        w_all: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(run["w"], w_all, dst=0)
+        if per_rank is not None:
+            out[key] = {"engine": run["engine"], "m": run["m"], "losses": run["losses"], "w": w_all,
+                        "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
+    return out
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """One rank: calibrate, plan once, train every (m, engine) model in turns; rank 0 writes the JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.machine.calibrate import calibrate
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.runtime import GlooParallelContext
+    from nanotron_ext.simulate import simulate_plan
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    _time_w_steps()
+    ms = spec["ms"]
+    with GlooParallelContext(1, PP, 1, timeout_s=600) as ctx:
+        cfg = config_from_dict(spec["raw"], source="zb_measured_cpu")
+        blocks = inventory_from_config(cfg)
+        t0 = time.perf_counter()
+        machine = calibrate(cfg, progress=False)
+        calibrate_s = time.perf_counter() - t0
+        plan = make_plan(blocks, cfg, STRATEGY)
+        runs = _build_runs(cfg, ctx, list(plan.block_ranks), ms)
+        t0 = time.perf_counter()
+        _train(runs, ctx, ms, spec["rounds"], spec["warmup"])
+        train_s = time.perf_counter() - t0
+        gathered = _gathered(runs)
+        if dist.get_rank() == 0:
+            sims = {f"{e}@{m}": simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=machine,
+                                              engine=e) for m in ms for e in ENGINES}
+            Path(out_path).write_text(json.dumps({
+                "split": plan.table(), "ranks": list(plan.block_ranks), "machine": machine.name,
+                "calibrate_s": calibrate_s, "train_s": train_s, "runs": gathered,
+                "sim": {k: {"step": s.step_time, "busy": list(s.busy), "bubble": s.bubble_fraction}
+                        for k, s in sims.items()},
+                "load_average": os.getloadavg()[0],
+            }))
+
+
+# --- the report ----------------------------------------------------------------------------------------
+
+
+def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
+    """(median, low, high, coverage): the widest-order-statistic interval ``[x_(k), x_(n+1-k)]`` whose
+    coverage of the median is at least ``level`` (distribution-free: binomial(n, 1/2)); the whole range when
+    ``n`` is too small for ``level``."""
+    s, n = sorted(xs), len(xs)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
+
+    k = max((k for k in range(1, n // 2 + 1) if coverage(k) >= level), default=1)
+    return statistics.median(s), s[k - 1], s[n - k], coverage(k)
+
+
+def _steps(run: dict[str, Any]) -> list[float]:
+    """The step time of each timed step: the slowest rank's."""
+    return [max(recs) for recs in zip(*[[r["step"] for r in rank] for rank in run["records"]])]
+
+
+def _where(run: dict[str, Any]) -> str:
+    """Per PP rank, median per step: busy, receive/send/collective/end waits, W."""
+    parts = []
+    for rank, recs in enumerate(run["records"]):
+        med = {k: statistics.median(r[k] for r in recs) for k in
+               ("step", "busy", "recv_wait", "send_wait", "collective_wait", "end_wait")}
+        w = statistics.median(run["w"][rank]) if run["w"] and run["w"][rank] else 0.0
+        parts.append(f"rank {rank}: busy {med['busy'] * 1e3:.0f}, recv {med['recv_wait'] * 1e3:.0f}, send "
+                     f"{med['send_wait'] * 1e3:.0f}, coll {med['collective_wait'] * 1e3:.0f}, end "
+                     f"{med['end_wait'] * 1e3:.0f}" + (f", W {w * 1e3:.0f}" if run["engine"] == "zb1p" else ""))
+    return "; ".join(parts) + " (ms)"
+
+
+def report(result: dict[str, Any], ms: Sequence[int]) -> list[str]:
+    """The table of measured and simulated gains, and where the time goes."""
+    lines = ["| m | 1F1B step | zb1p step | measured gain (median, 95 % CI) | simulated 1F1B | simulated zb1p "
+             "| simulated gain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for m in ms:
+        ref, zb = result["runs"][f"1f1b@{m}"], result["runs"][f"zb1p@{m}"]
+        gains = [a / b for a, b in zip(_steps(ref), _steps(zb))]
+        med, lo, hi, cov = median_interval(gains)
+        s_ref, s_zb = result["sim"][f"1f1b@{m}"]["step"], result["sim"][f"zb1p@{m}"]["step"]
+        lines.append(f"| {m} | {statistics.median(_steps(ref)) * 1e3:.0f} ms | {statistics.median(_steps(zb)) * 1e3:.0f}"
+                     f" ms | {med:.3f}× [{lo:.3f}, {hi:.3f}] ({cov:.0%}, n={len(gains)}) | {s_ref * 1e3:.0f} ms | "
+                     f"{s_zb * 1e3:.0f} ms | {s_ref / s_zb:.3f}× |")
+        if m == min(ms) or med < GAIN_FLOOR:
+            notes.append(f"- m={m}, 1F1B: {_where(ref)}")
+            notes.append(f"- m={m}, zb1p: {_where(zb)}")
+    return lines + ["", "Where the time goes (median per step):", *notes]
+
+
+def launch(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`worker` in two fresh processes; rank 0's JSON."""
+    with tempfile.TemporaryDirectory(prefix="zb_measured_cpu_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**MALLOC_ENV, **local_env(ROOT)}
+        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(out_path)], PP, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+        if not run.ok or not out_path.exists():
+            raise RuntimeError(("timed out" if run.deadline_hit else "failed") + ":\n" + run.describe())
+        return json.loads(out_path.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per model (default 9; quick 3)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; quick 4)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 64)")
+    parser.add_argument("--m", type=int, action="append", default=None, help="micro-batches (default 4 and 8)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
+    parser.add_argument("--quick", action="store_true", help="4 layers, sequence 64, 3 rounds")
+    parser.add_argument("--out", default=None, help="also write the raw JSON here")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 9)
+    layers, seq = args.layers or (4 if args.quick else 8), args.seq or (64 if args.quick else 128)
+    ms = sorted(set(args.m or [4, 8]))
+    if rounds < 1 or layers < 1 or seq < 1 or min(ms) < PP - 1:
+        parser.error(f"--rounds, --layers and --seq must be >= 1 and --m >= {PP - 1}")
+    import torch
+
+    print(f"Reproduce: `python {shlex.join(['benchmarks/zb_measured_cpu.py', *argv])}`\n")
+    print(f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}, split by {STRATEGY!r}; "
+          f"2 processes × 1 thread (gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up "
+          f"+ {rounds} timed step(s) per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n")
+    started = time.perf_counter()
+    result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup})
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(result["split"], "\n")
+    print(f"machine profile: {result['machine']} (calibrated in the run, {result['calibrate_s']:.0f} s)\n")
+    print("\n".join(report(result, ms)))
+    print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
+          f"end {result['load_average']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
