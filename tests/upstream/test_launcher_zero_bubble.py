@@ -1,8 +1,9 @@
 """``pp_engine: zb1p`` in upstream Nanotron's own ``DistributedTrainer`` through ``python -m nanotron_ext.run``: the
 launcher installs ``ZeroBubblePipelineEngine`` (Nanotron has none), and training matches Nanotron's own 1F1B
-engine. bf16 weights with fp32 gradient accumulation: each B's and W's gradients go through Nanotron's
-``FP32GradientAccumulator``; the weights after two optimizer steps (from the step-2 checkpoint) are what the
-gradients made of them, under both engines."""
+engine. dp=2 × pp=2 (four processes), bf16 weights with fp32 gradient accumulation: each B's and W's gradients go
+through Nanotron's ``FP32GradientAccumulator``, and DDP's reduction through Nanotron's fp32 communication hook
+(the trainer asserts that hook's all-reduce happened); the weights after two optimizer steps (from the step-2
+checkpoint) are what the gradients made of them, under both engines."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_zb1p_trains_upstreams_trainer_with_1f1bs_weights(tmp_path: Path) -> Non
     for engine in ("zb1p", "1f1b"):
         run_dir = tmp_path / engine
         run_dir.mkdir()
-        run = launch(tiny_config(run_dir, steps=2, ext=EXT, parallelism__pp_engine=engine, **BF16))
+        run = launch(tiny_config(run_dir, steps=2, ext=EXT, parallelism__pp_engine=engine, parallelism__dp=2, **BF16),
+                     nproc=4)
         assert run.rc == 0, run.out[-3000:]
         assert sorted(run.losses) == [1, 2], run.out[-3000:]
         losses[engine] = run.losses
