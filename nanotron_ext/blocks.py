@@ -12,11 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "role_of", "short_name", "vocab_slices"]
+__all__ = ["DEFERS_WEIGHT_GRADIENT", "VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "role_of", "short_name", "vocab_slices"]
 
 Role = Literal[
     "embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"
 ]
+#: Roles whose weight gradient zb1p defers to its W pass: the blocks made of linears (the weight-gradient store
+#: of :mod:`nanotron_ext.zero_bubble` covers Nanotron's linears, the lm_head, the projector and the vocabulary
+#: shards). An embedding's or a norm's weight gradient is made in B.
+DEFERS_WEIGHT_GRADIENT: frozenset[str] = frozenset({"decoder", "lm_head", "vocab_shard", "projector"})
 
 #: Module path of the vocabulary-shard chain (``nanotron_ext.vocab_shards``): ``model.vocab_shards.{i}``.
 VOCAB_SHARDS_PATH = "model.vocab_shards"

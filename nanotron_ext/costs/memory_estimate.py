@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
 from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.inventory.flops import mlp_active
@@ -231,9 +231,9 @@ def deferred_weights(engine: str, pp: int, n_micro_batches: int) -> list[int]:
 
 def pending_tensors(block: BlockInfo, m: ModelShape, run: RunShape) -> dict[str, float]:
     """What one deferred weight-gradient pass (zb1p's ``W``) of ``block`` keeps alive from its ``B`` until it
-    runs, per micro-batch, by tensor (bytes): for each trainable weight, the input it multiplies and the
-    gradient of its output (a norm's weight: its normalised input). Frozen weights keep nothing; blocks without
-    weights (cast, loss) keep nothing.
+    runs, per micro-batch, by tensor (bytes): for each trainable linear weight, the input it multiplies and the
+    gradient of its output. Frozen weights keep nothing; nor do blocks whose weight gradient is made in B
+    (embeddings, norms: :data:`~nanotron_ext.blocks.DEFERS_WEIGHT_GRADIENT`) or that have no weights.
 
     Example:
         tiny_llama_large_vocab (h = 16, t = 2 × 32 tokens, fp32): the lm_head keeps its input, 64 × 16 × 4 =
@@ -245,12 +245,10 @@ def pending_tensors(block: BlockInfo, m: ModelShape, run: RunShape) -> dict[str,
     tn = t / tp if seq_parallel else t
     tl = tn if (seq_parallel and run.tp_async) else t
     role = block.role
-    if role == "embedding":
-        tensors = {"token_embedding.ids": t * 8.0, "token_embedding.output_grad": tn * h * w}
+    if role not in DEFERS_WEIGHT_GRADIENT:  # embeddings and norms make their weight gradient in B
+        tensors = {}
     elif role == "decoder":
         tensors = _decoder_pending(block, m, run, t, tn, tl)
-    elif role == "final_norm":
-        tensors = {"weight.normalised_input": tn * h * w, "weight.output_grad": tn * h * w}
     elif role in ("lm_head", "vocab_shard"):
         rows = m.vocab_size / tp if role == "lm_head" else block.params / h
         tensors = {"weight.input": tl * h * w, "weight.output_grad": t * rows * w}
@@ -274,17 +272,16 @@ _DECODER_WEIGHTS = {"input_layernorm": ("input_layernorm",), "qkv_proj": ("qkv",
 
 def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float,
                      tl: float) -> dict[str, float]:
-    """A decoder layer's deferred-W tensors: its two norms, qkv, o, the MLP's up (gate|up) and down linears."""
+    """A decoder layer's deferred-W tensors: qkv, o, the MLP's up (gate|up) and down linears (its norms make
+    their weight gradients in B)."""
     w, tp, h = DTYPE_BYTES[run.dtype], run.tp, m.hidden_size
     q, kv = m.num_attention_heads / tp * m.head_dim, m.num_key_value_heads / tp * m.head_dim
     width = mlp_active(m, _block_layer(block))[1] / tp
     gated = m.moe.glu if m.moe_layer(_block_layer(block)) and m.moe is not None else m.family != "starcoder2"
     down_in = width / (3 if gated else 2)
     return {
-        "input_layernorm.normalised_input": tn * h * w, "input_layernorm.output_grad": tn * h * w,
         "qkv_proj.input": tl * h * w, "qkv_proj.output_grad": t * (q + 2 * kv) * w,
         "o_proj.input": t * q * w, "o_proj.output_grad": t * h * w,
-        "post_attention_layernorm.normalised_input": tn * h * w, "post_attention_layernorm.output_grad": tn * h * w,
         "gate_up_proj.input": tl * h * w, "gate_up_proj.output_grad": t * (width - down_in) * w,
         "down_proj.input": t * down_in * w, "down_proj.output_grad": t * h * w,
     }
@@ -508,22 +505,26 @@ def _pipeline_candidates(
     grads_early = run.engine in ONE_F_ONE_B_FAMILY and run.n_micro_batches > n  # zb1p: counted as 1F1B (more)
     g_all = sum(grads)
     saved_so_far = held_in
+    # zb1p: during a micro-batch's B, the products of every block already back-propagated (and the one in
+    # progress) wait in the store for its W, besides the deferred W's of earlier micro-batches.
+    pending = [weight_pending(b, m, run) if run.engine == "zb1p" else 0.0 for b in blocks]
     candidates = []
     for i, (b, x) in enumerate(zip(blocks, mems)):
         saved_so_far += x.saved
+        current = sum(pending[i:])
         own_input = x.input if i > 0 and not x.input_saved else 0.0
         others = (n - 1) * activations
         fresh = _largest_param(b, m, run) * weight_bytes if trainable[i] else 0.0
         candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
                            own_input + x.forward_temp + x.output))
         if grads_early:
-            candidates.append((others + saved_so_far + held_out, g_all, x.output + x.backward_temp))
+            candidates.append((others + saved_so_far + held_out + current, g_all, x.output + x.backward_temp))
         else:
             # The first backward: the block's gradient is made in place of .grad (no fresh copy).
-            candidates.append((others + saved_so_far + held_out, sum(grads[i:]),
+            candidates.append((others + saved_so_far + held_out + current, sum(grads[i:]),
                                x.output + x.backward_temp - fresh))
             if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
-                candidates.append(((n - 2) * activations + saved_so_far + held_out, g_all,
+                candidates.append(((n - 2) * activations + saved_so_far + held_out + current, g_all,
                                    x.output + x.backward_temp))
     return candidates
 

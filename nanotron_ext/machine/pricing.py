@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.memory_estimate import block_memory
@@ -114,7 +114,8 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
 def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None,
                 rate: float | None) -> float:
     """Seconds of ``block``'s weight-gradient pass, a part of its ``backward`` seconds (the call overhead left
-    out): 0 for a frozen block; all of it for a block whose input needs no gradient.
+    out): 0 for a frozen block and for a block zb1p does not defer (an embedding, a norm:
+    :data:`~nanotron_ext.blocks.DEFERS_WEIGHT_GRADIENT`); all of it for a block whose input needs no gradient.
 
     ``measured.backward_weight`` when set; else ``backward`` × weight-gradient FLOPs ÷ backward FLOPs (both
     freeze-aware); on the rate model (``rate``) weight-gradient FLOPs ÷ ``rate``.
@@ -123,6 +124,8 @@ def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: B
         A decoder layer with input-gradient and weight-gradient FLOPs 2 : 1 measured at 3 ms of backward
         spends 1 ms on weight gradients; frozen, none.
     """
+    if block.role not in DEFERS_WEIGHT_GRADIENT:  # the engine makes its weight gradient in B
+        return 0.0
     if measured is not None and measured.backward_weight is not None:
         return min(measured.backward_weight, backward)
     w_flops = block.flops_bwd_weight * (block.trainable / block.params) if block.params else 0.0
