@@ -42,6 +42,7 @@ __all__ = [
     "device_from_env",
     "host_staging",
     "sync_tied_gradients",
+    "synchronize",
     "to_host",
 ]
 
@@ -94,6 +95,13 @@ def host_staging(device: torch.device) -> bool:
 def describe_transport(device: torch.device) -> str:
     """``gloo`` or ``gloo, host-staged``: how the runtime's pipeline tensors travel from ``device``."""
     return f"gloo, {HOST_STAGED}" if host_staging(device) else "gloo"
+
+
+def synchronize() -> None:
+    """Wait for this process's queued CUDA work, if it ever used CUDA (nothing on CPU): a step timed on a GPU
+    ends when its kernels do."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

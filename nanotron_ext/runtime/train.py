@@ -498,6 +498,7 @@ def _optimise(
     from nanotron.helpers import lr_scheduler_builder
 
     from nanotron_ext.runtime import train_step
+    from nanotron_ext.runtime.device import synchronize
 
     run = s.cfg.run
     scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
@@ -517,6 +518,7 @@ def _optimise(
         loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
                           grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
                           grad_norms=grad_norms)
+        synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do
         elapsed = time.perf_counter() - start
         losses.append(loss)
         times.append(elapsed)
