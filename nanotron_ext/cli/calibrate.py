@@ -7,6 +7,8 @@ gradient all-reduces::
     nanotron-ext calibrate CONFIG --out machine.json
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli calibrate CONFIG --out machine.json
 
+Under torchrun ``--backend`` picks the process group's backend: by default NCCL when CUDA gives every local
+rank a GPU of its own, else gloo (NCCL refuses two ranks on one GPU); gloo on CUDA times host-staged links.
 Rank 0 writes the file and prints a summary. What is measured and how: :mod:`nanotron_ext.machine.calibrate`.
 """
 
@@ -22,13 +24,17 @@ from typing import Any
 from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
+from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine import MachineProfile, block_signature
-from nanotron_ext.machine.calibrate import calibrate, calibration_blocks
+from nanotron_ext.machine.calibrate import calibrate, calibration_blocks, host_staged
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
 from nanotron_ext.report import compact_names, table
 
-__all__ = ["add_subcommand", "cmd_calibrate", "summary"]
+__all__ = ["BACKENDS", "add_subcommand", "choose_backend", "cmd_calibrate", "summary"]
+
+#: The process-group backends ``--backend`` accepts.
+BACKENDS = ("gloo", "nccl")
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -44,6 +50,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per measurement (median; default 5)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
+                   "else gloo; gloo on CUDA measures host-staged links)")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -56,7 +65,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if rank in (None, "0"):
             check_outputs((args.out, "--out"))
         cfg = load_config(args.config or bundled_config())
-        with _process_group():
+        with _process_group(args.backend):
             profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
         if rank in (None, "0"):
             atomic_write_text(args.out, profile.to_json() + "\n")
@@ -67,10 +76,36 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def choose_backend(requested: str | None) -> str:
+    """The backend for this rank: ``requested``, or by default NCCL when CUDA gives every local rank
+    (``$LOCAL_WORLD_SIZE``) a GPU of its own, else gloo.
+
+    Raises:
+        ConfigError: ``nccl`` without CUDA, or with fewer GPUs than local ranks (NCCL cannot put two ranks on
+            one GPU); the message names the fix (``--backend gloo``, host-staged links).
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if requested is None:
+        return "nccl" if 0 < local <= gpus else "gloo"
+    if requested == "nccl" and gpus == 0:
+        raise ConfigError(f"calibrate --backend nccl needs CUDA, but torch sees no CUDA device here (torch "
+                          f"{torch.__version__}); use --backend gloo, the default without a GPU")
+    if requested == "nccl" and local > gpus:
+        raise ConfigError(
+            f"calibrate --backend nccl: {local} ranks on this node but {gpus} GPU(s), and NCCL cannot put two ranks "
+            f"on one GPU; use --backend gloo (links host-staged through CPU memory, slower than NCCL's) or launch "
+            f"at most {gpus} rank(s) per node")
+    return requested
+
+
 @contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    """Under torchrun (its rendezvous variables set) the default process group, made here unless it exists:
-    NCCL when CUDA is available, else gloo; its timeout is ``$NANOTRON_EXT_TIMEOUT_S``."""
+def _process_group(requested: str | None) -> Iterator[None]:
+    """Under torchrun (its rendezvous variables set) the default process group, made here unless it exists, with
+    :func:`choose_backend`'s backend; on CUDA each rank takes ``cuda:{LOCAL_RANK % device_count}``. Its timeout is
+    ``$NANOTRON_EXT_TIMEOUT_S``."""
     if not all(v in os.environ for v in RENDEZVOUS_VARIABLES):
         yield
         return
@@ -82,9 +117,9 @@ def _process_group() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = choose_backend(requested)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_from_env()))
     try:
         yield
@@ -95,8 +130,10 @@ def _process_group() -> Iterator[None]:
 def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
     """The profile's header line, its measured blocks, and its links, syncs and overheads, as aligned tables."""
     lines = [f"{cfg.source}", f"machine: {profile.describe()}", "", _block_table(cfg, profile), ""]
-    rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}", _us(link.latency), _gbps(link.bytes_per_second)]
-                                for link in profile.links]
+    staged = host_staged(profile.key.device, profile.key.backend)
+    how = " (host-staged)" if staged else ""
+    rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}{how}", _us(link.latency),
+                                 _gbps(link.bytes_per_second)] for link in profile.links]
     for name, c in (("dp gradient all-reduce", profile.dp_allreduce), ("tied embedding all-reduce",
                                                                           profile.tied_allreduce)):
         if c is not None:
@@ -109,6 +146,10 @@ def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
     if profile.key.pp is None:
         lines.append("p2p, its overhead and the gradient syncs not measured: run under torchrun with the config's "
                      "pp*dp*tp ranks")
+    if staged and profile.links:
+        lines.append("host-staged: gloo carries host memory only, so every transfer and sync above includes a "
+                     "device->host and a host->device copy; NCCL between GPUs (NVLink, InfiniBand) is faster: "
+                     "plan a multi-GPU run with a profile calibrated there")
     return "\n".join(lines)
 
 

@@ -23,6 +23,12 @@ What it measures, and how (torch and Nanotron are imported only here, inside the
 * **collectives** (under torchrun): the dp gradient all-reduce (dp > 1, over the ranks of one stage) and the
   tied embedding's all-reduce (first and last stage, tied embeddings, pp > 1), timed after a barrier and fitted
   to :meth:`~nanotron_ext.machine.profile.Collective.time`.
+* **host-staged** (CUDA under gloo, e.g. two ranks on one GPU, where NCCL refuses): gloo carries host memory
+  only, so links and collectives are timed as the CPU runtime moves CUDA tensors over gloo: the tensors live on
+  the GPU, each send copies them to the host first and each receive lands in a host buffer copied to the GPU
+  (:func:`host_staged`). Those figures include the device↔host copies: they are the runtime's on this machine,
+  not what NCCL over NVLink would give. The P2P protocol overhead is timed on host tensors (the copies are in
+  the links).
 
 Alone (no process group) the profile is compute only: its key leaves pp, dp and the backend open, it has no
 links, and its ``describe()`` says p2p was not measured. Under torchrun the world size must be the config's
@@ -64,7 +70,7 @@ from nanotron_ext.machine.profile import (
     key_for,
 )
 
-__all__ = ["calibrate", "calibration_blocks", "fit_line"]
+__all__ = ["calibrate", "calibration_blocks", "fit_line", "host_staged"]
 
 #: The smallest message of the link and collective fits, bytes.
 MIN_BYTES = 4096
@@ -181,6 +187,11 @@ def _device_and_backend() -> tuple[str, str]:
     device = f"cuda:{torch.cuda.get_device_name()}" if cuda else "cpu"
     backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "gloo"
     return device, "nccl" if cuda and "nccl" in backend else backend  # "cpu:gloo,cuda:nccl" sends CUDA by NCCL
+
+
+def host_staged(device: str | None, backend: str | None) -> bool:
+    """Whether links measured on ``device`` over ``backend`` go through the host: CUDA tensors over gloo."""
+    return bool(device) and str(device).startswith("cuda") and backend == "gloo"
 
 
 def _torch_device(device: str) -> Any:
@@ -398,12 +409,14 @@ def _share(build: Callable[[], MachineProfile], world: _World | None) -> Machine
 
 
 def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -> str:
-    """``calibrated: cpu, gloo, pp=2`` (``, dp=2`` and ``, tp=2`` where > 1), or ``calibrated: cpu (compute only)``."""
+    """``calibrated: cpu, gloo, pp=2`` (``, dp=2`` and ``, tp=2`` where > 1; ``cuda, gloo host-staged`` for CUDA
+    over gloo), or ``calibrated: cpu (compute only)``."""
     where = device.split(":")[0]
     if world is None:
         return f"calibrated: {where} (compute only)"
     extra = "".join(f", {k}={v}" for k, v in (("dp", world.dp), ("tp", world.tp)) if v > 1)
-    return f"calibrated: {where}, {backend}, pp={world.pp}{extra}"
+    transport = f"{backend} host-staged" if host_staged(device, backend) else backend
+    return f"calibrated: {where}, {transport}, pp={world.pp}{extra}"
 
 
 def _source(cfg: PlannerConfig) -> str:
@@ -434,25 +447,27 @@ def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, li
     """Links, P2P overhead and collectives; a collective call: every rank gets the same result."""
     import torch.distributed as dist
 
-    dev = _torch_device(device if backend == "nccl" else "cpu")  # what the backend sends: NCCL CUDA, gloo CPU
+    dev = _torch_device(device)  # where the run's tensors live; gloo moves CUDA ones through the host
+    staged = host_staged(device, backend)
     blocks = [b for _, bs in variants for b in bs]
     largest = max(block_memory(b, cfg.model, cfg.run).output for b in blocks)
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     mine: dict[tuple[str, int, int], dict[int, float]] = {}
-    mine.update(_links(world, _sizes(largest), dev, warmup, repeats, bar))
-    send_recv = _p2p_overhead(world, dev, warmup, repeats) if world.pp > 1 else 0.0
+    mine.update(_links(world, _sizes(largest), (dev, staged), warmup, repeats, bar))
+    wire = dev if backend == "nccl" else _torch_device("cpu")  # the protocol's extra messages, without copies
+    send_recv = _p2p_overhead(world, wire, warmup, repeats) if world.pp > 1 else 0.0
     bar.update(world.pp > 1)
     if world.dp > 1:
         groups = [[world.rank_of(s, d, t) for d in range(world.dp)] for s in range(world.pp) for t in range(world.tp)]
         mine[("dp", 0, 0)] = _allreduce(world, groups, _sizes(max(b.trainable for b in blocks) * grad_bytes),
-                                        dev, warmup, repeats)
+                                        (dev, staged), warmup, repeats)
         bar.update()
     tied = cfg.model.tie_word_embeddings and world.pp > 1
     if tied:
         groups = [[world.rank_of(0, d, t), world.rank_of(world.pp - 1, d, t)]
                   for d in range(world.dp) for t in range(world.tp)]
         size = cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * grad_bytes
-        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(size), dev, warmup, repeats)
+        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(size), (dev, staged), warmup, repeats)
         bar.update()
     gathered: list[Any] = [None] * (world.pp * world.dp * world.tp)
     dist.all_gather_object(gathered, (mine, send_recv))
@@ -469,9 +484,10 @@ def _sizes(largest: float) -> list[int]:
     return [*out, top]
 
 
-def _links(world: _World, sizes: Sequence[int], dev: Any, warmup: int,
+def _links(world: _World, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int,
            repeats: int, bar: Any) -> dict[tuple[str, int, int], dict[int, float]]:
-    """Round trips timed by this rank, per direction it sends in: ``("link", src, dst) -> {bytes: seconds}``."""
+    """Round trips timed by this rank, per direction it sends in: ``("link", src, dst) -> {bytes: seconds}``.
+    ``dev``: (where the tensors live, whether they are host-staged)."""
     import torch.distributed as dist
 
     stage, d, t = world.coords
@@ -488,39 +504,59 @@ def _links(world: _World, sizes: Sequence[int], dev: Any, warmup: int,
     return out
 
 
-def _ping(peer: int, sizes: Sequence[int], dev: Any, warmup: int, repeats: int) -> dict[int, float]:
-    """Median seconds of ``n`` bytes to ``peer`` and one byte back, per size."""
+def _ping(peer: int, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int, repeats: int) -> dict[int, float]:
+    """Median seconds of ``n`` bytes to ``peer`` and one byte back, per size (host-staged: copies included)."""
     import torch
-    import torch.distributed as dist
 
-    ack = torch.zeros(1, dtype=torch.uint8, device=dev)
+    where, staged = dev
+    ack = torch.zeros(1, dtype=torch.uint8, device=where)
     out = {}
     for n in sizes:
-        buf = torch.zeros(n, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(n, dtype=torch.uint8, device=where)
         times = []
         for i in range(warmup + repeats):
-            _sync(dev)
+            _sync(where)
             t0 = clock()
-            dist.send(buf, peer)
-            dist.recv(ack, peer)
-            _sync(dev)
+            _send(buf, peer, staged)
+            _recv(ack, peer, staged)
+            _sync(where)
             if i >= warmup:
                 times.append(clock() - t0)
         out[n] = statistics.median(times)
     return out
 
 
-def _echo(peer: int, sizes: Sequence[int], dev: Any, warmup: int, repeats: int) -> None:
+def _echo(peer: int, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int, repeats: int) -> None:
     """The other side of :func:`_ping`."""
+    import torch
+
+    where, staged = dev
+    ack = torch.ones(1, dtype=torch.uint8, device=where)
+    for n in sizes:
+        buf = torch.empty(n, dtype=torch.uint8, device=where)
+        for _ in range(warmup + repeats):
+            _recv(buf, peer, staged)
+            _send(ack, peer, staged)
+
+
+def _send(tensor: Any, peer: int, staged: bool) -> None:
+    """``dist.send``; host-staged: a host copy of ``tensor`` is sent, as the CPU runtime's P2P does on CUDA."""
+    import torch.distributed as dist
+
+    dist.send(tensor.detach().to("cpu", copy=True) if staged else tensor, peer)
+
+
+def _recv(tensor: Any, peer: int, staged: bool) -> None:
+    """``dist.recv`` into ``tensor``; host-staged: into a fresh host buffer, then copied to ``tensor``'s device."""
     import torch
     import torch.distributed as dist
 
-    ack = torch.ones(1, dtype=torch.uint8, device=dev)
-    for n in sizes:
-        buf = torch.empty(n, dtype=torch.uint8, device=dev)
-        for _ in range(warmup + repeats):
-            dist.recv(buf, peer)
-            dist.send(ack, peer)
+    if not staged:
+        dist.recv(tensor, peer)
+        return
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    dist.recv(host, peer)
+    tensor.copy_(host)
 
 
 def _p2p_overhead(world: _World, dev: Any, warmup: int, repeats: int) -> float:
@@ -568,9 +604,10 @@ def _p2p_overhead(world: _World, dev: Any, warmup: int, repeats: int) -> float:
     return extra if first else 0.0
 
 
-def _allreduce(world: _World, groups: Sequence[Sequence[int]], sizes: Sequence[int], dev: Any, warmup: int,
-               repeats: int) -> dict[int, float]:
-    """Median seconds of an all-reduce of each size over this rank's group (every replica's group at once)."""
+def _allreduce(world: _World, groups: Sequence[Sequence[int]], sizes: Sequence[int], dev: tuple[Any, bool],
+               warmup: int, repeats: int) -> dict[int, float]:
+    """Median seconds of an all-reduce of each size over this rank's group (every replica's group at once);
+    host-staged: the buffer lives on the device and is reduced through a host copy, copied back."""
     import torch
     import torch.distributed as dist
 
@@ -582,15 +619,21 @@ def _allreduce(world: _World, groups: Sequence[Sequence[int]], sizes: Sequence[i
     if mine is None:
         dist.barrier()
         return out
+    where, staged = dev
     for n in sizes:
-        buf = torch.zeros(n // 4, dtype=torch.float32, device=dev)
+        buf = torch.zeros(n // 4, dtype=torch.float32, device=where)
         times = []
         for i in range(warmup + repeats):
             dist.barrier(group=mine)
-            _sync(dev)
+            _sync(where)
             t0 = clock()
-            dist.all_reduce(buf, group=mine)
-            _sync(dev)
+            if staged:
+                host = buf.to("cpu", copy=True)
+                dist.all_reduce(host, group=mine)
+                buf.copy_(host)
+            else:
+                dist.all_reduce(buf, group=mine)
+            _sync(where)
             if i >= warmup:
                 times.append(clock() - t0)
         out[n] = statistics.median(times)

@@ -5,6 +5,8 @@ it cannot be constructed on a machine without a GPU. The process-group layout it
 (``_init_parallel_groups``) is backend-agnostic, so this subclass sets the same attributes, brings up gloo
 itself and then reuses Nanotron's layout code unchanged: ``tp_pg``, ``dp_pg``, ``pp_pg``, ``expert_pg``,
 ``mp_pg``, ``world_rank_matrix`` and ``world_ranks_to_pg`` are exactly what Nanotron would build on GPUs.
+Under ``NANOTRON_EXT_DEVICE=cuda`` it also selects each rank's GPU; the groups stay gloo
+(:mod:`nanotron_ext.runtime.device`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import re
 from types import TracebackType
 
 import numpy as np
+import torch
 import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.context import ParallelContext
 
 from nanotron_ext.errors import ConfigError, NanotronExtError, RunFailure
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
+from nanotron_ext.runtime.device import device_from_env
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooParallelContext", "comm_failure", "timeout_from_env"]
 
@@ -93,6 +97,7 @@ class GlooParallelContext(ParallelContext):
         self._groups: dict = {}
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
+        self.set_device()  # before any group exists: a bad NANOTRON_EXT_DEVICE fails every rank alike
         _init_gloo(world_size, self.timeout)
         if _UPSTREAM_SIGNATURE:
             # Upstream main's context has more groups (context parallel, local, a 5-D rank matrix) and only checks
@@ -130,7 +135,15 @@ class GlooParallelContext(ParallelContext):
         return new_group_containing_rank
 
     def set_device(self) -> None:
-        """No-op: no accelerator to select on CPU (Nanotron's version calls ``torch.cuda.set_device``)."""
+        """Select this rank's CUDA device under ``NANOTRON_EXT_DEVICE=cuda`` (:mod:`nanotron_ext.runtime.device`);
+        nothing on CPU. Nanotron's version calls ``torch.cuda.set_device`` unconditionally.
+
+        Raises:
+            ConfigError: ``$NANOTRON_EXT_DEVICE`` is not a device this machine has.
+        """
+        device = device_from_env()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def __enter__(self) -> GlooParallelContext:
         return self

@@ -1,5 +1,6 @@
 """Building a Nanotron model on CPU: parameter tying, initialisation, DDP, and Nanotron's own split.
 
+On the device ``NANOTRON_EXT_DEVICE`` names (CPU by default; :mod:`nanotron_ext.runtime.device`).
 Blocks are placed by the adapter's ``assign_blocks`` (:mod:`nanotron_ext.integration.adapter`);
 ``nanotron_block_ranks`` reports what Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
 trainer's function of the same name (``nanotron.trainer`` imports flash-attn and cannot be imported on CPU).
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.integration.adapter import assign_blocks, pipeline_blocks
 from nanotron_ext.models.llama import CPULlamaForTraining
+from nanotron_ext.runtime.device import device_from_env, host_staging
 from nanotron_ext.runtime.p2p import CPUP2P
 
 __all__ = [
@@ -40,10 +42,13 @@ CPU = torch.device("cpu")
 
 
 def cpu_llama(
-    config: LlamaConfig, parallel_context: ParallelContext, parallel_config: ParallelismArgs | None = None, **kwargs
+    config: LlamaConfig, parallel_context: ParallelContext, parallel_config: ParallelismArgs | None = None,
+    device: torch.device | None = None, **kwargs
 ) -> CPULlamaForTraining:
-    """``CPULlamaForTraining`` whose blocks talk over this runtime's :class:`CPUP2P` (non-blocking sends)."""
-    p2p = CPUP2P(parallel_context.pp_pg, device=CPU)
+    """``CPULlamaForTraining`` whose blocks talk over this runtime's :class:`CPUP2P` (non-blocking sends,
+    host-staged when the model is on CUDA: ``device``, or ``$NANOTRON_EXT_DEVICE`` when None)."""
+    device = device if device is not None else device_from_env()
+    p2p = CPUP2P(parallel_context.pp_pg, device=CPU, compute_device=device if host_staging(device) else None)
     return CPULlamaForTraining(config=config, parallel_context=parallel_context, parallel_config=parallel_config,
                                p2p=p2p, **kwargs)
 
@@ -208,8 +213,9 @@ def build_cpu_llama(
     freeze: Callable[[str, nn.Parameter], bool] | None = None,
     ddp: bool = True,
     vocab_shards: int = 1,
+    device: torch.device | None = None,
 ) -> NanotronModel | DistributedDataParallel:
-    """Everything Nanotron's trainer does to get a trainable model, on CPU.
+    """Everything Nanotron's trainer does to get a trainable model, on CPU (or the device of ``device``).
 
     Construct ``CPULlamaForTraining``; place blocks (``block_ranks`` via ``assign_blocks``, or Nanotron's
     greedy ``build_model`` when None); tie parameters; initialise; optionally freeze; optionally wrap in DDP.
@@ -225,18 +231,21 @@ def build_cpu_llama(
         freeze: ``freeze(name, param) -> True`` to set ``requires_grad=False`` on that (local) parameter.
         ddp: wrap in DDP when DP > 1 (see ``wrap_ddp``).
         vocab_shards: K > 1 ends the model with K vocabulary-shard blocks instead of lm_head, cast and loss.
+        device: where the parameters live; None: ``$NANOTRON_EXT_DEVICE`` (CPU by default).
 
     Returns:
         The model (DDP-wrapped where applicable).
     """
+    device = device if device is not None else device_from_env()
 
     def builder() -> CPULlamaForTraining:
-        return cpu_llama(config, parallel_context, parallel_config, projector=projector, vocab_shards=vocab_shards)
+        return cpu_llama(config, parallel_context, parallel_config, device, projector=projector,
+                         vocab_shards=vocab_shards)
 
     if block_ranks is None:
-        model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=CPU)
+        model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=device)
     else:
-        model = assign_blocks(builder(), parallel_context, block_ranks, dtype=dtype, device=CPU)
+        model = assign_blocks(builder(), parallel_context, block_ranks, dtype=dtype, device=device)
     mark_tied_parameters(model, parallel_context, parallel_config)
     sanity_check(root_module=model)
     init_weights(model, parallel_context, std=std)

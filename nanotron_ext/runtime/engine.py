@@ -9,8 +9,11 @@ Nanotron's ``init_optimizer_and_grad_accumulator`` (``NamedOptimizer`` around ``
 CPU/gloo workarounds (Nanotron's code is used unmodified otherwise):
 - gloo has no ``ReduceOp.AVG``: DP averages are SUM then divide.
 - ``clip_grad_norm`` allocates a CUDA tensor when a rank has no gradient; such ranks join the same collective
-  with a CPU zero instead.
+  with a zero on the runtime's device instead.
 - ``FP32GradientAccumulator`` allocates CUDA buffers, so ``accumulate_grad_in_fp32`` is refused.
+- Under ``NANOTRON_EXT_DEVICE=cuda`` micro-batches move to the rank's GPU, the tied-weight gradient sync is
+  host-staged (gloo's ``all_reduce_coalesced`` is CPU-only) and the step's loss is reduced on the host
+  (:mod:`nanotron_ext.runtime.device`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from nanotron.parallel.pipeline_parallel.engine import (
     PipelineEngine,
 )
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
 from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.models.vocab_chain import label_pp_ranks
+from nanotron_ext.runtime.device import device_from_env, sync_tied_gradients
 from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.schedule import Engine, too_few_micro_batches
 from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
@@ -119,8 +122,13 @@ def make_micro_batch(
         label_mask: bool ``[batch, seq]``; all True when None.
 
     Returns:
-        ``{"input_ids", "input_mask", "label_ids", "label_mask"}``.
+        ``{"input_ids", "input_mask", "label_ids", "label_mask"}``, on the runtime's device
+        (``$NANOTRON_EXT_DEVICE``).
     """
+    device = device_from_env()
+    input_ids, label_ids = input_ids.to(device), label_ids.to(device)  # no copy when already there
+    input_mask = input_mask.to(device) if input_mask is not None else None
+    label_mask = label_mask.to(device) if label_mask is not None else None
     unwrapped = _unwrap(model)
     pp_rank = dist.get_rank(parallel_context.pp_pg)
     if input_mask is None:
@@ -226,8 +234,8 @@ def _clip_gradients(model: NanotronModel, parallel_context: ParallelContext, max
             max_norm=max_norm,
             grad_accumulator=None,
         )
-    # Join clip_grad_norm's all-reduce from CPU with a zero, then scale this rank's gradients as it does.
-    total_norm = torch.zeros([], dtype=torch.float)
+    # Join clip_grad_norm's all-reduce with a zero, then scale this rank's gradients as it does.
+    total_norm = torch.zeros([], dtype=torch.float, device=device_from_env())
     dist.all_reduce(total_norm, group=parallel_context.mp_pg, op=dist.ReduceOp.SUM)
     total_norm.pow_(0.5)
     clip_coef = torch.clamp(max_norm / (total_norm + 1.0e-6), max=1.0)
@@ -311,9 +319,7 @@ def _finish_gradients(
     if not isinstance(model, DistributedDataParallel):
         # DDP already averaged gradients in the last backward; otherwise do it here, as the trainer does.
         _sync_dp_gradients_manually(unwrapped, parallel_context)
-    sync_tied_weights_gradients(
-        module=unwrapped, parallel_context=parallel_context, grad_accumulator=grad_accumulator
-    )
+    sync_tied_gradients(unwrapped, parallel_context, grad_accumulator)  # host-staged on CUDA
     if clip_grad is not None or grad_norms is not None:
         # max_norm=inf measures without scaling.
         norm = _clip_gradients(unwrapped, parallel_context, clip_grad if clip_grad is not None else math.inf)
@@ -326,7 +332,7 @@ def _step_loss(outputs: list[dict[str, Any]], parallel_context: ParallelContext,
     number), averaged over DP, broadcast from the output stage over the pipeline so any rank can log it."""
     loss = torch.zeros([], dtype=torch.float)
     if len(outputs) > 0 and isinstance(outputs[0]["loss"], torch.Tensor):
-        loss = torch.stack([output["loss"].detach().float() for output in outputs]).sum()
+        loss = torch.stack([output["loss"].detach().float() for output in outputs]).sum().cpu()  # on the host
         dp_pg = parallel_context.dp_pg
         if dp_pg.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_pg)

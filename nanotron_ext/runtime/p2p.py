@@ -10,6 +10,10 @@ a decoder layer's ``hidden_states`` *and* ``sequence_mask``).
 ``CPUP2P`` keeps Nanotron's wire format (same two metadata messages, same tags, same order) but posts every
 send with ``isend`` and keeps the handles (and the tensors they read) alive until ``wait_pending()``. Receives
 are unchanged (blocking, as in Nanotron). This restores NCCL's host semantics on CPU.
+
+gloo carries host memory only: with a ``compute_device`` (the runtime passes its CUDA device), the transport is
+*host-staged*: each data tensor is copied to the host before it is sent and each received host buffer is copied
+to ``compute_device`` (:mod:`nanotron_ext.runtime.device`). Metadata and the bytes on the wire are unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
 from nanotron_ext.runtime.context import comm_failure
+from nanotron_ext.runtime.device import to_host
 
 __all__ = ["CPUP2P", "wait_pending_sends"]
 
@@ -40,10 +45,14 @@ class CPUP2P(P2P):
     Args:
         pg: the pipeline process group.
         device: where metadata and receive buffers live (CPU).
+        compute_device: where the model's tensors live, when they must be staged through the host to cross
+            gloo (CUDA; or CPU, to test the staging); None sends and returns the tensors themselves.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device = CPU) -> None:
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device = CPU,
+                 compute_device: torch.device | None = None) -> None:
         super().__init__(pg=pg, device=device)
+        self.compute_device = compute_device
         # (work, tensor, global peer): the tensor must outlive the asynchronous send that reads it; the peer
         # names who stopped answering if the wait times out.
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
@@ -73,6 +82,8 @@ class CPUP2P(P2P):
             self._send_meta(tensor, to_rank=to_rank, tag=tag)
             buffer = tensor if tensor.is_contiguous() else view_as_contiguous(tensor)
             buffer = torch.view_as_real(buffer) if buffer.is_complex() else buffer
+            if self.compute_device is not None:
+                buffer = to_host(buffer)  # host-staged: the same bytes, from host memory
             futures.append(self._isend(buffer, to_rank, tag))
         return futures
 
@@ -86,12 +97,16 @@ class CPUP2P(P2P):
         """Nanotron's blocking receive; a peer that died or stopped answering raises :class:`RunFailure`
         naming it (instead of gloo's bare "Timed out waiting ...ms for recv")."""
         try:
-            return super().recv_tensors(num_tensors=num_tensors, from_rank=from_rank, tag=tag)
+            buffers = super().recv_tensors(num_tensors=num_tensors, from_rank=from_rank, tag=tag)
         except RuntimeError as exc:
             failure = comm_failure(exc, peer=_global(self.pg, from_rank), what="activations or gradients")
             if failure is None:
                 raise
             raise failure from None
+        if self.compute_device is None:
+            return buffers
+        # Host-staged: each host buffer copied to the device, a leaf that requires a gradient as the sender's did.
+        return [b.detach().to(self.compute_device, copy=True).requires_grad_(b.requires_grad) for b in buffers]
 
     def wait_pending(self) -> None:
         """Block until every posted send has been received by its peer.

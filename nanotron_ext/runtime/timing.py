@@ -52,6 +52,7 @@ from nanotron import distributed as nanotron_dist
 from nanotron.parallel.context import ParallelContext
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_ext.runtime.device import synchronize
 from nanotron_ext.runtime.engine import EngineName, MicroBatch, train_step
 from nanotron_ext.runtime.p2p import CPUP2P
 
@@ -242,6 +243,7 @@ class StepTimer:
         """
         if StepTimer._installed is not self:
             raise RuntimeError("StepTimer.step() needs the timer installed: `with StepTimer(...) as timer:`")
+        synchronize()
         self._barrier(group=self.group)  # untimed: every rank starts the step together
         acc = self._acc = _Accumulator()
         cpu0 = time.thread_time()
@@ -251,6 +253,7 @@ class StepTimer:
         except BaseException:
             self._acc = None  # no closing barrier: a failed peer would leave us hanging in it
             raise
+        synchronize()  # on a GPU (NANOTRON_EXT_DEVICE=cuda) the step ends when its kernels do
         before_barrier = time.perf_counter()
         self._acc = None
         self._barrier(group=self.group)  # timed as idle: waiting for the slowest rank to finish

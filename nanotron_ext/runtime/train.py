@@ -69,6 +69,7 @@ class TrainSettings:
         data_files / windows: the text files and their packed token windows.
         notes: things rank 0 prints before training (settings the CPU runtime changes).
         timeout_s: how long a rank waits for a silent peer (``$NANOTRON_EXT_TIMEOUT_S``, default 60).
+        device: where this rank trains (``$NANOTRON_EXT_DEVICE``: ``cpu``, or ``cuda:N``).
     """
 
     cfg: PlannerConfig
@@ -88,6 +89,7 @@ class TrainSettings:
     windows: Any
     notes: list[str] = field(default_factory=list)
     timeout_s: float = 60.0
+    device: str = "cpu"
 
     @property
     def tokens_per_step(self) -> int:
@@ -126,7 +128,7 @@ def preflight(
         raise ConfigError(shortfall)
 
     world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
-    timeout_s = _timeout_s()
+    timeout_s, device = _timeout_s(), _device()
     ByteTokenizer().check_model_vocab(cfg.model.vocab_size)
     files = data_files_from_config(raw, config_path=None if cfg.source.startswith("<") else cfg.source)
 
@@ -141,7 +143,7 @@ def preflight(
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(
         cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
-        data_files=files, windows=windows, timeout_s=timeout_s, **nanotron,
+        data_files=files, windows=windows, timeout_s=timeout_s, device=device, **nanotron,
     )
 
 
@@ -150,6 +152,15 @@ def _timeout_s() -> float:
     from nanotron_ext.runtime.context import timeout_from_env
 
     return timeout_from_env()
+
+
+def _device() -> str:
+    """This rank's device from ``$NANOTRON_EXT_DEVICE``, checked before any process group exists."""
+    from nanotron_ext.runtime.device import device_from_env, host_staging
+
+    device = device_from_env()
+    host_staging(device)  # checks $NANOTRON_EXT_HOST_STAGING too
+    return str(device)
 
 
 def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -> tuple[int, int, int]:
@@ -434,6 +445,8 @@ def _metrics(s: TrainSettings, plan: Plan, model: Any, per_rank: list[dict[str, 
         "seed": s.seed,
         "data_seed": s.data_seed,
         "data_files": [str(f) for f in s.data_files],
+        "device": s.device,
+        "p2p": _transport(s.device),
         "tokens_per_step": s.tokens_per_step,
         "losses": losses,
         "grad_norms": grad_norms,
@@ -458,10 +471,11 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     from nanotron_ext.runtime import cpu_llama, init_weights, mark_tied_parameters
 
     cfg = s.cfg
+    device = torch.device(s.device)
     model = integration.build_model(
-        lambda: cpu_llama(s.model_config, ctx, s.parallel_config, projector=cfg.ext.projector,
+        lambda: cpu_llama(s.model_config, ctx, s.parallel_config, device, projector=cfg.ext.projector,
                           vocab_shards=cfg.vocab_shards),
-        ctx, dtype=torch.float32, device=torch.device("cpu"), config=cfg,
+        ctx, dtype=torch.float32, device=device, config=cfg,
     )
     plan: Plan = model.nanotron_ext_plan
     if plan.block_ranks != s.plan.block_ranks:  # the config inventory and the model must agree exactly
@@ -487,6 +501,7 @@ def _optimise(
     from nanotron.helpers import lr_scheduler_builder
 
     from nanotron_ext.runtime import train_step
+    from nanotron_ext.runtime.device import synchronize
 
     run = s.cfg.run
     scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
@@ -506,6 +521,7 @@ def _optimise(
         loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
                           grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
                           grad_norms=grad_norms)
+        synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do
         elapsed = time.perf_counter() - start
         losses.append(loss)
         times.append(elapsed)
@@ -539,6 +555,22 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
+def _transport(device: str) -> str:
+    """``gloo`` or ``gloo, host-staged`` (:func:`nanotron_ext.runtime.device.describe_transport`)."""
+    import torch
+
+    from nanotron_ext.runtime.device import describe_transport
+
+    return describe_transport(torch.device(device))
+
+
+def _device_label(device: str) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
+
+
 def _print_header(s: TrainSettings, plan: Plan) -> None:
     r = s.cfg.run
     files = ", ".join(f.name for f in s.data_files)
@@ -547,7 +579,8 @@ def _print_header(s: TrainSettings, plan: Plan) -> None:
         f"  world {s.world_size} = dp {r.dp} × pp {r.pp} × tp {r.tp} | engine {r.engine} | {r.n_micro_batches} "
         f"micro-batches × {r.micro_batch_size} × {r.sequence_length} tokens | strategy {plan.strategy} | "
         f"{s.steps} steps | seed {s.seed}\n"
-        f"  data: {files} ({human_count(s.windows.size)} tokens, {len(s.windows)} windows), byte tokenizer\n",
+        f"  data: {files} ({human_count(s.windows.size)} tokens, {len(s.windows)} windows), byte tokenizer\n"
+        f"  device: {_device_label(s.device)} | P2P: {_transport(s.device)} | attention: torch SDPA\n",
         flush=True,
     )
     print(plan.table())

@@ -56,3 +56,25 @@ def calibrate_layout(config: str) -> dict[str, Any]:
                    for s in range(r.pp) for d in range(r.dp) for t in range(r.tp))
         profile = calibrate(cfg, warmup=0, repeats=1, progress=False)
     return {"profile": profile.to_json(), "layout_is_nanotrons": same}
+
+
+def calibrate_host_staged(config: str, out: str) -> dict[str, Any]:
+    """``nanotron-ext calibrate CONFIG --out OUT --backend gloo`` with host staging forced on CPU (as on CUDA
+    under gloo: every link and sync timed through host copies), so that its code runs here.
+
+    Returns:
+        The CLI's exit code and output on this rank.
+    """
+    from nanotron_ext.cli import calibrate as cli_calibrate
+    from nanotron_ext.cli import main
+    from nanotron_ext.machine import calibrate as machine_calibrate
+
+    def staged(device: Any, backend: Any) -> bool:
+        return backend == "gloo"
+
+    machine_calibrate.host_staged = staged
+    cli_calibrate.host_staged = staged
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = main(["calibrate", config, "--out", out, "--backend", "gloo", "--repeats", "1", "--warmup", "0"])
+    return {"code": code, "stdout": text.getvalue()}

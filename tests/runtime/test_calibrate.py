@@ -7,9 +7,11 @@ import contextlib
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from nanotron_ext.cli import main
+from nanotron_ext.cli.calibrate import choose_backend
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError
@@ -17,6 +19,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import MachineProfile, block_signature, load_machine, machine_for, price_blocks
 from nanotron_ext.machine.calibrate import calibrate, calibration_blocks, fit_line
 from nanotron_ext.plan import resolve_vocab_shards
+from nanotron_ext.procs import rendezvous_env
 
 from . import calibrate_workers
 from .spawn import run_distributed
@@ -202,3 +205,39 @@ def test_fit_line_recovers_latency_and_bandwidth() -> None:
     assert fit_line(sizes, noisy)[0] == pytest.approx(latency, rel=0.2)
     # Time that does not grow with size: no bandwidth can be read, the largest message's is kept.
     assert fit_line([1.0, 2.0], [3.0, 3.0]) == (3.0, 1.5)
+
+
+def test_backend_defaults_to_gloo_without_one_gpu_per_rank_and_nccl_is_refused_there(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert choose_backend(None) == choose_backend("gloo") == "gloo"
+    with pytest.raises(ConfigError, match=r"calibrate --backend nccl needs CUDA, but torch sees no CUDA device "
+                                          r"here \(torch .*\); use --backend gloo, the default without a GPU"):
+        choose_backend("nccl")
+    # Under torchrun's variables the CLI refuses it before any process group exists (no peer to wait for).
+    for key, value in rendezvous_env(0, 2, 1).items():
+        monkeypatch.setenv(key, value)
+    assert main(["calibrate", CONFIG, "--out", str(tmp_path / "m.json"), "--backend", "nccl"]) == 2
+    assert "--backend nccl needs CUDA" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
+
+
+def test_host_staged_links_and_syncs_are_measured_and_named(tmp_path: Path) -> None:
+    """The CUDA-under-gloo path (forced on CPU): links and the tied all-reduce through host copies, the profile
+    and the summary say host-staged, the key keeps the backend gloo."""
+    raw = yaml.safe_load(Path(CONFIG).read_text())
+    raw["model"]["model_config"]["tie_word_embeddings"] = True
+    (tmp_path / "tied.yaml").write_text(yaml.safe_dump(raw))
+    out = tmp_path / "machine.json"
+    results = run_distributed(calibrate_workers.calibrate_host_staged, 2, args=(str(tmp_path / "tied.yaml"),
+                                                                                  str(out)), timeout=90)
+    assert [r["code"] for r in results] == [0, 0]
+    profile = load_machine(out)
+    assert profile.name == "calibrated: cpu, gloo host-staged, pp=2" and profile.key.backend == "gloo"
+    assert sorted((link.src, link.dst) for link in profile.links) == [(0, 1), (1, 0)]
+    assert all(link.latency > 0 and link.bytes_per_second > 0 for link in profile.links)
+    assert profile.tied_allreduce is not None and profile.tied_allreduce.bus_bytes_per_second > 0
+    stdout = results[0]["stdout"]
+    assert "p2p stage 0 -> 1 (host-staged)" in stdout
+    assert "host-staged: gloo carries host memory only" in stdout and "calibrated there" in stdout
