@@ -1,0 +1,872 @@
+"""Predicted vs measured step time of many splits on Nanotron's engine, under a machine profile taken in the run.
+
+Issue 22, items 3 and 4. For each scenario, ``pp`` real processes (gloo, one thread each) run Nanotron 0.2's
+1F1B engine on the CPU runtime (``nanotron_ext.runtime``). At the start, inside those processes,
+``calibrate(cfg)`` measures a :class:`~nanotron_ext.machine.MachineProfile` (blocks, links between pipeline
+neighbours, engine overhead, all-reduces); it is saved as JSON and the profile-based splits are planned with
+``cfg.with_overrides(machine=PATH)``. Every split is then built as a model in the same processes; all stay alive
+and take turns, round after round, in a rotating order (each turn: untimed re-warm steps, then timed steps), as
+``measured_cpu.py`` does, so machine load hits every split alike. ``calibrate`` runs again every few rounds;
+the prediction uses the median of those profiles (also saved), and the table shows the planning profile's too.
+
+For every split: the measured step (median over timed steps of the slowest rank's full ``train_step``, with an
+order-statistic 95 % interval of the median), the predicted step (``simulate_plan(plan, blocks,
+cfg.with_overrides(machine=median profile)).step_time``) and predicted ÷ measured. Per scenario: Kendall's τ
+between the measured and the predicted order, every pair whose intervals do not overlap but whose predicted
+order is the opposite, whether the default (``constrained``, objective step_time, under the profile) is
+measured fastest among the valid splits or inside the fastest one's interval, and, on the seed model, what
+``vocab_shards: auto`` picks under the profile and its measured gain over K=1.
+
+Item 3, "find the missing time": for the default split and the K=2 chain on the seed model, each stage's
+measured step is taken apart (``nanotron_ext.runtime.timing.StepTimer``) into compute inside the pipeline, the
+part of it the profiled blocks do not explain (engine overhead), receive and send waits, the wait in the
+collectives after the pipeline, the update and the closing wait, next to what the profile and the simulator
+predict for each part.
+
+Scenarios (fp32, the CPU runtime's dtype):
+
+* ``seed-pp2``: ``nanotron_ext/configs/tiny_llama_large_vocab.yaml`` as shipped at pp=2: Nanotron's rule (it
+  leaves PP1 without parameters; run with PP1's optimizer skipped, as ``measured_cpu.py`` does), uniform,
+  FLOP-optimal (``constrained``, objective ``slowest_stage``), the default under the profile, and the
+  vocabulary-shard chain at K = 2, 3, 4 under the profile;
+* ``smollm-m2`` / ``smollm-m4``: SmolLM-135M's shape (hidden 576, 9/3 heads, vocabulary 49152, tied) shrunk
+  to fit the time (fewer layers, sequence 128, micro-batch 1) at 2 and 4 micro-batches: the default under the
+  profile, FLOP-optimal, uniform, Nanotron's rule and the default's cut moved two layers each way
+  (``layout`` strategy);
+* ``seed-pp4``: the seed model with 6 layers at pp=4, 4 micro-batches, 4 processes: on fewer than 4 cores they
+  are oversubscribed (the output says so, and that scenario's checks are printed but do not fail the run).
+
+Usage: ``python benchmarks/predict_vs_measure.py [--quick] [--scenario LABEL ...] [--rounds R]
+[--system-malloc]``. Exit status 1 when a check fails: predicted ÷ measured outside [0.95, 1.05] on any split,
+a significant misordered pair, or the default not measured fastest (within the fastest one's interval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_cpu import MALLOC_ENV  # noqa: E402
+
+from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "nanotron_ext" / "configs"
+RESULTS = Path(__file__).resolve().parent / "results"
+ENGINE = "1f1b"
+RATIO_RANGE = (0.95, 1.05)
+CONFIDENCE = 0.95
+WORLD_TIMEOUT_S = 600.0
+#: The splits of the seed model at pp=2 (the chain at K = 2, 3, 4, planned under the profile).
+SEED_SPLITS = ("nanotron", "uniform", "flop-optimal", "default", "chain K=2", "chain K=3", "chain K=4")
+#: The splits of the SmolLM shape: the default's cut moved by two layers each way makes a deliberately worse one.
+SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
+#: Item 3: the splits whose time is taken apart per stage.
+DECOMPOSED = ("default", "chain K=2")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A model, batch shape and pipeline size, and the splits trained on it."""
+
+    label: str
+    yaml_name: str
+    pp: int
+    n_micro_batches: int
+    splits: tuple[str, ...]
+    notes: str
+    sequence_length: int | None = None  # None: as in the YAML
+    micro_batch_size: int | None = None
+    num_hidden_layers: int | None = None
+    #: Each split's turn in a round: ``rewarm`` untimed steps, then ``steps_per_turn`` timed ones.
+    rounds: int = 8
+    steps_per_turn: int = 1
+    rewarm: int = 0
+    #: ``calibrate`` again after every this many rounds (0: only at the start).
+    calibrate_every: int = 4
+    #: Print what ``vocab_shards: auto`` picks under the profile (untied models only).
+    auto: bool = False
+
+    def raw_config(self) -> dict[str, Any]:
+        """The YAML as a dict with this scenario's overrides (pp, 1F1B, fp32, batch shape)."""
+        raw = copy.deepcopy(yaml.safe_load((CONFIGS / self.yaml_name).read_text()))
+        raw["parallelism"].update(dp=1, tp=1, pp=self.pp, pp_engine=ENGINE)
+        raw["tokens"]["batch_accumulation_per_replica"] = self.n_micro_batches
+        for key, value in (("sequence_length", self.sequence_length), ("micro_batch_size", self.micro_batch_size)):
+            if value is not None:
+                raw["tokens"][key] = value
+        raw["model"]["dtype"] = "float32"
+        raw.setdefault("optimizer", {})["accumulate_grad_in_fp32"] = False
+        if self.num_hidden_layers is not None:
+            raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
+        raw.pop("nanotron_ext", None)
+        return raw
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    """The scenarios; ``quick``: smaller models and fewer rounds (a minute or two on a busy 2-core machine)."""
+    layers, seq = (4, 32) if quick else (8, 128)
+    smol = dict(yaml_name="smollm_135m.yaml", pp=2, splits=SMOL_SPLITS, sequence_length=seq, micro_batch_size=1,
+                num_hidden_layers=layers, rounds=3 if quick else 8, steps_per_turn=1 if quick else 2,
+                calibrate_every=0 if quick else 4)
+    shape = f"SmolLM-135M shape, {layers} layers, seq {seq}, micro-batch 1"
+    return [
+        # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
+        Scenario("seed-pp2", "tiny_llama_large_vocab.yaml", 2, 4, SEED_SPLITS, "seed model as shipped, pp=2, m=4",
+                 rounds=3 if quick else 10, steps_per_turn=2 if quick else 3, rewarm=1,
+                 calibrate_every=0 if quick else 5, auto=True),
+        Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
+        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", **smol),
+        Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
+                 "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
+                 steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 3),
+    ]
+
+
+# --- calibration (inside the ranks) ----------------------------------------------------------------------
+
+
+def calibrate_profile(cfg: Any, cache_dir: str) -> Any:
+    """The machine profile of ``cfg`` measured here (collective). The one place that names the calibrator."""
+    try:
+        from nanotron_ext.machine.calibrate import calibrate
+    except ImportError:  # branch `calibrate` not merged yet
+        calibrate = _calibrate_standin
+    return calibrate(cfg, warmup=2, repeats=5, cache_dir=cache_dir, progress=False)
+
+
+def _calibrate_standin(cfg: Any, *, warmup: int = 2, repeats: int = 5, cache_dir: str | None = None,
+                       progress: bool = False) -> Any:
+    """Stand-in for ``nanotron_ext.machine.calibrate.calibrate`` until it is merged: blocks measured on rank 0
+    (``measured_blocks``), links between neighbours and the tied all-reduce fitted to latency + bytes ÷ bandwidth
+    from two sizes; engine overhead not measured (0)."""
+    import torch.distributed as dist
+
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.machine import MachineProfile, key_for, measured_blocks
+
+    blocks = inventory_from_config(cfg)
+    costs = measured_blocks(blocks, cfg, cache_dir=cache_dir, warmup=warmup, repeats=repeats)
+    world = dist.get_world_size()
+    links = tuple(_fit_link(k, k + 1, repeats) for k in range(world - 1))
+    tied = _fit_allreduce(repeats) if cfg.model.tie_word_embeddings and world > 1 else None
+    return MachineProfile(name="calibrated (stand-in): cpu, gloo",
+                          source="benchmarks/predict_vs_measure.py stand-in calibration",
+                          key=key_for(cfg, device="cpu", backend="gloo"), blocks=tuple(costs), links=links,
+                          tied_allreduce=tied)
+
+
+SIZES = (1 << 10, 1 << 23)  # bytes of the two fitting points
+
+
+def _fit(times: Sequence[float]) -> tuple[float, float]:
+    """(latency, bytes per second) of the line through the two sizes' times."""
+    slope = max((times[1] - times[0]) / (SIZES[1] - SIZES[0]), 1e-15)
+    return max(0.0, times[0] - SIZES[0] * slope), 1.0 / slope
+
+
+def _fit_link(src: int, dst: int, repeats: int) -> Any:
+    """Ping-pong between global ranks ``src`` and ``dst`` through the runtime's P2P; the others wait."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.machine import Link
+    from nanotron_ext.runtime import CPUP2P
+
+    p2p, rank, medians = CPUP2P(dist.group.WORLD), dist.get_rank(), []
+    for size in SIZES:
+        times = []
+        dist.barrier()
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            for a, b in ((src, dst), (dst, src)):
+                if rank == a:
+                    p2p.send_tensors([torch.ones(size // 4)], to_rank=b)
+                    p2p.wait_pending()
+                elif rank == b:
+                    p2p.recv_tensors(num_tensors=1, from_rank=a)
+            if i >= 2:
+                times.append((time.perf_counter() - t0) / 2)
+        medians.append(statistics.median(times))
+    payload = [_fit(medians)]
+    dist.broadcast_object_list(payload, src=src)
+    return Link(src, dst, *payload[0])
+
+
+def _fit_allreduce(repeats: int) -> Any:
+    """The all-reduce between the first and the last rank (the tied embedding's), two sizes."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.machine import Collective
+
+    world = dist.get_world_size()
+    group = dist.group.WORLD if world == 2 else dist.new_group([0, world - 1])
+    medians = []
+    for size in SIZES:
+        times = []
+        grad = torch.ones(size // 4)
+        for _ in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if dist.get_rank() in (0, world - 1):
+                dist.all_reduce(grad, group=group)
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times[1:]))
+    payload = [_fit(medians)]
+    dist.broadcast_object_list(payload, src=0)
+    return Collective(*payload[0])
+
+
+def take_profile(cfgs: dict[int, Any]) -> Any:
+    """One profile for every vocabulary-shard count in ``cfgs`` (K → config): ``calibrate`` of the K=1 config,
+    plus, for a K whose blocks it did not measure, that K's blocks from a ``calibrate`` of its config (the key
+    leaves ``vocab_shards`` out; a shard is its own block)."""
+    profiles = [_calibrated(cfgs[min(cfgs)])]
+    for cfg in cfgs.values():
+        if not _covers(profiles[0], cfg):
+            profiles.append(_calibrated(cfg))
+    extra = [b for p in profiles[1:] for b in p.blocks if profiles[0].block(b.signature) is None]
+    if not extra:
+        return profiles[0]
+    return profiles[0].with_blocks(extra, "vocab-shard blocks calibrated from their own configs")
+
+
+def _calibrated(cfg: Any) -> Any:
+    with tempfile.TemporaryDirectory(prefix="predict_vs_measure_calib_") as fresh:
+        return calibrate_profile(cfg, fresh)
+
+
+def _covers(profile: Any, cfg: Any) -> bool:
+    """Whether ``profile`` measured every block of ``cfg``."""
+    from nanotron_ext.costs.analytic import trainable_before
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.machine import block_signature
+
+    blocks = inventory_from_config(cfg)
+    return all(profile.block(block_signature(b, input_grad=g)) is not None
+               for b, g in zip(blocks, trainable_before(blocks)))
+
+
+def median_profile(profiles: Sequence[Any]) -> Any:
+    """Every number of the profiles replaced by its median over them (same blocks, links and syncs)."""
+    from nanotron_ext.machine import BlockCost, Collective, EngineOverhead, Link
+
+    med, first = statistics.median, profiles[0]
+    blocks = tuple(BlockCost(b.signature, *(med(getattr(p.block(b.signature), f) for p in profiles)
+                                            for f in ("forward", "backward", "update"))) for b in first.blocks)
+    links = tuple(Link(link.src, link.dst, med(p.links[i].latency for p in profiles),
+                       med(p.links[i].bytes_per_second for p in profiles)) for i, link in enumerate(first.links))
+    overhead = EngineOverhead(*(med(getattr(p.overhead, f) for p in profiles) for f in ("block_call", "send", "recv")))
+
+    def sync(name: str) -> Any:
+        found = [getattr(p, name) for p in profiles]
+        if any(c is None for c in found):
+            return None
+        return Collective(med(c.latency for c in found), med(c.bus_bytes_per_second for c in found))
+
+    rates = tuple((role, med(dict(p.rates).get(role, rate) for p in profiles)) for role, rate in first.rates)
+    return dataclasses.replace(first, blocks=blocks, links=links, overhead=overhead, rates=rates,
+                               dp_allreduce=sync("dp_allreduce"), tied_allreduce=sync("tied_allreduce"),
+                               source=f"{first.source}; median of {len(profiles)} calibrations in this run")
+
+
+# --- planning (inside the ranks) -------------------------------------------------------------------------
+
+
+def _layout_of(ranks: Sequence[int], roles: Sequence[str]) -> str:
+    """The layout string of a split, e.g. ``E,t*5|t*3,N,H,C,X``."""
+    from nanotron_ext.partition.layout_string import SYMBOLS
+
+    symbol = {roles_[0]: s for s, roles_ in SYMBOLS.items() if len(roles_) == 1}
+    stages = []
+    for k in range(max(ranks) + 1):
+        items: list[list[Any]] = []
+        for r, role in zip(ranks, roles):
+            if r == k:
+                if items and items[-1][0] == symbol[role]:
+                    items[-1][1] += 1
+                else:
+                    items.append([symbol[role], 1])
+        stages.append(",".join(s if n == 1 else f"{s}*{n}" for s, n in items))
+    return "|".join(stages)
+
+
+def _shifted(plan: Any, blocks: Sequence[Any], shift: int) -> str:
+    """The layout of ``plan`` with its first cut moved ``shift`` blocks later (earlier when negative)."""
+    ranks = list(plan.block_ranks)
+    cut = next(i for i in range(1, len(ranks)) if ranks[i] != ranks[i - 1])
+    new_cut = min(max(1, cut + shift), len(ranks) - 1)
+    moved = [0 if i < new_cut else max(r, 1) if i < cut else r for i, r in enumerate(ranks)]
+    return _layout_of(moved, [b.role for b in blocks])
+
+
+def plan_splits(names: Sequence[str], cfg: Any, machine_path: str) -> dict[str, tuple[Any, Any, Any]]:
+    """Each named split: (its config, its blocks, its plan). ``default``, the chain and the shifts are planned
+    under the machine profile at ``machine_path``; Nanotron's rule, uniform and FLOP-optimal need no times."""
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+
+    under = cfg.with_overrides(machine=machine_path)
+    out: dict[str, tuple[Any, Any, Any]] = {}
+    for name in names:
+        if name in ("nanotron", "uniform"):
+            c, strategy = cfg, name
+        elif name == "flop-optimal":
+            c, strategy = cfg.with_overrides(objective="slowest_stage"), "constrained"
+        elif name == "default":
+            c, strategy = under, "constrained"
+        elif name.startswith("chain K="):
+            c, strategy = under.with_overrides(vocab_shards=int(name.removeprefix("chain K="))), "constrained"
+        elif name.startswith("shift "):
+            _, blocks, plan = out["default"]
+            c, strategy = under.with_overrides(layout=_shifted(plan, blocks, int(name.split()[1]))), "layout"
+        else:
+            raise ValueError(f"unknown split {name!r}")
+        blocks = inventory_from_config(c)
+        out[name] = (c, blocks, make_plan(blocks, c, strategy))
+    return out
+
+
+def split_key(cfg: Any, plan: Any) -> str:
+    """What makes two splits one model: the vocabulary-shard count and the stage of every block."""
+    return f"K{cfg.vocab_shards}:" + ",".join(map(str, plan.block_ranks))
+
+
+# --- training (inside the ranks) -------------------------------------------------------------------------
+
+
+class Progress:
+    """Rank 0 writes ``{"done", "total"}`` to a file the launcher's progress bar reads (atomic replace)."""
+
+    def __init__(self, path: str, active: bool, total: int) -> None:
+        self.path, self.active, self.total, self.done = Path(path), active, total, 0
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.active:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"done": self.done, "total": self.total}))
+            os.replace(tmp, self.path)
+
+
+def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any) -> dict[str, dict[str, Any]]:
+    """One model per distinct split (all alive at once), with its optimizer, micro-batch stream and timer."""
+    import torch
+
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches
+    from nanotron_ext.runtime.timing import StepTimer
+
+    runs: dict[str, dict[str, Any]] = {}
+    for name, (cfg, _, plan) in plans.items():
+        key = split_key(cfg, plan)
+        if key in runs:
+            runs[key]["names"].append(name)
+            continue
+        torch.manual_seed(0)
+        model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks),
+                                vocab_shards=cfg.vocab_shards)
+        # A rank without trainable parameters (Nanotron's rule on the seed model) gets no optimizer.
+        optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
+        runs[key] = {"names": [name], "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
+                     "m": cfg.run.n_micro_batches, "timer": StepTimer(model, ctx), "losses": [],
+                     "batches": random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
+                                                     cfg.run.sequence_length)}
+    return runs
+
+
+def _turn(run: dict[str, Any], ctx: Any, records: Sequence[bool]) -> None:
+    from nanotron_ext.runtime import train_step
+
+    for record in records:
+        with run["timer"] as timer, timer.step(record=record):
+            run["losses"].append(train_step(run["model"], ctx, ENGINE, run["batches"], run["m"], run["optimizer"],
+                                            grad_accumulator=run["grad_acc"], clip_grad=None))
+
+
+def train_rounds(runs: dict[str, dict[str, Any]], ctx: Any, spec: dict[str, Any], recalibrate: Callable[[], None],
+                 progress: Progress) -> list[float]:
+    """Every model takes its turn in every round, in an order that rotates (each goes first in turn);
+    ``recalibrate`` after every ``calibrate_every`` rounds. Returns the load average before each round."""
+    keys, loads = list(runs), []
+    for r in range(spec["rounds"]):
+        loads.append(os.getloadavg()[0])
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            first = [False] * spec["warmup"] if r == 0 else []
+            _turn(runs[key], ctx, first + [False] * spec["rewarm"] + [True] * spec["steps_per_turn"])
+            progress.advance()
+        if spec["calibrate_every"] and (r + 1) % spec["calibrate_every"] == 0:
+            recalibrate()
+            progress.advance()
+    return loads
+
+
+def n_calibrations(spec: dict[str, Any]) -> int:
+    every = spec["calibrate_every"]
+    return 1 + (spec["rounds"] // every if every else 0)
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """One rank: calibrate, plan, build every split, train them in turns, predict; rank 0 writes the JSON."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.procs import exit_with_parent
+    from nanotron_ext.runtime import GlooParallelContext
+
+    exit_with_parent()
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    with GlooParallelContext(1, spec["pp"], 1, timeout_s=300) as ctx:
+        rank0 = dist.get_rank() == 0
+        cfg = config_from_dict(spec["raw"], source=spec["label"])
+        shards = sorted({int(n.removeprefix("chain K=")) for n in spec["splits"] if n.startswith("chain K=")} | {1})
+        cfgs = {k: cfg.with_overrides(vocab_shards=k) for k in shards}
+        t0 = time.perf_counter()
+        profiles = [take_profile(cfgs)]
+        calibrate_s = time.perf_counter() - t0
+        planning_path = spec["profile_paths"]["planning"]
+        if rank0:
+            profiles[0].save(planning_path)
+        dist.barrier()
+        plans = plan_splits(spec["splits"], cfg, planning_path)
+        runs = build_models(plans, ctx)
+        progress = Progress(spec["progress"], rank0, n_calibrations(spec) + spec["rounds"] * len(runs))
+        progress.advance()
+        loads = train_rounds(runs, ctx, spec, lambda: profiles.append(take_profile(cfgs)), progress)
+        measured = {key: _gathered(run) for key, run in runs.items()}
+        runs.clear()
+        gc.collect()
+        if rank0:
+            median_path = spec["profile_paths"]["median"]
+            median_profile(profiles).save(median_path)
+            out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
+                   "splits": describe_splits(plans, planning_path, median_path),
+                   "auto": _auto_pick(cfg, planning_path, plans) if spec["auto"] else None,
+                   "profiles": [json.loads(p.to_json()) for p in profiles]}
+            Path(out_path).write_text(json.dumps(out))
+
+
+def _gathered(run: dict[str, Any]) -> dict[str, Any] | None:
+    per_rank = run["timer"].gather()
+    if per_rank is None:
+        return None
+    return {"names": run["names"], "losses": run["losses"],
+            "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
+
+
+def _auto_pick(cfg: Any, machine_path: str, plans: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
+    """What ``vocab_shards: auto`` picks under the profile, and which trained split that is."""
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan, resolve_vocab_shards
+
+    resolved, choice = resolve_vocab_shards(cfg.with_overrides(vocab_shards="auto", machine=machine_path))
+    assert choice is not None
+    blocks = inventory_from_config(resolved)
+    plan = make_plan(blocks, resolved)
+    key = split_key(resolved, plan)
+    same = next((n for n, (c, _, p) in plans.items() if split_key(c, p) == key), None)
+    return {"shards": choice.shards, "step_times": {str(k): v for k, v in choice.step_times.items()},
+            "ranks": list(plan.block_ranks), "same_as": same}
+
+
+# --- predictions (rank 0, after training) ----------------------------------------------------------------
+
+
+def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, median_path: str) -> dict[str, Any]:
+    """Per split: its stages, validity, model key, and its predicted step under both profiles; item 3's parts
+    for :data:`DECOMPOSED`."""
+    from nanotron_ext.machine import load_machine
+    from nanotron_ext.simulate import simulate_plan
+
+    median = load_machine(median_path)
+    out = {}
+    for name, (cfg, blocks, plan) in plans.items():
+        under = cfg.with_overrides(machine=median_path)
+        out[name] = {
+            "key": split_key(cfg, plan), "ranks": list(plan.block_ranks), "ok": plan.ok,
+            "vocab_shards": cfg.vocab_shards, "stages": [s.label for s in plan.stages],
+            "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
+            "predicted": simulate_plan(plan, blocks, under).step_time,
+            "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
+            "parts": predicted_parts(plan, blocks, under, median) if name in DECOMPOSED else None,
+        }
+    return out
+
+
+def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any) -> dict[str, Any]:
+    """The simulated step of ``plan`` taken apart per stage as item 3 takes the measured one apart."""
+    from nanotron_ext.machine import EngineOverhead, price_blocks
+    from nanotron_ext.simulate import simulate_plan
+
+    sim = simulate_plan(plan, blocks, cfg)
+    raw = price_blocks(dataclasses.replace(machine, overhead=EngineOverhead()), blocks, cfg)
+    m = cfg.run.n_micro_batches
+    stages = []
+    for k in range(plan.pp):
+        mine = [i for i, r in enumerate(plan.block_ranks) if r == k]
+        compute = m * math.fsum(raw.forward[i] + raw.backward[i] for i in mine)
+        ops = [op for op in sim.ops if op.stage == k and op.kind != "U"]
+        busy = math.fsum(op.duration for op in ops)
+        end = max((op.end for op in ops), default=0.0)
+        stages.append({"profiled": compute, "overhead": busy - compute, "pipeline_wait": end - busy,
+                       "after_wait": sim.pipeline_time - end, "update": sim.stages[k].update})
+    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_time, "stages": stages}
+
+
+# --- launching -------------------------------------------------------------------------------------------
+
+
+def launch(spec: dict[str, Any], *, malloc_env: bool) -> dict[str, Any]:
+    """Run :func:`worker` in ``spec["pp"]`` fresh processes; a progress bar on stderr follows rank 0's turns.
+
+    Raises:
+        RuntimeError: a rank failed or the scenario passed :data:`WORLD_TIMEOUT_S` (every rank is killed then).
+    """
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory(prefix="predict_vs_measure_") as tmp:
+        spec = {**spec, "progress": str(Path(tmp) / "progress.json")}
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = local_env(ROOT)
+        if malloc_env:
+            env = {**MALLOC_ENV, **env}
+        stop = threading.Event()
+        bar = tqdm(desc=spec["label"], unit="turn", file=sys.stderr, dynamic_ncols=True)
+        follower = threading.Thread(target=_follow, args=(Path(spec["progress"]), bar, stop), daemon=True)
+        follower.start()
+        try:
+            # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
+            run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                                   str(out_path)], spec["pp"], timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+        finally:
+            stop.set()
+            follower.join()
+            bar.close()
+        if not run.ok or not out_path.exists():
+            raise RuntimeError(f"scenario {spec['label']!r} {'timed out' if run.deadline_hit else 'failed'}:\n"
+                               + run.describe())
+        return json.loads(out_path.read_text())
+
+
+def _follow(path: Path, bar: Any, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        _show(path, bar)
+    _show(path, bar)
+
+
+def _show(path: Path, bar: Any) -> None:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    bar.total = state["total"]
+    bar.n = state["done"]
+    bar.refresh()
+
+
+# --- statistics ------------------------------------------------------------------------------------------
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """Distribution-free interval of the median from order statistics: ``(low, high, coverage)``.
+
+    ``[x_(k), x_(n−k+1)]`` with the largest ``k`` whose binomial tail ``P(B ≤ k − 1) ≤ (1 − confidence) / 2``,
+    ``B ~ Bin(n, ½)``; its coverage is ``1 − 2 P(B ≤ k − 1)`` (≥ ``confidence``). Below 6 values no such ``k``
+    exists: the range, with its smaller coverage ``1 − 2^(1−n)``.
+    """
+    xs, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return xs[0], xs[-1], 1 - 2 / 2**n
+    return xs[k - 1], xs[n - k], 1 - 2 * tail
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's τ-b of two rankings (ties allowed); NaN with fewer than two distinct values on a side."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif da == db:
+                concordant += 1
+            else:
+                discordant += 1
+    n = concordant + discordant
+    denominator = math.sqrt((n + ties_a) * (n + ties_b))
+    return (concordant - discordant) / denominator if denominator else math.nan
+
+
+# --- analysis and report ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One split of one scenario, measured and predicted (seconds)."""
+
+    name: str
+    same_as: str | None  # an earlier split with the same model: trained once
+    stages: list[str]
+    ok: bool
+    vocab_shards: int
+    steps: list[float]  # every timed step, slowest rank
+    median: float
+    low: float
+    high: float
+    coverage: float
+    predicted: float
+    predicted_planning: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.median
+
+
+def step_times(run: dict[str, Any]) -> list[float]:
+    """Every timed step of a model: the slowest rank's (its clock stops at the closing barrier)."""
+    records = run["records"]
+    return [max(rank[i]["step"] for rank in records) for i in range(len(records[0]))]
+
+
+def analyse(result: dict[str, Any]) -> list[Row]:
+    rows, first = [], {}
+    for name, s in result["splits"].items():
+        run = next(r for r in result["runs"].values() if name in r["names"])
+        steps = step_times(run)
+        low, high, coverage = median_interval(steps)
+        same = first.setdefault(s["key"], name)
+        rows.append(Row(name, None if same == name else same, s["stages"], s["ok"], s["vocab_shards"], steps,
+                        statistics.median(steps), low, high, coverage, s["predicted"], s["predicted_planning"]))
+    return rows
+
+
+def print_splits(rows: Sequence[Row]) -> None:
+    from nanotron_ext.report import table
+
+    head = ["split", "K", "stages", "valid", "steps", "measured ms", "95% interval ms", "predicted ms",
+            "pred ÷ meas", "pred, planning profile ms"]
+    cells = []
+    for r in rows:
+        interval = f"{r.low * 1e3:.1f}–{r.high * 1e3:.1f}" + ("" if r.coverage >= CONFIDENCE else
+                                                                 f" ({r.coverage:.0%})")
+        cells.append([r.name + (f" (= {r.same_as})" if r.same_as else ""), r.vocab_shards, " / ".join(r.stages),
+                      "yes" if r.ok else "NO (no gradient on a stage; its optimizer skipped)", len(r.steps),
+                      f"{r.median * 1e3:.1f}", interval, f"{r.predicted * 1e3:.1f}", f"{r.ratio:.3f}",
+                      f"{r.predicted_planning * 1e3:.1f}"])
+    print(table(head, cells, markdown=True))
+
+
+def order_checks(label: str, rows: Sequence[Row]) -> dict[str, Any]:
+    """Kendall's τ, significant misordered pairs and the default's rank, over the distinct splits."""
+    distinct = [r for r in rows if r.same_as is None]
+    tau = kendall_tau([r.median for r in distinct], [r.predicted for r in distinct])
+    misordered = [(a, b) for a in distinct for b in distinct if a.high < b.low and a.predicted > b.predicted]
+    print(f"\n{label}: Kendall τ (measured vs predicted order, {len(distinct)} distinct splits) = {tau:.2f}")
+    for a, b in misordered:
+        print(f"  MISORDERED: {a.name} measured faster ({a.median * 1e3:.1f} ms, interval up to {a.high * 1e3:.1f}) "
+              f"than {b.name} ({b.median * 1e3:.1f} ms, from {b.low * 1e3:.1f}), predicted slower "
+              f"({a.predicted * 1e3:.1f} vs {b.predicted * 1e3:.1f} ms)")
+    if not misordered:
+        print("  no pair with disjoint intervals is predicted in the opposite order")
+    valid = [r for r in distinct if r.ok]
+    fastest = min(valid, key=lambda r: r.median)
+    default = next(r for r in rows if r.name == "default")
+    default_ok = default.median <= fastest.high
+    where = "the fastest" if default is fastest or default.same_as == fastest.name else (
+        f"within the fastest one's interval ({fastest.name}, {fastest.median * 1e3:.1f} ms, "
+        f"{fastest.low * 1e3:.1f}–{fastest.high * 1e3:.1f})" if default_ok else
+        f"NOT within the fastest one's interval ({fastest.name}, {fastest.median * 1e3:.1f} ms, "
+        f"{fastest.low * 1e3:.1f}–{fastest.high * 1e3:.1f})")
+    print(f"  default under the profile ({default.median * 1e3:.1f} ms) among the {len(valid)} valid splits: {where}")
+    bad_ratio = [r for r in distinct if not RATIO_RANGE[0] <= r.ratio <= RATIO_RANGE[1]]
+    return {"tau": tau, "misordered": [[a.name, b.name] for a, b in misordered], "default_ok": default_ok,
+            "fastest": fastest.name, "bad_ratio": [[r.name, r.ratio] for r in bad_ratio]}
+
+
+def print_chain(result: dict[str, Any], rows: Sequence[Row]) -> dict[str, Any]:
+    """The measured gain of each chain over K=1 (the default), and what ``auto`` picks under the profile."""
+    by_name = {r.name: r for r in rows}
+    default = by_name["default"]
+    for r in rows:
+        if r.name.startswith("chain"):
+            print(f"  {r.name}: measured {default.median / r.median:.3f}x as fast as K=1 (default), "
+                  f"predicted {default.predicted / r.predicted:.3f}x")
+    auto = result["auto"]
+    if auto is None:
+        return {}
+    picked = by_name.get(auto["same_as"]) if auto["same_as"] else None
+    times = ", ".join(f"K={k}: {t * 1e3:.1f} ms" for k, t in auto["step_times"].items())
+    gain = default.median / picked.median if picked else math.nan
+    what = f"= the '{picked.name}' split, measured gain vs K=1 {gain:.3f}x" if picked else "(a split not trained)"
+    print(f"  vocab_shards: auto under the planning profile picks K={auto['shards']} {what}; "
+          f"its simulated steps: {times}")
+    return {"auto_shards": auto["shards"], "auto_gain": gain}
+
+
+def measured_parts(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One rank's step taken apart (medians over timed steps): compute inside the pipeline, receive and send
+    waits, the wait in collectives after it, the busy time after it (update), and the closing wait."""
+    def med(f: Callable[[dict[str, float]], float]) -> float:
+        return statistics.median(f(r) for r in records)
+
+    return {"step": med(lambda r: r["step"]), "compute": med(lambda r: r["pipeline"] - r["pipeline_idle"]),
+            "recv": med(lambda r: r["recv_wait"]), "send": med(lambda r: r["send_wait"]),
+            "after_wait": med(lambda r: r["collective_wait"]),
+            "update": med(lambda r: r["busy"] - (r["pipeline"] - r["pipeline_idle"])),
+            "end": med(lambda r: r["end_wait"]), "cpu": med(lambda r: r["cpu"])}
+
+
+def print_parts(result: dict[str, Any], n_micro_batches: int) -> dict[str, Any]:
+    """Item 3: per stage, the measured step's parts next to the profile's prediction of each (ms)."""
+    from nanotron_ext.report import table
+
+    head = ["split", "stage", "step meas", "step pred", "compute meas", "compute pred", "of it blocks (profile)",
+            "engine overhead meas", "engine overhead pred", "recv wait meas", "recv wait + transfer pred",
+            "send wait meas", "after-pipeline wait meas", "after-pipeline wait pred", "update meas", "update pred",
+            "closing wait meas", "CPU meas"]
+    cells, out = [], {}
+    for name in DECOMPOSED:
+        split = result["splits"].get(name)
+        if split is None:
+            continue
+        run = next(r for r in result["runs"].values() if name in r["names"])
+        pred = split["parts"]
+        out[name] = {"measured": [measured_parts(recs) for recs in run["records"]], "predicted": pred}
+        for k, (meas, p) in enumerate(zip(out[name]["measured"], pred["stages"])):
+            values = [meas["step"], pred["step"], meas["compute"], p["profiled"] + p["overhead"], p["profiled"],
+                      meas["compute"] - p["profiled"], p["overhead"], meas["recv"], p["pipeline_wait"], meas["send"],
+                      meas["after_wait"], p["after_wait"], meas["update"], p["update"], meas["end"], meas["cpu"]]
+            cells.append([name, f"PP{k}: {split['stages'][k]}", *(f"{v * 1e3:.1f}" for v in values)])
+    if cells:
+        print(f"\nWhere the time goes (item 3), medians over timed steps, ms; m = {n_micro_batches}:")
+        print(table(head, cells, markdown=True))
+        print("compute: busy inside the pipeline (its end: this rank's engine done, pending sends taken); blocks "
+              "(profile): m × its blocks' profiled forward + backward; engine overhead: compute − blocks (pred: the "
+              "profile's per-call overhead); recv wait + transfer pred: the simulated stage's idle time inside the "
+              "pipeline; after-pipeline wait: in collectives after the pipeline (loss broadcast, tied all-reduce) "
+              "(pred: until the slowest stage's pipeline ends); update: busy after the pipeline (optimizer, "
+              "gradient syncs); closing wait: the barrier that ends the timed step.")
+    return out
+
+
+def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str, Any]:
+    """Launch one scenario, print its report, return its record for the JSON file (``checks_count``: whether
+    its checks decide the exit status)."""
+    from nanotron_ext.machine import load_machine
+
+    paths = {kind: str(RESULTS / f"{stem}_{sc.label}_profile_{kind}.json") for kind in ("planning", "median")}
+    spec = {"label": sc.label, "raw": sc.raw_config(), "pp": sc.pp, "splits": list(sc.splits),
+            "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 1,
+            "calibrate_every": sc.calibrate_every, "auto": sc.auto, "profile_paths": paths}
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    result = launch(spec, malloc_env=not args.system_malloc)
+    oversubscribed = sc.pp > (os.cpu_count() or 1)
+    print(f"\n## {sc.label}: {sc.notes}; {sc.rounds} rounds × ({sc.rewarm} untimed + {sc.steps_per_turn} timed) "
+          f"per split, calibrate {n_calibrations(spec)}× (first: {result['calibrate_s']:.1f} s); wall "
+          f"{time.perf_counter() - t0:.0f} s; load average {load0:.2f} before, {min(result['load_average']):.2f}–"
+          f"{max(result['load_average']):.2f} during")
+    if oversubscribed:
+        print(f"OVERSUBSCRIBED: {sc.pp} processes on {os.cpu_count()} CPUs: ranks take turns on the cores, so "
+              f"measured steps include time a rank was runnable but not running; the checks below are printed "
+              f"but do not decide the exit status.")
+    print(f"profile (median of the run's calibrations): {load_machine(paths['median']).describe()}; files: "
+          f"{', '.join(str(Path(p).relative_to(ROOT)) for p in paths.values())}\n")
+    rows = analyse(result)
+    print_splits(rows)
+    checks = order_checks(sc.label, rows)
+    if any(r.name.startswith("chain") for r in rows):
+        checks |= print_chain(result, rows)
+    parts = print_parts(result, sc.n_micro_batches)
+    return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
+            "checks": checks, "parts": parts, "checks_count": not oversubscribed}
+
+
+def print_verdict(records: dict[str, dict[str, Any]]) -> bool:
+    """The checks over every scenario; True when all that count hold."""
+    lo, hi = RATIO_RANGE
+    ok = True
+    print("\n" + "=" * 100)
+    for label, rec in records.items():
+        c = rec["checks"]
+        bad = ", ".join(f"{n} {x:.3f}" for n, x in c["bad_ratio"])
+        holds = not c["bad_ratio"] and not c["misordered"] and c["default_ok"]
+        ok &= holds or not rec["checks_count"]
+        note = "" if rec["checks_count"] else " (oversubscribed: not counted)"
+        print(f"{'HOLDS' if holds else 'FAILS'}: {label}{note}: pred ÷ meas within [{lo}, {hi}]: "
+              f"{'yes' if not bad else 'no — ' + bad}; significant misordered pairs: {len(c['misordered'])}; "
+              f"default measured fastest or within the fastest's interval: {'yes' if c['default_ok'] else 'no'}; "
+              f"Kendall τ {c['tau']:.2f}")
+    print(f"CHECKS: {'ALL HOLD' if ok else 'SOME FAIL'}")
+    print("=" * 100)
+    return ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds (a minute or two)")
+    parser.add_argument("--scenario", action="append", default=None, metavar="LABEL",
+                        help="run only this scenario (repeatable): seed-pp2, smollm-m2, smollm-m4, seed-pp4")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds in which every split takes a turn")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc malloc's defaults (default: keep freed memory, see measured_cpu.MALLOC_ENV)")
+    args = parser.parse_args(argv)
+    known = {sc.label: sc for sc in scenarios(args.quick)}
+    unknown = set(args.scenario or ()) - set(known)
+    if unknown or (args.rounds is not None and args.rounds < 1):
+        parser.error(f"unknown scenario {sorted(unknown)} (known: {', '.join(known)}) or --rounds < 1")
+    chosen = [sc for label, sc in known.items() if args.scenario is None or label in args.scenario]
+    if args.rounds is not None:
+        chosen = [dataclasses.replace(sc, rounds=args.rounds) for sc in chosen]
+    print(f"Reproduce: `python {shlex.join(['benchmarks/predict_vs_measure.py', *argv])}` (from the repository root)\n")
+    import torch
+
+    print(f"Nanotron 0.2 {ENGINE} engine on CPU (gloo), one thread per process, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs; glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept'}; "
+          f"per split 1 warm-up step first; steps: the slowest rank's full train_step (no clipping)")
+    started, stem = time.perf_counter(), "predict_vs_measure" + ("_quick" if args.quick else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    records = {sc.label: run_scenario(sc, args, stem) for sc in chosen}
+    ok = print_verdict(records)
+    out = RESULTS / f"{stem}.json"
+    out.write_text(json.dumps({"argv": argv, "ok": ok, "scenarios": records}, indent=1))
+    print(f"\nResults: {out.relative_to(ROOT)}; total wall time {time.perf_counter() - started:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
