@@ -76,10 +76,9 @@ CONFIDENCE = 0.95
 WORLD_TIMEOUT_S = 600.0
 #: The splits of the seed model at pp=2 (the chain at K = 2, 3, 4, planned under the profile).
 SEED_SPLITS = ("nanotron", "uniform", "flop-optimal", "default", "chain K=2", "chain K=3", "chain K=4")
-#: The splits of the SmolLM shape: the default's cut moved by two layers each way makes a deliberately worse one.
+#: The splits of the SmolLM shape; ``shift ±2``: two decoder layers more (fewer) on PP0 than the default has, a
+#: deliberately shifted split (``layout`` strategy).
 SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
-#: Item 3: the splits whose time is taken apart per stage.
-DECOMPOSED = ("default", "chain K=2")
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,8 @@ class Scenario:
     calibrate_every: int = 4
     #: Print what ``vocab_shards: auto`` picks under the profile (untied models only).
     auto: bool = False
+    #: Item 3: the splits whose step is taken apart per stage, measured and predicted.
+    decompose: tuple[str, ...] = ()
 
     def raw_config(self) -> dict[str, Any]:
         """The YAML as a dict with this scenario's overrides (pp, 1F1B, fp32, batch shape)."""
@@ -131,9 +132,9 @@ def scenarios(quick: bool) -> list[Scenario]:
         # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
         Scenario("seed-pp2", "tiny_llama_large_vocab.yaml", 2, 4, SEED_SPLITS, "seed model as shipped, pp=2, m=4",
                  rounds=3 if quick else 10, steps_per_turn=2 if quick else 3, rewarm=1,
-                 calibrate_every=0 if quick else 5, auto=True),
+                 calibrate_every=0 if quick else 5, auto=True, decompose=("default", "chain K=2")),
         Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
-        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", **smol),
+        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",), **smol),
         Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
                  "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
                  steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 3),
@@ -162,6 +163,8 @@ def _calibrate_standin(cfg: Any, *, warmup: int = 2, repeats: int = 5, cache_dir
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.machine import MachineProfile, key_for, measured_blocks
 
+    if cfg.ext.vocab_shards == "auto":  # the K=1 blocks only; take_profile calibrates the other K's configs
+        cfg = cfg.with_overrides(vocab_shards=1)
     blocks = inventory_from_config(cfg)
     costs = measured_blocks(blocks, cfg, cache_dir=cache_dir, warmup=warmup, repeats=repeats)
     world = dist.get_world_size()
@@ -238,8 +241,10 @@ def _fit_allreduce(repeats: int) -> Any:
 def take_profile(cfgs: dict[int, Any]) -> Any:
     """One profile for every vocabulary-shard count in ``cfgs`` (K → config): ``calibrate`` of the K=1 config,
     plus, for a K whose blocks it did not measure, that K's blocks from a ``calibrate`` of its config (the key
-    leaves ``vocab_shards`` out; a shard is its own block)."""
-    profiles = [_calibrated(cfgs[min(cfgs)])]
+    leaves ``vocab_shards`` out; a shard is its own block). With K > 1 in ``cfgs`` the first ``calibrate`` is of
+    the config under ``vocab_shards: auto``, which measures every K that ``auto`` tries."""
+    base = cfgs[min(cfgs)]
+    profiles = [_calibrated(base.with_overrides(vocab_shards="auto") if len(cfgs) > 1 else base)]
     for cfg in cfgs.values():
         if not _covers(profiles[0], cfg):
             profiles.append(_calibrated(cfg))
@@ -310,12 +315,13 @@ def _layout_of(ranks: Sequence[int], roles: Sequence[str]) -> str:
 
 
 def _shifted(plan: Any, blocks: Sequence[Any], shift: int) -> str:
-    """The layout of ``plan`` with its first cut moved ``shift`` blocks later (earlier when negative)."""
-    ranks = list(plan.block_ranks)
-    cut = next(i for i in range(1, len(ranks)) if ranks[i] != ranks[i - 1])
-    new_cut = min(max(1, cut + shift), len(ranks) - 1)
-    moved = [0 if i < new_cut else max(r, 1) if i < cut else r for i, r in enumerate(ranks)]
-    return _layout_of(moved, [b.role for b in blocks])
+    """pp=2: the layout whose first stage holds ``shift`` more decoder layers than ``plan``'s (fewer when
+    negative), the cut inside the decoder stack (each stage keeps at least one layer)."""
+    roles = [b.role for b in blocks]
+    decoders = [i for i, role in enumerate(roles) if role == "decoder"]
+    first = sum(plan.block_ranks[i] == 0 for i in decoders)
+    cut = decoders[min(max(1, first + shift), len(decoders) - 1)]
+    return _layout_of([0 if i < cut else 1 for i in range(len(roles))], roles)
 
 
 def plan_splits(names: Sequence[str], cfg: Any, machine_path: str) -> dict[str, tuple[Any, Any, Any]]:
@@ -462,7 +468,7 @@ def worker(spec_path: str, out_path: str) -> None:
             median_path = spec["profile_paths"]["median"]
             median_profile(profiles).save(median_path)
             out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
-                   "splits": describe_splits(plans, planning_path, median_path),
+                   "splits": describe_splits(plans, planning_path, median_path, spec["decompose"]),
                    "auto": _auto_pick(cfg, planning_path, plans) if spec["auto"] else None,
                    "profiles": [json.loads(p.to_json()) for p in profiles]}
             Path(out_path).write_text(json.dumps(out))
@@ -494,9 +500,10 @@ def _auto_pick(cfg: Any, machine_path: str, plans: dict[str, tuple[Any, Any, Any
 # --- predictions (rank 0, after training) ----------------------------------------------------------------
 
 
-def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, median_path: str) -> dict[str, Any]:
+def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, median_path: str,
+                    decompose: Sequence[str]) -> dict[str, Any]:
     """Per split: its stages, validity, model key, and its predicted step under both profiles; item 3's parts
-    for :data:`DECOMPOSED`."""
+    for the splits in ``decompose``."""
     from nanotron_ext.machine import load_machine
     from nanotron_ext.simulate import simulate_plan
 
@@ -510,7 +517,7 @@ def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, 
             "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
             "predicted": simulate_plan(plan, blocks, under).step_time,
             "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
-            "parts": predicted_parts(plan, blocks, under, median) if name in DECOMPOSED else None,
+            "parts": predicted_parts(plan, blocks, under, median) if name in decompose else None,
         }
     return out
 
@@ -747,7 +754,7 @@ def measured_parts(records: Sequence[dict[str, float]]) -> dict[str, float]:
             "end": med(lambda r: r["end_wait"]), "cpu": med(lambda r: r["cpu"])}
 
 
-def print_parts(result: dict[str, Any], n_micro_batches: int) -> dict[str, Any]:
+def print_parts(result: dict[str, Any], sc: Scenario) -> dict[str, Any]:
     """Item 3: per stage, the measured step's parts next to the profile's prediction of each (ms)."""
     from nanotron_ext.report import table
 
@@ -756,10 +763,8 @@ def print_parts(result: dict[str, Any], n_micro_batches: int) -> dict[str, Any]:
             "send wait meas", "after-pipeline wait meas", "after-pipeline wait pred", "update meas", "update pred",
             "closing wait meas", "CPU meas"]
     cells, out = [], {}
-    for name in DECOMPOSED:
-        split = result["splits"].get(name)
-        if split is None:
-            continue
+    for name in sc.decompose:
+        split = result["splits"][name]
         run = next(r for r in result["runs"].values() if name in r["names"])
         pred = split["parts"]
         out[name] = {"measured": [measured_parts(recs) for recs in run["records"]], "predicted": pred}
@@ -769,7 +774,7 @@ def print_parts(result: dict[str, Any], n_micro_batches: int) -> dict[str, Any]:
                       meas["after_wait"], p["after_wait"], meas["update"], p["update"], meas["end"], meas["cpu"]]
             cells.append([name, f"PP{k}: {split['stages'][k]}", *(f"{v * 1e3:.1f}" for v in values)])
     if cells:
-        print(f"\nWhere the time goes (item 3), medians over timed steps, ms; m = {n_micro_batches}:")
+        print(f"\nWhere the time goes (item 3), medians over timed steps, ms; m = {sc.n_micro_batches}:")
         print(table(head, cells, markdown=True))
         print("compute: busy inside the pipeline (its end: this rank's engine done, pending sends taken); blocks "
               "(profile): m × its blocks' profiled forward + backward; engine overhead: compute − blocks (pred: the "
@@ -788,7 +793,8 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     paths = {kind: str(RESULTS / f"{stem}_{sc.label}_profile_{kind}.json") for kind in ("planning", "median")}
     spec = {"label": sc.label, "raw": sc.raw_config(), "pp": sc.pp, "splits": list(sc.splits),
             "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 1,
-            "calibrate_every": sc.calibrate_every, "auto": sc.auto, "profile_paths": paths}
+            "calibrate_every": sc.calibrate_every, "auto": sc.auto, "decompose": list(sc.decompose),
+            "profile_paths": paths}
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = launch(spec, malloc_env=not args.system_malloc)
     oversubscribed = sc.pp > (os.cpu_count() or 1)
@@ -807,7 +813,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     checks = order_checks(sc.label, rows)
     if any(r.name.startswith("chain") for r in rows):
         checks |= print_chain(result, rows)
-    parts = print_parts(result, sc.n_micro_batches)
+    parts = print_parts(result, sc)
     return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
             "checks": checks, "parts": parts, "checks_count": not oversubscribed}
 
