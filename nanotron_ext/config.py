@@ -40,6 +40,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "split_ext_keys",
+    "vocab_shard_candidates",
 ]
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -233,7 +234,7 @@ class ExtConfig:
             and math.isfinite(self.tflops) and self.tflops > 0
         ):
             raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
-        _check_choice("nanotron_ext.times", self.times, BlockTimes)
+        _check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
         if self.times == "profiled" and self.tflops is not None:
             raise ConfigError("nanotron_ext.times=profiled measures block times; tflops would replace them with a "
                               "FLOP rate. Drop one of the two")
@@ -326,6 +327,16 @@ class PlannerConfig:
         if n_micro_batches is not None and "tokens" in nanotron:
             nanotron["tokens"]["batch_accumulation_per_replica"] = n_micro_batches
         return dataclasses.replace(self, run=run, ext=new_ext, nanotron=nanotron)
+
+
+def vocab_shard_candidates(cfg: PlannerConfig) -> list[int]:
+    """K values ``vocab_shards: auto`` tries (and ``calibrate`` measures): 1, 2, 3, 4, 6, 8, 12, 16 up to ``2·pp``
+    (more shards than that only add hops) and the vocabulary size; only 1 for a model with tied embeddings (see
+    ``PlannerConfig``)."""
+    if cfg.model.tie_word_embeddings:
+        return [1]
+    limit = min(2 * cfg.run.pp, cfg.model.vocab_size)
+    return [k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k == 1 or k <= limit]
 
 
 def bundled_config(name: str = "tiny_llama_large_vocab.yaml") -> Path:

@@ -4,6 +4,8 @@
   no process group.
 * ``nanotron-ext train --config-file X.yaml`` — CPU training on Nanotron's engine (under ``torchrun``).
 * ``nanotron-ext simulate CONFIG --out timeline.png`` — bubble-time simulation and pictures.
+* ``nanotron-ext calibrate CONFIG --out machine.json`` — measure this machine (its links: under ``torchrun``) into
+  the profile ``plan``/``simulate --machine`` read.
 
 Exit codes (:mod:`nanotron_ext.cli.common`): 0 OK, 1 the plan cannot train, 2 bad usage or config, 3 a
 runtime failure.
@@ -15,7 +17,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from nanotron_ext.cli import plan, simulate, train
+from nanotron_ext.cli import calibrate, plan, simulate, train
 from nanotron_ext.cli.common import report_error
 
 __all__ = ["build_parser", "main"]
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_subcommand(sub)
     train.add_subcommand(sub)
     simulate.add_subcommand(sub)
+    calibrate.add_subcommand(sub)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig
+from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, vocab_shard_candidates
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
@@ -26,15 +26,6 @@ class VocabChoice:
 
     shards: int
     step_times: dict[int, float]
-
-
-def vocab_shard_candidates(cfg: PlannerConfig) -> list[int]:
-    """K values ``auto`` tries: 1, 2, 3, 4, 6, 8, 12, 16 up to ``2·pp`` (more shards than that only add
-    hops) and the vocabulary size; only 1 for a model with tied embeddings (see ``PlannerConfig``)."""
-    if cfg.model.tie_word_embeddings:
-        return [1]
-    limit = min(2 * cfg.run.pp, cfg.model.vocab_size)
-    return [k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k == 1 or k <= limit]
 
 
 def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice | None]:

@@ -1,0 +1,149 @@
+"""``nanotron-ext calibrate``: measure this machine into a profile that ``plan`` and ``simulate`` read (``--machine``).
+
+Alone it measures the compute (every distinct block of the config); under torchrun, with the config's
+``pp × dp × tp`` ranks, also the links between pipeline neighbours, Nanotron's per-transfer overhead and the
+gradient all-reduces::
+
+    nanotron-ext calibrate CONFIG --out machine.json
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli calibrate CONFIG --out machine.json
+
+Rank 0 writes the file and prints a summary. What is measured and how: :mod:`nanotron_ext.machine.calibrate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
+from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
+from nanotron_ext.costs.analytic import trainable_before, training_flops
+from nanotron_ext.machine import MachineProfile, block_signature
+from nanotron_ext.machine.calibrate import calibrate, calibration_blocks
+from nanotron_ext.outputs import atomic_write_text
+from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
+from nanotron_ext.report import compact_names, table
+
+__all__ = ["add_subcommand", "cmd_calibrate", "summary"]
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``calibrate`` on the ``nanotron-ext`` parser."""
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine into a profile for plan/simulate --machine (links: under torchrun)",
+        description="Measure every distinct block of the config on this machine and, under torchrun with the "
+        "config's pp*dp*tp ranks, the p2p links between pipeline neighbours, Nanotron's per-call overheads and "
+        "the gradient all-reduces; write the machine profile that `plan`/`simulate --machine FILE` read.",
+    )
+    p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per measurement (median; default 5)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Handler of ``nanotron-ext calibrate``; returns the exit code (2: config, usage, output path)."""
+    rank = os.environ.get("RANK")
+    prefix = "nanotron-ext calibrate: " + ("" if rank is None else f"error on rank {rank}: ")
+    try:
+        exit_with_torchrun()
+        if rank in (None, "0"):
+            check_outputs((args.out, "--out"))
+        cfg = load_config(args.config or bundled_config())
+        with _process_group():
+            profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
+        if rank in (None, "0"):
+            atomic_write_text(args.out, profile.to_json() + "\n")
+            print(summary(cfg, profile))
+            print(f"\nwrote {args.out}: `nanotron-ext plan CONFIG --machine {args.out}` plans with it")
+    except Exception as exc:  # one message and the documented exit code, never a traceback
+        return report_error(exc, prefix, tag=rank is None)
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """Under torchrun (its rendezvous variables set) the default process group, made here unless it exists:
+    NCCL when CUDA is available, else gloo; its timeout is ``$NANOTRON_EXT_TIMEOUT_S``."""
+    if not all(v in os.environ for v in RENDEZVOUS_VARIABLES):
+        yield
+        return
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.runtime.context import timeout_from_env
+
+    if dist.is_initialized():
+        yield
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_from_env()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
+    """The profile's header line, its measured blocks, and its links, syncs and overheads, as aligned tables."""
+    lines = [f"{cfg.source}", f"machine: {profile.describe()}", "", _block_table(cfg, profile), ""]
+    rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}", _us(link.latency), _gbps(link.bytes_per_second)]
+                                for link in profile.links]
+    for name, c in (("dp gradient all-reduce", profile.dp_allreduce), ("tied embedding all-reduce",
+                                                                          profile.tied_allreduce)):
+        if c is not None:
+            rows.append([f"{name} (bus)", _us(c.latency), _gbps(c.bus_bytes_per_second)])
+    o = profile.overhead
+    rows.append(["PipelineBlock call (engine overhead)", _us(o.block_call), "-"])
+    if profile.links:
+        rows.append(["Nanotron P2P send + recv (engine overhead)", _us(o.send + o.recv), "-"])
+    lines.append(table(["measured", "latency µs", "GB/s"], rows))
+    if profile.key.pp is None:
+        lines.append("p2p, its overhead and the gradient syncs not measured: run under torchrun with the config's "
+                     "pp*dp*tp ranks")
+    return "\n".join(lines)
+
+
+def _block_table(cfg: PlannerConfig, profile: MachineProfile) -> str:
+    """One row per measured block: which blocks share it, its times, its training FLOP rate."""
+    shorts: dict[str, list[str]] = {}
+    suffix: dict[str, str] = {}
+    flops: dict[str, float] = {}
+    for trial, blocks in calibration_blocks(cfg):
+        for b, grad, work in zip(blocks, trainable_before(blocks), training_flops(blocks)):
+            sig = block_signature(b, input_grad=grad)
+            if b.short not in shorts.setdefault(sig, []):
+                shorts[sig].append(b.short)
+            flops.setdefault(sig, work)
+            if b.role == "vocab_shard" and cfg.ext.vocab_shards == VOCAB_SHARDS_AUTO:
+                suffix.setdefault(sig, f" (K={trial.ext.vocab_shards})")
+    rows = []
+    for sig, names in shorts.items():
+        cost = profile.block(sig)
+        if cost is None:
+            continue
+        total = cost.forward + cost.backward
+        rate = f"{flops[sig] / total / 1e9:.3g}" if total > 0 and flops[sig] > 0 else "-"
+        rows.append([compact_names(names) + suffix.get(sig, ""), _ms(cost.forward), _ms(cost.backward),
+                     _ms(cost.update), rate])
+    return table(["block", "forward ms", "backward ms", "update ms", "GFLOP/s"], rows)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.4g}"
+
+
+def _gbps(bytes_per_second: float) -> str:
+    return f"{bytes_per_second / 1e9:.4g}"
