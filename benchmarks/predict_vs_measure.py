@@ -146,96 +146,9 @@ def scenarios(quick: bool) -> list[Scenario]:
 
 def calibrate_profile(cfg: Any, cache_dir: str) -> Any:
     """The machine profile of ``cfg`` measured here (collective). The one place that names the calibrator."""
-    try:
-        from nanotron_ext.machine.calibrate import calibrate
-    except ImportError:  # branch `calibrate` not merged yet
-        calibrate = _calibrate_standin
+    from nanotron_ext.machine.calibrate import calibrate
+
     return calibrate(cfg, warmup=2, repeats=5, cache_dir=cache_dir, progress=False)
-
-
-def _calibrate_standin(cfg: Any, *, warmup: int = 2, repeats: int = 5, cache_dir: str | None = None,
-                       progress: bool = False) -> Any:
-    """Stand-in for ``nanotron_ext.machine.calibrate.calibrate`` until it is merged: blocks measured on rank 0
-    (``measured_blocks``), links between neighbours and the tied all-reduce fitted to latency + bytes ÷ bandwidth
-    from two sizes; engine overhead not measured (0)."""
-    import torch.distributed as dist
-
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.machine import MachineProfile, key_for, measured_blocks
-
-    if cfg.ext.vocab_shards == "auto":  # the K=1 blocks only; take_profile calibrates the other K's configs
-        cfg = cfg.with_overrides(vocab_shards=1)
-    blocks = inventory_from_config(cfg)
-    costs = measured_blocks(blocks, cfg, cache_dir=cache_dir, warmup=warmup, repeats=repeats)
-    world = dist.get_world_size()
-    links = tuple(_fit_link(k, k + 1, repeats) for k in range(world - 1))
-    tied = _fit_allreduce(repeats) if cfg.model.tie_word_embeddings and world > 1 else None
-    return MachineProfile(name="calibrated (stand-in): cpu, gloo",
-                          source="benchmarks/predict_vs_measure.py stand-in calibration",
-                          key=key_for(cfg, device="cpu", backend="gloo"), blocks=tuple(costs), links=links,
-                          tied_allreduce=tied)
-
-
-SIZES = (1 << 10, 1 << 23)  # bytes of the two fitting points
-
-
-def _fit(times: Sequence[float]) -> tuple[float, float]:
-    """(latency, bytes per second) of the line through the two sizes' times."""
-    slope = max((times[1] - times[0]) / (SIZES[1] - SIZES[0]), 1e-15)
-    return max(0.0, times[0] - SIZES[0] * slope), 1.0 / slope
-
-
-def _fit_link(src: int, dst: int, repeats: int) -> Any:
-    """Ping-pong between global ranks ``src`` and ``dst`` through the runtime's P2P; the others wait."""
-    import torch
-    import torch.distributed as dist
-
-    from nanotron_ext.machine import Link
-    from nanotron_ext.runtime import CPUP2P
-
-    p2p, rank, medians = CPUP2P(dist.group.WORLD), dist.get_rank(), []
-    for size in SIZES:
-        times = []
-        dist.barrier()
-        for i in range(repeats + 2):
-            t0 = time.perf_counter()
-            for a, b in ((src, dst), (dst, src)):
-                if rank == a:
-                    p2p.send_tensors([torch.ones(size // 4)], to_rank=b)
-                    p2p.wait_pending()
-                elif rank == b:
-                    p2p.recv_tensors(num_tensors=1, from_rank=a)
-            if i >= 2:
-                times.append((time.perf_counter() - t0) / 2)
-        medians.append(statistics.median(times))
-    payload = [_fit(medians)]
-    dist.broadcast_object_list(payload, src=src)
-    return Link(src, dst, *payload[0])
-
-
-def _fit_allreduce(repeats: int) -> Any:
-    """The all-reduce between the first and the last rank (the tied embedding's), two sizes."""
-    import torch
-    import torch.distributed as dist
-
-    from nanotron_ext.machine import Collective
-
-    world = dist.get_world_size()
-    group = dist.group.WORLD if world == 2 else dist.new_group([0, world - 1])
-    medians = []
-    for size in SIZES:
-        times = []
-        grad = torch.ones(size // 4)
-        for _ in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if dist.get_rank() in (0, world - 1):
-                dist.all_reduce(grad, group=group)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times[1:]))
-    payload = [_fit(medians)]
-    dist.broadcast_object_list(payload, src=0)
-    return Collective(*payload[0])
 
 
 def take_profile(cfgs: dict[int, Any]) -> Any:
@@ -291,6 +204,31 @@ def median_profile(profiles: Sequence[Any]) -> Any:
     return dataclasses.replace(first, blocks=blocks, links=links, overhead=overhead, rates=rates,
                                dp_allreduce=sync("dp_allreduce"), tied_allreduce=sync("tied_allreduce"),
                                source=f"{first.source}; median of {len(profiles)} calibrations in this run")
+
+
+def busy_block_times(cfgs: dict[int, Any]) -> dict[str, list[float]]:
+    """Every block timed on every rank at the same time (each rank its own copy): signature → rank 0's
+    [forward, backward, update]. Against the profile (rank 0 alone while the others wait), this shows what ranks
+    computing side by side cost each other (shared caches, memory bandwidth, cores)."""
+    import torch.distributed as dist
+
+    from nanotron_ext.costs.analytic import trainable_before
+    from nanotron_ext.costs.profiled import profile_blocks
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.machine import block_signature
+
+    groups = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]
+    out: dict[str, list[float]] = {}
+    for cfg in cfgs.values():
+        blocks = inventory_from_config(cfg)
+        with tempfile.TemporaryDirectory(prefix="predict_vs_measure_busy_") as fresh:
+            dist.barrier()
+            timings = profile_blocks(blocks, cfg, tp_pg=groups[dist.get_rank()], cache_dir=fresh, warmup=2,
+                                     repeats=5)
+        for b, grad, t in zip(blocks, trainable_before(blocks), timings):
+            out.setdefault(block_signature(b, input_grad=grad), [t.forward, t.backward, t.optimizer])
+    dist.barrier()
+    return out
 
 
 # --- planning (inside the ranks) -------------------------------------------------------------------------
@@ -452,6 +390,7 @@ def worker(spec_path: str, out_path: str) -> None:
         t0 = time.perf_counter()
         profiles = [take_profile(cfgs)]
         calibrate_s = time.perf_counter() - t0
+        busy = busy_block_times(cfgs) if spec["decompose"] else {}
         planning_path = spec["profile_paths"]["planning"]
         if rank0:
             profiles[0].save(planning_path)
@@ -468,7 +407,7 @@ def worker(spec_path: str, out_path: str) -> None:
             median_path = spec["profile_paths"]["median"]
             median_profile(profiles).save(median_path)
             out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
-                   "splits": describe_splits(plans, planning_path, median_path, spec["decompose"]),
+                   "splits": describe_splits(plans, planning_path, median_path, spec["decompose"], busy),
                    "auto": _auto_pick(cfg, planning_path, plans) if spec["auto"] else None,
                    "profiles": [json.loads(p.to_json()) for p in profiles]}
             Path(out_path).write_text(json.dumps(out))
@@ -501,9 +440,9 @@ def _auto_pick(cfg: Any, machine_path: str, plans: dict[str, tuple[Any, Any, Any
 
 
 def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, median_path: str,
-                    decompose: Sequence[str]) -> dict[str, Any]:
+                    decompose: Sequence[str], busy: dict[str, list[float]]) -> dict[str, Any]:
     """Per split: its stages, validity, model key, and its predicted step under both profiles; item 3's parts
-    for the splits in ``decompose``."""
+    for the splits in ``decompose`` (``busy``: :func:`busy_block_times`)."""
     from nanotron_ext.machine import load_machine
     from nanotron_ext.simulate import simulate_plan
 
@@ -517,29 +456,63 @@ def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, 
             "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
             "predicted": simulate_plan(plan, blocks, under).step_time,
             "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
-            "parts": predicted_parts(plan, blocks, under, median) if name in decompose else None,
+            "parts": predicted_parts(plan, blocks, under, median, busy) if name in decompose else None,
         }
     return out
 
 
-def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any) -> dict[str, Any]:
-    """The simulated step of ``plan`` taken apart per stage as item 3 takes the measured one apart."""
-    from nanotron_ext.machine import EngineOverhead, price_blocks
+def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
+                    busy: dict[str, list[float]]) -> dict[str, Any]:
+    """The simulated step of ``plan`` taken apart per stage as item 3 takes the measured one apart; and each
+    stage's blocks timed with every rank busy (``busy``)."""
+    from nanotron_ext.costs.analytic import trainable_before
+    from nanotron_ext.machine import EngineOverhead, block_signature, price_blocks
     from nanotron_ext.simulate import simulate_plan
 
     sim = simulate_plan(plan, blocks, cfg)
     raw = price_blocks(dataclasses.replace(machine, overhead=EngineOverhead()), blocks, cfg)
+    together = [busy[block_signature(b, input_grad=g)] for b, g in zip(blocks, trainable_before(blocks))]
     m = cfg.run.n_micro_batches
     stages = []
     for k in range(plan.pp):
         mine = [i for i, r in enumerate(plan.block_ranks) if r == k]
         compute = m * math.fsum(raw.forward[i] + raw.backward[i] for i in mine)
         ops = [op for op in sim.ops if op.stage == k and op.kind != "U"]
-        busy = math.fsum(op.duration for op in ops)
+        computing = math.fsum(op.duration for op in ops)
         end = max((op.end for op in ops), default=0.0)
-        stages.append({"profiled": compute, "overhead": busy - compute, "pipeline_wait": end - busy,
+        stages.append({"profiled": compute, "profiled_busy": m * math.fsum(sum(together[i][:2]) for i in mine),
+                       "update_busy": math.fsum(together[i][2] for i in mine),
+                       "overhead": computing - compute, "pipeline_wait": end - computing,
                        "after_wait": sim.pipeline_time - end, "update": sim.stages[k].update})
-    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_time, "stages": stages}
+    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_time, "stages": stages,
+            "eager_step": eager_step(plan, blocks, cfg)}
+
+
+def eager_step(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
+    """The simulated step if the engine posted every send as soon as its tensor exists (right after its forward
+    or backward). Nanotron's 1F1B defers steady-phase sends to the rank's next communication point, so the last
+    stage sends micro-batch j's gradient only after micro-batch j + 1's activation has arrived. A what-if on the
+    simulator's own replay (a private helper of ``nanotron_ext.schedule.simulator``), not a change to the engine."""
+    from nanotron_ext.schedule.simulator import Action, _replay, engine_program
+    from nanotron_ext.simulate import plan_stage_times
+
+    times = plan_stage_times(plan, blocks, cfg)
+    pp, cuts, programs = plan.pp, times.grad_cuts, []
+    for s in range(pp):
+        program = engine_program(cfg.run.engine, pp, s, cfg.run.n_micro_batches,
+                                 grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
+        sends = [step for step in program if step.action.is_send]
+        eager = []
+        for step in program:
+            if step.action.is_send:
+                continue
+            eager.append(step)
+            if step.action.is_compute:
+                kind = Action.SEND_ACT if step.action is Action.FORWARD else Action.SEND_GRAD
+                eager += [x for x in sends if x.action is kind and x.micro_batch == step.micro_batch]
+        programs.append(eager)
+    _, clock = _replay(programs, times.stages, times.p2p)
+    return max(clock) + max(st.update for st in times.stages)
 
 
 # --- launching -------------------------------------------------------------------------------------------
@@ -751,38 +724,57 @@ def measured_parts(records: Sequence[dict[str, float]]) -> dict[str, float]:
             "recv": med(lambda r: r["recv_wait"]), "send": med(lambda r: r["send_wait"]),
             "after_wait": med(lambda r: r["collective_wait"]),
             "update": med(lambda r: r["busy"] - (r["pipeline"] - r["pipeline_idle"])),
-            "end": med(lambda r: r["end_wait"]), "cpu": med(lambda r: r["cpu"])}
+            "end": med(lambda r: r["end_wait"]), "cpu": med(lambda r: r["cpu"]), "idle": med(lambda r: r["idle"])}
+
+
+PIPELINE_HEAD = ["split", "stage", "step meas", "step pred", "compute meas", "compute pred", "blocks alone",
+                 "blocks, all ranks busy", "engine overhead meas", "engine overhead pred", "recv wait meas",
+                 "recv wait + transfer pred", "send wait meas"]
+AFTER_HEAD = ["split", "stage", "after-pipeline wait meas", "after-pipeline wait pred", "update meas",
+              "update pred", "optimizer, all ranks busy", "closing wait meas", "CPU meas", "busy meas"]
 
 
 def print_parts(result: dict[str, Any], sc: Scenario) -> dict[str, Any]:
     """Item 3: per stage, the measured step's parts next to the profile's prediction of each (ms)."""
     from nanotron_ext.report import table
 
-    head = ["split", "stage", "step meas", "step pred", "compute meas", "compute pred", "of it blocks (profile)",
-            "engine overhead meas", "engine overhead pred", "recv wait meas", "recv wait + transfer pred",
-            "send wait meas", "after-pipeline wait meas", "after-pipeline wait pred", "update meas", "update pred",
-            "closing wait meas", "CPU meas"]
-    cells, out = [], {}
+    inside, after, out, notes = [], [], {}, []
     for name in sc.decompose:
         split = result["splits"][name]
         run = next(r for r in result["runs"].values() if name in r["names"])
         pred = split["parts"]
         out[name] = {"measured": [measured_parts(recs) for recs in run["records"]], "predicted": pred}
         for k, (meas, p) in enumerate(zip(out[name]["measured"], pred["stages"])):
-            values = [meas["step"], pred["step"], meas["compute"], p["profiled"] + p["overhead"], p["profiled"],
-                      meas["compute"] - p["profiled"], p["overhead"], meas["recv"], p["pipeline_wait"], meas["send"],
-                      meas["after_wait"], p["after_wait"], meas["update"], p["update"], meas["end"], meas["cpu"]]
-            cells.append([name, f"PP{k}: {split['stages'][k]}", *(f"{v * 1e3:.1f}" for v in values)])
-    if cells:
-        print(f"\nWhere the time goes (item 3), medians over timed steps, ms; m = {sc.n_micro_batches}:")
-        print(table(head, cells, markdown=True))
-        print("compute: busy inside the pipeline (its end: this rank's engine done, pending sends taken); blocks "
-              "(profile): m × its blocks' profiled forward + backward; engine overhead: compute − blocks (pred: the "
-              "profile's per-call overhead); recv wait + transfer pred: the simulated stage's idle time inside the "
-              "pipeline; after-pipeline wait: in collectives after the pipeline (loss broadcast, tied all-reduce) "
-              "(pred: until the slowest stage's pipeline ends); update: busy after the pipeline (optimizer, "
-              "gradient syncs); closing wait: the barrier that ends the timed step.")
+            where = [name, f"PP{k}: {split['stages'][k]}"]
+            inside.append(where + _ms(meas["step"], pred["step"], meas["compute"], p["profiled"] + p["overhead"],
+                                      p["profiled"], p["profiled_busy"], meas["compute"] - p["profiled"],
+                                      p["overhead"], meas["recv"], p["pipeline_wait"], meas["send"]))
+            after.append(where + _ms(meas["after_wait"], p["after_wait"], meas["update"], p["update"],
+                                     p["update_busy"], meas["end"], meas["cpu"], meas["step"] - meas["idle"]))
+        lost = pred["step"] - pred["eager_step"]
+        notes.append(f"{name}: simulated step {pred['step'] * 1e3:.1f} ms with Nanotron's send order, "
+                     f"{pred['eager_step'] * 1e3:.1f} ms with every send posted as soon as its tensor exists "
+                     f"({lost * 1e3:.1f} ms, {lost / pred['step']:.1%} of the step, lost to deferred sends)")
+    if not inside:
+        return out
+    print(f"\nWhere the time goes (item 3), medians over timed steps, ms; m = {sc.n_micro_batches}. Inside the "
+          f"pipeline:")
+    print(table(PIPELINE_HEAD, inside, markdown=True))
+    print("\nAfter the pipeline:")
+    print(table(AFTER_HEAD, after, markdown=True))
+    print("\n" + "\n".join(notes))
+    print("compute: busy inside the pipeline (until this rank's engine is done and its sends taken); blocks alone: "
+          "m × the stage's blocks' profiled forward + backward (rank 0 timing them while the others wait), all "
+          "ranks busy: the same timed on every rank at once; engine overhead: compute − blocks alone (pred: the "
+          "profile's per-call overhead); recv wait + transfer pred: the simulated stage's idle time inside the "
+          "pipeline; after-pipeline wait: in collectives after the pipeline (loss broadcast, tied all-reduce; pred: "
+          "until the slowest stage's pipeline ends); update: busy after the pipeline (optimizer, gradient syncs); "
+          "closing wait: the barrier that ends the timed step; CPU: the main thread's CPU time over the step.")
     return out
+
+
+def _ms(*seconds: float) -> list[str]:
+    return [f"{x * 1e3:.1f}" for x in seconds]
 
 
 def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str, Any]:
