@@ -6,8 +6,9 @@ Issue 22, items 3 and 4. For each scenario, ``pp`` real processes (gloo, one thr
 neighbours, engine overhead, all-reduces); it is saved as JSON and the profile-based splits are planned with
 ``cfg.with_overrides(machine=PATH)``. Every split is then built as a model in the same processes; all stay alive
 and take turns, round after round, in a rotating order (each turn: untimed re-warm steps, then timed steps), as
-``measured_cpu.py`` does, so machine load hits every split alike. ``calibrate`` runs again every few rounds;
-the prediction uses the median of those profiles (also saved), and the table shows the planning profile's too.
+``measured_cpu.py`` does, so machine load hits every split alike. ``calibrate`` runs again every few rounds (on
+the SmolLM shape only once more, at the end); the prediction uses the median of those profiles (also saved),
+and the table shows the planning profile's too.
 
 For every split: the measured step (median over timed steps of the slowest rank's full ``train_step``, with an
 order-statistic 95 % interval of the median), the predicted step (``simulate_plan(plan, blocks,
@@ -17,11 +18,14 @@ order is the opposite, whether the default (``constrained``, objective step_time
 measured fastest among the valid splits or inside the fastest one's interval, and, on the seed model, what
 ``vocab_shards: auto`` picks under the profile and its measured gain over K=1.
 
-Item 3, "find the missing time": for the default split and the K=2 chain on the seed model, each stage's
-measured step is taken apart (``nanotron_ext.runtime.timing.StepTimer``) into compute inside the pipeline, the
-part of it the profiled blocks do not explain (engine overhead), receive and send waits, the wait in the
-collectives after the pipeline, the update and the closing wait, next to what the profile and the simulator
-predict for each part.
+Item 3, "find the missing time": for the default split and the K=2 chain on the seed model (and the default on
+``smollm-m4``), each stage's measured step is taken apart (``nanotron_ext.runtime.timing.StepTimer``) into
+compute inside the pipeline, the part of it the profiled blocks do not explain (engine overhead), receive and
+send waits, the wait in the collectives after the pipeline, the update and the closing wait, next to what the
+profile and the simulator predict for each part. Two probes of where a gap comes from: the stage's blocks timed
+again with every rank timing at once (ranks computing side by side share caches, memory bandwidth and, when
+oversubscribed, cores; the profile times rank 0 alone), and the simulated step if the engine posted every send
+as soon as its tensor exists (what Nanotron's deferred 1F1B sends cost).
 
 Scenarios (fp32, the CPU runtime's dtype):
 
@@ -31,8 +35,8 @@ Scenarios (fp32, the CPU runtime's dtype):
   vocabulary-shard chain at K = 2, 3, 4 under the profile;
 * ``smollm-m2`` / ``smollm-m4``: SmolLM-135M's shape (hidden 576, 9/3 heads, vocabulary 49152, tied) shrunk
   to fit the time (fewer layers, sequence 128, micro-batch 1) at 2 and 4 micro-batches: the default under the
-  profile, FLOP-optimal, uniform, Nanotron's rule and the default's cut moved two layers each way
-  (``layout`` strategy);
+  profile, FLOP-optimal, uniform, Nanotron's rule, and two decoder layers more and fewer on PP0 than the default
+  has (``layout`` strategy);
 * ``seed-pp4``: the seed model with 6 layers at pp=4, 4 micro-batches, 4 processes: on fewer than 4 cores they
   are oversubscribed (the output says so, and that scenario's checks are printed but do not fail the run).
 
@@ -145,32 +149,27 @@ def scenarios(quick: bool) -> list[Scenario]:
 # --- calibration (inside the ranks) ----------------------------------------------------------------------
 
 
-def calibrate_profile(cfg: Any, cache_dir: str) -> Any:
-    """The machine profile of ``cfg`` measured here (collective). The one place that names the calibrator."""
+def calibrate_profile(cfg: Any) -> Any:
+    """The machine profile of ``cfg`` measured here, afresh (collective). The one place that names the
+    calibrator."""
     from nanotron_ext.machine.calibrate import calibrate
 
-    return calibrate(cfg, warmup=2, repeats=5, cache_dir=cache_dir, progress=False)
+    return calibrate(cfg, warmup=2, repeats=5, cache_dir=None, progress=False)
 
 
 def take_profile(cfgs: dict[int, Any]) -> Any:
-    """One profile for every vocabulary-shard count in ``cfgs`` (K → config): ``calibrate`` of the K=1 config,
-    plus, for a K whose blocks it did not measure, that K's blocks from a ``calibrate`` of its config (the key
-    leaves ``vocab_shards`` out; a shard is its own block). With K > 1 in ``cfgs`` the first ``calibrate`` is of
-    the config under ``vocab_shards: auto``, which measures every K that ``auto`` tries."""
+    """One profile for every vocabulary-shard count in ``cfgs`` (K → config). With K > 1 among them, ``calibrate``
+    of the config under ``vocab_shards: auto``, which measures every K that ``auto`` tries; a K it did not try
+    gets its blocks from a ``calibrate`` of its own config (the key leaves ``vocab_shards`` out)."""
     base = cfgs[min(cfgs)]
-    profiles = [_calibrated(base.with_overrides(vocab_shards="auto") if len(cfgs) > 1 else base)]
+    profiles = [calibrate_profile(base.with_overrides(vocab_shards="auto") if len(cfgs) > 1 else base)]
     for cfg in cfgs.values():
         if not _covers(profiles[0], cfg):
-            profiles.append(_calibrated(cfg))
+            profiles.append(calibrate_profile(cfg))
     extra = [b for p in profiles[1:] for b in p.blocks if profiles[0].block(b.signature) is None]
     if not extra:
         return profiles[0]
     return profiles[0].with_blocks(extra, "vocab-shard blocks calibrated from their own configs")
-
-
-def _calibrated(cfg: Any) -> Any:
-    with tempfile.TemporaryDirectory(prefix="predict_vs_measure_calib_") as fresh:
-        return calibrate_profile(cfg, fresh)
 
 
 def _covers(profile: Any, cfg: Any) -> bool:
