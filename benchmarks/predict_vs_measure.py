@@ -22,10 +22,13 @@ Item 3, "find the missing time": for the default split and the K=2 chain on the 
 ``smollm-m4``), each stage's measured step is taken apart (``nanotron_ext.runtime.timing.StepTimer``) into
 compute inside the pipeline, the part of it the profiled blocks do not explain (engine overhead), receive and
 send waits, the wait in the collectives after the pipeline, the update and the closing wait, next to what the
-profile and the simulator predict for each part. Two probes of where a gap comes from: the stage's blocks timed
+profile and the simulator predict for each part. Probes of where a gap comes from: the stage's blocks timed
 again with every rank timing at once (ranks computing side by side share caches, memory bandwidth and, when
-oversubscribed, cores; the profile times rank 0 alone), and the simulated step if the engine posted every send
-as soon as its tensor exists (what Nanotron's deferred 1F1B sends cost).
+oversubscribed, cores; the profile times rank 0 alone); the tensors each rank sends and receives per step, and
+one micro-batch's exchange across the cut timed between the ranks with those tensors, one per communication call
+as Nanotron's pipeline state does it and with every send posted first (the profile prices a cut as one transfer
+each way); and the simulated step if the engine posted every send as soon as its tensor exists (what Nanotron's
+deferred 1F1B sends cost).
 
 Scenarios (fp32, the CPU runtime's dtype):
 
@@ -338,13 +341,42 @@ def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any) -> dict[str, 
     return runs
 
 
+class P2PCount:
+    """Tensors this process sends and receives through the runtime's ``CPUP2P`` (Nanotron's pipeline state sends
+    and receives one tensor per call). Class-level wrappers, so the per-instance ones ``StepTimer`` installs for
+    timing still run on top of them."""
+
+    sent = received = 0
+    shapes: list[tuple[list[int], str]] = []  # what this process sent, in order, since the last reset
+
+    @classmethod
+    def install(cls) -> None:
+        from nanotron_ext.runtime import CPUP2P
+
+        send, recv = CPUP2P.send_tensors, CPUP2P.recv_tensors
+
+        def counted_send(self: Any, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
+            cls.sent += len(tensors)
+            cls.shapes += [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+            return send(self, tensors, *args, **kwargs)
+
+        def counted_recv(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cls.received += kwargs.get("num_tensors", args[0] if args else 1)
+            return recv(self, *args, **kwargs)
+
+        CPUP2P.send_tensors, CPUP2P.recv_tensors = counted_send, counted_recv  # type: ignore[method-assign]
+
+
 def _turn(run: dict[str, Any], ctx: Any, records: Sequence[bool]) -> None:
     from nanotron_ext.runtime import train_step
 
     for record in records:
+        before, P2PCount.shapes = (P2PCount.sent, P2PCount.received), []
         with run["timer"] as timer, timer.step(record=record):
             run["losses"].append(train_step(run["model"], ctx, ENGINE, run["batches"], run["m"], run["optimizer"],
                                             grad_accumulator=run["grad_acc"], clip_grad=None))
+        run["tensors"] = [P2PCount.sent - before[0], P2PCount.received - before[1]]  # the same every step
+        run["shapes"] = P2PCount.shapes[: len(P2PCount.shapes) // run["m"]]  # one micro-batch's sends
 
 
 def train_rounds(runs: dict[str, dict[str, Any]], ctx: Any, spec: dict[str, Any], recalibrate: Callable[[], None],
@@ -362,6 +394,51 @@ def train_rounds(runs: dict[str, dict[str, Any]], ctx: Any, spec: dict[str, Any]
             recalibrate()
             progress.advance()
     return loads
+
+
+def exchange_times(ctx: Any, run: dict[str, Any], repeats: int = 15) -> dict[str, float]:
+    """pp=2: median seconds of one micro-batch's exchange across the cut, PP0's activations against PP1's
+    gradients (the tensors this run sends), in Nanotron's order (one tensor per communication call, so each
+    activation send waits for the previous gradient to arrive, and each gradient send for the next activation)
+    and with every send posted first. Collective; the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.runtime import CPUP2P
+
+    shapes: list[Any] = [None, None]
+    dist.all_gather_object(shapes, run["shapes"])
+    p2p, rank, out = CPUP2P(ctx.pp_pg), dist.get_rank(ctx.pp_pg), {}
+    mine, theirs = shapes[rank], shapes[1 - rank]
+    for order in ("one per call", "all sends first"):
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier(group=ctx.pp_pg)
+            t0 = time.perf_counter()
+            _exchange(p2p, rank, [torch.ones(s, dtype=getattr(torch, d)) for s, d in mine], len(theirs),
+                      interleaved=order == "one per call")
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out[order] = statistics.median(times)
+    payload = [out]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(ctx.pp_pg, 0), group=ctx.pp_pg)
+    return payload[0]
+
+
+def _exchange(p2p: Any, rank: int, mine: list[Any], n_theirs: int, *, interleaved: bool) -> None:
+    """PP0 sends activations and receives gradients, PP1 the reverse; ``interleaved``: alternately one of each
+    (PP0 sends first, PP1 receives first), else every send posted before the first receive."""
+    peer = 1 - rank
+    if not interleaved:
+        p2p.send_tensors(mine, to_rank=peer)
+        p2p.recv_tensors(num_tensors=n_theirs, from_rank=peer)
+    for i in range(max(len(mine), n_theirs) if interleaved else 0):
+        for do_send in ((True, False) if rank == 0 else (False, True)):
+            if do_send and i < len(mine):
+                p2p.send_tensors([mine[i]], to_rank=peer)
+            elif not do_send and i < n_theirs:
+                p2p.recv_tensors(num_tensors=1, from_rank=peer)
+    p2p.wait_pending()
 
 
 def n_calibrations(spec: dict[str, Any]) -> int:
@@ -397,11 +474,16 @@ def worker(spec_path: str, out_path: str) -> None:
             profiles[0].save(planning_path)
         dist.barrier()
         plans = plan_splits(spec["splits"], cfg, planning_path)
+        P2PCount.install()
         runs = build_models(plans, ctx)
         progress = Progress(spec["progress"], rank0, n_calibrations(spec) + spec["rounds"] * len(runs))
         progress.advance()
         loads = train_rounds(runs, ctx, spec, lambda: profiles.append(take_profile(cfgs)), progress)
-        measured = {key: _gathered(run) for key, run in runs.items()}
+        measured = {}
+        for key, run in runs.items():
+            if spec["pp"] == 2 and set(run["names"]) & set(spec["decompose"]):
+                run["exchange"] = exchange_times(ctx, run)
+            measured[key] = _gathered(run)
         runs.clear()
         gc.collect()
         if rank0:
@@ -415,10 +497,15 @@ def worker(spec_path: str, out_path: str) -> None:
 
 
 def _gathered(run: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's step records and tensors sent / received per step, on rank 0 (collective)."""
+    import torch.distributed as dist
+
+    tensors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tensors, run["tensors"])
     per_rank = run["timer"].gather()
     if per_rank is None:
         return None
-    return {"names": run["names"], "losses": run["losses"],
+    return {"names": run["names"], "losses": run["losses"], "tensors": tensors, "exchange": run.get("exchange"),
             "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
 
 
@@ -752,6 +839,16 @@ def print_parts(result: dict[str, Any], sc: Scenario) -> dict[str, Any]:
                                       p["overhead"], meas["recv"], p["pipeline_wait"], meas["send"]))
             after.append(where + _ms(meas["after_wait"], p["after_wait"], meas["update"], p["update"],
                                      p["update_busy"], meas["end"], meas["cpu"], meas["step"] - meas["idle"]))
+        counts = "; ".join(f"PP{k} sends {sent} and receives {got}" for k, (sent, got) in enumerate(run["tensors"]))
+        notes.append(f"{name}: tensors through P2P per step: {counts} (Nanotron sends each tensor of a cut "
+                     f"separately, one per communication call; the profile prices one transfer per micro-batch "
+                     f"and direction: {sc.n_micro_batches} each way per cut)")
+        if run["exchange"]:
+            x = run["exchange"]
+            notes.append(f"{name}: one micro-batch's exchange across the cut (activations one way, gradients the "
+                         f"other), timed between the ranks: {x['one per call'] * 1e3:.2f} ms one tensor per call "
+                         f"as Nanotron's pipeline state does it, {x['all sends first'] * 1e3:.2f} ms with every send "
+                         f"posted first; the profile prices two transfers, {2 * pred['p2p'] * 1e3:.2f} ms")
         lost = pred["step"] - pred["eager_step"]
         notes.append(f"{name}: simulated step {pred['step'] * 1e3:.1f} ms with Nanotron's send order, "
                      f"{pred['eager_step'] * 1e3:.1f} ms with every send posted as soon as its tensor exists "
