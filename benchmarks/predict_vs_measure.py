@@ -954,7 +954,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Nanotron 0.2 {ENGINE} engine on CPU (gloo), one thread per process, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept'}; "
           f"per split 1 warm-up step first; steps: the slowest rank's full train_step (no clipping)")
-    started, stem = time.perf_counter(), "predict_vs_measure" + ("_quick" if args.quick else "")
+    # A run of some scenarios only (--scenario) does not overwrite the full run's files.
+    stem = "predict_vs_measure" + ("_quick" if args.quick else "") + ("_partial" if args.scenario else "")
+    started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     records = {sc.label: run_scenario(sc, args, stem) for sc in chosen}
     ok = print_verdict(records)
