@@ -492,6 +492,7 @@ def worker(spec_path: str, out_path: str) -> None:
             out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
                    "splits": describe_splits(plans, planning_path, median_path, spec["decompose"], busy),
                    "auto": _auto_pick(cfg, planning_path, plans) if spec["auto"] else None,
+                   "auto_median": _auto_pick(cfg, median_path, plans) if spec["auto"] else None,
                    "profiles": [json.loads(p.to_json()) for p in profiles]}
             Path(out_path).write_text(json.dumps(out))
 
@@ -519,9 +520,10 @@ def _auto_pick(cfg: Any, machine_path: str, plans: dict[str, tuple[Any, Any, Any
     blocks = inventory_from_config(resolved)
     plan = make_plan(blocks, resolved)
     key = split_key(resolved, plan)
-    same = next((n for n, (c, _, p) in plans.items() if split_key(c, p) == key), None)
+    same = [n for n, (c, _, p) in plans.items() if split_key(c, p) == key]
+    same.sort(key=lambda n: not (n == "default" or n.startswith("chain")))  # name it as the default or a chain
     return {"shards": choice.shards, "step_times": {str(k): v for k, v in choice.step_times.items()},
-            "ranks": list(plan.block_ranks), "same_as": same}
+            "ranks": list(plan.block_ranks), "same_as": same[0] if same else None}
 
 
 # --- predictions (rank 0, after training) ----------------------------------------------------------------
@@ -799,7 +801,10 @@ def print_chain(result: dict[str, Any], rows: Sequence[Row]) -> dict[str, Any]:
     what = f"= the '{picked.name}' split, measured gain vs K=1 {gain:.3f}x" if picked else "(a split not trained)"
     print(f"  vocab_shards: auto under the planning profile picks K={auto['shards']} {what}; "
           f"its simulated steps: {times}")
-    return {"auto_shards": auto["shards"], "auto_gain": gain}
+    later = result["auto_median"]
+    print(f"  (under the median of the run's profiles auto would pick K={later['shards']}: "
+          + ", ".join(f"K={k}: {t * 1e3:.1f} ms" for k, t in later["step_times"].items()) + ")")
+    return {"auto_shards": auto["shards"], "auto_gain": gain, "auto_shards_median": later["shards"]}
 
 
 def measured_parts(records: Sequence[dict[str, float]]) -> dict[str, float]:
