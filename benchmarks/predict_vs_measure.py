@@ -81,8 +81,9 @@ ENGINE = "1f1b"
 RATIO_RANGE = (0.95, 1.05)
 CONFIDENCE = 0.95
 WORLD_TIMEOUT_S = 600.0
-#: The splits of the seed model at pp=2 (the chain at K = 2, 3, 4, planned under the profile).
-SEED_SPLITS = ("nanotron", "uniform", "flop-optimal", "default", "chain K=2", "chain K=3", "chain K=4")
+#: The splits of the seed model at pp=2 (the chain at K = 2, 3, 4, planned under the profile). The default comes
+#: first, so that a split equal to it is shown as ``(= default)``.
+SEED_SPLITS = ("default", "nanotron", "uniform", "flop-optimal", "chain K=2", "chain K=3", "chain K=4")
 #: The splits of the SmolLM shape; ``shift ±2``: two decoder layers more (fewer) on PP0 than the default has, a
 #: deliberately shifted split (``layout`` strategy).
 SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
