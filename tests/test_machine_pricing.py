@@ -103,9 +103,24 @@ def test_measured_blocks_links_syncs_and_overheads_are_priced_by_hand():
     assert prices.update[1] == pytest.approx(1e-3 + 1e-3 + 1.5 * layer.trainable * 4 / 1e9)
     # embedding: nothing trains before it, but it trains itself, so autograd reaches it.
     assert prices.backward[0] == 1e-4 + 1e-6
-    # A send: the slowest link (200 µs latency) for what the block hands on, plus posting it and receiving it.
+    # A send: the slowest link (200 µs latency) for what the block hands on, plus posting it and receiving it;
+    # a decoder layer hands on two tensors (hidden states, sequence mask), each paying latency and posting.
     out = block_memory(BLOCKS[4], SEED.model, SEED.run).output
     assert prices.send[4] == pytest.approx(2e-4 + out / 1e9 + 3e-6 + 5e-6)
+    out = block_memory(BLOCKS[1], SEED.model, SEED.run).output
+    assert prices.send[1] == pytest.approx(2 * (2e-4 + 3e-6 + 5e-6) + out / 1e9)
+
+
+def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce():
+    tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
+    blocks = inventory_from_config(tied)
+    machine = MachineProfile(name="tied", source="test", tied_allreduce=Collective(1e-3, 1e9))
+    prices = price_blocks(machine, blocks, tied)
+    table = 50277 * 16 * 4  # vocab × hidden fp32 bytes, over 2 ranks: 1 ms + 2·1/2 × bytes / 1 GB/s
+    assert [prices.update[i] for i in (0, 4)] == pytest.approx([1e-3 + table / 1e9] * 2)
+    assert prices.update[1] == prices.update[5] == 0.0
+    alone = dataclasses.replace(tied, run=dataclasses.replace(tied.run, pp=1))
+    assert price_blocks(machine, blocks, alone).update[0] == 0.0  # one stage: no all-reduce
 
 
 def test_an_unmeasured_block_is_priced_by_its_roles_rate():

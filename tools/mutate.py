@@ -252,6 +252,13 @@ MUTATIONS: tuple[Mutation, ...] = (
       "return n_trainable >= cfg.run.pp and not cfg.ext.allow_frozen_stages", "return n_trainable >= cfg.run.pp",
       ("tests/test_strategies.py::test_allow_frozen_stages_lets_the_default_take_a_faster_frozen_stage",)),
 
+    M("tied all-reduce priced on the lm_head's stage only", PRICING,
+      'b.role in ("embedding", "lm_head") and cfg.run.pp > 1', 'b.role == "lm_head" and cfg.run.pp > 1',
+      (MACHINE_TESTS,)),
+    M("a cut's tensors share one latency", PROFILE,
+      "return n_tensors * per_tensor + n_bytes / slowest.bytes_per_second",
+      "return per_tensor + n_bytes / slowest.bytes_per_second", (MACHINE_TESTS,)),
+
 )
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "block_memory",
     "config_stage_memory",
     "deferred_weights",
+    "output_tensors",
     "pending_tensors",
     "weight_pending",
     "stage_memory",
@@ -138,6 +139,18 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
     # projector / other: a linear layer on the hidden states.
     return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
                        input=t * h * w, input_saved=True, output=t * h * w)
+
+
+#: Tensors a block hands on per micro-batch, by role (``block_memory(...).output`` is their bytes): the hidden
+#: states and the sequence mask after the embedding and a decoder layer, the hidden states and three fp32
+#: running statistics after a vocabulary shard, one tensor after the others. Nanotron's pipeline state moves
+#: them one communication at a time, so each pays its own latency.
+_OUTPUT_TENSORS: dict[str, int] = {"embedding": 2, "decoder": 2, "vocab_shard": 4, "loss": 0}
+
+
+def output_tensors(block: BlockInfo) -> int:
+    """How many tensors ``block`` hands on per micro-batch (see ``_OUTPUT_TENSORS``)."""
+    return _OUTPUT_TENSORS.get(block.role, 1)
 
 
 def mlp_saved_width(m: ModelShape, layer: int | None = None) -> float:

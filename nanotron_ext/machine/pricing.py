@@ -14,7 +14,7 @@ from typing import NamedTuple
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops
-from nanotron_ext.costs.memory_estimate import block_memory
+from nanotron_ext.costs.memory_estimate import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
 
@@ -80,8 +80,9 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     A measured block (same signature) takes its measured times; any other is priced by its role's FLOP rate:
     forward FLOPs ÷ rate, backward = the rest of its training FLOPs (freeze-aware) ÷ rate. Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
-    gradient all-reduce, the lm_head of a tied model at pp > 1 the tied all-reduce, and a send costs
-    :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's ``output``).
+    gradient all-reduce, the embedding and the lm_head of a tied model at pp > 1 the tied all-reduce, and a send
+    costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's ``output``, in
+    :func:`~nanotron_ext.costs.memory_estimate.output_tensors` tensors).
 
     The weight-gradient part of the backward (:func:`weight_part`): a measured ``backward_weight``, else the
     measured backward split by FLOPs, input-gradient : weight-gradient (freeze-aware); on the rate model the
@@ -103,11 +104,12 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
-        if (cfg.model.tie_word_embeddings and b.role == "lm_head" and cfg.run.pp > 1
+        # Both ends of the tie wait in its all-reduce (at pp > 1 the embedding and the lm_head never share a stage).
+        if (cfg.model.tie_word_embeddings and b.role in ("embedding", "lm_head") and cfg.run.pp > 1
                 and machine.tied_allreduce is not None):
             u += machine.tied_allreduce.time(cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * grad_bytes, 2)
         upd.append(u)
-        send.append(machine.p2p_time(block_memory(b, cfg.model, cfg.run).output))
+        send.append(machine.p2p_time(block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
     return BlockPrices(fwd, bwd, upd, send, wgt)
 
 

@@ -226,11 +226,15 @@ class MachineProfile:
         """Training FLOP/s of a block of ``role`` that was not measured."""
         return dict(self.rates).get(role, self.flops_per_second)
 
-    def p2p_time(self, n_bytes: float) -> float:
-        """One transfer of ``n_bytes`` over the slowest link, posting included; 0 when no link is known."""
-        if not self.links:
+    def p2p_time(self, n_bytes: float, n_tensors: int = 1) -> float:
+        """One micro-batch's transfer across a cut: ``n_bytes`` in ``n_tensors`` tensors over the slowest link,
+        each tensor paying the latency and its posting (Nanotron moves them one communication at a time); 0 when
+        no link is known."""
+        if not self.links or n_tensors < 1:
             return 0.0
-        return max(link.time(n_bytes) for link in self.links) + self.overhead.send + self.overhead.recv
+        slowest = max(self.links, key=lambda link: link.time(n_bytes))
+        per_tensor = slowest.latency + self.overhead.send + self.overhead.recv
+        return n_tensors * per_tensor + n_bytes / slowest.bytes_per_second
 
     def check_key(self, expected: MachineKey, *, origin: str) -> None:
         """Raise unless this profile can price ``expected``.
