@@ -946,7 +946,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds in which every split takes a turn")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc malloc's defaults (default: keep freed memory, see measured_cpu.MALLOC_ENV)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the ranks compute (NANOTRON_EXT_DEVICE; cuda: one GPU, P2P host-staged over gloo)")
     args = parser.parse_args(argv)
+    os.environ["NANOTRON_EXT_DEVICE"] = args.device  # every rank inherits it (nanotron_ext.runtime.device)
     known = {sc.label: sc for sc in scenarios(args.quick)}
     unknown = set(args.scenario or ()) - set(known)
     if unknown or (args.rounds is not None and args.rounds < 1):
@@ -957,11 +960,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Reproduce: `python {shlex.join(['benchmarks/predict_vs_measure.py', *argv])}` (from the repository root)\n")
     import torch
 
-    print(f"Nanotron 0.2 {ENGINE} engine on CPU (gloo), one thread per process, torch {torch.__version__}, "
+    where = "CPU (gloo)" if args.device == "cpu" else "one CUDA GPU (P2P host-staged over gloo)"
+    print(f"Nanotron 0.2 {ENGINE} engine on {where}, one thread per process, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept'}; "
           f"per split 1 warm-up step first; steps: the slowest rank's full train_step (no clipping)")
     # A run of some scenarios only (--scenario) does not overwrite the full run's files.
-    stem = "predict_vs_measure" + ("_quick" if args.quick else "") + ("_partial" if args.scenario else "")
+    stem = ("predict_vs_measure" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
+            + ("_partial" if args.scenario else ""))
     started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     records = {sc.label: run_scenario(sc, args, stem) for sc in chosen}
