@@ -3,7 +3,7 @@
 What it measures, and how (torch and Nanotron are imported only here, inside the functions):
 
 * **blocks**: every distinct block of the config (and, under ``vocab_shards: auto``, of every K that ``auto``
-  tries), built standalone and timed by :mod:`nanotron_ext.costs.profiled` (rank 0 measures and broadcasts).
+  tries), built standalone and timed by :mod:`nanotron_ext.costs.profiled` (under torchrun every rank measures at once; the median over the ranks).
   ``cache_dir=None`` measures afresh (a temporary cache), so ``--repeats`` is never answered from old files;
   a folder reuses and fills that cache.
 * **rates**: per block role, training FLOPs (:func:`~nanotron_ext.costs.analytic.training_flops`) ÷ measured
@@ -242,8 +242,9 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
         folder = cache_dir if cache_dir is not None else stack.enter_context(
             tempfile.TemporaryDirectory(prefix="nanotron_ext_calibrate_"))
         for trial, blocks in variants:
+            # Under torchrun every rank measures at once, as its ranks compute together in a training step.
             for cost in measured_blocks(blocks, trial, cache_dir=folder, warmup=warmup, repeats=repeats,
-                                        module_factory=factory):
+                                        module_factory=factory, concurrent=True):
                 out.setdefault(cost.signature, cost)
     return out
 
