@@ -15,6 +15,7 @@ that each transcription returns the same split as the library on every random in
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
 import shlex
@@ -41,6 +42,18 @@ SHAPES: tuple[tuple[str, str], ...] = (
 PPS: tuple[int, ...] = (2, 4, 8)
 #: The strategies every benchmark compares (``layout`` needs a hand-written layout, so it is left out).
 STRATEGIES: tuple[str, ...] = ("nanotron", "uniform", "flops", "memory", "constrained")
+
+
+def add_machine_args(parser: argparse.ArgumentParser) -> None:
+    """``--machine``, ``--tflops``, ``--p2p-gbps``: the machine the simulated benchmarks plan and simulate on."""
+    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
+    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
+    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
+
+
+def machine_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The config overrides (``PlannerConfig.with_overrides``) that ``add_machine_args``' flags ask for."""
+    return {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
 
 
 def print_command(argv: Sequence[str] | None = None) -> None:

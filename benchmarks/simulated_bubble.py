@@ -18,7 +18,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from _common import CONFIGS, PPS, RESULTS, SHAPES, STRATEGIES, print_command, progress
+from _common import (
+    CONFIGS,
+    PPS,
+    RESULTS,
+    SHAPES,
+    STRATEGIES,
+    add_machine_args,
+    machine_overrides,
+    print_command,
+    progress,
+)
 
 from nanotron_ext.config import load_config
 from nanotron_ext.inventory import inventory_from_config
@@ -35,12 +45,10 @@ PICTURE = ("Llama-3.2-1B", 8, ("nanotron", "constrained"))
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
-    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
-    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
+    add_machine_args(parser)
     args = parser.parse_args(argv)
     print_command()
-    machine = {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
+    machine = machine_overrides(args)
     print(
         f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}, {ENGINE.upper()}, the config's "
         f"micro-batches. Cells: step ÷ fastest valid plan · bubble; ✗ = plan cannot train.\n"

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from _common import CONFIGS, PPS, print_command
+from _common import CONFIGS, PPS, add_machine_args, machine_overrides, print_command
 
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.costs import training_flops
@@ -59,12 +59,10 @@ def _slowest(plan: Plan, blocks: Sequence[Any]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
-    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
-    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
+    add_machine_args(parser)
     args = parser.parse_args(argv)
     print_command()
-    machine = {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
+    machine = machine_overrides(args)
     print(f"1F1B, micro-batches max(config's, pp), on "
           f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}; "
           f"both plans by the default planner under that machine.\n")

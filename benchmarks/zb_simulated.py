@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _common import CONFIGS, SHAPES, print_command, progress
+from _common import CONFIGS, SHAPES, add_machine_args, machine_overrides, print_command, progress
 
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.errors import NanotronExtError
@@ -69,12 +69,10 @@ def row(label: str, pp: int, m: int, m_source: str, one: Outcome, zb: Outcome) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--machine", default=None, help="machine profile (default: the analytic H100 model)")
-    parser.add_argument("--tflops", type=float, default=None, help="override: every block at this TFLOP/s")
-    parser.add_argument("--p2p-gbps", type=float, default=None, help="override: p2p bandwidth in GB/s")
+    add_machine_args(parser)
     args = parser.parse_args(argv)
     print_command()
-    machine = {"machine": args.machine, "tflops": args.tflops, "p2p_gbps": args.p2p_gbps}
+    machine = machine_overrides(args)
     first = load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)
     print(f"{machine_for(first).describe()}; default strategy ({first.ext.cost_strategy}) planned under each engine. "
           "step in ms; speedup = 1F1B step ÷ zb1p step; split differs: the two engines' best splits; max peak: "
