@@ -1,7 +1,7 @@
 """Simulated step time of the default (``constrained``, objective ``step_time``) against every peer split.
 
 Part 1: the 21 public cases (7 shapes in ``nanotron_ext/configs`` × PP 2/4/8), at the configs' micro-batch
-count and at m = 4·pp, under each config's engine (1F1B) with the FLOP-rate model and p2p ignored. Peers:
+count and at m = 4·pp, under each config's engine (1F1B) on the analytic H100 machine model. Peers:
 Nanotron's rule (where its plan can train), ``uniform``, ``flops``, DeepSpeed's ``partition_balanced`` and
 torchgpipe's block partition on the same per-block training FLOPs (libraries when installed, else the
 transcriptions in ``_common.py``). Every split is timed by the same simulator. A cell is peer step ÷ default
@@ -28,6 +28,7 @@ from _common import CONFIGS, PPS, SHAPES, external_partitioners, print_command, 
 from nanotron_ext.config import load_config
 from nanotron_ext.costs.analytic import training_flops
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import ScheduleProblem, StepTimeEvaluator, step_time_partition
 from nanotron_ext.plan import make_plan
@@ -138,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print_command()
     sources = ", ".join(f"{p.name}: {p.source}" for p in external_partitioners())
-    print(f"FLOP-rate model, p2p ignored, the configs' engine (1F1B). External splits: {sources}.\n")
+    machine = machine_for(load_config(CONFIGS / SHAPES[0][1])).describe()
+    print(f"{machine}, the configs' engine (1F1B). External splits: {sources}.\n")
     rows, violations, _ = public_cases()
     print("## Peer step ÷ default step (≥ 1.0000x: the default is at least as fast; ✗: plan cannot train)\n")
     print(table(["model", "pp", "m", "case", *PEERS, "best valid peer ÷ default", "default plan ms"], rows,
