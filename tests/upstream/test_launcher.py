@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from upstream.e2e import launch, tiny_config, weight_digests
+
+#: Compute alone: on the analytic H100 the tiny seed model is latency-bound and `auto` keeps one lm_head.
+FLOPS_ONLY = str(Path(__file__).resolve().parents[1] / "data" / "machine_flops_only.json")
 
 REFUSED = "cannot train; nothing was allocated."
 FREEZE = {"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_layers": 1}
@@ -96,7 +100,8 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
     # vocab_shards: auto splits the lm_head's rows over both stages of the seed model at pp=2. The launcher
     # puts the chain into upstream's LlamaForTraining, broadcasts each micro-batch's labels to the shard ranks
     # and initialises the shards as the lm_head.
-    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto"}))
+    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto",
+                                            "machine": FLOPS_ONLY}))
     assert run.rc == 0, run.out[-3000:]
     chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
     assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
@@ -141,7 +146,7 @@ def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_
 def test_lm_head_in_the_freeze_spec_trains_every_vocabulary_shard_under_auto(tmp_path):
     # `unfreeze: [lm_head]` with vocab_shards: auto: the launcher plans, builds and freezes with the chain's
     # shards standing for the lm_head; every shard's weight moves, every frozen weight is bit-identical.
-    ext = {"cost_strategy": "constrained", "vocab_shards": "auto", "freeze": FREEZE}
+    ext = {"cost_strategy": "constrained", "vocab_shards": "auto", "freeze": FREEZE, "machine": FLOPS_ONLY}
     run = launch(tiny_config(tmp_path, steps=3, ext=ext, checkpoints__save_initial_state=True))
     assert run.rc == 0, run.out[-3000:]
     chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
