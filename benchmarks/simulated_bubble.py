@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [f"stage {k}" for k in range(pp)],
                 loads,
                 RESULTS / f"{yaml_name.removesuffix('.yaml')}_pp{pp}_stage_loads.png",
-                title=f"{label}, pp={pp}: forward + backward per micro-batch at {args.tflops:g} TFLOP/s",
+                title=f"{label}, pp={pp}: forward + backward per micro-batch ({machine_for(cfg).name})",
                 ylabel="ms per micro-batch (F + B)",
             )
     rows.append(
