@@ -59,7 +59,7 @@ from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.memory_estimate import block_memory
 from nanotron_ext.errors import ConfigError, RunFailure
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.machine.pricing import measured_blocks
+from nanotron_ext.machine.pricing import measured_blocks, tied_weight_bytes
 from nanotron_ext.machine.profile import (
     BlockCost,
     Collective,
@@ -467,8 +467,8 @@ def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, li
     if tied:
         groups = [[world.rank_of(0, d, t), world.rank_of(world.pp - 1, d, t)]
                   for d in range(world.dp) for t in range(world.tp)]
-        size = cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * grad_bytes
-        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(size), (dev, staged), warmup, repeats)
+        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(tied_weight_bytes(cfg)), (dev, staged), warmup,
+                                          repeats)
         bar.update()
     gathered: list[Any] = [None] * (world.pp * world.dp * world.tp)
     dist.all_gather_object(gathered, (mine, send_recv))

@@ -18,7 +18,7 @@ from nanotron_ext.costs.memory_estimate import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
 
-__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "weight_part"]
+__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "tied_weight_bytes", "weight_part"]
 
 
 class BlockPrices(NamedTuple):
@@ -108,10 +108,16 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         # Both ends of the tie wait in its all-reduce (at pp > 1 the embedding and the lm_head never share a stage).
         if (cfg.model.tie_word_embeddings and b.role in ("embedding", "lm_head") and cfg.run.pp > 1
                 and machine.tied_allreduce is not None):
-            u += machine.tied_allreduce.time(cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * grad_bytes, 2)
+            u += machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
         upd.append(u)
         send.append(machine.p2p_time(block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
     return BlockPrices(fwd, bwd, upd, send, wgt)
+
+
+def tied_weight_bytes(cfg: PlannerConfig) -> float:
+    """Bytes of the tied embedding's gradient on one tp rank: what its all-reduce between the first and the last
+    stage moves (priced here, measured by ``calibrate``)."""
+    return float(cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * DTYPE_BYTES[cfg.run.dtype])
 
 
 def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None,
