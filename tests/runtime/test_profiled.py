@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import profiled
@@ -138,6 +139,30 @@ def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.Monk
     timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=3)
     assert (timing.forward, timing.backward, timing.optimizer) == (2.0, 5.0, 8.0)
     assert next(readings, None) is None  # every reading used: one optimizer step per warm-up and repeat
+
+
+def test_every_timed_section_starts_with_cold_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, blocks = _tiny(tmp_path)
+    events: list[str] = []
+    monkeypatch.setattr(profiled, "clock", lambda: events.append("clock") or float(len(events)))
+    flush = profiled.flush_caches
+    monkeypatch.setattr(profiled, "flush_caches", lambda device: events.append("flush") or flush(device))
+    make_inputs = profiled._make_inputs
+    monkeypatch.setattr(profiled, "_make_inputs", lambda *a: events.append("inputs") or make_inputs(*a))
+    profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=2)
+    # Per run: flush, then the inputs (hot, as a neighbour just made them), forward timed; flush, backward timed.
+    # Then per optimizer step: flush, step timed.
+    timed = ["flush", "clock", "clock"]
+    assert events == (["flush", "inputs", "clock", "clock"] + timed) * 3 + timed * 3
+
+
+def test_the_flush_outgrows_the_last_level_cache() -> None:
+    cache = profiled._last_level_cache_bytes()
+    if cache == 0:
+        pytest.skip("this OS reports no CPU cache sizes in /sys/devices/system/cpu/cpu0/cache")
+    profiled.flush_caches(torch.device("cpu"))
+    flushed = profiled._flush_buffers["cpu"].numel() * profiled._flush_buffers["cpu"].element_size()
+    assert flushed >= max(2 * cache, profiled.FLUSH_BYTES_MIN["cpu"])
 
 
 def test_plan_splits_the_measured_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
