@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nanotron_ext.models.vocab_chain import label_pp_ranks
 from nanotron_ext.runtime.device import device_from_env, sync_tied_gradients
 from nanotron_ext.runtime.p2p import wait_pending_sends
+from nanotron_ext.runtime.send_order import SendOrder, send_order
 from nanotron_ext.schedule import Engine, too_few_micro_batches
 from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
 
@@ -256,6 +257,7 @@ def train_step(
     clip_grad: float | None = None,
     lr_scheduler: Any | None = None,
     grad_norms: list[float] | None = None,
+    sends: SendOrder = "nanotron",
 ) -> float:
     """One optimisation step, the way ``DistributedTrainer.training_step`` does it. Collective on every rank.
 
@@ -271,12 +273,15 @@ def train_step(
         lr_scheduler: object with ``step()``, called after the optimizer step.
         grad_norms: when given, the global gradient norm (before clipping) is appended to it; every rank of
             the model-parallel group joins the reduction, frozen ones included, so all log the same value.
+        sends: ``"nanotron"``: one queued send of each kind per communication point, as Nanotron's pipeline state
+            does; ``"eager"``: every queued send at once (:mod:`nanotron_ext.runtime.send_order`).
 
     Returns:
         The step's loss (mean over micro-batches and DP replicas), identical on every rank.
 
     Raises:
-        ValueError: ``n_micro_batches`` < 1, or too few for 1F1B (needs at least ``pp - 1``).
+        ValueError: ``n_micro_batches`` < 1, too few for 1F1B (needs at least ``pp - 1``), or an unknown
+            ``sends``.
     """
     pp_pg = parallel_context.pp_pg
     if n_micro_batches < 1:
@@ -288,13 +293,14 @@ def train_step(
         raise ValueError(shortfall)
     unwrapped = _unwrap(model)
     iterator: Iterator[MicroBatch] = iter(micro_batches)
-    outputs = pipeline_engine.train_batch_iter(
-        model=model,
-        pg=pp_pg,
-        batch=(next(iterator) for _ in range(n_micro_batches)),
-        nb_microbatches=n_micro_batches,
-        grad_accumulator=grad_accumulator,
-    )
+    with send_order(sends):
+        outputs = pipeline_engine.train_batch_iter(
+            model=model,
+            pg=pp_pg,
+            batch=(next(iterator) for _ in range(n_micro_batches)),
+            nb_microbatches=n_micro_batches,
+            grad_accumulator=grad_accumulator,
+        )
     # Sends were posted asynchronously (CPUP2P); make sure the peer has taken them before buffers are reused.
     wait_pending_sends(unwrapped)
     _finish_gradients(model, parallel_context, grad_accumulator, clip_grad, grad_norms)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import nanotron.parallel.pipeline_parallel.engine as nanotron_engine
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd
@@ -91,7 +92,9 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         _check_accumulator(grad_accumulator)
         store = store_of(model) or self._install(model, pg)
         store.clear()  # a step that failed half-way leaves nothing behind
-        run = _StepRun(self, model, PipelineTrainBatchState(), store, grad_accumulator, iter(batch))
+        # The class Nanotron's engines build their state from (the CPU runtime's send order swaps it).
+        state = nanotron_engine.PipelineTrainBatchState()
+        run = _StepRun(self, model, state, store, grad_accumulator, iter(batch))
         with attach_pipeline_state_to_model(model=model, pipeline_state=run.state):
             run.execute(program)
             run.state.check_buffers_empty()

@@ -40,7 +40,7 @@ def _batches(model, ctx, seed: int, masked: bool, n: int):
 
 
 def _run(pp: int, dp: int, shards: int, ranks: list[int] | None, *, scale: float, masked: bool, steps: int,
-         engine: str, seed: int = 7) -> tuple[list[float], dict[str, Any]]:
+         engine: str, seed: int = 7, sends: str = "nanotron") -> tuple[list[float], dict[str, Any]]:
     """Build, optionally scale the lm_head rows, train ``steps`` steps (0: one forward/backward, no update) and
     return (losses, every parameter's gradient under the unsplit model's names, gathered from all ranks)."""
     import torch
@@ -59,7 +59,7 @@ def _run(pp: int, dp: int, shards: int, ranks: list[int] | None, *, scale: float
     optimizer = build_optimizer(model, ctx, learning_rate=1e-2)[0] if steps else None
     batches = _batches(model, ctx, seed, masked, N_MICRO * max(1, steps))
     losses = [
-        train_step(model, ctx, engine, batches[i * N_MICRO:(i + 1) * N_MICRO], N_MICRO, optimizer)
+        train_step(model, ctx, engine, batches[i * N_MICRO:(i + 1) * N_MICRO], N_MICRO, optimizer, sends=sends)
         for i in range(max(1, steps))
     ]
     local = {}
@@ -113,4 +113,35 @@ def chain_vs_unsplit(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
         return out if dist.get_rank() == 0 else {}
     finally:
+        workers._destroy_contexts()
+
+
+def send_orders(engine: str) -> dict[str, Any]:
+    """The K=2 chain at pp=2 (4 tensors cross the cut, 3 gradients come back) under both send orders: each
+    order's loss, every gradient, and the sequence of this rank's P2P calls ("s" per tensor sent, "r" per tensor
+    received)."""
+    from nanotron_ext.runtime import CPUP2P
+
+    log: list[str] = []
+    send, recv = CPUP2P.send_tensors, CPUP2P.recv_tensors
+
+    def logged_send(self: Any, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
+        log.extend("s" * len(tensors))
+        return send(self, tensors, *args, **kwargs)
+
+    def logged_recv(self: Any, num_tensors: int, *args: Any, **kwargs: Any) -> Any:
+        log.extend("r" * num_tensors)
+        return recv(self, num_tensors, *args, **kwargs)
+
+    CPUP2P.send_tensors, CPUP2P.recv_tensors = logged_send, logged_recv  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        for order in ("nanotron", "eager"):
+            log.clear()
+            losses, grads = _run(2, 1, 2, [0, 0, 0, 0, 0, 1], scale=1.0, masked=True, steps=0, engine=engine,
+                                 sends=order)
+            out[order] = {"losses": losses, "grads": grads, "calls": "".join(log)}
+        return out
+    finally:
+        CPUP2P.send_tensors, CPUP2P.recv_tensors = send, recv  # type: ignore[method-assign]
         workers._destroy_contexts()
