@@ -156,13 +156,22 @@ def test_every_timed_section_starts_with_cold_caches(tmp_path: Path, monkeypatch
     assert events == (["flush", "inputs", "clock", "clock"] + timed) * 3 + timed * 3
 
 
-def test_the_flush_outgrows_the_last_level_cache() -> None:
-    cache = profiled._last_level_cache_bytes()
-    if cache == 0:
-        pytest.skip("this OS reports no CPU cache sizes in /sys/devices/system/cpu/cpu0/cache")
+@pytest.mark.parametrize(("cache_mib", "flushed_mib"), [(96, 192), (8, 64)])
+def test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib(
+        monkeypatch: pytest.MonkeyPatch, cache_mib: int, flushed_mib: int) -> None:
+    monkeypatch.setattr(profiled, "_last_level_cache_bytes", lambda: cache_mib * 2**20)
+    monkeypatch.setattr(profiled, "_flush_buffers", {})
     profiled.flush_caches(torch.device("cpu"))
-    flushed = profiled._flush_buffers["cpu"].numel() * profiled._flush_buffers["cpu"].element_size()
-    assert flushed >= max(2 * cache, profiled.FLUSH_BYTES_MIN["cpu"])
+    buffer = profiled._flush_buffers["cpu"]
+    assert buffer.numel() * buffer.element_size() == flushed_mib * 2**20
+
+
+def test_the_last_level_cache_is_read_from_linux() -> None:
+    if not list(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")):
+        pytest.skip("this OS reports no CPU cache sizes in /sys/devices/system/cpu/cpu0/cache")
+    sizes = [p.read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    largest = max(int(x.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(x[-1], 1) for x in sizes)
+    assert profiled._last_level_cache_bytes() == largest > 0
 
 
 def test_plan_splits_the_measured_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
