@@ -28,7 +28,9 @@ oversubscribed, cores; the profile times rank 0 alone); the tensors each rank se
 one micro-batch's exchange across the cut timed between the ranks with those tensors, one per communication call
 as Nanotron's pipeline state does it and with every send posted first (the profile prices a cut as one transfer
 each way); and the simulated step if the engine posted every send as soon as its tensor exists (what Nanotron's
-deferred 1F1B sends cost).
+deferred 1F1B sends cost). The splits in a scenario's ``eager_sends`` are trained a second time in the same
+rounds with the runtime's ``sends="eager"`` (every queued send posted at once, :mod:`nanotron_ext.runtime.send_order`),
+and their measured gain over Nanotron's order is printed.
 
 Scenarios (fp32, the CPU runtime's dtype):
 
@@ -78,6 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE = "1f1b"
+EAGER_SENDS = " [eager sends]"
 RATIO_RANGE = (0.95, 1.05)
 CONFIDENCE = 0.95
 WORLD_TIMEOUT_S = 600.0
@@ -112,6 +115,9 @@ class Scenario:
     auto: bool = False
     #: Item 3: the splits whose step is taken apart per stage, measured and predicted.
     decompose: tuple[str, ...] = ()
+    #: Splits trained a second time, in the same rounds, with every queued send posted at once (the runtime's
+    #: ``sends="eager"``) instead of Nanotron's one tensor of a cut per communication call: that fix's measured effect.
+    eager_sends: tuple[str, ...] = ()
 
     def raw_config(self) -> dict[str, Any]:
         """The YAML as a dict with this scenario's overrides (pp, 1F1B, fp32, batch shape)."""
@@ -142,9 +148,11 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("seed-pp2", "tiny_llama_large_vocab.yaml", 2, 4, SEED_SPLITS, "seed model as shipped, pp=2, m=4",
                  rounds=3 if quick else 10, steps_per_turn=2 if quick else 3, rewarm=1,
                  # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
-                 calibrate_every=0 if quick else 2, auto=True, decompose=("default", "chain K=2")),
+                 calibrate_every=0 if quick else 2, auto=True, decompose=("default", "chain K=2"),
+                 eager_sends=("default", "chain K=2", "chain K=4")),
         Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
-        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",), **smol),
+        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",),
+                 eager_sends=("default",), **smol),
         Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
                  "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
                  steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
@@ -316,8 +324,10 @@ class Progress:
             os.replace(tmp, self.path)
 
 
-def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any) -> dict[str, dict[str, Any]]:
-    """One model per distinct split (all alive at once), with its optimizer, micro-batch stream and timer."""
+def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any,
+                 eager_sends: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """One model per distinct split (all alive at once), with its optimizer, micro-batch stream and timer; and
+    for each split in ``eager_sends`` a second run of the same model with every queued send posted at once."""
     import torch
 
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
@@ -337,8 +347,14 @@ def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any) -> dict[str, 
         optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
         runs[key] = {"names": [name], "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
                      "m": cfg.run.n_micro_batches, "timer": StepTimer(model, ctx), "losses": [],
+                     "sends": "nanotron",
                      "batches": random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
                                                      cfg.run.sequence_length)}
+    for name in eager_sends:
+        key = split_key(*plans[name][::2])
+        # The same model, optimizer and data: only the send order differs. No names: no prediction row.
+        runs[key + EAGER_SENDS] = runs[key] | {"names": [], "of": name, "sends": "eager", "losses": [],
+                                               "timer": StepTimer(runs[key]["model"], ctx)}
     return runs
 
 
@@ -375,7 +391,7 @@ def _turn(run: dict[str, Any], ctx: Any, records: Sequence[bool]) -> None:
         before, P2PCount.shapes = (P2PCount.sent, P2PCount.received), []
         with run["timer"] as timer, timer.step(record=record):
             run["losses"].append(train_step(run["model"], ctx, ENGINE, run["batches"], run["m"], run["optimizer"],
-                                            grad_accumulator=run["grad_acc"], clip_grad=None))
+                                            grad_accumulator=run["grad_acc"], clip_grad=None, sends=run["sends"]))
         run["tensors"] = [P2PCount.sent - before[0], P2PCount.received - before[1]]  # the same every step
         run["shapes"] = P2PCount.shapes[: len(P2PCount.shapes) // run["m"]]  # one micro-batch's sends
 
@@ -476,7 +492,7 @@ def worker(spec_path: str, out_path: str) -> None:
         dist.barrier()
         plans = plan_splits(spec["splits"], cfg, planning_path)
         P2PCount.install()
-        runs = build_models(plans, ctx)
+        runs = build_models(plans, ctx, spec["eager_sends"])
         progress = Progress(spec["progress"], rank0, n_calibrations(spec) + spec["rounds"] * len(runs))
         progress.advance()
         loads = train_rounds(runs, ctx, spec, lambda: profiles.append(take_profile(cfgs)), progress)
@@ -507,7 +523,8 @@ def _gathered(run: dict[str, Any]) -> dict[str, Any] | None:
     per_rank = run["timer"].gather()
     if per_rank is None:
         return None
-    return {"names": run["names"], "losses": run["losses"], "tensors": tensors, "exchange": run.get("exchange"),
+    return {"names": run["names"], "sends": run["sends"], "of": run.get("of"), "losses": run["losses"],
+            "tensors": tensors, "exchange": run.get("exchange"),
             "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
 
 
@@ -877,6 +894,31 @@ def print_parts(result: dict[str, Any], sc: Scenario) -> dict[str, Any]:
     return out
 
 
+def print_send_order(result: dict[str, Any], rows: Sequence[Row]) -> dict[str, Any]:
+    """Item 3's candidate engine fix: each split with every queued send posted at once (``sends="eager"``)
+    against Nanotron's order (one tensor of a cut per communication call), same model, same rounds."""
+    from nanotron_ext.report import table
+
+    by_name, cells, out = {r.name: r for r in rows}, [], {}
+    for run in result["runs"].values():
+        if run["sends"] != "eager":
+            continue
+        base = by_name[run["of"]]
+        steps = step_times(run)
+        med, (low, high, _) = statistics.median(steps), median_interval(steps)
+        out[run["of"]] = {"eager": med, "nanotron": base.median, "gain": base.median / med}
+        cells.append([run["of"], f"{base.median * 1e3:.1f}", f"{base.low * 1e3:.1f}–{base.high * 1e3:.1f}",
+                      f"{med * 1e3:.1f}", f"{low * 1e3:.1f}–{high * 1e3:.1f}", f"{base.median / med:.3f}",
+                      f"{base.low / high:.3f}–{base.high / low:.3f}", f"{base.predicted * 1e3:.1f}",
+                      f"{base.predicted / med:.3f}"])
+    if cells:
+        print("\nEvery queued send posted at once (nanotron_ext.runtime.send_order, sends=\"eager\") against Nanotron's "
+              "order (one tensor of a cut per communication call, the rows above), same model, same rounds:")
+        print(table(["split", "Nanotron's order ms", "95% interval", "eager ms", "95% interval", "gain of eager",
+                     "gain, from the intervals", "predicted ms", "pred ÷ meas, eager"], cells, markdown=True))
+    return out
+
+
 def _ms(*seconds: float) -> list[str]:
     return [f"{x * 1e3:.1f}" for x in seconds]
 
@@ -890,7 +932,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     spec = {"label": sc.label, "raw": sc.raw_config(), "pp": sc.pp, "splits": list(sc.splits),
             "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 1,
             "calibrate_every": sc.calibrate_every, "auto": sc.auto, "decompose": list(sc.decompose),
-            "profile_paths": paths}
+            "eager_sends": list(sc.eager_sends), "profile_paths": paths}
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = launch(spec, malloc_env=not args.system_malloc)
     oversubscribed = sc.pp > (os.cpu_count() or 1)
@@ -910,6 +952,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     if any(r.name.startswith("chain") for r in rows):
         checks |= print_chain(result, rows)
     parts = print_parts(result, sc)
+    checks["send_order"] = print_send_order(result, rows)
     return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
             "checks": checks, "parts": parts, "checks_count": not oversubscribed}
 

@@ -57,6 +57,7 @@ VALIDATE = "nanotron_ext/plan/validate.py"
 FREEZE = "nanotron_ext/inventory/freeze.py"
 CHECKS = "nanotron_ext/integration/checks.py"
 MEASURED = "nanotron_ext/costs/profiled.py"
+SEND_ORDER = "nanotron_ext/runtime/send_order.py"
 OPTIMAL = "nanotron_ext/partition/optimal.py"
 RULE = "nanotron_ext/partition/nanotron_rule.py"
 SIMULATOR = "nanotron_ext/schedule/simulator.py"
@@ -155,6 +156,18 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    measuring = list(range(dist.get_world_size())) if concurrent else [0]",
       "    measuring = list(range(dist.get_world_size()))",
       ("tests/runtime/test_profiled.py::test_same_plan_on_every_rank_when_one_rank_measures_differently",), "0.2"),
+    M("profiler times the backward with warm caches", MEASURED,
+      "            flush_caches(device)\n            grads = [", "            grads = [",
+      ("tests/runtime/test_profiled.py::test_every_timed_section_starts_with_cold_caches",), "0.2"),
+    M("the flush fits in the last-level cache", MEASURED,
+      "2 * _last_level_cache_bytes() if", "_last_level_cache_bytes() // 2 if",
+      ("tests/runtime/test_profiled.py::test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib",), "0.2"),
+    # --- the runtime's send order (issue 22, item 3) ----------------------------------------------------------
+    M("eager order posts one activation per call", SEND_ORDER,
+      "        _post_all(self.microbatches_activations_to_send)\n        if send_only_activation:",
+      "        if self.microbatches_activations_to_send:\n            self.microbatches_activations_to_send.popleft()()\n"
+      "        if send_only_activation:",
+      ("tests/runtime/test_send_order.py",), "0.2"),
     # --- the vocabulary-shard chain (issue 15) ---------------------------------------------------------------
     M("chain drops the running-max rescale", VOCAB,
       "sumexp = sumexp + running_sumexp * torch.exp(running_max - new_max)", "sumexp = sumexp + running_sumexp",
