@@ -503,26 +503,22 @@ def profile_blocks(
     return [found[_hash(key)] for key in keys]
 
 
-def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, concurrent: bool = False,
-                  **kwargs: Any) -> list[BlockTiming]:
+def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: Any) -> list[BlockTiming]:
     """Per-block timings that are identical on every rank.
 
     With an initialised process group, global rank 0 measures (or reads its cache) and broadcasts the result;
-    with ``concurrent``, every rank measures at the same time, as the ranks of a training step compute together
-    (on a shared CPU they compete for cores, caches and memory bandwidth), and each block takes the median over
-    the ranks. Every rank must call this (it is collective). Without a group, this process measures.
+    every rank must call this (it is collective). Without one, this process measures.
 
     Args:
         blocks: the inventory.
         cfg: the config.
-        concurrent: every rank measures at once (``calibrate`` under torchrun); default rank 0 alone.
-        **kwargs: passed to :func:`profile_blocks` on the measuring rank(s) (``cache_dir``, ``warmup``, ``repeats``).
+        **kwargs: passed to :func:`profile_blocks` on the measuring rank (``cache_dir``, ``warmup``, ``repeats``).
 
     Returns:
         One :class:`BlockTiming` per block.
 
     Raises:
-        PlanningError: measuring failed (on every rank, with the first failing rank's reason).
+        PlanningError: measuring failed (on every rank, with rank 0's reason).
     """
     try:
         import torch.distributed as dist
@@ -530,22 +526,18 @@ def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, concurrent
         raise PlanningError(f"the profiled strategy needs torch and nanotron installed: {exc}") from exc
     if not dist.is_initialized():
         return profile_blocks(blocks, cfg, **kwargs)
-    # Every rank joins each group's creation (torch requires it). gloo, because the blocks may be measured on CPU
-    # whatever the default backend is.
-    measuring = list(range(dist.get_world_size())) if concurrent else [0]
-    groups = {r: dist.new_group(ranks=[r], backend="gloo") for r in measuring}
-    mine: dict[str, Any] = {}
-    if dist.get_rank() in groups:
+    # Every rank joins the group's creation (torch requires it); only rank 0 uses it. gloo, because the blocks
+    # may be measured on CPU whatever the default backend is.
+    group = dist.new_group(ranks=[0], backend="gloo")
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
         try:
-            timings = profile_blocks(blocks, cfg, tp_pg=groups[dist.get_rank()], **kwargs)
-            mine = {"ok": [(t.forward, t.backward, t.optimizer) for t in timings]}
-        except Exception as exc:  # every rank must leave the collective, and raise the same error
-            mine = {"error": f"global rank {dist.get_rank()} failed: {type(exc).__name__}: {exc}"}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    results = [gathered[r] for r in measuring]
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise PlanningError(f"profiling on {errors[0]}")
-    return [BlockTiming(*(statistics.median(r["ok"][i][k] for r in results) for k in range(3)))
-            for i in range(len(blocks))]
+            timings = profile_blocks(blocks, cfg, tp_pg=group, **kwargs)
+            payload[0] = {"ok": [(t.forward, t.backward, t.optimizer) for t in timings]}
+        except Exception as exc:  # every rank must leave the broadcast, and raise the same error
+            payload[0] = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.broadcast_object_list(payload, src=0)
+    result = payload[0]
+    if "error" in result:
+        raise PlanningError(f"profiling on global rank 0 failed: {result['error']}")
+    return [BlockTiming(*values) for values in result["ok"]]

@@ -243,8 +243,8 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
             tempfile.TemporaryDirectory(prefix="nanotron_ext_calibrate_"))
         for trial, blocks in variants:
             # Rank 0 measures while the others wait, each timed call starting with cold caches. Every rank measuring
-            # at once (concurrent=True) over-predicted the SmolLM shape by 9-23 %: the ranks' cache flushes and
-            # timed calls overlap at random and slow each other (benchmarks/predict_vs_measure.py).
+            # at once over-predicted the SmolLM shape by 9-23 %: the ranks' cache flushes and timed calls overlap at
+            # random and slow each other (benchmarks/predict_vs_measure.py).
             for cost in measured_blocks(blocks, trial, cache_dir=folder, warmup=warmup, repeats=repeats,
                                         module_factory=factory):
                 out.setdefault(cost.signature, cost)

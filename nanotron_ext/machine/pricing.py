@@ -62,9 +62,8 @@ def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *
 
 
 def measured_blocks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: object) -> list[BlockCost]:
-    """``blocks`` measured on this machine (under torch.distributed rank 0 measures and broadcasts, or with
-    ``concurrent=True`` every rank at once; cached on disk, see :mod:`nanotron_ext.costs.profiled`), one
-    :class:`BlockCost` per distinct signature."""
+    """``blocks`` measured on this machine (rank 0 measures and broadcasts under torch.distributed; cached on
+    disk, see :mod:`nanotron_ext.costs.profiled`), one :class:`BlockCost` per distinct signature."""
     from nanotron_ext.costs.profiled import block_timings  # needs torch: only when measuring
 
     timings = block_timings(blocks, cfg, **kwargs)  # type: ignore[arg-type]

@@ -215,11 +215,3 @@ def test_rank0_profiling_failure_raises_on_every_rank(tmp_path: Path) -> None:
     expected = ("PlanningError: profiling on global rank 0 failed: RuntimeError: scripted failure on rank 0: "
                 "cannot build model.lm_head")
     assert results == [{"rank": 0, "error": expected}, {"rank": 1, "error": expected}]
-
-
-def test_concurrent_timings_are_measured_on_every_rank_and_take_the_median(tmp_path: Path) -> None:
-    """``calibrate`` under torchrun: every rank measures at once (rank 0 by SCRIPT_A, rank 1 by SCRIPT_B, whose
-    lm_head takes 40 s + 60 s against 1 s + 1 s); every rank gets the median over the ranks, the mean of two."""
-    r0, r1 = run_distributed(timing_workers.concurrent_timings, 2, args=(str(tmp_path),), timeout=60)
-    assert r0["measured"] == r1["measured"] == 6  # 7 blocks, the two decoder layers share a key
-    assert r0["lm_head"] == r1["lm_head"] == [20.5, 30.5]

@@ -222,35 +222,3 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
         except PlanningError as exc:
             result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     return result
-
-
-def concurrent_timings(cache_root: str) -> dict[str, Any]:
-    """``block_timings(concurrent=True)`` at pp=2, rank 0 timed by SCRIPT_A and rank 1 by SCRIPT_B.
-
-    Returns:
-        ``{"rank", "measured", "lm_head"}``: how many blocks this rank measured, and the lm_head's forward and
-        backward seconds it got back.
-    """
-    from nanotron_ext.config import bundled_config, load_config
-    from nanotron_ext.costs import profiled
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.runtime import GlooParallelContext
-
-    rank = int(os.environ["RANK"])
-    scripted = ScriptedTime(SCRIPT_A if rank == 0 else SCRIPT_B)
-    calls = {"n": 0}
-    real_measure = with_factory(profiled.measure_block, scripted.factory)
-
-    def measure(block: Any, cfg: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return real_measure(block, cfg, **kwargs)
-
-    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1):
-        profiled.measure_block = measure
-        profiled.clock = scripted.clock
-        cfg = load_config(bundled_config())
-        blocks = inventory_from_config(cfg)
-        timings = profiled.block_timings(blocks, cfg, concurrent=True, cache_dir=os.path.join(cache_root, f"r{rank}"),
-                                         repeats=3)
-        head = next(t for b, t in zip(blocks, timings) if b.role == "lm_head")
-    return {"rank": rank, "measured": calls["n"], "lm_head": [head.forward, head.backward]}
