@@ -10,9 +10,10 @@ seed model's K=2 chain cut takes 2.6 ms that way against 2.0 ms with every send 
 ``EagerSendState`` posts every queued send at its kind's turn, then receives exactly as Nanotron does, so the
 ranks' programs (:func:`nanotron_ext.schedule.simulator.engine_program`) are unchanged and a cut's tensors move
 as one transfer, which is what the simulator prices. Inside the pipeline it gains nothing on this project's
-2-core VM (``benchmarks/predict_vs_measure.py``, same models, same rounds: 0.990× on the seed model's default
-split, 0.963× and 0.873× on its K=2 and K=4 chains, 0.994× on the SmolLM shape at m=4), so the runtime keeps
-Nanotron's order by default and ``eager`` is there to measure it again elsewhere.
+2-core VM (``benchmarks/predict_vs_measure.py``, same models, same rounds: 1.09×, 0.94× and 0.99× on the seed
+model's default split and its K=2 and K=4 chains, 1.00× on the SmolLM shape at m=4, every interval across 1; in
+an earlier run the K=4 chain was slower, 0.87× [0.82, 0.99]), so the runtime keeps Nanotron's order by default
+and ``eager`` is there to measure it again elsewhere.
 
 ``eager`` is safe where sends never block the host and each directed link carries one kind of tensor in order:
 the runtime's :class:`~nanotron_ext.runtime.p2p.CPUP2P` posts every send with ``isend``, activations only flow up
