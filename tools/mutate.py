@@ -87,8 +87,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       'bad = [r for r in rows if r["trainable"] == 0]', 'bad = [r for r in rows if r["params"] == 0]',
       ("tests/runtime/test_integration.py",), "0.2"),
     M("rank 0 re-raises its profiling error", MEASURED,
-      '            mine = {"error": f"global rank {dist.get_rank()} failed: {type(exc).__name__}: {exc}"}\n',
-      "            raise\n",
+      '            payload[0] = {"error": f"{type(exc).__name__}: {exc}"}\n', "            raise\n",
       ("tests/runtime/test_profiled.py::test_rank0_profiling_failure_raises_on_every_rank",), "0.2"),
     # --- partitioner ---------------------------------------------------------------------------------------
     M("partitioner allows empty stages", OPTIMAL,
