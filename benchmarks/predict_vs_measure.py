@@ -912,8 +912,9 @@ def print_send_order(result: dict[str, Any], rows: Sequence[Row]) -> dict[str, A
                       f"{base.low / high:.3f}–{base.high / low:.3f}", f"{base.predicted * 1e3:.1f}",
                       f"{base.predicted / med:.3f}"])
     if cells:
-        print("\nEvery queued send posted at once (nanotron_ext.runtime.send_order, sends=\"eager\") against Nanotron's "
-              "order (one tensor of a cut per communication call, the rows above), same model, same rounds:")
+        print("\nEvery queued send posted at once (nanotron_ext.runtime.send_order, sends=\"eager\") against "
+              "Nanotron's order (one tensor of a cut per communication call, the rows above), same model, same "
+              "rounds:")
         print(table(["split", "Nanotron's order ms", "95% interval", "eager ms", "95% interval", "gain of eager",
                      "gain, from the intervals", "predicted ms", "pred ÷ meas, eager"], cells, markdown=True))
     return out

@@ -6,14 +6,16 @@ The ``profiled`` strategy builds each block's module standalone (by default the 
 :mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
 hidden]`` layout), and times forward and backward separately: a few warm-up runs, then the median of
-``repeats``. Each timed forward, backward and optimizer step starts with cold caches (:func:`flush_caches`, as
-Triton's ``do_bench`` clears the GPU's L2) and hot inputs: inside a pipeline the other blocks, micro-batches and
-ranks run between two calls of a block and evict its weights and saved activations, while its input (or output
-gradient) was just made by its neighbour. On the seed model's first stage (memory-bound blocks of a few hundred
-microseconds) warm-cache timings were half of what the blocks took in Nanotron's engine (2.2 against 4.4 ms per
-micro-batch); timed this way, 4.1 ms. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
+``repeats``. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
 only asks for a gradient when some block before it is trainable, so a frozen prefix costs forward only
 (the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
+
+Each timed forward, backward and optimizer step starts with cold caches (:func:`flush_caches`, as Triton's
+``do_bench`` clears the GPU's L2) and hot inputs: inside a pipeline the other blocks, micro-batches and ranks run
+between two calls of a block and evict its weights and saved activations, while its input (or output gradient) was
+just made by its neighbour. On the seed model's first stage (memory-bound blocks of a few hundred microseconds)
+warm-cache timings were half of what the blocks took in Nanotron's engine (2.2 against 4.4 ms per micro-batch);
+timed this way, 4.1 ms.
 
 Timings are cached on disk as one small JSON file per measurement, keyed by a hash of everything a block's
 time depends on (model shape, batch shape, dtype, torch version, device, thread count, block role, which
