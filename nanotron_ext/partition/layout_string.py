@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from nanotron_ext.errors import LayoutError
 
-__all__ = ["SYMBOLS", "layout_ranks", "parse_layout"]
+__all__ = ["SYMBOLS", "layout_ranks", "layout_string", "parse_layout"]
 
 SYMBOLS: dict[str, tuple[str, ...]] = {
     "E": ("embedding",),
@@ -108,6 +108,38 @@ def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
             f"block {len(roles) - 1} ({roles[-1]})"
         )
     return [stage for stage, _ in flat]
+
+
+def layout_string(roles: Sequence[str], ranks: Sequence[int]) -> str | None:
+    """The layout string of a split, the inverse of :func:`layout_ranks`: runs of decoder layers and vocabulary
+    shards as ``t*K`` / ``V*K``, the final norm, lm_head, cast and loss as ``L`` when one stage holds all four.
+
+    Returns:
+        The string, or None when a block's role has no symbol (``other``) or a stage is empty.
+
+    Example:
+        >>> layout_string(["embedding", "decoder", "decoder", "final_norm", "lm_head", "cast", "loss"],
+        ...               [0, 0, 1, 1, 1, 1, 1])
+        'E,t|t,L'
+    """
+    letter = {symbols[0]: s for s, symbols in SYMBOLS.items() if len(symbols) == 1}
+    if any(r not in letter for r in roles) or sorted(set(ranks)) != list(range(max(ranks, default=-1) + 1)):
+        return None
+    stages = []
+    for k in range(max(ranks) + 1):
+        items = [letter[r] for r, rank in zip(roles, ranks) if rank == k]
+        text = ",".join(items)
+        while "N,H,C,X" in text:
+            text = text.replace("N,H,C,X", "L", 1)
+        parts: list[str] = []
+        for item in text.split(","):
+            if parts and parts[-1].split("*")[0] == item and item in ("t", "V"):
+                head, _, count = parts[-1].partition("*")
+                parts[-1] = f"{head}*{int(count or 1) + 1}"
+            else:
+                parts.append(item)
+        stages.append(",".join(parts))
+    return "|".join(stages)
 
 
 def _first_bad(item: str) -> int:

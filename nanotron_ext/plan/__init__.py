@@ -2,7 +2,7 @@
 findings (what cannot train, why, and what to change)."""
 
 from nanotron_ext.plan.compare import Attempt, plan_every_strategy
-from nanotron_ext.plan.make import make_plan
+from nanotron_ext.plan.make import make_plan, plan_with_ranks
 from nanotron_ext.plan.types import Finding, Plan, StagePlan
 from nanotron_ext.plan.validate import cannot_train_message, validate_plan
 from nanotron_ext.plan.vocab import VocabChoice, resolve_vocab_shards
@@ -16,6 +16,7 @@ __all__ = [
     "cannot_train_message",
     "make_plan",
     "plan_every_strategy",
+    "plan_with_ranks",
     "resolve_vocab_shards",
     "validate_plan",
 ]

@@ -14,8 +14,9 @@ from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
 from nanotron_ext.strategies import get_strategy
+from nanotron_ext.strategies.registry import Assignment
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "plan_with_ranks"]
 
 
 def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None) -> Plan:
@@ -34,7 +35,20 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
         PlanningError: no split satisfies the strategy's constraints.
     """
     name = strategy or cfg.ext.cost_strategy
-    assignment = get_strategy(name).assign(blocks, cfg)
+    return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg))
+
+
+def plan_with_ranks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequence[int], strategy: str) -> Plan:
+    """The plan of a split given block by block (a checkpoint's recorded split), priced and validated as
+    :func:`make_plan` does; ``strategy`` names what chose it.
+
+    Raises:
+        PlanningError: the ranks do not fit the blocks and ``cfg.run.pp``, or go backwards.
+    """
+    return _plan(blocks, cfg, strategy, Assignment(list(ranks), training_flops(blocks), "FLOPs"))
+
+
+def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment) -> Plan:
     pp = cfg.run.pp
     ranks = list(assignment.ranks)
     if len(ranks) != len(blocks) or any(not (0 <= r < pp) for r in ranks):
