@@ -49,6 +49,8 @@ TPMode = Literal["ALL_REDUCE", "REDUCE_SCATTER"]
 MemoryRuntime = Literal["gpu", "cpu"]
 #: Where block times come from (``nanotron_ext.times``; ``--times``).
 BlockTimes = Literal["machine", "flops", "profiled"]
+#: What a resume trains (``nanotron_ext.resume_plan``; ``--replan``): the checkpoint's recorded split, or a new plan.
+ResumePlan = Literal["keep", "replan"]
 #: ``memory_overhead_gib`` when not given, per runtime: on a GPU the CUDA context (~0.5 GiB), NCCL's
 #: communicator buffers and the caching allocator's fragmentation are not tensors; on CPU the measured
 #: quantity is torch's live tensor bytes, so nothing is added.
@@ -175,6 +177,9 @@ class ExtConfig:
         vocab_shards: split lm_head + cast + loss into this many vocabulary-shard blocks (an online
             log-sum-exp chain the partitioner can spread over stages); 1 keeps Nanotron's lm_head, ``auto``
             lets the planner pick (:func:`nanotron_ext.plan.resolve_vocab_shards`).
+        resume_plan: on a resume, ``keep`` trains the split the checkpoint was trained with wherever the config
+            allows it (same pp and vocabulary shards), even if pricing would choose another today; ``replan``
+            plans anew and moves the saved state onto the new plan (:mod:`nanotron_ext.checkpoint`).
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -193,6 +198,7 @@ class ExtConfig:
     memory_runtime: str = "gpu"
     memory_overhead_gib: float | None = None
     vocab_shards: int | str = 1
+    resume_plan: ResumePlan = "keep"
 
     @property
     def overhead_gib(self) -> float:
@@ -235,6 +241,7 @@ class ExtConfig:
         ):
             raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
         _check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
+        _check_choice(f"{EXT_SECTION}.resume_plan", self.resume_plan, ResumePlan)
         if self.times == "profiled" and self.tflops is not None:
             raise ConfigError("nanotron_ext.times=profiled measures block times; tflops would replace them with a "
                               "FLOP rate. Drop one of the two")

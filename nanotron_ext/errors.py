@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError", "RunFailure",
+    "CheckpointError", "ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError", "RunFailure",
     "check_positive_int",
 ]
 
@@ -17,6 +17,10 @@ class NanotronExtError(ValueError):
 
 class ConfigError(NanotronExtError):
     """A config file or option is missing, malformed or out of range."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed as asked: half written, of another model, or not mappable onto the plan."""
 
 
 class PlanningError(NanotronExtError):

@@ -23,7 +23,8 @@ ROOT = "nanotron_ext"
 #: The parts of the package, bottom up; a module may import its own part and the ones before it.
 ORDER = (
     "errors", "report", "outputs", "procs", "blocks", "schedule", "families", "config_keys", "config",
-    "inventory", "zero_bubble", "models", "costs", "machine", "partition", "strategies", "plan", "__init__", "simulate", "integration",
+    "inventory", "zero_bubble", "models", "costs", "machine", "partition", "strategies", "plan", "__init__", "simulate",
+    "checkpoint", "integration",
     "runtime", "cli", "run",
 )
 LAYERS: dict[str, int] = {part: i for i, part in enumerate(ORDER)}
