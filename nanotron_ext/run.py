@@ -17,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from nanotron_ext.checkpoint import check_same_model, kept_vocab_shards, locate_checkpoint
 from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cost-strategy", default=None, help="overrides the YAML's cost_strategy")
     parser.add_argument("--config-file", dest="config_file", default=None,
                         help="the YAML to plan from (default: the script's own --config-file)")
+    parser.add_argument("--replan", action="store_true",
+                        help="on a resume, plan anew and move the checkpoint's state onto the new plan, instead of "
+                             "keeping the split it was trained with (nanotron_ext.resume_plan: replan)")
     parser.add_argument("script", help="the training script, e.g. run_train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
@@ -80,11 +84,21 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             for w in caught:
                 print(f"{prefix}warning: {w.message}", file=sys.stderr, flush=True)
+        if opts.replan:
+            cfg = cfg.with_overrides(resume_plan="replan")
         get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
+        # A half-written checkpoint, or one of another model, stops every rank here, before anything is built.
+        resume = locate_checkpoint((cfg.nanotron.get("checkpoints") or {}).get("resume_checkpoint_path"))
+        if resume is not None:
+            check_same_model(resume, cfg)
+        kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
+        if kept is not None:
+            cfg = cfg.with_overrides(vocab_shards=kept)
         cfg, choice = resolve_vocab_shards(cfg)
-        if choice is not None and os.environ.get("RANK", "0") == "0":
-            print(f"nanotron_ext: vocab_shards: auto -> {choice.shards}", flush=True)
-        undo = install_launcher(cfg, opts.cost_strategy)
+        if os.environ.get("RANK", "0") == "0" and (choice is not None or kept is not None):
+            how = f"kept from {resume.label}" if kept is not None and resume is not None else "chosen now"
+            print(f"nanotron_ext: vocab_shards: auto -> {cfg.vocab_shards} ({how})", flush=True)
+        undo = install_launcher(cfg, opts.cost_strategy, resume=resume)
     except NanotronExtError as exc:
         return report_error(exc, prefix)
     sys.argv = [str(script), *opts.script_args]

@@ -85,6 +85,8 @@ def build_model(
         model = _ACTIVE["model_transform"](model)
     blocks = inventory_from_model(model, cfg)
     plan = plan_for_model(model, cfg, strategy, blocks=blocks)
+    if _ACTIVE.get("choose_plan") is not None:  # a resume: the checkpoint's recorded split, by default
+        plan = _ACTIVE["choose_plan"](plan, blocks, cfg)
     assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,
                   device=device if device is not None else _CPU)
     model.nanotron_ext_plan = plan
@@ -197,6 +199,7 @@ def patch_nanotron(
     *,
     after_build: Callable[[Any, Any], None] | None = None,
     model_transform: Callable[[Any], Any] | None = None,
+    choose_plan: Callable[[Plan, list[BlockInfo], PlannerConfig], Plan] | None = None,
 ) -> Callable[[], None]:
     """Make Nanotron's own code (``DistributedTrainer`` included) build models with nanotron_ext.
 
@@ -212,6 +215,8 @@ def patch_nanotron(
             launcher freezes and runs the collective check there, before the trainer wraps the model).
         model_transform: applied to the unbuilt model before it is planned (the launcher puts the
             vocabulary-shard chain in there).
+        choose_plan: given the plan the config makes, the blocks and the config, the plan to build (the launcher
+            keeps a resumed checkpoint's recorded split there).
 
     Returns:
         A function that undoes the patch.
@@ -242,7 +247,8 @@ def patch_nanotron(
             raise NanotronExtError(_patch_failure(module_name, exc)) from exc
         undo.append((module, "build_model", module.build_model))
         module.build_model = build_model
-    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build, model_transform=model_transform)
+    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build, model_transform=model_transform,
+                   choose_plan=choose_plan)
     return restore
 
 

@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
+from nanotron_ext.checkpoint import ResumeSource
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
 from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
+from nanotron_ext.integration.checkpoints import ResumeState, install_checkpoints
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
+from nanotron_ext.integration.dummy_data import install_dummy_data
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
@@ -48,7 +51,8 @@ def strip_ext_keys(config_dict: Any) -> Any:
 
 
 def install_launcher(
-    cfg: PlannerConfig, strategy: str | None = None, *, say: Callable[[str], None] = print
+    cfg: PlannerConfig, strategy: str | None = None, *, say: Callable[[str], None] = print,
+    resume: ResumeSource | None = None,
 ) -> Callable[[], None]:
     """Make Nanotron's own trainer build, freeze, check and train with ``cfg``'s plan; see the module docstring.
 
@@ -56,6 +60,8 @@ def install_launcher(
         cfg: the planner config read from the user's YAML (``load_config``).
         strategy: overrides ``cfg.ext.cost_strategy`` (the launcher's ``--cost-strategy``).
         say: where rank 0 prints the plan and notes (one call per message).
+        resume: the checkpoint the run resumes (:func:`nanotron_ext.checkpoint.locate_checkpoint`), if any;
+            ``cfg.ext.resume_plan`` says whether its recorded split is kept.
 
     Returns:
         A function that undoes everything installed.
@@ -75,9 +81,16 @@ def install_launcher(
         ) from exc
 
     shards = cfg.vocab_shards  # raises while still 'auto'
+    checkpoints = ResumeState(cfg, resume, mode=cfg.ext.resume_plan, say=say)
+
+    def after_build(model: Any, ctx: Any) -> None:
+        _after_build(model, ctx, say)
+        checkpoints.after_build(model, ctx)
+
     undo_build = patch_nanotron(
-        cfg, strategy, after_build=lambda model, ctx: _after_build(model, ctx, say),
+        cfg, strategy, after_build=after_build,
         model_transform=(lambda model: replace_lm_head_with_vocab_chain(model, shards)) if shards > 1 else None,
+        choose_plan=checkpoints.choose if resume is not None else None,
     )
     patches = Patches()
 
@@ -93,6 +106,8 @@ def install_launcher(
     _frozen_ranks(patches, trainer)
     if shards > 1:
         _feed_the_vocab_chain(patches, trainer)
+    install_checkpoints(patches, trainer, checkpoints)
+    install_dummy_data(patches, trainer)
     for fix, target in present_upstream_fixes(trainer):
         fix.apply(patches, target)
 

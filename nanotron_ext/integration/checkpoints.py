@@ -1,0 +1,348 @@
+"""Checkpoints through Nanotron's own trainer: what the launcher adds to its saves and resumes.
+
+Saving (every checkpoint):
+
+* the plan record (:mod:`nanotron_ext.checkpoint.record`) is written with ``complete: false`` before Nanotron writes
+  a file, and with ``complete: true`` once every rank has written all of its files (before ``latest.txt`` moves);
+* a vocabulary chain's shards are saved as the row shards of Nanotron's ``lm_head``
+  (``model/model/lm_head/pp_block/model_weight_pp-rank-R-of-P_tp-rank-I-of-K.safetensors``, with the rows each
+  holds in the header), so upstream's own ``load_weights`` (and its HF conversion) reads them into a plain model.
+
+Resuming:
+
+* the checkpoint folder is found as Nanotron finds it, and a half-written one is refused before anything loads
+  (:func:`nanotron_ext.checkpoint.locate_checkpoint`; Nanotron's trainer is handed the same folder);
+* the plan: the recorded split by default (:func:`nanotron_ext.checkpoint.choose_plan`), said in one line;
+* when the state's layout is the one it was saved with, Nanotron's own loaders run unchanged; otherwise (another
+  split, pp, tp, ZeRO-1 dp, number of vocabulary shards, or a checkpoint without a record) the launcher's: every
+  rank's live parameters are gathered, the mapping is proved complete on every rank at once (or every rank stops
+  with the same message before a tensor is loaded), then weights, optimizer states and the learning-rate schedule
+  are placed by name, and rank 0 prints the count.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanotron_ext.checkpoint import (
+    LM_HEAD,
+    Need,
+    PlanRecord,
+    ResumeSource,
+    SavedCheckpoint,
+    canonical_name,
+    choose_plan,
+    count_placements,
+    placement_problems,
+    record_for,
+)
+from nanotron_ext.checkpoint.boxes import Piece, full_box, pieces_of, slices_pairs_str
+from nanotron_ext.checkpoint.files import weight_name
+from nanotron_ext.checkpoint.reshard import (
+    LiveEntry,
+    LiveOptimizer,
+    fill_weight,
+    optimizer_state_dict,
+    scheduler_state_dict,
+)
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import CheckpointError
+from nanotron_ext.integration.upstream_fixes import Patches
+from nanotron_ext.machine import machine_for
+from nanotron_ext.models.vocab_chain import VocabShard
+
+__all__ = ["ResumeState", "install_checkpoints"]
+
+
+class ResumeState:
+    """What the launcher knows of this run's checkpoints, shared by the build, load and save hooks."""
+
+    def __init__(self, cfg: PlannerConfig, source: ResumeSource | None, *, mode: str,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.source, self.mode, self.say = cfg, source, mode, say
+        self.model: Any = None
+        self.context: Any = None
+        self.record: PlanRecord | None = None  # the new plan's, once built
+        self.ours = False  # the launcher's loader places the state (the layout changed)
+        self.optimizer: Any = None
+        self.saved: SavedCheckpoint | None = None
+        self.needs: dict[str, Need] = {}  # this rank's live parameters by local name (and tied name)
+
+    # --- planning -------------------------------------------------------------------------------------------
+
+    def choose(self, today: Any, blocks: Any, cfg: PlannerConfig) -> Any:
+        """The plan the resume trains (``patch_nanotron``'s ``choose_plan``); rank 0 says which, in one line."""
+        if self.source is None:
+            return today
+        choice = choose_plan(today, blocks, cfg, self.source, machine_for(cfg), mode=self.mode)  # type: ignore[arg-type]
+        if _rank() == 0:
+            self.say(f"nanotron_ext: {choice.note}")
+        return choice.plan
+
+    def after_build(self, model: Any, context: Any) -> None:
+        """Record the built plan, and decide whose loader reads the checkpoint."""
+        self.model, self.context = model, context
+        self.record = record_for(model.nanotron_ext_plan, self.cfg, machine_for(self.cfg), tp=context.tp_pg.size(),
+                                 dp=context.dp_pg.size(), vocab_bounds=_vocab_bounds(model))
+        if self.source is not None:
+            recorded = self.source.record
+            self.ours = recorded is None or not recorded.same_state_layout(self.record)
+
+    # --- loading --------------------------------------------------------------------------------------------
+
+    def loads(self, what: str) -> bool:
+        """Whether Nanotron's config loads ``what`` on resume (``checkpoints.load_optimizer``, ...)."""
+        return bool((self.cfg.nanotron.get("checkpoints") or {}).get(what, True))
+
+    def _active(self, root_folder: Any) -> bool:
+        return self.ours and self.source is not None and Path(root_folder) == self.source.folder
+
+    def load_weights(self, model: Any, parallel_context: Any, root_folder: Any, load_optimizer: bool) -> None:
+        """Check on every rank that the checkpoint maps completely onto the new plan, then load this rank's
+        weights; rank 0 prints the count.
+
+        Raises:
+            CheckpointError: on every rank, the same message, before any tensor is loaded.
+        """
+        import torch.distributed as dist
+
+        assert self.source is not None and self.record is not None
+        mine = _local_needs(model, parallel_context)
+        gathered: list[Any] = [None] * dist.get_world_size(parallel_context.world_pg)
+        dist.all_gather_object(gathered, [n for n, _ in mine], group=parallel_context.world_pg)
+        needs = [n for rank_needs in gathered for n in rank_needs]
+        try:
+            saved = SavedCheckpoint.scan(self.source.folder)
+            problems = placement_problems(saved, needs, optimizer=load_optimizer)
+        except CheckpointError as exc:
+            problems, saved = [str(exc)], None
+        if problems:
+            raise CheckpointError(self._cannot(problems))
+        assert saved is not None
+        with torch.no_grad():
+            for need, param in mine:
+                fill_weight(saved, need, param.data)
+        self.saved = saved
+        self.needs = {n.local_name: n for n, _ in mine} | {n.name: n for n, _ in mine if n.tied}
+        if _rank() == 0:
+            count = count_placements(saved, needs, optimizer=load_optimizer)
+            self.say(f"nanotron_ext: {self.source.label} -> split {self.record.layout} (pp={self.record.pp}, "
+                     f"tp={self.record.tp}, dp={self.record.dp}): {count.line()}")
+
+    def _cannot(self, problems: list[str]) -> str:
+        assert self.source is not None and self.record is not None
+        recorded = self.source.record
+        was = f"{recorded.layout}, pp={recorded.pp}, tp={recorded.tp}, dp={recorded.dp}" if recorded else "no record"
+        differs = "; ".join(str(d) for d in recorded.differences(self.record)) if recorded else "unknown"
+        keep = (f"keep the recorded plan (pp={recorded.pp}, vocab_shards: {recorded.vocab_shards}, "
+                f"resume_plan: keep)" if recorded else "resume under the plan it was saved with")
+        listed = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
+        return (f"cannot resume {self.source.label} ({was}) under the new plan ({self.record.layout}, pp={self.record.pp}, "
+                f"tp={self.record.tp}, dp={self.record.dp}); nothing was loaded. What differs: {differs}.\n  {listed}\n"
+                f"  fix: {keep}, or change what the lines above name")
+
+    def load_optimizer(self, optimizer: Any) -> None:
+        """Place the optimizer state (moments, step, fp32 master, group hyperparameters) by name."""
+        assert self.saved is not None
+        live = _live_optimizer(optimizer, self.needs, self.context)
+        if live.entries:
+            optimizer.load_state_dict(optimizer_state_dict(self.saved, live), map_location="cpu")
+
+    def load_lr_scheduler(self, lr_scheduler: Any) -> None:
+        """Give the scheduler the saved step and each group its saved rates, as Nanotron's loader then does."""
+        assert self.saved is not None and self.optimizer is not None
+        live = _live_optimizer(self.optimizer, self.needs, self.context)
+        by_index = {e.index: e.need for e in live.entries}
+        groups = [[by_index[i] for i in g["params"]] for g in live.param_groups]
+        lr_scheduler.load_state_dict(scheduler_state_dict(self.saved, lr_scheduler.state_dict(), groups))
+        lr_scheduler._initial_step()  # as nanotron.serialize.optimizer.load_lr_scheduler does
+
+    # --- saving ---------------------------------------------------------------------------------------------
+
+    def mark(self, folder: Path, step: int, *, complete: bool) -> None:
+        """Write the plan record into a checkpoint folder (world rank 0)."""
+        if self.record is None or _rank() != 0:
+            return
+        from dataclasses import replace
+
+        folder.mkdir(parents=True, exist_ok=True)
+        replace(self.record, step=step, complete=complete).write(folder)
+
+    def save_chain_as_lm_head(self, model: Any, parallel_context: Any, root_folder: Path) -> None:
+        """Rewrite this rank's vocabulary shards (saved by Nanotron under ``vocab_shards/``) as row shards of the
+        lm_head, the layout upstream's loader reads into a plain model."""
+        import torch.distributed as dist
+        from nanotron.constants import CHECKPOINT_VERSION
+        from safetensors.torch import save_file
+
+        chain = _chain(model)
+        if not chain or dist.get_rank(getattr(parallel_context, "dp_cp_pg", parallel_context.dp_pg)) != 0:
+            return  # no chain; or not a rank Nanotron saves weights on (dp rank 0 only)
+        rank, pp = dist.get_rank(parallel_context.pp_pg), parallel_context.pp_pg.size()
+        rows = chain[-1].module_kwargs["hi"]
+        for index, block in enumerate(chain):
+            if block.rank != rank:
+                continue
+            weight = block.pp_block.weight
+            local = tuple(weight.shape)
+            piece = Piece(full_box(local), ((block.module_kwargs["lo"], block.module_kwargs["hi"]), *full_box(local[1:])))
+            path = root_folder / "model" / weight_name(LM_HEAD, rank, pp, index, len(chain))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"data": weight.detach().cpu().contiguous()}, str(path), metadata={
+                "version": str(CHECKPOINT_VERSION), "local_global_slices_pairs": slices_pairs_str([piece]),
+                "unsharded_shape": str((rows, *local[1:]))})
+            old = root_folder / "model" / weight_name(f"model.vocab_shards.{index}.pp_block.weight")
+            old.unlink(missing_ok=True)
+            for folder in (old.parent, old.parent.parent, old.parent.parent.parent):  # .../vocab_shards/{i}/pp_block
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break  # not empty (another shard's rank has not moved its file yet), or already gone
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _chain(model: Any) -> list[Any]:
+    """The vocabulary chain's ``PipelineBlock``s of a built model, in order (every rank's, built or not)."""
+    return list(getattr(getattr(getattr(model, "module", model), "model", None), "vocab_shards", None) or [])
+
+
+def _vocab_bounds(model: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((b.module_kwargs["lo"], b.module_kwargs["hi"]) for b in _chain(model))
+
+
+def _local_needs(model: Any, parallel_context: Any) -> list[tuple[Need, Any]]:
+    """This rank's live parameters, each as the checkpoint must fill it."""
+    import torch.distributed as dist
+
+    prefixes = {id(m): f"{n}." for n, m in model.named_modules()}
+    prefixes[id(model)] = ""
+    shards = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, VocabShard)}
+    rows = max((hi for _, hi in _vocab_bounds(model)), default=0)
+    rank, dp = dist.get_rank(parallel_context.world_pg), dist.get_rank(parallel_context.dp_pg)
+    out = []
+    for local_name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        tied = bool(getattr(param, "is_tied", False))
+        # Nanotron saves a tied parameter under its tied name; a vocabulary shard as rows of the lm_head.
+        name = canonical_name(param.get_tied_info().get_full_name_from_module_id_to_prefix(
+            module_id_to_prefix=prefixes) if tied else local_name)
+        if local_name in shards:
+            module = shards[local_name]
+            whole = (rows, *shape[1:])
+            pieces: tuple[Piece, ...] = (Piece(full_box(shape), ((module.lo, module.hi), *full_box(shape[1:]))),)
+        elif getattr(param, "is_sharded", False):
+            info = param.get_sharded_info()
+            whole = tuple(int(n) for n in info.unsharded_shape)
+            pieces = pieces_of([(p.local_slices, p.global_slices) for p in info.local_global_slices_pairs], shape, whole)
+        else:
+            whole, pieces = shape, (Piece(full_box(shape), full_box(shape)),)
+        out.append((Need(name, local_name, rank, dp, shape, whole, pieces, param.requires_grad, tied), param))
+    return out
+
+
+def _live_optimizer(optimizer: Any, needs: dict[str, Need], parallel_context: Any) -> LiveOptimizer:
+    """The live Nanotron optimizer as :class:`LiveOptimizer`: torch numbers its state by parameter, group after
+    group; Nanotron's ``id_to_name`` names each (the tied name for a tied parameter); ZeRO-1 keeps, per name, the
+    flat range each dp rank updates."""
+    import torch.distributed as dist
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    offsets = getattr(optimizer, "param_name_to_dp_rank_offsets", None)
+    dp = dist.get_rank(parallel_context.dp_pg)
+    entries = []
+    for index, param in enumerate(params):
+        name = optimizer.id_to_name[id(param)]
+        need = needs.get(name)
+        if need is None:
+            raise CheckpointError(f"the optimizer holds {name}, which is no parameter of this rank's model")
+        span = None if offsets is None else tuple(int(x) for x in offsets[name][dp])
+        entries.append(LiveEntry(index, name, need, span))  # type: ignore[arg-type]
+    template = optimizer.state_dict()
+    return LiveOptimizer(tuple(entries), tuple(template["param_groups"]), "gradient_accumulator" in template)
+
+
+def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> None:
+    """Install the save and load hooks of the module docstring into ``nanotron.trainer``."""
+    import nanotron.serialize.main as serialize_main
+    import torch.distributed as dist
+
+    if state.source is not None:
+        parse = trainer.parse_ckpt_path
+
+        def parse_ckpt_path(config: Any, parallel_context: Any) -> Any:
+            # Nanotron is handed the folder the launcher checked (it would take a half-written one for none).
+            return state.source.folder if state.source is not None else parse(config, parallel_context)
+
+        patches.set(trainer, "parse_ckpt_path", parse_ckpt_path)
+
+    load_weights = trainer.load_weights
+
+    def load_weights_by_plan(model: Any, parallel_context: Any, root_folder: Any, *args: Any, **kwargs: Any) -> Any:
+        if not state._active(root_folder):
+            return load_weights(model, parallel_context, root_folder, *args, **kwargs)
+        state.load_weights(model, parallel_context, root_folder, state.loads("load_optimizer"))
+        return {}
+
+    patches.set(trainer, "load_weights", load_weights_by_plan)
+    load_optimizer = trainer.load_optimizer
+
+    def load_optimizer_by_plan(*args: Any, optimizer: Any, root_folder: Any, **kwargs: Any) -> Any:
+        if not state._active(root_folder):
+            return load_optimizer(*args, optimizer=optimizer, root_folder=root_folder, **kwargs)
+        return state.load_optimizer(optimizer)
+
+    patches.set(trainer, "load_optimizer", load_optimizer_by_plan)
+    load_lr_scheduler = trainer.load_lr_scheduler
+
+    def load_lr_scheduler_by_plan(*args: Any, lr_scheduler: Any, root_folder: Any, **kwargs: Any) -> Any:
+        if not state._active(root_folder):
+            return load_lr_scheduler(*args, lr_scheduler=lr_scheduler, root_folder=root_folder, **kwargs)
+        return state.load_lr_scheduler(lr_scheduler)
+
+    patches.set(trainer, "load_lr_scheduler", load_lr_scheduler_by_plan)
+    build_optimizer = trainer.init_optimizer_and_grad_accumulator
+
+    def init_optimizer_and_grad_accumulator(*args: Any, **kwargs: Any) -> Any:
+        optimizer, accumulator = build_optimizer(*args, **kwargs)
+        state.optimizer = optimizer
+        return optimizer, accumulator
+
+    patches.set(trainer, "init_optimizer_and_grad_accumulator", init_optimizer_and_grad_accumulator)
+
+    save_checkpoint = trainer.DistributedTrainer.save_checkpoint
+
+    def save_checkpoint_with_record(self: Any) -> Any:
+        folder = Path(self.config.checkpoints.checkpoints_path) / str(self.iteration_step)
+        state.mark(folder, self.iteration_step, complete=False)
+        return save_checkpoint(self)
+
+    patches.set(trainer.DistributedTrainer, "save_checkpoint", save_checkpoint_with_record)
+    save_random_states = trainer.save_random_states
+
+    def save_random_states_then_complete(*args: Any, parallel_context: Any, root_folder: Any, **kwargs: Any) -> Any:
+        # The last files of a checkpoint before Nanotron moves latest.txt: once every rank is here, it is whole.
+        out = save_random_states(*args, parallel_context=parallel_context, root_folder=root_folder, **kwargs)
+        dist.barrier(parallel_context.world_pg)
+        step = Path(root_folder).name
+        state.mark(Path(root_folder), int(step) if step.isdigit() else -1, complete=True)
+        return out
+
+    patches.set(trainer, "save_random_states", save_random_states_then_complete)
+    save_weights = serialize_main.save_weights
+
+    def save_weights_with_chain(model: Any, parallel_context: Any, root_folder: Any) -> Any:
+        out = save_weights(model=model, parallel_context=parallel_context, root_folder=root_folder)
+        state.save_chain_as_lm_head(model, parallel_context, Path(root_folder))
+        return out
+
+    patches.set(serialize_main, "save_weights", save_weights_with_chain)
