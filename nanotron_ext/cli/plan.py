@@ -19,6 +19,7 @@ from nanotron_ext.cli.common import (
     verdict_cell,
     warn_memory,
 )
+from nanotron_ext.cli.resume import plan_against_checkpoint
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
@@ -43,11 +44,23 @@ def add_subcommand(subparsers: Any) -> None:
                    help=f"the default plan under each of {' and '.join(COMPARED_ENGINES)}, each planned for its own "
                         "engine: split, simulated step, bubble, per-stage memory peak")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
+                        "resume under CONFIG trains, and what differs")
+    p.add_argument("--replan", action="store_true",
+                   help="with --checkpoint: the resume plans anew (nanotron_ext.resume_plan: replan) instead of "
+                        "keeping the recorded split")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext plan``; returns the exit code."""
+    if args.checkpoint is not None:
+        cfg = config_from_args(args, args.config)
+        return plan_against_checkpoint(cfg.with_overrides(resume_plan="replan") if args.replan else cfg,
+                                       args.checkpoint, as_json=args.json)
+    if args.replan:
+        raise ConfigError("--replan goes with --checkpoint DIR (what a resume of that checkpoint would train)")
     if args.compare_engines:
         if args.compare:
             raise ConfigError("--compare and --compare-engines are two tables; pass one of them")
