@@ -120,3 +120,35 @@ def install() -> None:
 
     nanotron.trainer.state_dict_to_device = lambda state_dict, device: None
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+
+    # 8. Not a CUDA call, and only a log line: torch's environment report (it runs pip and lscpu), which upstream's
+    # trainer prints at start-up on rank 0 and which took 3.3 s of every ~8.5 s test run here.
+    from torch.utils import collect_env
+
+    collect_env.main = lambda: "(skipped by the CPU stand-ins)"
+    _pause_in_save(os.environ.get(PAUSE_IN_SAVE))
+
+
+#: Fault injection for the checkpoint tests: ``NANOTRON_EXT_TEST_PAUSE_IN_SAVE=<step>`` stops every rank in the middle
+#: of that step's checkpoint (weights written, optimizer not) until it is killed, after touching ``PAUSED-<rank>``
+#: in the checkpoint folder so the test knows when to kill.
+PAUSE_IN_SAVE = "NANOTRON_EXT_TEST_PAUSE_IN_SAVE"
+
+
+def _pause_in_save(step: str | None) -> None:
+    if not step:
+        return
+    import time
+    from pathlib import Path
+
+    import nanotron.serialize.main as serialize_main
+
+    save_optimizer = serialize_main.save_optimizer
+
+    def paused(*args: Any, root_folder: Any, **kwargs: Any) -> Any:
+        if Path(root_folder).name == step:
+            (Path(root_folder) / f"PAUSED-{os.environ.get('RANK', '0')}").touch()
+            time.sleep(3600)
+        return save_optimizer(*args, root_folder=root_folder, **kwargs)
+
+    serialize_main.save_optimizer = paused
