@@ -136,15 +136,15 @@ class ResumeState:
 
     def _cannot(self, problems: list[str]) -> str:
         assert self.source is not None and self.record is not None
-        recorded = self.source.record
-        was = f"{recorded.layout}, pp={recorded.pp}, tp={recorded.tp}, dp={recorded.dp}" if recorded else "no record"
-        differs = "; ".join(str(d) for d in recorded.differences(self.record)) if recorded else "unknown"
-        keep = (f"keep the recorded plan (pp={recorded.pp}, vocab_shards: {recorded.vocab_shards}, "
-                f"resume_plan: keep)" if recorded else "resume under the plan it was saved with")
+        recorded, now = self.source.record, self.record
         listed = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
-        return (f"cannot resume {self.source.label} ({was}) under the new plan ({self.record.layout}, pp={self.record.pp}, "
-                f"tp={self.record.tp}, dp={self.record.dp}); nothing was loaded. What differs: {differs}.\n  {listed}\n"
-                f"  fix: {keep}, or change what the lines above name")
+        head = (f"cannot resume {self.source.label} ({_where(recorded) if recorded else 'saved without a plan record'}) "
+                f"under the new plan ({_where(now)}); nothing was loaded.")
+        if recorded is None:
+            return f"{head}\n  {listed}\n  fix: resume under the plan it was saved with, or change what the lines above name"
+        differs = "; ".join(str(d) for d in recorded.differences(now)) or "nothing in the plan"
+        return (f"{head} What differs: {differs}.\n  {listed}\n  fix: keep the recorded plan (pp={recorded.pp}, "
+                f"vocab_shards: {recorded.vocab_shards}, resume_plan: keep), or change what the lines above name")
 
     def load_optimizer(self, optimizer: Any) -> None:
         """Place the optimizer state (moments, step, fp32 master, group hyperparameters) by name."""
@@ -203,6 +203,10 @@ class ResumeState:
                     folder.rmdir()
                 except OSError:
                     break  # not empty (another shard's rank has not moved its file yet), or already gone
+
+
+def _where(record: PlanRecord) -> str:
+    return f"{record.layout}, pp={record.pp}, tp={record.tp}, dp={record.dp}"
 
 
 def _rank() -> int:

@@ -75,10 +75,12 @@ class Run:
         return {int(s): float(v) for s, v in re.findall(r"iteration: (\d+) / \d+ .*?\| lm_loss: ([0-9.]+)", self.out)}
 
 
-def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2,
+                     extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of ``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file
-    CONFIG`` on CPU: upstream's own trainer with the CPU stand-ins switched on."""
-    env = local_env(ROOT, NANOTRON_EXT_CPU_TRAINER="1")
+    CONFIG`` on CPU: upstream's own trainer with the CPU stand-ins switched on. Upstream's tensor-parallel linears
+    refuse to start without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (as on a GPU)."""
+    env = local_env(ROOT, NANOTRON_EXT_CPU_TRAINER="1", CUDA_DEVICE_MAX_CONNECTIONS="1", **(extra_env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(STUBS), env["PYTHONPATH"]])
     run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -96,6 +98,30 @@ def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 2
     if only.killed:
         raise subprocess.TimeoutExpired(cmd, timeout, only.stdout, only.stderr)
     return Run(only.returncode, only.stdout + only.stderr)
+
+
+def whole_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Each saved parameter of a checkpoint folder as one whole tensor: tensor-parallel shards and vocabulary shards
+    put together by the slices in their headers, read with Nanotron's own ``SlicesPair`` (the reference for what the
+    launcher's loader reads)."""
+    from nanotron.parallel.parameters import SlicesPair
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted((checkpoint / "model").rglob("*.safetensors")):
+        rel = f.relative_to(checkpoint / "model")
+        name = ".".join([*rel.parts[:-1], re.sub(r"(_pp-rank-.*)?\.safetensors$", "", rel.name[len("model_"):])])
+        with safe_open(str(f), "pt") as fi:
+            tensor, meta = fi.get_tensor("data"), fi.metadata() or {}
+        if "unsharded_shape" not in meta:
+            out[name] = tensor
+            continue
+        whole = out.setdefault(name, torch.full(tuple(int(x) for x in re.findall(r"\d+", meta["unsharded_shape"])),
+                                                float("nan"), dtype=tensor.dtype))
+        for pair in SlicesPair.tuple_from_str(meta["local_global_slices_pairs"]):
+            whole[pair.global_slices] = tensor[pair.local_slices]
+    assert not any(t.isnan().any() for t in out.values() if t.is_floating_point()), "a part of a weight is missing"
+    return out
 
 
 def weight_digests(checkpoint: Path) -> dict[str, str]:

@@ -1,0 +1,230 @@
+"""The plan a checkpoint records, the folder a resume loads (half-written ones refused, naming the last whole one),
+and which plan a resume trains: the recorded split by default, a new one only where the config asks for what the
+recorded split cannot be, or where the user asks to re-plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from nanotron_ext.checkpoint import (
+    RECORD_FILE,
+    PlanRecord,
+    ResumeSource,
+    check_same_model,
+    choose_plan,
+    kept_vocab_shards,
+    last_complete,
+    locate_checkpoint,
+    read_record,
+    record_for,
+)
+from nanotron_ext.config import bundled_config, load_config
+from nanotron_ext.errors import CheckpointError, ConfigError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import machine_for
+from nanotron_ext.partition.layout_string import layout_ranks, layout_string
+from nanotron_ext.plan import make_plan
+
+ROLES = ["embedding", "decoder", "decoder", "final_norm", "lm_head", "cast", "loss"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(bundled_config())  # the seed model: 2 layers, vocabulary 50277, pp=2, constrained
+    blocks = inventory_from_config(cfg)
+    return cfg, blocks, make_plan(blocks, cfg)
+
+
+def _record(cfg, blocks, layout: str, **changes) -> PlanRecord:
+    cfg_layout = cfg.with_overrides(cost_strategy="layout", layout=layout)
+    plan = make_plan(blocks, cfg_layout)
+    return replace(record_for(plan, cfg_layout, machine_for(cfg)), step=4, complete=True, **changes)
+
+
+@pytest.mark.parametrize("ranks", [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2],
+                                   [0, 0, 0, 0, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6]])
+def test_layout_string_is_the_inverse_of_layout_ranks(ranks):
+    assert layout_ranks(layout_string(ROLES, ranks), ROLES) == ranks
+
+
+def test_layout_string_compresses_runs_and_the_output_group():
+    assert layout_string(ROLES, [0, 0, 1, 1, 1, 1, 1]) == "E,t|t,L"
+    assert layout_string(["decoder"] * 3 + ["vocab_shard"] * 2, [0, 0, 0, 1, 1]) == "t*3|V*2"
+    assert layout_string(["other"], [0]) is None
+
+
+def test_a_record_round_trips_through_json_and_says_its_split(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    record = _record(cfg, blocks, "E,t|t,L")
+    record.write(tmp_path)
+    back = read_record(tmp_path)
+    assert back == record and back.layout == "E,t|t,L" and back.vocab_shards == 1
+    assert json.loads((tmp_path / RECORD_FILE).read_text())["stages"] == [0, 0, 1, 1, 1, 1, 1]
+    assert back.model.vocab_size == 50277 and len(back.machine_digest) == 64
+
+
+def test_differences_name_each_field_as_the_user_writes_it(tiny):
+    cfg, blocks, _ = tiny
+    a, b = _record(cfg, blocks, "E,t|t,L"), _record(cfg, blocks, "E,t*2|L", engine="zb1p", dp=2)
+    assert [str(d) for d in a.differences(b)] == ["dp: 1 -> 2", "split: E,t|t,L -> E,t*2|L", "engine: 1f1b -> zb1p"]
+    assert a.differences(a) == []
+    table = a.side_by_side(b)
+    assert "split              E,t|t,L" in table and table.count("differs") == 3
+
+
+def test_the_state_layout_is_the_same_only_where_every_file_sits_where_it_was_saved(tiny):
+    cfg, blocks, _ = tiny
+    a = _record(cfg, blocks, "E,t|t,L")
+    assert a.same_state_layout(replace(a, engine="zb1p", strategy="constrained", dp=2))  # ZeRO-0: dp replicates
+    assert not a.same_state_layout(_record(cfg, blocks, "E,t*2|L"))
+    assert not a.same_state_layout(replace(a, tp=2))
+    zero = replace(a, zero_stage=1)
+    assert not zero.same_state_layout(replace(zero, dp=2))  # ZeRO-1 shards the state over dp
+    chain = replace(a, vocab_bounds=((0, 25139), (25139, 50277)))
+    assert not chain.same_state_layout(chain)  # a chain's shards are saved as lm_head rows: never by position
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"format": 99}, "not a nanotron_ext plan record of format 1"),
+    ({"format": 1, "colour": "red"}, r"unknown plan-record field\(s\) \['colour'\]"),
+    ({"format": 1, "step": 4}, "the plan record is malformed"),
+])
+def test_a_record_that_cannot_be_read_says_why(data, match):
+    with pytest.raises(ConfigError, match=match):
+        PlanRecord.from_dict(data, origin="x.json")
+
+
+def _checkpoint(root: Path, step: int, *, record: PlanRecord | None, model_config: bool = True) -> Path:
+    folder = root / str(step)
+    (folder / "model").mkdir(parents=True)
+    if model_config:
+        (folder / "model_config.json").write_text("{}")
+    if record is not None:
+        replace(record, step=step).write(folder)
+    return folder
+
+
+def test_latest_txt_names_the_checkpoint(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    record = _record(cfg, blocks, "E,t|t,L")
+    _checkpoint(tmp_path, 2, record=record)
+    _checkpoint(tmp_path, 4, record=record)
+    (tmp_path / "latest.txt").write_text("4")
+    source = locate_checkpoint(tmp_path)
+    assert (source.folder, source.step, source.record.step) == (tmp_path / "4", 4, 4)
+    assert locate_checkpoint(tmp_path / "2").folder == tmp_path / "2"  # a checkpoint folder itself
+
+
+@pytest.mark.parametrize("path", [None, "does/not/exist", "s3://bucket/ckpt"])
+def test_nothing_to_resume_is_none_as_in_nanotron(path, tmp_path):
+    assert locate_checkpoint(None if path is None else (path if "://" in path else tmp_path / path)) is None
+
+
+def test_an_empty_latest_txt_is_refused_naming_the_last_whole_checkpoint(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    _checkpoint(tmp_path, 2, record=_record(cfg, blocks, "E,t|t,L"))
+    (tmp_path / "latest.txt").write_text("")
+    with pytest.raises(CheckpointError, match=rf"latest.txt holds '', not a step: a save was cut off while writing it"
+                                              rf".*resume_checkpoint_path: {tmp_path / '2'}$"):
+        locate_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_cut_off_while_written_is_refused_naming_the_one_before(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    record = _record(cfg, blocks, "E,t|t,L")
+    _checkpoint(tmp_path, 2, record=record)
+    _checkpoint(tmp_path, 4, record=replace(record, complete=False), model_config=False)
+    _checkpoint(tmp_path, 6, record=replace(record, complete=False))
+    with pytest.raises(CheckpointError, match=rf"says complete: false\), so it is not loaded; resume from the last "
+                                              rf"complete one instead: checkpoints.resume_checkpoint_path: "
+                                              rf"{tmp_path / '2'}"):
+        locate_checkpoint(tmp_path / "6")
+    assert last_complete(tmp_path) == tmp_path / "2"
+
+
+def test_a_folder_with_weights_but_no_model_config_is_refused_where_nanotron_would_start_afresh(tmp_path):
+    _checkpoint(tmp_path, 3, record=None, model_config=False)
+    with pytest.raises(CheckpointError, match="has weights but no model_config.json: it was cut off while being "
+                                              "written .* no complete checkpoint is left beside it"):
+        locate_checkpoint(tmp_path / "3")
+
+
+def test_a_complete_record_vouches_for_a_folder_whose_model_config_was_not_written_yet(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    _checkpoint(tmp_path, 4, record=_record(cfg, blocks, "E,t|t,L"), model_config=False)
+    assert locate_checkpoint(tmp_path / "4").step == 4
+
+
+def test_by_default_a_resume_keeps_the_recorded_split_and_says_what_today_would_choose(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    record = _record(cfg, blocks, "E,t*2|L")
+    assert today.block_ranks != record.stages  # constrained would choose another split today
+    choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, record), machine_for(cfg))
+    assert choice.kept and choice.plan.block_ranks == record.stages and choice.plan.strategy == "layout"
+    assert choice.note.startswith("resuming checkpoint 4 on its recorded split E,t*2|L (layout, pp=2); today "
+                                  f"'constrained' would choose {layout_string(ROLES, today.block_ranks)}: set "
+                                  "nanotron_ext.resume_plan: replan (or --replan) to move to it")
+
+
+def test_replan_trains_todays_plan(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    source = ResumeSource(tmp_path, 4, _record(cfg, blocks, "E,t*2|L"))
+    choice = choose_plan(today, blocks, cfg, source, machine_for(cfg), mode="replan")
+    assert not choice.kept and choice.plan is today and "re-planning as asked (resume_plan: replan)" in choice.note
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"pp": 1}, "the config asks pp=1, the checkpoint was trained at pp=2"),
+    ({"layout": "E,t|t,L"}, "the config's layout 'E,t|t,L' asks for another split"),
+])
+def test_what_the_recorded_split_cannot_be_moves_to_a_new_plan_and_says_why(tiny, tmp_path, change, why):
+    cfg, blocks, _ = tiny
+    record = _record(cfg, blocks, "E,t*2|L")
+    if "pp" in change:
+        cfg = cfg.with_overrides(pp=1)
+    else:
+        cfg = cfg.with_overrides(cost_strategy="layout", layout=change["layout"])
+    today = make_plan(blocks, cfg)
+    choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, record), machine_for(cfg))
+    assert not choice.kept and choice.plan is today
+    assert choice.note.startswith(f"{why}: checkpoint 4 (E,t*2|L) moves onto the new plan")
+
+
+def test_a_recorded_split_that_cannot_train_under_todays_config_is_not_kept(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    record = _record(cfg, blocks, "E,t*2|L")
+    record = replace(record, stages=(0, 0, 0, 0, 0, 1, 1))  # stage 1: cast and loss, no parameter
+    choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, record), machine_for(cfg))
+    assert not choice.kept and "the recorded split cannot train under today's config (stage 1 holds no parameters" \
+        in choice.note
+
+
+def test_a_checkpoint_without_record_is_placed_by_name_onto_todays_plan(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, None), machine_for(cfg))
+    assert choice.plan is today and "has no nanotron_ext plan record (Nanotron saved it alone)" in choice.note
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_both(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    record = _record(cfg, blocks, "E,t|t,L")
+    other = replace(record, model=replace(record.model, hidden_size=32))
+    with pytest.raises(CheckpointError, match="holds another model than .*: llama: 2 layers, hidden 32, vocab 50277 "
+                                              "against llama: 2 layers, hidden 16, vocab 50277"):
+        check_same_model(ResumeSource(tmp_path, 4, other), cfg)
+    check_same_model(ResumeSource(tmp_path, 4, record), cfg)  # the same model passes
+
+
+def test_auto_vocabulary_shards_keep_the_recorded_number_unless_replanning(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    record = replace(_record(cfg, blocks, "E,t|t,L"), vocab_bounds=((0, 25139), (25139, 50277)))
+    source = ResumeSource(tmp_path, 4, record)
+    auto = cfg.with_overrides(vocab_shards="auto")
+    assert kept_vocab_shards(source, auto, "keep") == 2
+    assert kept_vocab_shards(source, auto, "replan") is None
+    assert kept_vocab_shards(source, cfg.with_overrides(vocab_shards=3), "keep") is None
+    assert kept_vocab_shards(None, auto, "keep") is None
