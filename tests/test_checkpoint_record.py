@@ -228,3 +228,13 @@ def test_auto_vocabulary_shards_keep_the_recorded_number_unless_replanning(tiny,
     assert kept_vocab_shards(source, auto, "replan") is None
     assert kept_vocab_shards(source, cfg.with_overrides(vocab_shards=3), "keep") is None
     assert kept_vocab_shards(None, auto, "keep") is None
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_the_dummy_data_of_a_step_is_the_next_samples_whatever_dp(dp):
+    from nanotron_ext.integration.dummy_data import sample_indices
+
+    consumed, per_step = 32, 8  # 8 samples a step: micro-batches of 2, 8 // (2 * dp) of them on each replica
+    taken = [g for d in range(dp) for mb in range(per_step // (2 * dp)) for g in sample_indices(consumed, d, dp, mb, 2)]
+    assert sorted(taken) == list(range(consumed, consumed + per_step))  # the next step's samples, each once
+    assert sample_indices(consumed, dp - 1, dp, 0, 2)[0] == consumed + dp - 1  # a replica starts at its own offset

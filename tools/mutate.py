@@ -73,6 +73,15 @@ CONFIG_KEYS = "nanotron_ext/config_keys.py"
 PRICING = "nanotron_ext/machine/pricing.py"
 PROFILE = "nanotron_ext/machine/profile.py"
 MACHINE_TESTS = "tests/test_machine_pricing.py"
+RESHARD = "nanotron_ext/checkpoint/reshard.py"
+SAVED = "nanotron_ext/checkpoint/saved.py"
+PLACEMENT = "nanotron_ext/checkpoint/placement.py"
+RECORD = "nanotron_ext/checkpoint/record.py"
+LOCATE = "nanotron_ext/checkpoint/locate.py"
+RESUME = "nanotron_ext/checkpoint/resume.py"
+RESHARD_TESTS = "tests/test_checkpoint_reshard.py"
+RECORD_TESTS = "tests/test_checkpoint_record.py"
+RESUME_E2E = "tests/upstream/test_resume.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the four that survived in issue 14 ----------------------------------------------------------------
@@ -280,6 +289,47 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    if block.role not in DEFERS_WEIGHT_GRADIENT:  # the engine makes its weight gradient in B\n        return 0.0\n",
       "", ("tests/test_zb1p.py::test_rate_model_prices_b_and_w_by_their_own_flops",)),
 
+    # --- checkpoints across plans (issue 28) -------------------------------------------------------------------
+    M("a saved part is copied to the live tensor's own offsets", RESHARD,
+      "out[_index(_shift(common, mine.whole, mine.local))]", "out[_index(_shift(common, mine.whole, theirs.local))]",
+      (RESHARD_TESTS,)),
+    M("ZeRO-1's dp slices are joined in reverse order", SAVED,
+      "flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)",
+      "flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces[::-1])", (RESHARD_TESTS,)),
+    M("a vocabulary shard's state is named by the shard, not as lm_head rows", SAVED,
+      "    return LM_HEAD if vocab_shard_index(name) is not None else name",
+      "    return name", (RESHARD_TESTS,)),
+    M("optimizer state of the part is taken by position", RESHARD,
+      "state[entry.index] = {key: _live(_optimizer_tensor(saved, entry.need, key), entry) for key in keys}",
+      "state[entry.index] = {key: _live(_optimizer_tensor(saved, live.entries[-1 - entry.index].need, key), entry) "
+      "for key in keys}", (RESHARD_TESTS,)),
+    M("saved parameters without a place are dropped silently", PLACEMENT,
+      "        if left and d == 0:", "        if left and d < 0:", (RESHARD_TESTS,)),
+    M("an untied parameter may be placed twice", PLACEMENT,
+      "if len(distinct) < len(held) and not all(n.tied for n in held):",
+      "if len(distinct) < len(held) and all(n.tied for n in held):", (RESHARD_TESTS,)),
+    M("a trainable parameter without saved moments gets none", PLACEMENT,
+      "            if (n.name, slot.key) not in sources:", "            if False:", (RESHARD_TESTS,)),
+    M("a checkpoint marked incomplete is loaded", LOCATE,
+      "    if record is not None and not record.complete:", "    if False:", (RECORD_TESTS,)),
+    M("an empty latest.txt is taken for step 0", LOCATE,
+      "        if not text.isdigit():", "        if text and not text.isdigit():", (RECORD_TESTS,)),
+    M("a chain's state is read by position under the same split", RECORD,
+      "and (self.zero_stage == 0 or self.dp == now.dp) and not self.vocab_bounds",
+      "and (self.zero_stage == 0 or self.dp == now.dp)", (RECORD_TESTS,)),
+    M("the recorded split is kept at another pp", RESUME,
+      "    if record.pp != cfg.run.pp:\n", "    if False:\n", (RECORD_TESTS,)),
+    M("replan keeps the recorded vocabulary shards", RESUME,
+      'mode == "replan" or cfg.ext.vocab_shards != "auto"', 'cfg.ext.vocab_shards != "auto"', (RECORD_TESTS,)),
+    M("the dummy data restarts on a resume", "nanotron_ext/integration/dummy_data.py",
+      "consumed = _consumed(current[-1]) if current else 0", "consumed = 0",
+      (f"{RESUME_E2E}::test_resuming_under_plan_a_through_nanotrons_own_loader_is_the_uninterrupted_run",), "upstream"),
+    M("a chain is saved under vocab_shards/", "nanotron_ext/integration/checkpoints.py",
+      "        state.save_chain_as_lm_head(model, parallel_context, Path(root_folder))\n", "",
+      (f"{RESUME_E2E}::test_a_chain_checkpoint_is_a_nanotron_checkpoint",), "upstream"),
+    M("a checkpoint is never marked complete", "nanotron_ext/integration/checkpoints.py",
+      "state.mark(Path(root_folder), int(step) if step.isdigit() else -1, complete=True)", "pass",
+      (f"{RESUME_E2E}::test_the_plan_travels_with_every_checkpoint",), "upstream"),
 )
 
 

@@ -189,6 +189,18 @@ def test_vocabulary_shards_2_to_1_and_3_resume_within_the_tolerance(chain_k2, tm
     _close(chain_k2, resumed, f"vocab_shards 2 -> {ext.get('vocab_shards', 1)}")
 
 
+def test_auto_vocabulary_shards_keep_the_recorded_chain(chain_k2, tmp_path):
+    # On the FLOP-only machine `auto` chooses 3 shards for this model today; the resume keeps the recorded 2 and
+    # their split, and trains on exactly.
+    flops_only = str(Path(__file__).resolve().parents[1] / "data" / "machine_flops_only.json")
+    run, _ = resumed = _resume(tmp_path, chain_k2[1], ext={"cost_strategy": "constrained", "vocab_shards": "auto",
+                                                            "machine": flops_only})
+    assert "vocab_shards: auto -> 2 (kept from checkpoint 4)" in _notes(run)
+    assert any(n.startswith("resuming checkpoint 4 on its recorded split E,t*2,N,V|V (layout, pp=2)")
+               for n in _notes(run))
+    _same(chain_k2, resumed)
+
+
 def test_a_chain_checkpoint_is_a_nanotron_checkpoint(chain_k2, parallel_context):
     # Upstream's own load_weights, with nothing of ours installed, reads the chain's shards as the rows of a plain
     # lm_head (one process, pp=1, tp=1): the checkpoint stays Nanotron's, and so does its HF conversion's input.
@@ -243,7 +255,7 @@ def _fp32_masters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """Nanotron's fp32 master weights (``optimizer.accumulate_grad_in_fp32``), by name, from the optimizer files."""
     out = {}
     for path in sorted((run_dir / "checkpoints" / str(step) / "optimizer").glob("*.pt")):
-        out.update(torch.load(path, weights_only=True)["gradient_accumulator"])
+        out.update({k: v.detach() for k, v in torch.load(path, weights_only=True)["gradient_accumulator"].items()})
     return out
 
 
