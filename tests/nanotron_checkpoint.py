@@ -28,6 +28,8 @@ class Layout:
         stage: parameter → pp rank (a vocabulary shard ``i``'s rank is ``stage[f"shard{i}"]``).
         pp, tp, dp: sizes; ``zero``: ZeRO-1 (optimizer state in flat dp slices).
         split: parameter → the dim it is split along across tp (absent: replicated on every tp rank).
+        fused: parameter → how many matrices are stacked in it along dim 0 (Nanotron's fused qkv and gate/up
+            projections): each tp rank holds its chunk of every one, so its local tensor is several pieces.
         shards: vocabulary shards of the lm_head (1: a plain lm_head).
         frozen: parameters without optimizer state.
     """
@@ -38,6 +40,7 @@ class Layout:
     dp: int = 1
     zero: bool = False
     split: dict[str, int] = field(default_factory=dict)
+    fused: dict[str, int] = field(default_factory=dict)
     shards: int = 1
     frozen: frozenset[str] = frozenset()
 
@@ -59,16 +62,42 @@ def _slices(box: list[tuple[int, int]]) -> str:
     return "|".join(f"{a},{b},None" for a, b in box)
 
 
-def _parts(name: str, shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int, str, list[tuple[int, int]]]]:
-    """(pp rank, slot, optimizer name, whole box) of every saved part of one parameter."""
+Part = tuple[int, int, str, list[tuple[list[tuple[int, int]], list[tuple[int, int]]]], tuple[int, ...]]
+
+
+def _parts(name: str, shape: tuple[int, ...], layout: Layout) -> list[Part]:
+    """(pp rank, slot, optimizer name, [(local box, whole box)], local shape) of every saved part of a parameter."""
+    full = [(0, n) for n in shape]
+
+    def one(box: list[tuple[int, int]]) -> tuple[list, tuple[int, ...]]:
+        local = tuple(b - a for a, b in box)
+        return [([(0, n) for n in local], box)], local
+
     if name == LM_HEAD and layout.shards > 1:
-        return [(layout.stage[f"shard{i}"], i, f"model.vocab_shards.{i}.pp_block.weight",
-                 [(lo, hi), *[(0, n) for n in shape[1:]]]) for i, (lo, hi) in enumerate(rows_of(shape[0], layout.shards))]
+        return [(layout.stage[f"shard{i}"], i, f"model.vocab_shards.{i}.pp_block.weight", *one([(lo, hi), *full[1:]]))
+                for i, (lo, hi) in enumerate(rows_of(shape[0], layout.shards))]
     if name in layout.split:
-        d = layout.split[name]
-        return [(layout.stage[name], t, name, [(a, b) if k == d else (0, n) for k, n in enumerate(shape)])
-                for t, (a, b) in enumerate(_chunks(shape[d], layout.tp))]
-    return [(layout.stage[name], -1, name, [(0, n) for n in shape])]
+        d, stacked = layout.split[name], layout.fused.get(name, 1)
+        out = []
+        for t in range(layout.tp):
+            if stacked == 1:
+                a, b = _chunks(shape[d], layout.tp)[t]
+                out.append((layout.stage[name], t, name, *one([(a, b) if k == d else (0, n) for k, n in enumerate(shape)])))
+                continue
+            size = shape[0] // stacked  # dim 0: chunk t of each stacked matrix, one after the other locally
+            a, b = _chunks(size, layout.tp)[t]
+            pieces = [([(j * (b - a), (j + 1) * (b - a)), *full[1:]], [(j * size + a, j * size + b), *full[1:]])
+                      for j in range(stacked)]
+            out.append((layout.stage[name], t, name, pieces, (stacked * (b - a), *shape[1:])))
+        return out
+    return [(layout.stage[name], -1, name, *one(full))]
+
+
+def _take(whole: torch.Tensor, pieces: list, local_shape: tuple[int, ...]) -> torch.Tensor:
+    out = torch.empty(local_shape, dtype=whole.dtype)
+    for local, box in pieces:
+        out[tuple(slice(a, b) for a, b in local)] = whole[tuple(slice(a, b) for a, b in box)]
+    return out
 
 
 def _zero_offsets(numel: int, dp: int) -> list[tuple[int, int]]:
@@ -87,8 +116,8 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dic
     model = folder / "model"
     files: dict[tuple[int, int, int | None], dict] = {}
     for name, whole in weights.items():
-        for pp_rank, slot, opt_name, box in _parts(name, tuple(whole.shape), layout):
-            local = whole[tuple(slice(a, b) for a, b in box)].contiguous()
+        for pp_rank, slot, opt_name, pieces, local_shape in _parts(name, tuple(whole.shape), layout):
+            local = _take(whole, pieces, local_shape)
             *dirs, leaf = name.split(".")
             sharded = slot >= 0 or name in layout.split
             if sharded:
@@ -96,7 +125,7 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dic
                 path = model.joinpath(*dirs, f"model_{leaf}_pp-rank-{pp_rank}-of-{layout.pp}_tp-rank-{slot}-of-{size}"
                                              f".safetensors")
                 meta = {"version": "1.5", "unsharded_shape": str(tuple(whole.shape)),
-                        "local_global_slices_pairs": f"{_slices([(0, n) for n in local.shape])}#{_slices(box)}"}
+                        "local_global_slices_pairs": ";".join(f"{_slices(a)}#{_slices(b)}" for a, b in pieces)}
             else:
                 path, meta = model.joinpath(*dirs, f"model_{leaf}.safetensors"), {}
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +134,7 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dic
                 continue
             tps = [slot] if slot >= 0 and name in layout.split else list(range(layout.tp))
             for tp in tps:
-                state = {k: states[name][k][tuple(slice(a, b) for a, b in box)].contiguous() for k in KEYS}
+                state = {k: _take(states[name][k], pieces, local_shape) for k in KEYS}
                 dps = range(layout.dp) if layout.zero else [None]
                 offsets = _zero_offsets(local.numel(), layout.dp) if layout.zero else None
                 for dp in dps:
@@ -138,15 +167,15 @@ def needs_of(weights: dict[str, torch.Tensor], layout: Layout) -> list[Need]:
     out = []
     for name, whole in weights.items():
         shape = tuple(whole.shape)
-        for pp_rank, slot, local_name, box in _parts(name, shape, layout):
+        for pp_rank, slot, local_name, pieces, local in _parts(name, shape, layout):
             tps = [slot] if name in layout.split else list(range(layout.tp))
             for dp in range(layout.dp):
                 for tp in tps:
-                    local = tuple(b - a for a, b in box)
                     rank = (pp_rank * layout.dp + dp) * layout.tp + tp
                     tied = name not in layout.split and layout.tp > 1 and not (name == LM_HEAD and layout.shards > 1)
                     out.append(Need(name, local_name, rank, dp, local, shape,
-                                    (Piece(tuple((0, n) for n in local), tuple(box)),), name not in layout.frozen, tied))
+                                    tuple(Piece(tuple(a), tuple(b)) for a, b in pieces), name not in layout.frozen,
+                                    tied))
     return out
 
 

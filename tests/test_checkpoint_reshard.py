@@ -31,16 +31,17 @@ def _stages(weights: dict, ranks: list[int], shards: int = 1) -> dict[str, int]:
 
 def _layouts(weights: dict) -> dict[str, Layout]:
     split = {EMB: 0, QKV0: 0, QKV1: 1, LM_HEAD: 0}  # column- and row-parallel splits
+    fused = {QKV0: 3}  # q, k and v stacked: each tp rank holds its rows of all three, as Nanotron's qkv_proj
     two = _stages(weights, [0, 0, 1, 1, 1])
     return {
         "pp1": Layout(_stages(weights, [0] * 5)),
         "pp2": Layout(two, pp=2),
         "pp2-other-split": Layout(_stages(weights, [0, 1, 1, 1, 1]), pp=2),
         "pp4": Layout(_stages(weights, [0, 1, 2, 3, 3]), pp=4),
-        "tp2": Layout(_stages(weights, [0] * 5), tp=2, split=split),
+        "tp2": Layout(_stages(weights, [0] * 5), tp=2, split=split, fused=fused),
         "pp2-tp2": Layout(two, pp=2, tp=2, split=split),
         "zero1-dp2": Layout(two, pp=2, dp=2, zero=True),
-        "zero1-dp3-tp2": Layout(_stages(weights, [0] * 5), dp=3, zero=True, tp=2, split=split),
+        "zero1-dp3-tp2": Layout(_stages(weights, [0] * 5), dp=3, zero=True, tp=2, split=split, fused=fused),
         "shards2": Layout({**two, "shard0": 0, "shard1": 1}, pp=2, shards=2),
         "shards3": Layout({**two, "shard0": 1, "shard1": 1, "shard2": 1}, pp=2, shards=3),
     }
@@ -64,8 +65,11 @@ def saved(model, tmp_path_factory):
 
 
 def _region(whole: torch.Tensor, need) -> torch.Tensor:
-    piece = need.pieces[0]
-    return whole[tuple(slice(a, b) for a, b in piece.whole)]
+    """What ``need``'s live tensor holds of the whole tensor, piece by piece."""
+    out = torch.empty(need.local_shape, dtype=whole.dtype)
+    for piece in need.pieces:
+        out[tuple(slice(a, b) for a, b in piece.local)] = whole[tuple(slice(a, b) for a, b in piece.whole)]
+    return out
 
 
 def _live(needs, layout: Layout, rank: int) -> LiveOptimizer:

@@ -293,6 +293,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a saved part is copied to the live tensor's own offsets", RESHARD,
       "out[_index(_shift(common, mine.whole, mine.local))]", "out[_index(_shift(common, mine.whole, theirs.local))]",
       (RESHARD_TESTS,)),
+    M("a saved part is read at the live tensor's offsets", RESHARD,
+      "read(slot, _shift(common, theirs.whole,\n", "read(slot, _shift(common, mine.whole,\n", (RESHARD_TESTS,)),
     M("ZeRO-1's dp slices are joined in reverse order", SAVED,
       "flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)",
       "flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces[::-1])", (RESHARD_TESTS,)),
