@@ -298,22 +298,9 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
         return {}
 
     patches.set(trainer, "load_weights", load_weights_by_plan)
-    load_optimizer = trainer.load_optimizer
-
-    def load_optimizer_by_plan(*args: Any, optimizer: Any, root_folder: Any, **kwargs: Any) -> Any:
-        if not state._active(root_folder):
-            return load_optimizer(*args, optimizer=optimizer, root_folder=root_folder, **kwargs)
-        return state.load_optimizer(optimizer)
-
-    patches.set(trainer, "load_optimizer", load_optimizer_by_plan)
-    load_lr_scheduler = trainer.load_lr_scheduler
-
-    def load_lr_scheduler_by_plan(*args: Any, lr_scheduler: Any, root_folder: Any, **kwargs: Any) -> Any:
-        if not state._active(root_folder):
-            return load_lr_scheduler(*args, lr_scheduler=lr_scheduler, root_folder=root_folder, **kwargs)
-        return state.load_lr_scheduler(lr_scheduler)
-
-    patches.set(trainer, "load_lr_scheduler", load_lr_scheduler_by_plan)
+    for name, ours, argument in (("load_optimizer", state.load_optimizer, "optimizer"),
+                                 ("load_lr_scheduler", state.load_lr_scheduler, "lr_scheduler")):
+        patches.set(trainer, name, _by_plan(state, getattr(trainer, name), ours, argument))
     build_optimizer = trainer.init_optimizer_and_grad_accumulator
 
     def init_optimizer_and_grad_accumulator(*args: Any, **kwargs: Any) -> Any:
@@ -350,3 +337,16 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
         return out
 
     patches.set(serialize_main, "save_weights", save_weights_with_chain)
+
+
+def _by_plan(state: ResumeState, original: Callable[..., Any], ours: Callable[[Any], None],
+             argument: str) -> Callable[..., Any]:
+    """Nanotron's loader ``original`` (called with keywords by its trainer), or the launcher's ``ours`` on the
+    object it loads when the launcher places this checkpoint's state."""
+
+    def load(*args: Any, root_folder: Any, **kwargs: Any) -> Any:
+        if not state._active(root_folder):
+            return original(*args, root_folder=root_folder, **kwargs)
+        return ours(kwargs[argument])
+
+    return load
