@@ -238,3 +238,48 @@ def test_the_dummy_data_of_a_step_is_the_next_samples_whatever_dp(dp):
     taken = [g for d in range(dp) for mb in range(per_step // (2 * dp)) for g in sample_indices(consumed, d, dp, mb, 2)]
     assert sorted(taken) == list(range(consumed, consumed + per_step))  # the next step's samples, each once
     assert sample_indices(consumed, dp - 1, dp, 0, 2)[0] == consumed + dp - 1  # a replica starts at its own offset
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from nanotron_ext.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_checkpoint_prints_the_recorded_plan_beside_the_resumes(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    _checkpoint(tmp_path, 4, record=_record(cfg, blocks, "E,t*2|L"))
+    (tmp_path / "latest.txt").write_text("4")
+    code, out, _ = _cli("plan", str(bundled_config()), "--checkpoint", str(tmp_path))
+    assert code == 0
+    assert "split              E,t*2|L" in out and "resume under this config" in out
+    assert "resuming checkpoint 4 on its recorded split E,t*2|L (layout, pp=2); today 'constrained' would choose" in out
+    assert "what differs: nothing" in out  # the resume trains the recorded split
+    code, out, _ = _cli("plan", str(bundled_config()), "--checkpoint", str(tmp_path), "--replan", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["kept"] is False and data["resume"]["stages"] == list(today.block_ranks)
+    assert {d["what"] for d in data["differences"]} == {"split", "strategy"}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root, record: None, "no checkpoint there"),
+    (lambda root, record: _checkpoint(root, 4, record=None), "has no nanotron_ext plan record: Nanotron saved it alone"),
+    (lambda root, record: _checkpoint(root, 4, record=replace(record, complete=False)), "says complete: false"),
+])
+def test_plan_checkpoint_refuses_what_it_cannot_compare(tiny, tmp_path, make, message):
+    cfg, blocks, _ = tiny
+    make(tmp_path, _record(cfg, blocks, "E,t|t,L"))
+    folder = tmp_path / "4" if (tmp_path / "4").exists() else tmp_path / "nothing"
+    code, out, err = _cli("plan", str(bundled_config()), "--checkpoint", str(folder))
+    assert code == 2 and message in err and out == ""
+
+
+def test_replan_without_checkpoint_is_a_usage_error():
+    code, _, err = _cli("plan", "--replan")
+    assert code == 2 and "--replan goes with --checkpoint DIR" in err
