@@ -55,8 +55,12 @@ def _consumed(trainer: Any) -> int:
 
 def install_dummy_data(patches: Patches, trainer_module: Any) -> bool:
     """Replace upstream's dummy-data generator with the layout-free one; returns False (nothing installed) when the
-    installed Nanotron's generator has another signature than the one this was written against."""
-    from nanotron.data import dataloader
+    installed Nanotron's generator has another signature than the one this was written against, or lives elsewhere
+    (Nanotron 0.2 has ``nanotron.dataloader``, whose generator keeps its own data)."""
+    try:
+        from nanotron.data import dataloader
+    except ImportError:
+        return False
     from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
     original = getattr(dataloader, "dummy_infinite_data_generator", None)
