@@ -592,7 +592,7 @@ def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
                        "update_busy": math.fsum(together[i][2] for i in mine),
                        "overhead": computing - compute, "pipeline_wait": end - computing,
                        "after_wait": sim.pipeline_time - end, "update": sim.stages[k].update})
-    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_time, "stages": stages,
+    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_times, "stages": stages,
             "eager_step": eager_step(plan, blocks, cfg)}
 
 

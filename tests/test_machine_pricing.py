@@ -106,9 +106,24 @@ def test_measured_blocks_links_syncs_and_overheads_are_priced_by_hand():
     # A send: the slowest link (200 µs latency) for what the block hands on, plus posting it and receiving it;
     # a decoder layer hands on two tensors (hidden states, sequence mask), each paying latency and posting.
     out = block_memory(BLOCKS[4], SEED.model, SEED.run).output
-    assert prices.send[4] == pytest.approx(2e-4 + out / 1e9 + 3e-6 + 5e-6)
+    assert prices.send[0][4] == pytest.approx(2e-4 + out / 1e9 + 3e-6 + 5e-6)
     out = block_memory(BLOCKS[1], SEED.model, SEED.run).output
-    assert prices.send[1] == pytest.approx(2 * (2e-4 + 3e-6 + 5e-6) + out / 1e9)
+    assert prices.send[0][1] == pytest.approx(2 * (2e-4 + 3e-6 + 5e-6) + out / 1e9)
+
+
+def test_a_send_takes_the_link_of_its_own_cut():
+    # pp=3 with a slow second link: a block's send across cut 1 pays that link, across cut 0 the first one (each
+    # cut the slower of its two directions); a link naming no stage stands in for a cut that has none.
+    links = (Link(0, 1, 1e-4, 1e9), Link(1, 0, 2e-4, 1e9), Link(1, 2, 1e-3, 1e8), Link(2, 1, 1e-3, 1e8))
+    cfg = dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, pp=3))
+    prices = price_blocks(_measured(links=links), BLOCKS, cfg)
+    out = block_memory(BLOCKS[4], SEED.model, SEED.run).output
+    assert len(prices.send) == 2
+    assert prices.send[0][4] == pytest.approx(2e-4 + out / 1e9)
+    assert prices.send[1][4] == pytest.approx(1e-3 + out / 1e8)
+    spare = _measured(links=(Link(0, 1, 1e-4, 1e9), Link(-1, -1, 5e-4, 2e9)))
+    assert spare.p2p_time(out, cut=0) == pytest.approx(1e-4 + out / 1e9)
+    assert spare.p2p_time(out, cut=1) == pytest.approx(5e-4 + out / 2e9)
 
 
 def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce():

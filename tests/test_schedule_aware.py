@@ -35,6 +35,8 @@ def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afa
     w = [x * rng.choice([0.0, rng.random(), 1.0]) for x in b]  # weight-gradient share: none, some, all
     u = [0.5 * rng.random() if rng.random() < 0.3 else 0.0 for _ in range(n)]
     send = [0.3 * rng.random() if rng.random() < 0.5 else 0.0 for _ in range(n)]
+    if pp > 2 and rng.random() < 0.5:  # links that differ per cut: a row per cut
+        send = [tuple(rng.uniform(0.5, 2.0) * x + 0.1 * rng.random() for x in send) for _ in range(pp - 1)]
     first_trainable = rng.choice([0, 0, 0, 1, 2])
     grad_after = tuple(c > first_trainable for c in range(n + 1))
     return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w))

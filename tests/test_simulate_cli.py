@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -15,9 +16,11 @@ from nanotron_ext.costs import block_memory, training_flops
 from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.machine import BlockCost, Link, MachineProfile, block_signature
+from nanotron_ext.partition.step_time_eval import StepTimeEvaluator
 from nanotron_ext.plan import Plan
 from nanotron_ext.simulate import StageTimes, simulate
 from nanotron_ext.simulate.stage_times import format_seconds, plan_stage_times, simulate_plan
+from nanotron_ext.strategies.step_time import schedule_problem
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T = 1e12  # FLOPs of one unit in the hand-made blocks below
@@ -82,9 +85,9 @@ def test_stage_times_of_a_hand_made_two_stage_plan():
     assert LOGITS == 2 * 32 * 50277 * 4
     stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))
     assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
-    assert p2p == 2.0
+    assert p2p == [2.0]
     # A cut after A instead ships hidden states (t x h x 4 bytes), not logits.
-    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))[1] == pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)
+    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))[1] == [pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)]
 
 
 def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
@@ -109,10 +112,33 @@ def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
     assert r.bubble_fraction == 36.0 / 84.0
 
 
+def test_each_cut_is_priced_by_what_crosses_it_logits_across_one_hidden_states_across_the_other():
+    # Three stages A | B (the lm_head) | C, D: cut 0 ships A's hidden states (t x h x 4 bytes: eps seconds at BW),
+    # cut 1 the logits (2 s). Stage times (FLOPs as above): F = 1, 3, 3; B = 2, 6, 9.
+    eps = 64 * 16 * 4 / BW
+    stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 1, 2, 2]), HAND, CFG, machine=_machine(1e12, BW))
+    assert stages == [StageTimes(1.0, 2.0), StageTimes(3.0, 6.0), StageTimes(3.0, 9.0)]
+    assert p2p == [pytest.approx(eps, rel=1e-12), 2.0]
+    r = simulate(stages, 2, "1f1b", p2p)
+    # By hand, Nanotron's 1F1B (warm-up sends at once, steady-state sends at the next receive):
+    # stage 0: F0 [0, 1], F1 [1, 2]. Stage 1: a0 in at 1 + eps, F0 to 4 + eps (sent at once), a1 in at 4 + 2 eps,
+    # F1 to 7 + 2 eps. Stage 2: a0 in at 6 + eps, F0, B0 to 18 + eps; a1 in at 20 + eps, then g0 leaves; F1, B1 to
+    # 32 + eps. Stage 1: g0 in at 22 + eps, B0 to 28 + eps (g0 sent on), g1 in at 34 + eps, B1 to 40 + eps.
+    # Stage 0: g0 in at 28 + 2 eps, B0 to 30 + 2 eps; g1 in at 40 + 2 eps, B1 to 42 + 2 eps.
+    assert r.step_time == pytest.approx(42.0 + 2 * eps, rel=1e-12)
+    assert r.p2p_times == p2p
+    # One time for every cut (the largest tensor over the slowest link) would charge the logits at cut 0 as well.
+    assert simulate(stages, 2, "1f1b", max(p2p)).step_time > r.step_time + 1.0
+    # The planner's evaluator prices the same split the same way.
+    problem = schedule_problem(HAND, dataclasses.replace(CFG, run=dataclasses.replace(CFG.run, pp=3, n_micro_batches=2)),
+                               _machine(1e12, BW))
+    assert StepTimeEvaluator(problem)([(0, 1, 2, 4)])[0] == pytest.approx(r.step_time, rel=1e-12)
+
+
 def test_p2p_ignored_without_bandwidth_and_on_one_stage():
-    assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12))[1] == 0.0
+    assert plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12))[1] == [0.0]
     stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 0, 0]), HAND, CFG, machine=_machine(2e12, 1.0))
-    assert (stages, p2p) == ([StageTimes(3.5, 8.5)], 0.0)  # forward 7, training 24, at 2 FLOP units/s
+    assert (stages, p2p) == ([StageTimes(3.5, 8.5)], [])  # forward 7, training 24, at 2 FLOP units/s
 
 
 def _cuts(plan: Plan, blocks: list[BlockInfo]) -> list[bool]:
@@ -221,7 +247,7 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
     a, b, c, d, tau = 1_332_224e-12, 2_673_664e-12, 122_273_664e-12, 218_805_504e-12, 4.096 + 10e-6
     got = [(st["forward"], st["backward"], st["update"]) for st in sim["stages"]]
     assert got == [pytest.approx((a, b, 0.0), rel=1e-12), pytest.approx((c, d, 0.0), rel=1e-12)]
-    assert sim["p2p_time"] == pytest.approx(tau, rel=1e-12)
+    assert sim["p2p_times"] == [pytest.approx(tau, rel=1e-12)]
     step = 8 * tau + (c + d) + 3 * a + 4 * b
     assert sim["step_time"] == pytest.approx(step, rel=1e-12)
     assert sim["busy"] == pytest.approx([4 * (a + b), 4 * (c + d)], rel=1e-9)
@@ -307,7 +333,7 @@ def test_measured_blocks_sum_each_stage_and_keep_p2p():
     measured = _measured([(1.0, 2.0, 0.5), (3.0, 0.0, 0.0), (4.0, 5.0, 0.25), (6.0, 1.0, 0.0)])
     stages, p2p, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW, measured))
     assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
-    assert p2p == 2.0  # B's logits at BW, as in the FLOP-rate model
+    assert p2p == [2.0]  # B's logits at BW, as in the FLOP-rate model
     # A block the profile did not measure falls back to the FLOP rate: C (forward 2, backward 8 units).
     stages, _, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG,
                                     machine=_machine(1e12, BW, measured[:2] + measured[3:]))

@@ -23,13 +23,14 @@ __all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "tie
 
 class BlockPrices(NamedTuple):
     """Per block, seconds: forward and backward per micro-batch, update per step (optimizer, gradient syncs),
-    one transfer of what it sends when a cut follows it, and ``weight``: the weight-gradient part of
+    ``send[c][i]``: one transfer of what block ``i`` sends when cut ``c`` (between stages ``c`` and ``c + 1``)
+    follows it, over that cut's link (one row per cut, at least one), and ``weight``: the weight-gradient part of
     ``backward`` (zb1p's deferred ``W``; its ``B`` is ``backward - weight``, the call overhead included)."""
 
     forward: list[float]
     backward: list[float]
     update: list[float]
-    send: list[float]
+    send: list[list[float]]
     weight: list[float]
 
 
@@ -81,15 +82,16 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     forward FLOPs ÷ rate, backward = the rest of its training FLOPs (freeze-aware) ÷ rate. Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the embedding and the lm_head of a tied model at pp > 1 the tied all-reduce, and a send
-    costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's ``output``, in
-    :func:`~nanotron_ext.costs.memory_estimate.output_tensors` tensors).
+    across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
+    ``output``, in :func:`~nanotron_ext.costs.memory_estimate.output_tensors` tensors) over that cut's link.
 
     The weight-gradient part of the backward (:func:`weight_part`): a measured ``backward_weight``, else the
     measured backward split by FLOPs, input-gradient : weight-gradient (freeze-aware); on the rate model the
     weight-gradient FLOPs ÷ rate. The call overhead stays with the input-gradient part. AFAB and 1F1B only
     read the whole ``backward``, which the split leaves as it was.
     """
-    fwd, bwd, upd, send, wgt = [], [], [], [], []
+    fwd, bwd, upd, wgt = [], [], [], []
+    sent: list[tuple[float, int]] = []
     call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     for b, grad, train in zip(blocks, trainable_before(blocks), training_flops(blocks)):
@@ -109,7 +111,8 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
                 and machine.tied_allreduce is not None):
             u += machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
         upd.append(u)
-        send.append(machine.p2p_time(block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
+        sent.append((block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
+    send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
     return BlockPrices(fwd, bwd, upd, send, wgt)
 
 

@@ -226,15 +226,28 @@ class MachineProfile:
         """Training FLOP/s of a block of ``role`` that was not measured."""
         return dict(self.rates).get(role, self.flops_per_second)
 
-    def p2p_time(self, n_bytes: float, n_tensors: int = 1) -> float:
-        """One micro-batch's transfer across a cut: ``n_bytes`` in ``n_tensors`` tensors over the slowest link,
-        each tensor paying the latency and its posting (Nanotron moves them one communication at a time); 0 when
-        no link is known."""
+    def p2p_time(self, n_bytes: float, n_tensors: int = 1, cut: int | None = None) -> float:
+        """One micro-batch's transfer across a cut: ``n_bytes`` in ``n_tensors`` tensors, each tensor paying the
+        latency and its posting (Nanotron moves them one communication at a time); 0 when no link is known.
+
+        The link is that of ``cut`` (between stages ``cut`` and ``cut + 1``: the slower of its two directions, the
+        activation going forward and its gradient coming back), else any link that names no stage (``-1``); with
+        neither, or ``cut=None``, the slowest link.
+        """
         if not self.links or n_tensors < 1:
             return 0.0
-        slowest = max(self.links, key=lambda link: link.time(n_bytes))
+        links = self.cut_links(cut)
+        slowest = max(links, key=lambda link: link.time(n_bytes))
         per_tensor = slowest.latency + self.overhead.send + self.overhead.recv
         return n_tensors * per_tensor + n_bytes / slowest.bytes_per_second
+
+    def cut_links(self, cut: int | None) -> tuple[Link, ...]:
+        """The links a transfer across ``cut`` may take (see :meth:`p2p_time`)."""
+        if cut is None:
+            return self.links
+        pair = {cut, cut + 1}
+        own = tuple(link for link in self.links if {link.src, link.dst} == pair)
+        return own or tuple(link for link in self.links if link.src == link.dst == -1) or self.links
 
     def check_key(self, expected: MachineKey, *, origin: str) -> None:
         """Raise unless this profile can price ``expected``.

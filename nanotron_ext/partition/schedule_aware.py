@@ -1,8 +1,8 @@
 """The contiguous split that minimises the *simulated step time* under Nanotron's schedule.
 
 The objective is :func:`nanotron_ext.schedule.simulator.simulate`'s ``step_time`` of the split: the config's
-engine (1F1B or AFAB) and micro-batch count, one p2p time per transfer (the largest tensor any stage sends
-across its cut, as :func:`nanotron_ext.simulate.simulate_plan` takes it), no gradient across a cut behind a
+engine (1F1B or AFAB) and micro-batch count, one p2p time per cut (what the cut's last block sends, over that
+cut's link, as :func:`nanotron_ext.simulate.simulate_plan` takes it), no gradient across a cut behind a
 frozen prefix, and the slowest stage's update after the pipeline. Splits are evaluated many at a time by
 :class:`~nanotron_ext.partition.step_time_eval.StepTimeEvaluator` (``step_time_eval.py``); the lower bound is
 ``step_time_bound.py``'s.
@@ -155,7 +155,7 @@ def _bound_and_flop_splits(
     """
     n, pp = problem.n, problem.pp
     big = (problem.n_micro_batches + pp) * (bound.F[-1] + bound.B[-1]) + bound.U[-1]
-    big += 2 * pp * (max(problem.send) if n else 0.0) + 1.0
+    big += 2 * pp * (max(max(row) for row in problem.send) if n else 0.0) + 1.0
     if bound.reach(big) is None:
         raise PlanningError("no contiguous split satisfies the constraints")
     # Brackets that save bisection steps (each is checked): the FLOP min-max lies between the larger of the

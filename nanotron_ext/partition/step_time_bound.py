@@ -92,7 +92,7 @@ class Bound:
         F = np.concatenate([[0.0], np.cumsum(problem.forward)])
         B = np.concatenate([[0.0], np.cumsum(problem.backward)])
         U = np.concatenate([[0.0], np.cumsum(problem.update)])
-        p2p_min = float(min(problem.send[: n - 1])) if problem.pp > 1 and n > 1 else 0.0
+        p2p_min = float(min(min(row[: n - 1]) for row in problem.send)) if problem.pp > 1 and n > 1 else 0.0
         self.F, self.B, self.U = F, B, U  # B: the whole backward
         Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass
         if problem.engine == "zb1p" and not slowest_stage:

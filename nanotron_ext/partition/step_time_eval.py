@@ -36,7 +36,9 @@ class ScheduleProblem:
         forward / backward / update: each block's forward and backward per micro-batch, and its share of the
             stage's update after the pipeline (optimizer step, gradient sync). ``backward`` is the whole
             backward (input and weight gradients) under every engine.
-        send: p2p time of the tensors that leave block ``i`` when a cut follows it.
+        send: ``send[c][i]``: p2p time of the tensors that leave block ``i`` across cut ``c`` (between stages ``c``
+            and ``c + 1``, over that cut's link), one row per cut; one row of ``n`` floats (or a flat tuple of
+            them) stands for every cut alike.
         grad_after: ``n + 1`` flags; entry ``c``: does a gradient cross a cut placed before block ``c``
             (is any of blocks ``0..c-1`` trainable)?
         pp / n_micro_batches / engine: the schedule.
@@ -47,7 +49,7 @@ class ScheduleProblem:
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     update: tuple[float, ...]
-    send: tuple[float, ...]
+    send: tuple[tuple[float, ...], ...] | tuple[float, ...]
     grad_after: tuple[bool, ...]
     pp: int
     n_micro_batches: int
@@ -58,7 +60,12 @@ class ScheduleProblem:
         n = len(self.forward)
         if not self.weight:
             object.__setattr__(self, "weight", (0.0,) * n)
-        for name in ("backward", "update", "send", "weight"):
+        object.__setattr__(self, "send", self._send_rows(n))
+        for c, row in enumerate(self.send):
+            for i, v in enumerate(row):
+                if not math.isfinite(v) or v < 0:
+                    raise PlanningError(f"ScheduleProblem.send[{c}][{i}] = {v!r}; times must be finite and >= 0")
+        for name in ("backward", "update", "weight"):
             if len(getattr(self, name)) != n:
                 raise PlanningError(f"ScheduleProblem.{name} has {len(getattr(self, name))} entries for {n} blocks")
             for i, v in enumerate(getattr(self, name)):
@@ -81,25 +88,43 @@ class ScheduleProblem:
         if shortfall is not None:
             raise PlanningError(shortfall)
 
+    def _send_rows(self, n: int) -> tuple[tuple[float, ...], ...]:
+        """``send`` as one row of ``n`` per cut (``pp - 1``, at least one), a flat or single row repeated."""
+        rows = self.send
+        if len(rows) == 0 or not isinstance(rows[0], Sequence):
+            rows = (tuple(rows),)  # type: ignore[arg-type]
+        cuts = max(self.pp - 1, 1) if isinstance(self.pp, int) else 1
+        if len(rows) == 1:
+            rows = rows * cuts
+        if len(rows) != cuts or any(len(r) != n for r in rows):
+            raise PlanningError(f"ScheduleProblem.send has {len(rows)} rows of {[len(r) for r in rows]} entries; pass "
+                                f"one row of {n} per cut ({cuts}), or one row for every cut")
+        return tuple(tuple(float(v) for v in r) for r in rows)
+
     @property
     def n(self) -> int:
         return len(self.forward)
 
-    def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], float, list[bool]]:
-        """(forward, backward, update per stage, the p2p time, gradient per cut) of one split."""
+    def cut_times(self, bounds: Sequence[int]) -> list[float]:
+        """One transfer across each cut of a split: what the last block before the cut sends, over that cut's link
+        (an empty stage passes on what the block before it sent)."""
+        return [float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1])]
+
+    def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], list[float],
+                                                           list[bool]]:
+        """(forward, backward, update per stage, the p2p time per cut, gradient per cut) of one split."""
         f, b, u = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward, self.update))
         segs = list(zip(bounds[:-1], bounds[1:]))
-        p2p = max((self.send[e - 1] for s, e in segs[:-1] if e > s), default=0.0)
         return (
             [float(f[s:e].sum()) for s, e in segs],
             [float(b[s:e].sum()) for s, e in segs],
             [float(u[s:e].sum()) for s, e in segs],
-            float(p2p),
+            self.cut_times(bounds),
             [bool(self.grad_after[e]) for _, e in segs[:-1]],
         )
 
-    def simulator_inputs(self, bounds: Sequence[int]) -> tuple[list[StageTimes], float, list[bool]]:
-        """(stage times, the p2p time, gradient per cut) of one split, as :func:`simulate` takes them."""
+    def simulator_inputs(self, bounds: Sequence[int]) -> tuple[list[StageTimes], list[float], list[bool]]:
+        """(stage times, the p2p time per cut, gradient per cut) of one split, as :func:`simulate` takes them."""
         f, b, u, p2p, cuts = self.stage_times(bounds)
         w = np.asarray(self.weight, dtype=np.float64)
         weights = [float(w[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:])]
@@ -154,8 +179,9 @@ _KIND = {Action.FORWARD: 0, Action.BACKWARD: 1, Action.WEIGHT: 2}
 
 
 def _codes(pp: int) -> tuple[int, int]:
-    """The codes after the compute ones: one p2p transfer, and nothing."""
-    return 3 * pp, 3 * pp + 1
+    """The codes after the compute ones: the first of one p2p transfer per cut (``3 pp + c`` for cut ``c``), and
+    nothing (after the last cut's)."""
+    return 3 * pp, 4 * pp
 
 
 class _Nodes(NamedTuple):
@@ -208,7 +234,7 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
                         break
                     pred_rank.append(node)
                     pred_msg.append(sent)
-                    code.append(p2p)
+                    code.append(p2p + min(s, s + action.peer))  # the cut the message crosses
                     code2.append(nothing)
                     depth.append(max(depth[node], depth[sent]) + 1)
                     node = len(code) - 1
@@ -229,7 +255,7 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
     depth, pred_rank, pred_msg, code, code2 = nodes.depth, nodes.pred_rank, nodes.pred_msg, nodes.code, nodes.code2
     dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
     cd, cd2 = np.asarray(code), np.asarray(code2)
-    fused, has_msg = cd2 != nothing, cd == p2p
+    fused, has_msg = cd2 != nothing, (cd >= p2p) & (cd < nothing)
     order = np.lexsort((~has_msg, ~fused, dep))  # by level; in a level: fused, other receives, the rest
     new = np.empty_like(order)
     new[order] = np.arange(len(order))
@@ -254,7 +280,7 @@ class StepTimeEvaluator:
         self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
         self._w = np.concatenate([[0.0], np.cumsum(problem.weight)])
         self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
-        self._send = np.concatenate([np.asarray(problem.send, dtype=np.float64), [0.0]])
+        self._send = np.asarray(problem.send, dtype=np.float64)  # (cuts, n)
         self._grad = np.asarray(problem.grad_after, dtype=bool)
         self._table = np.empty(0)
 
@@ -283,15 +309,15 @@ class StepTimeEvaluator:
         pp, k = p.pp, len(bounds)
         graph = schedule_graph(p.engine, pp, p.n_micro_batches, cuts)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
-        add = np.zeros((3 * pp + 2, k))
+        add = np.zeros((4 * pp + 1, k))
         add[:pp] = (self._f[hi] - self._f[lo]).T
         add[pp : 2 * pp] = (self._b[hi] - self._b[lo]).T
         if p.engine == "zb1p":  # B is the backward less its weight-gradient part, W that part (as simulate)
             add[2 * pp : 3 * pp] = (self._w[hi] - self._w[lo]).T
             np.maximum(add[pp : 2 * pp] - add[2 * pp : 3 * pp], 0.0, out=add[pp : 2 * pp])
-        if pp > 1:
-            nonempty = hi[:, :-1] > lo[:, :-1]
-            add[3 * pp] = np.where(nonempty, self._send[hi[:, :-1] - 1], 0.0).max(axis=1)
+        if pp > 1:  # cut c: what the last block before it sends (as ScheduleProblem.cut_times)
+            last = np.maximum(hi[:, :-1], 1) - 1
+            add[3 * pp : 4 * pp - 1] = self._send[np.arange(pp - 1)[None, :], last].T
         if self._table.size < graph.n_nodes * k:  # one table reused: fresh pages cost as much as the work
             self._table = np.empty(graph.n_nodes * k)
         t = self._table[: graph.n_nodes * k].reshape(graph.n_nodes, k)

@@ -20,7 +20,8 @@ receives, in exactly the order Nanotron's engine code issues them (:func:`engine
 Backwards pop micro-batches first-in-first-out in both engines. A transfer is a rendezvous, as gloo's
 (``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
 point-to-point are: it starts when the sender has posted the send *and* the receiver has posted the matching
-receive, takes ``p2p_time``, and the receiver waits in its receive until it ends. Sends do not block the
+receive, takes the p2p time of its cut (what crosses that cut, over its link: ``p2p_time``, one figure per cut), and
+the receiver waits in its receive until it ends. Sends do not block the
 sender, as with the CPU runtime's ``CPUP2P`` (Nanotron's own ``P2P`` on GPU syncs the host after its
 metadata send, so there a sender also waits until the receiver has posted that receive: not modelled). All
 tensors crossing a cut for one micro-batch (``hidden_states`` and ``sequence_mask``, say) are one transfer, and a
@@ -51,7 +52,9 @@ __all__ = [
     "StageTimes",
     "engine_order",
     "engine_program",
+    "format_p2p",
     "ideal_bubble_fraction",
+    "per_cut_p2p",
     "simulate",
 ]
 
@@ -162,7 +165,8 @@ class Op:
 class SimResult:
     """Outcome of :func:`simulate`; times in seconds, per-stage lists indexed by PP rank.
 
-    ``ops`` is grouped by stage, each stage's ops in execution order. ``pipeline_time`` is when the last of the
+    ``ops`` is grouped by stage, each stage's ops in execution order. ``p2p_times[c]`` is one transfer across the cut
+    between stages ``c`` and ``c + 1`` (an activation forward or its gradient back). ``pipeline_time`` is when the last of the
     stages to finish is done with its forwards, backwards and receives; ``step_time`` adds the slowest stage's
     update. ``bubble_fraction`` is Σ idle ÷ (pp × step time); ``pipeline_bubble_fraction`` the same over the
     pipeline part alone (updates left out), comparable with :func:`ideal_bubble_fraction`.
@@ -176,7 +180,7 @@ class SimResult:
     idle: list[float]
     bubble_fraction: float
     peak_in_flight: list[int]
-    p2p_time: float = 0.0
+    p2p_times: list[float] = field(default_factory=list)
     stages: list[StageTimes] = field(default_factory=list)
     pipeline_time: float = 0.0
     pipeline_bubble_fraction: float = 0.0
@@ -218,7 +222,7 @@ class SimResult:
     def __str__(self) -> str:
         head = (
             f"{self.engine}: pp={self.pp}, micro-batches={self.n_micro_batches}, "
-            f"p2p={self.p2p_time * 1e3:.3f} ms, step={self.step_time * 1e3:.3f} ms"
+            f"p2p={format_p2p(self.p2p_times)}, step={self.step_time * 1e3:.3f} ms"
             + (f" (pipeline {self.pipeline_time * 1e3:.3f} ms + update)" if self.step_time > self.pipeline_time else "")
             + f", bubble={self.bubble_fraction:.1%} "
             + (f"(pipeline part {self.pipeline_bubble_fraction:.1%}, " if self.step_time > self.pipeline_time else "(")
@@ -395,7 +399,7 @@ def simulate(
     stages: Sequence[StageTimes],
     n_micro_batches: int,
     engine: Engine,
-    p2p_time: float = 0.0,
+    p2p_time: float | Sequence[float] = 0.0,
     grad_cuts: Sequence[bool] | None = None,
 ) -> SimResult:
     """Simulate one training step (all micro-batches) under Nanotron's engine order, sends and receives included.
@@ -405,8 +409,8 @@ def simulate(
             ``backward`` zb1p defers as ``W``; ignored by AFAB and 1F1B).
         n_micro_batches: micro-batches per step (Nanotron's ``batch_accumulation_per_replica``).
         engine: ``"1f1b"`` or ``"afab"`` (the values of Nanotron's ``pp_engine``), or ``"zb1p"``.
-        p2p_time: seconds one transfer of a micro-batch's activation or gradient takes between neighbouring
-            stages once both sides are ready (see the module docstring).
+        p2p_time: seconds one transfer of a micro-batch's activation or gradient takes across each cut once both
+            sides are ready (see the module docstring): one figure per cut (``pp - 1``), or one for every cut.
         grad_cuts: per cut (``pp - 1`` of them), whether a gradient crosses it back; False where nothing at or
             before the cut trains (a frozen prefix). Default: every cut.
 
@@ -418,8 +422,9 @@ def simulate(
             ``n_micro_batches < 1``, an unknown engine, or 1F1B or zb1p with fewer than ``pp - 1``
             micro-batches (Nanotron rejects it too).
     """
-    stages = _validate(stages, n_micro_batches, engine, p2p_time)
+    stages = _validate(stages, n_micro_batches, engine)
     pp, m = len(stages), int(n_micro_batches)
+    p2p = per_cut_p2p(p2p_time, pp)
     cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
     if len(cuts) != pp - 1:
         raise ValueError(f"grad_cuts has {len(cuts)} entries for {pp} stages; pass one per cut (pp - 1)")
@@ -428,12 +433,41 @@ def simulate(
         for s in range(pp)
     ]
 
-    per_stage, clock = _replay(programs, stages, p2p_time, engine)
-    return _result(engine, m, stages, per_stage, max(clock), p2p_time)
+    per_stage, clock = _replay(programs, stages, p2p, engine)
+    return _result(engine, m, stages, per_stage, max(clock), p2p)
+
+
+def per_cut_p2p(p2p_time: float | Sequence[float], pp: int) -> list[float]:
+    """One transfer time per cut (``pp - 1``), from one figure for every cut or one per cut.
+
+    Raises:
+        ValueError: a time is negative, NaN or infinite, or the sequence has another length than ``pp - 1``.
+    """
+    scalar = isinstance(p2p_time, numbers.Real)
+    times = [p2p_time] if scalar else list(p2p_time)  # a scalar is checked even where there is no cut
+    for c, t in enumerate(times):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            where = "" if scalar else f" of cut {c}"
+            raise ValueError(f"p2p_time{where} = {t!r}; pass finite, non-negative seconds (0 to ignore p2p)")
+    if scalar:
+        times = times * (pp - 1)
+    if len(times) != pp - 1:
+        raise ValueError(f"p2p_time has {len(times)} entries for {pp} stages; pass one per cut (pp - 1) or one "
+                         "number for every cut")
+    return [float(t) for t in times]
+
+
+def format_p2p(p2p_times: Sequence[float]) -> str:
+    """``p2p_times`` in ms for a header: one figure when every cut is alike, else one per cut."""
+    if not p2p_times:
+        return "-"
+    if len(set(p2p_times)) == 1:
+        return f"{p2p_times[0] * 1e3:.3f} ms"
+    return "|".join(f"{t * 1e3:.3f}" for t in p2p_times) + " ms per cut"
 
 
 def _result(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[list[Op]], pipeline_time: float,
-            p2p_time: float) -> SimResult:
+            p2p_times: list[float]) -> SimResult:
     """The step's record: the updates after the pipeline, busy and idle time per stage, bubble fractions."""
     pp = len(stages)
     for s in range(pp):
@@ -460,19 +494,19 @@ def _result(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[li
             pp * pipeline_time,
         ),
         peak_in_flight=[_peak_in_flight(ops) for ops in per_stage],
-        p2p_time=p2p_time,
+        p2p_times=p2p_times,
         stages=stages,
         pipeline_time=pipeline_time,
     )
 
 
 def _replay(
-    programs: Sequence[Sequence[Step]], stages: Sequence[StageTimes], p2p_time: float, engine: str = "1f1b"
+    programs: Sequence[Sequence[Step]], stages: Sequence[StageTimes], p2p_times: Sequence[float], engine: str = "1f1b"
 ) -> tuple[list[list[Op]], list[float]]:
     """Run every rank's program: the compute ops of each stage and each rank's clock at its end.
 
-    A send is posted at its sender's clock; a receive completes ``p2p_time`` after both sides are there
-    (rendezvous). Ranks advance in turn until each is blocked on a receive whose send is not yet posted.
+    A send is posted at its sender's clock; a receive completes its cut's ``p2p_times`` entry after both sides are
+    there (rendezvous). Ranks advance in turn until each is blocked on a receive whose send is not yet posted.
     """
     pp = len(programs)
     posted: dict[tuple[bool, int, int], float] = {}  # (gradient?, sender, micro-batch) -> when the send was posted
@@ -495,7 +529,7 @@ def _replay(
                     sent = posted.get((action.carries_gradient, s + action.peer, j))
                     if sent is None:
                         break  # the sender has not got there yet
-                    clock[s] = max(clock[s], sent) + p2p_time
+                    clock[s] = max(clock[s], sent) + p2p_times[min(s, s + action.peer)]
                 pos[s] += 1
                 progressed = True
         if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
@@ -517,9 +551,7 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def _validate(
-    stages: Sequence[StageTimes], n_micro_batches: int, engine: str, p2p_time: float
-) -> list[StageTimes]:
+def _validate(stages: Sequence[StageTimes], n_micro_batches: int, engine: str) -> list[StageTimes]:
     _check_engine(engine)
     stages = list(stages)
     if not stages:
@@ -546,6 +578,4 @@ def _validate(
         or n_micro_batches < 1
     ):
         raise ValueError(f"n_micro_batches = {n_micro_batches!r}; pass an integer >= 1")
-    if not isinstance(p2p_time, numbers.Real) or not math.isfinite(p2p_time) or p2p_time < 0:
-        raise ValueError(f"p2p_time = {p2p_time!r}; pass finite, non-negative seconds (0 to ignore p2p)")
     return stages

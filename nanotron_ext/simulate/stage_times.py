@@ -3,8 +3,8 @@
 A plan is priced exactly as the planner's step-time objective prices a split: by
 :func:`nanotron_ext.strategies.step_time.schedule_problem` on the config's machine
 (:func:`nanotron_ext.machine.machine_for`: a calibrated profile, or the analytic H100 model) and
-:meth:`~nanotron_ext.partition.schedule_aware.ScheduleProblem.stage_times` (their sums per stage, one p2p time
-for every link: the largest tensor a stage sends across its cut, over the slowest link).
+:meth:`~nanotron_ext.partition.schedule_aware.ScheduleProblem.stage_times` (their sums per stage, and one p2p time
+per cut: what the cut's last block sends, over that cut's link).
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ class PlanTimes(NamedTuple):
 
     Attributes:
         stages: one :class:`~nanotron_ext.schedule.simulator.StageTimes` per stage, seconds.
-        p2p: seconds of one transfer between neighbouring stages.
+        p2p: per cut (between stages ``c`` and ``c + 1``), seconds of one transfer across it.
         grad_cuts: per cut between stages ``k`` and ``k + 1``, whether a gradient crosses it back (is anything on
             stages ``0..k`` trainable?); Nanotron sends none across a cut behind a frozen prefix.
     """
 
     stages: list[StageTimes]
-    p2p: float
+    p2p: list[float]
     grad_cuts: list[bool]
 
 
 def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
                      machine: MachineProfile | None = None) -> PlanTimes:
-    """Per-stage forward/backward/update time of one micro-batch, the p2p time of one transfer, and which cuts
+    """Per-stage forward/backward/update time of one micro-batch, the p2p time of one transfer per cut, and which cuts
     carry a gradient back. Under zb1p each stage's ``weight`` is the weight-gradient part of its backward (its
     deferred ``W``); under AFAB and 1F1B, which run the whole backward as one op, it is 0.
 

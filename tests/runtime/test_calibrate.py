@@ -102,7 +102,7 @@ def test_plan_reads_the_calibrated_profile(world: tuple[list[dict], Path], capsy
     blocks = inventory_from_config(cfg)
     prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
     lm_head = next(i for i, b in enumerate(blocks) if b.role == "lm_head")
-    assert prices.send[lm_head] > max(link.latency for link in profile.links)
+    assert prices.send[0][lm_head] > max(link.latency for link in profile.links)
 
 
 def test_alone_it_measures_the_compute_only(alone: MachineProfile) -> None:
