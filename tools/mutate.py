@@ -61,6 +61,7 @@ SEND_ORDER = "nanotron_ext/runtime/send_order.py"
 OPTIMAL = "nanotron_ext/partition/optimal.py"
 RULE = "nanotron_ext/partition/nanotron_rule.py"
 SIMULATOR = "nanotron_ext/schedule/simulator.py"
+PROGRAMS = "nanotron_ext/schedule/programs.py"
 VOCAB = "nanotron_ext/models/vocab_chain.py"
 LLAMA = "nanotron_ext/models/llama.py"
 ENGINE = "nanotron_ext/runtime/engine.py"
@@ -135,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "if (a in frozen) != (b in frozen):", "if (a in frozen) and (b not in frozen):",
       ("tests/test_freeze.py",)),
     # --- simulator schedule --------------------------------------------------------------------------------
-    M("1F1B runs one warm-up forward too many", SIMULATOR,
+    M("1F1B runs one warm-up forward too many", PROGRAMS,
       "warmup = pp - stage - 1", "warmup = pp - stage",
       ("tests/test_simulate.py",)),
     M("a receive does not wait for its send", SIMULATOR,
@@ -262,9 +263,22 @@ MUTATIONS: tuple[Mutation, ...] = (
       "u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)", "u += 0.0",
       (MACHINE_TESTS,)),
     M("p2p takes the fastest link", PROFILE,
-      "slowest = max(self.links, key=lambda link: link.time(n_bytes))",
-      "slowest = min(self.links, key=lambda link: link.time(n_bytes))",
+      "slowest = max(links, key=lambda link: link.time(n_bytes))",
+      "slowest = min(links, key=lambda link: link.time(n_bytes))",
       (MACHINE_TESTS,)),
+    M("a cut takes every link, not its own", PROFILE,
+      "own = tuple(link for link in self.links if {link.src, link.dst} == pair)", "own = self.links",
+      (MACHINE_TESTS,)),
+    M("every cut is priced as the slowest one (the old shortcut)", "nanotron_ext/partition/step_time_eval.py",
+      "return [float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1])]",
+      "return [max(float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1]))] * (len(bounds) - 2)",
+      ("tests/test_simulate_cli.py",)),
+    M("the evaluator prices every message as cut 0's", "nanotron_ext/partition/step_time_eval.py",
+      "code.append(p2p + min(s, s + action.peer))", "code.append(p2p)",
+      ("tests/test_schedule_aware.py",)),
+    M("the simulator prices every message as cut 0's", SIMULATOR,
+      "+ p2p_times[min(s, s + action.peer)]", "+ p2p_times[0]",
+      ("tests/test_simulate.py", "tests/test_simulate_cli.py")),
     M("a key mismatch passes", PROFILE, "        if diffs:\n            raise ConfigError(",
       "        if diffs and False:\n            raise ConfigError(", (MACHINE_TESTS,)),
     M("the p2p override drops the latency", PROFILE,

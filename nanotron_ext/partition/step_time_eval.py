@@ -21,7 +21,8 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
-from nanotron_ext.schedule.simulator import Action, StageTimes, Step, engine_program
+from nanotron_ext.schedule.programs import Action, Step, engine_program
+from nanotron_ext.schedule.simulator import StageTimes
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
 

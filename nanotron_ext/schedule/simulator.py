@@ -1,21 +1,7 @@
 """Discrete-event simulator of Nanotron's two pipeline engines and of zb1p, sends and receives included.
 
-Each PP rank runs a *program*: its forwards (``F``), backwards (``B``), activation and gradient sends and
-receives, in exactly the order Nanotron's engine code issues them (:func:`engine_program`):
-
-* ``afab`` (``AllForwardAllBackwardPipelineEngine``): every forward, each followed by the send of its
-  activation; then every backward, each followed by the send of its input gradient.
-* ``1f1b`` (``OneForwardOneBackwardPipelineEngine``): ``pp - rank - 1`` warm-up forwards (sent at once), then
-  one forward and one backward per remaining micro-batch, then the left-over backwards. In the steady phase
-  sends are *deferred*: Nanotron only queues them, and ``PipelineTrainBatchState.run_communication`` runs
-  them at the rank's next receive, in the order send activation, receive activation, send gradient, receive
-  gradient. So the last stage sends micro-batch ``j``'s gradient only after it has received micro-batch
-  ``j + 1``'s activation, and a stage sends a forward's activation when its next backward asks for a
-  gradient.
-* ``zb1p`` (ZB-H1 of Qi et al., ICLR 2024): 1F1B's program, where ``B`` computes input gradients only and
-  each micro-batch's weight gradients run later as a ``W``: rank ``r`` defers the W of its first ``r``
-  backwards, then runs the oldest deferred W after each backward (after the sends issued right after it),
-  and every W left after its last backward. ``StageTimes.weight`` is W; B takes ``backward - weight``.
+Each PP rank runs its *program* (:func:`~nanotron_ext.schedule.programs.engine_program`: its forwards, backwards,
+sends and receives in exactly the order Nanotron's engine code issues them; see :mod:`nanotron_ext.schedule.programs`).
 
 Backwards pop micro-batches first-in-first-out in both engines. A transfer is a rendezvous, as gloo's
 (``gloo/transport/tcp/pair.cc``: data moves only once the receiver has posted its receive) and NCCL's
@@ -36,13 +22,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-from nanotron_ext.schedule import ENGINES, Engine, ideal_bubble_fraction, too_few_micro_batches
+from nanotron_ext.schedule import Engine, ideal_bubble_fraction
+from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program
 
 __all__ = [
     "Action",
@@ -57,55 +42,6 @@ __all__ = [
     "per_cut_p2p",
     "simulate",
 ]
-
-class Action(str, Enum):
-    """What a rank does next: compute, or one of the four kinds of communication of Nanotron's engines.
-
-    ``WEIGHT`` (``W``) is zb1p's deferred weight-gradient pass of one micro-batch; under zb1p ``BACKWARD``
-    is the input-gradient part alone, under AFAB and 1F1B the whole backward (input and weight gradients).
-
-    A ``str`` enum, so ``Action.FORWARD == "F"`` and programs compare equal to ``("F", 0)`` tuples.
-    """
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    WEIGHT = "W"
-    SEND_ACT = "send_act"
-    RECV_ACT = "recv_act"
-    SEND_GRAD = "send_grad"
-    RECV_GRAD = "recv_grad"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (Action.FORWARD, Action.BACKWARD, Action.WEIGHT)
-
-    @property
-    def is_send(self) -> bool:
-        return self in (Action.SEND_ACT, Action.SEND_GRAD)
-
-    @property
-    def carries_gradient(self) -> bool:
-        """A communication of a gradient (backward, towards stage 0) rather than an activation."""
-        return self in (Action.SEND_GRAD, Action.RECV_GRAD)
-
-    @property
-    def peer(self) -> int:
-        """The other stage of a receive, relative to this one: activations come from ``-1``, gradients ``+1``."""
-        return {Action.RECV_ACT: -1, Action.RECV_GRAD: 1}.get(self, 0)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Step(NamedTuple):
-    """One entry of a rank's program: an action on one micro-batch; prints as ``F0``, ``recv_grad3``."""
-
-    action: Action
-    micro_batch: int
-
-    def __str__(self) -> str:
-        return f"{self.action.value}{self.micro_batch}"
-
 
 @dataclass(frozen=True)
 class StageTimes:
@@ -229,170 +165,6 @@ class SimResult:
             + f"ideal {ideal_bubble_fraction(self.pp, self.n_micro_batches):.1%})"
         )
         return f"{head}\n{self.table()}"
-
-
-def _check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
-
-
-def _check_stage(engine: str, pp: int, stage: int, n_micro_batches: int) -> None:
-    if pp < 1 or n_micro_batches < 1:
-        raise ValueError(f"pp = {pp} and n_micro_batches = {n_micro_batches}; both must be at least 1")
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} is outside 0..{pp - 1}; pass a PP rank of the {pp}-stage pipeline")
-    _check_engine(engine)
-    shortfall = too_few_micro_batches(engine, pp, n_micro_batches)
-    if shortfall is not None:
-        raise ValueError(shortfall)
-
-
-def engine_program(
-    engine: Engine,
-    pp: int,
-    stage: int,
-    n_micro_batches: int,
-    *,
-    grad_in: bool = True,
-    grad_out: bool = True,
-) -> list[Step]:
-    """The ``(action, micro_batch)`` sequence Nanotron's engine runs on PP rank ``stage``, communication included.
-
-    Mirrors ``nanotron.parallel.pipeline_parallel.engine`` and ``PipelineTrainBatchState.run_communication``:
-    a forward on a rank after the first starts by receiving its activation (after any queued activation send;
-    in Nanotron's order none is queued there) and then sends one queued gradient; a backward on a rank before
-    the last starts with its queued activation sends, one queued gradient send, then receives its gradient.
-    Warm-up forwards (1F1B), every forward and backward under AFAB, and the 1F1B cool-down send at once.
-
-    A cut whose activation needs no gradient (nothing trainable at or before it) carries none back: the rank
-    after it sends no gradients (``grad_in=False``), and the rank before it receives none
-    (``grad_out=False``; its backward only sends a queued activation).
-
-    Example:
-        >>> print(*engine_program("1f1b", 2, 1, 2))
-        recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 send_grad1
-
-    ``zb1p`` (ZB-H1) is 1F1B's program with the deferred weight-gradient passes ``W`` added: rank ``stage``
-    defers the W of its first ``stage`` backwards; after each later backward (and the sends issued right after
-    it) it runs the oldest deferred W, and after its last backward every W left, oldest first. Rank 1 of 2:
-
-        >>> print(*engine_program("zb1p", 2, 1, 3))
-        recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 W0 recv_act2 send_grad1 F2 B2 send_grad2 W1 W2
-
-    Args:
-        engine: ``"1f1b"``, ``"afab"`` or ``"zb1p"``.
-        pp: number of stages.
-        stage: the PP rank.
-        n_micro_batches: micro-batches per step.
-        grad_in: a gradient flows back into this stage's input (ignored on stage 0).
-        grad_out: this stage's output gets a gradient back (ignored on the last stage).
-
-    Raises:
-        ValueError: for ``pp`` or ``n_micro_batches`` below 1, a stage outside ``0..pp-1``, an unknown engine,
-            or under 1F1B or zb1p with fewer than ``pp - 1`` micro-batches.
-    """
-    _check_stage(engine, pp, stage, n_micro_batches)
-    m, first, last = n_micro_batches, stage == 0, stage == pp - 1
-    rank = _RankProgram(first, last, sends_grads=not first and grad_in, gets_grads=not last and grad_out)
-    if engine == "afab":
-        for j in range(m):
-            rank.forward(j)
-            rank.flush(rank.acts_to_send, Action.SEND_ACT)
-        for j in range(m):
-            rank.backward(j)
-            rank.flush(rank.grads_to_send, Action.SEND_GRAD)
-        return rank.program
-    return _one_f_one_b(rank, pp, stage, m, zero_bubble=engine == "zb1p")
-
-
-def _one_f_one_b(rank: _RankProgram, pp: int, stage: int, m: int, *, zero_bubble: bool) -> list[Step]:
-    """1F1B's program on ``rank``; with ``zero_bubble`` (zb1p) each backward is B (input gradient) and rank
-    ``stage`` defers the W of its first ``stage`` backwards, then runs the oldest deferred W after each later one
-    (sail-sg's ZB-H1: ``if i >= rank: WeightGradStore.pop()``), after the sends issued right after it."""
-    defer = stage if zero_bubble else None
-    warmup = pp - stage - 1
-    for j in range(warmup):
-        rank.forward(j)
-        rank.flush(rank.acts_to_send, Action.SEND_ACT)
-    for i in range(m - warmup):
-        rank.forward(warmup + i)
-        rank.backward(i)
-        if i == m - warmup - 1:
-            rank.flush(rank.grads_to_send, Action.SEND_GRAD)
-        rank.weight(i, defer)
-    rank.flush(rank.grads_to_send, Action.SEND_GRAD)
-    for j in range(m - warmup, m):
-        rank.backward(j)
-        rank.flush(rank.grads_to_send, Action.SEND_GRAD)
-        rank.weight(j, defer)
-    rank.weight_all(defer)
-    return rank.program
-
-
-@dataclass
-class _RankProgram:
-    """One rank's program as Nanotron's engine issues it: forwards and backwards, with the sends they queue
-    (``PipelineTrainBatchState``) and the communication points that run them (``run_communication``)."""
-
-    first: bool
-    last: bool
-    sends_grads: bool
-    gets_grads: bool
-    program: list[Step] = field(default_factory=list)
-    acts_to_send: deque[int] = field(default_factory=deque)
-    grads_to_send: deque[int] = field(default_factory=deque)
-    weights_pending: deque[int] = field(default_factory=deque)
-
-    def forward(self, j: int) -> None:
-        if not self.first:  # recv_from_pipeline_state_buffer -> run_communication()
-            if self.acts_to_send:
-                self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
-            self.program.append(Step(Action.RECV_ACT, j))
-            # An activation that needs no gradient ends run_communication right after its receive.
-            if self.sends_grads and self.grads_to_send:
-                self.program.append(Step(Action.SEND_GRAD, self.grads_to_send.popleft()))
-        self.program.append(Step(Action.FORWARD, j))
-        if not self.last:
-            self.acts_to_send.append(j)
-
-    def backward(self, j: int) -> None:
-        if self.gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
-            self.flush(self.acts_to_send, Action.SEND_ACT)
-            if self.grads_to_send:
-                self.program.append(Step(Action.SEND_GRAD, self.grads_to_send.popleft()))
-            self.program.append(Step(Action.RECV_GRAD, j))
-        elif not self.last and self.acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
-            self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
-        self.program.append(Step(Action.BACKWARD, j))
-        if self.sends_grads:
-            self.grads_to_send.append(j)
-
-    def weight(self, j: int, defer: int | None) -> None:
-        """After backward ``j`` under zb1p (``defer`` = the rank): defer its W, and run the oldest deferred W
-        once ``j >= defer``. Nothing under AFAB/1F1B (``defer`` None), where a backward is B and W in one."""
-        if defer is None:
-            return
-        self.weights_pending.append(j)
-        if j >= defer:
-            self.program.append(Step(Action.WEIGHT, self.weights_pending.popleft()))
-
-    def weight_all(self, defer: int | None) -> None:
-        """Under zb1p, after the last backward: every W still deferred, oldest first."""
-        if defer is not None:
-            self.flush(self.weights_pending, Action.WEIGHT)
-
-    def flush(self, queue: deque[int], action: Action) -> None:
-        while queue:
-            self.program.append(Step(action, queue.popleft()))
-
-
-def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> list[tuple[str, int]]:
-    """The ``(kind, micro_batch)`` sequence of forwards and backwards that Nanotron's engine runs on ``stage``.
-
-    Raises:
-        ValueError: as :func:`engine_program`.
-    """
-    return [(str(a), j) for a, j in engine_program(engine, pp, stage, n_micro_batches) if a.is_compute]
 
 
 def simulate(
@@ -552,7 +324,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _validate(stages: Sequence[StageTimes], n_micro_batches: int, engine: str) -> list[StageTimes]:
-    _check_engine(engine)
+    check_engine(engine)
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")

@@ -44,7 +44,7 @@ from nanotron.utils import ContextManagers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nanotron_ext.schedule.simulator import Action, Step, engine_program
+from nanotron_ext.schedule.programs import Action, Step, engine_program
 from nanotron_ext.zero_bubble.store import WeightGradStore, install_store, store_of
 
 __all__ = ["ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
