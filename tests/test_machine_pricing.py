@@ -126,6 +126,33 @@ def test_a_send_takes_the_link_of_its_own_cut():
     assert spare.p2p_time(out, cut=1) == pytest.approx(5e-4 + out / 2e9)
 
 
+@pytest.mark.parametrize("dtype, fp32_acc, zero, dp, per_param", [
+    ("float32", False, 0, 1, 28.0),  # fused AdamW: weight, gradient, 2 moments read; weight, 2 moments written
+    ("bfloat16", True, 0, 1, 34.0),  # ... on the fp32 masters, then the master copied into the bf16 weight
+    ("bfloat16", False, 0, 1, 14.0),  # ... on the bf16 weights themselves
+    ("bfloat16", True, 1, 4, 8.5),  # ZeRO-1: each of 4 dp ranks steps a quarter
+])
+def test_the_analytic_machine_prices_the_optimizer_step_by_the_bytes_it_moves(dtype, fp32_acc, zero, dp, per_param):
+    run = dataclasses.replace(SEED.run, dtype=dtype, accumulate_grad_in_fp32=fp32_acc, zero_stage=zero, dp=dp)
+    cfg = dataclasses.replace(SEED, run=run)
+    blocks = inventory_from_config(cfg)
+    machine = dataclasses.replace(ANALYTIC_GPU, dp_allreduce=None)  # the step alone
+    prices = price_blocks(machine, blocks, cfg)
+    assert ANALYTIC_GPU.memory_bytes_per_second == 3.0e12
+    assert prices.update[1] == pytest.approx(blocks[1].trainable * per_param / 3.0e12, rel=1e-12)
+    assert prices.update[1] > 0 and prices.update[5] == 0.0  # a decoder layer steps; cast holds nothing
+
+
+def test_a_tied_lm_head_is_stepped_once_at_pp_1_and_on_its_own_rank_above():
+    tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
+    blocks = inventory_from_config(tied)
+    machine = MachineProfile(name="hbm", source="test", memory_bytes_per_second=1e12)
+    assert price_blocks(machine, blocks, tied).update[4] == pytest.approx(blocks[4].trainable * 28 / 1e12)
+    alone = dataclasses.replace(tied, run=dataclasses.replace(tied.run, pp=1))
+    assert price_blocks(machine, blocks, alone).update[4] == 0.0
+    assert price_blocks(machine, blocks, alone).update[0] == pytest.approx(blocks[0].trainable * 28 / 1e12)
+
+
 def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce():
     tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
     blocks = inventory_from_config(tied)

@@ -204,7 +204,8 @@ def test_simulate_prints_table_bubble_and_writes_timeline(tmp_path, capsys):
     # Stage 1 (lm_head, cast, loss) of the tiny model, t = 2·32 tokens, h = 16, V = 50277, at 1e9 FLOP/s:
     # forward 2·t·h·V + t·V + 5·t·V = 122,273,664 FLOPs; backward 4·t·h·V + t·V + 3·t·V = 218,805,504.
     row = next(line for line in text.splitlines() if "lm_head, cast, loss" in line)
-    assert row.split()[0] == "1" and row.split()[-3:] == ["122.3", "218.8", "0"]  # ms per micro-batch; no update
+    # The update: the lm_head's 804,432 fp32 parameters, 28 bytes each through fused AdamW at 3.0 TB/s.
+    assert row.split()[0] == "1" and row.split()[-3:] == ["122.3", "218.8", "0.007508"]  # ms
     lines = text.splitlines()
     assert lines[-2:] == ["VALID: every stage has parameters to train", f"timeline: {out}"]
     assert _png(out)
@@ -232,7 +233,7 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
     previous gradient, so with τ far above every compute time the critical path is: F0 (a), act0 (τ), stage 1's
     F0 B0 (c + d), act1 (τ: stage 1 only now posts its receive), grad0 (τ), B0 F2 (b + a), act2, grad1 (2τ),
     B1 F3 (b + a), act3, grad2 (2τ), B2 (b), grad3 (τ), B3 (b).
-    Step = 8τ + (c + d) + 3a + 4b.
+    Step = 8τ + (c + d) + 3a + 4b, and the slower stage's update.
     """
     # The FLOP split: under this p2p, constrained's step-time objective moves the decoders to stage 1 (faster by
     # 2·a' + 3·b' of the moved layers), so the hand computation pins the split with `flops`.
@@ -245,13 +246,17 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
     assert data["plan"]["block_ranks"] == [0, 0, 0, 0, 1, 1, 1]
     sim = data["simulation"]
     a, b, c, d, tau = 1_332_224e-12, 2_673_664e-12, 122_273_664e-12, 218_805_504e-12, 4.096 + 10e-6
+    # The update after the pipeline: each stage's fp32 parameters, 28 bytes each through fused AdamW, at the
+    # analytic 3.0 TB/s. Stage 0: embedding 804,432 + 2 decoders of 4,096 + 2·16 + final norm 16 = 812,704;
+    # stage 1: the lm_head's 804,432.
+    u0, u1 = 812_704 * 28 / 3e12, 804_432 * 28 / 3e12
     got = [(st["forward"], st["backward"], st["update"]) for st in sim["stages"]]
-    assert got == [pytest.approx((a, b, 0.0), rel=1e-12), pytest.approx((c, d, 0.0), rel=1e-12)]
+    assert got == [pytest.approx((a, b, u0), rel=1e-12), pytest.approx((c, d, u1), rel=1e-12)]
     assert sim["p2p_times"] == [pytest.approx(tau, rel=1e-12)]
-    step = 8 * tau + (c + d) + 3 * a + 4 * b
+    step = 8 * tau + (c + d) + 3 * a + 4 * b + u0
     assert sim["step_time"] == pytest.approx(step, rel=1e-12)
-    assert sim["busy"] == pytest.approx([4 * (a + b), 4 * (c + d)], rel=1e-9)
-    assert sim["bubble_fraction"] == pytest.approx(1 - 4 * (a + b + c + d) / (2 * step), rel=1e-12)
+    assert sim["busy"] == pytest.approx([4 * (a + b) + u0, 4 * (c + d) + u1], rel=1e-9)
+    assert sim["bubble_fraction"] == pytest.approx(1 - (4 * (a + b + c + d) + u0 + u1) / (2 * step), rel=1e-12)
 
 
 def test_simulate_compare_table_and_stage_loads(tmp_path, capsys):

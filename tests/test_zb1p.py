@@ -14,7 +14,7 @@ import random
 import pytest
 
 import nanotron_ext.schedule as schedule
-import nanotron_ext.schedule.simulator as simulator
+import nanotron_ext.schedule.programs as programs
 from nanotron_ext.schedule import micro_batch_shortfall, min_micro_batches, too_few_micro_batches
 from nanotron_ext.schedule.simulator import Action, StageTimes, engine_order, engine_program, simulate
 
@@ -121,7 +121,7 @@ def test_zb1p_with_too_few_micro_batches_is_refused_with_the_rule_and_the_fix() 
 
 
 def test_docstring_examples_run() -> None:
-    for module in (schedule, simulator):
+    for module in (schedule, programs):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
@@ -496,7 +496,7 @@ def test_plan_and_simulate_take_engine(tmp_path, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["engine"] == "zb1p" and data["simulation"]["engine"] == "zb1p"
     kinds = {op["kind"] for op in data["simulation"]["ops"]}
-    assert kinds == {"F", "B", "W"}
+    assert kinds == {"F", "B", "W", "U"}  # U: each stage's optimizer step after the pipeline
     assert main(["simulate", "--engine", "zb1p", "--tflops", "0.001", "--out", str(tmp_path / "t.png")]) == 0
     assert "of which W ms/mb" in capsys.readouterr().out
 

@@ -10,28 +10,35 @@ Where its numbers come from:
   wire latency plus NCCL's launch, about 10 µs for a small p2p message.
 * **gradient all-reduce, 50 GB/s bus bandwidth + 10 µs** for dp (and the tied embedding's all-reduce): the same
   NDR port, the ring's bus bandwidth in NCCL-tests' sense.
-* **engine overhead: 0** (not modelled; ``calibrate`` measures it), **optimizer step: 0** (not modelled).
+* **optimizer step, 3.0 TB/s of device memory**: NVIDIA's datasheet gives the H100 SXM's HBM3 3.35 TB/s; an
+  elementwise pass such as fused AdamW's reaches about 90 % of it, so 3.0 TB/s. The step moves
+  :func:`~nanotron_ext.costs.analytic.update_bytes` per trainable parameter (34 bytes in bf16 with fp32 masters).
+* **engine overhead: 0** (not modelled; ``calibrate`` measures it).
 """
 
 from __future__ import annotations
 
 from nanotron_ext.machine.profile import Collective, Link, MachineProfile
 
-__all__ = ["ANALYTIC_GPU", "H100_BF16_TFLOPS", "IB_NDR_GBPS"]
+__all__ = ["ANALYTIC_GPU", "H100_BF16_TFLOPS", "H100_HBM_BYTES_PER_S", "IB_NDR_GBPS"]
 
 #: Sustained training throughput assumed per GPU: 40 % of the H100 SXM's 989 TFLOP/s dense bf16 peak.
 H100_BF16_TFLOPS = 400.0
 #: One InfiniBand NDR port (400 Gb/s) per GPU, in GB/s.
 IB_NDR_GBPS = 50.0
+#: Device memory bandwidth an elementwise pass sustains: 90 % of the H100 SXM's 3.35 TB/s HBM3.
+H100_HBM_BYTES_PER_S = 3.0e12
 #: Latency of one small NCCL p2p message or all-reduce step across nodes, seconds.
 IB_LATENCY = 10e-6
 
 ANALYTIC_GPU = MachineProfile(
     name="H100 SXM (analytic)",
     source=("datasheet: 989 TFLOP/s dense bf16, 40 % of it sustained; stages on separate nodes over "
-            "InfiniBand NDR (400 Gb/s = 50 GB/s, ~10 µs); see nanotron_ext/machine/analytic.py"),
+            "InfiniBand NDR (400 Gb/s = 50 GB/s, ~10 µs); optimizer step at 3.0 TB/s of HBM3 (90 % of 3.35); "
+            "see nanotron_ext/machine/analytic.py"),
     flops_per_second=H100_BF16_TFLOPS * 1e12,
     links=(Link(-1, -1, IB_LATENCY, IB_NDR_GBPS * 1e9),),
     dp_allreduce=Collective(IB_LATENCY, IB_NDR_GBPS * 1e9),
     tied_allreduce=Collective(IB_LATENCY, IB_NDR_GBPS * 1e9),
+    memory_bytes_per_second=H100_HBM_BYTES_PER_S,
 )

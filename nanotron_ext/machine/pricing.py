@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
-from nanotron_ext.costs.analytic import trainable_before, training_flops
+from nanotron_ext.costs.analytic import trainable_before, training_flops, update_bytes
 from nanotron_ext.costs.memory_estimate import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
@@ -79,7 +79,9 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     """Each block's times on ``machine`` under ``cfg``.
 
     A measured block (same signature) takes its measured times; any other is priced by its role's FLOP rate:
-    forward FLOPs ÷ rate, backward = the rest of its training FLOPs (freeze-aware) ÷ rate. Then every
+    forward FLOPs ÷ rate, backward = the rest of its training FLOPs (freeze-aware) ÷ rate, and its optimizer step
+    by the device memory it moves (:func:`~nanotron_ext.costs.analytic.update_bytes` per trainable parameter ÷
+    ``memory_bytes_per_second``). Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the embedding and the lm_head of a tied model at pp > 1 the tied all-reduce, and a send
     across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
@@ -91,6 +93,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     read the whole ``backward``, which the split leaves as it was.
     """
     fwd, bwd, upd, wgt = [], [], [], []
+    step_bytes = update_bytes(cfg.run)
     sent: list[tuple[float, int]] = []
     call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
@@ -101,6 +104,8 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         else:
             rate = machine.rate(b.role)
             f, w, u = b.flops_fwd / rate, max(0.0, train - b.flops_fwd) / rate, 0.0
+            if machine.memory_bytes_per_second is not None:
+                u = _updated(b, cfg) * step_bytes / machine.memory_bytes_per_second
         fwd.append(f + call)
         bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
@@ -114,6 +119,14 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         sent.append((block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
     send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
     return BlockPrices(fwd, bwd, upd, send, wgt)
+
+
+def _updated(block: BlockInfo, cfg: PlannerConfig) -> int:
+    """Parameters of ``block`` its rank's optimizer steps: its trainable ones, but none for a tied lm_head at pp=1
+    (one tensor, stepped as the embedding)."""
+    if cfg.model.tie_word_embeddings and block.role == "lm_head" and cfg.run.pp == 1:
+        return 0
+    return block.trainable
 
 
 def tied_weight_bytes(cfg: PlannerConfig) -> float:

@@ -177,6 +177,8 @@ class MachineProfile:
         links: p2p between stages; empty: not measured (transfers cost nothing, and headers say so).
         overhead: the engine's per-call costs.
         dp_allreduce / tied_allreduce: the gradient syncs; None: not priced.
+        memory_bytes_per_second: device memory bandwidth that prices the optimizer step of a block that was not
+            measured (:func:`~nanotron_ext.costs.analytic.update_bytes` per trainable parameter); None: not priced.
         notes: what was overridden after measuring (``--tflops``, ``--p2p-gbps``), shown in headers.
     """
 
@@ -190,11 +192,14 @@ class MachineProfile:
     overhead: EngineOverhead = field(default_factory=EngineOverhead)
     dp_allreduce: Collective | None = None
     tied_allreduce: Collective | None = None
+    memory_bytes_per_second: float | None = None
     notes: tuple[str, ...] = ()
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         _positive("flops_per_second", self.flops_per_second)
+        if self.memory_bytes_per_second is not None:
+            _positive("memory_bytes_per_second", self.memory_bytes_per_second)
         for role, rate in self.rates:
             _positive(f"rates[{role}]", rate)
         for b in self.blocks:
@@ -336,6 +341,7 @@ class MachineProfile:
                 overhead=EngineOverhead(**data["overhead"]),
                 dp_allreduce=None if data["dp_allreduce"] is None else Collective(**data["dp_allreduce"]),
                 tied_allreduce=None if data["tied_allreduce"] is None else Collective(**data["tied_allreduce"]),
+                memory_bytes_per_second=data.get("memory_bytes_per_second"),
                 notes=tuple(data.get("notes", ())),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
