@@ -110,3 +110,29 @@ def test_tied_weights_frozen_together():
         with pytest.raises(ConfigError, match="tied .* only one is frozen"):
             frozen_names(FreezeSpec(modules=(alone,)), blocks, tied=tied)
     assert len(frozen_names(FreezeSpec(modules=("embedding", "lm_head")), blocks, tied=tied)) == 2
+
+
+def test_frozen_stages_allowed_among_equal_step_times_the_split_with_the_least_memory():
+    # SmolLM-135M at pp=8, m=16, training the tied embedding/lm_head and the last two layers: many splits tie on
+    # step time (the frozen middle stages wait on the first one either way). The search alone put 11.7 GiB on
+    # stage 0 and final_norm alone on a stage; the tie-break keeps the step and takes the least memory.
+    from nanotron_ext.partition import bounds_from_ranks
+    from nanotron_ext.partition.schedule_aware import StepTimeEvaluator, split_memory, step_time_partition
+    from nanotron_ext.simulate import simulate_plan
+    from nanotron_ext.strategies.builtin import stage_memory_terms
+    from nanotron_ext.strategies.step_time import schedule_problem
+
+    freeze = {"modules": ["*"], "unfreeze": ["lm_head", "embedding"], "unfreeze_last_decoder_layers": 2}
+    cfg = load_config("examples/configs/smollm_135m.yaml").with_overrides(pp=8, n_micro_batches=16, freeze=freeze,
+                                                                         allow_frozen_stages=True)
+    blocks = inventory_from_config(cfg)
+    plan = make_plan(blocks, cfg)
+    problem = schedule_problem(blocks, cfg)
+    alone = step_time_partition(problem, requirements=())  # has params on every stage here anyway
+    terms = stage_memory_terms(blocks, cfg)
+    chosen = tuple(bounds_from_ranks(plan.block_ranks, 8))
+    assert StepTimeEvaluator(problem)([chosen])[0] == pytest.approx(alone.step_time, rel=1e-9)
+    assert simulate_plan(plan, blocks, cfg).step_time == pytest.approx(alone.step_time, rel=1e-9)
+    assert split_memory(terms, chosen) < 0.6 * split_memory(terms, alone.bounds)
+    assert max(s.memory_bytes for s in plan.stages) < 9 * 2**30
+    assert all(s.label != "final_norm" for s in plan.stages)

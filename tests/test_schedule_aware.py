@@ -4,6 +4,7 @@ bounds never above a step time."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from nanotron_ext.partition.schedule_aware import (
     StepTimeEvaluator,
     lower_bound,
     slowest_stage_optimum,
+    split_memory,
     step_time_partition,
 )
 from nanotron_ext.plan import make_plan
@@ -104,6 +106,26 @@ def test_search_matches_brute_force(seed):
         assert found.step_time == pytest.approx(brute, rel=1e-9, abs=1e-15)
         assert found.lower_bound <= brute * (1 + 1e-9) + 1e-15
         assert _simulated(problem, found.bounds) == pytest.approx(found.step_time, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ties_in_step_time_go_to_the_least_memory_as_brute_force(seed):
+    rng = random.Random(400 + seed)
+    mattered = 0
+    for _ in range(40):
+        problem = _random_problem(rng)
+        n, pp = problem.n, problem.pp
+        terms = MemoryCap(tuple(rng.random() for _ in range(n)), tuple(rng.random() for _ in range(n)),
+                          tuple(rng.randint(1, pp) for _ in range(pp)), cap=math.inf)
+        splits = _all_splits(n, pp)
+        times = StepTimeEvaluator(problem)(splits)
+        fastest = min(times)
+        least = min(split_memory(terms, sp) for sp, t in zip(splits, times) if t <= fastest * (1 + 1e-9))
+        found = step_time_partition(problem, least_memory=terms)
+        assert found.step_time == pytest.approx(fastest, rel=1e-9, abs=1e-15)
+        assert split_memory(terms, found.bounds) == pytest.approx(least, rel=1e-12)
+        mattered += split_memory(terms, step_time_partition(problem).bounds) > least * (1 + 1e-9)
+    assert mattered >= 3  # the tie-break chose another split than the search alone in several cases
 
 
 @pytest.mark.parametrize("seed", range(2))

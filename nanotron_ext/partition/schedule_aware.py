@@ -27,6 +27,7 @@ Pure numpy, no torch: the planner layer uses it for the ``constrained`` strategy
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from nanotron_ext.partition.step_time_eval import ScheduleProblem, StepTimeEvalu
 
 __all__ = [
     "ScheduleProblem",
+    "split_memory",
     "StepTimeEvaluator",
     "StepTimeSplit",
     "lower_bound",
@@ -99,6 +101,7 @@ def step_time_partition(
     seeds: Sequence[Sequence[int]] = (),
     budget: int = 20000,
     work: float = 6e7,
+    least_memory: MemoryCap | None = None,
 ) -> StepTimeSplit:
     """The contiguous split with the smallest simulated step time, under the constraints.
 
@@ -110,10 +113,14 @@ def step_time_partition(
         budget: most splits the exact search may simulate before it settles for the proven bound.
         work: the same limit in program actions replayed (splits × actions of the schedule's per-rank
             programs, about ``6 · pp · m``); whichever is smaller applies.
+        least_memory: memory terms (its ``cap`` ignored) that break ties: among the splits whose step time is
+            the best one's (within ``RTOL``), the one whose largest stage uses the least memory under them
+            (:func:`_least_memory_among_fastest`).
 
     Returns:
         The best split found, its step time, the lower bound and whether it is proven optimal. Ties go to
-        the smaller lower bound, then the lexicographically smallest bounds (deterministic on every rank).
+        the smaller stage memory under ``least_memory`` when given, then the smaller lower bound, then the
+        lexicographically smallest bounds (deterministic on every rank).
 
     Raises:
         PlanningError: no split satisfies the constraints.
@@ -137,11 +144,15 @@ def step_time_partition(
     scored = _score(evaluate, bound, sorted(candidates))
     best = min(scored)
     best = _descend(evaluate, bound, valid, best, work)
-    if best[0] <= lb * (1 + RTOL):
-        return StepTimeSplit(best[2], best[0], lb, True, evaluate.evaluated)
     nodes = schedule_graph(problem.engine, pp, problem.n_micro_batches, _cuts_of(problem, best[2])).n_actions
-    left = max(0.0, work - evaluate.work)
-    best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
+    complete = best[0] <= lb * (1 + RTOL)
+    if not complete:
+        left = max(0.0, work - evaluate.work)
+        best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
+    if least_memory is not None:
+        left = max(0.0, work - evaluate.work)
+        best = _least_memory_among_fastest(evaluate, requirements, memory, best, least_memory,
+                                           min(budget, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
 
@@ -239,17 +250,7 @@ def _branch_and_bound(
     problem = evaluate.problem
     n, pp = problem.n, problem.pp
     threshold = best[0]
-    # Backward reachability under the threshold: can [s, n) be split into stages k..pp-1?
-    windows = [bound.windows(k, threshold) for k in range(pp)]
-    coreach = [np.zeros(n + 1, dtype=bool) for _ in range(pp + 1)]
-    coreach[pp][n] = True
-    for k in range(pp - 1, -1, -1):
-        lo, hi = windows[k]
-        ends = np.flatnonzero(coreach[k + 1])
-        ends = ends[hi[ends] >= lo[ends]]
-        # Mark every start in [lo[e], hi[e]] of those ends: +1 where a window opens, -1 after it closes.
-        opened = np.bincount(lo[ends], minlength=n + 2) - np.bincount(hi[ends] + 1, minlength=n + 2)
-        coreach[k] = np.cumsum(opened)[: n + 1] > 0
+    windows, coreach = _windows_and_coreach(bound, threshold)
     pending: list[tuple[int, ...]] = []
     seen = 0
     stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]  # (stage, cuts before the last, last cut)
@@ -277,3 +278,99 @@ def _branch_and_bound(
     if pending:
         best = min(best, *_score(evaluate, bound, pending))
     return best, True
+
+
+def _stage_memory(terms: MemoryCap, k: int, s: np.ndarray | int, e: np.ndarray | int) -> np.ndarray:
+    q = terms.prefix(k)
+    return np.asarray(q[e] - q[s])
+
+
+def split_memory(terms: MemoryCap, bounds: Sequence[int]) -> float:
+    """The largest stage's memory of a split under ``terms`` (the overhead left out: every stage pays it)."""
+    return max(float(_stage_memory(terms, k, s, e)) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+
+
+def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Sequence[Requirement],
+                                memory: MemoryCap | None, best: _Scored, terms: MemoryCap, budget: int) -> _Scored:
+    """Among the splits as fast as ``best`` (within ``RTOL``), the one whose largest stage uses the least memory
+    under ``terms`` (within ``budget`` simulated splits; past it, the least found so far).
+
+    Memory first: the least memory ``c0`` at which some split's lower bound still meets the time (bisection; no
+    split below it can be as fast), then every split under ``c0``, then under caps that double the distance to
+    ``c0`` up to ``best``'s own, each level simulated (the ones not seen yet) until one meets the time; the least
+    memory among those is the answer, since every split under the level before was simulated and none met it.
+    """
+    problem = evaluate.problem
+    limit = best[0] * (1 + RTOL)
+    ceiling = split_memory(terms, best[2])
+
+    def bound_at(cap: float) -> Bound:
+        room = cap if memory is None else min(cap, memory.room)  # the user's cap still holds
+        return Bound(problem, Validity.build(problem.n, requirements, dataclasses.replace(terms, cap=room,
+                                                                                           overhead=0.0)))
+
+    lo, hi = 0.0, ceiling
+    while hi - lo > 1e-3 * hi:
+        mid = 0.5 * (lo + hi)
+        if bound_at(mid).reach(limit) is None:
+            lo = mid
+        else:
+            hi = mid
+    seen: set[tuple[int, ...]] = {best[2]}
+    chosen = (ceiling, best[1], best[2])
+    step = best[0]
+    left = budget
+    for j in range(6, -1, -1):
+        cap = ceiling - (ceiling - hi) * (1 - 2.0**-j) if j else ceiling
+        bound = bound_at(cap * (1 + RTOL))
+        splits = [x for x in _splits_within(bound, limit, left + 1) if x not in seen]
+        seen.update(splits)
+        left -= len(splits)
+        for i in range(0, len(splits), 512):
+            for t, v, split in _score(evaluate, bound, splits[i : i + 512]):
+                key = (split_memory(terms, split), v, split)
+                if t <= limit and key < chosen:
+                    chosen, step = key, t
+        if chosen[0] <= cap * (1 + RTOL) or left <= 0:
+            break
+    return step, chosen[1], chosen[2]
+
+
+def _windows_and_coreach(bound: Bound, x: float) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    """Each stage's windows under bound ``x``, and backward reachability under it: ``coreach[k][s]`` — can
+    ``[s, n)`` be split into stages ``k..pp-1``?"""
+    n, pp = bound.problem.n, bound.problem.pp
+    windows = [bound.windows(k, x) for k in range(pp)]
+    coreach = [np.zeros(n + 1, dtype=bool) for _ in range(pp + 1)]
+    coreach[pp][n] = True
+    for k in range(pp - 1, -1, -1):
+        lo, hi = windows[k]
+        ends = np.flatnonzero(coreach[k + 1])
+        ends = ends[hi[ends] >= lo[ends]]
+        # Mark every start in [lo[e], hi[e]] of those ends: +1 where a window opens, -1 after it closes.
+        opened = np.bincount(lo[ends], minlength=n + 2) - np.bincount(hi[ends] + 1, minlength=n + 2)
+        coreach[k] = np.cumsum(opened)[: n + 1] > 0
+    return windows, coreach
+
+
+def _splits_within(bound: Bound, limit: float, most: int) -> list[tuple[int, ...]]:
+    """Up to ``most`` valid splits whose every stage's lower bound is within ``limit`` (depth first)."""
+    problem = bound.problem
+    n, pp = problem.n, problem.pp
+    windows, coreach = _windows_and_coreach(bound, limit)
+    out: list[tuple[int, ...]] = []
+    stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]
+    while stack and len(out) < most:
+        k, head, s = stack.pop()
+        prefix = (*head, s)
+        if k == pp:
+            if s == n:
+                out.append(prefix)
+            continue
+        ends = np.arange(s + 1, n + 1)
+        lo, hi = windows[k]
+        ends = ends[(lo[ends] <= s) & (hi[ends] >= s) & coreach[k + 1][ends]]
+        if len(ends):
+            ends = ends[bound.stage_value(k, s, ends) <= limit]
+        stack.extend((k + 1, prefix, e) for e in ends[::-1].tolist())
+    return out

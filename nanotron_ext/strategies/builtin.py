@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from nanotron_ext.blocks import BlockInfo
@@ -94,27 +95,32 @@ def _constraints(
     blocks: Sequence[BlockInfo], cfg: PlannerConfig, trainable_per_stage: bool
 ) -> tuple[list[Requirement], MemoryCap | None]:
     """The shared constraints: weights on every stage, a trainable block too if asked, the memory cap."""
-    run = cfg.run
     reqs = [_has_params(blocks)]
     if trainable_per_stage:
         reqs.append(_has_trainable(blocks))
     memory = None
     if cfg.ext.memory_cap_gib is not None:
-        static, saved = _memory_terms(blocks, cfg)
         # The additive part of each stage's estimate (weights, gradients, optimizer, buffers, saved activations
         # × in flight, zb1p's deferred weight-gradient state) plus the overhead: a lower bound of the full
         # estimate, so no split that fits is lost. The validator then checks the chosen split's full estimate
         # (temporaries, held tensors) against the cap.
-        memory = MemoryCap(
-            static=tuple(static),
-            activation=tuple(saved),
-            in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
-            cap=cfg.ext.memory_cap_gib * GIB,
-            overhead=cfg.ext.overhead_gib * GIB,
-            pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine == "zb1p" else (),
-            deferred=tuple(deferred_weights(run.engine, run.pp, run.n_micro_batches)),
-        )
+        memory = stage_memory_terms(blocks, cfg, cap=cfg.ext.memory_cap_gib * GIB)
     return reqs, memory
+
+
+def stage_memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: float = math.inf) -> MemoryCap:
+    """The additive part of every stage's memory estimate as :class:`MemoryCap` terms, under ``cap`` bytes."""
+    run = cfg.run
+    static, saved = _memory_terms(blocks, cfg)
+    return MemoryCap(
+        static=tuple(static),
+        activation=tuple(saved),
+        in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
+        cap=cap,
+        overhead=cfg.ext.overhead_gib * GIB,
+        pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine == "zb1p" else (),
+        deferred=tuple(deferred_weights(run.engine, run.pp, run.n_micro_batches)),
+    )
 
 
 def _memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[list[float], list[float]]:
@@ -149,7 +155,9 @@ def step_time_assignment(
     greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
     seed = bounds_from_ranks(greedy, cfg.run.pp)
     try:
-        found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed])
+        # Ties in step time go to the split whose largest stage holds the least memory.
+        found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed],
+                                    least_memory=stage_memory_terms(blocks, cfg))
     except PlanningError:
         optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
         raise
