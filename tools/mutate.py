@@ -210,7 +210,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_schedule_aware.py::test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight",
        "tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance")),
     M("strategies' memory cap leaves out the overhead", STRATEGIES,
-      "            overhead=cfg.ext.overhead_gib * GIB,\n", "            overhead=0.0,\n",
+      "        overhead=cfg.ext.overhead_gib * GIB,\n", "        overhead=0.0,\n",
       ("tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance",)),
     M("optimizer-step peak drops the overhead", MEMORY,
       "return self.static + self.optimizer_temporaries + self.overhead",
