@@ -42,6 +42,9 @@ Scenarios (fp32, the CPU runtime's dtype):
   to fit the time (fewer layers, sequence 128, micro-batch 1) at 2 and 4 micro-batches: the default under the
   profile, FLOP-optimal, uniform, Nanotron's rule, and two decoder layers more and fewer on PP0 than the default
   has (``layout`` strategy);
+* ``smollm-pp3``: the SmolLM shape at pp=3, m=4: the default, FLOP-optimal, and Nanotron's rule, which puts the
+  lm_head and ``cast, loss`` on two stages and so ships the logits across one cut and hidden states across the
+  other (3 processes: oversubscribed on 2 cores);
 * ``seed-pp4``: the seed model with 6 layers at pp=4, 4 micro-batches, 4 processes: on fewer than 4 cores they
   are oversubscribed (the output says so, and that scenario's checks are printed but do not fail the run).
 
@@ -153,6 +156,10 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
         Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",),
                  eager_sends=("default",), **smol),
+        # Issue 29: Nanotron's rule ships the logits across one cut (lm_head | cast, loss), hidden states across the
+        # other; each cut is priced by what crosses it.
+        Scenario("smollm-pp3", n_micro_batches=4, notes=f"{shape}, pp=3, m=4 (logits across a cut)",
+                 **{**smol, "pp": 3, "splits": ("default", "nanotron", "flop-optimal")}),
         Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
                  "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
                  steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
