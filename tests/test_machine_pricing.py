@@ -208,7 +208,8 @@ def test_overrides_are_named_and_flops_drops_measured_blocks(tmp_path):
     fast = machine_for(SEED.with_overrides(machine=path, p2p_gbps=100.0))
     assert fast.links == (Link(-1, -1, 2e-4, 100e9),) and fast.blocks == _measured().blocks
     assert fast.describe() == "hand-measured: 6 measured blocks, p2p 100 GB/s + 200 µs [p2p overridden: 100 GB/s]"
-    assert machine_for(SEED).describe() == "H100 SXM (analytic): bf16 at 400 TFLOP/s, p2p 50 GB/s + 10 µs"
+    assert machine_for(SEED).describe() == ("H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, "
+                                            "p2p 50 GB/s + 10 µs")
     with pytest.raises(ConfigError, match="times=profiled measures block times; tflops would replace them"):
         SEED.with_overrides(times="profiled", tflops=1.0)
     with pytest.raises(ConfigError, match="nanotron_ext.tflops=-1.0 must be a positive number of TFLOP/s"):
@@ -219,7 +220,7 @@ def test_overrides_are_named_and_flops_drops_measured_blocks(tmp_path):
 
 def test_the_plan_header_names_the_machine(tmp_path, capsys):
     assert main(["plan", "--compare"]) == 0
-    assert "simulated step time on H100 SXM (analytic): bf16 at 400 TFLOP/s, p2p 50 GB/s + 10 µs" in (
+    assert "simulated step time on H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, p2p 50 GB/s" in (
         capsys.readouterr().out)
     assert main(["plan", "--machine", _saved(tmp_path, _measured())]) == 0
     assert "hand-measured: 6 measured blocks, p2p 1 GB/s + 200 µs" in capsys.readouterr().out

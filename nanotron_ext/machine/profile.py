@@ -301,6 +301,8 @@ class MachineProfile:
             p2p = f"p2p {slow.bytes_per_second / 1e9:.3g} GB/s + {slow.latency * 1e6:.3g} µs"
         else:
             p2p = "p2p not measured (priced 0: calibrate under torchrun, or --p2p-gbps)"
+        if self.memory_bytes_per_second is not None and not self.blocks:
+            compute += f", optimizer step at {self.memory_bytes_per_second / 1e12:.3g} TB/s"
         notes = f" [{'; '.join(self.notes)}]" if self.notes else ""
         return f"{self.name}: {compute}, {p2p}{notes}"
 

@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 _MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not searched by simulation (~6 · pp · m actions)
+_TIE_BUDGET = 4096  # most splits simulated to break a tie in step time by memory (a few tenths of a second)
 _MAX_SIMULATED_ONCE = 1 << 20  # ... and above which not even the chosen split is simulated (3 s at pp·m = 2^19 here)
 
 
@@ -152,7 +153,7 @@ def step_time_partition(
     if least_memory is not None:
         left = max(0.0, work - evaluate.work)
         best = _least_memory_among_fastest(evaluate, requirements, memory, best, least_memory,
-                                           min(budget, max(64, int(left / max(nodes, 1)))))
+                                           min(budget, _TIE_BUDGET, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
 
@@ -296,9 +297,10 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
     under ``terms`` (within ``budget`` simulated splits; past it, the least found so far).
 
     Memory first: the least memory ``c0`` at which some split's lower bound still meets the time (bisection; no
-    split below it can be as fast), then every split under ``c0``, then under caps that double the distance to
-    ``c0`` up to ``best``'s own, each level simulated (the ones not seen yet) until one meets the time; the least
-    memory among those is the answer, since every split under the level before was simulated and none met it.
+    split below it can be as fast), then every split under caps that halve the distance from ``best``'s own memory
+    down to ``c0`` (from the lowest up), each level simulated (the ones not seen yet) until one meets the time; the
+    least memory among those is the answer, since every split under the level before was simulated and none met
+    it.
     """
     problem = evaluate.problem
     limit = best[0] * (1 + RTOL)
@@ -321,7 +323,8 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
     step = best[0]
     left = budget
     for j in range(6, -1, -1):
-        cap = ceiling - (ceiling - hi) * (1 - 2.0**-j) if j else ceiling
+        # The last level: every split under ``best``'s own memory (one that equals it cannot beat ``best``).
+        cap = ceiling - (ceiling - hi) * (1 - 2.0**-j) if j else ceiling * (1 - 2 * RTOL)
         bound = bound_at(cap * (1 + RTOL))
         splits = [x for x in _splits_within(bound, limit, left + 1) if x not in seen]
         seen.update(splits)
