@@ -52,8 +52,8 @@ __all__ = ["add_subcommand", "cmd_simulate"]
 _DESCRIPTION = (
     "Simulate one training step of the plan under Nanotron's engine (the config's pp_engine and "
     "batch_accumulation_per_replica), on one machine: --machine FILE (from `nanotron-ext calibrate`) or the "
-    "analytic H100 model, named in the header. Its blocks' forward, backward and update times, p2p (latency + "
-    "bytes / bandwidth of the largest tensor crossing a cut) and gradient syncs price the step; the plans are "
+    "analytic H100 model, named in the header. Its blocks' forward, backward and update times, each cut's p2p "
+    "(latency + bytes / bandwidth of what crosses that cut) and gradient syncs price the step; the plans are "
     "made under the same machine. Exit 0: valid plan; 1: the plan has errors (still simulated and drawn); "
     "2: usage error."
 )
