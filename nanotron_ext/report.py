@@ -35,7 +35,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown:
 
 def _looks_numeric(text: str) -> bool:
     t = text.strip().rstrip("%x×").replace(",", "")
-    for suffix in ("KiB", "MiB", "GiB", "TiB", "B", "K", "M", "G", "T", "P", "ms", "s"):
+    for suffix in ("KiB", "MiB", "GiB", "TiB", "B", "K", "M", "G", "T", "P", "ms", "µs", "ns", "s"):
         if t.endswith(suffix):
             t = t[: -len(suffix)].strip()
             break
@@ -64,9 +64,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def compact_names(shorts: Sequence[str]) -> str:
+def compact_names(shorts: Sequence[str], *, empty: str = "(empty)") -> str:
     """``["embedding", "decoder.0", "decoder.1", "decoder.2"]`` → ``"embedding, decoder.0-2"``; runs of
-    vocabulary shards likewise (``vocab.0-3``)."""
+    vocabulary shards likewise (``vocab.0-3``). The one way every table and message lists blocks; ``empty`` when
+    there are none."""
     parts: list[str] = []
     run: list[int] = []
     prefix = ""
@@ -88,7 +89,7 @@ def compact_names(shorts: Sequence[str]) -> str:
             flush()
             parts.append(name)
     flush()
-    return ", ".join(parts) if parts else "(empty)"
+    return ", ".join(parts) if parts else empty
 
 
 def first_line(exc: object, width: int = 72) -> str:

@@ -68,11 +68,13 @@ class FreezeSpec:
             if isinstance(value, str):
                 value = (value,)
             if not all(isinstance(p, str) and p for p in value):
-                raise ConfigError(f"freeze.{name} must be a list of non-empty patterns, got {value!r}")
+                raise ConfigError(f"freeze.{name}={value!r} must be a list of non-empty patterns; write it like "
+                                  f"`{name}: [decoder, lm_head]` (roles, short names or globs: docs/freezing.md)")
             object.__setattr__(self, name, tuple(value))
         n = self.unfreeze_last_decoder_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer")
+            raise ConfigError(f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer; write it "
+                              f"like `unfreeze_last_decoder_layers: 1`")
 
     @staticmethod
     def from_dict(raw: dict[str, Any] | None) -> FreezeSpec | None:
