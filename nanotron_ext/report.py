@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_names", "first_line", "human_bytes", "human_count", "table"]
+__all__ = ["compact_names", "first_line", "human_bytes", "human_count", "int_ranges", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
@@ -90,6 +90,17 @@ def compact_names(shorts: Sequence[str], *, empty: str = "(empty)") -> str:
             parts.append(name)
     flush()
     return ", ".join(parts) if parts else empty
+
+
+def int_ranges(values: Sequence[int]) -> str:
+    """``[1, 2, 3, 7, 9, 10]`` → ``"1-3,7,9-10"``: runs of consecutive integers as ranges, in the order given."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def first_line(exc: object, width: int = 72) -> str:

@@ -183,7 +183,7 @@ CASES = [
          ("pp=6 but only 5 blocks have parameters (embedding, decoder.0-1, final_norm, lm_head)",
           "cast, loss have none", "Lower pp to 5")),
     Case("--pp 100 --compare", lambda t: ["plan", "--pp", "100", "--compare"], EXIT_INVALID,
-         ("nanotron", "-×96", "INVALID", "more)")),
+         ("nanotron", "-×96", "INVALID (few-micro-batches, no-params@2-3, empty-stage@4-99)")),
     Case("plan needing 3.7e5 TiB per stage", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size",
                                                                                  10**12))], EXIT_OK,
          ("warning: stage", "TiB, more than any accelerator holds", "check model_config's sizes")),

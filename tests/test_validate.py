@@ -95,3 +95,9 @@ def test_a_frozen_stage_fix_depends_on_what_the_config_allows(tiny):
     assert finding.severity == "warning" and finding.fix == (
         "none needed (`allow_frozen_stages: true` allows it); to train on every stage instead, use `--cost-strategy "
         "constrained` (or `cost_strategy: constrained` under `parallelism:`) with `allow_frozen_stages: false`")
+
+
+def test_a_verdict_names_each_findings_stages_as_ranges(tiny):
+    cfg, blocks = tiny
+    plan = make_plan(blocks, _run(cfg, pp=12), "nanotron")  # greedy: blocks on stages 0-2, stages 3 to 11 empty
+    assert plan.verdict == "INVALID (few-micro-batches, no-params@1-2, empty-stage@3-11)"
