@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_names", "first_line", "human_bytes", "human_count", "int_ranges", "table"]
+__all__ = ["compact_names", "human_bytes", "human_count", "int_ranges", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
@@ -101,9 +101,3 @@ def int_ranges(values: Sequence[int]) -> str:
         else:
             runs.append([v])
     return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-
-
-def first_line(exc: object, width: int = 72) -> str:
-    """The first line of an error message, cut to ``width`` characters with an ellipsis (for table cells)."""
-    line = str(exc).splitlines()[0]
-    return line if len(line) <= width else line[: width - 1] + "…"

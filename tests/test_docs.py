@@ -65,6 +65,15 @@ def test_every_column_of_every_table_is_defined_once_in_the_docs(tmp_path, capsy
         assert "columns: docs/cli.md#columns" in text, f"{argv}: no pointer to the Columns section"
         for name in _table_headers(text):
             seen.setdefault(name, argv)
+    from nanotron_ext.cli.calibrate import summary
+    from nanotron_ext.config import load_config
+    from nanotron_ext.machine import machine_for
+
+    cfg = load_config(bundled_config())
+    text = summary(cfg, machine_for(cfg))  # calibrate's tables, on the analytic machine (no process needed)
+    assert "columns: docs/cli.md#columns" in text, "calibrate: no pointer to the Columns section"
+    for name in _table_headers(text):
+        seen.setdefault(name, ["calibrate"])
     missing = {name: argv for name, argv in seen.items() if name not in defined}
     assert not missing, f"columns printed but not defined in docs/cli.md#columns: {missing}"
     assert {"spread", "vs optimum", "vs best", "vs nanotron", "bubble", "W state/mb", "of which W ms/mb"} <= set(seen)

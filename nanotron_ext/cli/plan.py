@@ -212,7 +212,7 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
         print(json.dumps(out, indent=2))
     else:
         print(titled_table(
-            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated on "
+            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
             f"{machine_for(cfg, blocks).describe()}",
             ["strategy", "stages (block ranges)", "vs optimum", "sim. step", "vs nanotron", "spread", "bubble",
              "min trainable", "verdict"], rows, notes))
@@ -273,7 +273,7 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
                           verdict_cell(r.plan.verdict, notes)])
         print(titled_table(
             f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
-            f"{cfg.ext.cost_strategy!r} planned under each engine; simulated on {machine_for(cfg).describe()}",
+            f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
             ["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage", "verdict"],
             cells, notes))
     chosen = next((r for r in rows if r.engine == cfg.run.engine), rows[0])
