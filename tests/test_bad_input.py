@@ -139,6 +139,11 @@ CASES = [
          EXIT_USAGE, ("base_strategy='flop' cannot be constrained", "did you mean 'flops'?", "use one of")),
     Case("objective: step", lambda t: ["plan", _edit(t, _set("nanotron_ext.objective", "step"))], EXIT_USAGE,
          ("objective='step' is not one of step_time, slowest_stage", "did you mean 'step_time'?")),
+    Case("freeze.modules: [decodr]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": ["decodr"]}))],
+         EXIT_USAGE, ("freeze pattern 'decodr' matches no module", "did you mean 'decoder'?", "modules are: embedding")),
+    Case("freeze.unfreeze: [lm_haed]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {
+        "modules": ["*"], "unfreeze": ["lm_haed"]}))], EXIT_USAGE,
+         ("unfreeze pattern 'lm_haed' matches no module", "did you mean 'lm_head'?")),
     Case("times: flop", lambda t: ["plan", _edit(t, _set("nanotron_ext.times", "flop"))], EXIT_USAGE,
          ("times='flop' is not one of", "did you mean 'flops'?")),
     # --- values
