@@ -99,7 +99,8 @@ class ExtConfig:
         k = self.vocab_shards
         if k != VOCAB_SHARDS_AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(
-                f"nanotron_ext.vocab_shards={k!r} is neither a positive integer nor 'auto'; write 1 to keep "
+                f"nanotron_ext.vocab_shards={k!r} is neither a positive integer nor 'auto'; "
+                f"{suggest(k, [VOCAB_SHARDS_AUTO]) if isinstance(k, str) else ''}write 1 to keep "
                 f"one lm_head block, K > 1 to split the vocabulary into K blocks, or auto to let the planner pick"
             )
         if self.memory_runtime not in get_args(MemoryRuntime):

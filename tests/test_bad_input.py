@@ -144,6 +144,8 @@ CASES = [
     Case("freeze.unfreeze: [lm_haed]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {
         "modules": ["*"], "unfreeze": ["lm_haed"]}))], EXIT_USAGE,
          ("unfreeze pattern 'lm_haed' matches no module", "did you mean 'lm_head'?")),
+    Case("vocab_shards: atuo", lambda t: ["plan", _edit(t, _set("nanotron_ext.vocab_shards", "atuo"))], EXIT_USAGE,
+         ("vocab_shards='atuo' is neither a positive integer nor 'auto'", "did you mean 'auto'?")),
     Case("times: flop", lambda t: ["plan", _edit(t, _set("nanotron_ext.times", "flop"))], EXIT_USAGE,
          ("times='flop' is not one of", "did you mean 'flops'?")),
     # --- values
