@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["DEFERS_WEIGHT_GRADIENT", "VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "role_of", "short_name", "vocab_slices"]
+from nanotron_ext.report import compact_names
+
+__all__ = ["DEFERS_WEIGHT_GRADIENT", "VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "compact_roles",
+           "held_parameters", "role_of", "short_name", "tied_copy", "vocab_slices"]
 
 Role = Literal[
     "embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"
@@ -117,6 +120,45 @@ def short_name(name: str, role: Role | None = None) -> str:
     if role == "vocab_shard":
         return f"vocab.{int(name.rsplit('.', 1)[-1])}"
     return role if role != "other" else name
+
+
+def tied_copy(blocks: Sequence[BlockInfo], tied: bool) -> int | None:
+    """Index in ``blocks`` of an lm_head whose weight is the embedding's, both held here: Nanotron ties the two
+    names to one tensor, so it is one set of parameters, counted once (with the embedding). None otherwise.
+
+    With ``tie_word_embeddings`` and the two on different stages each stage holds its own copy (an all-reduce
+    keeps them equal), so each counts it.
+    """
+    roles = {b.role: i for i, b in enumerate(blocks)}
+    return roles["lm_head"] if tied and "embedding" in roles and "lm_head" in roles else None
+
+
+def held_parameters(blocks: Sequence[BlockInfo], tied: bool) -> tuple[int, int]:
+    """``(parameters, trainable parameters)`` that ``blocks`` hold together, a tied weight counted once
+    (:func:`tied_copy`)."""
+    copy = tied_copy(blocks, tied)
+    kept = [b for i, b in enumerate(blocks) if i != copy]
+    return sum(b.params for b in kept), sum(b.trainable for b in kept)
+
+
+def compact_roles(roles: Sequence[str]) -> str:
+    """A model's blocks given by role in forward order, listed as every table lists blocks (numbered, then
+    compressed to ranges by :func:`nanotron_ext.report.compact_names`).
+
+    Example:
+        >>> compact_roles(["embedding", "decoder", "decoder", "decoder", "final_norm", "lm_head", "cast", "loss"])
+        'embedding, decoder.0-2, final_norm, lm_head, cast, loss'
+    """
+    seen = {"decoder": 0, "vocab_shard": 0}
+    shorts = []
+    for role in roles:
+        if role in seen:
+            path = f"model.decoder.{seen[role]}" if role == "decoder" else f"{VOCAB_SHARDS_PATH}.{seen[role]}"
+            shorts.append(short_name(path, role))  # type: ignore[arg-type]
+            seen[role] += 1
+        else:
+            shorts.append(role)
+    return compact_names(shorts)
 
 
 def vocab_slices(vocab_size: int, shards: int) -> list[tuple[int, int]]:

@@ -32,7 +32,6 @@ A key given twice in one mapping is a :class:`DuplicateKeyWarning`, not an error
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import typing
@@ -43,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.errors import ConfigError, check_positive_int
+from nanotron_ext.errors import ConfigError, check_positive_int, did_you_mean, near_miss
 
 __all__ = [
     "FREEZE_KEYS",
@@ -58,7 +57,7 @@ __all__ = [
     "dataclass_keys",
     "get_dotted",
     "installed_nanotron_keys",
-    "near_miss",
+    "not_a_mapping",
     "parse_yaml",
     "read_config_text",
 ]
@@ -168,42 +167,11 @@ class UnreadKeyWarning(UserWarning):
     """Keys that no Nanotron we know reads (a fork's or an example's own): the plan goes on without them."""
 
 
-def near_miss(key: Any, known: set[str] | frozenset[str]) -> str | None:
-    """The known key ``key`` is a slip of: the same once case, ``-`` and ``_`` are ignored (``costStrategy``,
-    ``nanotron-ext``), or one edit away (two for keys longer than 5 characters; a swap of neighbours is one
-    edit: ``rms_norm_esp``). None when it is no near miss (``doremi``, ``moe_layer_recompute``).
-    """
-    word = str(key).lower().replace("-", "_")
-    best: tuple[int, str] | None = None
-    for name in sorted(known):
-        if word.replace("_", "") == name.lower().replace("_", ""):
-            return name
-        distance = _edit_distance(word, name.lower())
-        if distance <= (1 if len(name) <= 5 else 2) and (best is None or distance < best[0]):
-            best = (distance, name)
-    return None if best is None else best[1]
-
-
-def _edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance where swapping two neighbours counts as one edit (optimal string alignment)."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        row = [i] + [0] * len(b)
-        for j, cb in enumerate(b, 1):
-            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
-            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                row[j] = min(row[j], prev2[j - 2] + 1)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
 def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str], why: str,
              suggestion: str | None = None, spell_out: bool = False) -> ConfigError:
     """The one message of an unknown key: what it is, where, why it is refused, "did you mean" for a near miss,
     and (for short lists and our own section) the known keys on a line of their own."""
-    close = suggestion or next(iter(difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1,
-                                                              cutoff=0.6)), None)
+    close = suggestion or did_you_mean(key, known)
     # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
     listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
     if close:
@@ -315,6 +283,24 @@ _POSITIVE_INTS = (
 _POSITIVE_NUMBERS = ("model.model_config.rms_norm_eps",)
 _EXT_STRINGS = ("cost_strategy", "base_strategy", "layout", "profile_cache")
 
+#: YAML's names of the types a value parses to (the words a user reads in the file, not Python's).
+_YAML_TYPES: dict[type, str] = {str: "text", bool: "true/false", int: "a number", float: "a number", list: "a list",
+                                dict: "a mapping", type(None): "null (empty)"}
+
+
+def not_a_mapping(where: str, value: Any, example: str, *, source: str | None = None,
+                  see: str | None = None) -> ConfigError:
+    """The one message of a value that must be a mapping and is not: what it is, and an example of the right form.
+
+    Example:
+        >>> str(not_a_mapping("nanotron_ext.freeze", "decoder", "freeze: {modules: [decoder]}"))
+        "nanotron_ext.freeze is text ('decoder'), but it must be a mapping; write it like `freeze: {modules: [decoder]}`"
+    """
+    kind = _YAML_TYPES.get(type(value), type(value).__name__)
+    return ConfigError(f"{source + ': ' if source else ''}{where} is {kind} ({value!r}), but it must be a mapping; "
+                       f"write it like `{example}`" + (f" (see {see})" if see else ""))
+
+
 #: ``get_dotted``'s default: the key must be there.
 REQUIRED: Any = object()
 
@@ -326,8 +312,12 @@ def get_dotted(raw: dict[str, Any], dotted: str, default: Any = REQUIRED, *, sou
         ConfigError: a part is missing or null and no ``default`` was given; the message names the key and the file.
     """
     node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or node.get(part) is None:
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if node is not None and not isinstance(node, dict):  # `parallelism: 2`: say so, not "dp is missing"
+            where = ".".join(parts[:i])
+            raise not_a_mapping(where, node, f"{parts[i - 1]}: {{{part}: ...}}", source=source)
+        if node is None or node.get(part) is None:
             if default is not REQUIRED:
                 return default
             raise ConfigError(
@@ -375,11 +365,11 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
         the attention head counts.
     """
     for dotted in _POSITIVE_INTS:
-        value = get_dotted(raw, dotted, None)
+        value = get_dotted(raw, dotted, None, source=source)
         if value is not None:
             check_positive_int(dotted, value, source=source, fix=f"write e.g. {dotted.rsplit('.', 1)[-1]}: 1")
     for dotted in _POSITIVE_NUMBERS:
-        value = get_dotted(raw, dotted, None)
+        value = get_dotted(raw, dotted, None, source=source)
         if value is not None and not _positive_number(value):
             raise ConfigError(f"{source}: {dotted}={value!r} must be a positive number, e.g. 1.0e-5")
     section = raw.get(ext_section)
@@ -390,9 +380,9 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
                 raise ConfigError(f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
                                   + (" such as \"E,t*5|t*6,L\"" if key == "layout" else
                                      ", a folder path" if key == "profile_cache" else ""))
-    tp = get_dotted(raw, "parallelism.tp", None)
+    tp = get_dotted(raw, "parallelism.tp", None, source=source)
     for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = get_dotted(raw, f"model.model_config.{heads_key}", None)
+        heads = get_dotted(raw, f"model.model_config.{heads_key}", None, source=source)
         if isinstance(tp, int) and isinstance(heads, int) and tp > 1 and heads % tp:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise ConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_names", "first_line", "human_bytes", "human_count", "table"]
+__all__ = ["compact_names", "human_bytes", "human_count", "int_ranges", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
@@ -35,7 +35,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown:
 
 def _looks_numeric(text: str) -> bool:
     t = text.strip().rstrip("%x×").replace(",", "")
-    for suffix in ("KiB", "MiB", "GiB", "TiB", "B", "K", "M", "G", "T", "P", "ms", "s"):
+    for suffix in ("KiB", "MiB", "GiB", "TiB", "B", "K", "M", "G", "T", "P", "ms", "µs", "ns", "s"):
         if t.endswith(suffix):
             t = t[: -len(suffix)].strip()
             break
@@ -64,9 +64,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def compact_names(shorts: Sequence[str]) -> str:
+def compact_names(shorts: Sequence[str], *, empty: str = "(empty)") -> str:
     """``["embedding", "decoder.0", "decoder.1", "decoder.2"]`` → ``"embedding, decoder.0-2"``; runs of
-    vocabulary shards likewise (``vocab.0-3``)."""
+    vocabulary shards likewise (``vocab.0-3``). The one way every table and message lists blocks; ``empty`` when
+    there are none."""
     parts: list[str] = []
     run: list[int] = []
     prefix = ""
@@ -88,10 +89,15 @@ def compact_names(shorts: Sequence[str]) -> str:
             flush()
             parts.append(name)
     flush()
-    return ", ".join(parts) if parts else "(empty)"
+    return ", ".join(parts) if parts else empty
 
 
-def first_line(exc: object, width: int = 72) -> str:
-    """The first line of an error message, cut to ``width`` characters with an ellipsis (for table cells)."""
-    line = str(exc).splitlines()[0]
-    return line if len(line) <= width else line[: width - 1] + "…"
+def int_ranges(values: Sequence[int]) -> str:
+    """``[1, 2, 3, 7, 9, 10]`` → ``"1-3,7,9-10"``: runs of consecutive integers as ranges, in the order given."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

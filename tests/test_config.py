@@ -17,8 +17,8 @@ from nanotron_ext.config import (
     load_config,
     split_ext_keys,
 )
-from nanotron_ext.config_keys import UnreadKeyWarning, near_miss
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.config_keys import UnreadKeyWarning
+from nanotron_ext.errors import ConfigError, near_miss
 
 
 @pytest.fixture

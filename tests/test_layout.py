@@ -41,3 +41,11 @@ def test_layout_must_match_the_model():
         layout_ranks("t,E,t|L", TINY)
     with pytest.raises(LayoutError, match="stops before block 3"):
         layout_ranks("E,t*2", TINY)
+
+
+def test_block_lists_by_role_are_compressed_to_ranges():
+    from nanotron_ext.blocks import compact_roles
+
+    roles = ["embedding"] + ["decoder"] * 30 + ["final_norm", "lm_head", "cast", "loss"]
+    assert compact_roles(roles) == "embedding, decoder.0-29, final_norm, lm_head, cast, loss"
+    assert compact_roles(["decoder", "vocab_shard", "vocab_shard", "vocab_shard"]) == "decoder.0, vocab.0-2"

@@ -267,11 +267,14 @@ def test_simulate_compare_table_and_stage_loads(tmp_path, capsys):
     for name in ("nanotron", "uniform", "flops", "memory", "constrained"):
         assert f"\n{name} " in table
     assert "INVALID (no-params@1)" in table  # Nanotron's rule leaves stage 1 without weights
-    assert (
-        re.search(r"^layout\s+-", table, re.M)
-        and "cannot plan: cost_strategy 'layout' needs `layout:`" in table
-    )
-    assert "1.000x" in table
+    # The layout row's error is a tag; the whole message goes under the table, never cut.
+    assert re.search(r"^layout\s+-.*  cannot plan \[1\]$", table, re.M)
+    assert "\n[1] cost_strategy 'layout' needs `layout:` under `nanotron_ext:`, e.g. 'E,t*5|t*6,L'\n" in table
+    assert "…" not in text
+    # vs best reads as speed: the best's step ÷ this one's, 1.000x for the fastest and below 1 for the others.
+    speeds = [float(x) for x in re.findall(r" (\d+\.\d{3})x ", table.split("\n[1]")[0])]
+    assert max(speeds) == 1.0 and min(speeds) < 1.0
+    assert "ratios (x) are speed: the other plan's time ÷ this one's" in table
     assert _png(tl) and _png(loads)
 
 

@@ -125,7 +125,7 @@ def test_layout_strategy(tiny):
 
 
 def test_unknown_strategy_lists_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown cost strategy 'flop'; known strategies: nanotron, uniform, flops"):
+    with pytest.raises(ConfigError, match=r"unknown cost strategy 'flop'; did you mean 'flops'\? known strategies: nanotron, uniform, flops"):
         get_strategy("flop")
 
 

@@ -101,3 +101,37 @@ def test_importing_timeline_does_not_import_matplotlib():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_invalid_plan_says_so_and_its_stage_labels_are_whole(tmp_path, monkeypatch, capsys):
+    from nanotron_ext.cli import main
+    from nanotron_ext.config import bundled_config
+
+    drawn: dict = {}
+
+    def capture(result, path, **kwargs):
+        drawn.update(kwargs, figure=timeline.timeline_figure(result, **kwargs))
+        return Path(path)
+
+    monkeypatch.setattr(timeline, "plot_timeline", capture)
+    config = str(bundled_config("smollm_135m.yaml"))
+    assert main(["simulate", config, "--pp", "8", "--micro-batches", "16", "--cost-strategy", "nanotron",
+                 "--out", str(tmp_path / "t.png")]) == 1
+    capsys.readouterr()
+    fig = drawn["figure"]
+    assert fig._suptitle.get_text() == "INVALID, cannot train: no-params@7"
+    labels = [t.get_text().replace("\n", " ") for t in fig.axes[0].get_yticklabels()]
+    assert labels[6] == "stage 6: decoder.28-29, final_norm, lm_head"  # wrapped onto two lines, not cut
+    assert not any("…" in label for label in labels)
+    # A valid plan's picture has no such line.
+    assert main(["simulate", config, "--out", str(tmp_path / "t.png")]) == 0
+    capsys.readouterr()
+    assert drawn["verdict"] is None and drawn["figure"]._suptitle is None
+
+
+@pytest.mark.parametrize("label", ["stage 0: embedding", "stage 7: decoder.28-29, final_norm, lm_head, cast, loss",
+                                   "stage 1: model.some.very.long.other.block.name.that.has.no.comma.at.all"])
+def test_a_wrapped_label_keeps_every_character(label):
+    wrapped = timeline.wrap_label(label)
+    assert wrapped.replace(",\n", ", ") == label
+    assert all(len(line) <= timeline.LABEL_WIDTH + 1 for line in wrapped.splitlines() if ", " in line)

@@ -54,3 +54,50 @@ def test_memory_cap_is_in_gib(tiny):
     assert sorted((f.code, f.stage) for f in below.findings) == [("memory", 0), ("no-params", 1)]
     memory = next(f for f in below.findings if f.code == "memory")
     assert memory.severity == "error" and memory.message.startswith(f"stage 0 needs about {need / GIB:.3g} GiB, over")
+
+
+def test_the_memory_cap_fix_names_only_what_the_config_has_not_taken(tiny):
+    cfg, blocks = tiny
+
+    def fix(cfg, strategy="nanotron"):
+        need = make_plan(blocks, cfg, strategy).stages[0].memory_bytes
+        plan = make_plan(blocks, cfg.with_overrides(memory_cap_gib=need * 0.997 / GIB), strategy)
+        return next(f.fix for f in plan.findings if f.code == "memory")
+
+    # 1F1B, dp=1: no "the 1f1b engine", and no ZeRO-1 (nothing to shard the optimizer over at dp=1).
+    assert fix(cfg) == ("raise the cap, use a larger pp or `--cost-strategy memory` (it balances the estimate's "
+                        "additive part)")
+    both = fix(_run(cfg, engine="afab", dp=2))
+    assert "optimizer.zero_stage: 1" in both and "the 1f1b engine (fewer micro-batches in flight)" in both
+    from nanotron_ext.strategies.fixes import memory_cap_fix
+
+    assert "--cost-strategy memory" not in memory_cap_fix(cfg, "memory", len(blocks))  # it plans under the cap
+
+
+def test_a_frozen_stage_fix_depends_on_what_the_config_allows(tiny):
+    cfg, blocks = tiny
+    frozen = cfg.with_overrides(freeze={"modules": ["embedding", "decoder.0"]})
+    from nanotron_ext.inventory import inventory_from_config
+
+    blocks = inventory_from_config(frozen)
+    refused = make_plan(blocks, frozen, "uniform")  # stage 0 holds only frozen blocks: an error, three ways out
+    [finding] = [f for f in refused.findings if f.code == "no-trainable"]
+    assert finding.severity == "error" and finding.fix == (
+        "use `--cost-strategy constrained` (or `cost_strategy: constrained` under `parallelism:`) to put a trainable "
+        "block on every stage, set `allow_frozen_stages: true` under `nanotron_ext:` to run it frozen or lower pp")
+    # With one trainable block for two stages no strategy can put one on every stage: none is suggested.
+    one = frozen.with_overrides(freeze={"modules": ["*"], "unfreeze": ["lm_head"]})
+    lone = make_plan(inventory_from_config(one), one, "uniform")
+    assert [f.code for f in lone.findings] == ["no-trainable"]
+    assert "--cost-strategy" not in lone.findings[0].fix and lone.findings[0].fix.endswith("or lower pp to 1")
+    allowed = make_plan(blocks, frozen.with_overrides(allow_frozen_stages=True), "uniform")
+    [finding] = [f for f in allowed.findings if f.code == "no-trainable"]
+    assert finding.severity == "warning" and finding.fix == (
+        "none needed (`allow_frozen_stages: true` allows it); to train on every stage instead, use `--cost-strategy "
+        "constrained` (or `cost_strategy: constrained` under `parallelism:`) with `allow_frozen_stages: false`")
+
+
+def test_a_verdict_names_each_findings_stages_as_ranges(tiny):
+    cfg, blocks = tiny
+    plan = make_plan(blocks, _run(cfg, pp=12), "nanotron")  # greedy: blocks on stages 0-2, stages 3 to 11 empty
+    assert plan.verdict == "INVALID (few-micro-batches, no-params@1-2, empty-stage@3-11)"

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, legend, report_error
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.errors import ConfigError
@@ -129,7 +129,7 @@ def _process_group(requested: str | None) -> Iterator[None]:
 
 def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
     """The profile's header line, its measured blocks, and its links, syncs and overheads, as aligned tables."""
-    lines = [f"{cfg.source}", f"machine: {profile.describe()}", "", _block_table(cfg, profile), ""]
+    lines = [f"{cfg.source}", f"machine: {profile.describe()}", legend(), "", _block_table(cfg, profile), ""]
     staged = host_staged(profile.key.device, profile.key.backend)
     how = " (host-staged)" if staged else ""
     rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}{how}", _us(link.latency),

@@ -5,7 +5,10 @@ Exit codes, the same for ``plan``, ``simulate`` and ``train`` (this module is th
 * ``0`` (``EXIT_OK``): done; the plan can train (and, for ``train``, it trained);
 * ``1`` (``EXIT_INVALID``): the plan cannot train (a stage without a gradient, no split under the constraints);
 * ``2`` (``EXIT_USAGE``): bad usage or config: a flag, a YAML key or value, a layout string, an output path;
-* ``3`` (``EXIT_RUNTIME``): a runtime failure: a peer rank died or timed out, or an unexpected error.
+* ``3`` (``EXIT_RUNTIME``): a runtime failure: a peer rank died or timed out, or an unexpected error;
+* ``141`` (``EXIT_CLOSED_PIPE``): the reader closed the output early (``| head``); nothing is printed, and the
+  code is the shell's for a tool that SIGPIPE stopped (128 + 13), so ``set -o pipefail`` sees an output cut short
+  and never mistakes it for a verdict.
 """
 
 from __future__ import annotations
@@ -26,18 +29,51 @@ from nanotron_ext.errors import (
     PipelineValidationError,
     PlanningError,
     RunFailure,
+    suggest,
 )
+from nanotron_ext.plan import Plan
+from nanotron_ext.report import table
 from nanotron_ext.schedule import ENGINES
+from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.strategies import available_strategies
 
 __all__ = [
-    "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "TRACEBACK_ENV", "add_config_args", "check_outputs", "config_from_args",
-    "exit_code_for", "ratio_cell", "report_error", "stage_cell", "verdict_cell", "warn_memory",
+    "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
+    "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
+    "exit_code_for", "legend", "titled_table", "report_error", "speed_cell", "stage_cell", "verdict_cell",
+    "verdict_line", "version_line", "warn_memory",
 ]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
+EXIT_CLOSED_PIPE = 128 + 13  # SIGPIPE
 #: Set to 1 to see the traceback of an unexpected error (otherwise one line is printed).
 TRACEBACK_ENV = "NANOTRON_EXT_TRACEBACK"
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` with "did you mean" for a choice (an engine, ``--times``, a subcommand): the same rule as
+    every other name a user types (:func:`nanotron_ext.errors.did_you_mean`)."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            known = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}; {suggest(value, known)}choose from {', '.join(known)}")
+
+
+def version_line() -> str:
+    """``nanotron-ext 0.1.0 (Nanotron 0.2)``: this package's installed version, and the Nanotron beside it."""
+    from importlib import metadata
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    ours = installed("nanotron-ext") or "unknown (not installed; run pip install -e .)"
+    theirs = installed("nanotron")
+    return f"nanotron-ext {ours} ({f'Nanotron {theirs}' if theirs else 'Nanotron not installed'})"
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -110,18 +146,79 @@ def stage_cell(stage_map: str) -> str:
     return re.sub(r"-(?:\|-){2,}", lambda m: f"-×{m.group(0).count('-')}", stage_map)
 
 
-def verdict_cell(verdict: str, keep: int = 4) -> str:
-    """A plan's verdict for a table cell: at most ``keep`` finding codes, then ``+N more``."""
+class Notes:
+    """Messages too long for a table cell: the cell carries a tag (``[1]``) and the whole message is printed under
+    the table, so that no message is ever cut."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def tag(self, message: object) -> str:
+        """``[N]`` for ``message`` (one line, whole), added to the notes."""
+        self.messages.append(" ".join(str(message).split()))
+        return f"[{len(self.messages)}]"
+
+    def __str__(self) -> str:
+        return "\n".join(f"[{i}] {m}" for i, m in enumerate(self.messages, 1))
+
+
+def error_cell(what: str, error: object, notes: Notes) -> str:
+    """``cannot plan [1]``: a row's error as a short tag, its message under the table."""
+    return f"{what} {notes.tag(error)}"
+
+
+def verdict_cell(verdict: str, notes: Notes | None = None, keep: int = 4) -> str:
+    """A plan's verdict for a table cell: at most ``keep`` finding codes, then ``+N more`` and, with ``notes``,
+    a tag whose note is the whole verdict."""
     head, sep, codes = verdict.partition(" (")
     items = codes.rstrip(")").split(", ") if sep else []
     if len(items) <= keep:
         return verdict
-    return f"{head} ({', '.join(items[:keep])}, +{len(items) - keep} more)"
+    tag = f" {notes.tag(verdict)}" if notes is not None else ""
+    return f"{head} ({', '.join(items[:keep])}, +{len(items) - keep} more){tag}"
 
 
-def ratio_cell(value: float) -> str:
-    """``1.234x``, or ``-`` where the ratio is undefined (no optimum to compare with)."""
-    return f"{value:.3f}x" if math.isfinite(value) else "-"
+def titled_table(title: str, headers: list[str], rows: list[list[object]], notes: Notes | None = None) -> str:
+    """A table the way every subcommand prints one: its title with the :func:`legend`, the table, then the
+    notes its cells point to."""
+    text = f"{title}\n{legend()}\n\n{table(headers, rows)}"
+    return text + (f"\n\n{notes}" if notes is not None and notes.messages else "")
+
+
+#: Where every column of every table is defined (docs/cli.md's "Columns" section).
+COLUMNS_DOC = "docs/cli.md#columns"
+#: How every ratio reads, the same in every table and line.
+RATIO_MEANING = ("ratios (x) are speed: the other plan's time ÷ this one's, so above 1 means this one is faster")
+
+
+def legend() -> str:
+    """The line under a table's title: where its columns are defined and how its ratios read."""
+    return f"columns: {COLUMNS_DOC}; {RATIO_MEANING}"
+
+
+def speed_cell(other: float | None, this: float | None) -> str:
+    """``1.234x``: this plan's speed over the other's (``other ÷ this``, times or loads), or ``-`` when either
+    is missing or zero. The one way every ratio is computed (see :data:`RATIO_MEANING`)."""
+    if not other or not this or not math.isfinite(other) or not math.isfinite(this):
+        return "-"
+    return f"{other / this:.3f}x"
+
+
+def verdict_line(plan: Plan, result: SimResult | None = None) -> str:
+    """A plan's last line, agreeing with its findings: INVALID; VALID; or VALID with frozen-only stages and what
+    they cost (each one's idle share of the simulated step, when ``result`` is given)."""
+    if not plan.ok:
+        return "INVALID: this plan cannot train"
+    frozen = [f.stage for f in plan.findings if f.code == "no-trainable" and f.stage is not None]
+    if not frozen:
+        return "VALID: every stage has parameters to train"
+    many = len(frozen) > 1
+    idle = ""
+    if result is not None and result.step_time > 0:
+        shares = ", ".join(f"{result.idle[k] / result.step_time:.0%}" for k in frozen)
+        idle = f"; idle {shares} of the simulated step"
+    return (f"VALID with {len(frozen)} frozen-only stage{'s' if many else ''} ({', '.join(map(str, frozen))}): "
+            f"{'they compute but hold' if many else 'it computes but holds'} nothing to train{idle}")
 
 
 def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False,

@@ -12,24 +12,28 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.cli.common import (
     EXIT_INVALID,
     EXIT_OK,
+    Notes,
     add_config_args,
     config_from_args,
-    ratio_cell,
+    error_cell,
+    legend,
+    speed_cell,
     stage_cell,
+    titled_table,
     verdict_cell,
+    verdict_line,
     warn_memory,
 )
-from nanotron_ext.cli.resume import plan_against_checkpoint
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, VocabChoice, make_plan, plan_every_strategy, resolve_vocab_shards
-from nanotron_ext.report import first_line, human_bytes, human_count, table
-from nanotron_ext.simulate import format_seconds, simulate_plan
+from nanotron_ext.report import compact_names, human_bytes, human_count
+from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 
 __all__ = ["COMPARED_ENGINES", "EngineRow", "add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
-           "frozen_tradeoff"]
+           "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
 
 #: The engines ``plan --compare-engines`` puts side by side.
 COMPARED_ENGINES = ("1f1b", "zb1p")
@@ -56,6 +60,8 @@ def add_subcommand(subparsers: Any) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext plan``; returns the exit code."""
     if args.checkpoint is not None:
+        from nanotron_ext.cli.resume import plan_against_checkpoint  # imports torch: only for --checkpoint
+
         cfg = config_from_args(args, args.config)
         return plan_against_checkpoint(cfg.with_overrides(resume_plan="replan") if args.replan else cfg,
                                        args.checkpoint, as_json=args.json)
@@ -78,15 +84,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"{cfg.source}: strategy {cfg.ext.cost_strategy!r}, pp={cfg.run.pp}: no valid plan\n  {exc}")
         return EXIT_INVALID
     warn_memory(plan)
+    result = simulated(plan, blocks, cfg)
     if args.json:
-        print(plan.to_json())
+        print(json.dumps({**plan.to_dict(), **simulated_fields(result)}, indent=2))
     else:
         print(_header(cfg, plan, choice))
         print(plan.table())
         print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
               "alive then):")
         print(plan.memory_table())
-        print(_verdict(plan, step_time_line(cfg, blocks, plan)))
+        print(_verdict(plan, result, step_time_line(cfg, blocks, plan, result)))
         tradeoff = frozen_tradeoff(cfg, blocks)
         if tradeoff:
             print(tradeoff)
@@ -103,94 +110,112 @@ def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None) -
         shards = f"\n  vocab_shards: {cfg.vocab_shards}"
     return (f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
             f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
-            f" | strategy: {plan.strategy}{shards}\n")
+            f" | strategy: {plan.strategy}{shards}\n  {legend()}\n")
 
 
-def _verdict(plan: Plan, step_line: str = "") -> str:
+def _verdict(plan: Plan, result: SimResult | None, step_line: str) -> str:
     lines = ["", f"block -> stage: {list(plan.block_ranks)}",
-             f"slowest stage vs optimum: {ratio_cell(plan.vs_optimum)}   1F1B bubble estimate: {plan.bubble_estimate:.1%}"]
-    lines += [step_line] if step_line else []
+             f"slowest stage vs optimum: {speed_cell(plan.optimum_flops, plan.slowest_flops)} (train FLOPs/mb: the "
+             f"optimum's slowest stage ÷ this one's)", step_line]
     lines += [str(f) for f in plan.findings]
-    lines.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
+    lines.append(verdict_line(plan, result))
     return "\n".join(lines)
 
 
-def simulated_step(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> float | None:
-    """The plan's simulated step time on the config's machine under its schedule, or None when the schedule
-    cannot run it (1F1B with too few micro-batches)."""
+def simulated(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> SimResult | None:
+    """One simulated step of ``plan`` on the config's machine under its schedule (what ``simulate`` prints), or
+    None when the schedule cannot run it (1F1B with too few micro-batches)."""
     try:
-        return simulate_plan(plan, blocks, cfg).step_time
+        return simulate_plan(plan, blocks, cfg)
     except NanotronExtError:
         return None
 
 
-def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan) -> str:
-    """``simulated step: 1.23 ms (...); Nanotron's rule: 1.30 ms, this split is 1.057x faster``."""
-    step = simulated_step(plan, blocks, cfg)
-    if step is None:
+def simulated_fields(result: SimResult | None) -> dict[str, float | None]:
+    """The simulated step and bubble as every ``--json`` carries them (None where the schedule cannot run)."""
+    return {"simulated_step_time": None if result is None else result.step_time,
+            "bubble_fraction": None if result is None else result.bubble_fraction}
+
+
+def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, result: SimResult | None) -> str:
+    """``simulated step: 1.23 ms, bubble 40.0% (...); Nanotron's rule: 1.30 ms, this split is 1.057x as fast``."""
+    if result is None:
         return "simulated step: - (the engine cannot run this many micro-batches)"
-    line = (f"simulated step: {format_seconds(step)} ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
-            f"{machine_for(cfg, blocks).describe()})")
+    line = (f"simulated step: {format_seconds(result.step_time)}, bubble {result.bubble_fraction:.1%} "
+            f"({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; {machine_for(cfg, blocks).describe()})")
     if plan.strategy != "nanotron":
         try:
-            rule = simulated_step(make_plan(blocks, cfg, "nanotron"), blocks, cfg)
+            rule = simulated(make_plan(blocks, cfg, "nanotron"), blocks, cfg)
         except NanotronExtError:
             rule = None
-        if rule:
-            line += f"; Nanotron's rule: {format_seconds(rule)}, this split is {rule / step:.3f}x as fast"
+        if rule is not None:
+            line += (f"; Nanotron's rule: {format_seconds(rule.step_time)}, this split is "
+                     f"{speed_cell(rule.step_time, result.step_time)} as fast")
     return line
 
 
 def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | None:
-    """For frozen setups: the constrained plan's slowest stage next to the optimum with frozen stages allowed."""
+    """For frozen setups: ``constrained`` with a trainable block on every stage next to ``constrained`` with
+    frozen stages allowed, by simulated step and slowest stage."""
     if all(b.trainable == b.params for b in blocks):
         return None
-    lines = ["", "frozen setup: what a trainable block on every stage costs"]
-    try:
-        constrained = make_plan(blocks, cfg, "constrained")
-        free = make_plan(blocks, cfg.with_overrides(allow_frozen_stages=True), "flops")
-    except NanotronExtError as exc:
-        return "\n".join(lines + [f"  constrained: cannot plan ({first_line(exc, 200)})"])
-    ratio = constrained.slowest_flops / free.slowest_flops if free.slowest_flops else float("nan")
-    lines.append(table(
-        ["plan", "stages", "slowest stage (train FLOPs/mb)", "stages with trainable", "vs frozen-allowed"],
-        [["constrained", constrained.stage_map(), human_count(constrained.slowest_flops),
-          sum(1 for s in constrained.stages if s.trainable), f"{ratio:.3f}x"],
-         ["optimum, frozen stages allowed", free.stage_map(), human_count(free.slowest_flops),
-          sum(1 for s in free.stages if s.trainable), "1.000x"]],
-    ))
-    return "\n".join(lines)
+    notes, rows = Notes(), []
+    trainable = [b.short for b in blocks if b.trainable]
+    free: float | None = None
+    for name, allow in (("frozen stages allowed", True), ("trainable on every stage", False)):
+        variant = cfg.with_overrides(allow_frozen_stages=allow)
+        if not allow and len(trainable) < cfg.run.pp:  # said here, not by the planner, whose fix is the other row
+            rows.insert(0, [name, "-", "-", "-", "-", error_cell("impossible", (
+                f"only {len(trainable)} block{'s train' if len(trainable) > 1 else ' trains'} "
+                f"({compact_names(trainable)}), fewer than pp={cfg.run.pp} "
+                f"stages; unfreeze more blocks or lower pp to {max(len(trainable), 1)}"), notes)])
+            continue
+        try:
+            plan = make_plan(blocks, variant, "constrained")
+        except NanotronExtError as exc:
+            rows.insert(0, [name, "-", "-", "-", "-", error_cell("cannot plan", exc, notes)])
+            continue
+        result = simulated(plan, blocks, variant)
+        step = None if result is None else result.step_time
+        free = step if allow else free
+        rows.insert(0, [name, stage_cell(plan.stage_map()), "-" if step is None else format_seconds(step),
+                        human_count(plan.slowest_flops), sum(1 for s in plan.stages if s.trainable),
+                        speed_cell(free, step)])
+    head = ["constrained plan", "stages", "sim. step", "slowest stage (train FLOPs/mb)", "stages with trainable",
+            "vs frozen allowed"]
+    return "\n" + titled_table("frozen setup: what a trainable block on every stage costs", head, rows, notes)
 
 
 def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) -> int:
-    rows, out, selected_ok = [], [], False
+    rows, out, selected_ok, notes = [], [], False, Notes()
     attempts = plan_every_strategy(blocks, cfg)
-    steps = {a.strategy: simulated_step(a.plan, blocks, cfg) for a in attempts if a.plan is not None}
-    rule = steps.get("nanotron")
+    results = {a.strategy: simulated(a.plan, blocks, cfg) for a in attempts if a.plan is not None}
+    rule = results.get("nanotron")
     for attempt in attempts:
         name, plan = attempt.strategy, attempt.plan
         if plan is None:
-            rows.append([name, "-", "-", "-", "-", "-", "-", "-", f"cannot plan: {first_line(attempt.error)}"])
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", error_cell("cannot plan", attempt.error, notes)])
             out.append({"strategy": name, "ok": False, "error": attempt.error})
             continue
-        step = steps.get(name)
-        rows.append([name, stage_cell(plan.stage_map()), ratio_cell(plan.vs_optimum),
+        result = results.get(name)
+        step = None if result is None else result.step_time
+        rows.append([name, stage_cell(plan.stage_map()), speed_cell(plan.optimum_flops, plan.slowest_flops),
                      "-" if step is None else format_seconds(step),
-                     f"{rule / step:.3f}x" if rule and step else "-", f"{100 * plan.spread:.0f}%",
-                     f"{100 * plan.bubble_estimate:.1f}%", human_count(min(s.trainable for s in plan.stages)),
-                     verdict_cell(plan.verdict)])
-        out.append({**plan.to_dict(), "simulated_step_time": step})
+                     speed_cell(None if rule is None else rule.step_time, step), f"{100 * plan.spread:.0f}%",
+                     "-" if result is None else f"{result.bubble_fraction:.1%}",
+                     human_count(min(s.trainable for s in plan.stages)), verdict_cell(plan.verdict, notes)])
+        out.append({**plan.to_dict(), **simulated_fields(result)})
         selected_ok |= name == cfg.ext.cost_strategy and plan.ok
         if name == cfg.ext.cost_strategy:
             warn_memory(plan)
     if as_json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; sim. step: "
-              f"simulated step time on {machine_for(cfg, blocks).describe()}; vs nanotron: Nanotron's rule's "
-              f"step ÷ this one's\n")
-        print(table(["strategy", "stages (block ranges)", "slowest/opt", "sim. step", "vs nanotron", "spread", "bubble est.",
-                     "min trainable", "verdict"], rows))
+        print(titled_table(
+            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
+            f"{machine_for(cfg, blocks).describe()}",
+            ["strategy", "stages (block ranges)", "vs optimum", "sim. step", "vs nanotron", "spread", "bubble",
+             "min trainable", "verdict"], rows, notes))
     return EXIT_OK if selected_ok else EXIT_INVALID
 
 
@@ -223,7 +248,7 @@ def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = COMPARED_ENGINES) -
             plan = make_plan(blocks, cfg_e)
             result = simulate_plan(plan, blocks, cfg_e)
         except NanotronExtError as exc:
-            rows.append(EngineRow(engine, None, error=first_line(exc, 300)))
+            rows.append(EngineRow(engine, None, error=str(exc)))
             continue
         rows.append(EngineRow(engine, plan, result.step_time, result.bubble_fraction))
     return rows
@@ -237,18 +262,19 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
     else:
         base = next((r.step_time for r in rows if r.engine == "1f1b"), None)
-        cells = []
+        cells, notes = [], Notes()
         for r in rows:
             if r.plan is None:
-                cells.append([r.engine, "-", "-", "-", "-", "-", f"cannot run: {r.error}"])
+                cells.append([r.engine, "-", "-", "-", "-", "-", error_cell("cannot run", r.error, notes)])
                 continue
             cells.append([r.engine, stage_cell(r.plan.stage_map()), format_seconds(r.step_time or 0.0),
-                          f"{(r.bubble or 0.0):.1%}", f"{base / r.step_time:.3f}x" if base and r.step_time else "-",
-                          " / ".join(human_bytes(s.memory_bytes) for s in r.plan.stages), verdict_cell(r.plan.verdict)])
-        print(f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
-              f"{cfg.ext.cost_strategy!r} planned under each engine; sim. step on "
-              f"{machine_for(cfg).describe()}; vs 1f1b: 1F1B's step ÷ this one's\n")
-        print(table(["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage",
-                     "verdict"], cells))
+                          f"{(r.bubble or 0.0):.1%}", speed_cell(base, r.step_time),
+                          " / ".join(human_bytes(s.memory_bytes) for s in r.plan.stages),
+                          verdict_cell(r.plan.verdict, notes)])
+        print(titled_table(
+            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
+            f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
+            ["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage", "verdict"],
+            cells, notes))
     chosen = next((r for r in rows if r.engine == cfg.run.engine), rows[0])
     return EXIT_OK if chosen.plan is not None and chosen.plan.ok else EXIT_INVALID

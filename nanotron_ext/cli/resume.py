@@ -13,7 +13,7 @@ from nanotron_ext.checkpoint import (
     locate_checkpoint,
     record_for,
 )
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, legend
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import CheckpointError
 from nanotron_ext.inventory import inventory_from_config
@@ -54,7 +54,7 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
                           "resume": now.to_dict(), "kept": choice.kept, "note": choice.note,
                           "differences": [d.__dict__ for d in differences]}, indent=2))
     else:
-        print(f"{cfg.source}\n  {source.label}: {source.folder}\n")
+        print(f"{cfg.source}\n  {source.label}: {source.folder}\n  {legend()}\n")
         print(source.record.side_by_side(now, now_title="resume under this config"))
         print(f"\n{choice.note}")
         if differences:

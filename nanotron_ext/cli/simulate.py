@@ -25,11 +25,17 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.cli.common import (
     EXIT_INVALID,
     EXIT_OK,
+    Notes,
     add_config_args,
     check_outputs,
     config_from_args,
+    error_cell,
+    legend,
+    speed_cell,
     stage_cell,
+    titled_table,
     verdict_cell,
+    verdict_line,
     warn_memory,
 )
 from nanotron_ext.config import PlannerConfig
@@ -38,7 +44,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_vocab_shards
-from nanotron_ext.report import first_line, table
+from nanotron_ext.report import table
 from nanotron_ext.simulate import (
     SimResult,
     format_seconds,
@@ -110,6 +116,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     text: list[str] = [
         f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches",
         f"machine: {machine.describe()}",
+        legend(),
         "",
     ]
     code = _simulate_chosen(args, cfg, blocks, out, text)
@@ -141,9 +148,10 @@ def _simulate_chosen(
     png = plot_timeline(
         result,
         args.out,
-        stage_labels=stage_labels(plan),
+        stage_labels=stage_labels(plan, width=_WHOLE),
         title=f"{_model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
         f"pp={plan.pp}, {cfg.run.n_micro_batches} micro-batches",
+        verdict=None if plan.ok else f"INVALID, cannot train: {plan.verdict.partition(' (')[2].rstrip(')')}",
     )
     out.update(ok=plan.ok, plan=plan.to_dict(), simulation=result.to_dict(), timeline=str(png))
     ideal = out["ideal_bubble_fraction"]
@@ -163,7 +171,7 @@ def _simulate_chosen(
         + f"step {format_seconds(result.step_time)}",
     ]
     text += [str(f) for f in plan.findings]
-    text.append("VALID: every stage has parameters to train" if plan.ok else "INVALID: this plan cannot train")
+    text.append(verdict_line(plan, result))
     text.append(f"timeline: {png}")
     return EXIT_OK if plan.ok else EXIT_INVALID
 
@@ -179,24 +187,24 @@ def _simulate_every_strategy(
     """``--compare``: every strategy's step and bubble in a table, and the stage-load picture."""
     from nanotron_ext.simulate.timeline import plot_stage_loads
 
-    rows, loads, entries = _compare(cfg, blocks)
+    notes = Notes()
+    rows, loads, entries = _compare(cfg, blocks, notes)
     out["compare"] = entries
     step = {e["strategy"]: e.get("step_time") for e in entries}
     chosen, rule = step.get(cfg.ext.cost_strategy), step.get("nanotron")
     text += [
         "",
-        f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
-        f"ideal bubble {out['ideal_bubble_fraction']:.1%}):",
-        "",
-        table(
+        titled_table(
+            f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
+            f"ideal bubble {out['ideal_bubble_fraction']:.1%}):",
             ["strategy", "stages (block ranges)", "slowest stage F+B ms", "step ms", "vs best", "bubble", "verdict"],
-            rows,
+            rows, notes,
         ),
     ]
     if chosen and rule and cfg.ext.cost_strategy != "nanotron":
         out["gain_over_nanotron"] = rule / chosen
         text.append(f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {_ms(chosen)} ms vs {_ms(rule)} ms, "
-                    f"{rule / chosen:.3f}x as fast")
+                    f"{speed_cell(rule, chosen)} as fast")
     if loads:
         n = len(next(iter(loads.values())))
         png = plot_stage_loads(
@@ -211,7 +219,7 @@ def _simulate_every_strategy(
 
 
 def _compare(
-    cfg: PlannerConfig, blocks: Sequence[BlockInfo]
+    cfg: PlannerConfig, blocks: Sequence[BlockInfo], notes: Notes
 ) -> tuple[list[list[object]], dict[str, list[float]], list[dict[str, Any]]]:
     runs: list[tuple[str, Plan | None, SimResult | None, str]] = []
     for attempt in plan_every_strategy(blocks, cfg):
@@ -225,7 +233,7 @@ def _compare(
     entries: list[dict[str, Any]] = []
     for name, plan, result, error in runs:
         if plan is None or result is None:
-            rows.append([name, "-", "-", "-", "-", "-", f"cannot plan: {first_line(error)}"])
+            rows.append([name, "-", "-", "-", "-", "-", error_cell("cannot plan", error, notes)])
             entries.append({"strategy": name, "ok": False, "error": error})
             continue
         per_stage = [s.forward + s.backward for s in result.stages]
@@ -235,9 +243,9 @@ def _compare(
                 stage_cell(plan.stage_map()),
                 _ms(max(per_stage)),
                 _ms(result.step_time),
-                f"{result.step_time / best:.3f}x" if best else "-",
+                speed_cell(best, result.step_time),
                 f"{result.bubble_fraction:.1%}",
-                verdict_cell(plan.verdict),
+                verdict_cell(plan.verdict, notes),
             ]
         )
         loads[name] = [1e3 * t for t in per_stage]
@@ -264,6 +272,10 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
         for row, t in zip(rows, result.stages):
             row.insert(4, _ms(t.weight))
     return table(head, rows)
+
+
+#: ``stage_labels`` width that never cuts: the timeline wraps a long label instead.
+_WHOLE = 10**6
 
 
 def _ms(seconds: float) -> str:

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any
 
 from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
 from nanotron_ext.config import bundled_config
+from nanotron_ext.config_keys import DuplicateKeyWarning, UnreadKeyWarning
 
-__all__ = ["add_subcommand", "cmd_train"]
+__all__ = ["REPEATED_WARNINGS", "add_subcommand", "cmd_train", "quiet_repeated_warnings"]
+
+#: Warnings every rank raises alike: about code the user does not own (torch's and Nanotron's deprecations, such as
+#: torch's "`torch.distributed.all_reduce_coalesced` will be deprecated", which Nanotron 0.2 calls) and about the
+#: config file every rank reads. Rank 0 prints each once, the other ranks none: a warning is printed at most once.
+REPEATED_WARNINGS: tuple[type[Warning], ...] = (FutureWarning, DeprecationWarning, UnreadKeyWarning,
+                                                DuplicateKeyWarning)
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -43,6 +51,13 @@ def add_subcommand(subparsers: Any) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def quiet_repeated_warnings(rank: str) -> None:
+    """On every rank but 0, ignore :data:`REPEATED_WARNINGS` (rank 0 prints them, once each)."""
+    if rank != "0":
+        for category in REPEATED_WARNINGS:
+            warnings.filterwarnings("ignore", category=category)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
 
@@ -52,6 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         or stopped answering for ``$NANOTRON_EXT_TIMEOUT_S`` seconds).
     """
     rank = os.environ.get("RANK", "0")
+    quiet_repeated_warnings(rank)
     try:
         from nanotron_ext.procs import exit_with_torchrun
 

@@ -15,12 +15,13 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.blocks import BlockInfo, short_name
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_model
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message, make_plan
+from nanotron_ext.report import compact_names
 
 __all__ = [
     "assign_blocks",
@@ -151,7 +152,7 @@ def assign_blocks(
     ranks = [int(r) for r in block_ranks]
     pp_size = parallel_context.pp_pg.size()
     if len(ranks) != len(blocks):
-        names = ", ".join(name for name, _ in blocks)
+        names = compact_names([short_name(name) for name, _ in blocks])
         raise ValueError(
             f"block_ranks has {len(ranks)} entries but the model has {len(blocks)} pipeline blocks "
             f"({names}); give exactly one PP rank per block, in this order."

@@ -25,13 +25,14 @@ the lm_head is the chain's K shards (``vocab.0`` ... ``vocab.K-1``, role ``vocab
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.blocks import BlockInfo, ParamInfo
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, suggest
 from nanotron_ext.report import compact_names
 
 if TYPE_CHECKING:
@@ -68,11 +69,13 @@ class FreezeSpec:
             if isinstance(value, str):
                 value = (value,)
             if not all(isinstance(p, str) and p for p in value):
-                raise ConfigError(f"freeze.{name} must be a list of non-empty patterns, got {value!r}")
+                raise ConfigError(f"freeze.{name}={value!r} must be a list of non-empty patterns; write it like "
+                                  f"`{name}: [decoder, lm_head]` (roles, short names or globs: docs/freezing.md)")
             object.__setattr__(self, name, tuple(value))
         n = self.unfreeze_last_decoder_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer")
+            raise ConfigError(f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer; write it "
+                              f"like `unfreeze_last_decoder_layers: 1`")
 
     @staticmethod
     def from_dict(raw: dict[str, Any] | None) -> FreezeSpec | None:
@@ -113,12 +116,18 @@ def frozen_names(spec: FreezeSpec, blocks: Sequence[BlockInfo], *, tied: Iterabl
         something not frozen, a spec that freezes every parameter, or tied weights frozen apart.
     """
     params = [(b, p) for b in blocks for p in b.parameters]
+    words = {w for b in blocks if b.parameters for w in (b.short, b.role)}  # what "did you mean" may offer
+
+    def hint(pattern: str) -> str:
+        # decoder.9 of a 2-layer model is an index out of range, not a slip: the list of modules says so
+        return "" if re.fullmatch(r"(decoder|vocab)\.\d+", pattern) else suggest(pattern, words)
+
     frozen: set[str] = set()
     for pattern in spec.modules:
         hit = {p.name for b, p in params if matches(pattern, b, p)}
         if not hit:
             raise ConfigError(
-                f"freeze pattern {pattern!r} matches no module; modules are: "
+                f"freeze pattern {pattern!r} matches no module; {hint(pattern)}modules are: "
                 f"{compact_names([b.short for b in blocks if b.parameters])} "
                 f"(paths like {blocks[0].name}, roles like decoder, globs like decoder.1*)"
             )
@@ -138,7 +147,7 @@ def frozen_names(spec: FreezeSpec, blocks: Sequence[BlockInfo], *, tied: Iterabl
     for what, names in thaw:
         if not names:
             raise ConfigError(
-                f"unfreeze pattern {what!r} matches no module; modules are: "
+                f"unfreeze pattern {what!r} matches no module; {hint(what)}modules are: "
                 f"{compact_names([b.short for b in blocks if b.parameters])}"
             )
         if not names & frozen:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.blocks import BlockInfo, held_parameters
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import training_flops
 from nanotron_ext.costs.memory_estimate import config_stage_memory
@@ -62,13 +62,14 @@ def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment
         members = [b for b, r in zip(blocks, ranks) if r == k]
         cost = sum(c for c, r in zip(assignment.costs, ranks) if r == k)
         memory = config_stage_memory(members, cfg, k)
+        params, trainable = held_parameters(members, cfg.model.tie_word_embeddings)
         stages.append(
             StagePlan(
                 stage=k,
                 blocks=tuple(b.name for b in members),
                 label=compact_names([b.short for b in members]),
-                params=sum(b.params for b in members),
-                trainable=sum(b.trainable for b in members),
+                params=params,
+                trainable=trainable,
                 cost=cost,
                 share=cost / total_cost,
                 flops=sum(f for f, r in zip(flops, ranks) if r == k),

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from nanotron_ext.blocks import role_of
 from nanotron_ext.costs.memory_estimate import StageMemory
-from nanotron_ext.report import human_bytes, human_count, table
+from nanotron_ext.report import human_bytes, human_count, int_ranges, table
 
 __all__ = ["Finding", "Plan", "Severity", "StagePlan"]
 
@@ -127,8 +127,12 @@ class Plan:
 
     @property
     def verdict(self) -> str:
-        """``OK`` or ``INVALID``, with the findings' codes: ``INVALID (no-params@1)``."""
-        codes = ", ".join(f"{f.code}@{f.stage}" if f.stage is not None else f.code for f in self.findings)
+        """``OK`` or ``INVALID``, with the findings' codes and the stages each names, as ranges:
+        ``INVALID (no-params@1)``, ``INVALID (few-micro-batches, empty-stage@4-99)``."""
+        stages: dict[str, list[int]] = {}
+        for f in self.findings:
+            stages.setdefault(f.code, []).extend([] if f.stage is None else [f.stage])
+        codes = ", ".join(f"{code}@{int_ranges(ks)}" if ks else code for code, ks in stages.items())
         return ("OK" if self.ok else "INVALID") + (f" ({codes})" if codes else "")
 
     def stage_map(self) -> str:

@@ -14,10 +14,9 @@ from nanotron_ext.partition import nanotron_greedy_ranks
 from nanotron_ext.plan.types import Finding, Plan, Severity
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import micro_batch_shortfall
+from nanotron_ext.strategies.fixes import frozen_stage_fix, memory_cap_fix, or_list, strategy_fix
 
-__all__ = ["FIX_STRATEGY", "cannot_train_message", "validate_plan"]
-
-FIX_STRATEGY = "use `--cost-strategy constrained` (or `cost_strategy: constrained` under `parallelism:`)"
+__all__ = ["cannot_train_message", "validate_plan"]
 
 
 def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> list[Finding]:
@@ -36,18 +35,19 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
     """
     findings: list[Finding] = []
     any_trainable = any(b.trainable for b in blocks)
+    n_trainable = sum(b.trainable > 0 for b in blocks)
     for s in plan.stages:
         if not s.blocks:
             findings.append(Finding("error", "empty-stage", s.stage, f"stage {s.stage} holds no block",
-                                    f"{FIX_STRATEGY}, or lower pp"))
+                                    or_list([*strategy_fix(plan.strategy), "lower pp"])))
         elif s.params == 0:
             findings.append(Finding(
                 "error", "no-params", s.stage,
                 f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
                 f"\"Can't use DDP because model in PP={s.stage} has no gradient\" (dp>1) or \"optimizer got an "
                 f"empty parameter list\" (dp=1). Cause: {_cause(plan, blocks, cfg)}",
-                f"{FIX_STRATEGY} — every stage then gets a block with parameters; or lower pp to "
-                f"{_largest_working_pp(plan, blocks)}",
+                "; or ".join([f"{w} — every stage then gets a block with parameters" for w in strategy_fix(plan.strategy)]
+                             + [f"lower pp to {_largest_working_pp(plan, blocks)}"]),
             ))
         elif s.trainable == 0 and any_trainable:
             severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"
@@ -55,8 +55,7 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 severity, "no-trainable", s.stage,
                 f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
                 + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
-                f"{FIX_STRATEGY} to put a trainable block on every stage, or set `allow_frozen_stages: true` "
-                f"under `nanotron_ext:`, or lower pp",
+                frozen_stage_fix(cfg, plan.strategy, n_trainable),
             ))
         cap = cfg.ext.memory_cap_gib
         if cap is not None and s.memory_bytes > cap * GIB:
@@ -64,8 +63,7 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 "error", "memory", s.stage,
                 f"stage {s.stage} needs about {s.memory_bytes / GIB:.3g} GiB, over memory_cap_gib={cap:g} by "
                 f"{s.memory_bytes / GIB - cap:.3g} GiB",
-                "raise the cap, use a larger pp, optimizer.zero_stage: 1, the 1f1b engine (fewer micro-batches in "
-                "flight) or `--cost-strategy memory` (it balances the estimate's additive part)",
+                memory_cap_fix(cfg, plan.strategy, len(blocks)),
             ))
     shortfall = micro_batch_shortfall(cfg.run.engine, plan.pp, cfg.run.n_micro_batches)
     if shortfall is not None:

@@ -18,7 +18,7 @@ from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["legend_entries", "plot_stage_loads", "plot_timeline"]
+__all__ = ["legend_entries", "plot_stage_loads", "plot_timeline", "timeline_figure", "wrap_label"]
 
 DPI = 150
 FORWARD_COLOR = "#4C72B0"
@@ -27,7 +27,10 @@ WEIGHT_COLOR = "#8172B3"  # zb1p's deferred weight-gradient pass
 UPDATE_COLOR = "#55A868"
 IDLE_FACE = "#F2F2F2"
 IDLE_HATCH = "#C8C8C8"
+INVALID_COLOR = "#C44E52"
 _LABEL_PT = 8
+#: Characters per line of a stage label; a longer one is wrapped at its commas, never cut.
+LABEL_WIDTH = 34
 
 
 def plot_timeline(
@@ -35,18 +38,35 @@ def plot_timeline(
     path: str | os.PathLike[str],
     title: str | None = None,
     stage_labels: list[str] | None = None,
+    verdict: str | None = None,
 ) -> Path:
     """Draw one row per stage (stage 0 on top): forward, backward, weight-gradient (zb1p's ``W``) and update
-    boxes over a hatched idle background.
+    boxes over a hatched idle background; see :func:`timeline_figure` for the arguments.
+
+    Returns:
+        The path written (parent folders are created).
+
+    Raises:
+        ValueError: if ``stage_labels`` does not have one entry per stage.
+    """
+    return _save(timeline_figure(result, title, stage_labels, verdict), path)
+
+
+def timeline_figure(
+    result: SimResult,
+    title: str | None = None,
+    stage_labels: list[str] | None = None,
+    verdict: str | None = None,
+) -> Figure:
+    """The timeline of :func:`plot_timeline` as a figure.
 
     Args:
         result: output of :func:`nanotron_ext.schedule.simulator.simulate`.
-        path: where to write the PNG (parent folders are created).
         title: first title line; the bubble fraction and step time are always added below it.
-        stage_labels: one label per stage; default ``"stage s (PP rank s)"``.
-
-    Returns:
-        The path written.
+        stage_labels: one label per stage, wrapped at commas when long (:func:`wrap_label`), never cut; default
+            ``"stage s (PP rank s)"``.
+        verdict: for a plan that cannot train, what is wrong (``INVALID, cannot train: no-params@1``): a red
+            title line of its own, so the picture is never taken for a plan that runs.
 
     Raises:
         ValueError: if ``stage_labels`` does not have one entry per stage.
@@ -57,18 +77,41 @@ def plot_timeline(
     )
     if len(labels) != pp:
         raise ValueError(f"stage_labels has {len(labels)} entries for {pp} stages; pass one label per stage")
-
-    fig = _new_figure(width=11.0, height=1.6 + 0.5 * pp)
+    labels = [wrap_label(label) for label in labels]
+    lines = max(label.count("\n") + 1 for label in labels)
+    fig = _new_figure(width=11.0, height=1.6 + (0.5 + 0.15 * (lines - 1)) * pp + (0.3 if verdict else 0.0))
     ax = fig.add_subplot()
     span = result.step_time * 1e3 or 1.0  # ms; a zero-length step still gets a visible axis
     _draw_ops(ax, result, span)
     _stage_axes(ax, labels, span)
     _idle_shares(ax, result, span)
     _legend_and_title(fig, ax, result, title)
+    if verdict:
+        fig.suptitle(verdict, color=INVALID_COLOR, fontweight="bold")
     # Numbers go in only once the layout is final, so box widths in pixels are known.
     fig.canvas.draw()
     _number_the_boxes(ax, result, span)
-    return _save(fig, path)
+    return fig
+
+
+def wrap_label(label: str, width: int = LABEL_WIDTH) -> str:
+    """``label`` on lines of at most ``width`` characters, broken after its commas (a single item longer than
+    ``width`` keeps its own line whole).
+
+    Example:
+        >>> print(wrap_label("stage 7: decoder.28-29, final_norm, lm_head, cast, loss"))
+        stage 7: decoder.28-29, final_norm,
+        lm_head, cast, loss
+    """
+    lines: list[str] = []
+    for part in label.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += f", {part}"
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(part)
+    return "\n".join(lines)
 
 
 _OP_COLORS = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR, "W": WEIGHT_COLOR}

@@ -21,7 +21,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.costs.memory_estimate import block_memory, deferred_weights, weight_pending
-from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.errors import ConfigError, PlanningError, suggest
 from nanotron_ext.machine import machine_for, price_blocks
 from nanotron_ext.partition import (
     MemoryCap,
@@ -32,6 +32,7 @@ from nanotron_ext.partition import (
     partition,
 )
 from nanotron_ext.partition.schedule_aware import step_time_partition
+from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.strategies.registry import Assignment, register_strategy
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -177,9 +178,9 @@ def require_trainable_per_stage(blocks: Sequence[BlockInfo], cfg: PlannerConfig)
     """
     n_trainable = sum(b.trainable > 0 for b in blocks)
     if n_trainable < cfg.run.pp and not cfg.ext.allow_frozen_stages:
-        trainable = ", ".join(b.short for b in blocks if b.trainable) or "none"
+        trainable = compact_names([b.short for b in blocks if b.trainable], empty="none")
         if all(b.trainable == b.params for b in blocks):  # nothing is frozen: the cause is blocks without weights
-            weightless = ", ".join(b.short for b in blocks if not b.params) or "none"
+            weightless = compact_names([b.short for b in blocks if not b.params], empty="none")
             raise PlanningError(
                 f"pp={cfg.run.pp} but only {n_trainable} blocks have parameters ({trainable}); {weightless} have "
                 f"none, so with {cfg.run.pp} stages some stage would hold no parameters and have no gradient. "
@@ -270,7 +271,8 @@ class Constrained:
         base = cfg.ext.base_strategy
         if base not in _PRICERS:
             raise ConfigError(
-                f"nanotron_ext.base_strategy={base!r} cannot be constrained; use one of {', '.join(_PRICERS)}"
+                f"nanotron_ext.base_strategy={base!r} cannot be constrained; {suggest(base, _PRICERS)}use one of "
+                f"{', '.join(_PRICERS)}"
             )
         each = require_trainable_per_stage(blocks, cfg)
         costs, unit, per_in_flight = _PRICERS[base](blocks, cfg)

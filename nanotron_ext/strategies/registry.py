@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, suggest
 
 __all__ = [
     "MEASURING",
@@ -86,8 +86,8 @@ def get_strategy(name: str) -> Strategy:
     if ":" in name:
         return _import_strategy(name)
     raise ConfigError(
-        f"unknown cost strategy {name!r}; known strategies: {', '.join(available_strategies())} "
-        f"(or give 'package.module:attr')"
+        f"unknown cost strategy {name!r}; {suggest(name, available_strategies())}known strategies: "
+        f"{', '.join(available_strategies())} (or give 'package.module:attr')"
     )
 
 
