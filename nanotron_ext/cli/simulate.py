@@ -148,7 +148,7 @@ def _simulate_chosen(
     png = plot_timeline(
         result,
         args.out,
-        stage_labels=stage_labels(plan, width=_WHOLE),
+        stage_labels=stage_labels(plan),
         title=f"{_model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
         f"pp={plan.pp}, {cfg.run.n_micro_batches} micro-batches",
         verdict=None if plan.ok else f"INVALID, cannot train: {plan.verdict.partition(' (')[2].rstrip(')')}",
@@ -274,8 +274,7 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
     return table(head, rows)
 
 
-#: ``stage_labels`` width that never cuts: the timeline wraps a long label instead.
-_WHOLE = 10**6
+
 
 
 def _ms(seconds: float) -> str:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
+from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo, held_parameters, tied_copy
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, PlannerConfig, RunShape
 from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.inventory.flops import mlp_active
@@ -469,13 +469,11 @@ class _StageParameters:
 
 def _stage_parameters(blocks: Sequence[BlockInfo], m: ModelShape, per: ParamBytes) -> _StageParameters:
     """Parameters, trainable counts and gradient bytes of the stage's blocks (see :class:`_StageParameters`)."""
-    params = sum(b.params for b in blocks)
+    params = held_parameters(blocks, m.tie_word_embeddings)[0]
     trainable = [b.trainable for b in blocks]
-    roles = {b.role: i for i, b in enumerate(blocks)}
-    if m.tie_word_embeddings and "embedding" in roles and "lm_head" in roles:
-        # One tensor on this rank: Nanotron ties the two names to the same parameter.
-        params -= blocks[roles["lm_head"]].params
-        trainable[roles["lm_head"]] = 0
+    copy = tied_copy(blocks, m.tie_word_embeddings)
+    if copy is not None:  # one tensor on this rank: its gradient and state belong to the embedding
+        trainable[copy] = 0
     # Buffers made before training (fp32 accumulation, DDP buckets) are alive throughout; .grad only once a
     # backward has made it.
     allocated = sum(trainable) * per.gradients_allocated

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from nanotron_ext.blocks import compact_roles
 from nanotron_ext.errors import LayoutError
 
 __all__ = ["SYMBOLS", "layout_ranks", "layout_string", "parse_layout"]
@@ -100,7 +101,7 @@ def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
         if flat[i][1] != role:
             raise LayoutError(
                 f"layout {layout!r}: block {i} of the model is {role!r} but the layout says {flat[i][1]!r}; "
-                f"the model's blocks in order are {' '.join(roles)}"
+                f"the model's blocks in order are {compact_roles(roles)}"
             )
     if len(flat) > len(roles):
         raise LayoutError(

@@ -23,6 +23,7 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.split import bounds_from_ranks, ranks_from_bounds
+from nanotron_ext.report import compact_names
 
 __all__ = ["MemoryCap", "Partition", "Requirement", "partition"]
 
@@ -57,6 +58,7 @@ class MemoryCap:
     overhead: float = 0.0  # per stage, whatever it holds (runtime overhead allowance)
     pending: tuple[float, ...] = ()
     deferred: tuple[int, ...] = ()
+    fix: str = ""  # what the config could change when no split fits (the caller knows the config; empty: generic)
 
     @property
     def room(self) -> float:
@@ -228,7 +230,7 @@ def _check_requirement(req: Requirement, pp: int, names: Sequence[str]) -> None:
         raise PlanningError(f"requirement '{req.what}' has {len(req.flags)} flags for {len(names)} blocks")
     flagged = [names[i] for i, f in enumerate(req.flags) if f]
     if len(flagged) < pp:
-        listed = ", ".join(flagged) if flagged else "none"
+        listed = compact_names(flagged) if flagged else "none"
         raise PlanningError(
             f"pp={pp} needs {pp} {req.what} (one per stage) but the model has {len(flagged)} ({listed}); "
             f"the largest pp that works is {len(flagged)}" + (f"; {req.fix}" if req.fix else "")
@@ -259,6 +261,6 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
         f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
         f"{(least + memory.overhead) / gib:.3g} GiB on stage {worst} "
         f"({(least + memory.overhead - memory.cap) / gib:.3g} GiB over); "
-        f"raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer micro-batches "
-        f"in flight)"
+        + (memory.fix or "raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer "
+                          "micro-batches in flight)")
     )

@@ -114,10 +114,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e9:.3g} ns" if seconds else "0 s"
 
 
-def stage_labels(plan: Plan, width: int = 34) -> list[str]:
-    """``stage 0: embedding, decoder.0-2`` per stage, cut to ``width`` characters for plots."""
-    out = []
-    for s in plan.stages:
-        text = f"stage {s.stage}: {s.label}"
-        out.append(text if len(text) <= width else text[: width - 1] + "…")
-    return out
+def stage_labels(plan: Plan) -> list[str]:
+    """``stage 0: embedding, decoder.0-2`` per stage, whole (the timeline wraps a long one, never cuts it)."""
+    return [f"stage {s.stage}: {s.label}" for s in plan.stages]

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,7 @@ from nanotron_ext.partition import (
 from nanotron_ext.partition.schedule_aware import step_time_partition
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import too_few_micro_batches
+from nanotron_ext.strategies.fixes import memory_cap_fix
 from nanotron_ext.strategies.registry import Assignment, register_strategy
 from nanotron_ext.strategies.step_time import schedule_problem
 
@@ -75,11 +77,13 @@ def optimal_assignment(
     *,
     per_in_flight: Sequence[float] | None = None,
     trainable_per_stage: bool = False,
+    strategy: str | None = None,
 ) -> Assignment:
-    """Optimal split of ``costs`` with the shared constraints (weights on every stage, memory cap)."""
+    """Optimal split of ``costs`` with the shared constraints (weights on every stage, memory cap); ``strategy``
+    (default: the config's) names the one asking, for the fixes its errors suggest."""
     run = cfg.run
     flight = in_flight(run.engine, run.pp, run.n_micro_batches)
-    reqs, memory = _constraints(blocks, cfg, trainable_per_stage)
+    reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
     part = partition(
         costs,
         run.pp,
@@ -93,7 +97,7 @@ def optimal_assignment(
 
 
 def _constraints(
-    blocks: Sequence[BlockInfo], cfg: PlannerConfig, trainable_per_stage: bool
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, trainable_per_stage: bool, strategy: str | None = None
 ) -> tuple[list[Requirement], MemoryCap | None]:
     """The shared constraints: weights on every stage, a trainable block too if asked, the memory cap."""
     reqs = [_has_params(blocks)]
@@ -105,7 +109,8 @@ def _constraints(
         # × in flight, zb1p's deferred weight-gradient state) plus the overhead: a lower bound of the full
         # estimate, so no split that fits is lost. The validator then checks the chosen split's full estimate
         # (temporaries, held tensors) against the cap.
-        memory = stage_memory_terms(blocks, cfg, cap=cfg.ext.memory_cap_gib * GIB)
+        memory = dataclasses.replace(stage_memory_terms(blocks, cfg, cap=cfg.ext.memory_cap_gib * GIB),
+                                     fix=memory_cap_fix(cfg, strategy or cfg.ext.cost_strategy, len(blocks)))
     return reqs, memory
 
 
@@ -137,6 +142,7 @@ def step_time_assignment(
     unit: str,
     *,
     trainable_per_stage: bool,
+    strategy: str | None = None,
 ) -> Assignment:
     """The split with the smallest simulated step time under the shared constraints
     (:func:`nanotron_ext.partition.schedule_aware.step_time_partition`); ``costs`` are only reported.
@@ -144,14 +150,14 @@ def step_time_assignment(
     Every time comes from the config's machine (:func:`nanotron_ext.machine.machine_for`). Nanotron's own split
     seeds the search, so the answer is never slower than it.
     """
-    reqs, memory = _constraints(blocks, cfg, trainable_per_stage)
+    reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
     if too_few_micro_batches(cfg.run.engine, cfg.run.pp, cfg.run.n_micro_batches) is not None:
         # Nanotron's engine would refuse this schedule, so there is no step to time: split by FLOPs, and
         # leave the complaint to whatever runs or simulates it.
-        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
     if _infeasible_quickly(blocks, cfg, reqs):
         # Let the FLOP partitioner raise its message (which constraint, and what to change).
-        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
     problem = schedule_problem(blocks, cfg)
     greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
     seed = bounds_from_ranks(greedy, cfg.run.pp)
@@ -160,7 +166,7 @@ def step_time_assignment(
         found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed],
                                     least_memory=stage_memory_terms(blocks, cfg))
     except PlanningError:
-        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage)
+        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
         raise
     return Assignment(found.ranks(), list(map(float, costs)), unit)
 
@@ -237,7 +243,7 @@ class _Optimal:
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
         costs, unit, per_in_flight = _PRICERS[self.name](blocks, cfg)
-        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight)
+        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, strategy=self.name)
 
 
 @register_strategy("uniform")
@@ -277,8 +283,9 @@ class Constrained:
         each = require_trainable_per_stage(blocks, cfg)
         costs, unit, per_in_flight = _PRICERS[base](blocks, cfg)
         if cfg.ext.objective == "step_time" and base == "flops":
-            return step_time_assignment(blocks, cfg, costs, unit, trainable_per_stage=each)
-        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each)
+            return step_time_assignment(blocks, cfg, costs, unit, trainable_per_stage=each, strategy=self.name)
+        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each,
+                                  strategy=self.name)
 
 
 @register_strategy("layout")
@@ -316,5 +323,5 @@ class Profiled:
         prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
         costs = [f + b for f, b in zip(prices.forward, prices.backward)]
         if cfg.ext.objective == "step_time":
-            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each)
-        return optimal_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each)
+            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, strategy=self.name)
+        return optimal_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, strategy=self.name)
