@@ -571,9 +571,20 @@ def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, 
             "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
             "predicted": simulate_plan(plan, blocks, under).step_time,
             "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
+            "predicted_one_p2p": one_p2p_for_every_cut(plan, blocks, under),
             "parts": predicted_parts(plan, blocks, under, median, busy) if name in decompose else None,
         }
     return out
+
+
+def one_p2p_for_every_cut(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
+    """The step as the simulator priced it before issue 29: every cut charged the largest transfer of any cut."""
+    from nanotron_ext.schedule.simulator import simulate
+    from nanotron_ext.simulate.stage_times import plan_stage_times
+
+    t = plan_stage_times(plan, blocks, cfg)
+    return simulate(t.stages, cfg.run.n_micro_batches, cfg.run.engine, max(t.p2p, default=0.0),
+                    grad_cuts=t.grad_cuts).step_time
 
 
 def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
@@ -742,6 +753,7 @@ class Row:
     coverage: float
     predicted: float
     predicted_planning: float
+    predicted_one_p2p: float
 
     @property
     def ratio(self) -> float:
@@ -762,7 +774,8 @@ def analyse(result: dict[str, Any]) -> list[Row]:
         low, high, coverage = median_interval(steps)
         same = first.setdefault(s["key"], name)
         rows.append(Row(name, None if same == name else same, s["stages"], s["ok"], s["vocab_shards"], steps,
-                        statistics.median(steps), low, high, coverage, s["predicted"], s["predicted_planning"]))
+                        statistics.median(steps), low, high, coverage, s["predicted"], s["predicted_planning"],
+                        s.get("predicted_one_p2p", math.nan)))
     return rows
 
 
@@ -770,7 +783,7 @@ def print_splits(rows: Sequence[Row]) -> None:
     from nanotron_ext.report import table
 
     head = ["split", "K", "stages", "valid", "steps", "measured ms", "95% interval ms", "predicted ms",
-            "pred ÷ meas", "pred, planning profile ms"]
+            "pred ÷ meas", "pred, planning profile ms", "pred, one p2p for every cut ÷ meas"]
     cells = []
     for r in rows:
         interval = f"{r.low * 1e3:.1f}–{r.high * 1e3:.1f}" + ("" if r.coverage >= CONFIDENCE else
@@ -778,7 +791,7 @@ def print_splits(rows: Sequence[Row]) -> None:
         cells.append([r.name + (f" (= {r.same_as})" if r.same_as else ""), r.vocab_shards, " / ".join(r.stages),
                       "yes" if r.ok else "NO (no gradient on a stage; its optimizer skipped)", len(r.steps),
                       f"{r.median * 1e3:.1f}", interval, f"{r.predicted * 1e3:.1f}", f"{r.ratio:.3f}",
-                      f"{r.predicted_planning * 1e3:.1f}"])
+                      f"{r.predicted_planning * 1e3:.1f}", f"{r.predicted_one_p2p / r.median:.3f}"])
     print(table(head, cells, markdown=True))
 
 
