@@ -260,7 +260,8 @@ def check_reply(case: Case, code: int, out: str, err: str) -> None:
     lines = (out + "\n" + err).splitlines()
     assert any(all(s in line for s in case.says) for line in lines), f"no line says {case.says}:\n{shown}"
     assert "nanx" not in out
-    assert max(map(len, lines), default=0) < 400, "a line thousands of characters wide"
+    # (a bound well above one message with its config path, which the test runner chooses, well below thousands)
+    assert max(map(len, lines), default=0) < 1000, "a line thousands of characters wide"
 
 
 def test_simulate_pdf_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
