@@ -151,6 +151,14 @@ def test_another_engine_resumes_exactly(plan_a, tmp_path):
     _same(plan_a, resumed)
 
 
+def test_a_zb1p_checkpoint_resumes_exactly_under_1f1b(tmp_path):
+    base = _train(tmp_path / "zb1p", parallelism__pp_engine="zb1p", ext=LAYOUT_A)
+    assert json.loads((base[1] / "checkpoints" / "4" / "nanotron_ext_plan.json").read_text())["engine"] == "zb1p"
+    run, _ = resumed = _resume(tmp_path / "1f1b", base[1], ext=LAYOUT_A)
+    assert "zb1p on PP rank 0" not in run.out
+    _same(base, resumed)
+
+
 def test_pp_1_to_2_resumes_exactly(tmp_path):
     base = _train(tmp_path / "pp1", 1, pp=1, ext={"cost_strategy": "layout", "layout": "E,t*2,L"})
     run, _ = resumed = _resume(tmp_path / "pp2", base[1], ext=LAYOUT_A)
