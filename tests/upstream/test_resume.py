@@ -40,8 +40,7 @@ LAYOUT_A = {"cost_strategy": "layout", "layout": "E,t|t,L"}
 #: of the largest change the two resumed steps made to that weight. The arithmetic differs only in rounding (fp32
 #: ulps of each gradient); Adam divides each moment by its own root mean square, so an element whose gradient is
 #: near zero, or a sum that nearly cancels, turns an ulp into a visible share of its step. Measured worst case on
-#: this model: 0.205 % (the embedding, vocabulary shards 2 -> 1; 0.51 % in an earlier run, before the dummy data
-#: continued from the checkpoint).
+#: this model: 0.205 % (the embedding, vocabulary shards 2 -> 1; 0.51 % in an earlier session's run).
 MOVE_TOLERANCE = 0.01
 
 
