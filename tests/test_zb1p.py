@@ -362,7 +362,7 @@ def test_plan_stage_times_carry_the_split_under_zb1p_only() -> None:
 def test_pending_tensors_of_the_tiny_config_by_hand() -> None:
     """tiny_llama_large_vocab: micro-batch 2 × 32 = 64 tokens, h = 16, 4 heads of 4 (q = k = v = 16), f = 64,
     V = 50277, fp32 (4 bytes). A hidden-sized tensor is 64 × 16 × 4 = 4096 bytes."""
-    from nanotron_ext.costs.memory_estimate import pending_tensors, weight_pending
+    from nanotron_ext.costs.block_memory import pending_tensors, weight_pending
 
     cfg, blocks = _seed()
     pending = {b.name: pending_tensors(b, cfg.model, cfg.run) for b in blocks}
@@ -381,7 +381,7 @@ def test_pending_tensors_of_the_tiny_config_by_hand() -> None:
 
 
 def test_frozen_weights_keep_nothing_for_a_deferred_w() -> None:
-    from nanotron_ext.costs.memory_estimate import pending_tensors, weight_pending
+    from nanotron_ext.costs.block_memory import pending_tensors, weight_pending
 
     cfg, blocks = _seed()
     decoder = blocks[1]
@@ -412,7 +412,7 @@ def test_stage_peak_adds_rank_times_the_deferred_state_under_zb1p_only() -> None
 
 
 def test_deferred_counts() -> None:
-    from nanotron_ext.costs.memory_estimate import deferred_weights
+    from nanotron_ext.costs.block_memory import deferred_weights
 
     assert deferred_weights("zb1p", 4, 8) == [0, 1, 2, 3]
     assert deferred_weights("zb1p", 4, 3) == [0, 1, 2, 2]  # m = pp - 1: stage 3's last W runs first of three

@@ -1,6 +1,6 @@
 """Costs: what blocks cost to train, from the analytic model (``analytic``: training FLOPs, bytes per parameter)
-or measured on this machine (``profiled``, imported on demand: it needs torch), and a stage's peak memory by term
-(``memory_estimate``)."""
+or measured on this machine (``profiled``, imported on demand: it needs torch), what one block holds in memory
+(``block_memory``), and a stage's peak memory by term (``memory_estimate``)."""
 
 from nanotron_ext.costs.analytic import (
     GIB,
@@ -11,13 +11,8 @@ from nanotron_ext.costs.analytic import (
     trainable_before,
     training_flops,
 )
-from nanotron_ext.costs.memory_estimate import (
-    BlockMemory,
-    StageMemory,
-    block_memory,
-    config_stage_memory,
-    stage_memory,
-)
+from nanotron_ext.costs.block_memory import BlockMemory, block_memory
+from nanotron_ext.costs.memory_estimate import StageMemory, config_stage_memory, stage_memory
 
 __all__ = [
     "GIB",

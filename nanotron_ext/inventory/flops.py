@@ -10,7 +10,7 @@ With ``t = b·s`` tokens per micro-batch, ``h`` hidden, ``s`` sequence, ``V`` vo
 
 These are facts of the block, like its parameter count; what they cost (time, what trains pays for) is
 :mod:`nanotron_ext.costs`'. What a block keeps and sends is counted once, in
-:func:`nanotron_ext.costs.memory_estimate.block_memory`.
+:func:`nanotron_ext.costs.block_memory.block_memory`.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from typing import Any
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, VOCAB_SHARDS_AUTO, PlannerConfig, vocab_shard_candidates
 from nanotron_ext.costs.analytic import trainable_before, training_flops
-from nanotron_ext.costs.memory_estimate import block_memory
+from nanotron_ext.costs.block_memory import block_memory
 from nanotron_ext.errors import ConfigError, RunFailure
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.pricing import measured_blocks, tied_weight_bytes

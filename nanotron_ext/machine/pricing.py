@@ -14,7 +14,7 @@ from typing import NamedTuple
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops, update_bytes
-from nanotron_ext.costs.memory_estimate import block_memory, output_tensors
+from nanotron_ext.costs.block_memory import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
 
@@ -85,7 +85,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the embedding and the lm_head of a tied model at pp > 1 the tied all-reduce, and a send
     across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
-    ``output``, in :func:`~nanotron_ext.costs.memory_estimate.output_tensors` tensors) over that cut's link.
+    ``output``, in :func:`~nanotron_ext.costs.block_memory.output_tensors` tensors) over that cut's link.
 
     The weight-gradient part of the backward (:func:`weight_part`): a measured ``backward_weight``, else the
     measured backward split by FLOPs, input-gradient : weight-gradient (freeze-aware); on the rate model the

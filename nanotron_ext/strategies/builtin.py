@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
-from nanotron_ext.costs.memory_estimate import block_memory, deferred_weights, weight_pending
+from nanotron_ext.costs.block_memory import block_memory, deferred_weights, weight_pending
 from nanotron_ext.errors import ConfigError, PlanningError, suggest
 from nanotron_ext.machine import machine_for, price_blocks
 from nanotron_ext.partition import (
