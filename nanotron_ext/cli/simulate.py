@@ -274,9 +274,6 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
     return table(head, rows)
 
 
-
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 

@@ -281,14 +281,12 @@ def _branch_and_bound(
     return best, True
 
 
-def _stage_memory(terms: MemoryCap, k: int, s: np.ndarray | int, e: np.ndarray | int) -> np.ndarray:
-    q = terms.prefix(k)
-    return np.asarray(q[e] - q[s])
-
-
-def split_memory(terms: MemoryCap, bounds: Sequence[int]) -> float:
-    """The largest stage's memory of a split under ``terms`` (the overhead left out: every stage pays it)."""
-    return max(float(_stage_memory(terms, k, s, e)) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+def split_memory(terms: MemoryCap | Sequence[np.ndarray], bounds: Sequence[int]) -> float:
+    """The largest stage's memory of a split under ``terms`` (the overhead left out: every stage pays it); or
+    under each stage's prefix sums of them (:meth:`MemoryCap.prefix`), when many splits are measured."""
+    pp = len(bounds) - 1
+    prefixes = [terms.prefix(k) for k in range(pp)] if isinstance(terms, MemoryCap) else terms
+    return max(float(prefixes[k][e] - prefixes[k][s]) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
 
 
 def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Sequence[Requirement],
@@ -304,7 +302,8 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
     """
     problem = evaluate.problem
     limit = best[0] * (1 + RTOL)
-    ceiling = split_memory(terms, best[2])
+    prefixes = [terms.prefix(k) for k in range(problem.pp)]
+    ceiling = split_memory(prefixes, best[2])
 
     def bound_at(cap: float) -> Bound:
         room = cap if memory is None else min(cap, memory.room)  # the user's cap still holds
@@ -331,7 +330,7 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
         left -= len(splits)
         for i in range(0, len(splits), 512):
             for t, v, split in _score(evaluate, bound, splits[i : i + 512]):
-                key = (split_memory(terms, split), v, split)
+                key = (split_memory(prefixes, split), v, split)
                 if t <= limit and key < chosen:
                     chosen, step = key, t
         if chosen[0] <= cap * (1 + RTOL) or left <= 0:
