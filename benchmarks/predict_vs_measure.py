@@ -75,6 +75,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _repeatability as repeatability  # noqa: E402
 from measured_cpu import MALLOC_ENV  # noqa: E402
 
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
@@ -93,6 +94,8 @@ SEED_SPLITS = ("default", "nanotron", "uniform", "flop-optimal", "chain K=2", "c
 #: The splits of the SmolLM shape; ``shift ±2``: two decoder layers more (fewer) on PP0 than the default has, a
 #: deliberately shifted split (``layout`` strategy).
 SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
+#: Issue 32's hand layouts of the 8-layer SmolLM shape at pp=2 (no other scenario trains them).
+LAYOUTS = (("front-heavy", "E,t*6|t*2,N,H,C,X"), ("even", "E,t*4|t*4,N,H,C,X"), ("back-heavy", "E,t*2|t*6,N,H,C,X"))
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,11 @@ class Scenario:
     #: Splits trained a second time, in the same rounds, with every queued send posted at once (the runtime's
     #: ``sends="eager"``) instead of Nanotron's one tensor of a cut per communication call: that fix's measured effect.
     eager_sends: tuple[str, ...] = ()
+    #: Calibrations back to back at the start (issue 32: how far apart their predictions land).
+    calibrations_first: int = 1
+    #: Named hand layouts (``layout`` strategy) trained as splits of those names.
+    layouts: tuple[tuple[str, str], ...] = ()
+    tied: bool | None = None  # None: as in the YAML
 
     def raw_config(self) -> dict[str, Any]:
         """The YAML as a dict with this scenario's overrides (pp, 1F1B, fp32, batch shape)."""
@@ -134,6 +142,8 @@ class Scenario:
         raw.setdefault("optimizer", {})["accumulate_grad_in_fp32"] = False
         if self.num_hidden_layers is not None:
             raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
+        if self.tied is not None:
+            raw["model"]["model_config"]["tie_word_embeddings"] = self.tied
         raw.pop("nanotron_ext", None)
         return raw
 
@@ -160,6 +170,12 @@ def scenarios(quick: bool) -> list[Scenario]:
         # other; each cut is priced by what crosses it.
         Scenario("smollm-pp3", n_micro_batches=4, notes=f"{shape}, pp=3, m=4 (logits across a cut)",
                  **{**smol, "pp": 3, "splits": ("default", "nanotron", "flop-optimal")}),
+        # Issue 32: three layouts no other scenario trains, untied; three calibrations back to back, each predicting
+        # every layout (repeatability), then training (accuracy of each calibration).
+        Scenario("smollm-layouts", n_micro_batches=4, notes=f"{shape}, untied, m=4, hand layouts",
+                 **{**smol, "splits": tuple(name for name, _ in LAYOUTS), "calibrate_every": 0,
+                    "rounds": 3 if quick else 6},
+                 calibrations_first=3, layouts=LAYOUTS, tied=False),
         Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
                  "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
                  steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
@@ -282,7 +298,8 @@ def _shifted(plan: Any, blocks: Sequence[Any], shift: int) -> str:
     return _layout_of([0 if i < cut else 1 for i in range(len(roles))], roles)
 
 
-def plan_splits(names: Sequence[str], cfg: Any, machine_path: str) -> dict[str, tuple[Any, Any, Any]]:
+def plan_splits(names: Sequence[str], cfg: Any, machine_path: str,
+                layouts: dict[str, str] | None = None) -> dict[str, tuple[Any, Any, Any]]:
     """Each named split: (its config, its blocks, its plan). ``default``, the chain and the shifts are planned
     under the machine profile at ``machine_path``; Nanotron's rule, uniform and FLOP-optimal need no times."""
     from nanotron_ext.inventory import inventory_from_config
@@ -299,6 +316,8 @@ def plan_splits(names: Sequence[str], cfg: Any, machine_path: str) -> dict[str, 
             c, strategy = under, "constrained"
         elif name.startswith("chain K="):
             c, strategy = under.with_overrides(vocab_shards=int(name.removeprefix("chain K="))), "constrained"
+        elif name in (layouts or {}):
+            c, strategy = cfg.with_overrides(layout=(layouts or {})[name]), "layout"
         elif name.startswith("shift "):
             _, blocks, plan = out["default"]
             c, strategy = under.with_overrides(layout=_shifted(plan, blocks, int(name.split()[1]))), "layout"
@@ -467,7 +486,7 @@ def _exchange(p2p: Any, rank: int, mine: list[Any], n_theirs: int, *, interleave
 
 def n_calibrations(spec: dict[str, Any]) -> int:
     every = spec["calibrate_every"]
-    return 1 + (spec["rounds"] // every if every else 0)
+    return spec["calibrations_first"] + (spec["rounds"] // every if every else 0)
 
 
 def worker(spec_path: str, out_path: str) -> None:
@@ -490,14 +509,14 @@ def worker(spec_path: str, out_path: str) -> None:
         shards = sorted({int(n.removeprefix("chain K=")) for n in spec["splits"] if n.startswith("chain K=")} | {1})
         cfgs = {k: cfg.with_overrides(vocab_shards=k) for k in shards}
         t0 = time.perf_counter()
-        profiles = [take_profile(cfgs)]
-        calibrate_s = time.perf_counter() - t0
+        profiles = [take_profile(cfgs) for _ in range(spec["calibrations_first"])]
+        calibrate_s = (time.perf_counter() - t0) / spec["calibrations_first"]
         busy = busy_block_times(cfgs) if spec["decompose"] else {}
         planning_path = spec["profile_paths"]["planning"]
         if rank0:
             profiles[0].save(planning_path)
         dist.barrier()
-        plans = plan_splits(spec["splits"], cfg, planning_path)
+        plans = plan_splits(spec["splits"], cfg, planning_path, dict(spec["layouts"]))
         P2PCount.install()
         runs = build_models(plans, ctx, spec["eager_sends"])
         progress = Progress(spec["progress"], rank0, n_calibrations(spec) + spec["rounds"] * len(runs))
@@ -809,17 +828,20 @@ def order_checks(label: str, rows: Sequence[Row]) -> dict[str, Any]:
         print("  no pair with disjoint intervals is predicted in the opposite order")
     valid = [r for r in distinct if r.ok]
     fastest = min(valid, key=lambda r: r.median)
-    default = next(r for r in rows if r.name == "default")
-    default_ok = default.median <= fastest.high
+    default = next((r for r in rows if r.name == "default"), None)
+    bad_ratio = [r for r in distinct if not RATIO_RANGE[0] <= r.ratio <= RATIO_RANGE[1]]
+    checks = {"tau": tau, "misordered": [[a.name, b.name] for a, b in misordered], "default_ok": True,
+              "fastest": fastest.name, "bad_ratio": [[r.name, r.ratio] for r in bad_ratio]}
+    if default is None:  # hand layouts only (issue 32's scenario)
+        return checks
+    checks["default_ok"] = default_ok = default.median <= fastest.high
     where = "the fastest" if default is fastest or default.same_as == fastest.name else (
         f"within the fastest one's interval ({fastest.name}, {fastest.median * 1e3:.1f} ms, "
         f"{fastest.low * 1e3:.1f}–{fastest.high * 1e3:.1f})" if default_ok else
         f"NOT within the fastest one's interval ({fastest.name}, {fastest.median * 1e3:.1f} ms, "
         f"{fastest.low * 1e3:.1f}–{fastest.high * 1e3:.1f})")
     print(f"  default under the profile ({default.median * 1e3:.1f} ms) among the {len(valid)} valid splits: {where}")
-    bad_ratio = [r for r in distinct if not RATIO_RANGE[0] <= r.ratio <= RATIO_RANGE[1]]
-    return {"tau": tau, "misordered": [[a.name, b.name] for a, b in misordered], "default_ok": default_ok,
-            "fastest": fastest.name, "bad_ratio": [[r.name, r.ratio] for r in bad_ratio]}
+    return checks
 
 
 def print_chain(result: dict[str, Any], rows: Sequence[Row]) -> dict[str, Any]:
@@ -953,7 +975,8 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     spec = {"label": sc.label, "raw": sc.raw_config(), "pp": sc.pp, "splits": list(sc.splits),
             "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 1,
             "calibrate_every": sc.calibrate_every, "auto": sc.auto, "decompose": list(sc.decompose),
-            "eager_sends": list(sc.eager_sends), "profile_paths": paths}
+            "eager_sends": list(sc.eager_sends), "profile_paths": paths,
+            "calibrations_first": sc.calibrations_first, "layouts": [list(x) for x in sc.layouts]}
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = launch(spec, malloc_env=not args.system_malloc)
     oversubscribed = sc.pp > (os.cpu_count() or 1)
@@ -974,6 +997,8 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
         checks |= print_chain(result, rows)
     parts = print_parts(result, sc)
     checks["send_order"] = print_send_order(result, rows)
+    if sc.calibrations_first > 1:
+        checks["repeatability"] = repeatability.report(result, spec["raw"], rows, dict(sc.layouts), _layout_of)
     return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
             "checks": checks, "parts": parts, "checks_count": not oversubscribed}
 
@@ -986,13 +1011,14 @@ def print_verdict(records: dict[str, dict[str, Any]]) -> bool:
     for label, rec in records.items():
         c = rec["checks"]
         bad = ", ".join(f"{n} {x:.3f}" for n, x in c["bad_ratio"])
-        holds = not c["bad_ratio"] and not c["misordered"] and c["default_ok"]
+        holds = (not c["bad_ratio"] and not c["misordered"] and c["default_ok"]
+                 and c.get("repeatability", {}).get("holds", True))
         ok &= holds or not rec["checks_count"]
         note = "" if rec["checks_count"] else " (oversubscribed: not counted)"
         print(f"{'HOLDS' if holds else 'FAILS'}: {label}{note}: pred ÷ meas within [{lo}, {hi}]: "
               f"{'yes' if not bad else 'no — ' + bad}; significant misordered pairs: {len(c['misordered'])}; "
               f"default measured fastest or within the fastest's interval: {'yes' if c['default_ok'] else 'no'}; "
-              f"Kendall τ {c['tau']:.2f}")
+              f"Kendall τ {c['tau']:.2f}" + repeatability.verdict(c.get("repeatability")))
     print(f"CHECKS: {'ALL HOLD' if ok else 'SOME FAIL'}")
     print("=" * 100)
     return ok

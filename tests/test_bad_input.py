@@ -301,14 +301,14 @@ def test_unexpected_errors_are_one_line_and_exit_3(monkeypatch: pytest.MonkeyPat
 
 @pytest.fixture
 def fake_measure(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """measure_block without measuring: a fixed time, and the names of the blocks it was asked for."""
+    """measure_blocks without measuring: a fixed time, and the names of the blocks it was asked for."""
     calls: list[str] = []
 
-    def measure(block, cfg, **_):
-        calls.append(block.short)
-        return profiled.BlockTiming(1e-3, 2e-3, 1e-4)
+    def measure(blocks, cfg, **_):
+        calls.extend(block.short for block, _ in blocks)
+        return [profiled.BlockTiming(1e-3, 2e-3, 1e-4) for _ in blocks]
 
-    monkeypatch.setattr(profiled, "measure_block", measure)
+    monkeypatch.setattr(profiled, "measure_blocks", measure)
     return calls
 
 

@@ -24,9 +24,11 @@ from typing import Any
 from nanotron_ext.cli.common import EXIT_OK, check_outputs, legend, report_error
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
+from nanotron_ext.costs.profiled import DEFAULT_REPEATS
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine import MachineProfile, block_signature
 from nanotron_ext.machine.calibrate import calibrate, calibration_blocks, host_staged
+from nanotron_ext.machine.spread import uncertain_figures
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
 from nanotron_ext.report import compact_names, table
@@ -48,7 +50,9 @@ def add_subcommand(subparsers: Any) -> None:
     )
     p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
-    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per measurement (median; default 5)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+                   help=f"timed rounds per measurement, every block and link size once a round (median; default "
+                   f"{DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
@@ -133,16 +137,16 @@ def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
     staged = host_staged(profile.key.device, profile.key.backend)
     how = " (host-staged)" if staged else ""
     rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}{how}", _us(link.latency),
-                                 _gbps(link.bytes_per_second)] for link in profile.links]
+                                 _gbps(link.bytes_per_second), _pct(link.spread)] for link in profile.links]
     for name, c in (("dp gradient all-reduce", profile.dp_allreduce), ("tied embedding all-reduce",
                                                                           profile.tied_allreduce)):
         if c is not None:
-            rows.append([f"{name} (bus)", _us(c.latency), _gbps(c.bus_bytes_per_second)])
+            rows.append([f"{name} (bus)", _us(c.latency), _gbps(c.bus_bytes_per_second), "-"])
     o = profile.overhead
-    rows.append(["PipelineBlock call (engine overhead)", _us(o.block_call), "-"])
+    rows.append(["PipelineBlock call (engine overhead)", _us(o.block_call), "-", "-"])
     if profile.links:
-        rows.append(["Nanotron P2P send + recv (engine overhead)", _us(o.send + o.recv), "-"])
-    lines.append(table(["measured", "latency µs", "GB/s"], rows))
+        rows.append(["Nanotron P2P send + recv (engine overhead)", _us(o.send + o.recv), "-", "-"])
+    lines.append(table(["measured", "latency µs", "GB/s", "± %"], rows))
     if profile.key.pp is None:
         lines.append("p2p, its overhead and the gradient syncs not measured: run under torchrun with the config's "
                      "pp*dp*tp ranks")
@@ -150,6 +154,7 @@ def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
         lines.append("host-staged: gloo carries host memory only, so every transfer and sync above includes a "
                      "device->host and a host->device copy; NCCL between GPUs (NVLink, InfiniBand) is faster: "
                      "plan a multi-GPU run with a profile calibrated there")
+    lines += [f"WARNING: {u.message()}" for u in uncertain_figures(cfg, profile)]
     return "\n".join(lines)
 
 
@@ -173,13 +178,20 @@ def _block_table(cfg: PlannerConfig, profile: MachineProfile) -> str:
             continue
         total = cost.forward + cost.backward
         rate = f"{flops[sig] / total / 1e9:.3g}" if total > 0 and flops[sig] > 0 else "-"
+        spread = cost.spread or (None, None, None)
         rows.append([compact_names(names) + suffix.get(sig, ""), _ms(cost.forward), _ms(cost.backward),
-                     _ms(cost.update), rate])
-    return table(["block", "forward ms", "backward ms", "update ms", "GFLOP/s"], rows)
+                     _ms(cost.update), *map(_pct, spread), rate])
+    return table(["block", "forward ms", "backward ms", "update ms", "± fwd %", "± bwd %", "± update %", "GFLOP/s"],
+                 rows)
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
+
+
+def _pct(spread: float | None) -> str:
+    """A spread as ``0.84`` (percent), ``-`` where not measured."""
+    return "-" if spread is None else f"{spread * 100:.2f}"
 
 
 def _us(seconds: float) -> str:

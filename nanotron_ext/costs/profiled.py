@@ -5,10 +5,10 @@ the loss are slower per FLOP than large matmuls, the embedding's backward fills 
 The ``profiled`` strategy builds each block's module standalone (by default the CPU Llama modules of
 :mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
-hidden]`` layout), and times forward and backward separately: a few warm-up runs, then the median of
-``repeats``. The backward follows what trains: a frozen parameter gets no weight gradient, and a block's input
-only asks for a gradient when some block before it is trainable, so a frozen prefix costs forward only
-(the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
+hidden]`` layout), and times forward and backward separately: warm-up rounds, then the median of ``repeats``
+rounds, every block taking its turn in each round. The backward follows what trains: a frozen parameter gets no
+weight gradient, and a block's input only asks for a gradient when something before it trains, so a frozen prefix
+costs forward only (the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
 
 Each timed forward, backward and optimizer step starts with cold caches (:func:`flush_caches`, as Triton's
 ``do_bench`` clears the GPU's L2) and hot inputs: inside a pipeline the other blocks, micro-batches and ranks run
@@ -34,23 +34,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
+from nanotron_ext.costs.block_inputs import _make_inputs, _outputs_needing_backward, _sync, flush_caches
+from nanotron_ext.costs.timing_cache import (
+    DEFAULT_CACHE_DIR,
+    PROFILE_VERSION,
+    BlockTiming,
+    CacheWarning,
+    _device,
+    _hash,
+    _read_cache,
+    _trainable_flags,
+    _write_cache,
+    cache_dir_for,
+    profile_key,
+)
 from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.stats import relative_spread
 
 if TYPE_CHECKING:
     import torch
@@ -62,159 +73,21 @@ __all__ = [
     "ModuleFactory",
     "block_timings",
     "cache_dir_for",
+    "PROFILE_VERSION",
     "measure_block",
+    "measure_blocks",
     "profile_blocks",
     "profile_key",
 ]
 
-#: Bump when the way blocks are measured changes, so that older cache entries are not reused.
-PROFILE_VERSION = 3  # 2: the optimizer step is timed too; 3: with cold caches
-DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 DEFAULT_WARMUP = 2
-DEFAULT_REPEATS = 5
+#: Timed rounds: 11 samples give the median an order-statistic interval of 98.8 % ([x_(2), x_(10)]).
+DEFAULT_REPEATS = 11
 #: ``factory(block, cfg, tp_pg)`` builds the module (or callable) that one block runs, for timing.
 ModuleFactory = Callable[[BlockInfo, PlannerConfig, Any], Callable[..., Any]]
 
 #: The clock every measurement reads (a module attribute so that tests can substitute a fake one).
 clock: Callable[[], float] = time.perf_counter
-
-
-@dataclass(frozen=True)
-class BlockTiming:
-    """Measured time of one block for one micro-batch, in seconds.
-
-    Attributes:
-        forward: median forward time.
-        backward: median backward time (0 when no gradient flows through the block).
-        optimizer: median time of an AdamW step over the block's trainable parameters (0 when none train);
-            once per training step, not per micro-batch.
-    """
-
-    forward: float
-    backward: float
-    optimizer: float = 0.0
-
-    @property
-    def total(self) -> float:
-        """Forward + backward: the per-micro-batch pipeline work the planner balances."""
-        return self.forward + self.backward
-
-
-# --- keys and cache ------------------------------------------------------------------------------------
-
-
-def _trainable_flags(block: BlockInfo) -> list[tuple[str, bool]]:
-    """``(local parameter name, trainable)`` pairs, names relative to the block's module."""
-    if not block.parameters:
-        return [("*", block.trainable > 0)] if block.params else []
-    marker = ".pp_block."
-    return sorted(
-        (p.name.split(marker, 1)[1] if marker in p.name else p.name, bool(p.trainable)) for p in block.parameters
-    )
-
-
-def _device() -> torch.device:
-    import torch
-
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def profile_key(block: BlockInfo, cfg: PlannerConfig, *, input_grad: bool) -> dict[str, Any]:
-    """Everything a block's measured time depends on, as a JSON-able dict (its hash is the cache key).
-
-    The layer count is left out (one decoder layer does not depend on how many there are), so is the block's
-    name: identical decoder layers share one key.
-
-    Args:
-        block: the block.
-        cfg: the config (model shape, batch shape, dtype).
-        input_grad: whether the block's input needs a gradient (something before it trains).
-
-    Returns:
-        The key's fields.
-    """
-    import torch
-
-    shape = dataclasses.asdict(cfg.model)
-    shape.pop("num_hidden_layers")
-    return {
-        "version": PROFILE_VERSION,
-        "role": block.role,
-        "params": block.params,
-        "model": shape,
-        "micro_batch_size": cfg.run.micro_batch_size,
-        "sequence_length": cfg.run.sequence_length,
-        "dtype": cfg.run.dtype,
-        "torch": torch.__version__,
-        "device": _device().type,
-        "threads": torch.get_num_threads(),
-        "trainable": _trainable_flags(block),
-        "input_grad": bool(input_grad),
-    }
-
-
-def _hash(key: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:32]
-
-
-def cache_dir_for(cfg: PlannerConfig) -> Path:
-    """The timing cache directory: ``nanotron_ext.profile_cache`` or ``~/.cache/nanotron_ext``."""
-    return Path(cfg.ext.profile_cache or DEFAULT_CACHE_DIR).expanduser()
-
-
-#: A cached time above this (seconds per block and micro-batch) is corrupt, not slow.
-MAX_CACHED_SECONDS = 1e4
-
-
-def _read_cache(path: Path) -> BlockTiming | None:
-    """A cache entry, or None when there is none or it is unusable (then it is measured again).
-
-    An entry that exists but cannot be used (not a file, not JSON, a missing field, a time that is not a
-    finite number in ``[0, MAX_CACHED_SECONDS]``, or a zero forward time) gets a warning naming the file.
-    """
-    if not path.exists() and not path.is_symlink():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        values = {k: data[k] for k in ("forward", "backward", "optimizer")}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return _bad_entry(path, f"{type(exc).__name__}: {exc}")
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0 <= value <= MAX_CACHED_SECONDS
-        ):
-            return _bad_entry(path, f"{name}={value!r} is not a time in seconds (finite, 0 to {MAX_CACHED_SECONDS:g})")
-    if values["forward"] <= 0:
-        return _bad_entry(path, f"forward={values['forward']!r}: a block's forward always takes some time")
-    return BlockTiming(float(values["forward"]), float(values["backward"]), float(values["optimizer"]))
-
-
-def _bad_entry(path: Path, why: str) -> None:
-    warnings.warn(f"profiled timing cache entry {path} is unusable ({why}); measuring that block again and "
-                  f"replacing it",
-                  CacheWarning, stacklevel=3)
-    return None
-
-
-class CacheWarning(UserWarning):
-    """A ``profiled`` cache entry was unusable and is measured again."""
-
-
-def _write_cache(path: Path, key: dict[str, Any], timing: BlockTiming) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent reader never sees half a file; the temporary file never outlives a
-    # failure (e.g. the entry's path is a folder, so the rename fails).
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(dataclasses.asdict(timing) | {"key": key}, f, indent=1)
-        if path.is_dir() and not path.is_symlink():
-            raise IsADirectoryError(f"{path} is a directory")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --- building and measuring one block ------------------------------------------------------------------
@@ -232,86 +105,6 @@ def _module_factory(factory: ModuleFactory | None) -> ModuleFactory:
     return build_block_module
 
 
-def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_grad: bool, gen: Any) -> dict:
-    import torch
-
-    b, s = cfg.run.micro_batch_size, cfg.run.sequence_length
-    h, v = cfg.model.hidden_size, cfg.model.vocab_size
-    mask = torch.ones(b, s, dtype=torch.bool, device=device)
-
-    def act(*shape: int, float_dtype: Any = dtype) -> torch.Tensor:
-        x = torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=float_dtype)
-        return x.requires_grad_(input_grad)
-
-    if role == "embedding":
-        return {"input_ids": torch.randint(0, v, (b, s), generator=gen).to(device), "input_mask": mask}
-    if role == "projector":
-        return {"input_embeds": act(s, b, h)}
-    if role == "decoder":
-        return {"hidden_states": act(s, b, h), "sequence_mask": mask}
-    if role == "final_norm":
-        return {"input": act(s, b, h)}
-    if role == "lm_head":
-        return {"x": act(s, b, h)}
-    if role == "cast":
-        return {"x": act(s, b, v)}
-    if role == "vocab_shard":
-        # A middle shard (nanotron_ext.models.vocab_chain): statistics in, statistics out; labels anywhere.
-        stats = {"running_max": act(s, b, float_dtype=torch.float32).detach(),
-                 "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
-                 "target_logit": act(s, b, float_dtype=torch.float32)}
-        labels = torch.randint(0, v, (b, s), generator=gen).to(device)
-        return {"hidden_states": act(s, b, h), "label_ids": labels, **stats}
-    # loss: Nanotron's cast_to_fp32 hands it fp32 logits.
-    labels = torch.randint(0, v, (b, s), generator=gen).to(device)
-    return {"sharded_logits": act(s, b, v, float_dtype=torch.float32), "label_ids": labels, "label_mask": mask}
-
-
-def _outputs_needing_backward(out: Any) -> list[torch.Tensor]:
-    import torch
-
-    values = list(out.values()) if isinstance(out, dict) else [out]
-    # Only tensors with a graph behind them: the cast of an fp32 tensor returns its input, a leaf.
-    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-#: Bytes written to evict the caches: at least this, and twice the last-level cache where the OS tells it.
-FLUSH_BYTES_MIN = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # cuda: Triton's do_bench (H100's L2 is 50 MB)
-_flush_buffers: dict[str, torch.Tensor] = {}
-
-
-def flush_caches(device: Any) -> None:
-    """Write a buffer larger than the last-level cache of ``device`` (untimed), so the next timed call starts
-    cold, as a block does inside a pipeline."""
-    import torch
-
-    key = str(device)
-    if key not in _flush_buffers:
-        n_bytes = max(FLUSH_BYTES_MIN.get(device.type, FLUSH_BYTES_MIN["cpu"]),
-                      2 * _last_level_cache_bytes() if device.type == "cpu" else 0)
-        _flush_buffers[key] = torch.zeros(n_bytes // 4, dtype=torch.float32, device=device)
-    _flush_buffers[key].add_(1.0)
-    _sync(device)
-
-
-def _last_level_cache_bytes() -> int:
-    """The largest CPU cache Linux reports for CPU 0 (0 where it reports none)."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        with contextlib.suppress(OSError, ValueError):
-            text = entry.read_text().strip().upper()
-            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=0)
-
-
 def measure_block(
     block: BlockInfo,
     cfg: PlannerConfig,
@@ -323,38 +116,157 @@ def measure_block(
     device: torch.device | None = None,
     module_factory: ModuleFactory | None = None,
 ) -> BlockTiming:
-    """Build one block's module standalone; time its forward and backward for one micro-batch, then its
-    optimizer step (AdamW, as Nanotron's default optimizer, over the parameters that train).
+    """One block timed alone: :func:`measure_blocks` of that block."""
+    return measure_blocks([(block, input_grad)], cfg, tp_pg=tp_pg, warmup=warmup, repeats=repeats, device=device,
+                          module_factory=module_factory)[0]
+
+
+def measure_blocks(
+    blocks: Sequence[tuple[BlockInfo, bool]],
+    cfg: PlannerConfig,
+    *,
+    tp_pg: Any,
+    warmup: int = DEFAULT_WARMUP,
+    repeats: int = DEFAULT_REPEATS,
+    device: torch.device | None = None,
+    module_factory: ModuleFactory | None = None,
+) -> list[BlockTiming]:
+    """Build each block's module standalone and time, round after round, every block once: its forward and
+    backward for one micro-batch, then its optimizer step (AdamW, as Nanotron's default optimizer, over the
+    parameters that train).
+
+    The blocks take turns in each round, the first one rotating, so that a slow stretch of the machine hits every
+    block alike instead of the one measured then (issue 32: timed one block after another, two calibrations of one
+    machine predicted steps 25 % apart). Blocks whose weights and optimizer states would not fit in half the free
+    memory together are timed in groups that do.
 
     Args:
-        block: the block (its role and which parameters train).
+        blocks: ``(block, whether its input needs a gradient)`` pairs.
         cfg: model and batch shape, dtype.
-        input_grad: whether the block's input needs a gradient.
         tp_pg: a one-process group for Nanotron's tensor-parallel layers.
-        warmup: untimed runs first (allocator, kernel selection, caches).
-        repeats: timed runs; the median is kept.
+        warmup: untimed rounds first (allocator, kernel selection, caches).
+        repeats: timed rounds; each figure keeps their median, and its spread (:class:`BlockTiming`).
         device: where to run; CUDA when available, else CPU.
-        module_factory: builds the block's module; default the CPU Llama's block (:func:`nanotron_ext.models.profiled_blocks.build_block_module`).
+        module_factory: builds the block's module; default the CPU Llama's block
+            (:func:`nanotron_ext.models.profiled_blocks.build_block_module`).
 
     Returns:
-        Median forward, backward and optimizer-step seconds.
+        One :class:`BlockTiming` per pair, in order.
 
     Raises:
         PlanningError: a block role that cannot be built standalone.
         ConfigError: ``warmup < 0`` or ``repeats < 1``.
     """
-
     if warmup < 0 or repeats < 1:
         raise ConfigError(f"profiling needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     device = device or _device()
-    module = _standalone_module(block, cfg, tp_pg, device, module_factory)
-    forward, backward = _time_forward_backward(module, block, cfg, device, input_grad, warmup, repeats)
-    # Weight gradients accumulate across repeats, as they do across micro-batches within a step.
-    return BlockTiming(
-        max(0.0, statistics.median(forward)),
-        max(0.0, statistics.median(backward)),
-        _time_optimizer_step(module, device, warmup, repeats),
-    )
+    out: list[BlockTiming] = []
+    for group in _groups([b for b, _ in blocks], device):
+        runs = [_Run(blocks[i][0], blocks[i][1], _standalone_module(blocks[i][0], cfg, tp_pg, device, module_factory))
+                for i in group]
+        for r in range(warmup + repeats):
+            for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+                run.once(cfg, device, timed=r >= warmup)
+        out += [run.timing() for run in runs]
+        del runs
+    return out
+
+
+#: Bytes a block's parameter holds while it is timed: the weight, its gradient and AdamW's two moments.
+HELD_BYTES_PER_PARAM = 4 * 4
+
+
+def _groups(blocks: Sequence[BlockInfo], device: Any) -> list[list[int]]:
+    """Indices of ``blocks`` in consecutive groups whose parameters' :data:`HELD_BYTES_PER_PARAM` fit in half of
+    the device's free memory (one group when they all do; a block larger than that alone)."""
+    budget = _free_bytes(device) / 2
+    groups: list[list[int]] = [[]]
+    held = 0.0
+    for i, b in enumerate(blocks):
+        need = b.params * HELD_BYTES_PER_PARAM
+        if groups[-1] and held + need > budget:
+            groups.append([])
+            held = 0.0
+        groups[-1].append(i)
+        held += need
+    return groups
+
+
+def _free_bytes(device: Any) -> float:
+    """Free memory on ``device``: CUDA's free bytes, or Linux's MemAvailable (unbounded where unknown)."""
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    return math.inf
+
+
+class _Run:
+    """One block's module, optimizer and timings while :func:`measure_blocks` takes its rounds."""
+
+    def __init__(self, block: BlockInfo, input_grad: bool, module: Any) -> None:
+        import torch
+
+        self.block, self.input_grad, self.module = block, input_grad, module
+        self.gen = torch.Generator().manual_seed(0)
+        self.optimizer: Any = None
+        self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+
+    def once(self, cfg: PlannerConfig, device: Any, *, timed: bool) -> None:
+        """Forward, backward and optimizer step once, each starting with cold caches; recorded when ``timed``."""
+        import torch
+
+        # Cold weights and saved activations, hot inputs: in a pipeline a block's input was just made by the block
+        # before it (or received), everything else was evicted since the block last ran.
+        flush_caches(device)
+        inputs = _make_inputs(self.block.role, cfg, getattr(torch, cfg.run.dtype), device, self.input_grad, self.gen)
+        _sync(device)
+        t0 = clock()
+        out = self.module(**inputs)
+        _sync(device)
+        forward = clock() - t0
+        tensors = _outputs_needing_backward(out)
+        backward = 0.0
+        if tensors:
+            flush_caches(device)
+            grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in tensors]
+            _sync(device)
+            t0 = clock()
+            torch.autograd.backward(tensors, grads)
+            _sync(device)
+            backward = clock() - t0
+        del out, tensors, inputs
+        # Weight gradients accumulate across rounds, as they do across micro-batches within a step.
+        step = self._step(device)
+        if timed:
+            for times, seconds in zip(self.times, (forward, backward, step)):
+                times.append(seconds)
+
+    def _step(self, device: Any) -> float:
+        """Seconds of one ``AdamW.step()`` over the parameters that have a gradient (0 if none)."""
+        import torch
+
+        if self.optimizer is None:
+            params = [p for p in getattr(self.module, "parameters", list)() if p.requires_grad and p.grad is not None]
+            if not params:
+                return 0.0
+            # torch's AdamW, as Nanotron's default optimizer; unfused, as the CPU runtime builds it (Nanotron takes
+            # `fused` from optimizer.torch_adam_is_fused). A tiny lr keeps the values sane.
+            self.optimizer = torch.optim.AdamW(params, lr=1e-8, fused=False)
+        flush_caches(device)
+        t0 = clock()
+        self.optimizer.step()
+        _sync(device)
+        return clock() - t0
+
+    def timing(self) -> BlockTiming:
+        medians = [max(0.0, statistics.median(t)) for t in self.times]
+        spread = tuple(relative_spread(t) if m > 0 else 0.0 for t, m in zip(self.times, medians))
+        return BlockTiming(*medians, spread)  # type: ignore[arg-type]
 
 
 def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any,
@@ -369,63 +281,6 @@ def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device:
         for name, param in module.named_parameters():
             param.requires_grad_(trainable.get(name, trainable.get("*", block.trainable > 0)))
     return module
-
-
-def _time_forward_backward(module: Any, block: BlockInfo, cfg: PlannerConfig, device: Any, input_grad: bool,
-                           warmup: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of each timed forward and backward (fresh random inputs each run, the warm-up runs left out)."""
-    import torch
-
-    dtype = getattr(torch, cfg.run.dtype)
-    gen = torch.Generator().manual_seed(0)
-    forward, backward = [], []
-    for i in range(warmup + repeats):
-        # Cold weights and saved activations, hot inputs: in a pipeline a block's input was just made by the block
-        # before it (or received), everything else was evicted since the block last ran.
-        flush_caches(device)
-        inputs = _make_inputs(block.role, cfg, dtype, device, input_grad, gen)
-        _sync(device)
-        t0 = clock()
-        out = module(**inputs)
-        _sync(device)
-        t1 = clock()
-        tensors = _outputs_needing_backward(out)
-        t2 = t3 = 0.0
-        if tensors:
-            flush_caches(device)
-            grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in tensors]
-            _sync(device)
-            t2 = clock()
-            torch.autograd.backward(tensors, grads)
-            _sync(device)
-            t3 = clock()
-        if i >= warmup:
-            forward.append(t1 - t0)
-            backward.append(t3 - t2)
-        del out, tensors, inputs
-    return forward, backward
-
-
-def _time_optimizer_step(module: Any, device: Any, warmup: int, repeats: int) -> float:
-    """Median seconds of ``AdamW.step()`` over the module's parameters that have a gradient (0 if none)."""
-    import torch
-
-    params = [p for p in getattr(module, "parameters", list)() if p.requires_grad and p.grad is not None]
-    if not params:
-        return 0.0
-    # torch's AdamW, as Nanotron's default optimizer; unfused, as the CPU runtime builds it (Nanotron takes
-    # `fused` from optimizer.torch_adam_is_fused). A tiny lr keeps the values sane.
-    optimizer = torch.optim.AdamW(params, lr=1e-8, fused=False)
-    times = []
-    for i in range(warmup + repeats):
-        flush_caches(device)
-        t0 = clock()
-        optimizer.step()
-        _sync(device)
-        t1 = clock()
-        if i >= warmup:
-            times.append(t1 - t0)
-    return max(0.0, statistics.median(times))
 
 
 # --- many blocks, cache, distributed -------------------------------------------------------------------
@@ -490,11 +345,9 @@ def profile_blocks(
         # A group is only needed (and only made) when something must be measured.
         group_cm = contextlib.nullcontext(tp_pg) if tp_pg is not None else _local_group()
         with group_cm as group:
-            for digest, (block, key) in missing.items():
-                timing = measure_block(
-                    block, cfg, input_grad=key["input_grad"], tp_pg=group, warmup=warmup, repeats=repeats,
-                    module_factory=module_factory,
-                )
+            timings = measure_blocks([(block, key["input_grad"]) for block, key in missing.values()], cfg,
+                                     tp_pg=group, warmup=warmup, repeats=repeats, module_factory=module_factory)
+            for (digest, (_, key)), timing in zip(missing.items(), timings):
                 found[digest] = timing
                 try:
                     _write_cache(directory / f"{digest}.json", key, timing)
@@ -535,7 +388,7 @@ def block_timings(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: Any
     if dist.get_rank() == 0:
         try:
             timings = profile_blocks(blocks, cfg, tp_pg=group, **kwargs)
-            payload[0] = {"ok": [(t.forward, t.backward, t.optimizer) for t in timings]}
+            payload[0] = {"ok": [dataclasses.astuple(t) for t in timings]}
         except Exception as exc:  # every rank must leave the broadcast, and raise the same error
             payload[0] = {"error": f"{type(exc).__name__}: {exc}"}
     dist.broadcast_object_list(payload, src=0)

@@ -71,7 +71,7 @@ def measured_blocks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: o
     out: dict[str, BlockCost] = {}
     for b, grad, t in zip(blocks, trainable_before(blocks), timings):
         sig = block_signature(b, input_grad=grad)
-        out.setdefault(sig, BlockCost(sig, t.forward, t.backward, t.optimizer))
+        out.setdefault(sig, BlockCost(sig, t.forward, t.backward, t.optimizer, spread=t.spread))
     return list(out.values())
 
 

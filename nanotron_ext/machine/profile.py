@@ -116,7 +116,9 @@ class BlockCost:
     """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step.
 
     ``backward_weight``: the weight-gradient part of ``backward`` (zb1p's deferred ``W``), when measured;
-    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`).
+    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`). ``spread``: how far
+    each of forward, backward and update could move, as a fraction (half the 95 % interval of the median over
+    the calibration's rounds, :func:`nanotron_ext.stats.relative_spread`); None where not measured.
     """
 
     signature: str
@@ -124,16 +126,19 @@ class BlockCost:
     backward: float
     update: float = 0.0
     backward_weight: float | None = None
+    spread: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
 class Link:
-    """p2p from pipeline stage ``src`` to ``dst`` (``-1``: any): ``latency + bytes / bytes_per_second``."""
+    """p2p from pipeline stage ``src`` to ``dst`` (``-1``: any): ``latency + bytes / bytes_per_second``.
+    ``spread``: how far the largest transfer calibrated could move, as a fraction (None: not measured)."""
 
     src: int
     dst: int
     latency: float
     bytes_per_second: float
+    spread: float | None = None
 
     def time(self, n_bytes: float) -> float:
         return self.latency + n_bytes / self.bytes_per_second
@@ -338,7 +343,8 @@ class MachineProfile:
                 name=str(data["name"]), source=str(data["source"]), key=MachineKey(**key),
                 flops_per_second=float(data["flops_per_second"]),
                 rates=tuple(sorted((str(k), float(v)) for k, v in data["rates"].items())),
-                blocks=tuple(BlockCost(**b) for b in data["blocks"]),
+                blocks=tuple(BlockCost(**{**b, "spread": None if b.get("spread") is None else tuple(b["spread"])})
+                             for b in data["blocks"]),
                 links=tuple(Link(**link) for link in data["links"]),
                 overhead=EngineOverhead(**data["overhead"]),
                 dp_allreduce=None if data["dp_allreduce"] is None else Collective(**data["dp_allreduce"]),

@@ -68,11 +68,13 @@ def calibrate_host_staged(config: str, out: str) -> dict[str, Any]:
     from nanotron_ext.cli import calibrate as cli_calibrate
     from nanotron_ext.cli import main
     from nanotron_ext.machine import calibrate as machine_calibrate
+    from nanotron_ext.machine import calibrate_comm
 
     def staged(device: Any, backend: Any) -> bool:
         return backend == "gloo"
 
     machine_calibrate.host_staged = staged
+    calibrate_comm.host_staged = staged
     cli_calibrate.host_staged = staged
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanotron_ext.config import bundled_config, load_config
-from nanotron_ext.costs import profiled
+from nanotron_ext.costs import block_inputs, profiled
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
@@ -30,15 +30,15 @@ def _tiny(cache: Path, **ext):
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the blocks ``measure_block`` is called for."""
+    """Names of the blocks ``measure_blocks`` is asked to measure."""
     calls: list[str] = []
-    real = profiled.measure_block
+    real = profiled.measure_blocks
 
-    def measure(block, cfg, **kwargs):
-        calls.append(block.short)
-        return real(block, cfg, **kwargs)
+    def measure(blocks, cfg, **kwargs):
+        calls.extend(block.short for block, _ in blocks)
+        return real(blocks, cfg, **kwargs)
 
-    monkeypatch.setattr(profiled, "measure_block", measure)
+    monkeypatch.setattr(profiled, "measure_blocks", measure)
     return calls
 
 
@@ -121,23 +121,21 @@ def test_frozen_prefix_costs_forward_only(tmp_path: Path, counting_clock: None) 
 
 def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, blocks = _tiny(tmp_path)
-    # Per iteration the clock is read before/after forward and before/after backward; then, per optimizer
-    # step, before/after it.
-    forward, backward = [100.0, 3.0, 1.0, 2.0], [100.0, 6.0, 4.0, 5.0]  # first iteration is the warm-up
+    # Per round the clock is read before/after forward, before/after backward, before/after the optimizer step.
+    forward, backward = [100.0, 3.0, 1.0, 2.0], [100.0, 6.0, 4.0, 5.0]  # first round is the warm-up
     optimizer = [100.0, 9.0, 7.0, 8.0]
     ticks = []
     now = 0.0
-    for f, b in zip(forward, backward):
-        ticks += [now, now + f, now + f + 1, now + f + 1 + b]
-        now += f + b + 10
-    for o in optimizer:
-        ticks += [now, now + o]
-        now += o + 10
+    for f, b, o in zip(forward, backward, optimizer):
+        ticks += [now, now + f, now + f + 1, now + f + 1 + b, now + f + b + 2, now + f + b + 2 + o]
+        now += f + b + o + 10
     readings = iter(ticks)
     monkeypatch.setattr(profiled, "clock", lambda: next(readings))
     # The final norm needs no process group; its input and weight both want gradients, so backward runs.
     timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=3)
     assert (timing.forward, timing.backward, timing.optimizer) == (2.0, 5.0, 8.0)
+    # 3 values: the interval of the median is their range; half of it ÷ the median.
+    assert timing.spread == pytest.approx((1.0 / 2.0, 1.0 / 5.0, 1.0 / 8.0))
     assert next(readings, None) is None  # every reading used: one optimizer step per warm-up and repeat
 
 
@@ -150,19 +148,19 @@ def test_every_timed_section_starts_with_cold_caches(tmp_path: Path, monkeypatch
     make_inputs = profiled._make_inputs
     monkeypatch.setattr(profiled, "_make_inputs", lambda *a: events.append("inputs") or make_inputs(*a))
     profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=2)
-    # Per run: flush, then the inputs (hot, as a neighbour just made them), forward timed; flush, backward timed.
-    # Then per optimizer step: flush, step timed.
+    # Per round: flush, then the inputs (hot, as a neighbour just made them), forward timed; flush, backward timed;
+    # flush, optimizer step timed.
     timed = ["flush", "clock", "clock"]
-    assert events == (["flush", "inputs", "clock", "clock"] + timed) * 3 + timed * 3
+    assert events == (["flush", "inputs", "clock", "clock"] + timed + timed) * 3
 
 
 @pytest.mark.parametrize(("cache_mib", "flushed_mib"), [(96, 192), (8, 64)])
 def test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib(
         monkeypatch: pytest.MonkeyPatch, cache_mib: int, flushed_mib: int) -> None:
-    monkeypatch.setattr(profiled, "_last_level_cache_bytes", lambda: cache_mib * 2**20)
-    monkeypatch.setattr(profiled, "_flush_buffers", {})
-    profiled.flush_caches(torch.device("cpu"))
-    buffer = profiled._flush_buffers["cpu"]
+    monkeypatch.setattr(block_inputs, "_last_level_cache_bytes", lambda: cache_mib * 2**20)
+    monkeypatch.setattr(block_inputs, "_flush_buffers", {})
+    block_inputs.flush_caches(torch.device("cpu"))
+    buffer = block_inputs._flush_buffers["cpu"]
     assert buffer.numel() * buffer.element_size() == flushed_mib * 2**20
 
 
@@ -171,14 +169,15 @@ def test_the_last_level_cache_is_read_from_linux() -> None:
         pytest.skip("this OS reports no CPU cache sizes in /sys/devices/system/cpu/cpu0/cache")
     sizes = [p.read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
     largest = max(int(x.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(x[-1], 1) for x in sizes)
-    assert profiled._last_level_cache_bytes() == largest > 0
+    assert block_inputs._last_level_cache_bytes() == largest > 0
 
 
 def test_plan_splits_the_measured_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The strategy plans from what the profiler measures: scripted block times, split worked out by hand."""
     scripted = timing_workers.ScriptedTime(timing_workers.SCRIPT_A)
     monkeypatch.setattr(profiled, "clock", scripted.clock)
-    monkeypatch.setattr(profiled, "measure_block", timing_workers.with_factory(profiled.measure_block, scripted.factory))
+    monkeypatch.setattr(profiled, "measure_blocks",
+                        timing_workers.with_factory(profiled.measure_blocks, scripted.factory))
     cfg, blocks = _tiny(tmp_path)
     plan = make_plan(blocks, cfg, "profiled")
     assert plan.ok, plan.table()

@@ -81,7 +81,7 @@ SCRIPT_B = {**SCRIPT_A, "lm_head": (40.0, 60.0)}
 class ScriptedTime:
     """A clock for the profiler (``measured.clock``) and block modules that advance it by scripted seconds.
 
-    ``factory`` is a ``module_factory`` for :func:`nanotron_ext.costs.profiled.measure_block`: each block's module
+    ``factory`` is a ``module_factory`` for :func:`nanotron_ext.costs.profiled.measure_blocks`: each block's module
     moves ``now`` forward by its role's forward seconds when called, and by its backward seconds when autograd
     runs its backward; a block with weights has one (trainable) parameter, so the optimizer step runs too (and
     takes no scripted time). The profiler's own code (warm-up, medians, cache, broadcast) runs unchanged.
@@ -130,11 +130,11 @@ class ScriptedTime:
         return Scripted()
 
 
-def with_factory(measure_block: Any, factory: Any) -> Any:
-    """``measure_block`` building every module with ``factory`` (``profile_blocks`` passes its own, None)."""
+def with_factory(measure_blocks: Any, factory: Any) -> Any:
+    """``measure_blocks`` building every module with ``factory`` (``profile_blocks`` passes its own, None)."""
 
-    def measure(block: Any, cfg: Any, **kwargs: Any) -> Any:
-        return measure_block(block, cfg, **{**kwargs, "module_factory": factory})
+    def measure(blocks: Any, cfg: Any, **kwargs: Any) -> Any:
+        return measure_blocks(blocks, cfg, **{**kwargs, "module_factory": factory})
 
     return measure
 
@@ -160,14 +160,14 @@ def profiled_plan(cache_root: str) -> dict[str, Any]:
     with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         scripted = ScriptedTime(SCRIPT_A if rank == 0 else SCRIPT_B)
         calls = {"n": 0}
-        real_measure = with_factory(profiled.measure_block, scripted.factory)
+        real_measure = with_factory(profiled.measure_blocks, scripted.factory)
 
-        def measure(block, cfg, **kwargs):
-            calls["n"] += 1
-            return real_measure(block, cfg, **kwargs)
+        def measure(blocks, cfg, **kwargs):
+            calls["n"] += len(blocks)
+            return real_measure(blocks, cfg, **kwargs)
 
         # This process only; it exits afterwards.
-        profiled.measure_block = measure
+        profiled.measure_blocks = measure
         profiled.clock = scripted.clock
         cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
         blocks = inventory_from_config(cfg)
@@ -213,7 +213,7 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
         return scripted.factory(block, cfg, tp_pg)
 
     with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1):
-        profiled.measure_block = with_factory(profiled.measure_block, failing_factory)
+        profiled.measure_blocks = with_factory(profiled.measure_blocks, failing_factory)
         profiled.clock = scripted.clock
         cfg = load_config(bundled_config()).with_overrides(profile_cache=os.path.join(cache_root, f"rank{rank}"))
         try:
