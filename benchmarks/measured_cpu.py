@@ -75,6 +75,7 @@ from typing import Any
 
 import yaml
 
+from nanotron_ext import allocator
 from nanotron_ext.machine import MachineProfile
 from nanotron_ext.procs import local_env, run_local_ranks
 
@@ -93,12 +94,10 @@ OBJECTIVE_PAIR: tuple[str, str] = ("constrained", "constrained@slowest_stage")
 #: "at least as fast" allows this much measurement noise (medians of a few steps on a shared 2-core machine).
 NOISE = 0.03
 WORLD_TIMEOUT_S = 420.0
-#: glibc malloc settings for the ranks: keep freed memory instead of returning it to the OS, so that a large
-#: tensor allocated again is not page-faulted in again (a page fault costs ~1.5 µs here, a VM). How often glibc
-#: returns memory depends on the allocation pattern — a block measured alone in a loop versus the same block
-#: inside a pipeline holding several micro-batches — not on the split, so it skews profiled ÷ measured.
-MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_MMAP_THRESHOLD_": str(1 << 34),
-              "MALLOC_TOP_PAD_": str(1 << 28)}
+#: glibc malloc settings for the ranks: keep freed memory, the policy calibration and the CPU runtime apply to
+#: themselves (nanotron_ext.allocator); ``--system-malloc`` sets NANOTRON_EXT_SYSTEM_MALLOC=1 instead.
+MALLOC_ENV = allocator.MALLOC_ENV
+SYSTEM_MALLOC_ENV = {allocator.SYSTEM_MALLOC_VARIABLE: "1"}
 
 
 @dataclass(frozen=True)
@@ -405,8 +404,7 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = local_env(ROOT)
-        if malloc_env:
-            env = {**MALLOC_ENV, **env}
+        env = {**MALLOC_ENV, **env} if malloc_env else {**env, **SYSTEM_MALLOC_ENV}
         # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
         run = run_local_ranks([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path),
                                str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)

@@ -76,7 +76,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _repeatability as repeatability  # noqa: E402
-from measured_cpu import MALLOC_ENV  # noqa: E402
+from measured_cpu import MALLOC_ENV, SYSTEM_MALLOC_ENV  # noqa: E402
 
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 
@@ -95,7 +95,9 @@ SEED_SPLITS = ("default", "nanotron", "uniform", "flop-optimal", "chain K=2", "c
 #: deliberately shifted split (``layout`` strategy).
 SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
 #: Issue 32's hand layouts of the 8-layer SmolLM shape at pp=2 (no other scenario trains them).
-LAYOUTS = (("front-heavy", "E,t*6|t*2,N,H,C,X"), ("even", "E,t*4|t*4,N,H,C,X"), ("back-heavy", "E,t*2|t*6,N,H,C,X"))
+LAYOUTS = (("front-heavy", "E,t*6|t*2,N,H,C,X"), ("even", "E,t*4|t*4,N,H,C,X"), ("back-heavy", "E,t*2|t*6,N,H,C,X"),
+           # The 25 MB of fp32 logits across the cut (PP1 holds only the cast and the loss: its optimizer skipped).
+           ("logits across the cut", "E,t*8,N,H|C,X"))
 
 
 @dataclass(frozen=True)
@@ -676,8 +678,7 @@ def launch(spec: dict[str, Any], *, malloc_env: bool) -> dict[str, Any]:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = local_env(ROOT)
-        if malloc_env:
-            env = {**MALLOC_ENV, **env}
+        env = {**MALLOC_ENV, **env} if malloc_env else {**env, **SYSTEM_MALLOC_ENV}
         stop = threading.Event()
         bar = tqdm(desc=spec["label"], unit="turn", file=sys.stderr, dynamic_ncols=True)
         follower = threading.Thread(target=_follow, args=(Path(spec["progress"]), bar, stop), daemon=True)

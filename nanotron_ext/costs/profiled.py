@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanotron_ext.allocator import keep_freed_memory
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
@@ -160,6 +161,8 @@ def measure_blocks(
     if warmup < 0 or repeats < 1:
         raise ConfigError(f"profiling needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     device = device or _device()
+    if device.type == "cpu":  # timed in the state the CPU runtime trains in (nanotron_ext.allocator)
+        keep_freed_memory()
     out: list[BlockTiming] = []
     for group in _groups([b for b, _ in blocks], device):
         runs = [_Run(blocks[i][0], blocks[i][1], _standalone_module(blocks[i][0], cfg, tp_pg, device, module_factory))

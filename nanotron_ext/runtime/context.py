@@ -23,6 +23,7 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.context import ParallelContext
 
+from nanotron_ext.allocator import keep_freed_memory
 from nanotron_ext.errors import ConfigError, NanotronExtError, RunFailure
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 from nanotron_ext.runtime.device import device_from_env
@@ -98,6 +99,7 @@ class GlooParallelContext(ParallelContext):
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
         self.set_device()  # before any group exists: a bad NANOTRON_EXT_DEVICE fails every rank alike
+        keep_freed_memory()  # the CPU runtime trains as calibration times its blocks (nanotron_ext/allocator.py)
         _init_gloo(world_size, self.timeout)
         if _UPSTREAM_SIGNATURE:
             # Upstream main's context has more groups (context parallel, local, a 5-D rank matrix) and only checks

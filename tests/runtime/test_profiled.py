@@ -214,3 +214,8 @@ def test_rank0_profiling_failure_raises_on_every_rank(tmp_path: Path) -> None:
     expected = ("PlanningError: profiling on global rank 0 failed: RuntimeError: scripted failure on rank 0: "
                 "cannot build model.lm_head")
     assert results == [{"rank": 0, "error": expected}, {"rank": 1, "error": expected}]
+
+
+def test_the_cpu_runtime_keeps_freed_memory_as_calibration_does() -> None:
+    (result,) = run_distributed(timing_workers.malloc_policy_in_the_runtime, 1, timeout=60)
+    assert result == {"before": "system defaults", "inside": "freed memory kept"}

@@ -222,3 +222,14 @@ def profiled_fails_on_rank0(cache_root: str) -> dict[str, Any]:
         except PlanningError as exc:
             result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     return result
+
+
+def malloc_policy_in_the_runtime() -> dict[str, Any]:
+    """This rank's malloc policy before and inside the CPU runtime's context (``nanotron_ext.allocator``)."""
+    from nanotron_ext.allocator import malloc_policy
+    from nanotron_ext.runtime import GlooParallelContext
+
+    before = malloc_policy()
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1):
+        inside = malloc_policy()
+    return {"before": before, "inside": inside}
