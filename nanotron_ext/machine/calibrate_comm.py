@@ -26,6 +26,8 @@ CALLS_PER_BATCH = 100
 #: Pairs of batches the engine-overhead measurements take at least (a difference of two means, so more than
 #: ``repeats`` for one block: a preempted batch must not decide it).
 MIN_BATCHES = 9
+#: Link rounds per ``repeats`` (see :func:`_measure_comm`).
+LINK_ROUNDS_PER_REPEAT = 4
 #: The clock every measurement here reads.
 clock: Callable[[], float] = time.perf_counter
 
@@ -135,7 +137,10 @@ def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, li
     largest = max(block_memory(b, cfg.model, cfg.run).output for b in blocks)
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     mine: dict[tuple[str, int, int], dict[int, float]] = {}
-    mine.update(_links(world, _sizes(largest), (dev, staged), warmup, repeats, bar))
+    # Rounds of all sizes are milliseconds where a block's are seconds: take more of them, so that the median spans
+    # more of the link's slow and fast stretches (11 rounds: a 25 MB round trip's median moved 5.6-11.2 ms between
+    # six back-to-back measurements here; 41 rounds: 5.4-6.8 ms).
+    mine.update(_links(world, _sizes(largest), (dev, staged), warmup, LINK_ROUNDS_PER_REPEAT * repeats, bar))
     wire = dev if backend == "nccl" else _torch_device("cpu")  # the protocol's extra messages, without copies
     send_recv = _p2p_overhead(world, wire, warmup, repeats) if world.pp > 1 else 0.0
     bar.update(world.pp > 1)
