@@ -83,6 +83,7 @@ import _repeatability as repeatability  # noqa: E402
 from measured_cpu import MALLOC_ENV, SYSTEM_MALLOC_ENV  # noqa: E402
 
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
+from nanotron_ext.stats import median_interval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -721,23 +722,6 @@ def _show(path: Path, bar: Any) -> None:
 
 
 # --- statistics ------------------------------------------------------------------------------------------
-
-
-def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """Distribution-free interval of the median from order statistics: ``(low, high, coverage)``.
-
-    ``[x_(k), x_(n−k+1)]`` with the largest ``k`` whose binomial tail ``P(B ≤ k − 1) ≤ (1 − confidence) / 2``,
-    ``B ~ Bin(n, ½)``; its coverage is ``1 − 2 P(B ≤ k − 1)`` (≥ ``confidence``). Below 6 values no such ``k``
-    exists: the range, with its smaller coverage ``1 − 2^(1−n)``.
-    """
-    xs, n = sorted(values), len(values)
-    tail, k = 0.0, 0
-    while tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
-        tail += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:
-        return xs[0], xs[-1], 1 - 2 / 2**n
-    return xs[k - 1], xs[n - k], 1 - 2 * tail
 
 
 def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:

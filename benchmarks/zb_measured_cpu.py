@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from math import comb
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measured_cpu import MALLOC_ENV  # noqa: E402  (the sibling benchmark: one home for the malloc settings)
 
+from nanotron_ext import stats  # noqa: E402
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,16 +188,9 @@ def worker(spec_path: str, out_path: str) -> None:
 
 
 def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
-    """(median, low, high, coverage): the widest-order-statistic interval ``[x_(k), x_(n+1-k)]`` whose
-    coverage of the median is at least ``level`` (distribution-free: binomial(n, 1/2)); the whole range when
-    ``n`` is too small for ``level``."""
-    s, n = sorted(xs), len(xs)
-
-    def coverage(k: int) -> float:
-        return 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
-
-    k = max((k for k in range(1, n // 2 + 1) if coverage(k) >= level), default=1)
-    return statistics.median(s), s[k - 1], s[n - k], coverage(k)
+    """(median, low, high, coverage): :func:`nanotron_ext.stats.median_interval` with the median first."""
+    low, high, coverage = stats.median_interval(xs, level)
+    return statistics.median(xs), low, high, coverage
 
 
 def _steps(run: dict[str, Any]) -> list[float]:
