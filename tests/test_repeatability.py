@@ -17,6 +17,7 @@ from nanotron_ext.cli.calibrate import summary
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import profiled
 from nanotron_ext.costs.analytic import trainable_before
+from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import BlockCost, MachineProfile, block_signature
 from nanotron_ext.machine.spread import STEP_SHARE_LIMIT, uncertain_figures
@@ -109,3 +110,15 @@ def test_glibc_keeps_freed_memory_unless_the_user_opts_out(env: str, kept: str) 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "NANOTRON_EXT_SYSTEM_MALLOC": env})
     assert out.stdout.strip() == kept
+
+
+def test_a_profile_with_a_bad_spread_is_refused_naming_it() -> None:
+    cfg = load_config(bundled_config())
+    good = _profile(cfg, {"lm_head": (0.1, 0.0, 0.0)})
+    assert MachineProfile.from_json(good.to_json()) == good  # the spreads survive JSON
+    sig = good.blocks[0].signature
+    with pytest.raises(ConfigError, match=rf"blocks\[{sig}\]\.spread of its backward=-0.1 must be a finite number >= 0 "
+                                          r"\(a fraction\)"):
+        dataclasses.replace(good, blocks=(dataclasses.replace(good.blocks[0], spread=(0.0, -0.1, 0.0)),))
+    with pytest.raises(ConfigError, match=r"spread=\[0.1\] must be three fractions"):
+        dataclasses.replace(good, blocks=(dataclasses.replace(good.blocks[0], spread=(0.1,)),))

@@ -216,9 +216,17 @@ class MachineProfile:
                     raise ConfigError(f"machine profile: blocks[{b.signature}].backward_weight={b.backward_weight!r} "
                                       f"exceeds its backward={b.backward!r}; it is the weight-gradient part of the "
                                       "backward (null: split by FLOPs)")
+            if b.spread is not None:
+                if len(b.spread) != 3:
+                    raise ConfigError(f"machine profile: blocks[{b.signature}].spread={list(b.spread)!r} must be three "
+                                      "fractions (forward, backward, update), or null")
+                for name, value in zip(("forward", "backward", "update"), b.spread):
+                    _nonnegative(f"blocks[{b.signature}].spread of its {name}", value, "a fraction")
         for link in self.links:
             _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
             _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)
+            if link.spread is not None:
+                _nonnegative(f"link {link.src}->{link.dst} spread", link.spread, "a fraction")
         for name in ("block_call", "send", "recv"):
             _nonnegative(f"overhead.{name}", getattr(self.overhead, name))
         for name in ("dp_allreduce", "tied_allreduce"):
@@ -393,6 +401,6 @@ def _positive(name: str, value: float, *, unit: str = "") -> None:
         raise ConfigError(f"{name}={value!r} must be a positive, finite number{' of ' + unit if unit else ''}")
 
 
-def _nonnegative(name: str, value: float) -> None:
+def _nonnegative(name: str, value: float, unit: str = "seconds") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"machine profile: {name}={value!r} must be a finite number >= 0 (seconds)")
+        raise ConfigError(f"machine profile: {name}={value!r} must be a finite number >= 0 ({unit})")
