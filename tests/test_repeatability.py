@@ -56,9 +56,12 @@ def test_blocks_take_turns_in_every_round_the_first_one_rotating(tmp_path, monke
 
     pinned: list[bool] = []
     monkeypatch.setattr(profiled, "keep_freed_memory", lambda: pinned.append(True))
+    rounds: list[int] = []
     timings = profiled.measure_blocks([(blocks[1], True), (blocks[3], True)], cfg, tp_pg=None, warmup=1, repeats=2,
-                                      module_factory=lambda block, cfg, tp_pg: Logged(block.short))
+                                      module_factory=lambda block, cfg, tp_pg: Logged(block.short),
+                                      on_round=rounds.append)
     assert calls == ["decoder.0", "final_norm", "final_norm", "decoder.0", "decoder.0", "final_norm"]
+    assert rounds == [2, 2, 2]  # progress: each round's timed blocks, warm-up included
     assert pinned  # timed on CPU in the state the CPU runtime trains in
     assert len(timings) == 2 and all(t.forward > 0 and t.backward > 0 and t.optimizer > 0 for t in timings)
 

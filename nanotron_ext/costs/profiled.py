@@ -131,6 +131,7 @@ def measure_blocks(
     repeats: int = DEFAULT_REPEATS,
     device: torch.device | None = None,
     module_factory: ModuleFactory | None = None,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[BlockTiming]:
     """Build each block's module standalone and time, round after round, every block once: its forward and
     backward for one micro-batch, then its optimizer step (AdamW, as Nanotron's default optimizer, over the
@@ -150,6 +151,7 @@ def measure_blocks(
         device: where to run; CUDA when available, else CPU.
         module_factory: builds the block's module; default the CPU Llama's block
             (:func:`nanotron_ext.models.profiled_blocks.build_block_module`).
+        on_round: called after every round (warm-up ones included) with how many blocks it timed: progress.
 
     Returns:
         One :class:`BlockTiming` per pair, in order.
@@ -170,6 +172,8 @@ def measure_blocks(
         for r in range(warmup + repeats):
             for run in runs[r % len(runs):] + runs[:r % len(runs)]:
                 run.once(cfg, device, timed=r >= warmup)
+            if on_round is not None:
+                on_round(len(runs))
         out += [run.timing() for run in runs]
         del runs
     return out
@@ -312,6 +316,7 @@ def profile_blocks(
     warmup: int = DEFAULT_WARMUP,
     repeats: int = DEFAULT_REPEATS,
     module_factory: ModuleFactory | None = None,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[BlockTiming]:
     """Per-block timings on this process: from the cache where present, measured (and cached) otherwise.
 
@@ -327,6 +332,7 @@ def profile_blocks(
         warmup: untimed runs per measurement.
         repeats: timed runs per measurement.
         module_factory: builds each measured block's module (see :func:`measure_block`).
+        on_round: progress, see :func:`measure_blocks`.
 
     Returns:
         One :class:`BlockTiming` per block.
@@ -349,7 +355,8 @@ def profile_blocks(
         group_cm = contextlib.nullcontext(tp_pg) if tp_pg is not None else _local_group()
         with group_cm as group:
             timings = measure_blocks([(block, key["input_grad"]) for block, key in missing.values()], cfg,
-                                     tp_pg=group, warmup=warmup, repeats=repeats, module_factory=module_factory)
+                                     tp_pg=group, warmup=warmup, repeats=repeats, module_factory=module_factory,
+                                     on_round=on_round)
             for (digest, (_, key)), timing in zip(missing.items(), timings):
                 found[digest] = timing
                 try:

@@ -104,9 +104,10 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
     device, backend = _device_and_backend()
     signatures = {sig for _, blocks in variants for sig in _signatures(blocks)}
     rank0 = world is None or world.rank == 0
-    with _progress(_steps(cfg, world, len(signatures)), enabled=progress and rank0) as bar:
+    block_calls = len(signatures) * (warmup + repeats)  # the bar counts each block's call in each round
+    with _progress(_steps(cfg, world, block_calls), enabled=progress and rank0) as bar:
         costs = _measure_blocks(variants, warmup, repeats, cache_dir, bar)
-        bar.update(max(0, len(signatures) - bar.n))  # the last block measured, and those the cache had
+        bar.update(max(0, block_calls - bar.n))  # the blocks the cache had
         call = _deferred(world, lambda: _block_call_overhead(world, device, warmup, repeats))
         bar.update()
         comm = _Comm() if world is None else _measure_comm(cfg, variants, world, device, backend, warmup, repeats,
@@ -185,12 +186,13 @@ def _device_and_backend() -> tuple[str, str]:
     return device, "nccl" if cuda and "nccl" in backend else backend  # "cpu:gloo,cuda:nccl" sends CUDA by NCCL
 
 
-def _steps(cfg: PlannerConfig, world: _World | None, n_blocks: int) -> int:
-    """Measurements the progress bar counts: blocks, the block call, then links, P2P overhead, collectives."""
+def _steps(cfg: PlannerConfig, world: _World | None, block_calls: int) -> int:
+    """Measurements the progress bar counts: every block's call in every round, the block call overhead, then
+    links, P2P overhead, collectives."""
     if world is None:
-        return n_blocks + 1
+        return block_calls + 1
     tied = cfg.model.tie_word_embeddings and world.pp > 1
-    return n_blocks + 1 + 2 * (world.pp - 1) + (world.pp > 1) + (world.dp > 1) + tied
+    return block_calls + 1 + 2 * (world.pp - 1) + (world.pp > 1) + (world.dp > 1) + tied
 
 
 @contextlib.contextmanager
@@ -214,13 +216,13 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
     measured once)."""
     from nanotron_ext.models.profiled_blocks import build_block_module
 
-    built = [0]
-
     def factory(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any) -> Any:
-        bar.update(built[0] > 0)  # the block built before this one is measured by now
-        built[0] += 1
-        bar.set_postfix_str(block.short)
+        bar.set_postfix_str(f"building {block.short}")
         return build_block_module(block, cfg, tp_pg)
+
+    def on_round(n_blocks: int) -> None:  # every block once a round: a round is n_blocks timed calls
+        bar.set_postfix_str("timing blocks in rounds")
+        bar.update(n_blocks)
 
     out: dict[str, BlockCost] = {}
     with contextlib.ExitStack() as stack:
@@ -231,7 +233,7 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
             # at once over-predicted the SmolLM shape by 9-23 %: the ranks' cache flushes and timed calls overlap at
             # random and slow each other (benchmarks/predict_vs_measure.py).
             for cost in measured_blocks(blocks, trial, cache_dir=folder, warmup=warmup, repeats=repeats,
-                                        module_factory=factory):
+                                        module_factory=factory, on_round=on_round):
                 out.setdefault(cost.signature, cost)
     return out
 
