@@ -196,11 +196,11 @@ def scenarios(quick: bool) -> list[Scenario]:
 
 
 def calibrate_profile(cfg: Any) -> Any:
-    """The machine profile of ``cfg`` measured here, afresh (collective). The one place that names the
-    calibrator."""
+    """The machine profile of ``cfg`` measured here, afresh (collective), with ``calibrate``'s own defaults (what
+    a user's ``nanotron-ext calibrate`` takes). The one place that names the calibrator."""
     from nanotron_ext.machine.calibrate import calibrate
 
-    return calibrate(cfg, warmup=2, repeats=5, cache_dir=None, progress=False)
+    return calibrate(cfg, cache_dir=None, progress=False)
 
 
 def take_profile(cfgs: dict[int, Any]) -> Any:
