@@ -10,17 +10,10 @@ rounds, every block taking its turn in each round. The backward follows what tra
 weight gradient, and a block's input only asks for a gradient when something before it trains, so a frozen prefix
 costs forward only (the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
 
-Each timed forward, backward and optimizer step starts with cold caches (:func:`flush_caches`, as Triton's
-``do_bench`` clears the GPU's L2) and hot inputs: inside a pipeline the other blocks, micro-batches and ranks run
-between two calls of a block and evict its weights and saved activations, while its input (or output gradient) was
-just made by its neighbour. On the seed model's first stage (memory-bound blocks of a few hundred microseconds)
-warm-cache timings were half of what the blocks took in Nanotron's engine (2.2 against 4.4 ms per micro-batch);
-timed this way, 4.1 ms.
-
-Timings are cached on disk as one small JSON file per measurement, keyed by a hash of everything a block's
-time depends on (model shape, batch shape, dtype, torch version, device, thread count, block role, which
-parameters train, whether the input needs a gradient); identical decoder layers share one key and are
-measured once. The cache lives in ``nanotron_ext.profile_cache`` or ``~/.cache/nanotron_ext``.
+Each timed call starts with cold caches and hot inputs, as inside a pipeline (:mod:`nanotron_ext.costs.block_inputs`).
+Timings are cached on disk, keyed by everything a block's time depends on; identical decoder layers share one key
+and are measured once (:mod:`nanotron_ext.costs.timing_cache`; ``nanotron_ext.profile_cache`` or
+``~/.cache/nanotron_ext``).
 
 In a distributed run only global rank 0 measures; the timings are broadcast, so every rank computes the same
 plan even when their machines (or their load) differ. Without a process group it measures locally.
@@ -67,19 +60,8 @@ from nanotron_ext.stats import relative_spread
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "DEFAULT_CACHE_DIR",
-    "BlockTiming",
-    "CacheWarning",
-    "ModuleFactory",
-    "block_timings",
-    "cache_dir_for",
-    "PROFILE_VERSION",
-    "measure_block",
-    "measure_blocks",
-    "profile_blocks",
-    "profile_key",
-]
+__all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning", "ModuleFactory", "block_timings",
+           "cache_dir_for", "measure_block", "measure_blocks", "profile_blocks", "profile_key"]
 
 DEFAULT_WARMUP = 2
 #: Timed rounds: 11 samples give the median an order-statistic interval of 98.8 % ([x_(2), x_(10)]).

@@ -27,18 +27,8 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError
 
-__all__ = [
-    "FORMAT_VERSION",
-    "BlockCost",
-    "Collective",
-    "EngineOverhead",
-    "Link",
-    "MachineKey",
-    "MachineProfile",
-    "block_signature",
-    "key_for",
-    "load_machine",
-]
+__all__ = ["FORMAT_VERSION", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey", "MachineProfile",
+    "block_signature", "key_for", "load_machine"]
 
 #: Bump when the JSON layout changes; older files are refused with the command that re-measures them.
 FORMAT_VERSION = 1
@@ -116,9 +106,8 @@ class BlockCost:
     """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step.
 
     ``backward_weight``: the weight-gradient part of ``backward`` (zb1p's deferred ``W``), when measured;
-    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`). ``spread``: how far
-    each of forward, backward and update could move, as a fraction (half the 95 % interval of the median over
-    the calibration's rounds, :func:`nanotron_ext.stats.relative_spread`); None where not measured.
+    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`). ``spread``: how far each
+    of the three could move, a fraction (:func:`nanotron_ext.stats.relative_spread`); None: not measured.
     """
 
     signature: str
@@ -216,17 +205,16 @@ class MachineProfile:
                     raise ConfigError(f"machine profile: blocks[{b.signature}].backward_weight={b.backward_weight!r} "
                                       f"exceeds its backward={b.backward!r}; it is the weight-gradient part of the "
                                       "backward (null: split by FLOPs)")
-            if b.spread is not None:
-                if len(b.spread) != 3:
-                    raise ConfigError(f"machine profile: blocks[{b.signature}].spread={list(b.spread)!r} must be three "
-                                      "fractions (forward, backward, update), or null")
-                for name, value in zip(("forward", "backward", "update"), b.spread):
-                    _nonnegative(f"blocks[{b.signature}].spread of its {name}", value, "a fraction")
+            if b.spread is not None and len(b.spread) != 3:
+                raise ConfigError(f"machine profile: blocks[{b.signature}].spread={list(b.spread)!r} must be three "
+                                  "fractions (forward, backward, update), or null")
+            for name, value in zip(("forward", "backward", "update"), b.spread or ()):
+                _nonnegative(f"blocks[{b.signature}].spread of its {name}", value, "a fraction")
         for link in self.links:
             _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
             _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)
-            if link.spread is not None:
-                _nonnegative(f"link {link.src}->{link.dst} spread", link.spread, "a fraction")
+            for value in () if link.spread is None else (link.spread,):
+                _nonnegative(f"link {link.src}->{link.dst} spread", value, "a fraction")
         for name in ("block_call", "send", "recv"):
             _nonnegative(f"overhead.{name}", getattr(self.overhead, name))
         for name in ("dp_allreduce", "tied_allreduce"):
