@@ -40,9 +40,12 @@ def test_light_rank_idles_more(runs: list[dict], case: str, light: int, heavy: i
     summary = summarize(_records(runs, case))
     assert summary.idle[light] > summary.idle[heavy], summary
     assert summary.busy[heavy] > summary.busy[light], summary
-    # The light rank waits for most of the step; the heavy one computes for most of it.
+    # The light rank waits for most of the step, and the heavy one computes at least twice what the light one does.
+    # Not "most of the step" for the heavy one: with CI's two passes side by side four processes share two cores,
+    # and a heavy rank waiting for its descheduled peer is idle then (one CI run measured its share at 0.48 of the
+    # step, 6x the light rank's busy time; 0.75-0.90 of the step and 3.6-9.6x on an idle machine).
     assert summary.idle[light] > 0.5 * summary.step, summary
-    assert summary.busy[heavy] > 0.5 * summary.step, summary
+    assert summary.busy[heavy] > 2 * summary.busy[light], summary
 
 
 @pytest.mark.parametrize("case", list(CASES))
