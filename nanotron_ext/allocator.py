@@ -43,7 +43,7 @@ def keep_freed_memory() -> bool:
 
 
 def malloc_policy() -> str:
-    """What a report says of this process's malloc: ``freed memory kept`` or ``glibc defaults``."""
+    """What a report says of this process's malloc: ``freed memory kept`` or ``system defaults``."""
     return "freed memory kept" if _applied and _applied[0] else "system defaults"
 
 

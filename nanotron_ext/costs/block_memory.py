@@ -24,13 +24,14 @@ this model counts the CPU runtime's SDPA path, so it errs high there, never low.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, ModelShape, RunShape
 from nanotron_ext.inventory.flops import mlp_active
 
-__all__ = ["BlockMemory", "block_memory", "deferred_weights", "largest_param", "mlp_saved_width", "output_tensors",
+__all__ = ["BlockMemory", "block_memory", "deferred_weights", "largest_output", "largest_param", "mlp_saved_width", "output_tensors",
            "pending_tensors", "weight_pending"]
 
 
@@ -120,6 +121,11 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
 #: running statistics after a vocabulary shard, one tensor after the others. Nanotron's pipeline state moves
 #: them one communication at a time, so each pays its own latency.
 _OUTPUT_TENSORS: dict[str, int] = {"embedding": 2, "decoder": 2, "vocab_shard": 4, "loss": 0}
+
+
+def largest_output(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape) -> float:
+    """Bytes of the largest tensor any of ``blocks`` hands on: what a link must carry at most."""
+    return max(block_memory(b, m, run).output for b in blocks)
 
 
 def output_tensors(block: BlockInfo) -> int:

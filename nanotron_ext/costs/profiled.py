@@ -254,7 +254,7 @@ class _Run:
 
     def timing(self) -> BlockTiming:
         medians = [max(0.0, statistics.median(t)) for t in self.times]
-        spread = tuple(relative_spread(t) if m > 0 else 0.0 for t, m in zip(self.times, medians))
+        spread = tuple(relative_spread(t) for t in self.times)  # 0 where the median is 0
         return BlockTiming(*medians, spread)  # type: ignore[arg-type]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
-from nanotron_ext.costs.block_memory import block_memory
+from nanotron_ext.costs.block_memory import largest_output
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine.pricing import tied_weight_bytes
 from nanotron_ext.machine.profile import Collective, Link
@@ -134,7 +134,7 @@ def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, li
     dev = _torch_device(device)  # where the run's tensors live; gloo moves CUDA ones through the host
     staged = host_staged(device, backend)
     blocks = [b for _, bs in variants for b in bs]
-    largest = max(block_memory(b, cfg.model, cfg.run).output for b in blocks)
+    largest = largest_output(blocks, cfg.model, cfg.run)
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     mine: dict[tuple[str, int, int], dict[int, float]] = {}
     # Rounds of all sizes are milliseconds where a block's are seconds: take more of them, so that the median spans

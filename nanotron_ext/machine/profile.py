@@ -213,8 +213,8 @@ class MachineProfile:
         for link in self.links:
             _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
             _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)
-            for value in () if link.spread is None else (link.spread,):
-                _nonnegative(f"link {link.src}->{link.dst} spread", value, "a fraction")
+            if link.spread is not None:
+                _nonnegative(f"link {link.src}->{link.dst} spread", link.spread, "a fraction")
         for name in ("block_call", "send", "recv"):
             _nonnegative(f"overhead.{name}", getattr(self.overhead, name))
         for name in ("dp_allreduce", "tied_allreduce"):

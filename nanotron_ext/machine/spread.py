@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
-from nanotron_ext.costs.block_memory import block_memory
+from nanotron_ext.costs.block_memory import largest_output
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.profile import MachineProfile, block_signature
 from nanotron_ext.report import compact_names
@@ -58,7 +58,7 @@ def uncertain_figures(cfg: PlannerConfig, profile: MachineProfile) -> list[Uncer
         for field, per_step, spread in zip(FIGURES, (m, m, 1), cost.spread or (0.0, 0.0, 0.0)):
             weighted.append((f"{compact_names(shorts)} {field}", spread,
                              per_step * len(shorts) * getattr(cost, field)))
-    largest = max(block_memory(b, cfg.model, cfg.run).output for b in blocks)
+    largest = largest_output(blocks, cfg.model, cfg.run)
     for link in profile.links:
         if link.spread is not None and link.src >= 0:
             weighted.append((f"link {link.src} -> {link.dst}", link.spread, m * link.time(largest)))
