@@ -12,6 +12,8 @@
 #   4. nanotron-ext plan and simulate --machine with each of those profiles;
 #   5. nanotron-ext train on the GPU (NANOTRON_EXT_DEVICE=cuda) for 5 steps: the seed config, checked against the
 #      same run on CPU, and SmolLM-135M's shape at pp=2 (tied: the host-staged tied-gradient sync too);
+#   5b. python benchmarks/measured_memory.py --device cuda: SmolLM-135M's peak memory per stage, estimate vs CUDA's
+#      allocator, 1F1B and zb1p;
 #   6. python benchmarks/predict_vs_measure.py --device cuda $PVM_ARGS (default --quick), when that script is
 #      here and takes --device;
 #   7. OUTDIR/summary.md: the device, every step's result and log, the profiles, the training runs.
@@ -109,6 +111,10 @@ step train_seed_cuda env "${DEVICE_ENV[@]}" "${TORCHRUN[@]}" "${TRAIN[@]}" --con
 step compare_seed_cuda_cpu "$PY" benchmarks/gpu_check.py compare "$OUT"
 smollm train_smollm_pp2_cuda env "${DEVICE_ENV[@]}" "${TORCHRUN[@]}" "${TRAIN[@]}" --config-file "$SMOL2" \
     --metrics-out "$OUT/train/smollm_135m_pp2_cuda.json"
+
+# 5b. peak memory on the GPU against the estimate (issue 30): SmolLM-135M at pp=2, bf16/fp32, 1F1B/zb1p.
+smollm measured_memory_cuda "$PY" benchmarks/measured_memory.py --device cuda \
+    --out "$OUT/train/measured_memory_cuda.json"
 
 # 6. predicted vs measured step times, on the GPU (issue 22's validation).
 PVM=benchmarks/predict_vs_measure.py

@@ -12,6 +12,10 @@ moment (a zero-length ``record_function`` range, on the profiler's clock); after
 marks.
 
 Not counted: memory outside torch's allocator (gloo's own socket buffers, Python objects, the interpreter).
+
+On a GPU (``NANOTRON_EXT_DEVICE=cuda``) :class:`CudaMemoryRecorder` gives the same trace from CUDA's caching
+allocator: at each mark, the high-water mark since the previous one (``torch.cuda.max_memory_allocated``, then
+reset) and the bytes allocated now, so ``peak_between`` is exact at mark granularity.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from nanotron_ext.config import PlannerConfig
 
-__all__ = ["MemoryRecorder", "MemoryTrace", "measure_training_memory"]
+__all__ = ["CudaMemoryRecorder", "MemoryRecorder", "MemoryTrace", "measure_training_memory"]
 
 _MARK = "nanotron_ext.mark:"
 
@@ -133,6 +137,42 @@ class MemoryRecorder:
         return MemoryTrace(times=times, live=live, marks=marks)
 
 
+class CudaMemoryRecorder:
+    """:class:`MemoryRecorder`'s interface over CUDA's caching allocator on ``device`` (allocated tensor bytes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._times: list[int] = []
+        self._live: list[int] = []
+        self._marks: dict[str, int] = {}
+
+    def start(self) -> CudaMemoryRecorder:
+        """Start recording (resets the device's peak statistics); returns ``self``."""
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._times, self._live, self._marks = [], [], {}
+        self._event()
+        return self
+
+    def mark(self, name: str) -> None:
+        """Note the current moment as ``name``: the peak since the last mark, then the bytes allocated now."""
+        self._event()
+        self._marks[name] = self._times[-1]
+
+    def stop(self) -> MemoryTrace:
+        """The trace from :meth:`start` to now."""
+        self._event()
+        return MemoryTrace(times=list(self._times), live=list(self._live), marks=dict(self._marks))
+
+    def _event(self) -> None:
+        torch.cuda.synchronize(self._device)
+        t = len(self._times)
+        # Two events a step: the high-water mark of the segment that ends here, then the level it ends at.
+        self._times += [t, t + 1]
+        self._live += [torch.cuda.max_memory_allocated(self._device), torch.cuda.memory_allocated(self._device)]
+        torch.cuda.reset_peak_memory_stats(self._device)
+
+
 def measure_training_memory(
     cfg: PlannerConfig, block_ranks: Sequence[int], *, steps: int = 2, dtype: str | None = None,
     seed: int = 0,
@@ -155,13 +195,15 @@ def measure_training_memory(
         ``optimizer`` (tensor bytes of the parameters, their ``.grad`` before the last optimizer step, Adam's
         state), ``pipeline_peak`` and ``optimizer_peak`` (high-water marks of the last step's pipeline and
         optimizer step), ``step_start`` (live bytes when the last step began), plus ``pp_rank``, ``tp_rank``,
-        ``params`` (local parameter count).
+        ``params`` (local parameter count), ``device``. On CUDA the bytes are the caching allocator's
+        (:class:`CudaMemoryRecorder`).
 
     Raises:
         ValueError: ``steps`` < 1 or an unsupported dtype.
     """
     from nanotron_ext.runtime.context import GlooParallelContext
     from nanotron_ext.runtime.data import random_micro_batches
+    from nanotron_ext.runtime.device import device_from_env
     from nanotron_ext.runtime.engine import train_step
 
     if steps < 1:
@@ -172,7 +214,8 @@ def measure_training_memory(
     run = cfg.run
     torch.set_num_threads(1)
     with GlooParallelContext(run.tp, run.pp, run.dp, timeout_s=300) as ctx:
-        rec = MemoryRecorder().start()
+        device = device_from_env()
+        rec = CudaMemoryRecorder(device).start() if device.type == "cuda" else MemoryRecorder().start()
         rec.mark("start")
         model, optimizer, grad_acc = _build(cfg, ctx, block_ranks, dtype, seed)
         rec.mark("built")
@@ -183,7 +226,8 @@ def measure_training_memory(
             rec.mark("step:start")
             train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer, grad_accumulator=grad_acc)
             rec.mark("step:end")
-        return _measurements(rec.stop(), ctx, getattr(model, "module", model), optimizer, gradients)
+        result = _measurements(rec.stop(), ctx, getattr(model, "module", model), optimizer, gradients)
+        return {**result, "device": str(device)}
 
 
 def _build(cfg: PlannerConfig, ctx: Any, block_ranks: Sequence[int], dtype: str, seed: int) -> tuple[Any, Any, Any]:
