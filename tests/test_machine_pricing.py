@@ -30,6 +30,7 @@ from nanotron_ext.machine import (
 from nanotron_ext.partition import ranks_from_bounds
 from nanotron_ext.plan import Plan, make_plan
 from nanotron_ext.simulate import simulate_plan
+from nanotron_ext.strategies.step_time import schedule_problem
 
 SEED = load_config(bundled_config())  # embedding, decoder.0, decoder.1, final_norm, lm_head, cast, loss; pp=2
 BLOCKS = inventory_from_config(SEED)
@@ -143,17 +144,22 @@ def test_the_analytic_machine_prices_the_optimizer_step_by_the_bytes_it_moves(dt
     assert prices.update[1] > 0 and prices.update[5] == 0.0  # a decoder layer steps; cast holds nothing
 
 
-def test_a_tied_lm_head_is_stepped_once_at_pp_1_and_on_its_own_rank_above():
+def test_a_tied_weight_is_stepped_once_where_one_stage_holds_both_ends_and_on_each_rank_otherwise():
     tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
-    blocks = inventory_from_config(tied)
+    blocks = inventory_from_config(tied)  # embedding, decoder.0, decoder.1, final_norm, lm_head, cast, loss
     machine = MachineProfile(name="hbm", source="test", memory_bytes_per_second=1e12)
-    assert price_blocks(machine, blocks, tied).update[4] == pytest.approx(blocks[4].trainable * 28 / 1e12)
+    prices = price_blocks(machine, blocks, tied)
+    step = [b.trainable * 28 / 1e12 for b in blocks]
+    assert prices.update == pytest.approx(step) and prices.update[4] > 0
+    apart = schedule_problem(blocks, tied, machine).stage_times((0, 4, 7))[2]
+    assert apart == pytest.approx([sum(step[:4]), sum(step[4:])])
+    together = schedule_problem(blocks, tied, machine).stage_times((0, 5, 7))[2]  # Nanotron's rule's shape
+    assert together == pytest.approx([sum(step[:4]), 0.0])
     alone = dataclasses.replace(tied, run=dataclasses.replace(tied.run, pp=1))
-    assert price_blocks(machine, blocks, alone).update[4] == 0.0
-    assert price_blocks(machine, blocks, alone).update[0] == pytest.approx(blocks[0].trainable * 28 / 1e12)
+    assert schedule_problem(blocks, alone, machine).stage_times((0, 7))[2] == pytest.approx([sum(step[:4])])
 
 
-def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce():
+def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce_unless_one_stage_holds_both():
     tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
     blocks = inventory_from_config(tied)
     machine = MachineProfile(name="tied", source="test", tied_allreduce=Collective(1e-3, 1e9))
@@ -161,8 +167,11 @@ def test_both_ends_of_a_tied_embedding_wait_in_its_all_reduce():
     table = 50277 * 16 * 4  # vocab × hidden fp32 bytes, over 2 ranks: 1 ms + 2·1/2 × bytes / 1 GB/s
     assert [prices.update[i] for i in (0, 4)] == pytest.approx([1e-3 + table / 1e9] * 2)
     assert prices.update[1] == prices.update[5] == 0.0
+    problem = schedule_problem(blocks, tied, machine)
+    assert problem.stage_times((0, 4, 7))[2] == pytest.approx([1e-3 + table / 1e9] * 2)
+    assert problem.stage_times((0, 5, 7))[2] == [0.0, 0.0]  # one stage holds the tensor: nothing to sync
     alone = dataclasses.replace(tied, run=dataclasses.replace(tied.run, pp=1))
-    assert price_blocks(machine, blocks, alone).update[0] == 0.0  # one stage: no all-reduce
+    assert schedule_problem(blocks, alone, machine).stage_times((0, 7))[2] == [0.0]  # one stage: no all-reduce
 
 
 def test_an_unmeasured_block_is_priced_by_its_roles_rate():

@@ -27,7 +27,8 @@ from nanotron_ext.schedule.simulator import StageTimes, simulate
 from nanotron_ext.simulate import simulate_plan
 
 
-def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afab", "zb1p")) -> ScheduleProblem:
+def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afab", "zb1p"), *,
+                    ties: bool = False) -> ScheduleProblem:
     n = rng.randint(2, 9)
     pp = rng.randint(1, min(n, 5))
     engine = rng.choice(engines)
@@ -41,7 +42,23 @@ def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afa
         send = [tuple(rng.uniform(0.5, 2.0) * x + 0.1 * rng.random() for x in send) for _ in range(pp - 1)]
     first_trainable = rng.choice([0, 0, 0, 1, 2])
     grad_after = tuple(c > first_trainable for c in range(n + 1))
-    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w))
+    tied, saving = None, [0.0] * n
+    if ties and rng.random() < 0.4:  # a tie: a stage holding both ends saves the lm_head's update and the embedding's sync
+        tied = tuple(sorted(rng.sample(range(n), 2)))
+        u[tied[0]], u[tied[1]] = 3 * rng.random(), 3 * rng.random()
+        saving[tied[0]], saving[tied[1]] = rng.uniform(0, u[tied[0]]), u[tied[1]]
+    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w),
+                           tied, tuple(saving))
+
+
+def _stage_updates_by_hand(problem: ScheduleProblem, bounds) -> list[float]:
+    out = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        u = sum(problem.update[s:e])
+        if problem.tied_pair is not None and s <= problem.tied_pair[0] and problem.tied_pair[1] < e:
+            u -= problem.tied_saving[problem.tied_pair[0]] + problem.tied_saving[problem.tied_pair[1]]
+        out.append(u)
+    return out
 
 
 def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
@@ -58,19 +75,37 @@ def _simulated(problem: ScheduleProblem, bounds) -> float:
 def test_evaluator_equals_simulate_and_bound_never_above(seed):
     rng = random.Random(seed)
     for _ in range(15):
-        problem = _random_problem(rng)
+        problem = _random_problem(rng, ties=True)
         splits = _all_splits(problem.n, problem.pp)
         times = StepTimeEvaluator(problem)(splits)
         for bounds, t in zip(splits, times):
             assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
             assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+            stages = problem.simulator_inputs(bounds)[0]
+            assert [st.update for st in stages] == pytest.approx(_stage_updates_by_hand(problem, bounds), abs=1e-12)
+
+
+def test_a_stage_holding_both_ends_of_a_tie_runs_one_update_and_no_sync():
+    # Blocks: embedding (update 1, of which 0.25 the tied sync), a layer (2), lm_head (1.5: all of it saved).
+    problem = ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 2, 2, "1f1b",
+                              tied_pair=(0, 2), tied_saving=(0.25, 0.0, 1.5))
+    assert problem.stage_times((0, 2, 3))[2] == [3.0, 1.5]  # apart: each end steps and syncs
+    assert problem.stage_times((0, 3, 3))[2] == [2.75, 0.0]  # together: one step, no sync
+    single = ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 1, 2, "1f1b",
+                             tied_pair=(0, 2), tied_saving=(0.25, 0.0, 1.5))
+    assert single.stage_times((0, 3))[2] == [2.75]
+    with pytest.raises(PlanningError, match=r"tied_saving\[2\] = 2.0 exceeds update\[2\] = 1.5"):
+        ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 2, 2, "1f1b",
+                        tied_pair=(0, 2), tied_saving=(0.25, 0.0, 2.0))
+    with pytest.raises(PlanningError, match=r"tied_pair = \(2, 0\); pass \(embedding, lm_head\)"):
+        ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0,) * 3, (0.0,) * 3, (True,) * 4, 2, 2, "1f1b", tied_pair=(2, 0))
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_zb1p_evaluator_equals_simulate_bound_below_search_is_brute_force(seed):
     rng = random.Random(300 + seed)
     for _ in range(15):
-        problem = _random_problem(rng, ("zb1p",))
+        problem = _random_problem(rng, ("zb1p",), ties=True)
         splits = _all_splits(problem.n, problem.pp)
         times = StepTimeEvaluator(problem)(splits)
         for bounds, t in zip(splits, times):
@@ -95,11 +130,12 @@ def test_zb1p_problem_of_the_hand_schedule():
         ScheduleProblem((1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, (True,) * 5, 4, 2, "zb1p", (1.0,) * 4)
 
 
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_search_matches_brute_force(seed):
-    rng = random.Random(100 + seed)
+def test_search_matches_brute_force(seed, ties):
+    rng = random.Random(100 + seed + 50 * ties)
     for _ in range(20):
-        problem = _random_problem(rng)
+        problem = _random_problem(rng, ties=ties)
         brute = min(StepTimeEvaluator(problem)(_all_splits(problem.n, problem.pp)))
         found = step_time_partition(problem)
         assert found.exact

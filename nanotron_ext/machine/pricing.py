@@ -32,6 +32,10 @@ class BlockPrices(NamedTuple):
     update: list[float]
     send: list[list[float]]
     weight: list[float]
+    #: A tied model's ``(embedding index, lm_head index)`` and, per block, the update a stage holding both saves
+    #: (the lm_head's whole update, the embedding's tied all-reduce; :func:`tied_blocks`); None and [] when untied.
+    tied_pair: tuple[int, int] | None = None
+    tied_saving: list[float] = []
 
 
 def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *, device: str | None = None,
@@ -83,7 +87,8 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     by the device memory it moves (:func:`~nanotron_ext.costs.analytic.update_bytes` per trainable parameter ÷
     ``memory_bytes_per_second``). Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
-    gradient all-reduce, the embedding and the lm_head of a tied model at pp > 1 the tied all-reduce, and a send
+    gradient all-reduce, the embedding and the lm_head of a tied model the tied all-reduce (which a stage holding
+    both does not run: :func:`tied_blocks`), and a send
     across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
     ``output``, in :func:`~nanotron_ext.costs.block_memory.output_tensors` tensors) over that cut's link.
 
@@ -97,7 +102,9 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     sent: list[tuple[float, int]] = []
     call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
-    for b, grad, train in zip(blocks, trainable_before(blocks), training_flops(blocks)):
+    tied_pair = tied_blocks(blocks, cfg)
+    saving = [0.0] * len(blocks)
+    for i, (b, grad, train) in enumerate(zip(blocks, trainable_before(blocks), training_flops(blocks))):
         measured = machine.block(block_signature(b, input_grad=grad))
         if measured is not None:
             f, w, u = measured.forward, measured.backward, measured.update
@@ -105,28 +112,38 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
             rate = machine.rate(b.role)
             f, w, u = b.flops_fwd / rate, max(0.0, train - b.flops_fwd) / rate, 0.0
             if machine.memory_bytes_per_second is not None:
-                u = _updated(b, cfg) * step_bytes / machine.memory_bytes_per_second
+                u = b.trainable * step_bytes / machine.memory_bytes_per_second
         fwd.append(f + call)
         bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
-        # Both ends of the tie wait in its all-reduce (at pp > 1 the embedding and the lm_head never share a stage).
-        if (cfg.model.tie_word_embeddings and b.role in ("embedding", "lm_head") and cfg.run.pp > 1
-                and machine.tied_allreduce is not None):
-            u += machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
+        # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_blocks otherwise).
+        if tied_pair is not None and i in tied_pair and machine.tied_allreduce is not None:
+            synced = machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
+            u += synced
+            if b.role == "embedding":
+                saving[i] = synced
         upd.append(u)
         sent.append((block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
+    if tied_pair is not None:
+        saving[tied_pair[1]] = upd[tied_pair[1]]
     send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
-    return BlockPrices(fwd, bwd, upd, send, wgt)
+    return BlockPrices(fwd, bwd, upd, send, wgt, tied_pair, saving if tied_pair is not None else [])
 
 
-def _updated(block: BlockInfo, cfg: PlannerConfig) -> int:
-    """Parameters of ``block`` its rank's optimizer steps: its trainable ones, but none for a tied lm_head at pp=1
-    (one tensor, stepped as the embedding)."""
-    if cfg.model.tie_word_embeddings and block.role == "lm_head" and cfg.run.pp == 1:
-        return 0
-    return block.trainable
+def tied_blocks(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[int, int] | None:
+    """A tied model's ``(embedding index, lm_head index)`` in ``blocks``; None when untied.
+
+    A stage that holds both holds one tensor (:func:`~nanotron_ext.blocks.tied_copy`): its optimizer steps it
+    once, the dp all-reduce moves it once and no tied all-reduce runs. So such a stage's update is the sum of its
+    blocks' less the lm_head's whole update and the embedding's tied all-reduce (:func:`price_blocks` records both
+    in ``tied_saving``; :meth:`~nanotron_ext.partition.step_time_eval.ScheduleProblem.segment_updates` applies them).
+    """
+    if not cfg.model.tie_word_embeddings:
+        return None
+    roles = {b.role: i for i, b in enumerate(blocks)}
+    return (roles["embedding"], roles["lm_head"]) if "embedding" in roles and "lm_head" in roles else None
 
 
 def tied_weight_bytes(cfg: PlannerConfig) -> float:

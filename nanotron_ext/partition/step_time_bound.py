@@ -91,7 +91,7 @@ class Bound:
         n = problem.n
         F = np.concatenate([[0.0], np.cumsum(problem.forward)])
         B = np.concatenate([[0.0], np.cumsum(problem.backward)])
-        U = np.concatenate([[0.0], np.cumsum(problem.update)])
+        U = problem.update_floor()  # a stage holding both ends of a tie saves: never above its update
         p2p_min = float(min(min(row[: n - 1]) for row in problem.send)) if problem.pp > 1 and n > 1 else 0.0
         self.F, self.B, self.U = F, B, U  # B: the whole backward
         Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass

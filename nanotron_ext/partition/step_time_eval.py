@@ -45,6 +45,8 @@ class ScheduleProblem:
         pp / n_micro_batches / engine: the schedule.
         weight: each block's weight-gradient part of ``backward`` (``0 <= weight <= backward``): zb1p's
             deferred ``W``; zb1p's ``B`` is the rest. Ignored by AFAB and 1F1B. Empty: all zero (no split).
+        tied_pair / tied_saving: a tied model's embedding and lm_head indices, and per block the update a stage
+            holding both saves (one tensor: :func:`nanotron_ext.machine.pricing.tied_blocks`); None / empty: none.
     """
 
     forward: tuple[float, ...]
@@ -56,17 +58,24 @@ class ScheduleProblem:
     n_micro_batches: int
     engine: str
     weight: tuple[float, ...] = ()
+    tied_pair: tuple[int, int] | None = None
+    tied_saving: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if not self.weight:
             object.__setattr__(self, "weight", (0.0,) * n)
+        if not self.tied_saving:
+            object.__setattr__(self, "tied_saving", (0.0,) * n)
+        if self.tied_pair is not None and not 0 <= self.tied_pair[0] < self.tied_pair[1] < n:
+            raise PlanningError(f"ScheduleProblem.tied_pair = {self.tied_pair!r}; pass (embedding, lm_head) block "
+                                f"indices, embedding first, both in 0..{n - 1}")
         object.__setattr__(self, "send", self._send_rows(n))
         for c, row in enumerate(self.send):
             for i, v in enumerate(row):
                 if not math.isfinite(v) or v < 0:
                     raise PlanningError(f"ScheduleProblem.send[{c}][{i}] = {v!r}; times must be finite and >= 0")
-        for name in ("backward", "update", "weight"):
+        for name in ("backward", "update", "weight", "tied_saving"):
             if len(getattr(self, name)) != n:
                 raise PlanningError(f"ScheduleProblem.{name} has {len(getattr(self, name))} entries for {n} blocks")
             for i, v in enumerate(getattr(self, name)):
@@ -75,6 +84,10 @@ class ScheduleProblem:
         for i, v in enumerate(self.forward):
             if not math.isfinite(v) or v < 0:
                 raise PlanningError(f"ScheduleProblem.forward[{i}] = {v!r}; times must be finite and >= 0")
+        for i, (saved, u) in enumerate(zip(self.tied_saving, self.update)):
+            if saved > u * (1 + 1e-12):
+                raise PlanningError(f"ScheduleProblem.tied_saving[{i}] = {saved!r} exceeds update[{i}] = {u!r}; a "
+                                    "stage holding both ends of a tie saves part of its blocks' updates")
         for i, (w, b) in enumerate(zip(self.weight, self.backward)):
             if w > b * (1 + 1e-12):
                 raise PlanningError(f"ScheduleProblem.weight[{i}] = {w!r} exceeds backward[{i}] = {b!r}; weight is "
@@ -111,15 +124,32 @@ class ScheduleProblem:
         (an empty stage passes on what the block before it sent)."""
         return [float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1])]
 
+    def segment_updates(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The update of stages holding blocks ``[lo, hi)`` (arrays of one shape): their blocks' updates summed,
+        less ``tied_saving`` where a stage holds both ends of the tie."""
+        u = np.concatenate([[0.0], np.cumsum(self.update)])
+        out = u[hi] - u[lo]
+        if self.tied_pair is not None:
+            first, last = self.tied_pair
+            both = (lo <= first) & (hi > last)
+            out = out - np.where(both, self.tied_saving[first] + self.tied_saving[last], 0.0)
+        return out
+
+    def update_floor(self) -> np.ndarray:
+        """Prefix sums ``U`` with ``U[e] - U[s] <=`` :meth:`segment_updates` of ``[s, e)`` for every segment, and
+        non-decreasing: the updates less every tie saving (a lower bound's term)."""
+        return np.concatenate([[0.0], np.cumsum(np.subtract(self.update, self.tied_saving))])
+
     def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], list[float],
                                                            list[bool]]:
         """(forward, backward, update per stage, the p2p time per cut, gradient per cut) of one split."""
-        f, b, u = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward, self.update))
+        f, b = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward))
         segs = list(zip(bounds[:-1], bounds[1:]))
+        lo, hi = np.asarray(bounds[:-1], dtype=np.int64), np.asarray(bounds[1:], dtype=np.int64)
         return (
             [float(f[s:e].sum()) for s, e in segs],
             [float(b[s:e].sum()) for s, e in segs],
-            [float(u[s:e].sum()) for s, e in segs],
+            [float(x) for x in self.segment_updates(lo, hi)],
             self.cut_times(bounds),
             [bool(self.grad_after[e]) for _, e in segs[:-1]],
         )
@@ -280,7 +310,6 @@ class StepTimeEvaluator:
         self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
         self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
         self._w = np.concatenate([[0.0], np.cumsum(problem.weight)])
-        self._u = np.concatenate([[0.0], np.cumsum(problem.update)])
         self._send = np.asarray(problem.send, dtype=np.float64)  # (cuts, n)
         self._grad = np.asarray(problem.grad_after, dtype=bool)
         self._table = np.empty(0)
@@ -331,5 +360,5 @@ class StepTimeEvaluator:
             out += add[cd]
             if nf:
                 out[:nf] += add[cd2]
-        update = (self._u[hi] - self._u[lo]).max(axis=1)
+        update = p.segment_updates(lo, hi).max(axis=1)
         return t[graph.last].max(axis=0) + update

@@ -42,4 +42,6 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         n_micro_batches=cfg.run.n_micro_batches,
         engine=cfg.run.engine,
         weight=tuple(map(float, prices.weight)),
+        tied_pair=prices.tied_pair,
+        tied_saving=tuple(map(float, prices.tied_saving)),
     )
