@@ -192,8 +192,10 @@ CASES = [
     Case("--pp 100 --compare", lambda t: ["plan", "--pp", "100", "--compare"], EXIT_INVALID,
          ("nanotron", "-×96", "INVALID (few-micro-batches, no-params@2-3, empty-stage@4-99)")),
     Case("plan needing 3.7e5 TiB per stage", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size",
-                                                                                 10**12))], EXIT_OK,
+                                                                                 10**12))], EXIT_INVALID,
          ("warning: stage", "TiB, more than any accelerator holds", "check model_config's sizes")),
+    Case("plan over the GPU's memory", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size", 10**12))],
+         EXIT_INVALID, ("ERROR [stage 0] stage 0 needs about", "TiB, over 79.18 GiB per GPU (H100 SXM (analytic))")),
     # --- output paths (checked before any work)
     Case("simulate --out is a directory", lambda t: ["simulate", "--out", str(t)], EXIT_USAGE,
          ("--out", "is a directory", "give a file path")),

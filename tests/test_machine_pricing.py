@@ -60,7 +60,8 @@ def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
 
 def test_a_profile_survives_a_json_round_trip_with_every_field(tmp_path):
     full = _measured(overhead=EngineOverhead(1e-5, 2e-5, 3e-5), dp_allreduce=Collective(1e-5, 1e9),
-                     tied_allreduce=Collective(2e-5, 2e9), rates=(("decoder", 1e9),), notes=("n",))
+                     tied_allreduce=Collective(2e-5, 2e9), rates=(("decoder", 1e9),), notes=("n",),
+                     device_memory_bytes=85e9)
     assert load_machine(_saved(tmp_path, full)) == full
     assert MachineProfile.from_json(ANALYTIC_GPU.to_json()) == ANALYTIC_GPU
 
@@ -218,7 +219,7 @@ def test_overrides_are_named_and_flops_drops_measured_blocks(tmp_path):
     assert fast.links == (Link(-1, -1, 2e-4, 100e9),) and fast.blocks == _measured().blocks
     assert fast.describe() == "hand-measured: 6 measured blocks, p2p 100 GB/s + 200 µs [p2p overridden: 100 GB/s]"
     assert machine_for(SEED).describe() == ("H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, "
-                                            "p2p 50 GB/s + 10 µs")
+                                            "p2p 50 GB/s + 10 µs, 79.18 GiB per GPU")
     with pytest.raises(ConfigError, match="times=profiled measures block times; tflops would replace them"):
         SEED.with_overrides(times="profiled", tflops=1.0)
     with pytest.raises(ConfigError, match="nanotron_ext.tflops=-1.0 must be a positive number of TFLOP/s"):

@@ -20,6 +20,7 @@ from nanotron_ext.costs.memory_estimate import RUNTIME_TENSORS_BYTES
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
+from nanotron_ext.report import human_bytes
 
 
 @pytest.fixture
@@ -214,8 +215,13 @@ def test_plan_shows_the_breakdown_per_stage_and_in_json(tiny):
     plan = make_plan(blocks, cfg)
     lines = plan.memory_table().splitlines()
     assert lines[0].split() == ["stage", "weights", "gradients", "optimizer", "buffers", "activations/mb", "in",
-                                "flight", "temporaries", "overhead", "peak", "peak", "at"]
+                                "flight", "temporaries", "overhead", "peak", "peak", "at", "of", "limit", "margin"]
     assert len(lines) == 2 + plan.pp
+    # Each peak against the analytic H100's memory (the config names no other): its share and the room left.
+    assert plan.memory_limit is not None and plan.memory_limit.bytes == 81_082 * 2**20
+    share, number, unit = lines[2].split()[-3:]
+    assert share == f"{plan.stages[0].memory_bytes / plan.memory_limit.bytes:.0%}"
+    assert f"{number} {unit}" == "+" + human_bytes(plan.memory_limit.bytes - plan.stages[0].memory_bytes)
     # Right-aligned numbers end in the same column as their header.
     end = lines[0].index("peak ") + len("peak")
     assert all(line[:end].rstrip().endswith(("MiB", "GiB", "peak")) for line in lines[2:] + lines[:1])

@@ -9,6 +9,7 @@ import pytest
 from nanotron_ext import make_plan
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.report import human_bytes
 
 GIB = 1 << 30
 
@@ -56,19 +57,28 @@ def test_memory_cap_is_in_gib(tiny):
     assert memory.severity == "error" and memory.message.startswith(f"stage 0 needs about {need / GIB:.3g} GiB, over")
 
 
-def test_the_memory_cap_fix_names_only_what_the_config_has_not_taken(tiny):
+def test_the_memory_fixes_are_planned_and_name_only_what_the_config_has_not_taken(tiny):
     cfg, blocks = tiny
 
     def fix(cfg, strategy="nanotron"):
         need = make_plan(blocks, cfg, strategy).stages[0].memory_bytes
-        plan = make_plan(blocks, cfg.with_overrides(memory_cap_gib=need * 0.997 / GIB), strategy)
-        return next(f.fix for f in plan.findings if f.code == "memory")
+        capped = cfg.with_overrides(memory_cap_gib=need * 0.997 / GIB)
+        plan = make_plan(blocks, capped, strategy)
+        return capped, next(f.fix for f in plan.findings if f.code == "memory")
 
-    # 1F1B, dp=1: no "the 1f1b engine", and no ZeRO-1 (nothing to shard the optimizer over at dp=1).
-    assert fix(cfg) == ("raise the cap, use a larger pp or `--cost-strategy memory` (it balances the estimate's "
-                        "additive part)")
-    both = fix(_run(cfg, engine="afab", dp=2))
-    assert "optimizer.zero_stage: 1" in both and "the 1f1b engine (fewer micro-batches in flight)" in both
+    def largest(cfg, strategy="nanotron"):
+        from nanotron_ext.inventory import inventory_from_config
+
+        return human_bytes(max(s.memory_bytes for s in make_plan(inventory_from_config(cfg), cfg, strategy).stages))
+
+    # 1F1B, dp=1: no "pp_engine: 1f1b", and no ZeRO-1 (nothing to shard the optimizer over at dp=1); each change
+    # planned again, with the largest stage it gives, those that fit first; the cap last.
+    capped, text = fix(cfg)
+    assert text == (f"`parallelism.tp: 2` (largest stage {largest(_run(capped, tp=2))}); or `parallelism.pp: 4` "
+                    f"(largest stage {largest(capped.with_overrides(pp=4))}, still over); or raise `memory_cap_gib`")
+    capped, both = fix(_run(cfg, engine="afab", dp=2))
+    assert f"`optimizer.zero_stage: 1` (largest stage {largest(_run(capped, zero_stage=1))}" in both
+    assert f"`pp_engine: 1f1b` (fewer micro-batches in flight) (largest stage {largest(_run(capped, engine='1f1b'))}" in both
     from nanotron_ext.strategies.fixes import memory_cap_fix
 
     assert "--cost-strategy memory" not in memory_cap_fix(cfg, "memory", len(blocks))  # it plans under the cap

@@ -25,10 +25,18 @@ from nanotron_ext.cli.common import (
     warn_memory,
 )
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
-from nanotron_ext.plan import Plan, VocabChoice, make_plan, plan_every_strategy, resolve_vocab_shards
+from nanotron_ext.plan import (
+    Plan,
+    VocabChoice,
+    make_plan,
+    plan_every_strategy,
+    plan_with_ranks,
+    resolve_vocab_shards,
+)
 from nanotron_ext.report import compact_names, human_bytes, human_count
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 
@@ -90,8 +98,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(_header(cfg, plan, choice))
         print(plan.table())
+        limit = "" if plan.memory_limit is None else f"; each must fit {plan.memory_limit}"
         print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
-              "alive then):")
+              f"alive then{limit}):")
         print(plan.memory_table())
         print(_verdict(plan, result, step_time_line(cfg, blocks, plan, result)))
         tradeoff = frozen_tradeoff(cfg, blocks)
@@ -151,7 +160,20 @@ def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, 
         if rule is not None:
             line += (f"; Nanotron's rule: {format_seconds(rule.step_time)}, this split is "
                      f"{speed_cell(rule.step_time, result.step_time)} as fast")
-    return line
+    return line + gave_up_line(cfg, blocks, plan, result)
+
+
+def gave_up_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, result: SimResult) -> str:
+    """What fitting the memory cost: the faster split it ruled out, its step and its largest stage."""
+    if plan.over_memory_ranks is None or plan.memory_limit is None:
+        return ""
+    faster = plan_with_ranks(blocks, cfg, plan.over_memory_ranks, plan.strategy, suggest_fixes=False)
+    sim = simulated(faster, blocks, cfg)
+    worst = max(faster.stages, key=lambda s: s.memory_bytes)
+    step = "-" if sim is None else format_seconds(sim.step_time)
+    slower = "" if sim is None else f", {speed_cell(sim.step_time, result.step_time)} as fast as it"
+    return (f"\nto fit {plan.memory_limit}: the fastest split ({faster.stage_map()}, {step}) needs "
+            f"{worst.memory_bytes / GIB:.3g} GiB on stage {worst.stage}; this one fits{slower}")
 
 
 def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | None:

@@ -3,6 +3,7 @@ planning and simulation alike; the analytic H100 default; and the one place that
 (:func:`machine_for`, :func:`price_blocks`)."""
 
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
+from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
 from nanotron_ext.machine.pricing import BlockPrices, machine_for, measured_blocks, price_blocks, weight_part
 from nanotron_ext.machine.profile import (
     FORMAT_VERSION,
@@ -27,11 +28,13 @@ __all__ = [
     "Link",
     "MachineKey",
     "MachineProfile",
+    "MemoryLimit",
     "block_signature",
     "key_for",
     "load_machine",
     "machine_for",
     "measured_blocks",
+    "memory_limit",
     "price_blocks",
     "weight_part",
 ]

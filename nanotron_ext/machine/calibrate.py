@@ -123,9 +123,18 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
             flops_per_second=overall, rates=rates, blocks=tuple(costs.values()), links=comm.links,
             overhead=EngineOverhead(call, comm.send_recv / 2, comm.send_recv / 2),
             dp_allreduce=comm.dp_allreduce, tied_allreduce=comm.tied_allreduce,
+            device_memory_bytes=_device_memory(),
         )
 
     return _share(build, world)
+
+
+def _device_memory() -> float | None:
+    """This rank's GPU memory as CUDA reports its total (what a plan must fit in); None on CPU."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory) \
+        if torch.cuda.is_available() else None
 
 
 def _check_counts(warmup: int, repeats: int) -> None:

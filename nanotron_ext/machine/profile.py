@@ -4,9 +4,8 @@ It holds, for one model shape, dtype, device, backend and world layout (:class:`
 
 * ``blocks``: measured forward, backward and update seconds of each distinct block (:class:`BlockCost`, found
   by its :func:`block_signature`), and ``rates``: training FLOP/s per block role, for blocks not measured;
-* ``links``: p2p between pipeline neighbours as latency + bytes ÷ bandwidth (:class:`Link`);
-* ``overhead``: the engine's per-call costs (:class:`EngineOverhead`);
-* ``dp_allreduce`` / ``tied_allreduce``: the gradient syncs after the pipeline (:class:`Collective`).
+* ``links``: p2p between pipeline neighbours as latency + bytes ÷ bandwidth (:class:`Link`); ``overhead``: the
+  engine's per-call costs (:class:`EngineOverhead`); ``dp_allreduce`` / ``tied_allreduce``: the gradient syncs.
 
 A profile made for one key is refused for another (:meth:`MachineKey.differences` names what differs). The
 analytic default (:mod:`nanotron_ext.machine.analytic`) has a key of wildcards (``None``).
@@ -173,6 +172,8 @@ class MachineProfile:
         dp_allreduce / tied_allreduce: the gradient syncs; None: not priced.
         memory_bytes_per_second: device memory bandwidth that prices the optimizer step of a block that was not
             measured (:func:`~nanotron_ext.costs.analytic.update_bytes` per trainable parameter); None: not priced.
+        device_memory_bytes: each rank's device memory, as CUDA reports its total; a stage whose estimated peak
+            is above it does not fit (:mod:`nanotron_ext.plan.fit`). None: unknown (a CPU), no limit.
         notes: what was overridden after measuring (``--tflops``, ``--p2p-gbps``), shown in headers.
     """
 
@@ -187,13 +188,15 @@ class MachineProfile:
     dp_allreduce: Collective | None = None
     tied_allreduce: Collective | None = None
     memory_bytes_per_second: float | None = None
+    device_memory_bytes: float | None = None
     notes: tuple[str, ...] = ()
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         _positive("flops_per_second", self.flops_per_second)
-        if self.memory_bytes_per_second is not None:
-            _positive("memory_bytes_per_second", self.memory_bytes_per_second)
+        for name in ("memory_bytes_per_second", "device_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         for role, rate in self.rates:
             _positive(f"rates[{role}]", rate)
         for b in self.blocks:
@@ -304,6 +307,8 @@ class MachineProfile:
             p2p = "p2p not measured (priced 0: calibrate under torchrun, or --p2p-gbps)"
         if self.memory_bytes_per_second is not None and not self.blocks:
             compute += f", optimizer step at {self.memory_bytes_per_second / 1e12:.3g} TB/s"
+        if self.device_memory_bytes is not None:
+            p2p += f", {self.device_memory_bytes / 2**30:.4g} GiB per GPU"
         notes = f" [{'; '.join(self.notes)}]" if self.notes else ""
         return f"{self.name}: {compute}, {p2p}{notes}"
 
@@ -346,6 +351,7 @@ class MachineProfile:
                 dp_allreduce=None if data["dp_allreduce"] is None else Collective(**data["dp_allreduce"]),
                 tied_allreduce=None if data["tied_allreduce"] is None else Collective(**data["tied_allreduce"]),
                 memory_bytes_per_second=data.get("memory_bytes_per_second"),
+                device_memory_bytes=data.get("device_memory_bytes"),
                 notes=tuple(data.get("notes", ())),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:

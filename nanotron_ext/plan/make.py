@@ -9,7 +9,10 @@ from nanotron_ext.blocks import BlockInfo, held_parameters
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import training_flops
 from nanotron_ext.costs.memory_estimate import config_stage_memory
-from nanotron_ext.errors import PlanningError
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
+from nanotron_ext.plan.fit import MemoryFix, fix_candidates
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
@@ -19,13 +22,15 @@ from nanotron_ext.strategies.registry import Assignment
 __all__ = ["make_plan", "plan_with_ranks"]
 
 
-def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None) -> Plan:
+def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None, *,
+              suggest_fixes: bool = True) -> Plan:
     """Plan the split of ``blocks`` into ``cfg.run.pp`` stages with one strategy, and validate it.
 
     Args:
         blocks: the inventory (:mod:`nanotron_ext.inventory`).
         cfg: config; ``cfg.ext.cost_strategy`` is used unless ``strategy`` is given.
         strategy: a registered name or ``package.module:attr``.
+        suggest_fixes: when a stage does not fit its memory, plan the fixes again to price them.
 
     Returns:
         The :class:`Plan`, findings included (check ``plan.ok``).
@@ -35,20 +40,22 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
         PlanningError: no split satisfies the strategy's constraints.
     """
     name = strategy or cfg.ext.cost_strategy
-    return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg))
+    return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg), suggest_fixes)
 
 
-def plan_with_ranks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequence[int], strategy: str) -> Plan:
+def plan_with_ranks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequence[int], strategy: str, *,
+                    suggest_fixes: bool = True) -> Plan:
     """The plan of a split given block by block (a checkpoint's recorded split), priced and validated as
     :func:`make_plan` does; ``strategy`` names what chose it.
 
     Raises:
         PlanningError: the ranks do not fit the blocks and ``cfg.run.pp``, or go backwards.
     """
-    return _plan(blocks, cfg, strategy, Assignment(list(ranks), training_flops(blocks), "FLOPs"))
+    return _plan(blocks, cfg, strategy, Assignment(list(ranks), training_flops(blocks), "FLOPs"), suggest_fixes)
 
 
-def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment) -> Plan:
+def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment,
+          suggest_fixes: bool = True) -> Plan:
     pp = cfg.run.pp
     ranks = list(assignment.ranks)
     if len(ranks) != len(blocks) or any(not (0 <= r < pp) for r in ranks):
@@ -89,4 +96,26 @@ def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment
         stages=tuple(stages),
         block_flops=tuple(flops),
     )
-    return replace(plan, findings=tuple(validate_plan(plan, blocks, cfg)))
+    limit = memory_limit(cfg)
+    findings = validate_plan(plan, blocks, cfg)
+    if suggest_fixes and limit is not None and any(f.code == "memory" for f in findings):
+        findings = validate_plan(plan, blocks, cfg, memory_fixes=_priced_fixes(blocks, cfg, name, limit))
+    over = None if assignment.over_memory is None else tuple(assignment.over_memory)
+    return replace(plan, findings=tuple(findings), memory_limit=limit, over_memory_ranks=over)
+
+
+def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str,
+                  limit: MemoryLimit) -> list[MemoryFix]:
+    """Each of :func:`~nanotron_ext.plan.fit.fix_candidates` planned, with its largest stage peak; a change that
+    cannot be planned (too few blocks for the pp, heads the tp does not divide) is left out."""
+    fixes = []
+    for change, changed, how in fix_candidates(cfg, strategy, limit):
+        try:
+            new_blocks = blocks if changed.run.tp == cfg.run.tp else inventory_from_config(changed)
+            if len(new_blocks) < changed.run.pp:
+                continue
+            peak = max(s.memory_bytes for s in make_plan(new_blocks, changed, how, suggest_fixes=False).stages)
+        except (ConfigError, PlanningError):
+            continue
+        fixes.append(MemoryFix(change, peak, peak <= limit.bytes))
+    return fixes

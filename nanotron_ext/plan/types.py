@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from nanotron_ext.blocks import role_of
 from nanotron_ext.costs.memory_estimate import StageMemory
+from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes, human_count, int_ranges, table
 
 __all__ = ["Finding", "Plan", "Severity", "StagePlan"]
@@ -82,6 +83,10 @@ class Plan:
     stages: tuple[StagePlan, ...] = field(compare=False)
     findings: tuple[Finding, ...] = field(compare=False, default=())
     block_flops: tuple[float, ...] = field(compare=False, default=())
+    #: The memory each stage must fit in (``memory_cap_gib`` or the device's); None: none known.
+    memory_limit: MemoryLimit | None = field(compare=False, default=None)
+    #: The faster split that the memory ruled out, block by block; None when this one is the fastest.
+    over_memory_ranks: tuple[int, ...] | None = field(compare=False, default=None)
 
     @cached_property
     def optimum_flops(self) -> float:
@@ -188,4 +193,10 @@ class Plan:
             head[8:8] = ["W state/mb", "deferred W"]
             for row, m in zip(rows, mems):
                 row[8:8] = [human_bytes(m.weight_pending), m.deferred]
+        if self.memory_limit is not None:  # each peak against the memory it must fit in
+            head += ["of limit", "margin"]
+            for row, m in zip(rows, mems):
+                margin = self.memory_limit.bytes - m.peak
+                row += [f"{m.peak / self.memory_limit.bytes:.0%}",
+                        ("+" if margin >= 0 else "-") + human_bytes(abs(margin))]
         return table(head, rows)

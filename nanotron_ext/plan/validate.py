@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.machine.memory_limit import memory_limit
 from nanotron_ext.partition import nanotron_greedy_ranks
+from nanotron_ext.plan.fit import MemoryFix, fix_text, overrun
 from nanotron_ext.plan.types import Finding, Plan, Severity
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import micro_batch_shortfall
@@ -19,16 +20,20 @@ from nanotron_ext.strategies.fixes import frozen_stage_fix, memory_cap_fix, or_l
 __all__ = ["cannot_train_message", "validate_plan"]
 
 
-def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> list[Finding]:
+def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
+                  memory_fixes: Sequence[MemoryFix] = ()) -> list[Finding]:
     """Check a plan statically.
 
     Checks: empty stage, stage without parameters, stage without trainable parameters, memory over
-    ``memory_cap_gib``, fewer micro-batches than stages under 1F1B (warning).
+    ``memory_cap_gib`` or the device's (:mod:`nanotron_ext.plan.fit`), fewer micro-batches than stages under 1F1B
+    (warning).
 
     Args:
         plan: the plan to check.
         blocks: the inventory it was made from.
         cfg: the config (engine, micro-batches, our options).
+        memory_fixes: the fixes of a stage over its memory, priced (:func:`nanotron_ext.plan.make.make_plan`
+            prices them); empty: the ways out are named unpriced.
 
     Returns:
         Findings, errors first; an empty list means the plan can train.
@@ -57,14 +62,13 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -
                 + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
                 frozen_stage_fix(cfg, plan.strategy, n_trainable),
             ))
-        cap = cfg.ext.memory_cap_gib
-        if cap is not None and s.memory_bytes > cap * GIB:
-            findings.append(Finding(
-                "error", "memory", s.stage,
-                f"stage {s.stage} needs about {s.memory_bytes / GIB:.3g} GiB, over memory_cap_gib={cap:g} by "
-                f"{s.memory_bytes / GIB - cap:.3g} GiB",
-                memory_cap_fix(cfg, plan.strategy, len(blocks)),
-            ))
+    limit = memory_limit(cfg)
+    over = [o for s in plan.stages if s.memory is not None and (o := overrun(s.stage, s.memory, limit, cfg))]
+    if over and limit is not None:
+        fix = fix_text(limit, memory_fixes, memory_cap_fix(cfg, plan.strategy, len(blocks)))
+        first = over[0].stage
+        findings += [Finding(o.severity, "memory", o.stage, o.message(), fix if o.stage == first else
+                             f"as for stage {first}") for o in over]
     shortfall = micro_batch_shortfall(cfg.run.engine, plan.pp, cfg.run.n_micro_batches)
     if shortfall is not None:
         findings.append(Finding("error" if shortfall.fatal else "warning", "few-micro-batches", None,

@@ -23,7 +23,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.costs.block_memory import block_memory, deferred_weights, weight_pending
 from nanotron_ext.errors import ConfigError, PlanningError, suggest
-from nanotron_ext.machine import machine_for, price_blocks
+from nanotron_ext.machine import machine_for, memory_limit, price_blocks
 from nanotron_ext.partition import (
     MemoryCap,
     Requirement,
@@ -50,6 +50,7 @@ __all__ = [
     "optimal_assignment",
     "require_trainable_per_stage",
     "step_time_assignment",
+    "within_device_memory",
 ]
 
 
@@ -282,10 +283,14 @@ class Constrained:
             )
         each = require_trainable_per_stage(blocks, cfg)
         costs, unit, per_in_flight = _PRICERS[base](blocks, cfg)
-        if cfg.ext.objective == "step_time" and base == "flops":
-            return step_time_assignment(blocks, cfg, costs, unit, trainable_per_stage=each, strategy=self.name)
-        return optimal_assignment(blocks, cfg, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each,
-                                  strategy=self.name)
+
+        def split(c: PlannerConfig) -> Assignment:
+            if c.ext.objective == "step_time" and base == "flops":
+                return step_time_assignment(blocks, c, costs, unit, trainable_per_stage=each, strategy=self.name)
+            return optimal_assignment(blocks, c, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each,
+                                      strategy=self.name)
+
+        return within_device_memory(split, cfg)
 
 
 @register_strategy("layout")
@@ -322,6 +327,26 @@ class Profiled:
         cfg = cfg.with_overrides(cost_strategy=self.name)  # named by make_plan's argument: machine_for measures
         prices = price_blocks(machine_for(cfg, blocks), blocks, cfg)
         costs = [f + b for f, b in zip(prices.forward, prices.backward)]
-        if cfg.ext.objective == "step_time":
-            return step_time_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, strategy=self.name)
-        return optimal_assignment(blocks, cfg, costs, "seconds", trainable_per_stage=each, strategy=self.name)
+
+        def split(c: PlannerConfig) -> Assignment:
+            if c.ext.objective == "step_time":
+                return step_time_assignment(blocks, c, costs, "seconds", trainable_per_stage=each, strategy=self.name)
+            return optimal_assignment(blocks, c, costs, "seconds", trainable_per_stage=each, strategy=self.name)
+
+        return within_device_memory(split, cfg)
+
+
+def within_device_memory(split: Callable[[PlannerConfig], Assignment], cfg: PlannerConfig) -> Assignment:
+    """``split(cfg)`` with the device's memory as the cap when the config sets none
+    (:func:`nanotron_ext.machine.memory_limit`): the fastest split that fits it, with the faster one it ruled
+    out (``over_memory``). When none fits, the split without it; the validator then names the stage over and
+    the fixes."""
+    limit = memory_limit(cfg)
+    if cfg.ext.memory_cap_gib is not None or limit is None:
+        return split(cfg)
+    fastest = split(cfg)
+    try:
+        fits = split(cfg.with_overrides(memory_cap_gib=limit.bytes / GIB))
+    except PlanningError:
+        return fastest
+    return fits if fits.ranks == fastest.ranks else dataclasses.replace(fits, over_memory=list(fastest.ranks))

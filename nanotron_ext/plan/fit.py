@@ -1,0 +1,124 @@
+"""Does a plan fit the memory it has? The limit a config names, the verdict on a stage, and fixes, computed.
+
+The limit is :func:`nanotron_ext.machine.memory_limit` (``memory_cap_gib``, else the device's memory).
+
+A stage whose estimated peak is above a cap, or above a device's memory under the CPU runtime's estimate, is an
+error. Under ``memory_runtime: gpu`` the estimate counts the CPU runtime's Llama, which saves more than
+Nanotron's GPU path (flash-attn, fused RMSNorm: :data:`GPU_ACTIVATION_OVERCOUNT`). So there a stage is an error
+only when it is over even with its in-flight activations cut by that share, and a warning ("may not fit") between
+the two. Each fix is a changed config planned again (by ``make_plan``), with the largest stage peak it gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.costs.memory_estimate import StageMemory
+from nanotron_ext.machine.memory_limit import MemoryLimit
+from nanotron_ext.report import human_bytes
+from nanotron_ext.schedule import micro_batch_shortfall
+
+__all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "overrun"]
+
+#: The share of a stage's in-flight activations the estimate may count above Nanotron's GPU path: about 23 % of
+#: SmolLM3's decoder activations by a hand count (docs/memory.md, Limits). A stage over its device's memory by
+#: less than this share of them may still fit.
+GPU_ACTIVATION_OVERCOUNT = 0.23
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """A stage over its limit: by how much, and whether that is certain (``error``) or within the estimate's
+    over-count on a GPU (``warning``)."""
+
+    stage: int
+    peak: float
+    limit: MemoryLimit
+    severity: Literal["error", "warning"]
+
+    @property
+    def margin(self) -> float:
+        """Limit − peak, bytes (negative: over)."""
+        return self.limit.bytes - self.peak
+
+    def message(self) -> str:
+        text = f"stage {self.stage} needs about {human_bytes(self.peak)}, over {self.limit} by {human_bytes(-self.margin)}"
+        if self.severity == "warning":
+            text += (f"; it may still fit: the estimate counts the CPU runtime's activations, about "
+                     f"{GPU_ACTIVATION_OVERCOUNT:.0%} more than Nanotron's GPU path (flash-attn) keeps")
+        return text
+
+
+@dataclass(frozen=True)
+class MemoryFix:
+    """One change to the config, in its own terms, and the largest stage peak the plan then has."""
+
+    change: str
+    peak: float
+    fits: bool
+
+    def __str__(self) -> str:
+        return f"{self.change} (largest stage {human_bytes(self.peak)}{'' if self.fits else ', still over'})"
+
+
+def overrun(stage: int, memory: StageMemory, limit: MemoryLimit | None, cfg: PlannerConfig) -> Overrun | None:
+    """The stage's :class:`Overrun`, or None when its peak fits ``limit`` (or there is none)."""
+    if limit is None or memory.peak <= limit.bytes:
+        return None
+    severity: Literal["error", "warning"] = "error"
+    if limit.kind == "device" and cfg.ext.memory_runtime == "gpu" and memory.peak_at == "pipeline":
+        if memory.peak - GPU_ACTIVATION_OVERCOUNT * memory.pipeline_activations <= limit.bytes:
+            severity = "warning"
+    return Overrun(stage, memory.peak, limit, severity)
+
+
+def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> list[tuple[str, PlannerConfig, str]]:
+    """The changes that could bring every stage under ``limit``, in the config's own terms: ``(change, the changed
+    config, the strategy that splits it)``. A split chosen under the limit, ZeRO-1, the 1F1B engine, twice the pp,
+    twice the tp; only what the config has not taken. :func:`nanotron_ext.plan.make.make_plan` prices them."""
+    run = cfg.run
+    tries: list[tuple[str, PlannerConfig, str]] = []
+    if limit.kind == "device":
+        tries.append((f"a split chosen under the memory: `cost_strategy: constrained` with "
+                      f"`memory_cap_gib: {limit.bytes / GIB:.4g}`",
+                      cfg.with_overrides(memory_cap_gib=limit.bytes / GIB), "constrained"))
+    if run.zero_stage == 0 and run.dp > 1:  # ZeRO-1 shards the optimizer state over dp: nothing to shard at dp=1
+        tries.append(("`optimizer.zero_stage: 1`", _replace_run(cfg, zero_stage=1), strategy))
+    if run.engine != "1f1b":
+        tries.append(("`pp_engine: 1f1b` (fewer micro-batches in flight)", cfg.with_overrides(engine="1f1b"),
+                      strategy))
+    if not _fatal(run.engine, 2 * run.pp, run.n_micro_batches):
+        tries.append((f"`parallelism.pp: {2 * run.pp}`", cfg.with_overrides(pp=2 * run.pp), _resplit(strategy)))
+    tries.append((f"`parallelism.tp: {2 * run.tp}`", _replace_run(cfg, tp=2 * run.tp), _resplit(strategy)))
+    return tries
+
+
+def fix_text(limit: MemoryLimit, fixes: Sequence[MemoryFix], generic: str) -> str:
+    """The priced fixes, those that fit first, then the cap: raised, or set when the estimate is known high;
+    ``generic`` (the ways out, unpriced) when none was priced."""
+    last = ("raise `memory_cap_gib`" if limit.kind == "cap"
+            else "`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the estimate")
+    if not fixes:
+        return generic if limit.kind == "cap" else last
+    ordered = sorted(fixes, key=lambda f: (not f.fits, f.peak))
+    return "; or ".join([str(f) for f in ordered] + [last])
+
+
+def _replace_run(cfg: PlannerConfig, **changes: int) -> PlannerConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **changes))
+
+
+def _resplit(strategy: str) -> str:
+    """The strategy that splits a changed pp or tp: a hand layout names the old one, so ``constrained`` instead."""
+    return "constrained" if strategy == "layout" else strategy
+
+
+def _fatal(engine: str, pp: int, n_micro_batches: int) -> bool:
+    shortfall = micro_batch_shortfall(engine, pp, n_micro_batches)
+    return shortfall is not None and shortfall.fatal

@@ -1,0 +1,120 @@
+"""A plan fits the memory it names (issue 30): the device's memory in the profile, the verdict at the boundary,
+the split ``constrained`` gives up speed for, and fixes priced by planning them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nanotron_ext.cli import main
+from nanotron_ext.config import bundled_config, load_config
+from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.errors import ConfigError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import ANALYTIC_GPU, load_machine, memory_limit
+from nanotron_ext.plan import make_plan, plan_with_ranks
+from nanotron_ext.plan.fit import GPU_ACTIVATION_OVERCOUNT
+from nanotron_ext.simulate import simulate_plan
+
+TINY = load_config(bundled_config())  # embedding, decoder.0-1, final_norm, lm_head, cast, loss; pp=2
+
+
+def _gpu(tmp_path: Path, memory: float, name: str = "a GPU") -> str:
+    path = tmp_path / "gpu.json"
+    dataclasses.replace(ANALYTIC_GPU, name=name, device_memory_bytes=memory).save(path)
+    return str(path)
+
+
+def _memory_verdicts(plan) -> list[tuple[str, int]]:
+    return [(f.severity, f.stage) for f in plan.findings if f.code == "memory"]
+
+
+def test_the_analytic_h100_has_cudas_total_of_an_80gb_card_and_a_cpu_run_has_no_limit():
+    assert ANALYTIC_GPU.device_memory_bytes == 81_082 * 2**20  # torch's total_memory on an H100 80GB HBM3
+    limit = memory_limit(TINY)
+    assert limit is not None and limit.kind == "device" and str(limit) == "79.18 GiB per GPU (H100 SXM (analytic))"
+    assert memory_limit(TINY.with_overrides(memory_runtime="cpu")) is None  # the CPU runtime: not that GPU
+    cap = memory_limit(TINY.with_overrides(memory_cap_gib=12.5))
+    assert cap is not None and (cap.kind, cap.bytes, str(cap)) == ("cap", 12.5 * GIB, "memory_cap_gib=12.5")
+
+
+def test_a_profile_without_device_memory_sets_no_limit_and_bad_memory_is_refused(tmp_path):
+    path = tmp_path / "cpu.json"
+    dataclasses.replace(ANALYTIC_GPU, device_memory_bytes=None).save(path)
+    assert memory_limit(TINY.with_overrides(machine=str(path))) is None
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match=rf"device_memory_bytes={bad!r} must be a positive, finite number"):
+            dataclasses.replace(ANALYTIC_GPU, device_memory_bytes=bad)
+    assert load_machine(_gpu(tmp_path, 85e9)).device_memory_bytes == 85e9
+
+
+@pytest.mark.parametrize("runtime", ["cpu", "gpu"])
+def test_the_verdict_flips_one_percent_either_side_of_a_stages_peak(tmp_path, runtime):
+    # Nanotron's rule does not plan under a limit, so its split stays put while the device's memory moves.
+    cfg = TINY.with_overrides(memory_runtime=runtime)
+    blocks = inventory_from_config(cfg)
+    peak = max(s.memory_bytes for s in make_plan(blocks, cfg, "nanotron").stages)
+    worst = max(make_plan(blocks, cfg, "nanotron").stages, key=lambda s: s.memory_bytes).stage
+    fits = make_plan(blocks, cfg.with_overrides(machine=_gpu(tmp_path, peak * 1.01)), "nanotron")
+    assert _memory_verdicts(fits) == []
+    over = make_plan(blocks, cfg.with_overrides(machine=_gpu(tmp_path, peak * 0.99)), "nanotron")
+    memory = over.stages[worst].memory
+    # The CPU runtime's estimate is its measurement: over is an error. On a GPU the estimate counts up to
+    # GPU_ACTIVATION_OVERCOUNT of the activations too many: 1 % over is a "may not fit" when that covers it.
+    covered = peak - GPU_ACTIVATION_OVERCOUNT * memory.pipeline_activations <= peak * 0.99
+    expected = "warning" if runtime == "gpu" and memory.peak_at == "pipeline" and covered else "error"
+    assert _memory_verdicts(over) == [(expected, worst)]
+    assert over.ok is (expected == "warning")
+    finding = next(f for f in over.findings if f.code == "memory")
+    assert finding.message.startswith(f"stage {worst} needs about ") and "over" in finding.message
+    assert ("may still fit" in finding.message) is (expected == "warning")
+
+
+def test_a_stage_over_even_without_the_overcount_is_an_error_on_a_gpu(tmp_path):
+    blocks = inventory_from_config(TINY)
+    stages = make_plan(blocks, TINY, "nanotron").stages
+    worst = max(stages, key=lambda s: s.memory_bytes)
+    floor = worst.memory_bytes - GPU_ACTIVATION_OVERCOUNT * worst.memory.pipeline_activations
+    warned = make_plan(blocks, TINY.with_overrides(machine=_gpu(tmp_path, floor * 1.0001)), "nanotron")
+    refused = make_plan(blocks, TINY.with_overrides(machine=_gpu(tmp_path, floor * 0.9999)), "nanotron")
+    assert ("warning", worst.stage) in _memory_verdicts(warned)
+    assert ("error", worst.stage) in _memory_verdicts(refused)
+
+
+def test_constrained_gives_up_the_fastest_split_for_one_that_fits_and_says_what_it_cost(capsys):
+    cfg = load_config(bundled_config("llama_3_8b.yaml"), pp=4)  # issue 30: 107 GiB on stage 0 before
+    blocks = inventory_from_config(cfg)
+    plan = make_plan(blocks, cfg)
+    limit = 81_082 * 2**20
+    assert plan.ok and max(s.memory_bytes for s in plan.stages) <= limit
+    assert plan.over_memory_ranks is not None and plan.over_memory_ranks != plan.block_ranks
+    faster = plan_with_ranks(blocks, cfg, plan.over_memory_ranks, "constrained")
+    assert max(s.memory_bytes for s in faster.stages) > limit and not faster.ok
+    fast, chosen = simulate_plan(faster, blocks, cfg).step_time, simulate_plan(plan, blocks, cfg).step_time
+    assert fast < chosen
+    # Without a limit (a cap far above), constrained takes the faster split itself.
+    roomy = cfg.with_overrides(memory_cap_gib=1000)
+    assert make_plan(blocks, roomy).block_ranks == plan.over_memory_ranks
+    assert main(["plan", str(bundled_config("llama_3_8b.yaml")), "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("to fit 79.18 GiB per GPU (H100 SXM (analytic))"))
+    assert f"({faster.stage_map()}, " in line and f"needs {max(s.memory_bytes for s in faster.stages) / GIB:.3g} GiB" in line
+
+
+def test_a_plan_over_the_gpu_lists_fixes_planned_again_and_exits_1(capsys):
+    config = str(bundled_config("llama_3_8b.yaml"))
+    assert main(["plan", config, "--pp", "4", "--cost-strategy", "nanotron"]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR [stage 0] stage 0 needs about" in out and "over 79.18 GiB per GPU (H100 SXM (analytic)) by" in out
+    fix = next(x for x in out.splitlines() if x.startswith("  fix: "))
+    # Each fix is the config changed and planned again: its largest stage is what that plan gives.
+    cfg = load_config(config, pp=4)
+    tp2 = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, tp=2))
+    peak = max(s.memory_bytes for s in make_plan(inventory_from_config(tp2), tp2, "nanotron").stages)
+    from nanotron_ext.report import human_bytes
+
+    assert f"`parallelism.tp: 2` (largest stage {human_bytes(peak)})" in fix
+    assert fix.rstrip().endswith("`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the "
+                                 "estimate")
