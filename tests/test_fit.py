@@ -118,3 +118,59 @@ def test_a_plan_over_the_gpu_lists_fixes_planned_again_and_exits_1(capsys):
     assert f"`parallelism.tp: 2` (largest stage {human_bytes(peak)})" in fix
     assert fix.rstrip().endswith("`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the "
                                  "estimate")
+
+
+def test_fit_search_plans_every_change_and_orders_those_that_fit_by_gpus_then_step():
+    from nanotron_ext.plan.fit_search import fit_search
+
+    cfg = load_config(bundled_config("llama_3_8b.yaml"), pp=4, cost_strategy="nanotron")
+    limit, rows = fit_search(cfg)
+    assert limit is not None and limit.bytes == 81_082 * 2**20
+    by_change = {r.change: r for r in rows}
+    assert not by_change["as configured"].fits  # Nanotron's rule at pp=4: 107 GiB on stage 0
+    # Every row is its config planned again by the strategy and simulated (three checked by hand here).
+    for change, tp, pp in (("tp: 2", 2, 4), ("pp: 8", 1, 8), ("tp: 4, pp: 2", 4, 2)):
+        changed = dataclasses.replace(cfg.with_overrides(pp=pp), run=dataclasses.replace(cfg.run, tp=tp, pp=pp))
+        blocks = inventory_from_config(changed)
+        plan = make_plan(blocks, changed, "nanotron")
+        row = by_change[change]
+        assert row.peak == max(s.memory_bytes for s in plan.stages)
+        assert row.step_time == simulate_plan(plan, blocks, changed).step_time
+        assert row.fits is (row.peak <= limit.bytes) and row.gpus == tp * pp
+    fits = [r for r in rows if r.fits]
+    assert fits and rows[: len(fits)] == fits  # those that fit come first...
+    assert [(r.gpus, r.step_time) for r in fits] == sorted((r.gpus, r.step_time) for r in fits)  # ...cheapest first
+    rest = [r.peak for r in rows[len(fits):]]
+    assert rest == sorted(rest)  # then the nearest to fitting
+    assert all(32 % (r.tp) == 0 and 8 % r.tp == 0 for r in rows)  # tp divides Llama-3-8B's 32 and 8 heads
+
+
+def test_plan_fit_prints_the_table_and_says_when_nothing_fits(capsys, tmp_path):
+    config = str(bundled_config("llama_3_8b.yaml"))
+    assert main(["plan", config, "--pp", "4", "--cost-strategy", "nanotron", "--fit"]) == 0
+    out = capsys.readouterr().out
+    head = next(x for x in out.splitlines() if x.startswith("change"))
+    assert head.split() == ["change", "GPUs", "per", "replica", "largest", "stage", "of", "limit", "sim.", "step",
+                            "fits"]
+    assert "as configured" in out.splitlines()[out.splitlines().index(head) + 2]
+    import yaml
+
+    raw = yaml.safe_load(Path(config).read_text())
+    raw.setdefault("nanotron_ext", {})["memory_cap_gib"] = 1
+    capped = tmp_path / "capped.yaml"
+    capped.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(capped), "--pp", "4", "--cost-strategy", "nanotron", "--fit"]) == 1
+    out = capsys.readouterr().out
+    assert "under memory_cap_gib=1;" in out and "0 fit" in out and "nothing here fits" in out
+    assert main(["plan", config, "--fit", "--compare"]) == 2
+    assert "--compare, --compare-engines and --fit are three tables; pass one of them" in capsys.readouterr().err
+
+
+def test_fit_search_tries_only_a_tp_that_divides_the_heads():
+    from nanotron_ext.plan.fit import heads_split
+    from nanotron_ext.plan.fit_search import fit_search
+
+    smol = load_config(bundled_config("smollm_135m.yaml"))  # 9 query heads, 3 key/value heads
+    assert heads_split(smol, 1) and not heads_split(smol, 2) and not heads_split(smol, 3 * 2)
+    _, rows = fit_search(smol)
+    assert rows and {r.tp for r in rows} == {1}

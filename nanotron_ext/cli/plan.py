@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from nanotron_ext.report import compact_names, human_bytes, human_count
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 
 __all__ = ["COMPARED_ENGINES", "EngineRow", "add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
-           "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
+           "fit_table", "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
 
 #: The engines ``plan --compare-engines`` puts side by side.
 COMPARED_ENGINES = ("1f1b", "zb1p")
@@ -55,6 +56,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--compare-engines", dest="compare_engines", action="store_true",
                    help=f"the default plan under each of {' and '.join(COMPARED_ENGINES)}, each planned for its own "
                         "engine: split, simulated step, bubble, per-stage memory peak")
+    p.add_argument("--fit", action="store_true",
+                   help="the cheapest changes (tp, pp, ZeRO-1, engine) whose every stage fits the memory, each "
+                        "planned and simulated")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
@@ -75,9 +79,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                        args.checkpoint, as_json=args.json)
     if args.replan:
         raise ConfigError("--replan goes with --checkpoint DIR (what a resume of that checkpoint would train)")
+    if sum(map(bool, (args.compare, args.compare_engines, args.fit))) > 1:
+        raise ConfigError("--compare, --compare-engines and --fit are three tables; pass one of them")
+    if args.fit:
+        return fit_table(config_from_args(args, args.config), as_json=args.json)
     if args.compare_engines:
-        if args.compare:
-            raise ConfigError("--compare and --compare-engines are two tables; pass one of them")
         return compare_engines(config_from_args(args, args.config), as_json=args.json)
     cfg, choice = resolve_vocab_shards(config_from_args(args, args.config))
     blocks = inventory_from_config(cfg)
@@ -300,3 +306,34 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
             cells, notes))
     chosen = next((r for r in rows if r.engine == cfg.run.engine), rows[0])
     return EXIT_OK if chosen.plan is not None and chosen.plan.ok else EXIT_INVALID
+
+
+#: Rows ``plan --fit`` prints: the config as it is, then the cheapest that fit, then the nearest that do not.
+FIT_ROWS = 8
+
+
+def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
+    """``plan --fit``: the candidates of :func:`~nanotron_ext.plan.fit_search.fit_search`; exit 0 when one fits."""
+    from nanotron_ext.plan.fit_search import fit_search
+
+    limit, rows = fit_search(cfg)
+    if as_json:
+        print(json.dumps({"limit": None if limit is None else dataclasses.asdict(limit),
+                          "rows": [{**dataclasses.asdict(r), "gpus": r.gpus} for r in rows]}, indent=2))
+        return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID
+    shown = [r for r in rows if r.change == "as configured"] + [r for r in rows if r.change != "as configured"]
+    shown = shown[:FIT_ROWS]
+    table_rows = [[r.change, r.tp * r.pp, human_bytes(r.peak),
+                   "-" if limit is None else f"{r.peak / limit.bytes:.0%}",
+                   "-" if r.step_time is None else format_seconds(r.step_time), "yes" if r.fits else "no"]
+                  for r in shown]
+    where = "no memory limit is known (a CPU profile, or memory_runtime: cpu)" if limit is None else f"{limit}"
+    print(titled_table(f"{cfg.source}: changes planned by {cfg.ext.cost_strategy!r} under {where}; "
+                       f"{len(rows)} candidates, {sum(r.fits for r in rows)} fit",
+                       ["change", "GPUs per replica", "largest stage", "of limit", "sim. step", "fits"],
+                       table_rows, Notes()))
+    if limit is not None and not any(r.fits for r in rows):
+        print("\nnothing here fits: the activations in flight are what is left to cut, by "
+              "`parallelism.recompute_layer: true` (not priced by the estimate yet) or a smaller "
+              "`tokens.micro_batch_size`")
+    return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID

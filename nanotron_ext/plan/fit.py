@@ -22,7 +22,7 @@ from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes
 from nanotron_ext.schedule import micro_batch_shortfall
 
-__all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "overrun"]
+__all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split", "overrun"]
 
 #: The share of a stage's in-flight activations the estimate may count above Nanotron's GPU path: about 23 % of
 #: SmolLM3's decoder activations by a hand count (docs/memory.md, Limits). A stage over its device's memory by
@@ -93,8 +93,15 @@ def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> lis
                       strategy))
     if not _fatal(run.engine, 2 * run.pp, run.n_micro_batches):
         tries.append((f"`parallelism.pp: {2 * run.pp}`", cfg.with_overrides(pp=2 * run.pp), _resplit(strategy)))
-    tries.append((f"`parallelism.tp: {2 * run.tp}`", _replace_run(cfg, tp=2 * run.tp), _resplit(strategy)))
+    if heads_split(cfg, 2 * run.tp):
+        tries.append((f"`parallelism.tp: {2 * run.tp}`", _replace_run(cfg, tp=2 * run.tp), _resplit(strategy)))
     return tries
+
+
+def heads_split(cfg: PlannerConfig, tp: int) -> bool:
+    """Whether Nanotron's attention splits over ``tp``: it asserts that tp divides the query and key/value heads."""
+    m = cfg.model
+    return m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0
 
 
 def fix_text(limit: MemoryLimit, fixes: Sequence[MemoryFix], generic: str) -> str:
