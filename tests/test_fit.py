@@ -174,3 +174,71 @@ def test_fit_search_tries_only_a_tp_that_divides_the_heads():
     assert heads_split(smol, 1) and not heads_split(smol, 2) and not heads_split(smol, 3 * 2)
     _, rows = fit_search(smol)
     assert rows and {r.tp for r in rows} == {1}
+
+
+def _small_smollm(objective: str = "step_time"):
+    """SmolLM-135M's shape with 6 layers at pp=3, m=6: 11 blocks, 45 splits, every one checked by brute force."""
+    raw = load_config(bundled_config("smollm_135m.yaml"), pp=3).with_overrides(n_micro_batches=6, objective=objective)
+    model = dataclasses.replace(raw.model, num_hidden_layers=6)
+    cfg = dataclasses.replace(raw, model=model)
+    return cfg, inventory_from_config(cfg)
+
+
+def _every_split(cfg, blocks):
+    """(bounds, largest full stage estimate, simulated step) of every split whose stages each train something."""
+    import itertools
+
+    from nanotron_ext.partition import ranks_from_bounds
+
+    out = []
+    n, pp = len(blocks), cfg.run.pp
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        if not all(any(b.trainable for b in blocks[s:e]) for s, e in zip(bounds, bounds[1:])):
+            continue
+        plan = plan_with_ranks(blocks, cfg, ranks_from_bounds(list(bounds)), "constrained", suggest_fixes=False)
+        out.append((bounds, max(s.memory_bytes for s in plan.stages), simulate_plan(plan, blocks, cfg).step_time))
+    return out
+
+
+def test_the_least_memory_any_split_needs_is_the_full_estimates_minimum_by_brute_force():
+    from nanotron_ext.errors import PlanningError
+
+    cfg, blocks = _small_smollm()
+    least = min(peak for _, peak, _ in _every_split(cfg, blocks))
+    # Just under it (the additive part alone would fit: the full estimate decides), and far under it.
+    for under in (0.999, 0.5):
+        with pytest.raises(PlanningError, match=rf"the least memory any valid split needs is {least / GIB:.4g} GiB"):
+            make_plan(blocks, cfg.with_overrides(memory_cap_gib=least * under / GIB))
+    plan = make_plan(blocks, cfg.with_overrides(memory_cap_gib=least * 1.001 / GIB))  # just above: it is found
+    assert plan.ok and max(s.memory_bytes for s in plan.stages) <= least * 1.001
+
+
+@pytest.mark.parametrize("objective", ["step_time", "slowest_stage"])
+def test_under_any_cap_constrained_finds_a_split_that_fits_and_the_fastest_one_by_brute_force(objective):
+    cfg, blocks = _small_smollm(objective)
+    splits = _every_split(cfg, blocks)
+    peaks = sorted({peak for _, peak, _ in splits})
+    for cap in (peaks[0], *peaks[1 : len(peaks) : max(1, len(peaks) // 8)], peaks[-1]):
+        plan = make_plan(blocks, cfg.with_overrides(memory_cap_gib=cap * (1 + 1e-7) / GIB))
+        assert plan.ok, (cap, plan.verdict)
+        assert max(s.memory_bytes for s in plan.stages) <= cap * (1 + 1e-7)
+        if objective == "step_time":  # the fastest of those that fit
+            fastest = min(step for _, peak, step in splits if peak <= cap * (1 + 1e-7))
+            assert simulate_plan(plan, blocks, cfg).step_time == pytest.approx(fastest, rel=1e-9)
+
+
+def test_issue_30s_smollm_at_pp_8_fits_its_cap_and_names_the_least_memory_a_hand_layout_reaches():
+    from nanotron_ext.errors import PlanningError
+
+    cfg = load_config(bundled_config("smollm_135m.yaml"), pp=8).with_overrides(n_micro_batches=16)
+    blocks = inventory_from_config(cfg)
+    plan = make_plan(blocks, cfg.with_overrides(memory_cap_gib=5.5))  # was INVALID, stage 3 at 5.61 GiB
+    assert plan.ok and max(s.memory_bytes for s in plan.stages) <= 5.5 * GIB
+    hand = make_plan(blocks, cfg.with_overrides(layout="E,t*2|t*2|t*3|t*3|t*4|t*6|t*8|t*2,L"), "layout")
+    by_hand = max(s.memory_bytes for s in hand.stages)
+    with pytest.raises(PlanningError, match=r"the least memory any valid split needs is ([\d.]+) GiB") as err:
+        make_plan(blocks, cfg.with_overrides(memory_cap_gib=5))
+    least = float(err.value.args[0].split("needs is ")[1].split(" GiB")[0]) * GIB
+    assert least <= by_hand * (1 + 5e-4)  # was 4.72 GiB, under what any split needs
+    assert make_plan(blocks, cfg.with_overrides(memory_cap_gib=least * 1.001 / GIB)).ok

@@ -16,7 +16,7 @@ result is deterministic: every rank computes the same plan from the same input.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +49,13 @@ class Requirement:
 class MemoryCap:
     """Per-stage memory ceiling: ``overhead + sum(static) + in_flight[stage] · sum(activation)
     + deferred[stage] · sum(pending) <= cap`` (bytes; ``pending``/``deferred``: zb1p's deferred weight-gradient
-    passes, empty for none)."""
+    passes, empty for none).
+
+    That additive part is a lower bound of a stage's full estimate (which adds temporaries and held tensors, a
+    maximum over the stage's blocks). ``exact(k, s, e)``, when given, is the full estimate of blocks ``[s, e)``
+    on stage ``k``, overhead included: the cap then holds on it (:meth:`fits`), at the price of one estimate per
+    segment and stage.
+    """
 
     static: tuple[float, ...]
     activation: tuple[float, ...]
@@ -59,11 +65,33 @@ class MemoryCap:
     pending: tuple[float, ...] = ()
     deferred: tuple[int, ...] = ()
     fix: str = ""  # what the config could change when no split fits (the caller knows the config; empty: generic)
+    exact: Callable[[int, int, int], float] | None = field(default=None, compare=False, repr=False)
+    _tables: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def room(self) -> float:
         """What the blocks of one stage may use: the cap less the overhead."""
         return self.cap - self.overhead
+
+    def table(self, k: int, n: int) -> np.ndarray:
+        """``(n + 1) × (n + 1)`` bytes of blocks ``[s, e)`` on stage ``k`` (``inf`` where ``s >= e``): the full
+        estimate when ``exact`` is given, else the additive part plus the overhead."""
+        if k not in self._tables:
+            out = np.full((n + 1, n + 1), np.inf)
+            if self.exact is None:
+                q = self.prefix(k)
+                upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+                out[upper] = (q[None, :] - q[:, None] + self.overhead)[upper]
+            else:
+                for s in range(n):
+                    for e in range(s + 1, n + 1):
+                        out[s, e] = self.exact(k, s, e)
+            self._tables[k] = out
+        return self._tables[k]
+
+    def fits(self, k: int, n: int) -> np.ndarray:
+        """``(n + 1) × (n + 1)`` booleans: blocks ``[s, e)`` fit on stage ``k`` (:meth:`table` within the cap)."""
+        return self.table(k, n) <= self.cap * (1 + _RTOL)
 
     def prefix(self, k: int) -> np.ndarray:
         """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``."""
@@ -196,6 +224,8 @@ def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: Me
         base = base & ((fp[None, :] - fp[:, None]) >= 1)
     if memory is None:
         return lambda k: base
+    if memory.exact is not None:
+        return lambda k: base & memory.fits(k, n)
     limit = memory.room + memory.cap * _RTOL
 
     def valid(k: int) -> np.ndarray:
@@ -253,14 +283,14 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     n = len(names)
     flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
     valid = _segment_validity(n, pp, flag_prefix, None)
-    prefixes = [memory.prefix(k) for k in range(pp)]
-    least, bounds = _dp(pp, n, lambda k: prefixes[k][None, :] - prefixes[k][:, None], valid, combine="max")
-    worst = int(np.argmax([prefixes[k][bounds[k + 1]] - prefixes[k][bounds[k]] for k in range(pp)]))
+    # The full estimate of every segment when the cap holds on it (exact), else the additive part's.
+    least, bounds = _dp(pp, n, lambda k: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n)), valid,
+                        combine="max")
+    worst = int(np.argmax([memory.table(k, n)[bounds[k], bounds[k + 1]] for k in range(pp)]))
     gib = float(1 << 30)
     return PlanningError(
         f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
-        f"{(least + memory.overhead) / gib:.3g} GiB on stage {worst} "
-        f"({(least + memory.overhead - memory.cap) / gib:.3g} GiB over); "
+        f"{least / gib:.4g} GiB on stage {worst} ({(least - memory.cap) / gib:.3g} GiB over); "
         + (memory.fix or "raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer "
                           "micro-batches in flight)")
     )

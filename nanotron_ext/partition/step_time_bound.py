@@ -215,11 +215,27 @@ class Validity:
         if k not in self._lo:
             if self.mem is None:
                 self._lo[k] = np.zeros(self.n + 1, dtype=np.int64)
+            elif self.mem[0].exact is not None:
+                self._lo[k] = _earliest_start(self.mem[0].fits(k, self.n))
             else:
                 memory, cap = self.mem
                 q = memory.prefix(k)  # memory of [s, e) = q[e] - q[s] <= cap
                 self._lo[k] = np.searchsorted(q, q - cap, side="left").astype(np.int64)
         return self._lo[k]
+
+
+def _earliest_start(fits: np.ndarray) -> np.ndarray:
+    """Per end ``e``, the smallest ``s`` from which every start up to ``e - 1`` fits (``e`` when ``[e - 1, e)``
+    does not): the window a stage may start in. A start before a gap that does not fit is left out, so a
+    segment estimate that is not monotone in its start can only lose splits, never admit one over the cap."""
+    n = fits.shape[0] - 1
+    lo = np.arange(n + 1, dtype=np.int64)
+    for e in range(1, n + 1):
+        s = e - 1
+        while s >= 0 and fits[s, e]:
+            s -= 1
+        lo[e] = s + 1
+    return lo
 
 
 def minimise(bound: Bound, hi: float, lo: float = 0.0) -> tuple[float, list[np.ndarray]]:

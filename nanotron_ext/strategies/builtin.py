@@ -17,22 +17,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
 from nanotron_ext.costs.block_memory import block_memory, deferred_weights, weight_pending
+from nanotron_ext.costs.memory_estimate import config_stage_memory
 from nanotron_ext.errors import ConfigError, PlanningError, suggest
 from nanotron_ext.machine import machine_for, memory_limit, price_blocks
 from nanotron_ext.partition import (
     MemoryCap,
+    Partition,
     Requirement,
     bounds_from_ranks,
     layout_ranks,
     nanotron_greedy_ranks,
     partition,
 )
-from nanotron_ext.partition.schedule_aware import step_time_partition
+from nanotron_ext.partition.schedule_aware import StepTimeSplit, step_time_partition
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.strategies.fixes import memory_cap_fix
@@ -50,6 +53,7 @@ __all__ = [
     "optimal_assignment",
     "require_trainable_per_stage",
     "step_time_assignment",
+    "under_full_estimate",
     "within_device_memory",
 ]
 
@@ -85,15 +89,15 @@ def optimal_assignment(
     run = cfg.run
     flight = in_flight(run.engine, run.pp, run.n_micro_batches)
     reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
-    part = partition(
+    part = under_full_estimate(lambda mem: partition(
         costs,
         run.pp,
         per_in_flight=per_in_flight,
         in_flight=flight if per_in_flight is not None else None,
         requirements=reqs,
-        memory=memory,
+        memory=mem,
         names=[b.short for b in blocks],
-    )
+    ), memory, blocks, cfg)
     return Assignment(part.ranks(), list(map(float, costs)), unit)
 
 
@@ -163,13 +167,39 @@ def step_time_assignment(
     greedy = nanotron_greedy_ranks([b.nanotron_cost for b in blocks], cfg.run.pp)
     seed = bounds_from_ranks(greedy, cfg.run.pp)
     try:
-        # Ties in step time go to the split whose largest stage holds the least memory.
-        found = step_time_partition(problem, requirements=reqs, memory=memory, seeds=[seed],
-                                    least_memory=stage_memory_terms(blocks, cfg))
+        # Ties in step time go to the split whose largest stage holds the least memory (under the additive
+        # terms: when the full estimate decides, ties keep the search's own order).
+        found = under_full_estimate(
+            lambda mem: step_time_partition(problem, requirements=reqs, memory=mem, seeds=[seed],
+                                            least_memory=None if mem is not None and mem.exact is not None
+                                            else stage_memory_terms(blocks, cfg)), memory, blocks, cfg)
     except PlanningError:
         optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
         raise
     return Assignment(found.ranks(), list(map(float, costs)), unit)
+
+
+_Split = TypeVar("_Split", Partition, StepTimeSplit)
+
+
+def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: MemoryCap | None,
+                        blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Split:
+    """``search`` under ``memory``'s additive terms, then, if its split is over the cap by the full estimate
+    (temporaries and held tensors added), again with the full estimate of every segment
+    (:attr:`MemoryCap.exact`): so a split under the cap is found whenever one exists, and when none does the
+    error's least memory is the full estimate's. Without a cap, ``search(None)``."""
+    if memory is None:
+        return search(None)
+    exact = dataclasses.replace(memory, exact=lambda k, s, e: config_stage_memory(blocks[s:e], cfg, k).peak)
+    try:
+        found = search(memory)
+    except PlanningError:
+        return search(exact)  # raises too (the additive part is a lower bound), with the full estimate's figure
+    bounds = found.bounds
+    if all(exact.table(k, len(blocks))[bounds[k], bounds[k + 1]] <= memory.cap * (1 + 1e-9)
+           for k in range(len(bounds) - 1)):
+        return found
+    return search(exact)
 
 
 def _infeasible_quickly(blocks: Sequence[BlockInfo], cfg: PlannerConfig, reqs: Sequence[Requirement]) -> bool:
