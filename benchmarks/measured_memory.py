@@ -67,6 +67,7 @@ class Scenario:
     micro_batch_size: int | None = None
     n_micro_batches: int | None = None
     device: str = "cpu"
+    recompute: bool = False  # parallelism.recompute_layer
 
     def raw_config(self) -> dict[str, Any]:
         raw = yaml.safe_load((CONFIGS / self.yaml_name).read_text())
@@ -74,6 +75,7 @@ class Scenario:
         raw["parallelism"].update(pp=self.pp, tp=self.tp, dp=1, pp_engine=self.engine, tp_mode="ALL_REDUCE",
                                   tp_linear_async_communication=False)
         raw["optimizer"]["accumulate_grad_in_fp32"] = False
+        raw["parallelism"]["recompute_layer"] = self.recompute
         raw["optimizer"]["zero_stage"] = 0
         if self.num_hidden_layers is not None:
             raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
@@ -101,6 +103,13 @@ def scenarios(device: str = "cpu") -> list[Scenario]:
         for engine in ("1f1b", "afab", "zb1p"):
             out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
                                 num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
+    # parallelism.recompute_layer: each decoder layer keeps its input; its backward runs the forward again.
+    for dtype in ("float32", "bfloat16"):
+        for engine in ("1f1b", "afab"):
+            # A longer sequence than above, so that the activations, not the optimizer step, set the peak.
+            out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine} recompute", "smollm_135m.yaml", dtype, engine,
+                                num_hidden_layers=6, sequence_length=512, micro_batch_size=2, n_micro_batches=4,
+                                recompute=True))
     return out
 
 

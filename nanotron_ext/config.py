@@ -131,6 +131,7 @@ class RunShape:
     tp_mode: TPMode = "ALL_REDUCE"  # Nanotron's parallelism.tp_mode (REDUCE_SCATTER: sequence parallel)
     tp_async: bool = False  # parallelism.tp_linear_async_communication
     torch_adam_is_fused: bool = False  # optimizer.torch_adam_is_fused
+    recompute_layer: bool = False  # parallelism.recompute_layer (upstream main): each decoder layer recomputed
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
@@ -140,6 +141,8 @@ class RunShape:
         check_choice("parallelism.tp_mode", self.tp_mode, TPMode)
         if self.zero_stage not in (0, 1):
             raise ConfigError(f"optimizer.zero_stage={self.zero_stage!r}: Nanotron supports 0 or 1")
+        if not isinstance(self.recompute_layer, bool):
+            raise ConfigError(f"parallelism.recompute_layer={self.recompute_layer!r} must be true or false")
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -299,6 +302,7 @@ def config_from_dict(raw: Any, *, source: str = "<dict>", nanotron_keys: dict[st
         tp_mode=str(get("parallelism.tp_mode", default="ALL_REDUCE")).upper().removeprefix("TENSORPARALLELLINEARMODE."),
         tp_async=bool(get("parallelism.tp_linear_async_communication", default=False)),
         torch_adam_is_fused=bool(_adam_fused(nanotron)),
+        recompute_layer=get("parallelism.recompute_layer", default=False),
     )
     return PlannerConfig(model=model, run=run, ext=ext, nanotron=nanotron, source=source)
 

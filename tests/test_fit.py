@@ -121,7 +121,7 @@ def test_a_plan_over_the_gpu_lists_fixes_planned_again_and_exits_1(capsys):
 
 
 def test_fit_search_plans_every_change_and_orders_those_that_fit_by_gpus_then_step():
-    from nanotron_ext.plan.fit_search import fit_search
+    from nanotron_ext.simulate.fit_search import fit_search
 
     cfg = load_config(bundled_config("llama_3_8b.yaml"), pp=4, cost_strategy="nanotron")
     limit, rows = fit_search(cfg)
@@ -168,7 +168,7 @@ def test_plan_fit_prints_the_table_and_says_when_nothing_fits(capsys, tmp_path):
 
 def test_fit_search_tries_only_a_tp_that_divides_the_heads():
     from nanotron_ext.plan.fit import heads_split
-    from nanotron_ext.plan.fit_search import fit_search
+    from nanotron_ext.simulate.fit_search import fit_search
 
     smol = load_config(bundled_config("smollm_135m.yaml"))  # 9 query heads, 3 key/value heads
     assert heads_split(smol, 1) and not heads_split(smol, 2) and not heads_split(smol, 3 * 2)
@@ -242,3 +242,22 @@ def test_issue_30s_smollm_at_pp_8_fits_its_cap_and_names_the_least_memory_a_hand
     least = float(err.value.args[0].split("needs is ")[1].split(" GiB")[0]) * GIB
     assert least <= by_hand * (1 + 5e-4)  # was 4.72 GiB, under what any split needs
     assert make_plan(blocks, cfg.with_overrides(memory_cap_gib=least * 1.001 / GIB)).ok
+
+
+def test_recompute_layer_is_read_strictly_and_offered_as_a_fix_with_its_peak():
+    import yaml
+
+    from nanotron_ext.config import config_from_dict
+
+    raw = yaml.safe_load(bundled_config("llama_3_8b.yaml").read_text())
+    raw["parallelism"]["recompute_layer"] = "yes"
+    with pytest.raises(ConfigError, match=r"parallelism.recompute_layer='yes' must be true or false"):
+        config_from_dict(raw)
+    raw["parallelism"]["recompute_layer"] = True
+    again = config_from_dict(raw)
+    assert again.run.recompute_layer
+    blocks = inventory_from_config(again)
+    # Each decoder layer keeps its input: stage 0 of Nanotron's split (107 GiB without) falls well under 80 GB.
+    stage = make_plan(blocks, again, "nanotron").stages[0]
+    assert stage.memory.activations < 0.2 * make_plan(blocks, load_config(bundled_config("llama_3_8b.yaml")),
+                                                      "nanotron").stages[0].memory.activations

@@ -234,3 +234,15 @@ def test_the_plan_header_names_the_machine(tmp_path, capsys):
         capsys.readouterr().out)
     assert main(["plan", "--machine", _saved(tmp_path, _measured())]) == 0
     assert "hand-measured: 6 measured blocks, p2p 1 GB/s + 200 µs" in capsys.readouterr().out
+
+
+def test_a_recomputed_layer_pays_its_forward_again_in_its_backward():
+    machine = _measured()
+    plain = price_blocks(machine, BLOCKS, SEED)
+    again = dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, recompute_layer=True))
+    recomputed = price_blocks(machine, BLOCKS, again)
+    call = machine.overhead.block_call
+    for i, b in enumerate(BLOCKS):
+        extra = plain.forward[i] - call if b.role == "decoder" else 0.0  # the forward, without its call overhead
+        assert recomputed.backward[i] == pytest.approx(plain.backward[i] + extra), b.role
+        assert recomputed.weight[i] == plain.weight[i]  # zb1p's W is the same weight-gradient work

@@ -74,7 +74,9 @@ def test_the_memory_fixes_are_planned_and_name_only_what_the_config_has_not_take
     # 1F1B, dp=1: no "pp_engine: 1f1b", and no ZeRO-1 (nothing to shard the optimizer over at dp=1); each change
     # planned again, with the largest stage it gives, those that fit first; the cap last.
     capped, text = fix(cfg)
-    assert text == (f"`parallelism.tp: 2` (largest stage {largest(_run(capped, tp=2))}); or `parallelism.pp: 4` "
+    assert text == (f"`parallelism.tp: 2` (largest stage {largest(_run(capped, tp=2))}); or "
+                    "`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input) "
+                    f"(largest stage {largest(_run(capped, recompute_layer=True))}, still over); or `parallelism.pp: 4` "
                     f"(largest stage {largest(capped.with_overrides(pp=4))}, still over); or raise `memory_cap_gib`")
     capped, both = fix(_run(cfg, engine="afab", dp=2))
     assert f"`optimizer.zero_stage: 1` (largest stage {largest(_run(capped, zero_stage=1))}" in both

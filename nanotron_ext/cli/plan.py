@@ -57,8 +57,8 @@ def add_subcommand(subparsers: Any) -> None:
                    help=f"the default plan under each of {' and '.join(COMPARED_ENGINES)}, each planned for its own "
                         "engine: split, simulated step, bubble, per-stage memory peak")
     p.add_argument("--fit", action="store_true",
-                   help="the cheapest changes (tp, pp, ZeRO-1, engine) whose every stage fits the memory, each "
-                        "planned and simulated")
+                   help="the cheapest changes (tp, pp, ZeRO-1, recompute_layer, engine) whose every stage fits the "
+                        "memory, each planned and simulated")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
@@ -160,7 +160,7 @@ def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, 
             f"({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; {machine_for(cfg, blocks).describe()})")
     if plan.strategy != "nanotron":
         try:
-            rule = simulated(make_plan(blocks, cfg, "nanotron"), blocks, cfg)
+            rule = simulated(make_plan(blocks, cfg, "nanotron", suggest_fixes=False), blocks, cfg)
         except NanotronExtError:
             rule = None
         if rule is not None:
@@ -313,10 +313,19 @@ FIT_ROWS = 8
 
 
 def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
-    """``plan --fit``: the candidates of :func:`~nanotron_ext.plan.fit_search.fit_search`; exit 0 when one fits."""
-    from nanotron_ext.plan.fit_search import fit_search
+    """``plan --fit``: the candidates of :func:`~nanotron_ext.simulate.fit_search.fit_search`; exit 0 when one fits."""
+    import sys
 
-    limit, rows = fit_search(cfg)
+    from tqdm import tqdm
+
+    from nanotron_ext.simulate.fit_search import fit_search
+
+    with tqdm(desc="fit", unit="candidate", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False) as bar:
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        limit, rows = fit_search(cfg, progress=advance)
     if as_json:
         print(json.dumps({"limit": None if limit is None else dataclasses.asdict(limit),
                           "rows": [{**dataclasses.asdict(r), "gpus": r.gpus} for r in rows]}, indent=2))
@@ -333,7 +342,6 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
                        ["change", "GPUs per replica", "largest stage", "of limit", "sim. step", "fits"],
                        table_rows, Notes()))
     if limit is not None and not any(r.fits for r in rows):
-        print("\nnothing here fits: the activations in flight are what is left to cut, by "
-              "`parallelism.recompute_layer: true` (not priced by the estimate yet) or a smaller "
-              "`tokens.micro_batch_size`")
+        print("\nnothing here fits: what is left is a smaller `tokens.micro_batch_size` or sequence (it changes the "
+              "training), or a GPU with more memory")
     return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID

@@ -24,6 +24,7 @@ this model counts the CPU runtime's SDPA path, so it errs high there, never low.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class BlockMemory:
     output: float
 
 
+@functools.lru_cache(maxsize=8192)  # a split search prices each block on every segment that holds it
 def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
     """Memory of one block by role (see the module docstring for what each role saves).
 
@@ -148,7 +150,8 @@ def _norm(tokens: float, h: int, w: int) -> float:
 
 def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
              grad_temp: float) -> BlockMemory:
-    """A Llama decoder layer (dense MLP; a MoE layer is priced by its active width)."""
+    """A Llama decoder layer (dense MLP; a MoE layer is priced by its active width); under
+    ``recompute_layer``, :func:`_recomputed`."""
     w = DTYPE_BYTES[run.dtype]
     tp, h, d = run.tp, m.hidden_size, m.head_dim
     heads, kv_heads = m.num_attention_heads / tp, m.num_key_value_heads / tp
@@ -170,8 +173,22 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
     while run.sequence_length > end:
         end *= 2
     rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
-    return BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
-                       input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
+    whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
+                        input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
+    return _recomputed(whole, max(attention, mlp)) if run.recompute_layer else whole
+
+
+def _recomputed(whole: BlockMemory, largest_part: float) -> BlockMemory:
+    """A decoder layer under ``parallelism.recompute_layer``: upstream's ``LlamaDecoderLayer.forward`` runs
+    ``_core_forward`` in a reentrant checkpoint, which saves only its inputs (the hidden states and the mask) and
+    runs the forward again, with autograd, in the layer's backward.
+
+    Forward (no autograd): its temporaries and, for a moment, the larger of attention's and the MLP's
+    intermediates (``largest_part``: what they would have saved). Backward: everything the layer would have saved,
+    the recomputed output, then the backward's own temporaries."""
+    return BlockMemory(saved=whole.input, forward_temp=whole.forward_temp + largest_part,
+                       backward_temp=whole.saved + whole.output + whole.backward_temp, persistent=whole.persistent,
+                       input=whole.input, input_saved=True, output=whole.output)
 
 
 def _vocab_shard(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,

@@ -88,7 +88,8 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     ``memory_bytes_per_second``). Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the embedding and the lm_head of a tied model the tied all-reduce (which a stage holding
-    both does not run: :func:`tied_blocks`), and a send
+    both does not run: :func:`tied_blocks`), a decoder layer under ``parallelism.recompute_layer`` its forward
+    once more in its backward, and a send
     across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
     ``output``, in :func:`~nanotron_ext.costs.block_memory.output_tensors` tensors) over that cut's link.
 
@@ -114,8 +115,10 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
             if machine.memory_bytes_per_second is not None:
                 u = b.trainable * step_bytes / machine.memory_bytes_per_second
         fwd.append(f + call)
-        bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
+        if cfg.run.recompute_layer and b.role == "decoder":  # its backward runs its forward again first (B's part)
+            w += f
+        bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
         # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_blocks otherwise).

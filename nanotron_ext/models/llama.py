@@ -385,8 +385,10 @@ class LlamaDecoderLayer(nn.Module):
         parallel_config: ParallelismArgs | None,
         tp_pg: dist.ProcessGroup,
         layer_idx: int,
+        recompute_layer: bool = False,
     ) -> None:
         super().__init__()
+        self.recompute_layer = recompute_layer
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn = CausalSelfAttention(
             config=config, parallel_config=parallel_config, tp_pg=tp_pg, layer_idx=layer_idx
@@ -395,6 +397,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = MLP(config=config, parallel_config=parallel_config, tp_pg=tp_pg)
 
     def forward(self, hidden_states: torch.Tensor, sequence_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.recompute_layer and torch.is_grad_enabled():
+            # Upstream's parallelism.recompute_layer (models/llama.py, LlamaDecoderLayer.forward): a reentrant
+            # checkpoint of the whole layer keeps only its inputs; the backward runs the forward again.
+            hidden_states, sequence_mask = torch.utils.checkpoint.checkpoint(
+                self._core_forward, hidden_states, sequence_mask, use_reentrant=True)
+        else:
+            hidden_states, sequence_mask = self._core_forward(hidden_states, sequence_mask)
+        return {"hidden_states": hidden_states, "sequence_mask": sequence_mask}
+
+    def _core_forward(self, hidden_states: torch.Tensor, sequence_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         output = self.attn(hidden_states=hidden_states, sequence_mask=sequence_mask)
@@ -403,7 +415,7 @@ class LlamaDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states=hidden_states)["hidden_states"] + residual
-        return {"hidden_states": hidden_states, "sequence_mask": output["sequence_mask"]}
+        return hidden_states, output["sequence_mask"]
 
 
 class Embedding(nn.Module):
@@ -482,8 +494,10 @@ class CPULlamaModel(nn.Module):
         vocab_shards: int = 1,
         *,
         p2p: P2P,
+        recompute_layer: bool = False,
     ) -> None:
         super().__init__()
+        self.recompute_layer = recompute_layer
         # The runtime passes its CPUP2P: Nanotron's P2P with non-blocking sends (gloo's blocking send deadlocks
         # the engines; see nanotron_ext.runtime.p2p).
         self.p2p = p2p
@@ -533,6 +547,7 @@ class CPULlamaModel(nn.Module):
                         "parallel_config": parallel_config,
                         "tp_pg": parallel_context.tp_pg,
                         "layer_idx": layer_idx,
+                        "recompute_layer": self.recompute_layer,
                     },
                     module_input_keys={"hidden_states", "sequence_mask"},
                     module_output_keys={"hidden_states", "sequence_mask"},
@@ -636,6 +651,7 @@ class CPULlamaForTraining(NanotronModel):
         p2p: the pipeline's point-to-point channel (the runtime's ``CPUP2P`` over ``parallel_context.pp_pg``).
         vocab_shards: K > 1 replaces ``model.lm_head``, ``model.cast_to_fp32`` and ``loss`` with
             ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.models.vocab_chain`); the loss and gradients are the same.
+        recompute_layer: recompute every decoder layer in its backward (upstream's ``parallelism.recompute_layer``).
 
     Raises:
         ValueError: head counts / vocabulary incompatible with the TP size; vocab_shards > 1 with tied
@@ -652,6 +668,7 @@ class CPULlamaForTraining(NanotronModel):
         vocab_shards: int = 1,
         *,
         p2p: P2P,
+        recompute_layer: bool = False,
     ) -> None:
         super().__init__()
         _check_attention_shapes(config, parallel_context.tp_pg.size())
@@ -672,6 +689,7 @@ class CPULlamaForTraining(NanotronModel):
             projector=projector,
             vocab_shards=vocab_shards,
             p2p=p2p,
+            recompute_layer=recompute_layer,
         )
         if vocab_shards > 1:
             self.chain_loss = ChainLoss(self.model.vocab_shards, parallel_context.pp_pg)

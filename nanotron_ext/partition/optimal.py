@@ -66,32 +66,36 @@ class MemoryCap:
     deferred: tuple[int, ...] = ()
     fix: str = ""  # what the config could change when no split fits (the caller knows the config; empty: generic)
     exact: Callable[[int, int, int], float] | None = field(default=None, compare=False, repr=False)
-    _tables: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def room(self) -> float:
         """What the blocks of one stage may use: the cap less the overhead."""
         return self.cap - self.overhead
 
-    def table(self, k: int, n: int) -> np.ndarray:
+    def table(self, k: int, n: int, *, only_fitting: bool = False) -> np.ndarray:
         """``(n + 1) × (n + 1)`` bytes of blocks ``[s, e)`` on stage ``k`` (``inf`` where ``s >= e``): the full
-        estimate when ``exact`` is given, else the additive part plus the overhead."""
-        if k not in self._tables:
-            out = np.full((n + 1, n + 1), np.inf)
+        estimate when ``exact`` is given, else the additive part plus the overhead. ``only_fitting``: the full
+        estimate only where the additive part fits (``inf`` elsewhere, which cannot fit either): far fewer
+        estimates under a tight cap."""
+        key = (k, only_fitting and self.exact is not None)
+        if key not in self._tables:
+            q = self.prefix(k)
+            upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+            additive = np.where(upper, q[None, :] - q[:, None] + self.overhead, np.inf)
             if self.exact is None:
-                q = self.prefix(k)
-                upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
-                out[upper] = (q[None, :] - q[:, None] + self.overhead)[upper]
+                out = additive
             else:
-                for s in range(n):
-                    for e in range(s + 1, n + 1):
-                        out[s, e] = self.exact(k, s, e)
-            self._tables[k] = out
-        return self._tables[k]
+                out = np.full((n + 1, n + 1), np.inf)
+                todo = upper & (additive <= self.cap * (1 + _RTOL)) if only_fitting else upper
+                for s, e in zip(*np.nonzero(todo)):
+                    out[s, e] = self.exact(k, int(s), int(e))
+            self._tables[key] = out
+        return self._tables[key]
 
     def fits(self, k: int, n: int) -> np.ndarray:
         """``(n + 1) × (n + 1)`` booleans: blocks ``[s, e)`` fit on stage ``k`` (:meth:`table` within the cap)."""
-        return self.table(k, n) <= self.cap * (1 + _RTOL)
+        return self.table(k, n, only_fitting=True) <= self.cap * (1 + _RTOL)
 
     def prefix(self, k: int) -> np.ndarray:
         """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``."""

@@ -78,8 +78,9 @@ def overrun(stage: int, memory: StageMemory, limit: MemoryLimit | None, cfg: Pla
 
 def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> list[tuple[str, PlannerConfig, str]]:
     """The changes that could bring every stage under ``limit``, in the config's own terms: ``(change, the changed
-    config, the strategy that splits it)``. A split chosen under the limit, ZeRO-1, the 1F1B engine, twice the pp,
-    twice the tp; only what the config has not taken. :func:`nanotron_ext.plan.make.make_plan` prices them."""
+    config, the strategy that splits it)``. A split chosen under the limit, ZeRO-1, recomputation, the 1F1B
+    engine, twice the pp, twice the tp; only what the config has not taken. :func:`nanotron_ext.plan.make.make_plan`
+    prices them."""
     run = cfg.run
     tries: list[tuple[str, PlannerConfig, str]] = []
     if limit.kind == "device":
@@ -88,6 +89,9 @@ def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> lis
                       cfg.with_overrides(memory_cap_gib=limit.bytes / GIB), "constrained"))
     if run.zero_stage == 0 and run.dp > 1:  # ZeRO-1 shards the optimizer state over dp: nothing to shard at dp=1
         tries.append(("`optimizer.zero_stage: 1`", _replace_run(cfg, zero_stage=1), strategy))
+    if not run.recompute_layer:
+        tries.append(("`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input)",
+                      _replace_run(cfg, recompute_layer=True), strategy))
     if run.engine != "1f1b":
         tries.append(("`pp_engine: 1f1b` (fewer micro-batches in flight)", cfg.with_overrides(engine="1f1b"),
                       strategy))
@@ -115,7 +119,7 @@ def fix_text(limit: MemoryLimit, fixes: Sequence[MemoryFix], generic: str) -> st
     return "; or ".join([str(f) for f in ordered] + [last])
 
 
-def _replace_run(cfg: PlannerConfig, **changes: int) -> PlannerConfig:
+def _replace_run(cfg: PlannerConfig, **changes: int | bool) -> PlannerConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **changes))

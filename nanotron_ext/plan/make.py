@@ -17,6 +17,7 @@ from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
 from nanotron_ext.strategies import get_strategy
+from nanotron_ext.strategies.builtin import only_whether_it_fits
 from nanotron_ext.strategies.registry import Assignment
 
 __all__ = ["make_plan", "plan_with_ranks"]
@@ -114,7 +115,9 @@ def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str
             new_blocks = blocks if changed.run.tp == cfg.run.tp else inventory_from_config(changed)
             if len(new_blocks) < changed.run.pp:
                 continue
-            peak = max(s.memory_bytes for s in make_plan(new_blocks, changed, how, suggest_fixes=False).stages)
+            with only_whether_it_fits():
+                plan = make_plan(new_blocks, changed, how, suggest_fixes=False)
+            peak = max(s.memory_bytes for s in plan.stages)
         except (ConfigError, PlanningError):
             continue
         fixes.append(MemoryFix(change, peak, peak <= limit.bytes))

@@ -214,6 +214,7 @@ def build_cpu_llama(
     ddp: bool = True,
     vocab_shards: int = 1,
     device: torch.device | None = None,
+    recompute_layer: bool = False,
 ) -> NanotronModel | DistributedDataParallel:
     """Everything Nanotron's trainer does to get a trainable model, on CPU (or the device of ``device``).
 
@@ -232,6 +233,7 @@ def build_cpu_llama(
         ddp: wrap in DDP when DP > 1 (see ``wrap_ddp``).
         vocab_shards: K > 1 ends the model with K vocabulary-shard blocks instead of lm_head, cast and loss.
         device: where the parameters live; None: ``$NANOTRON_EXT_DEVICE`` (CPU by default).
+        recompute_layer: recompute every decoder layer in its backward (``parallelism.recompute_layer``).
 
     Returns:
         The model (DDP-wrapped where applicable).
@@ -240,7 +242,7 @@ def build_cpu_llama(
 
     def builder() -> CPULlamaForTraining:
         return cpu_llama(config, parallel_context, parallel_config, device, projector=projector,
-                         vocab_shards=vocab_shards)
+                         vocab_shards=vocab_shards, recompute_layer=recompute_layer)
 
     if block_ranks is None:
         model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=device)

@@ -243,7 +243,8 @@ def _build(cfg: PlannerConfig, ctx: Any, block_ranks: Sequence[int], dtype: str,
                                       tp_linear_async_communication=False)
     torch.manual_seed(seed)
     model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),
-                            parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype], vocab_shards=cfg.vocab_shards)
+                            parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype], vocab_shards=cfg.vocab_shards,
+                            recompute_layer=run.recompute_layer)
     optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
     return model, optimizer, grad_acc
 

@@ -474,7 +474,7 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     device = torch.device(s.device)
     model = integration.build_model(
         lambda: cpu_llama(s.model_config, ctx, s.parallel_config, device, projector=cfg.ext.projector,
-                          vocab_shards=cfg.vocab_shards),
+                          vocab_shards=cfg.vocab_shards, recompute_layer=cfg.run.recompute_layer),
         ctx, dtype=torch.float32, device=device, config=cfg,
     )
     plan: Plan = model.nanotron_ext_plan

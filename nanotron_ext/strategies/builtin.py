@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import TypeVar
 
 from nanotron_ext.blocks import BlockInfo
@@ -50,6 +52,7 @@ __all__ = [
     "NanotronRule",
     "Profiled",
     "Uniform",
+    "only_whether_it_fits",
     "optimal_assignment",
     "require_trainable_per_stage",
     "step_time_assignment",
@@ -180,6 +183,20 @@ def step_time_assignment(
 
 
 _Split = TypeVar("_Split", Partition, StepTimeSplit)
+#: Whether a search under a cap that no split meets raises with the full estimate's least memory (one estimate
+#: per segment and stage: seconds on a large model) or with the additive part's (:func:`only_whether_it_fits`).
+_EXACT_ERRORS: ContextVar[bool] = ContextVar("nanotron_ext_exact_errors", default=True)
+
+
+@contextlib.contextmanager
+def only_whether_it_fits() -> Iterator[None]:
+    """Inside it, a split search under a cap that no split meets fails fast, its error giving the additive
+    part's least memory: for callers that only ask whether a split fits (the device's memory, the fixes)."""
+    token = _EXACT_ERRORS.set(False)
+    try:
+        yield
+    finally:
+        _EXACT_ERRORS.reset(token)
 
 
 def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: MemoryCap | None,
@@ -190,14 +207,18 @@ def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: Me
     error's least memory is the full estimate's. Without a cap, ``search(None)``."""
     if memory is None:
         return search(None)
-    exact = dataclasses.replace(memory, exact=lambda k, s, e: config_stage_memory(blocks[s:e], cfg, k).peak)
+    def full(k: int, s: int, e: int) -> float:
+        return config_stage_memory(blocks[s:e], cfg, k).peak
+
+    exact = dataclasses.replace(memory, exact=full)
     try:
         found = search(memory)
     except PlanningError:
+        if not _EXACT_ERRORS.get():  # the caller only asks whether a split fits (within_device_memory)
+            raise
         return search(exact)  # raises too (the additive part is a lower bound), with the full estimate's figure
     bounds = found.bounds
-    if all(exact.table(k, len(blocks))[bounds[k], bounds[k + 1]] <= memory.cap * (1 + 1e-9)
-           for k in range(len(bounds) - 1)):
+    if all(full(k, bounds[k], bounds[k + 1]) <= memory.cap * (1 + 1e-9) for k in range(len(bounds) - 1)):
         return found
     return search(exact)
 
@@ -376,7 +397,8 @@ def within_device_memory(split: Callable[[PlannerConfig], Assignment], cfg: Plan
         return split(cfg)
     fastest = split(cfg)
     try:
-        fits = split(cfg.with_overrides(memory_cap_gib=limit.bytes / GIB))
+        with only_whether_it_fits():
+            fits = split(cfg.with_overrides(memory_cap_gib=limit.bytes / GIB))
     except PlanningError:
         return fastest
     return fits if fits.ranks == fastest.ranks else dataclasses.replace(fits, over_memory=list(fastest.ranks))

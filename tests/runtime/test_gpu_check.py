@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 def _run(out: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=REPO)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **env}, cwd=REPO)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -16,6 +16,7 @@ import yaml
 
 from nanotron_ext.config import bundled_config, config_from_dict
 from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
 
@@ -61,10 +62,47 @@ def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(
 
 def test_the_issues_cap_that_did_not_protect_now_refuses_the_plan() -> None:
     # memory_cap_gib 0.025 (25.6 MiB) was accepted for the tiny example, whose stage 1 then peaked at 36.8 MiB.
+    # The partitioner prices each stage by its full estimate: no split fits, and it says how much the least needs.
     raw = _raw("float32", "1f1b")
     raw["nanotron_ext"]["memory_cap_gib"] = 0.025
     cfg = config_from_dict(raw)
-    plan = make_plan(inventory_from_config(cfg), cfg)
-    assert not plan.ok
-    assert [(f.code, f.stage) for f in plan.findings] == [("memory", 1)]
-    assert re.match(r"stage 1 needs about 0\.036\d* GiB, over memory_cap_gib=0\.025", plan.findings[0].message)
+    with pytest.raises(PlanningError, match=r"no split fits memory_cap_gib=0\.025: the least memory any valid split "
+                                            r"needs is 0\.036\d* GiB on stage 1"):
+        make_plan(inventory_from_config(cfg), cfg)
+    plan = make_plan(inventory_from_config(cfg), cfg, "nanotron")  # a split made without the cap: refused
+    assert not plan.ok and ("memory", 1) in [(f.code, f.stage) for f in plan.findings]
+    memory = next(f for f in plan.findings if f.code == "memory" and f.stage == 1)
+    assert re.match(r"stage 1 needs about \d+(\.\d+)? MiB, over memory_cap_gib=0\.025 by", memory.message)
+
+
+def test_recomputed_layers_hold_what_the_estimate_says() -> None:
+    # parallelism.recompute_layer on a SmolLM-135M shape with 2 layers and 2 × 1024 tokens a micro-batch, where a
+    # recomputed layer's backward sets stage 0's pipeline peak: each layer keeps only its input, and its backward
+    # recomputes the rest, which is then alive at once.
+    raw = yaml.safe_load(bundled_config("smollm_135m.yaml").read_text())
+    raw["model"]["model_config"]["num_hidden_layers"] = 2
+    raw["model"]["dtype"] = "float32"
+    raw["tokens"].update(sequence_length=1024, micro_batch_size=2, batch_accumulation_per_replica=4)
+    raw["parallelism"].update(pp=2, pp_engine="1f1b", recompute_layer=True)
+    raw["optimizer"]["accumulate_grad_in_fp32"] = False
+    raw.setdefault("nanotron_ext", {})
+    raw["nanotron_ext"] = {**(raw["nanotron_ext"] or {}), "memory_runtime": "cpu"}
+    cfg = config_from_dict(raw)
+    blocks = inventory_from_config(cfg)
+    plan = make_plan(blocks, cfg)
+    without = config_from_dict({**raw, "parallelism": {**raw["parallelism"], "recompute_layer": False}})
+    full = make_plan(blocks, without)
+    results = run_distributed(workers.measure_memory, 2, args=(raw, list(plan.block_ranks)), timeout=180)
+    for r in results:
+        est = plan.stages[r["pp_rank"]].memory
+        assert est is not None
+        assert 1.0 <= est.peak / r["peak"] <= 1.10, (r["pp_rank"], est.peak, r["peak"])
+        assert 1.0 <= est.pipeline_peak / r["pipeline_peak"] <= 1.10, (r["pp_rank"], est.pipeline_peak,
+                                                                       r["pipeline_peak"])
+    # The runtime recomputes: stage 0's measured pipeline peak is under what the same split holds without
+    # recomputation by at least half the saving the estimate predicts (without it, the two would be within 1 %).
+    assert full.block_ranks == plan.block_ranks
+    stage0 = next(r for r in results if r["pp_rank"] == 0)
+    before, after = full.stages[0].memory, plan.stages[0].memory
+    assert before is not None and after is not None and before.pipeline_peak > after.pipeline_peak
+    assert before.pipeline_peak - stage0["pipeline_peak"] >= 0.5 * (before.pipeline_peak - after.pipeline_peak)

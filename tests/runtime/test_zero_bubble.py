@@ -27,6 +27,9 @@ TWO_RANKS = {
     "frozen": {"pp": 2, "block_ranks": PP2, "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
     # Three vocabulary shards, the first on stage 0 with every decoder layer.
     "vocab_chain": {"pp": 2, "block_ranks": [0, 0, 0, 0, 0, 1, 1], "vocab_shards": 3, "config": {"vocab_size": 1009}},
+    # parallelism.recompute_layer: zb1p with every decoder layer recomputed in its backward, against 1F1B without
+    # recomputation (so the recomputed forward is checked too); W still defers the recomputed linears' products.
+    "recompute": {"pp": 2, "block_ranks": PP2, "recompute": True, "ref": {"recompute": False}},
     # The projector's linear is a subclass with its own forward: its W runs in B, with one warning.
     "unknown_linear": {"pp": 2, "block_ranks": [0, 0, 0, 1, 1, 1, 1, 1], "opaque": True},
 }

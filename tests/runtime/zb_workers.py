@@ -70,6 +70,7 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
         workers.tiny_config(**case.get("config", {})), ctx, block_ranks=case.get("block_ranks"),
         parallel_config=_parallel_config(case.get("tp_mode"), case.get("tp_async", False)),
         projector=opaque, freeze=_freeze(case.get("freeze")), vocab_shards=case.get("vocab_shards", 1),
+        recompute_layer=case.get("recompute", False),
     )
     if opaque:
         _make_projector_opaque(model)
