@@ -17,7 +17,7 @@ from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
 from nanotron_ext.strategies import get_strategy
-from nanotron_ext.strategies.builtin import only_whether_it_fits
+from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 from nanotron_ext.strategies.registry import Assignment
 
 __all__ = ["make_plan", "plan_with_ranks"]

@@ -26,7 +26,7 @@ from nanotron_ext.plan.fit import heads_split
 from nanotron_ext.plan.make import make_plan
 from nanotron_ext.schedule import micro_batch_shortfall
 from nanotron_ext.simulate.stage_times import simulate_plan
-from nanotron_ext.strategies.builtin import only_whether_it_fits
+from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 
 __all__ = ["FitRow", "fit_search"]
 
