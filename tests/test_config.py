@@ -164,7 +164,7 @@ def test_the_installed_nanotrons_keys_have_the_final_word(raw):
 def test_the_cpu_trainer_takes_tp_mode_from_the_parsed_config():
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-    from nanotron_ext.runtime.train import _nanotron_settings
+    from nanotron_ext.runtime.train_settings import _nanotron_settings
 
     cfg = load_config(bundled_config())
     assert "tp_mode" not in cfg.nanotron["parallelism"] or cfg.nanotron["parallelism"]["tp_mode"] != "REDUCE_SCATTER"
