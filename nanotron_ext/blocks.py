@@ -15,7 +15,7 @@ from typing import Any, Literal
 from nanotron_ext.report import compact_names
 
 __all__ = ["DEFERS_WEIGHT_GRADIENT", "VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "compact_roles",
-           "held_parameters", "role_of", "short_name", "tied_copy", "vocab_slices"]
+           "held_parameters", "role_of", "short_name", "tied_copy", "tied_pair", "vocab_slices"]
 
 Role = Literal[
     "embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"
@@ -122,15 +122,22 @@ def short_name(name: str, role: Role | None = None) -> str:
     return role if role != "other" else name
 
 
+def tied_pair(blocks: Sequence[BlockInfo], tied: bool) -> tuple[int, int] | None:
+    """Indices in ``blocks`` of the embedding and the lm_head whose weight is the embedding's, both present:
+    Nanotron ties the two names to one tensor. None when untied or when either is absent."""
+    roles = {b.role: i for i, b in enumerate(blocks)}
+    return (roles["embedding"], roles["lm_head"]) if tied and "embedding" in roles and "lm_head" in roles else None
+
+
 def tied_copy(blocks: Sequence[BlockInfo], tied: bool) -> int | None:
-    """Index in ``blocks`` of an lm_head whose weight is the embedding's, both held here: Nanotron ties the two
-    names to one tensor, so it is one set of parameters, counted once (with the embedding). None otherwise.
+    """Index in ``blocks`` of an lm_head whose weight is the embedding's, both held here: one set of parameters,
+    counted once (with the embedding). None otherwise (:func:`tied_pair`).
 
     With ``tie_word_embeddings`` and the two on different stages each stage holds its own copy (an all-reduce
     keeps them equal), so each counts it.
     """
-    roles = {b.role: i for i, b in enumerate(blocks)}
-    return roles["lm_head"] if tied and "embedding" in roles and "lm_head" in roles else None
+    pair = tied_pair(blocks, tied)
+    return None if pair is None else pair[1]
 
 
 def held_parameters(blocks: Sequence[BlockInfo], tied: bool) -> tuple[int, int]:

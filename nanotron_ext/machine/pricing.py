@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
+from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo, tied_pair
 from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops, update_bytes
 from nanotron_ext.costs.block_memory import block_memory, output_tensors
@@ -32,8 +32,9 @@ class BlockPrices(NamedTuple):
     update: list[float]
     send: list[list[float]]
     weight: list[float]
-    #: A tied model's ``(embedding index, lm_head index)`` and, per block, the update a stage holding both saves
-    #: (the lm_head's whole update, the embedding's tied all-reduce; :func:`tied_blocks`); None and [] when untied.
+    #: A tied model's ``(embedding index, lm_head index)`` (:func:`~nanotron_ext.blocks.tied_pair`) and, per block,
+    #: the update a stage holding both saves (the lm_head's whole update, the embedding's tied all-reduce: it holds
+    #: one tensor, stepped and synced once); None and [] when untied.
     tied_pair: tuple[int, int] | None = None
     tied_saving: list[float] = []
 
@@ -88,7 +89,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     ``memory_bytes_per_second``). Then every
     ``PipelineBlock`` call pays the engine's overhead, a trainable block's update pays its share of the dp
     gradient all-reduce, the embedding and the lm_head of a tied model the tied all-reduce (which a stage holding
-    both does not run: :func:`tied_blocks`), a decoder layer under ``parallelism.recompute_layer`` its forward
+    both does not run: ``tied_saving``), a decoder layer under ``parallelism.recompute_layer`` its forward
     once more in its backward, and a send
     across cut ``c`` costs :meth:`MachineProfile.p2p_time` of what the block hands on (the memory model's
     ``output``, in :func:`~nanotron_ext.costs.block_memory.output_tensors` tensors) over that cut's link.
@@ -103,7 +104,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     sent: list[tuple[float, int]] = []
     call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
-    tied_pair = tied_blocks(blocks, cfg)
+    tied = tied_pair(blocks, cfg.model.tie_word_embeddings)
     saving = [0.0] * len(blocks)
     for i, (b, grad, train) in enumerate(zip(blocks, trainable_before(blocks), training_flops(blocks))):
         measured = machine.block(block_signature(b, input_grad=grad))
@@ -121,32 +122,18 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
-        # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_blocks otherwise).
-        if tied_pair is not None and i in tied_pair and machine.tied_allreduce is not None:
+        # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_saving otherwise).
+        if tied is not None and i in tied and machine.tied_allreduce is not None:
             synced = machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
             u += synced
             if b.role == "embedding":
                 saving[i] = synced
         upd.append(u)
         sent.append((block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
-    if tied_pair is not None:
-        saving[tied_pair[1]] = upd[tied_pair[1]]
+    if tied is not None:  # one tensor on a stage holding both: stepped and synced once, no tied sync
+        saving[tied[1]] = upd[tied[1]]
     send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
-    return BlockPrices(fwd, bwd, upd, send, wgt, tied_pair, saving if tied_pair is not None else [])
-
-
-def tied_blocks(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[int, int] | None:
-    """A tied model's ``(embedding index, lm_head index)`` in ``blocks``; None when untied.
-
-    A stage that holds both holds one tensor (:func:`~nanotron_ext.blocks.tied_copy`): its optimizer steps it
-    once, the dp all-reduce moves it once and no tied all-reduce runs. So such a stage's update is the sum of its
-    blocks' less the lm_head's whole update and the embedding's tied all-reduce (:func:`price_blocks` records both
-    in ``tied_saving``; :meth:`~nanotron_ext.partition.step_time_eval.ScheduleProblem.segment_updates` applies them).
-    """
-    if not cfg.model.tie_word_embeddings:
-        return None
-    roles = {b.role: i for i, b in enumerate(blocks)}
-    return (roles["embedding"], roles["lm_head"]) if "embedding" in roles and "lm_head" in roles else None
+    return BlockPrices(fwd, bwd, upd, send, wgt, tied, saving if tied is not None else [])
 
 
 def tied_weight_bytes(cfg: PlannerConfig) -> float:

@@ -46,7 +46,7 @@ class ScheduleProblem:
         weight: each block's weight-gradient part of ``backward`` (``0 <= weight <= backward``): zb1p's
             deferred ``W``; zb1p's ``B`` is the rest. Ignored by AFAB and 1F1B. Empty: all zero (no split).
         tied_pair / tied_saving: a tied model's embedding and lm_head indices, and per block the update a stage
-            holding both saves (one tensor: :func:`nanotron_ext.machine.pricing.tied_blocks`); None / empty: none.
+            holding both saves (one tensor: :func:`nanotron_ext.blocks.tied_pair`); None / empty: none.
     """
 
     forward: tuple[float, ...]
