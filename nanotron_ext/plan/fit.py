@@ -20,7 +20,7 @@ from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.costs.memory_estimate import StageMemory
 from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes
-from nanotron_ext.schedule import micro_batch_shortfall
+from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split", "overrun"]
 
@@ -95,7 +95,7 @@ def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> lis
     if run.engine != "1f1b":
         tries.append(("`pp_engine: 1f1b` (fewer micro-batches in flight)", cfg.with_overrides(engine="1f1b"),
                       strategy))
-    if not _fatal(run.engine, 2 * run.pp, run.n_micro_batches):
+    if too_few_micro_batches(run.engine, 2 * run.pp, run.n_micro_batches) is None:
         tries.append((f"`parallelism.pp: {2 * run.pp}`", cfg.with_overrides(pp=2 * run.pp), _resplit(strategy)))
     if heads_split(cfg, 2 * run.tp):
         tries.append((f"`parallelism.tp: {2 * run.tp}`", _replace_run(cfg, tp=2 * run.tp), _resplit(strategy)))
@@ -129,7 +129,3 @@ def _resplit(strategy: str) -> str:
     """The strategy that splits a changed pp or tp: a hand layout names the old one, so ``constrained`` instead."""
     return "constrained" if strategy == "layout" else strategy
 
-
-def _fatal(engine: str, pp: int, n_micro_batches: int) -> bool:
-    shortfall = micro_batch_shortfall(engine, pp, n_micro_batches)
-    return shortfall is not None and shortfall.fatal

@@ -24,7 +24,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
 from nanotron_ext.plan.fit import heads_split
 from nanotron_ext.plan.make import make_plan
-from nanotron_ext.schedule import micro_batch_shortfall
+from nanotron_ext.schedule import too_few_micro_batches
 from nanotron_ext.simulate.stage_times import simulate_plan
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 
@@ -76,8 +76,7 @@ def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
         tp, pp = run.tp * tf, int(run.pp * pf)
         if pp < 1 or pp != run.pp * pf or not heads_split(cfg, tp):  # an odd pp has no half
             continue
-        shortfall = micro_batch_shortfall(engine, pp, run.n_micro_batches)
-        if shortfall is not None and shortfall.fatal:
+        if too_few_micro_batches(engine, pp, run.n_micro_batches) is not None:
             continue
         changed = dataclasses.replace(cfg.with_overrides(pp=pp, engine=engine), run=dataclasses.replace(
             run, tp=tp, pp=pp, zero_stage=zero, engine=engine, recompute_layer=again))
