@@ -97,6 +97,9 @@ def test_constrained_gives_up_the_fastest_split_for_one_that_fits_and_says_what_
     # Without a limit (a cap far above), constrained takes the faster split itself.
     roomy = cfg.with_overrides(memory_cap_gib=1000)
     assert make_plan(blocks, roomy).block_ranks == plan.over_memory_ranks
+    # Where the fastest split fits, nothing was given up (and no second search names one).
+    smol = load_config(bundled_config("smollm_135m.yaml"))
+    assert make_plan(inventory_from_config(smol), smol).over_memory_ranks is None
     assert main(["plan", str(bundled_config("llama_3_8b.yaml")), "--pp", "4"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("to fit 79.18 GiB per GPU (H100 SXM (analytic))"))

@@ -293,7 +293,7 @@ class Constrained:
             return optimal_assignment(blocks, c, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each,
                                       strategy=self.name)
 
-        return within_device_memory(split, cfg)
+        return within_device_memory(split, blocks, cfg)
 
 
 @register_strategy("layout")
@@ -336,4 +336,4 @@ class Profiled:
                 return step_time_assignment(blocks, c, costs, "seconds", trainable_per_stage=each, strategy=self.name)
             return optimal_assignment(blocks, c, costs, "seconds", trainable_per_stage=each, strategy=self.name)
 
-        return within_device_memory(split, cfg)
+        return within_device_memory(split, blocks, cfg)

@@ -15,7 +15,7 @@ from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.costs.memory_estimate import config_stage_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.machine import memory_limit
-from nanotron_ext.partition import MemoryCap, Partition
+from nanotron_ext.partition import MemoryCap, Partition, bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import StepTimeSplit
 from nanotron_ext.strategies.registry import Assignment
 
@@ -46,6 +46,7 @@ def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: Me
     error's least memory is the full estimate's. Without a cap, ``search(None)``."""
     if memory is None:
         return search(None)
+
     def full(k: int, s: int, e: int) -> float:
         return config_stage_memory(blocks[s:e], cfg, k).peak
 
@@ -56,24 +57,32 @@ def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: Me
         if not _EXACT_ERRORS.get():  # the caller only asks whether a split fits (within_device_memory)
             raise
         return search(exact)  # raises too (the additive part is a lower bound), with the full estimate's figure
-    bounds = found.bounds
-    if all(full(k, bounds[k], bounds[k + 1]) <= memory.cap * (1 + 1e-9) for k in range(len(bounds) - 1)):
+    if _fits(found.bounds, blocks, cfg, memory.cap):
         return found
     return search(exact)
 
 
-def within_device_memory(split: Callable[[PlannerConfig], Assignment], cfg: PlannerConfig) -> Assignment:
+def within_device_memory(split: Callable[[PlannerConfig], Assignment], blocks: Sequence[BlockInfo],
+                         cfg: PlannerConfig) -> Assignment:
     """``split(cfg)`` with the device's memory as the cap when the config sets none
     (:func:`nanotron_ext.machine.memory_limit`): the fastest split that fits it, with the faster one it ruled
     out (``over_memory``). When none fits, the split without it; the validator then names the stage over and
-    the fixes."""
+    the fixes. The capped search runs only when the fastest split does not fit by the full estimate."""
     limit = memory_limit(cfg)
-    if cfg.ext.memory_cap_gib is not None or limit is None:
-        return split(cfg)
     fastest = split(cfg)
+    if cfg.ext.memory_cap_gib is not None or limit is None:
+        return fastest
+    if _fits(bounds_from_ranks(fastest.ranks, cfg.run.pp), blocks, cfg, limit.bytes):
+        return fastest
     try:
         with only_whether_it_fits():
             fits = split(cfg.with_overrides(memory_cap_gib=limit.bytes / GIB))
     except PlanningError:
         return fastest
-    return fits if fits.ranks == fastest.ranks else dataclasses.replace(fits, over_memory=list(fastest.ranks))
+    return dataclasses.replace(fits, over_memory=list(fastest.ranks))
+
+
+def _fits(bounds: Sequence[int], blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: float) -> bool:
+    """Whether every stage of the split ``bounds`` fits ``cap`` bytes by its full estimate."""
+    return all(config_stage_memory(blocks[s:e], cfg, k).peak <= cap * (1 + 1e-9)
+               for k, (s, e) in enumerate(zip(bounds, bounds[1:])))
