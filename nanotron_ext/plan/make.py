@@ -98,9 +98,10 @@ def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment
         block_flops=tuple(flops),
     )
     limit = memory_limit(cfg)
-    findings = validate_plan(plan, blocks, cfg)
+    findings = validate_plan(plan, blocks, cfg, limit=limit)
     if suggest_fixes and limit is not None and any(f.code == "memory" for f in findings):
-        findings = validate_plan(plan, blocks, cfg, memory_fixes=_priced_fixes(blocks, cfg, name, limit))
+        findings = validate_plan(plan, blocks, cfg, limit=limit,
+                                 memory_fixes=_priced_fixes(blocks, cfg, name, limit))
     over = None if assignment.over_memory is None else tuple(assignment.over_memory)
     return replace(plan, findings=tuple(findings), memory_limit=limit, over_memory_ranks=over)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.machine.memory_limit import memory_limit
+from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.partition import nanotron_greedy_ranks
 from nanotron_ext.plan.fit import MemoryFix, fix_text, overrun
 from nanotron_ext.plan.types import Finding, Plan, Severity
@@ -20,7 +20,7 @@ from nanotron_ext.strategies.fixes import frozen_stage_fix, memory_cap_fix, or_l
 __all__ = ["cannot_train_message", "validate_plan"]
 
 
-def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
+def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, limit: MemoryLimit | None = None,
                   memory_fixes: Sequence[MemoryFix] = ()) -> list[Finding]:
     """Check a plan statically.
 
@@ -32,6 +32,8 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *
         plan: the plan to check.
         blocks: the inventory it was made from.
         cfg: the config (engine, micro-batches, our options).
+        limit: the memory each stage must fit in (:func:`nanotron_ext.machine.memory_limit` of ``cfg``); None:
+            none is checked.
         memory_fixes: the fixes of a stage over its memory, priced (:func:`nanotron_ext.plan.make.make_plan`
             prices them); empty: the ways out are named unpriced.
 
@@ -62,7 +64,6 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *
                 + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
                 frozen_stage_fix(cfg, plan.strategy, n_trainable),
             ))
-    limit = memory_limit(cfg)
     over = [o for s in plan.stages if s.memory is not None and (o := overrun(s.stage, s.memory, limit, cfg))]
     if over and limit is not None:
         fix = fix_text(limit, memory_fixes, memory_cap_fix(cfg, plan.strategy, len(blocks)))
