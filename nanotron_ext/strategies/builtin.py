@@ -132,7 +132,7 @@ def stage_memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: flo
 
 def _memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[list[float], list[float]]:
     """Per block: bytes held for the whole step (static + buffers), and bytes saved per micro-batch."""
-    mems = [block_memory(b, cfg.model, cfg.run) for b in blocks]
+    mems = [block_memory(b, cfg.model, cfg.run, cfg.ext.memory_runtime) for b in blocks]
     return ([static_bytes(b, cfg.run) + x.persistent for b, x in zip(blocks, mems)], [x.saved for x in mems])
 
 
@@ -170,8 +170,11 @@ def step_time_assignment(
                                             least_memory=None if mem is not None and mem.exact is not None
                                             else stage_memory_terms(blocks, cfg)), memory, blocks, cfg)
     except PlanningError:
-        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
-        raise
+        # The min-max split raises the error that names the least memory any split needs. When it finds a split
+        # instead, the step-time search lost it: its stages may start only where every later start fits too,
+        # and a stage that starts at the cast or the loss holds the logits (more than one that starts before).
+        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage,
+                                  strategy=strategy)
     return Assignment(found.ranks(), list(map(float, costs)), unit)
 
 
