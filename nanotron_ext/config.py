@@ -132,6 +132,7 @@ class RunShape:
     tp_async: bool = False  # parallelism.tp_linear_async_communication
     torch_adam_is_fused: bool = False  # optimizer.torch_adam_is_fused
     recompute_layer: bool = False  # parallelism.recompute_layer (upstream main): each decoder layer recomputed
+    tp_recompute_allgather: bool = True  # parallelism.tp_recompute_allgather (upstream main): SP linears keep the shard
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
@@ -141,8 +142,9 @@ class RunShape:
         check_choice("parallelism.tp_mode", self.tp_mode, TPMode)
         if self.zero_stage not in (0, 1):
             raise ConfigError(f"optimizer.zero_stage={self.zero_stage!r}: Nanotron supports 0 or 1")
-        if not isinstance(self.recompute_layer, bool):
-            raise ConfigError(f"parallelism.recompute_layer={self.recompute_layer!r} must be true or false")
+        for name in ("recompute_layer", "tp_recompute_allgather"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"parallelism.{name}={getattr(self, name)!r} must be true or false")
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -303,6 +305,7 @@ def config_from_dict(raw: Any, *, source: str = "<dict>", nanotron_keys: dict[st
         tp_async=bool(get("parallelism.tp_linear_async_communication", default=False)),
         torch_adam_is_fused=bool(_adam_fused(nanotron)),
         recompute_layer=get("parallelism.recompute_layer", default=False),
+        tp_recompute_allgather=get("parallelism.tp_recompute_allgather", default=True),
     )
     return PlannerConfig(model=model, run=run, ext=ext, nanotron=nanotron, source=source)
 

@@ -58,6 +58,7 @@ FREEZE = "nanotron_ext/inventory/freeze.py"
 CHECKS = "nanotron_ext/integration/checks.py"
 MEASURED = "nanotron_ext/costs/profiled.py"
 SEND_ORDER = "nanotron_ext/runtime/send_order.py"
+GPU_PATH_TESTS = "tests/test_gpu_path_memory.py"
 OPTIMAL = "nanotron_ext/partition/optimal.py"
 RULE = "nanotron_ext/partition/nanotron_rule.py"
 SIMULATOR = "nanotron_ext/schedule/simulator.py"
@@ -364,7 +365,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "if self.recompute_layer and torch.is_grad_enabled():", "if False:",
       ("tests/runtime/test_memory_cap.py::test_recomputed_layers_hold_what_the_estimate_says",)),
     M("a recomputed layer is estimated as if it saved everything", "nanotron_ext/costs/block_memory.py",
-      "return _recomputed(whole, max(attention, mlp)) if run.recompute_layer else whole", "return whole",
+      "return _recomputed(whole, largest_part) if run.recompute_layer else whole", "return whole",
       ("tests/runtime/test_memory_cap.py::test_recomputed_layers_hold_what_the_estimate_says",)),
     M("a recomputed layer's backward is estimated without what it recomputes", "nanotron_ext/costs/block_memory.py",
       "backward_temp=whole.saved + whole.output + whole.backward_temp", "backward_temp=whole.backward_temp",
@@ -374,6 +375,40 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("recompute_layer is not offered as a fix", "nanotron_ext/plan/fit.py",
       "    if not run.recompute_layer:\n        tries.append(", "    if False:\n        tries.append(",
       ("tests/test_validate.py",)),
+    M("the GPU path's multi-head q keeps only itself, not the q|k|v copy it views", "nanotron_ext/costs/block_memory.py",
+      "q_kept = q if gqa else q + 2 * kv", "q_kept = q", (GPU_PATH_TESTS,)),
+    M("the GPU path forgets flash-attn's log-sum-exp", "nanotron_ext/costs/block_memory.py",
+      "attention = t * (w * (q_kept + 2 * kv + q + o_copy) + 4.0 * heads)",
+      "attention = t * (w * (q_kept + 2 * kv + q + o_copy))", (GPU_PATH_TESTS,)),
+    M("the GPU path keeps an o_proj copy for one sequence", "nanotron_ext/costs/block_memory.py",
+      "    o_copy = q if run.micro_batch_size > 1 else 0\n    attention = t * (w * (q_kept",
+      "    o_copy = q\n    attention = t * (w * (q_kept", (GPU_PATH_TESTS,)),
+    M("the GPU path's fused norm forgets rstd", "nanotron_ext/costs/block_memory.py",
+      "    norm = tn * (h * w + 4.0)\n", "    norm = tn * h * w\n", (GPU_PATH_TESTS,)),
+    M("the GPU path's forward forgets the k and v copies under GQA", "nanotron_ext/costs/block_memory.py",
+      "(2 * kv if gqa else 0) + 2 * kv)", "0 + 2 * kv)", (GPU_PATH_TESTS,)),
+    M("the GPU path's rotary cache is fp32 at the CPU path's length", "nanotron_ext/costs/block_memory.py",
+      "rotary = 2 * run.sequence_length * (d // 2) * w", "rotary = 2 * run.sequence_length * (d // 2) * 4.0",
+      (GPU_PATH_TESTS,)),
+    M("the GPU path's final norm is counted as the CPU path's", "nanotron_ext/costs/block_memory.py",
+      '    if role == "final_norm" and gpu:', '    if role == "final_norm" and False:', (GPU_PATH_TESTS,)),
+    M("every family is counted for Llama's GPU code", "nanotron_ext/costs/block_memory.py",
+      'return runtime == "gpu" and m.family == "llama"', 'return runtime == "gpu"', (GPU_PATH_TESTS,)),
+    M("upstream's sequence-parallel linears keep the gathered input", "nanotron_ext/costs/block_memory.py",
+      "keeps_shard = run.tp_async or (gpu and run.tp_recompute_allgather)", "keeps_shard = run.tp_async",
+      (GPU_PATH_TESTS,)),
+    M("tp_recompute_allgather is not read from the YAML", "nanotron_ext/config.py",
+      'tp_recompute_allgather=get("parallelism.tp_recompute_allgather", default=True),', "",
+      ("tests/test_gpu_path_memory.py",)),
+    M("a Llama on the GPU path keeps the warning band", "nanotron_ext/plan/fit.py",
+      "counted_high = cfg.ext.memory_runtime == \"gpu\" and not gpu_path(cfg.model, cfg.ext.memory_runtime)",
+      "counted_high = cfg.ext.memory_runtime == \"gpu\"", ("tests/test_fit.py",)),
+    M("the step-time search's lost split is not recovered", "nanotron_ext/strategies/builtin.py",
+      "        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage,\n"
+      "                                  strategy=strategy)",
+      "        optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage,\n"
+      "                           strategy=strategy)\n        raise",
+      ("tests/test_fit.py::test_issue_30s_smollm_at_pp_8_fits_its_cap_and_names_the_least_memory_a_hand_layout_reaches",)),
     M("a stage holding both ends of a tie still syncs it", PRICING,
       "                saving[i] = synced", "                saving[i] = 0.0", (MACHINE_TESTS,)),
     M("a stage holding both ends of a tie steps it twice", PRICING,

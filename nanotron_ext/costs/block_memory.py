@@ -18,8 +18,11 @@ Tensor parallelism divides what is sharded: heads, ``f`` and ``V`` by ``tp``. Un
 (sequence parallel) the norms' tensors are split along the sequence too, while a column-parallel linear saves the
 gathered input (the shard only with ``tp_linear_async_communication``).
 
-Nanotron on GPU attends with flash-attn, which saves k and v at their own width and keeps no ``o_proj`` copy;
-this model counts the CPU runtime's SDPA path, so it errs high there, never low.
+Under ``memory_runtime: gpu`` a Llama's decoder layers and final norm are counted for what upstream Nanotron's GPU
+code saves instead (:func:`gpu_path`, ``models/llama.py`` of main, lines cited in :func:`_gpu_decoder`): the fused
+(Triton) RMSNorm keeps its input and an fp32 ``rstd`` column; flash-attn keeps q, k and v at their own width, its
+output and an fp32 log-sum-exp per head. The embedding, ``lm_head``, the fp32 cast and the loss run the same
+Nanotron code on both paths. Other families keep the CPU runtime's count there (it errs high).
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
-from nanotron_ext.config import DTYPE_BYTES, ModelShape, RunShape
+from nanotron_ext.config import DTYPE_BYTES, MemoryRuntime, ModelShape, RunShape
 from nanotron_ext.inventory.flops import mlp_active
 
-__all__ = ["BlockMemory", "block_memory", "deferred_weights", "largest_output", "largest_param", "mlp_saved_width", "output_tensors",
-           "pending_tensors", "weight_pending"]
+__all__ = ["BlockMemory", "block_memory", "deferred_weights", "gpu_path", "largest_output", "largest_param",
+           "mlp_saved_width", "output_tensors", "pending_tensors", "weight_pending"]
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,21 @@ class BlockMemory:
     output: float
 
 
+def gpu_path(m: ModelShape, runtime: MemoryRuntime) -> bool:
+    """Whether blocks are counted for upstream Nanotron's GPU code (``memory_runtime: gpu``, a Llama) rather than
+    the CPU runtime's."""
+    return runtime == "gpu" and m.family == "llama"
+
+
 @functools.lru_cache(maxsize=8192)  # a split search prices each block on every segment that holds it
-def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
+def block_memory(block: BlockInfo, m: ModelShape, run: RunShape, runtime: MemoryRuntime = "cpu") -> BlockMemory:
     """Memory of one block by role (see the module docstring for what each role saves).
 
     Args:
         block: the block (its role, and its parameters for the gradient temporaries).
         m: model shape.
         run: batch shape, dtype, tp and its mode.
+        runtime: the code that runs it: ``cpu`` (the CPU runtime) or ``gpu`` (Nanotron's, see :func:`gpu_path`).
 
     Returns:
         The block's :class:`BlockMemory`.
@@ -77,9 +87,13 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
     w = DTYPE_BYTES[run.dtype]
     tp = run.tp
     h = m.hidden_size
+    gpu = gpu_path(m, runtime)
     seq_parallel = run.tp_mode == "REDUCE_SCATTER" and tp > 1
     tn = t / tp if seq_parallel else t  # tokens of the hidden-sized tensors between the linears
-    tl = tn if (seq_parallel and run.tp_async) else t  # tokens of a column-parallel linear's saved input
+    # Tokens of a column-parallel linear's saved input: the gathered input, or the shard (async; upstream's
+    # tp_recompute_allgather, which gathers it again in the backward).
+    keeps_shard = run.tp_async or (gpu and run.tp_recompute_allgather)
+    tl = tn if (seq_parallel and keeps_shard) else t
     grad_temp = largest_param(block, m, run) * w  # a weight gradient, made fresh before it is added to .grad
     role = block.role
     if role == "embedding":
@@ -89,7 +103,12 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape) -> BlockMemory:
         return BlockMemory(saved=ids, forward_temp=0.0, backward_temp=grad_temp + tn * h * w, persistent=0.0,
                            input=ids + t, input_saved=False, output=tn * h * w + t)
     if role == "decoder":
-        return _decoder(block, m, run, t, tn, tl, grad_temp)
+        whole, largest_part = (_gpu_decoder if gpu else _decoder)(block, m, run, t, tn, tl, grad_temp)
+        return _recomputed(whole, largest_part) if run.recompute_layer else whole
+    if role == "final_norm" and gpu:
+        # upstream's TritonRMSNorm (flash-attn's layer_norm_fn): saves its input and rstd; backward: dx.
+        return BlockMemory(saved=tn * (h * w + 4.0), forward_temp=0.0, backward_temp=tn * h * w + grad_temp,
+                           persistent=0.0, input=tn * h * w, input_saved=True, output=tn * h * w)
     if role == "final_norm":
         # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
         return BlockMemory(saved=_norm(tn, h, w), forward_temp=tn * h * 4.0, backward_temp=2 * tn * h * 4.0 + grad_temp,
@@ -149,9 +168,9 @@ def _norm(tokens: float, h: int, w: int) -> float:
 
 
 def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-             grad_temp: float) -> BlockMemory:
-    """A Llama decoder layer (dense MLP; a MoE layer is priced by its active width); under
-    ``recompute_layer``, :func:`_recomputed`."""
+                grad_temp: float) -> tuple[BlockMemory, float]:
+    """A Llama decoder layer as the CPU runtime runs it (dense MLP; a MoE layer is priced by its active width), and
+    the larger of what its attention and its MLP save (what :func:`_recomputed` needs)."""
     w = DTYPE_BYTES[run.dtype]
     tp, h, d = run.tp, m.hidden_size, m.head_dim
     heads, kv_heads = m.num_attention_heads / tp, m.num_key_value_heads / tp
@@ -175,7 +194,45 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
     rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
     whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
                         input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
-    return _recomputed(whole, max(attention, mlp)) if run.recompute_layer else whole
+    return whole, max(attention, mlp)
+
+
+def _gpu_decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
+                 grad_temp: float) -> tuple[BlockMemory, float]:
+    """A Llama decoder layer as upstream Nanotron runs it on a GPU (``models/llama.py`` of main, lines 437-472 and
+    676-717: ``CausalSelfAttention.forward`` and ``_forward_training``; 720-759: ``LlamaDecoderLayer``):
+
+    * each ``TritonRMSNorm`` keeps its input itself and an fp32 ``rstd`` per token; the linear after it keeps
+      the norm's output;
+    * with GQA, q, k and v are made contiguous one by one (lines 459-467); k and v are concatenated and permuted
+      into one ``[b, s, 2, kv_heads, d]`` tensor (679-681), rotated in place (683), and flash-attn keeps q, that
+      k|v tensor and its output, plus an fp32 log-sum-exp ``[heads, tokens]``. Without GQA, q, k and v are views
+      of one contiguous ``[3, ...]`` copy (469-472): the q flash-attn keeps holds all of it;
+    * ``o_proj`` copies its input when the micro-batch holds more than one sequence (``[s, b, q]`` is not
+      contiguous then), as on the CPU path; the MLP keeps 4f as there.
+
+    Forward temporaries: the qkv output, held by ``forward``'s locals until it returns, beside the copies and the
+    concatenation; backward: the larger of the MLP's gradients and flash-attn's (dq, dk, dv, the keys' and
+    values' gradients at full head count under GQA, an fp32 dq accumulator and softmax_d), with a weight's.
+    Returned with the larger of what attention and the MLP save, as :func:`_decoder`."""
+    w = DTYPE_BYTES[run.dtype]
+    tp, h, d = run.tp, m.hidden_size, m.head_dim
+    heads = m.num_attention_heads / tp
+    q, kv = heads * d, m.num_key_value_heads / tp * d
+    gqa = m.num_attention_heads != m.num_key_value_heads
+    q_kept = q if gqa else q + 2 * kv
+    o_copy = q if run.micro_batch_size > 1 else 0
+    attention = t * (w * (q_kept + 2 * kv + q + o_copy) + 4.0 * heads)
+    mlp = t * w * mlp_saved_width(m, _block_layer(block)) / tp
+    norm = tn * (h * w + 4.0)
+    saved = 2 * norm + 2 * tl * h * w + attention + mlp
+    forward_temp = t * w * ((q + 2 * kv) + (2 * kv if gqa else 0) + 2 * kv)
+    attention_backward = t * (w * (q + 2 * kv + (2 * q if gqa else 0)) + 4.0 * (q + heads))
+    backward_temp = grad_temp + max(t * w * 3 * m.intermediate_size / tp, attention_backward)
+    rotary = 2 * run.sequence_length * (d // 2) * w  # flash-attn's cos/sin cache, in the model dtype, per layer
+    whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
+                        input=tn * h * w + t, input_saved=True, output=tn * h * w + t)
+    return whole, max(attention, mlp)
 
 
 def _recomputed(whole: BlockMemory, largest_part: float) -> BlockMemory:

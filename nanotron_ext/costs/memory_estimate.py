@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from nanotron_ext.blocks import BlockInfo, held_parameters, tied_copy
-from nanotron_ext.config import ModelShape, PlannerConfig, RunShape
+from nanotron_ext.config import MemoryRuntime, ModelShape, PlannerConfig, RunShape
 from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.costs.block_memory import (
     BlockMemory,
@@ -124,7 +124,7 @@ class StageMemory:
 
 def stage_memory(
     blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, stage: int, *, pp: int | None = None,
-    overhead_gib: float = 0.0, optimizer: str = "foreach", retain_sends: bool = False,
+    overhead_gib: float = 0.0, optimizer: str = "foreach", retain_sends: bool = False, runtime: MemoryRuntime = "cpu",
 ) -> StageMemory:
     """The peak-memory breakdown of a stage holding ``blocks`` (contiguous, forward order).
 
@@ -146,6 +146,7 @@ def stage_memory(
             every parameter at once), ``for_loop`` (CPU: two temporaries the size of the largest parameter) or
             ``fused`` (none).
         retain_sends: the CPU runtime's P2P keeps every sent tensor until the step ends.
+        runtime: whose code saves the activations (:func:`~nanotron_ext.costs.block_memory.block_memory`).
 
     Returns:
         The :class:`StageMemory`.
@@ -159,7 +160,7 @@ def stage_memory(
     per = param_bytes(run)
     held = _stage_parameters(blocks, m, per)
     n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
-    mems = [block_memory(b, m, run) for b in blocks]
+    mems = [block_memory(b, m, run, runtime) for b in blocks]
     activations, worst = _pipeline_moment(blocks, mems, m, run, stage, pp, n, held, retain_sends)
     return StageMemory(
         weights=held.params * per.weights,
@@ -294,4 +295,4 @@ def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: 
     else:
         optimizer = "fused" if cfg.run.torch_adam_is_fused else "foreach"
     return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
-                        retain_sends=cpu)
+                        retain_sends=cpu, runtime=cfg.ext.memory_runtime)

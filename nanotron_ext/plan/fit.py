@@ -2,11 +2,11 @@
 
 The limit is :func:`nanotron_ext.machine.memory_limit` (``memory_cap_gib``, else the device's memory).
 
-A stage whose estimated peak is above a cap, or above a device's memory under the CPU runtime's estimate, is an
-error. Under ``memory_runtime: gpu`` the estimate counts the CPU runtime's Llama, which saves more than
-Nanotron's GPU path (flash-attn, fused RMSNorm: :data:`GPU_ACTIVATION_OVERCOUNT`). So there a stage is an error
-only when it is over even with its in-flight activations cut by that share, and a warning ("may not fit") between
-the two. Each fix is a changed config planned again (by ``make_plan``), with the largest stage peak it gives.
+A stage whose estimated peak is above a cap, or above a device's memory, is an error: under ``memory_runtime: gpu``
+a Llama is counted for Nanotron's GPU code (:func:`nanotron_ext.costs.block_memory.gpu_path`). The other families
+are counted there as the CPU runtime runs them, which saves more than flash-attn and fused RMSNorm
+(:data:`GPU_ACTIVATION_OVERCOUNT`): such a stage is an error only when it is over even with its in-flight
+activations cut by that share, and a warning ("may still fit") between the two. Each fix is a changed config planned again (by ``make_plan``), with the largest stage peak it gives.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Literal
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.costs.block_memory import gpu_path
 from nanotron_ext.costs.memory_estimate import StageMemory
 from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes
@@ -24,9 +25,9 @@ from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split", "overrun"]
 
-#: The share of a stage's in-flight activations the estimate may count above Nanotron's GPU path: about 23 % of
-#: SmolLM3's decoder activations by a hand count (docs/memory.md, Limits). A stage over its device's memory by
-#: less than this share of them may still fit.
+#: The share of a stage's in-flight activations the CPU runtime's count may put above Nanotron's GPU path, for the
+#: families not counted for that path (SmolLM3, a Qwen2: about 23 % of its decoder activations by a hand count,
+#: docs/memory.md). A stage over its device's memory by less than this share of them may still fit.
 GPU_ACTIVATION_OVERCOUNT = 0.23
 
 
@@ -70,7 +71,8 @@ def overrun(stage: int, memory: StageMemory, limit: MemoryLimit | None, cfg: Pla
     if limit is None or memory.peak <= limit.bytes:
         return None
     severity: Literal["error", "warning"] = "error"
-    if limit.kind == "device" and cfg.ext.memory_runtime == "gpu" and memory.peak_at == "pipeline":
+    counted_high = cfg.ext.memory_runtime == "gpu" and not gpu_path(cfg.model, cfg.ext.memory_runtime)
+    if limit.kind == "device" and counted_high and memory.peak_at == "pipeline":
         if memory.peak - GPU_ACTIVATION_OVERCOUNT * memory.pipeline_activations <= limit.bytes:
             severity = "warning"
     return Overrun(stage, memory.peak, limit, severity)
