@@ -14,6 +14,8 @@
 #      same run on CPU, and SmolLM-135M's shape at pp=2 (tied: the host-staged tied-gradient sync too);
 #   5b. python benchmarks/measured_memory.py --device cuda: SmolLM-135M's peak memory per stage, estimate vs CUDA's
 #      allocator, 1F1B and zb1p;
+#   5c. python benchmarks/gpu_path_memory.py --device cuda, when upstream Nanotron main is importable (UPSTREAM_SRC,
+#      default .gpu/upstream: a copy of its src/): its own Llama on the GPU against the estimate of its GPU path;
 #   6. python benchmarks/predict_vs_measure.py --device cuda $PVM_ARGS (default --quick), when that script is
 #      here and takes --device;
 #   7. OUTDIR/summary.md: the device, every step's result and log, the profiles, the training runs.
@@ -117,6 +119,15 @@ smollm measured_memory_cuda "$PY" benchmarks/measured_memory.py --device cuda \
     --out "$OUT/train/measured_memory_cuda.json"
 
 # 6. predicted vs measured step times, on the GPU (issue 22's validation).
+# 5c. upstream Nanotron's own Llama (flash-attn's tensors kept by stand-in kernels) against the GPU path's estimate.
+UPSTREAM_SRC="${UPSTREAM_SRC:-$ROOT/.gpu/upstream}"
+if [ ! -d "$UPSTREAM_SRC/nanotron" ]; then
+    skip gpu_path_memory "no upstream Nanotron at $UPSTREAM_SRC (copy ../shared/upstream/nanotron/src there)"
+else
+    smollm gpu_path_memory env PYTHONPATH="$UPSTREAM_SRC:$PYTHONPATH" "$PY" benchmarks/gpu_path_memory.py \
+        --device cuda --out "$OUT/train/gpu_path_memory_cuda.json"
+fi
+
 PVM=benchmarks/predict_vs_measure.py
 if [ "$REHEARSAL" = 1 ]; then
     skip predict_vs_measure "rehearsal on CPU: run python $PVM itself there"

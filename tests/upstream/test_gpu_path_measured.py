@@ -1,0 +1,33 @@
+"""The estimate of Nanotron's GPU path against upstream main's own Llama, measured (issue 30, item 2).
+
+``benchmarks/gpu_path_memory.py --device cpu --quick`` builds upstream's ``LlamaForTraining`` in a fresh process
+(its CPU stand-ins, flash-attn's three kernels replaced by ones that keep what flash-attn's keep:
+``benchmarks/_flash_memory.py``) and reads the CPU allocator around one micro-batch's forward and backward. On an
+H200 the same script gives estimate ÷ requested bytes 1.000–1.001 (benchmarks/results/gpu/2026-11-26b_h200)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_upstreams_llama_keeps_what_the_gpu_path_estimate_counts(tmp_path):
+    out = tmp_path / "gpu_path_memory.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_path_memory.py"), "--device", "cpu",
+                           "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["attention"]["kernel"].startswith("ScaledDotProductFlashAttention")  # the kernel that keeps lse
+    assert result["attention"]["output_copied"] == "False"
+    rows = result["rows"]
+    assert {r["shape"]["label"] for r in rows} >= {"smollm-135m mb4", "smollm-135m mb1", "multi-head mb2",
+                                                    "smollm-135m mb4 recompute"}
+    for r in rows:
+        what = f"{r['shape']['label']} {r['what']}: estimated {r['estimated_bytes']:.0f}, measured {r['measured_bytes']:.0f}"
+        if r["what"] == "layer" and not r["shape"]["recompute"]:
+            assert r["estimated_bytes"] == r["measured_bytes"], what  # a decoder layer, to the byte
+        assert abs(r["ratio"] - 1) <= 0.005, what
