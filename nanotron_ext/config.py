@@ -72,6 +72,7 @@ class ModelShape:
     Attributes:
         family: ``llama``, ``qwen2``, ``starcoder2`` or ``llamoe`` (:mod:`nanotron_ext.families`).
         attention_bias: Qwen2's qkv projection has a bias.
+        fused_rms_norm: Qwen2's ``_fused_rms_norm`` (its post-attention and final norms are Triton's fused one).
         moe: the mixture-of-experts layers, None for a dense model.
     """
 
@@ -87,6 +88,7 @@ class ModelShape:
     family: Family = "llama"
     attention_bias: bool = False
     moe: MoEShape | None = None
+    fused_rms_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -382,6 +384,7 @@ def _model_shape(get: Callable[..., Any], source: str) -> ModelShape:
         rms_norm_eps=float(eps),
         family=family,
         attention_bias=family == "qwen2" and bool(model_cfg.get("attention_bias", False)),
+        fused_rms_norm=family != "qwen2" or model_cfg.get("_fused_rms_norm", True) is not False,
         moe=moe_shape(family, model_cfg, layers, source=source) if isinstance(layers, int) and layers > 0 else None,
     )
 

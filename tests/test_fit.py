@@ -81,21 +81,22 @@ def test_a_llama_on_the_gpu_path_has_no_may_still_fit_band(tmp_path):
 
 
 def test_a_family_counted_high_on_a_gpu_is_warned_within_the_overcount_and_refused_beyond(tmp_path):
-    # Qwen2 keeps the CPU runtime's count under memory_runtime: gpu (more than flash-attn keeps): within
+    # LlaMoE keeps the CPU runtime's count under memory_runtime: gpu (more than flash-attn keeps): within
     # GPU_ACTIVATION_OVERCOUNT of its activations a stage over the device "may still fit"; beyond, an error.
-    qwen = load_config(UPSTREAM_EXAMPLES / "config_qwen.yaml", pp=2)
-    blocks = inventory_from_config(qwen)
-    stages = make_plan(blocks, qwen, "nanotron").stages
+    moe = load_config(UPSTREAM_EXAMPLES / "moe" / "config_llamoe.yaml", pp=2)
+    blocks = inventory_from_config(moe)
+    stages = make_plan(blocks, moe, "nanotron").stages
     worst = max(stages, key=lambda s: s.memory_bytes)
     assert worst.memory.peak_at == "pipeline"
     floor = worst.memory_bytes - GPU_ACTIVATION_OVERCOUNT * worst.memory.pipeline_activations
-    warned = make_plan(blocks, qwen.with_overrides(machine=_gpu(tmp_path, floor * 1.0001)), "nanotron")
-    refused = make_plan(blocks, qwen.with_overrides(machine=_gpu(tmp_path, floor * 0.9999)), "nanotron")
-    assert ("warning", worst.stage) in _memory_verdicts(warned) and warned.ok
+    warned = make_plan(blocks, moe.with_overrides(machine=_gpu(tmp_path, floor * 1.0001)), "nanotron")
+    refused = make_plan(blocks, moe.with_overrides(machine=_gpu(tmp_path, floor * 0.9999)), "nanotron")
+    # (Nanotron's rule leaves its stage 1 without parameters, an error of its own: the memory verdicts are read.)
+    assert ("warning", worst.stage) in _memory_verdicts(warned)
     assert "may still fit" in next(f.message for f in warned.findings if f.code == "memory")
-    assert ("error", worst.stage) in _memory_verdicts(refused) and not refused.ok
+    assert ("error", worst.stage) in _memory_verdicts(refused)
     # The same stage counted as the CPU runtime runs it has no band: over is over.
-    cpu = qwen.with_overrides(memory_runtime="cpu", machine=_gpu(tmp_path, floor * 1.0001))
+    cpu = moe.with_overrides(memory_runtime="cpu", machine=_gpu(tmp_path, floor * 1.0001))
     assert ("error", worst.stage) in _memory_verdicts(make_plan(blocks, cpu, "nanotron"))
 
 

@@ -1,6 +1,6 @@
-"""The estimate of Nanotron's GPU path (issue 30, item 2): a Llama decoder layer and final norm counted for what
-upstream's code keeps (fused RMSNorm, flash-attn), by hand on tiny shapes; the other families and the CPU runtime
-keep the CPU runtime's count. Measured against upstream's own model in tests/upstream/test_gpu_path_measured.py."""
+"""The estimate of Nanotron's GPU path (issue 30, item 2): a Llama's and a Qwen2's decoder layer and final norm
+counted for what upstream's code keeps (fused RMSNorm, flash-attn), by hand on tiny shapes; the other families and
+the CPU runtime keep the CPU runtime's count. Measured against upstream's own model in tests/upstream/test_gpu_path_measured.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from nanotron_ext.config import bundled_config, load_config
-from nanotron_ext.costs.block_memory import block_memory, gpu_path
+from nanotron_ext.costs.block_memory import block_memory
+from nanotron_ext.costs.gpu_memory import gpu_path
 from nanotron_ext.inventory import inventory_from_config
 
 TINY = load_config(bundled_config())  # hidden 16, 4 heads (head_dim 4), intermediate 64, fp32, seq 32, mb 2
@@ -67,7 +68,37 @@ def test_sequence_parallel_linears_keep_the_shard_unless_upstream_is_told_to_kee
     assert gathered.saved - shard.saved == 2 * (64 - 32) * 16 * 4  # two linears' inputs, t vs t / tp tokens
 
 
-@pytest.mark.parametrize("family", ["qwen2", "starcoder2"])
+def test_a_qwen2_decoder_on_the_gpu_path_by_hand():
+    # Qwen2 (models/qwen.py): the input norm is always the unfused LlamaRMSNorm (fp32 copy, rsqrt, normalised),
+    # the post-attention norm the fused one; q and k|v are views of the qkv output, which flash-attn keeps whole
+    # beside its output and lse; no o_proj copy ([tokens, q] is contiguous).
+    cfg = _shape(TINY, family="qwen2", num_key_value_heads=2)
+    t, h, w, q, kv = 64, 16, 4, 16, 8
+    unfused, fused = t * (4 * h + 4 + w * h), t * (h * w + 4)
+    attention = t * (w * ((q + 2 * kv) + q) + 4 * 4)
+    expected = unfused + fused + 2 * t * h * w + attention + t * w * 4 * 64
+    mem = block_memory(_block(TINY, "decoder"), cfg.model, cfg.run, "gpu")
+    assert (mem.saved, mem.forward_temp, mem.input_saved) == (expected, t * h * 4, True)
+    plain = _shape(cfg, fused_rms_norm=False)
+    assert block_memory(_block(TINY, "decoder"), plain.model, plain.run, "gpu").saved == expected - fused + unfused
+    # Its final norm: the fused one under _fused_rms_norm, else the CPU runtime's count.
+    final = _block(TINY, "final_norm")
+    assert block_memory(final, cfg.model, cfg.run, "gpu").saved == fused
+    assert block_memory(final, plain.model, plain.run, "gpu") == block_memory(final, plain.model, plain.run, "cpu")
+
+
+def test_fused_rms_norm_is_read_from_a_qwen2_config():
+    import yaml
+
+    from nanotron_ext.config import config_from_dict
+
+    raw = yaml.safe_load(bundled_config("smollm3_3b.yaml").read_text())
+    assert config_from_dict(raw).model.fused_rms_norm
+    raw["model"]["model_config"]["_fused_rms_norm"] = False
+    assert not config_from_dict(raw).model.fused_rms_norm
+
+
+@pytest.mark.parametrize("family", ["starcoder2", "llamoe"])
 def test_other_families_and_the_cpu_runtime_keep_the_cpu_count(family):
     assert gpu_path(TINY.model, "gpu") and not gpu_path(TINY.model, "cpu")
     other = dataclasses.replace(TINY.model, family=family)

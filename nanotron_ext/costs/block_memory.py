@@ -18,55 +18,24 @@ Tensor parallelism divides what is sharded: heads, ``f`` and ``V`` by ``tp``. Un
 (sequence parallel) the norms' tensors are split along the sequence too, while a column-parallel linear saves the
 gathered input (the shard only with ``tp_linear_async_communication``).
 
-Under ``memory_runtime: gpu`` a Llama's decoder layers and final norm are counted for what upstream Nanotron's GPU
-code saves instead (:func:`gpu_path`, ``models/llama.py`` of main, lines cited in :func:`_gpu_decoder`): the fused
-(Triton) RMSNorm keeps its input and an fp32 ``rstd`` column; flash-attn keeps q, k and v at their own width, its
-output and an fp32 log-sum-exp per head. The embedding, ``lm_head``, the fp32 cast and the loss run the same
-Nanotron code on both paths. Other families keep the CPU runtime's count there (it errs high).
+Under ``memory_runtime: gpu`` the decoder layers and final norm of a Llama or a Qwen2 are counted for what
+upstream Nanotron's GPU code keeps instead (:mod:`nanotron_ext.costs.gpu_memory`). The embedding, ``lm_head``, the
+fp32 cast and the loss run the same Nanotron code on both paths.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from nanotron_ext.blocks import DEFERS_WEIGHT_GRADIENT, BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, MemoryRuntime, ModelShape, RunShape
+from nanotron_ext.costs.block_terms import BlockMemory, block_layer, mlp_saved_width, norm_saved
+from nanotron_ext.costs.gpu_memory import fused_final_norm, gpu_decoder, gpu_final_norm, gpu_path
 from nanotron_ext.inventory.flops import mlp_active
 
-__all__ = ["BlockMemory", "block_memory", "deferred_weights", "gpu_path", "largest_output", "largest_param",
-           "mlp_saved_width", "output_tensors", "pending_tensors", "weight_pending"]
-
-
-@dataclass(frozen=True)
-class BlockMemory:
-    """What one block holds, per micro-batch unless said otherwise (bytes).
-
-    Attributes:
-        saved: kept from its forward until its backward.
-        forward_temp: alive for a moment during its forward, beyond ``saved``, its input and its output.
-        backward_temp: alive for a moment during its backward, beyond what is saved and the gradient it
-            receives (a weight's gradient is made fresh before it is added to ``.grad``; input gradients).
-        persistent: allocated at its first forward and kept (rotary tables).
-        input: the tensors it receives; a stage that starts with this block holds them per micro-batch.
-        input_saved: ``saved`` already includes the input.
-        output: what it hands on; a stage that ends with this block holds it until the backward.
-    """
-
-    saved: float
-    forward_temp: float
-    backward_temp: float
-    persistent: float
-    input: float
-    input_saved: bool
-    output: float
-
-
-def gpu_path(m: ModelShape, runtime: MemoryRuntime) -> bool:
-    """Whether blocks are counted for upstream Nanotron's GPU code (``memory_runtime: gpu``, a Llama) rather than
-    the CPU runtime's."""
-    return runtime == "gpu" and m.family == "llama"
+__all__ = ["BlockMemory", "block_memory", "deferred_weights", "largest_output", "largest_param", "mlp_saved_width",
+           "output_tensors", "pending_tensors", "weight_pending"]
 
 
 @functools.lru_cache(maxsize=8192)  # a split search prices each block on every segment that holds it
@@ -103,15 +72,13 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape, runtime: Memory
         return BlockMemory(saved=ids, forward_temp=0.0, backward_temp=grad_temp + tn * h * w, persistent=0.0,
                            input=ids + t, input_saved=False, output=tn * h * w + t)
     if role == "decoder":
-        whole, largest_part = (_gpu_decoder if gpu else _decoder)(block, m, run, t, tn, tl, grad_temp)
+        whole, largest_part = (gpu_decoder if gpu else _decoder)(block, m, run, t, tn, tl, grad_temp)
         return _recomputed(whole, largest_part) if run.recompute_layer else whole
-    if role == "final_norm" and gpu:
-        # upstream's TritonRMSNorm (flash-attn's layer_norm_fn): saves its input and rstd; backward: dx.
-        return BlockMemory(saved=tn * (h * w + 4.0), forward_temp=0.0, backward_temp=tn * h * w + grad_temp,
-                           persistent=0.0, input=tn * h * w, input_saved=True, output=tn * h * w)
+    if role == "final_norm" and gpu and fused_final_norm(m):
+        return gpu_final_norm(tn, h, w, grad_temp)
     if role == "final_norm":
         # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
-        return BlockMemory(saved=_norm(tn, h, w), forward_temp=tn * h * 4.0, backward_temp=2 * tn * h * 4.0 + grad_temp,
+        return BlockMemory(saved=norm_saved(tn, h, w), forward_temp=tn * h * 4.0, backward_temp=2 * tn * h * 4.0 + grad_temp,
                            persistent=0.0, input=tn * h * w, input_saved=w == 4, output=tn * h * w)
     v = m.vocab_size / tp
     if role == "lm_head":
@@ -154,19 +121,6 @@ def output_tensors(block: BlockInfo) -> int:
     return _OUTPUT_TENSORS.get(block.role, 1)
 
 
-def mlp_saved_width(m: ModelShape, layer: int | None = None) -> float:
-    """Elements per token a layer's MLP saves for backward: the matmul outputs (gate|up and down's input: 3f;
-    Starcoder2's up: 2f), plus the gate's activation in a gated MLP (4f in all)."""
-    width = float(mlp_active(m, layer)[1])
-    gated = m.moe.glu if m.moe_layer(layer) and m.moe is not None else m.family != "starcoder2"
-    return width + width / 3 if gated else width
-
-
-def _norm(tokens: float, h: int, w: int) -> float:
-    """RMSNorm's saved tensors: the fp32 input (or upcast), rsqrt, the normalised tensor in the model dtype."""
-    return tokens * (4.0 * h + 4.0 + w * h)
-
-
 def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
                 grad_temp: float) -> tuple[BlockMemory, float]:
     """A Llama decoder layer as the CPU runtime runs it (dense MLP; a MoE layer is priced by its active width), and
@@ -181,8 +135,8 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
         keys_values = kv + (q + 2 * kv)  # rotated k; v is a view that keeps the whole qkv output alive
     o_copy = q if run.micro_batch_size > 1 else 0  # [seq, batch, q] is not contiguous unless batch == 1
     attention = t * (w * (q + keys_values + q + o_copy) + 4.0 * heads)
-    mlp = t * w * mlp_saved_width(m, _block_layer(block)) / tp
-    saved = 2 * _norm(tn, h, w) + 2 * tl * h * w + attention + mlp
+    mlp = t * w * mlp_saved_width(m, block_layer(block)) / tp
+    saved = 2 * norm_saved(tn, h, w) + 2 * tl * h * w + attention + mlp
     f = m.intermediate_size / tp
     # Forward: the qkv output next to rotary's fp32 products; backward: the MLP's gradients (merged 2f and f) next
     # to a weight's fresh gradient.
@@ -194,44 +148,6 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
     rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
     whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
                         input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
-    return whole, max(attention, mlp)
-
-
-def _gpu_decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-                 grad_temp: float) -> tuple[BlockMemory, float]:
-    """A Llama decoder layer as upstream Nanotron runs it on a GPU (``models/llama.py`` of main, lines 437-472 and
-    676-717: ``CausalSelfAttention.forward`` and ``_forward_training``; 720-759: ``LlamaDecoderLayer``):
-
-    * each ``TritonRMSNorm`` keeps its input itself and an fp32 ``rstd`` per token; the linear after it keeps
-      the norm's output;
-    * with GQA, q, k and v are made contiguous one by one (lines 459-467); k and v are concatenated and permuted
-      into one ``[b, s, 2, kv_heads, d]`` tensor (679-681), rotated in place (683), and flash-attn keeps q, that
-      k|v tensor and its output, plus an fp32 log-sum-exp ``[heads, tokens]``. Without GQA, q, k and v are views
-      of one contiguous ``[3, ...]`` copy (469-472): the q flash-attn keeps holds all of it;
-    * ``o_proj`` copies its input when the micro-batch holds more than one sequence (``[s, b, q]`` is not
-      contiguous then), as on the CPU path; the MLP keeps 4f as there.
-
-    Forward temporaries: the qkv output, held by ``forward``'s locals until it returns, beside the copies and the
-    concatenation; backward: the larger of the MLP's gradients and flash-attn's (dq, dk, dv, the keys' and
-    values' gradients at full head count under GQA, an fp32 dq accumulator and softmax_d), with a weight's.
-    Returned with the larger of what attention and the MLP save, as :func:`_decoder`."""
-    w = DTYPE_BYTES[run.dtype]
-    tp, h, d = run.tp, m.hidden_size, m.head_dim
-    heads = m.num_attention_heads / tp
-    q, kv = heads * d, m.num_key_value_heads / tp * d
-    gqa = m.num_attention_heads != m.num_key_value_heads
-    q_kept = q if gqa else q + 2 * kv
-    o_copy = q if run.micro_batch_size > 1 else 0
-    attention = t * (w * (q_kept + 2 * kv + q + o_copy) + 4.0 * heads)
-    mlp = t * w * mlp_saved_width(m, _block_layer(block)) / tp
-    norm = tn * (h * w + 4.0)
-    saved = 2 * norm + 2 * tl * h * w + attention + mlp
-    forward_temp = t * w * ((q + 2 * kv) + (2 * kv if gqa else 0) + 2 * kv)
-    attention_backward = t * (w * (q + 2 * kv + (2 * q if gqa else 0)) + 4.0 * (q + heads))
-    backward_temp = grad_temp + max(t * w * 3 * m.intermediate_size / tp, attention_backward)
-    rotary = 2 * run.sequence_length * (d // 2) * w  # flash-attn's cos/sin cache, in the model dtype, per layer
-    whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
-                        input=tn * h * w + t, input_saved=True, output=tn * h * w + t)
     return whole, max(attention, mlp)
 
 
@@ -262,12 +178,6 @@ def _vocab_shard(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: flo
                        forward_temp=t * rows * 2 * 4.0,
                        backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
                        persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
-
-
-def _block_layer(block: BlockInfo) -> int | None:
-    """A decoder block's layer index from its name (``model.decoder.7`` -> 7)."""
-    tail = block.name.rsplit(".", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 def largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
@@ -343,8 +253,8 @@ def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn:
     their weight gradients in B)."""
     w, tp, h = DTYPE_BYTES[run.dtype], run.tp, m.hidden_size
     q, kv = m.num_attention_heads / tp * m.head_dim, m.num_key_value_heads / tp * m.head_dim
-    width = mlp_active(m, _block_layer(block))[1] / tp
-    gated = m.moe.glu if m.moe_layer(_block_layer(block)) and m.moe is not None else m.family != "starcoder2"
+    width = mlp_active(m, block_layer(block))[1] / tp
+    gated = m.moe.glu if m.moe_layer(block_layer(block)) and m.moe is not None else m.family != "starcoder2"
     down_in = width / (3 if gated else 2)
     return {
         "qkv_proj.input": tl * h * w, "qkv_proj.output_grad": t * (q + 2 * kv) * w,
