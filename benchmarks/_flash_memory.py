@@ -5,7 +5,7 @@ Nanotron's GPU path where flash-attn is not installed (the lent GPU machines hav
 import stand-ins of ``tests/upstream_stubs/flash_attn`` (which compute the same values with plain torch autograd,
 and so keep far more):
 
-* ``flash_attn_varlen_func`` (``models/llama.py:290``): torch's ``scaled_dot_product_attention`` restricted to its
+* ``flash_attn_varlen_func`` (``models/llama.py:290``; the packed form of ``models/qwen.py:309`` too): torch's ``scaled_dot_product_attention`` restricted to its
   flash kernel, which keeps what flash-attn 2 keeps: q, k and v as given (views: no copy), the output and an fp32
   log-sum-exp per head and token. Sequences of one length only (what the trainer's packed data gives).
 * ``RotaryEmbedding.forward`` (``flash_attn/layers/rotary.py``, called at ``models/llama.py:683``): q and the k
@@ -92,10 +92,10 @@ class _RotaryInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                 kv: bool) -> torch.Tensor:
-        # Written behind autograd's back, as flash's Triton kernel does (no mark_dirty): q may be an output of
-        # unbind (upstream's multi-head path), which autograd refuses to see modified in place.
-        with torch.autograd.graph.disable_saved_tensors_hooks("rotary stand-in"), torch.no_grad():
-            _rotate_(x[:, :, 0] if kv else x, cos, sin, interleaved, conjugate=False)
+        # Written behind autograd's back (through .data: no version bump), as flash's Triton kernel writes: q may
+        # be an output of unbind (Llama's multi-head path) and q and k|v views of one qkv tensor (Qwen2), which
+        # autograd refuses to see modified in place.
+        _rotate_((x[:, :, 0] if kv else x).data, cos, sin, interleaved, conjugate=False)
         ctx.save_for_backward(cos, sin)
         ctx.interleaved, ctx.kv = interleaved, kv
         return x
@@ -151,6 +151,14 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return flat
 
 
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, **kwargs: Any) -> torch.Tensor:
+    """The packed form Qwen2 calls (``models/qwen.py:309``): kv is (tokens, 2, kv_heads, dim); k and v stay views."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, **kwargs)
+
+
 def install() -> None:
     """Put the kernels in place of the import stand-ins' (and in ``nanotron.nn.layer_norm``, which binds
     ``layer_norm_fn`` at import)."""
@@ -159,6 +167,9 @@ def install() -> None:
     import flash_attn.ops.triton.layer_norm as layer_norm
 
     interface.flash_attn_varlen_func = flash_attn_varlen_func  # models/llama.py imports it again in forward
+    import nanotron.models.qwen as qwen  # binds the packed entry point at import
+
+    qwen.flash_attn_varlen_kvpacked_func = flash_attn_varlen_kvpacked_func
     rotary.RotaryEmbedding.forward = _rotary_forward
     layer_norm.layer_norm_fn = layer_norm_fn
     import nanotron.nn.layer_norm as nanotron_norms

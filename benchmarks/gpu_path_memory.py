@@ -1,14 +1,15 @@
-"""Upstream Nanotron's own Llama against the estimate of its GPU path (issue 30, item 2): what it keeps per decoder
+"""Upstream Nanotron's own Llama and Qwen2 against the estimate of their GPU path (issue 30, item 2): what it keeps per decoder
 layer, one micro-batch's activations, and the peak of a forward and backward, estimated and measured.
 
-One process builds upstream main's ``LlamaForTraining`` (``nanotron.models.llama``, with ``build_model``, at pp = tp =
+One process builds upstream main's ``LlamaForTraining`` or ``Qwen2ForTraining`` (with ``build_model``, at pp = tp =
 dp = 1) and runs one micro-batch forward and backward after a warm-up, reading the allocator between marks
 (:class:`~nanotron_ext.runtime.memory_measure.CudaMemoryRecorder` on a GPU, the CPU profiler's
 :class:`~nanotron_ext.runtime.memory_measure.MemoryRecorder` on CPU). flash-attn is not installed on the lent GPU
 machines: the import stand-ins of ``tests/upstream_stubs`` let upstream import, and ``benchmarks/_flash_memory.py``
 replaces its three kernels by ones that keep what flash-attn's keep (SDPA's flash kernel, in-place rotary, RMSNorm
 keeping its input and rstd). The estimate is :func:`nanotron_ext.costs.memory_estimate.stage_memory` with
-``runtime="gpu"`` for the same shape, untied (upstream ties weights in its trainer, not in ``build_model``).
+``runtime="gpu"`` for the same shape, untied (upstream ties weights in its trainer, not in ``build_model``). The Qwen2
+runs have ``log_attn_probs`` off (see ``_model``).
 
 Compared, in bytes above what is allocated just before the micro-batch (weights, inputs, rotary caches):
 
@@ -73,23 +74,31 @@ class Shape:
     sequence: int
     micro_batch: int
     recompute: bool = False
+    family: str = "llama"
+    fused_norms: bool = True  # Qwen2's _fused_rms_norm
 
 
 def shapes(quick: bool) -> list[Shape]:
     """SmolLM-135M's shape (GQA 9/3, untied) at micro-batch 4 and 1 and recomputed, and a multi-head shape."""
-    layers, seq = (4, 256) if quick else (30, 2048)
+    layers, seq = (3, 128) if quick else (30, 2048)
     smol = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, layers=layers, sequence=seq)
-    mha = dict(hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, layers=4 if quick else 8,
+    mha = dict(hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, layers=3 if quick else 8,
                sequence=seq)
     return [Shape("smollm-135m mb4", micro_batch=4, **smol), Shape("smollm-135m mb1", micro_batch=1, **smol),
             Shape("smollm-135m mb4 recompute", micro_batch=4, recompute=True, **smol),
-            Shape("multi-head mb2", micro_batch=2, **mha)]
+            Shape("multi-head mb2", micro_batch=2, **mha),
+            Shape("qwen2 mb4", micro_batch=4, family="qwen2", **smol),
+            Shape("qwen2 mb4 unfused norms", micro_batch=4, family="qwen2", fused_norms=False, **smol)]
 
 
 def planner_config(shape: Shape) -> Any:
-    """The shape as a planner config (the bundled SmolLM-135M YAML, reshaped; pp = tp = dp = 1, one micro-batch)."""
-    raw = yaml.safe_load(bundled_config("smollm_135m.yaml").read_text())
+    """The shape as a planner config (the bundled SmolLM-135M YAML, or SmolLM3's for a Qwen2, reshaped; pp = tp =
+    dp = 1, one micro-batch)."""
+    base = "smollm3_3b.yaml" if shape.family == "qwen2" else "smollm_135m.yaml"
+    raw = yaml.safe_load(bundled_config(base).read_text())
     mc = raw["model"]["model_config"]
+    if shape.family == "qwen2":
+        mc["_fused_rms_norm"] = shape.fused_norms
     mc.update(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
               intermediate_size=shape.intermediate, vocab_size=shape.vocab, num_hidden_layers=shape.layers,
               tie_word_embeddings=False, max_position_embeddings=max(shape.sequence, mc["max_position_embeddings"]))
@@ -99,7 +108,7 @@ def planner_config(shape: Shape) -> Any:
     raw["tokens"].update(sequence_length=shape.sequence, micro_batch_size=shape.micro_batch,
                          batch_accumulation_per_replica=1)
     raw.setdefault("nanotron_ext", {})["memory_runtime"] = "gpu"
-    return config_from_dict(raw, source=f"{shape.label} (from smollm_135m.yaml)")
+    return config_from_dict(raw, source=f"{shape.label} (from {base})")
 
 
 def estimate(shape: Shape) -> dict[str, float]:
@@ -130,19 +139,27 @@ def _context(device: str) -> Any:
 
 
 def _model(shape: Shape, ctx: Any, device: str) -> Any:
-    from nanotron.config import LlamaConfig, ParallelismArgs
+    from nanotron.config import LlamaConfig, ParallelismArgs, Qwen2Config
     from nanotron.models.base import build_model
     from nanotron.models.llama import LlamaForTraining
+    from nanotron.models.qwen import Qwen2ForTraining
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-    config = LlamaConfig(hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate,
-                         vocab_size=shape.vocab, num_hidden_layers=shape.layers, tie_word_embeddings=False,
-                         max_position_embeddings=max(shape.sequence, 2048), rms_norm_eps=1e-5)
+    common = dict(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                  intermediate_size=shape.intermediate, vocab_size=shape.vocab, num_hidden_layers=shape.layers,
+                  tie_word_embeddings=False, max_position_embeddings=max(shape.sequence, 2048), rms_norm_eps=1e-5)
+    if shape.family == "qwen2":
+        # log_attn_probs off: with it (upstream's default) each layer's lse is also kept in a log list, by
+        # reference, until the trainer clears it; the stand-in kernel does not return it.
+        config = Qwen2Config(**common, _fused_rms_norm=shape.fused_norms, _use_qkv_packed=True,
+                             log_attn_probs=False)
+        model_class = Qwen2ForTraining
+    else:
+        config, model_class = LlamaConfig(**common), LlamaForTraining
     par = ParallelismArgs(dp=1, pp=1, tp=1, pp_engine="1f1b", tp_mode=TensorParallelLinearMode.ALL_REDUCE,
                           tp_linear_async_communication=False, recompute_layer=shape.recompute)
-    model = build_model(model_builder=lambda: LlamaForTraining(config=config, parallel_context=ctx,
-                                                               parallel_config=par, random_states=None),
+    model = build_model(model_builder=lambda: model_class(config=config, parallel_context=ctx,
+                                                          parallel_config=par, random_states=None),
                         parallel_context=ctx, dtype=torch.bfloat16, device=torch.device(device))
     with torch.no_grad():
         for p in model.parameters():
@@ -155,7 +172,11 @@ def measure(shape: Shape, ctx: Any, device: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape.vocab, (shape.micro_batch, shape.sequence), generator=gen).to(device)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    batch = dict(input_ids=ids, input_mask=mask, label_ids=ids.roll(-1, dims=1), label_mask=mask)
+    batch = dict(input_ids=ids, label_ids=ids.roll(-1, dims=1), label_mask=mask)
+    if shape.family == "qwen2":  # one document per row: positions restart at 0
+        batch["position_ids"] = torch.arange(shape.sequence, device=ids.device).expand_as(ids).contiguous()
+    else:
+        batch["input_mask"] = mask
     model(**batch)["loss"].backward()  # warm-up: rotary caches, kernels' workspaces
     model.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -201,7 +222,7 @@ def measure(shape: Shape, ctx: Any, device: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="small shapes (4 layers, sequence 256)")
+    parser.add_argument("--quick", action="store_true", help="small shapes (3 layers, sequence 128)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
