@@ -76,13 +76,14 @@ def test_the_issues_cap_that_did_not_protect_now_refuses_the_plan() -> None:
 
 
 def test_recomputed_layers_hold_what_the_estimate_says() -> None:
-    # parallelism.recompute_layer on a SmolLM-135M shape with 2 layers and 2 × 1024 tokens a micro-batch, where a
-    # recomputed layer's backward sets stage 0's pipeline peak: each layer keeps only its input, and its backward
-    # recomputes the rest, which is then alive at once.
+    # parallelism.recompute_layer on a SmolLM-135M shape with 2 layers, a vocabulary of 8192 (the logits are not
+    # what is checked, and cost most of the time) and 2 × 1024 tokens a micro-batch, where a recomputed layer's
+    # backward sets stage 0's pipeline peak: each layer keeps only its input, and its backward recomputes the rest,
+    # which is then alive at once.
     raw = yaml.safe_load(bundled_config("smollm_135m.yaml").read_text())
-    raw["model"]["model_config"]["num_hidden_layers"] = 2
+    raw["model"]["model_config"].update(num_hidden_layers=2, vocab_size=8192)
     raw["model"]["dtype"] = "float32"
-    raw["tokens"].update(sequence_length=1024, micro_batch_size=2, batch_accumulation_per_replica=4)
+    raw["tokens"].update(sequence_length=1024, micro_batch_size=2, batch_accumulation_per_replica=2)
     raw["parallelism"].update(pp=2, pp_engine="1f1b", recompute_layer=True)
     raw["optimizer"]["accumulate_grad_in_fp32"] = False
     raw.setdefault("nanotron_ext", {})
