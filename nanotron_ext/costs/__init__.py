@@ -1,6 +1,7 @@
 """Costs: what blocks cost to train, from the analytic model (``analytic``: training FLOPs, bytes per parameter)
 or measured on this machine (``profiled``, imported on demand: it needs torch), what one block holds in memory
-(``block_memory``), and a stage's peak memory by term (``memory_estimate``)."""
+(``block_memory``; ``gpu_memory`` where Nanotron's GPU code keeps other tensors), and a stage's peak memory by term
+(``memory_estimate``)."""
 
 from nanotron_ext.costs.analytic import (
     GIB,
@@ -11,7 +12,8 @@ from nanotron_ext.costs.analytic import (
     trainable_before,
     training_flops,
 )
-from nanotron_ext.costs.block_memory import BlockMemory, block_memory
+from nanotron_ext.costs.block_memory import block_memory
+from nanotron_ext.costs.block_terms import BlockMemory
 from nanotron_ext.costs.memory_estimate import StageMemory, config_stage_memory, stage_memory
 
 __all__ = [
