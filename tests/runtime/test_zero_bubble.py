@@ -30,6 +30,11 @@ TWO_RANKS = {
     # parallelism.recompute_layer: zb1p with every decoder layer recomputed in its backward, against 1F1B without
     # recomputation (so the recomputed forward is checked too); W still defers the recomputed linears' products.
     "recompute": {"pp": 2, "block_ranks": PP2, "recompute": True, "ref": {"recompute": False}},
+    # Tied embeddings with both ends on stage 0: one tensor used twice in a stage, its weight gradient made in B at
+    # the embedding and deferred to W at the lm_head; both parts must reach it (issue 31).
+    "tied_one_stage": {"pp": 2, "block_ranks": [0, 0, 0, 0, 0, 1, 1], "config": {"tie_word_embeddings": True}},
+    # Tied across stages: the lm_head's deferred part must be in .grad before the tied all-reduce.
+    "tied_two_stages": {"pp": 2, "block_ranks": PP2, "config": {"tie_word_embeddings": True}},
     # The projector's linear is a subclass with its own forward: its W runs in B, with one warning.
     "unknown_linear": {"pp": 2, "block_ranks": [0, 0, 0, 1, 1, 1, 1, 1], "opaque": True},
 }
@@ -73,6 +78,20 @@ def test_zb1p_equals_1f1b_two_ranks(two_ranks: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
 def test_zb1p_equals_1f1b_four_ranks(four_ranks: list[dict], name: str) -> None:
     _check(four_ranks, name)
+
+
+EMBEDDING, LM_HEAD = "model.token_position_embeddings.pp_block.token_embedding.weight", "model.lm_head.pp_block.weight"
+
+
+@pytest.mark.parametrize(("name", "rank0", "rank1"), [
+    ("tied_one_stage", {EMBEDDING}, set()),  # one tensor, named once, on the stage that holds both ends
+    ("tied_two_stages", {EMBEDDING}, {LM_HEAD}),  # a copy on each stage, synced by the tied all-reduce
+    ("pp2", set(), set()),
+])
+def test_the_tied_cases_are_tied(two_ranks: list[dict], name: str, rank0: set, rank1: set) -> None:
+    # Their equality with 1F1B above means something only if the embedding and the lm_head are one weight.
+    tied = {res["rank"]: set(res[name]["tied"]) & {EMBEDDING, LM_HEAD} for res in two_ranks}
+    assert tied == {0: rank0, 1: rank1}
 
 
 def test_each_w_applies_its_stage_linears(two_ranks: list[dict]) -> None:

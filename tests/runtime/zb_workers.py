@@ -89,7 +89,8 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
     finally:
         WeightGradStore.pop = pop
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, ZeroBubbleFallbackWarning)]
-    return {"losses": losses, "grads": recorder.steps, "popped": popped, "fallbacks": fallbacks}
+    tied = sorted(n for n, p in model.named_parameters() if getattr(p, "is_tied", False))
+    return {"losses": losses, "grads": recorder.steps, "popped": popped, "fallbacks": fallbacks, "tied": tied}
 
 
 def _make_projector_opaque(model: Any) -> None:
@@ -123,7 +124,7 @@ def _compare(case: dict[str, Any]) -> dict[str, Any]:
     return {
         "losses": ref["losses"], "zb_losses": zb["losses"], "grad_rel": worst, "names": names,
         "steps": len(zb["grads"]), "popped": zb["popped"], "fallbacks": zb["fallbacks"],
-        "ref_fallbacks": ref["fallbacks"],
+        "ref_fallbacks": ref["fallbacks"], "tied": zb["tied"],
     }
 
 
