@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 from dataclasses import dataclass
@@ -48,13 +47,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 # flash-attn's import stand-ins, after the installed packages (a GPU machine's own triton comes first).
 sys.path.append(str(ROOT / "tests" / "upstream_stubs"))
 
-import _flash_memory  # noqa: E402  (before anything imports nanotron.nn.layer_norm)
+import _flash_memory  # noqa: E402  (from benchmarks/, put on sys.path above)
 import torch  # noqa: E402
 
 from nanotron_ext.config import bundled_config, config_from_dict  # noqa: E402
 from nanotron_ext.costs.block_memory import block_memory  # noqa: E402
 from nanotron_ext.costs.memory_estimate import stage_memory  # noqa: E402
 from nanotron_ext.inventory import inventory_from_config  # noqa: E402
+from nanotron_ext.procs import free_port, rendezvous_env  # noqa: E402
 from nanotron_ext.runtime.memory_measure import CudaMemoryRecorder, MemoryRecorder  # noqa: E402
 
 MIB = 2**20
@@ -125,14 +125,8 @@ def estimate(shape: Shape) -> dict[str, float]:
 
 
 def _context(device: str) -> Any:
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if "MASTER_PORT" not in os.environ:  # not under torchrun: a world of this one process
+        os.environ.update(rendezvous_env(0, 1, free_port()))
     if device == "cpu":
         import nanotron_cpu  # the CPU stand-ins of upstream's CUDA calls (gloo, "cuda" devices on the CPU)
 

@@ -122,7 +122,7 @@ def output_tensors(block: BlockInfo) -> int:
 
 
 def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-                grad_temp: float) -> tuple[BlockMemory, float]:
+             grad_temp: float) -> tuple[BlockMemory, float]:
     """A Llama decoder layer as the CPU runtime runs it (dense MLP; a MoE layer is priced by its active width), and
     the larger of what its attention and its MLP save (what :func:`_recomputed` needs)."""
     w = DTYPE_BYTES[run.dtype]

@@ -6,7 +6,8 @@ A stage whose estimated peak is above a cap, or above a device's memory, is an e
 a Llama or a Qwen2 is counted for Nanotron's GPU code (:func:`nanotron_ext.costs.gpu_memory.gpu_path`). Starcoder2
 and LlaMoE are counted there as the CPU runtime runs them, which saves more than flash-attn and fused RMSNorm
 (:data:`GPU_ACTIVATION_OVERCOUNT`): such a stage is an error only when it is over even with its in-flight
-activations cut by that share, and a warning ("may still fit") between the two. Each fix is a changed config planned again (by ``make_plan``), with the largest stage peak it gives.
+activations cut by that share, and a warning ("may still fit") between the two. Each fix is a changed config
+planned again (by ``make_plan``), with the largest stage peak it gives.
 """
 
 from __future__ import annotations
