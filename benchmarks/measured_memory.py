@@ -13,14 +13,14 @@ at the end: on every row the estimated peak is at least the measured peak and at
 Scenarios: the bundled tiny example (``tiny_llama_large_vocab.yaml``: 2 layers, hidden 16, vocabulary 50277,
 sequence 32, micro-batch 2, 4 micro-batches) and a SmolLM-135M-shaped model shrunk to CPU (hidden 576, 9/3 heads,
 intermediate 1536, vocabulary 49152, tied embeddings; 6 layers, sequence 128, micro-batch 2, 4 micro-batches),
-each in fp32 and bf16, 1F1B, AFAB and zb1p (``nanotron_ext.zero_bubble``; the tiny example in fp32), at pp=2;
+each in fp32 and bf16, 1F1B, AFAB, zb1p and zb2p (``nanotron_ext.zero_bubble``; the tiny example in fp32), at pp=2;
 the tiny example also at tp=2 (``ALL_REDUCE``; gloo has no
 reduce-scatter, so ``REDUCE_SCATTER`` cannot run here). bf16 runs AdamW on the bf16 parameters
 (``accumulate_grad_in_fp32`` needs Nanotron's CUDA-only fp32 accumulator).
 
 With ``--device cuda`` (a GPU; both ranks on one GPU, gloo between them, host-staged) the scenarios are
 SmolLM-135M as shipped (30 layers, sequence 2048, micro-batch 4, 8 micro-batches) at pp=2 in bf16 and fp32,
-1F1B and zb1p, measured with CUDA's caching allocator (``torch.cuda.max_memory_allocated`` between marks). The
+1F1B, zb1p and zb2p, measured with CUDA's caching allocator (``torch.cuda.max_memory_allocated`` between marks). The
 estimate is still the CPU runtime's (the same Llama, torch SDPA), so ``est ÷ meas`` there is a finding, not a
 check: on CUDA, SDPA's fused kernels save less than the CPU path.
 
@@ -91,16 +91,18 @@ class Scenario:
 def scenarios(device: str = "cpu") -> list[Scenario]:
     if device == "cuda":
         return [Scenario(f"SmolLM-135M {dtype} {engine} (CUDA)", "smollm_135m.yaml", dtype, engine, device="cuda")
-                for dtype in ("bfloat16", "float32") for engine in ("1f1b", "zb1p")]
+                for dtype in ("bfloat16", "float32") for engine in ("1f1b", "zb1p", "zb2p")]
     out = []
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab"):
             out.append(Scenario(f"tiny {dtype} {engine}", "tiny_llama_large_vocab.yaml", dtype, engine))
     out.append(Scenario("tiny float32 1f1b tp=2", "tiny_llama_large_vocab.yaml", "float32", "1f1b", tp=2))
-    # zb1p (nanotron_ext.zero_bubble): 1F1B's activations plus the deferred weight-gradient products.
-    out.append(Scenario("tiny float32 zb1p", "tiny_llama_large_vocab.yaml", "float32", "zb1p"))
+    # zb1p, zb2p (nanotron_ext.zero_bubble): 1F1B's activations (zb2p: more micro-batches in flight) plus the
+    # deferred weight-gradient products.
+    for engine in ("zb1p", "zb2p"):
+        out.append(Scenario(f"tiny float32 {engine}", "tiny_llama_large_vocab.yaml", "float32", engine))
     for dtype in ("float32", "bfloat16"):
-        for engine in ("1f1b", "afab", "zb1p"):
+        for engine in ("1f1b", "afab", "zb1p", "zb2p"):
             out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
                                 num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
     # parallelism.recompute_layer: each decoder layer keeps its input; its backward runs the forward again.

@@ -101,11 +101,12 @@ def test_a_stage_holding_both_ends_of_a_tie_runs_one_update_and_no_sync():
         ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0,) * 3, (0.0,) * 3, (True,) * 4, 2, 2, "1f1b", tied_pair=(2, 0))
 
 
+@pytest.mark.parametrize("engine", ["zb1p", "zb2p"])
 @pytest.mark.parametrize("seed", range(3))
-def test_zb1p_evaluator_equals_simulate_bound_below_search_is_brute_force(seed):
+def test_zero_bubble_evaluator_equals_simulate_bound_below_search_is_brute_force(seed, engine):
     rng = random.Random(300 + seed)
     for _ in range(15):
-        problem = _random_problem(rng, ("zb1p",), ties=True)
+        problem = _random_problem(rng, (engine,), ties=True)
         splits = _all_splits(problem.n, problem.pp)
         times = StepTimeEvaluator(problem)(splits)
         for bounds, t in zip(splits, times):

@@ -477,8 +477,8 @@ def test_engine_override_reaches_the_run_and_the_yaml() -> None:
     zb = cfg.with_overrides(engine="zb1p")
     assert zb.run.engine == "zb1p" and zb.nanotron["parallelism"]["pp_engine"] == "zb1p"
     assert cfg.run.engine == "1f1b"  # the original is untouched
-    with pytest.raises(ConfigError, match=r"parallelism.pp_engine='zb2p' is not one of 1f1b, afab, zb1p"):
-        cfg.with_overrides(engine="zb2p")
+    with pytest.raises(ConfigError, match=r"parallelism.pp_engine='zb3p' is not one of 1f1b, afab, zb1p, zb2p"):
+        cfg.with_overrides(engine="zb3p")
 
 
 def test_plan_and_simulate_take_engine(tmp_path, capsys) -> None:
@@ -513,8 +513,8 @@ def test_zb1p_with_too_few_micro_batches_is_refused_on_the_command_line(tmp_path
     out = capsys.readouterr().out
     assert "needs at least pp - 1 = 3 micro-batches, got 2" in out and "INVALID" in out
     with pytest.raises(SystemExit) as exc:
-        main(["plan", "--engine", "zb2p"])
-    assert exc.value.code == 2 and "invalid choice: 'zb2p'" in capsys.readouterr().err
+        main(["plan", "--engine", "zb3p"])
+    assert exc.value.code == 2 and "invalid choice: 'zb3p'" in capsys.readouterr().err
 
 
 def test_plan_compare_engines_table_and_json(capsys) -> None:

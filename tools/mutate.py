@@ -443,6 +443,24 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    if block.role not in DEFERS_WEIGHT_GRADIENT:  # the engine makes its weight gradient in B\n        return 0.0\n",
       "", ("tests/test_zb1p.py::test_rate_model_prices_b_and_w_by_their_own_flops",)),
 
+    # --- zb2p (issue 31) ---------------------------------------------------------------------------------------
+    M("zb2p runs zb1p's warm-up", PROGRAMS,
+      "return min(n_micro_batches, 2 * base) if engine == \"zb2p\" else base", "return base",
+      ("tests/test_zb2p.py",)),
+    M("zb2p defers zb1p's W's", PROGRAMS,
+      "return 2 * stage if engine == \"zb2p\" else stage", "return stage", ("tests/test_zb2p.py",)),
+    M("the memory estimate counts 1F1B's micro-batches in flight under zb2p", "nanotron_ext/costs/analytic.py",
+      "warmup_forwards(engine, pp, stage, n_micro_batches) + 1)", "(pp - stage if engine != \"afab\" else n_micro_batches))",
+      ("tests/test_zb2p.py",)),
+    M("the memory estimate counts zb1p's deferred W's under zb2p", "nanotron_ext/costs/block_memory.py",
+      "    return [min(program_deferred(engine, stage) or 0, n_micro_batches - 1) for stage in range(pp)]",
+      "    return [min(program_deferred(\"zb1p\" if engine == \"zb2p\" else engine, stage) or 0, n_micro_batches - 1)"
+      " for stage in range(pp)]",
+      ("tests/runtime/test_memory_cap.py::test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it",)),
+    M("the zb2p engine runs zb1p's program", "nanotron_ext/zero_bubble/engine.py",
+      "    schedule: Engine = \"zb2p\"", "    schedule: Engine = \"zb1p\"",
+      ("tests/runtime/test_runtime_pipeline.py::test_simulator_program_is_what_nanotron_engine_runs",)),
+
     # --- checkpoints across plans (issue 28) -------------------------------------------------------------------
     M("a saved part is copied to the live tensor's own offsets", RESHARD,
       "out[_index(_shift(common, mine.whole, mine.local))]", "out[_index(_shift(common, mine.whole, theirs.local))]",

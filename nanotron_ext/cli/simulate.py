@@ -45,6 +45,7 @@ from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_vocab_shards
 from nanotron_ext.report import table
+from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.simulate import (
     SimResult,
     format_seconds,
@@ -267,7 +268,7 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
         [s.stage, s.label, _ms(t.forward), _ms(t.backward), _ms(t.update)] for s, t in zip(plan.stages, result.stages)
     ]
     head = ["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"]
-    if result.engine == "zb1p":  # the backward's weight-gradient part, run later as W
+    if result.engine in ZERO_BUBBLE:  # the backward's weight-gradient part, run later as W
         head.insert(4, "of which W ms/mb")
         for row, t in zip(rows, result.stages):
             row.insert(4, _ms(t.weight))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import DTYPE_BYTES, RunShape
 from nanotron_ext.schedule import Engine
+from nanotron_ext.schedule.programs import warmup_forwards
 
 __all__ = [
     "GIB",
@@ -70,12 +71,11 @@ def training_flops(blocks: Sequence[BlockInfo]) -> list[float]:
 def in_flight(engine: Engine, pp: int, n_micro_batches: int) -> list[int]:
     """Micro-batches whose activations a stage holds at its peak.
 
-    AFAB runs every forward first, so each stage holds all ``m``; 1F1B and zb1p (1F1B's program) hold at most
-    ``pp − stage``.
+    AFAB runs every forward first, so each stage holds all ``m``; the 1F1B family its warm-up forwards and the one
+    of its steady phase (:func:`~nanotron_ext.schedule.programs.warmup_forwards`): 1F1B and zb1p at most
+    ``pp − stage``, zb2p at most ``2(pp − stage) − 1``.
     """
-    if engine == "afab":
-        return [n_micro_batches] * pp
-    return [min(n_micro_batches, pp - stage) for stage in range(pp)]
+    return [min(n_micro_batches, warmup_forwards(engine, pp, stage, n_micro_batches) + 1) for stage in range(pp)]
 
 
 @dataclass(frozen=True)

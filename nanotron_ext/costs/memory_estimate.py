@@ -8,8 +8,9 @@ Per micro-batch of ``t = b·s`` tokens, a stage's peak is the larger of two mome
   tensor before it is added to ``.grad``);
 * **optimizer step** — weights + gradients + optimizer state + buffers, plus the step's temporaries.
 
-Under zb1p the pipeline moment adds, on stage ``r``, ``min(r, m - 1)`` deferred weight-gradient passes, each keeping
-each trainable weight's input and output gradient (:func:`pending_tensors`).
+Under zb1p the pipeline moment adds, on stage ``r``, ``min(r, m - 1)`` deferred weight-gradient passes (zb2p:
+``min(2r, m - 1)``), each keeping each trainable weight's input and output gradient (:func:`pending_tensors`);
+zb2p also holds up to ``2(pp - r) - 1`` micro-batches in flight where 1F1B holds ``pp - r``.
 
 What each block saves, temporarily holds and sends is :mod:`nanotron_ext.costs.block_memory`'s. Static bytes
 per parameter follow Nanotron's optimizer and gradient accumulator (:func:`nanotron_ext.costs.analytic.param_bytes`).
@@ -32,7 +33,7 @@ from nanotron_ext.costs.block_memory import (
     largest_param,
     weight_pending,
 )
-from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY
+from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
 
 __all__ = ["RUNTIME_TENSORS_BYTES", "StageMemory", "config_stage_memory", "stage_memory"]
 
@@ -53,7 +54,8 @@ class StageMemory:
         optimizer: Adam's moments and fp32 master weights (ZeRO-1 sharded).
         buffers: allocated once outside the parameters (rotary tables, the runtime's small tensors).
         activations: one micro-batch's activations (saved tensors, plus the stage's held input and output).
-        in_flight: micro-batches in flight at the stage (AFAB: ``m``; 1F1B: ``pp − stage``).
+        in_flight: micro-batches in flight at the stage (AFAB: ``m``; 1F1B, zb1p: ``pp − stage``; zb2p:
+            ``2(pp − stage) − 1``; at most ``m``).
         pipeline_activations: activations alive at the pipeline's peak: the other micro-batches in flight in
             full, and what the one being computed has saved so far.
         pipeline_gradients: gradient bytes alive at the pipeline's peak (all of them once a backward has run
@@ -65,8 +67,8 @@ class StageMemory:
         overhead: the configured allowance for runtime overhead.
         weight_pending: bytes one deferred weight-gradient pass (zb1p's ``W``) of one micro-batch keeps: the
             stage's :func:`weight_pending`.
-        deferred: W's the stage keeps deferred at once besides the one running (zb1p: its rank, at most
-            ``m - 1``; AFAB and 1F1B: 0); ``deferred × weight_pending`` joins the pipeline's peak.
+        deferred: W's the stage keeps deferred at once besides the one running (zb1p: its rank, zb2p: twice
+            it, at most ``m - 1``; AFAB and 1F1B: 0); ``deferred × weight_pending`` joins the pipeline's peak.
     """
 
     weights: float
@@ -85,7 +87,7 @@ class StageMemory:
 
     @property
     def pending_weights(self) -> float:
-        """Bytes of the deferred W's at the pipeline's peak (zb1p)."""
+        """Bytes of the deferred W's at the pipeline's peak (zb1p, zb2p)."""
         return self.deferred * self.weight_pending
 
     @property
@@ -131,8 +133,8 @@ def stage_memory(
     The micro-batch being computed is followed block by block: in its forward, block ``i`` holds the stage's
     input, what blocks ``0..i`` saved, its own input (when not saved), temporaries and output; in its backward,
     what blocks ``0..i`` saved, the stage's output, the gradient it receives and its backward temporaries. The other
-    ``in_flight − 1`` micro-batches hold their full activations. Under zb1p the stage also keeps the state of up to
-    ``stage`` deferred weight-gradient passes (:func:`pending_tensors`), counted at every moment of the pipeline;
+    ``in_flight − 1`` micro-batches hold their full activations. Under zb1p (zb2p) the stage also keeps the state
+    of up to ``stage`` (``2 · stage``) deferred weight-gradient passes (:func:`pending_tensors`), counted at every moment of the pipeline;
     the W that runs is counted as 1F1B's backward of its micro-batch (it keeps less than that backward held).
 
     Args:
@@ -174,7 +176,7 @@ def stage_memory(
         pipeline_temporaries=worst[2],
         optimizer_temporaries=_optimizer_temporaries(blocks, m, run, held.trainable, per.state, optimizer),
         overhead=overhead_gib * GIB,
-        weight_pending=sum(weight_pending(b, m, run) for b in blocks) if run.engine == "zb1p" else 0.0,
+        weight_pending=sum(weight_pending(b, m, run) for b in blocks) if run.engine in ZERO_BUBBLE else 0.0,
         deferred=deferred_weights(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0,
     )
 
@@ -247,7 +249,7 @@ def _pipeline_candidates(
     saved_so_far = held_in
     # zb1p: during a micro-batch's B, the products of every block already back-propagated (and the one in
     # progress) wait in the store for its W, besides the deferred W's of earlier micro-batches.
-    pending = [weight_pending(b, m, run) if run.engine == "zb1p" else 0.0 for b in blocks]
+    pending = [weight_pending(b, m, run) if run.engine in ZERO_BUBBLE else 0.0 for b in blocks]
     candidates = []
     for i, (b, x) in enumerate(zip(blocks, mems)):
         saved_so_far += x.saved

@@ -36,7 +36,7 @@ from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_r
 from nanotron_ext.integration.dummy_data import install_dummy_data
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
-from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
+from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
 
 __all__ = ["install_launcher", "strip_ext_keys"]
 
@@ -99,7 +99,7 @@ def install_launcher(
         return model
 
     _one_config_file(patches, nanotron_config)
-    if cfg.run.engine == "zb1p":
+    if cfg.run.engine in ZERO_BUBBLE_ENGINES:
         _zero_bubble_engine(patches, say)
     _freeze_and_check_before_ddp(patches, trainer, ready)
     _optimize_trainable_only(patches, NanotronModel)
@@ -125,22 +125,23 @@ def _one_config_file(patches: Patches, nanotron_config: Any) -> None:
 
 
 def _zero_bubble_engine(patches: Patches, say: Callable[[str], None]) -> None:
-    """``pp_engine: zb1p``: Nanotron's string <-> engine casts (its loader's, ``ParallelismArgs``', and the
-    serializer that writes a checkpoint's config) know our engine by name; every other name is theirs. Each PP
+    """``pp_engine: zb1p`` or ``zb2p``: Nanotron's string <-> engine casts (its loader's, ``ParallelismArgs``', and
+    the serializer that writes a checkpoint's config) know our engines by name; every other name is theirs. Each PP
     rank says once how many linears defer their weight gradient."""
     import nanotron.config.utils_config as utils_config
 
     to_engine, to_name = utils_config.cast_str_to_pipeline_engine, utils_config.cast_pipeline_engine_to_str
 
     def cast_str_to_pipeline_engine(name: Any) -> Any:
-        return ZeroBubblePipelineEngine(say=say) if str(name).lower() == "zb1p" else to_engine(name)
+        engine = ZERO_BUBBLE_ENGINES.get(str(name).lower())
+        return engine(say=say) if engine is not None else to_engine(name)
 
     for module_name in ("utils_config", "config", "parallelism_config"):  # each holds its own reference
         module = importlib.import_module(f"nanotron.config.{module_name}")
         if hasattr(module, "cast_str_to_pipeline_engine"):
             patches.set(module, "cast_str_to_pipeline_engine", cast_str_to_pipeline_engine)
     patches.set(utils_config, "cast_pipeline_engine_to_str",
-                lambda engine: "zb1p" if isinstance(engine, ZeroBubblePipelineEngine) else to_name(engine))
+                lambda engine: engine.schedule if isinstance(engine, ZeroBubblePipelineEngine) else to_name(engine))
 
 
 def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable[[Any], Any]) -> None:

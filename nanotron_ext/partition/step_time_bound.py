@@ -19,6 +19,7 @@ import numpy as np
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
 from nanotron_ext.partition.step_time_eval import ScheduleProblem
+from nanotron_ext.schedule import ZERO_BUBBLE
 
 __all__ = ["RTOL", "Bound", "Validity", "feasible_bound", "lower_bound", "minimise", "reconstruct",
            "slowest_stage_optimum"]
@@ -49,6 +50,8 @@ def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
     * zb1p: the two 1F1B paths, where stage ``k`` has run ``max(0, m - 1 - k)`` of its ``W`` before its last
       ``B`` (it defers its first ``k``, then one after each later ``B``), each also cut at stage ``k``'s
       end, where all ``m`` of its ``W`` are done.
+    * zb2p: only the first of zb1p's terms (micro-batch 0's forwards below ``k``, then every F, B and W of stage
+      ``k``), which holds for any order of a stage's work.
 
     Backward chains need every cut to carry a gradient: with a frozen first block they are left out.
     """
@@ -59,6 +62,9 @@ def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
     for k in range(pp):
         if problem.engine == "zb1p":
             out.append(_zb1p_terms(pp, m, k, grads))
+            continue
+        if problem.engine == "zb2p":  # micro-batch 0's forwards below k, then all of k's work
+            out.append([(m, m, m, 1.0, 0.0, 0.0, 0.0, k)])
             continue
         terms = [(m, m, 0.0, 1.0, g, 0.0, 0.0, k + (k if grads else 0))]
         if problem.engine == "1f1b" and grads:
@@ -95,7 +101,7 @@ class Bound:
         p2p_min = float(min(min(row[: n - 1]) for row in problem.send)) if problem.pp > 1 and n > 1 else 0.0
         self.F, self.B, self.U = F, B, U  # B: the whole backward
         Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass
-        if problem.engine == "zb1p" and not slowest_stage:
+        if problem.engine in ZERO_BUBBLE and not slowest_stage:
             w = np.asarray(problem.weight, dtype=np.float64)
             Bop = np.concatenate([[0.0], np.cumsum(np.maximum(np.asarray(problem.backward) - w, 0.0))])
             W = np.concatenate([[0.0], np.cumsum(w)])

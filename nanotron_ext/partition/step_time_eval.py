@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
-from nanotron_ext.schedule import ENGINES, too_few_micro_batches
+from nanotron_ext.schedule import ENGINES, ZERO_BUBBLE, too_few_micro_batches
 from nanotron_ext.schedule.programs import Action, Step, engine_program
 from nanotron_ext.schedule.simulator import StageTimes
 
@@ -346,7 +346,7 @@ class StepTimeEvaluator:
         add = np.zeros((4 * pp + 1, k))
         add[:pp] = (self._f[hi] - self._f[lo]).T
         add[pp : 2 * pp] = (self._b[hi] - self._b[lo]).T
-        if p.engine == "zb1p":  # B is the backward less its weight-gradient part, W that part (as simulate)
+        if p.engine in ZERO_BUBBLE:  # B is the backward less its weight-gradient part, W that part (as simulate)
             add[2 * pp : 3 * pp] = (self._w[hi] - self._w[lo]).T
             np.maximum(add[pp : 2 * pp] - add[2 * pp : 3 * pp], 0.0, out=add[pp : 2 * pp])
         if pp > 1:  # cut c: what the last block before it sends (as ScheduleProblem.cut_times)

@@ -44,7 +44,7 @@ from nanotron_ext.runtime.device import device_from_env, sync_tied_gradients
 from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.runtime.send_order import SendOrder, send_order
 from nanotron_ext.schedule import Engine, too_few_micro_batches
-from nanotron_ext.zero_bubble import ZeroBubblePipelineEngine
+from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
 
 __all__ = [
     "EngineName",
@@ -62,7 +62,7 @@ MicroBatch = dict[str, torch.Tensor | TensorPointer]
 _ENGINES: dict[Engine, type[PipelineEngine]] = {
     "1f1b": OneForwardOneBackwardPipelineEngine,
     "afab": AllForwardAllBackwardPipelineEngine,
-    "zb1p": ZeroBubblePipelineEngine,  # ours: Nanotron has no zero-bubble engine (nanotron_ext.zero_bubble)
+    **ZERO_BUBBLE_ENGINES,  # ours: Nanotron has no zero-bubble engine (nanotron_ext.zero_bubble)
 }
 
 
@@ -70,8 +70,8 @@ def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
     """Nanotron pipeline engine from a name.
 
     Args:
-        engine: ``"1f1b"`` (OneForwardOneBackward), ``"afab"`` (AllForwardAllBackward), ``"zb1p"``
-            (:class:`nanotron_ext.zero_bubble.ZeroBubblePipelineEngine`), or an engine instance.
+        engine: ``"1f1b"`` (OneForwardOneBackward), ``"afab"`` (AllForwardAllBackward), ``"zb1p"`` or ``"zb2p"``
+            (:mod:`nanotron_ext.zero_bubble`), or an engine instance.
 
     Returns:
         The engine.
@@ -88,7 +88,9 @@ def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
 
 
 def engine_name_of(engine: PipelineEngine) -> Engine:
-    """``"1f1b"``, ``"afab"`` or ``"zb1p"`` for an engine instance (its class or a subclass of one)."""
+    """``"1f1b"``, ``"afab"``, ``"zb1p"`` or ``"zb2p"`` for an engine instance (its class or a subclass of one)."""
+    if isinstance(engine, ZeroBubblePipelineEngine):
+        return engine.schedule
     for name, cls in _ENGINES.items():
         if isinstance(engine, cls):
             return name
@@ -264,7 +266,7 @@ def train_step(
     Args:
         model: built, tied, initialised model (DDP-wrapped when DP > 1 and the rank trains something).
         parallel_context: its context.
-        engine: ``"1f1b"``, ``"afab"``, ``"zb1p"`` or a Nanotron engine instance.
+        engine: ``"1f1b"``, ``"afab"``, ``"zb1p"``, ``"zb2p"`` or a Nanotron engine instance.
         micro_batches: micro-batches (``make_micro_batch``); ``n_micro_batches`` of them are consumed.
         n_micro_batches: micro-batches per step (gradient accumulation).
         optimizer: Nanotron/torch optimizer, or None on a rank with nothing trainable (step skipped).

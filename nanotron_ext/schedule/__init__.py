@@ -6,7 +6,10 @@ at exactly ``pp - 1`` it runs, but the pipeline never fills.
 
 ``zb1p`` is ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's program with each
 backward split into its input-gradient part (``B``) and a deferred weight-gradient part (``W``); it keeps
-1F1B's warm-up, so it shares 1F1B's rule on micro-batches (see ``docs/zero-bubble.md``).
+1F1B's warm-up, so it shares 1F1B's rule on micro-batches (see ``docs/zero-bubble.md``). ``zb2p`` is ZB-H2
+of the same paper: zb1p with twice 1F1B's warm-up forwards (stage ``s`` runs ``2(pp - s - 1)``, at most ``m``),
+so that the first ``B`` reaches stage 0 before it idles, at the cost of up to twice 1F1B's micro-batches in
+flight.
 
 The event simulator of both engines' programs lives in :mod:`nanotron_ext.schedule.simulator` (pure Python,
 planner layer: the schedule-aware partitioner evaluates splits with it; ``nanotron_ext.simulate`` re-exports it).
@@ -20,6 +23,7 @@ from typing import Literal, get_args
 __all__ = [
     "ENGINES",
     "ONE_F_ONE_B_FAMILY",
+    "ZERO_BUBBLE",
     "Engine",
     "MicroBatchShortfall",
     "fills_pipeline",
@@ -29,11 +33,14 @@ __all__ = [
     "too_few_micro_batches",
 ]
 
-Engine = Literal["1f1b", "afab", "zb1p"]
+Engine = Literal["1f1b", "afab", "zb1p", "zb2p"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 #: Engines that run 1F1B's warm-up / steady / cool-down program (and so share its micro-batch rule).
-ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p")
-_NAMES = {"1f1b": "1F1B", "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)"}
+ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
+#: Engines that split each backward into B (input gradient) and a deferred W (weight gradient).
+ZERO_BUBBLE: tuple[str, ...] = ("zb1p", "zb2p")
+_NAMES = {"1f1b": "1F1B", "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)",
+          "zb2p": "zb2p (ZB-H2, zb1p with twice 1F1B's warm-up forwards)"}
 
 
 def ideal_bubble_fraction(pp: int, m: int) -> float:
@@ -86,11 +93,12 @@ and stops; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipel
     need = min_micro_batches(engine, pp)
     name = _NAMES[engine]
     if n_micro_batches < need:
-        why = (
-            "Nanotron's engine asserts nb_microbatches >= pp - 1 and stops" if engine == "1f1b"
-            else "it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as "
-                 "Nanotron's 1F1B engine does"
-        )
+        why = {
+            "1f1b": "Nanotron's engine asserts nb_microbatches >= pp - 1 and stops",
+            "zb1p": "it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as "
+                    "Nanotron's 1F1B engine does",
+        }.get(engine, "it keeps the rule of the 1F1B family it extends (Nanotron's 1F1B engine asserts "
+                      "nb_microbatches >= pp - 1)")
         return MicroBatchShortfall(
             True, f"{name} needs at least pp - 1 = {need} micro-batches, got {n_micro_batches}: {why}", fix
         )

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from nanotron_ext.schedule import ENGINES, Engine, too_few_micro_batches
+from nanotron_ext.schedule import ENGINES, ZERO_BUBBLE, Engine, too_few_micro_batches
 
-__all__ = ["Action", "Step", "check_engine", "engine_order", "engine_program"]
+__all__ = ["Action", "Step", "check_engine", "deferred_weights", "engine_order", "engine_program", "warmup_forwards"]
 
 
 class Action(str, Enum):
@@ -153,15 +153,34 @@ def engine_program(
             rank.backward(j)
             rank.flush(rank.grads_to_send, Action.SEND_GRAD)
         return rank.program
-    return _one_f_one_b(rank, pp, stage, m, zero_bubble=engine == "zb1p")
+    return _one_f_one_b(rank, m, warmup=warmup_forwards(engine, pp, stage, m), defer=deferred_weights(engine, stage))
 
 
-def _one_f_one_b(rank: _RankProgram, pp: int, stage: int, m: int, *, zero_bubble: bool) -> list[Step]:
-    """1F1B's program on ``rank``; with ``zero_bubble`` (zb1p) each backward is B (input gradient) and rank
-    ``stage`` defers the W of its first ``stage`` backwards, then runs the oldest deferred W after each later one
-    (sail-sg's ZB-H1: ``if i >= rank: WeightGradStore.pop()``), after the sends issued right after it."""
-    defer = stage if zero_bubble else None
-    warmup = pp - stage - 1
+def warmup_forwards(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> int:
+    """Forwards stage ``stage`` runs before its steady phase (one forward, one backward): 1F1B's and zb1p's
+    ``pp - stage - 1``; zb2p's (ZB-H2) twice that, at most ``n_micro_batches``, so that stage 0 computes forwards
+    until its first backward's gradient is back instead of idling (AFAB: every forward)."""
+    if engine == "afab":
+        return n_micro_batches
+    base = pp - stage - 1
+    return min(n_micro_batches, 2 * base) if engine == "zb2p" else base
+
+
+def deferred_weights(engine: Engine, stage: int) -> int | None:
+    """W's stage ``stage`` keeps deferred in its steady phase: zb1p's ``stage`` (ZB-H1: every stage ends its last B
+    ``pp - 1 - stage`` backwards after the last stage's and fills that with W's), zb2p's ``2 * stage`` (where
+    attention, which has no weights, makes a backward's input-gradient part longer than its W, each stage needs
+    more W's to fill that tail); None where a backward is not split (AFAB, 1F1B)."""
+    if engine not in ZERO_BUBBLE:
+        return None
+    return 2 * stage if engine == "zb2p" else stage
+
+
+def _one_f_one_b(rank: _RankProgram, m: int, *, warmup: int, defer: int | None) -> list[Step]:
+    """1F1B's program on ``rank`` after ``warmup`` forwards. With ``defer`` (zb1p, zb2p) each backward is B (input
+    gradient) and the rank defers the W of its first ``defer`` backwards, then runs the oldest deferred W after
+    each later one (sail-sg's ZB-H1: ``if i >= rank: WeightGradStore.pop()``), after the sends issued right after
+    it, and every W left after its last backward."""
     for j in range(warmup):
         rank.forward(j)
         rank.flush(rank.acts_to_send, Action.SEND_ACT)
@@ -219,7 +238,7 @@ class _RankProgram:
             self.grads_to_send.append(j)
 
     def weight(self, j: int, defer: int | None) -> None:
-        """After backward ``j`` under zb1p (``defer`` = the rank): defer its W, and run the oldest deferred W
+        """After backward ``j`` under zb1p or zb2p (``defer``: :func:`deferred_weights`): defer its W, and run the oldest deferred W
         once ``j >= defer``. Nothing under AFAB/1F1B (``defer`` None), where a backward is B and W in one."""
         if defer is None:
             return
@@ -228,7 +247,7 @@ class _RankProgram:
             self.program.append(Step(Action.WEIGHT, self.weights_pending.popleft()))
 
     def weight_all(self, defer: int | None) -> None:
-        """Under zb1p, after the last backward: every W still deferred, oldest first."""
+        """Under zb1p or zb2p, after the last backward: every W still deferred, oldest first."""
         if defer is not None:
             self.flush(self.weights_pending, Action.WEIGHT)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from nanotron_ext.schedule import Engine, ideal_bubble_fraction
+from nanotron_ext.schedule import ZERO_BUBBLE, Engine, ideal_bubble_fraction
 from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program
 
 __all__ = [
@@ -73,7 +73,7 @@ class StageTimes:
         """Seconds of one compute ``action`` (F, B or W) of one micro-batch under ``engine``."""
         if action is Action.FORWARD:
             return self.forward
-        if engine != "zb1p":
+        if engine not in ZERO_BUBBLE:
             return self.backward
         if action is Action.WEIGHT:
             return self.weight
@@ -130,7 +130,7 @@ class SimResult:
         the one engine that reads it)."""
         out = asdict(self)
         out["pp"] = self.pp
-        if self.engine != "zb1p":
+        if self.engine not in ZERO_BUBBLE:
             for stage in out["stages"]:
                 stage.pop("weight")
         return out

@@ -19,6 +19,7 @@ from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.machine import MachineProfile
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.plan import Plan
+from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.schedule.simulator import SimResult, StageTimes, simulate
 from nanotron_ext.strategies.step_time import schedule_problem
 
@@ -75,7 +76,7 @@ def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
     except PlanningError as exc:  # the schedule itself cannot run (1F1B with too few micro-batches)
         raise ConfigError(str(exc)) from exc
     stages, p2p, cuts = problem.simulator_inputs(bounds_from_ranks(plan.block_ranks, plan.pp))
-    if run.engine != "zb1p":  # the whole backward is one op: no split to carry (results as before zb1p)
+    if run.engine not in ZERO_BUBBLE:  # the whole backward is one op: no split to carry (results as before zb1p)
         stages = [dataclasses.replace(st, weight=0.0) for st in stages]
     return PlanTimes(stages, p2p, cuts)
 

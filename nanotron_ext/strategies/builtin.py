@@ -34,7 +34,7 @@ from nanotron_ext.partition import (
 )
 from nanotron_ext.partition.schedule_aware import step_time_partition
 from nanotron_ext.report import compact_names
-from nanotron_ext.schedule import too_few_micro_batches
+from nanotron_ext.schedule import ZERO_BUBBLE, too_few_micro_batches
 from nanotron_ext.strategies.fixes import memory_cap_fix
 from nanotron_ext.strategies.memory_fit import under_full_estimate, within_device_memory
 from nanotron_ext.strategies.registry import Assignment, register_strategy
@@ -125,7 +125,7 @@ def stage_memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: flo
         in_flight=tuple(in_flight(run.engine, run.pp, run.n_micro_batches)),
         cap=cap,
         overhead=cfg.ext.overhead_gib * GIB,
-        pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine == "zb1p" else (),
+        pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine in ZERO_BUBBLE else (),
         deferred=tuple(deferred_weights(run.engine, run.pp, run.n_micro_batches)),
     )
 

@@ -1,8 +1,9 @@
-"""``pp_engine: zb1p``: a Nanotron ``PipelineEngine`` that runs ZB-H1, driven by the simulator's own program.
+"""``pp_engine: zb1p`` and ``zb2p``: Nanotron ``PipelineEngine``s that run ZB-H1 and ZB-H2, driven by the
+simulator's own program.
 
 Nanotron has only AFAB and 1F1B. :class:`ZeroBubblePipelineEngine` is a third ``PipelineEngine`` that runs
-``engine_program("zb1p", pp, stage, m)`` (:mod:`nanotron_ext.schedule.simulator`, the program the simulator
-replays), step by step:
+``engine_program("zb1p", pp, stage, m)`` (:mod:`nanotron_ext.schedule.programs`, the program the simulator
+replays), step by step; :class:`ZeroBubbleH2PipelineEngine` runs ``engine_program("zb2p", ...)`` the same way:
 
 * ``F j``: Nanotron's ``PipelineEngine.forward`` on the next micro-batch (its receive is Nanotron's own
   ``run_communication``), exactly as 1F1B does it;
@@ -44,10 +45,11 @@ from nanotron.utils import ContextManagers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_ext.schedule import Engine
 from nanotron_ext.schedule.programs import Action, Step, engine_program
 from nanotron_ext.zero_bubble.store import WeightGradStore, install_store, store_of
 
-__all__ = ["ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
+__all__ = ["ZERO_BUBBLE_ENGINES", "ZeroBubbleH2PipelineEngine", "ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -58,8 +60,11 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             defer their weight gradient (None: say nothing).
 
     Attributes:
+        schedule: the program it runs (``engine_program``'s engine name).
         trace: the compute steps (``F``, ``B``, ``W``) of the last ``train_batch_iter`` on this rank, in order.
     """
+
+    schedule: Engine = "zb1p"
 
     def __init__(self, say: Callable[[str], None] | None = None) -> None:
         super().__init__()
@@ -67,7 +72,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         self.say = say
 
     def __str__(self) -> str:
-        return "zb1p"
+        return self.schedule
 
     def __format__(self, format_spec: str) -> str:
         return str(self)
@@ -80,15 +85,16 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         nb_microbatches: int,
         grad_accumulator: Any | None,
     ) -> list[dict[str, torch.Tensor | TensorPointer]]:
-        """One step's micro-batches through ZB-H1; same arguments and outputs as Nanotron's engines.
+        """One step's micro-batches through the schedule's program; same arguments and outputs as Nanotron's
+        engines.
 
         Raises:
-            ValueError: fewer than ``pp - 1`` micro-batches (1F1B's rule; zb1p keeps its warm-up).
+            ValueError: fewer than ``pp - 1`` micro-batches (1F1B's rule, which zb1p and zb2p keep).
             TypeError: a gradient accumulator without Nanotron's fp32 buffers (``fp32_grad_buffers``,
                 ``_accumulate_grad``).
         """
         self.nb_microbatches = nb_microbatches
-        program = engine_program("zb1p", pg.size(), dist.get_rank(pg), nb_microbatches)
+        program = engine_program(self.schedule, pg.size(), dist.get_rank(pg), nb_microbatches)
         _check_accumulator(grad_accumulator)
         store = store_of(model) or self._install(model, pg)
         store.clear()  # a step that failed half-way leaves nothing behind
@@ -99,7 +105,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             run.execute(program)
             run.state.check_buffers_empty()
         if store.pending():
-            raise RuntimeError(f"zb1p left the weight gradients of micro-batches {store.pending()} deferred after "
+            raise RuntimeError(f"{self.schedule} left the weight gradients of micro-batches {store.pending()} deferred after "
                                f"the step; the program must end with every W")
         sync_data_parallel(model, grad_accumulator)
         self.trace = run.trace
@@ -110,9 +116,22 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         context = getattr(getattr(model, "module", model), "parallel_context", None)
         first = context is None or dist.get_rank(context.tp_pg) == dist.get_rank(context.dp_pg) == 0
         if self.say is not None and first:
-            self.say(f"nanotron_ext: zb1p on PP rank {dist.get_rank(pg)}: {len(store.modules)} linear(s) defer "
+            self.say(f"nanotron_ext: {self.schedule} on PP rank {dist.get_rank(pg)}: {len(store.modules)} linear(s) defer "
                      f"their weight gradient to W")
         return store
+
+
+class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
+    """ZB-H2 (``pp_engine: zb2p``): :class:`ZeroBubblePipelineEngine` running ``engine_program("zb2p", ...)``,
+    twice 1F1B's warm-up forwards and twice zb1p's deferred W's (:mod:`nanotron_ext.schedule.programs`)."""
+
+    schedule: Engine = "zb2p"
+
+
+#: Our engines by ``pp_engine`` name (Nanotron knows only ``1f1b`` and ``afab``).
+ZERO_BUBBLE_ENGINES: dict[str, type[ZeroBubblePipelineEngine]] = {
+    cls.schedule: cls for cls in (ZeroBubblePipelineEngine, ZeroBubbleH2PipelineEngine)
+}
 
 
 def _check_accumulator(grad_accumulator: Any | None) -> None:
@@ -120,7 +139,7 @@ def _check_accumulator(grad_accumulator: Any | None) -> None:
         return
     if not (hasattr(grad_accumulator, "fp32_grad_buffers") and hasattr(grad_accumulator, "_accumulate_grad")):
         raise TypeError(
-            f"pp_engine zb1p adds each B's and W's gradients into Nanotron's FP32GradientAccumulator buffers; "
+            f"pp_engine zb1p/zb2p adds each B's and W's gradients into Nanotron's FP32GradientAccumulator buffers; "
             f"{type(grad_accumulator).__name__} has no fp32_grad_buffers/_accumulate_grad. Use Nanotron's "
             f"accumulator (accumulate_grad_in_fp32: true), none, or pp_engine: 1f1b"
         )

@@ -226,7 +226,7 @@ def _column_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         x = differentiable_all_gather(x, group=self.pg)
     else:
         raise ValueError(f"{getattr(self, _NAME_ATTR, 'a column linear')}: tp mode {self.mode} is neither "
-                         f"ALL_REDUCE nor REDUCE_SCATTER; zb1p knows only Nanotron's two modes")
+                         f"ALL_REDUCE nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes")
     return linear(self, x, self.weight, self.bias)
 
 
@@ -244,7 +244,7 @@ def _row_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
         return differentiable_reduce_scatter_sum(out, group=self.pg)
     raise ValueError(f"{getattr(self, _NAME_ATTR, 'a row linear')}: tp mode {self.mode} is neither ALL_REDUCE "
-                     f"nor REDUCE_SCATTER; zb1p knows only Nanotron's two modes")
+                     f"nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes")
 
 
 _FORWARDS = (_plain_linear_forward, _column_forward, _row_forward)
@@ -298,7 +298,7 @@ def install_store(model: nn.Module, store: WeightGradStore | None = None) -> Wei
     setattr(model, STORE_ATTR, store)
     if unknown:
         warnings.warn(
-            f"pp_engine zb1p: {len(unknown)} trainable linear(s) with a forward the weight-gradient store does not "
+            f"pp_engine zb1p/zb2p: {len(unknown)} trainable linear(s) with a forward the weight-gradient store does not "
             f"know compute their weight gradient in B (correct, but that W fills no bubble): {', '.join(unknown)}. "
             f"To defer it, call nanotron_ext.zero_bubble.linear(self, x, weight, bias) in its forward and set "
             f"defers_weight_gradients = True on its class",

@@ -37,6 +37,7 @@ def _raw(dtype: str, engine: str, vocab_shards: int = 1) -> dict[str, Any]:
     ("float32", "1f1b", 1), ("bfloat16", "afab", 1),
     ("float32", "1f1b", 3),  # the vocabulary-shard chain: lm_head rows, fp32 exp of the slice, statistics
     ("bfloat16", "1f1b", 2),
+    ("float32", "zb2p", 1),  # issue 31: more micro-batches in flight, two deferred W's on stage 1
 ])
 def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(
     dtype: str, engine: str, vocab_shards: int

@@ -160,7 +160,7 @@ TRACE_CASES_PP3 = {
     "pp3-1f1b": {"pp": 3, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 4},
     "pp3-afab": {"pp": 3, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 2},
 }
-# zb1p runs the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes, Nanotron's
+# zb1p and zb2p run the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes, Nanotron's
 # communication included, is that program call by call.
 TRACE_CASES.update({
     "pp2-zb1p": {"pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
@@ -172,6 +172,15 @@ TRACE_CASES.update({
 TRACE_CASES_PP3.update({
     "pp3-zb1p": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 5},
     "pp3-zb1p-decoder-cuts": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 2},
+    # zb2p: stage 0 runs 4 warm-up forwards (all 4 of them at m=4), stage 1 2; W's deferred by 2 per stage.
+    "pp3-zb2p": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 6},
+    "pp3-zb2p-m4": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 4},
+})
+TRACE_CASES.update({
+    "pp2-zb2p": {"pp": 2, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 5},
+    "pp2-zb2p-frozen-stage0": {
+        "pp": 2, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
+    },
 })
 
 
@@ -189,4 +198,23 @@ def test_simulator_program_is_what_nanotron_engine_runs(world: int, cases: dict)
                 case["engine"], pp, rank, case["n_micro_batches"],
                 grad_in=rank == 0 or grad_cuts[rank - 1], grad_out=rank == pp - 1 or grad_cuts[rank],
             )  # fmt: skip
+            assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"
+
+
+FAMILY_RANKS = {2: [0, 0, 0, 0, 1, 1, 1], 3: [0, 0, 0, 0, 1, 1, 2], 4: [0, 1, 2, 3, 3, 3, 3]}
+
+
+@pytest.mark.parametrize("pp", sorted(FAMILY_RANKS))
+def test_every_zero_bubble_program_runs_to_completion(pp: int) -> None:
+    """Issue 31: zb1p and zb2p at every m from pp - 1 to 3·pp run on Nanotron's machinery over gloo without a
+    deadlock, call by call as their programs say."""
+    from nanotron_ext.schedule import ZERO_BUBBLE
+    from nanotron_ext.simulate import engine_program
+
+    cases = {f"{engine}-m{m}": {"pp": pp, "engine": engine, "block_ranks": FAMILY_RANKS[pp], "n_micro_batches": m}
+             for engine in ZERO_BUBBLE for m in range(pp - 1, 3 * pp + 1)}
+    traces = run_distributed(workers.engine_trace, pp, args=(cases,), timeout=240)
+    for name, case in cases.items():
+        for rank, trace in enumerate(traces):
+            expected = engine_program(case["engine"], pp, rank, case["n_micro_batches"])
             assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"

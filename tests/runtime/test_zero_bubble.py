@@ -1,10 +1,11 @@
-"""``pp_engine: zb1p`` (``nanotron_ext.zero_bubble``) against Nanotron's own 1F1B engine, in real gloo processes.
+"""``pp_engine: zb1p`` and ``zb2p`` (``nanotron_ext.zero_bubble``) against Nanotron's own 1F1B engine, in real gloo
+processes.
 
 Same model, weights and data under both engines, two optimizer steps each: the losses and every parameter
 gradient the optimizer sees (after the dp and tied-weight syncs) must match to fp32 rounding. Each dp replica
 reads its own data, so a missing DDP sync would show; every case also checks that W steps applied deferred
-products, so a zb1p that deferred nothing could not pass by being 1F1B. The order zb1p executes, communication
-included, is checked against ``engine_program("zb1p", ...)`` in ``test_runtime_pipeline.py``.
+products, so an engine that deferred nothing could not pass by being 1F1B. The order each executes, communication
+included, is checked against ``engine_program`` in ``test_runtime_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -51,33 +52,35 @@ FOUR_RANKS = {
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_distributed(zb_workers.compare_engines, 2, args=(TWO_RANKS,), timeout=120)
+    return run_distributed(zb_workers.compare_engines, 2, args=(TWO_RANKS,), timeout=180)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_distributed(zb_workers.compare_engines, 4, args=(FOUR_RANKS,), timeout=180)
+    return run_distributed(zb_workers.compare_engines, 4, args=(FOUR_RANKS,), timeout=270)
 
 
-def _check(results: list[dict], name: str) -> None:
+def _check(results: list[dict], name: str, engine: str) -> None:
     for res in results:
-        out = res[name]
+        out = res[name][engine]
         assert "error" not in out, (name, res["rank"], out.get("error"))
         assert out["steps"] == 2
         assert out["zb_losses"] == pytest.approx(out["losses"], rel=TOL, abs=0), (name, res["rank"])
         assert out["grad_rel"] <= TOL, (name, res["rank"], out["grad_rel"])
     # Every W step applied something somewhere (one W per micro-batch and step on each rank).
-    assert any(sum(res[name]["popped"]) > 0 for res in results), name
+    assert any(sum(res[name][engine]["popped"]) > 0 for res in results), name
 
 
+@pytest.mark.parametrize("engine", zb_workers.ZERO_BUBBLE_ENGINES)
 @pytest.mark.parametrize("name", sorted(TWO_RANKS))
-def test_zb1p_equals_1f1b_two_ranks(two_ranks: list[dict], name: str) -> None:
-    _check(two_ranks, name)
+def test_zero_bubble_equals_1f1b_two_ranks(two_ranks: list[dict], name: str, engine: str) -> None:
+    _check(two_ranks, name, engine)
 
 
+@pytest.mark.parametrize("engine", zb_workers.ZERO_BUBBLE_ENGINES)
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
-def test_zb1p_equals_1f1b_four_ranks(four_ranks: list[dict], name: str) -> None:
-    _check(four_ranks, name)
+def test_zero_bubble_equals_1f1b_four_ranks(four_ranks: list[dict], name: str, engine: str) -> None:
+    _check(four_ranks, name, engine)
 
 
 EMBEDDING, LM_HEAD = "model.token_position_embeddings.pp_block.token_embedding.weight", "model.lm_head.pp_block.weight"
@@ -90,21 +93,23 @@ EMBEDDING, LM_HEAD = "model.token_position_embeddings.pp_block.token_embedding.w
 ])
 def test_the_tied_cases_are_tied(two_ranks: list[dict], name: str, rank0: set, rank1: set) -> None:
     # Their equality with 1F1B above means something only if the embedding and the lm_head are one weight.
-    tied = {res["rank"]: set(res[name]["tied"]) & {EMBEDDING, LM_HEAD} for res in two_ranks}
+    tied = {res["rank"]: set(res[name]["zb2p"]["tied"]) & {EMBEDDING, LM_HEAD} for res in two_ranks}
     assert tied == {0: rank0, 1: rank1}
 
 
-def test_each_w_applies_its_stage_linears(two_ranks: list[dict]) -> None:
+@pytest.mark.parametrize("engine", zb_workers.ZERO_BUBBLE_ENGINES)
+def test_each_w_applies_its_stage_linears(two_ranks: list[dict], engine: str) -> None:
     """pp2: stage 0 defers decoder.0's four linears, stage 1 decoder.1's four and the lm_head; the frozen stage
     none; the vocabulary chain's shards defer like the lm_head."""
-    pp2 = [res["pp2"]["popped"] for res in two_ranks]
+    pp2 = [res["pp2"][engine]["popped"] for res in two_ranks]
     assert pp2 == [[4] * 8, [5] * 8]
-    assert [res["frozen"]["popped"] for res in two_ranks] == [[0] * 8, [3] * 8]
-    assert [res["vocab_chain"]["popped"] for res in two_ranks] == [[9] * 8, [2] * 8]
+    assert [res["frozen"][engine]["popped"] for res in two_ranks] == [[0] * 8, [3] * 8]
+    assert [res["vocab_chain"][engine]["popped"] for res in two_ranks] == [[9] * 8, [2] * 8]
 
 
-def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict]) -> None:
-    rank0, rank1 = (res["unknown_linear"] for res in two_ranks)
+@pytest.mark.parametrize("engine", zb_workers.ZERO_BUBBLE_ENGINES)
+def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict], engine: str) -> None:
+    rank0, rank1 = (res["unknown_linear"][engine] for res in two_ranks)
     assert len(rank0["fallbacks"]) == 1, rank0["fallbacks"]
     assert "model.projector.pp_block.proj (OpaqueLinear)" in rank0["fallbacks"][0]
     assert rank1["fallbacks"] == [] and rank0["ref_fallbacks"] == []

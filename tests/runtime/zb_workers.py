@@ -1,5 +1,5 @@
-"""Ranks of the zb1p exactness tests (see ``test_zero_bubble.py``): the same model, data and weights trained by
-Nanotron's 1F1B engine and by ``ZeroBubblePipelineEngine``, in one world of real processes over gloo.
+"""Ranks of the zb1p and zb2p exactness tests (see ``test_zero_bubble.py``): the same model, data and weights
+trained by Nanotron's 1F1B engine and by each of our zero-bubble engines, in one world of real processes over gloo.
 
 Kept free of pytest imports: each rank loads this file by path and calls one function.
 """
@@ -12,6 +12,7 @@ from typing import Any
 from tests.runtime import workers
 
 N_MICRO = 4
+ZERO_BUBBLE_ENGINES = ("zb1p", "zb2p")
 
 
 class _GradRecorder:
@@ -108,10 +109,15 @@ def _make_projector_opaque(model: Any) -> None:
 
 
 def _compare(case: dict[str, Any]) -> dict[str, Any]:
-    """zb1p against 1F1B on the case; ``case["ref"]`` overrides keys for the 1F1B run only."""
+    """Each zero-bubble engine (zb1p, zb2p) against 1F1B on the case; ``case["ref"]`` overrides keys for the 1F1B
+    run only."""
     opaque = case.get("opaque", False)
     ref = _train("1f1b", {**case, **case.get("ref", {})}, opaque)
-    zb = _train("zb1p", case, opaque)
+    return {engine: _against(ref, _train(engine, case, opaque)) for engine in ZERO_BUBBLE_ENGINES}
+
+
+def _against(ref: dict[str, Any], zb: dict[str, Any]) -> dict[str, Any]:
+    """One zero-bubble run against the 1F1B run: the worst gradient difference, and what both recorded."""
     worst = 0.0
     names = []
     for ref_step, zb_step in zip(ref["grads"], zb["grads"]):
@@ -129,7 +135,7 @@ def _compare(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_engines(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each case under 1F1B and under zb1p on this rank: the worst gradient difference (relative to each
+    """Each case under 1F1B, zb1p and zb2p on this rank (keyed by engine): the worst gradient difference (relative to each
     gradient's largest entry), both engines' losses, how many products each W applied, the warnings."""
     try:
         return {"rank": int(os.environ["RANK"]), **{name: _compare(case) for name, case in cases.items()}}
