@@ -34,7 +34,7 @@ from nanotron_ext.config_ext import (
 )
 from nanotron_ext.errors import ConfigError, check_positive_int
 from nanotron_ext.families import Family, MoEShape, model_family, moe_shape
-from nanotron_ext.schedule import Engine
+from nanotron_ext.schedule import EngineSetting
 
 # Our keys' types live in config_ext; they are re-exported here, where the rest of the package reads a config.
 __all__ = [
@@ -126,7 +126,7 @@ class RunShape:
     sequence_length: int
     micro_batch_size: int
     n_micro_batches: int  # Nanotron's tokens.batch_accumulation_per_replica
-    engine: Engine = "afab"  # Nanotron's default pp_engine
+    engine: EngineSetting = "afab"  # Nanotron's default pp_engine; "auto": the planner chooses (plan.engine_choice)
     dtype: DType = "bfloat16"
     zero_stage: int = 0
     accumulate_grad_in_fp32: bool = False
@@ -139,7 +139,7 @@ class RunShape:
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "sequence_length", "micro_batch_size", "n_micro_batches"):
             check_positive_int(name, getattr(self, name))
-        check_choice("parallelism.pp_engine", self.engine, Engine)
+        check_choice("parallelism.pp_engine", self.engine, EngineSetting)
         check_choice("model.dtype", self.dtype, DType)
         check_choice("parallelism.tp_mode", self.tp_mode, TPMode)
         if self.zero_stage not in (0, 1):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_names", "human_bytes", "human_count", "int_ranges", "table"]
+__all__ = ["compact_names", "format_seconds", "human_bytes", "human_count", "int_ranges", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
@@ -52,6 +52,14 @@ def human_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g}{unit}"
     return f"{n:.0f}"
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0123`` → ``12.3 ms``: three significant digits in s, ms or µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns" if seconds else "0 s"
 
 
 def human_bytes(n: float) -> str:

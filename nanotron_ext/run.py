@@ -22,7 +22,7 @@ from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
-from nanotron_ext.plan import resolve_vocab_shards
+from nanotron_ext.plan import resolve_engine, resolve_vocab_shards
 from nanotron_ext.procs import exit_with_torchrun
 from nanotron_ext.strategies import get_strategy
 
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
         if kept is not None:
             cfg = cfg.with_overrides(vocab_shards=kept)
+        cfg, engine_choice = resolve_engine(cfg)
+        if os.environ.get("RANK", "0") == "0" and engine_choice is not None:
+            print("nanotron_ext: " + "\n  ".join(engine_choice.lines()), flush=True)
         cfg, choice = resolve_vocab_shards(cfg)
         if os.environ.get("RANK", "0") == "0" and (choice is not None or kept is not None):
             how = f"kept from {resume.label}" if kept is not None and resume is not None else "chosen now"

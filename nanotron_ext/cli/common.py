@@ -33,7 +33,7 @@ from nanotron_ext.errors import (
 )
 from nanotron_ext.plan import Plan
 from nanotron_ext.report import table
-from nanotron_ext.schedule import ENGINES
+from nanotron_ext.schedule import ENGINE_AUTO, ENGINES
 from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.strategies import available_strategies
 
@@ -230,9 +230,10 @@ def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micr
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
                    help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
     p.add_argument("--pp", type=int, help="overrides parallelism.pp")
-    p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="overrides parallelism.pp_engine: afab, 1f1b, or zb1p (zero-bubble ZB-H1: 1F1B with "
-                        "deferred weight gradients; see docs/zero-bubble.md)")
+    p.add_argument("--engine", choices=(*ENGINES, ENGINE_AUTO), default=None,
+                   help="overrides parallelism.pp_engine: afab, 1f1b, zb1p or zb2p (zero-bubble ZB-H1 and ZB-H2: "
+                        "1F1B with deferred weight gradients; see docs/zero-bubble.md), or auto (the fastest of "
+                        "1f1b, zb1p and zb2p whose plan fits the memory)")
     if micro_batches:
         p.add_argument("--micro-batches", dest="micro_batches", type=int, metavar="N",
                        help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
@@ -31,21 +30,25 @@ from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import (
+    AUTO_ENGINES,
+    EngineChoice,
+    EngineOption,
     Plan,
     VocabChoice,
+    engine_option,
     make_plan,
     plan_every_strategy,
     plan_with_ranks,
+    resolve_engine,
     resolve_vocab_shards,
 )
 from nanotron_ext.report import compact_names, human_bytes, human_count
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 
-__all__ = ["COMPARED_ENGINES", "EngineRow", "add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
+__all__ = ["add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
            "fit_table", "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
 
 #: The engines ``plan --compare-engines`` puts side by side.
-COMPARED_ENGINES = ("1f1b", "zb1p")
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -54,7 +57,7 @@ def add_subcommand(subparsers: Any) -> None:
     add_config_args(p, micro_batches=True, machine=True)
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
     p.add_argument("--compare-engines", dest="compare_engines", action="store_true",
-                   help=f"the default plan under each of {' and '.join(COMPARED_ENGINES)}, each planned for its own "
+                   help=f"the default plan under each of {', '.join(AUTO_ENGINES)}, each planned for its own "
                         "engine: split, simulated step, bubble, per-stage memory peak")
     p.add_argument("--fit", action="store_true",
                    help="the cheapest changes (tp, pp, ZeRO-1, recompute_layer, engine) whose every stage fits the "
@@ -85,7 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return fit_table(config_from_args(args, args.config), as_json=args.json)
     if args.compare_engines:
         return compare_engines(config_from_args(args, args.config), as_json=args.json)
-    cfg, choice = resolve_vocab_shards(config_from_args(args, args.config))
+    cfg, engine_choice = resolve_engine(config_from_args(args, args.config))
+    cfg, choice = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
     if args.compare:
         return _compare(cfg, blocks, as_json=args.json)
@@ -100,9 +104,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     warn_memory(plan)
     result = simulated(plan, blocks, cfg)
     if args.json:
-        print(json.dumps({**plan.to_dict(), **simulated_fields(result)}, indent=2))
+        extra = {} if engine_choice is None else {"engine_choice": engine_choice.to_dict()}
+        print(json.dumps({**plan.to_dict(), **simulated_fields(result), **extra}, indent=2))
     else:
-        print(_header(cfg, plan, choice))
+        print(_header(cfg, plan, choice, engine_choice))
         print(plan.table())
         limit = "" if plan.memory_limit is None else f"; each must fit {plan.memory_limit}"
         print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
@@ -115,14 +120,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.ok else EXIT_INVALID
 
 
-def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None) -> str:
+def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None,
+            engine_choice: EngineChoice | None = None) -> str:
     m, r = cfg.model, cfg.run
-    shards = ""
+    shards = "" if engine_choice is None else "".join(f"\n  {line}" for line in engine_choice.lines())
     if choice is not None:
         tried = ", ".join(f"K={k}: {format_seconds(t)}" for k, t in choice.step_times.items())
-        shards = f"\n  vocab_shards: auto -> {choice.shards} (simulated step {tried})"
+        shards += f"\n  vocab_shards: auto -> {choice.shards} (simulated step {tried})"
     elif cfg.vocab_shards > 1:
-        shards = f"\n  vocab_shards: {cfg.vocab_shards}"
+        shards += f"\n  vocab_shards: {cfg.vocab_shards}"
     return (f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
             f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
             f" | strategy: {plan.strategy}{shards}\n  {legend()}\n")
@@ -247,38 +253,14 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
     return EXIT_OK if selected_ok else EXIT_INVALID
 
 
-@dataclass(frozen=True)
-class EngineRow:
-    """The config's default plan under one engine, planned for that engine: None fields where it cannot run."""
-
-    engine: str
-    plan: Plan | None
-    step_time: float | None = None
-    bubble: float | None = None
-    error: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        base = {"engine": self.engine, "ok": self.plan is not None and self.plan.ok}
-        if self.plan is None:
-            return {**base, "error": self.error}
-        return {**base, "block_ranks": list(self.plan.block_ranks), "stages": self.plan.stage_map(),
-                "simulated_step_time": self.step_time, "bubble_fraction": self.bubble,
-                "memory_peak_bytes": [s.memory_bytes for s in self.plan.stages]}
-
-
-def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = COMPARED_ENGINES) -> list[EngineRow]:
-    """The default plan of ``cfg`` under each engine (``vocab_shards: auto`` resolved per engine), simulated."""
+def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> list[tuple[EngineOption, SimResult | None]]:
+    """The default plan of ``cfg`` under each engine (:func:`~nanotron_ext.plan.engine_option`), simulated."""
     rows = []
-    for engine in engines:
-        cfg_e, _ = resolve_vocab_shards(cfg.with_overrides(engine=engine))
-        blocks = inventory_from_config(cfg_e)
-        try:
-            plan = make_plan(blocks, cfg_e)
-            result = simulate_plan(plan, blocks, cfg_e)
-        except NanotronExtError as exc:
-            rows.append(EngineRow(engine, None, error=str(exc)))
-            continue
-        rows.append(EngineRow(engine, plan, result.step_time, result.bubble_fraction))
+    for option in (engine_option(cfg, engine) for engine in engines):
+        result = None
+        if option.plan is not None and option.config is not None:
+            result = simulated(option.plan, inventory_from_config(option.config), option.config)
+        rows.append((option, result))
     return rows
 
 
@@ -287,24 +269,25 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
     first compared one when the config names another)."""
     rows = engine_rows(cfg)
     if as_json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(json.dumps([{**o.to_dict(), **({} if o.plan is None else {
+            "block_ranks": list(o.plan.block_ranks), "stages": o.plan.stage_map(),
+            "bubble_fraction": None if r is None else r.bubble_fraction})} for o, r in rows], indent=2))
     else:
-        base = next((r.step_time for r in rows if r.engine == "1f1b"), None)
+        base = next((o.step_time for o, _ in rows if o.engine == "1f1b"), None)
         cells, notes = [], Notes()
-        for r in rows:
-            if r.plan is None:
-                cells.append([r.engine, "-", "-", "-", "-", "-", error_cell("cannot run", r.error, notes)])
+        for o, r in rows:
+            if o.plan is None:
+                cells.append([o.engine, "-", "-", "-", "-", "-", error_cell("cannot run", o.reason, notes)])
                 continue
-            cells.append([r.engine, stage_cell(r.plan.stage_map()), format_seconds(r.step_time or 0.0),
-                          f"{(r.bubble or 0.0):.1%}", speed_cell(base, r.step_time),
-                          " / ".join(human_bytes(s.memory_bytes) for s in r.plan.stages),
-                          verdict_cell(r.plan.verdict, notes)])
+            cells.append([o.engine, stage_cell(o.plan.stage_map()), format_seconds(o.step_time or 0.0),
+                          "-" if r is None else f"{r.bubble_fraction:.1%}", speed_cell(base, o.step_time),
+                          " / ".join(human_bytes(p) for p in o.peaks), verdict_cell(o.plan.verdict, notes)])
         print(titled_table(
             f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
             f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
             ["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage", "verdict"],
             cells, notes))
-    chosen = next((r for r in rows if r.engine == cfg.run.engine), rows[0])
+    chosen = next((o for o, _ in rows if o.engine == cfg.run.engine), rows[0][0])
     return EXIT_OK if chosen.plan is not None and chosen.plan.ok else EXIT_INVALID
 
 

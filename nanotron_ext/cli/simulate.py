@@ -43,7 +43,7 @@ from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
-from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_vocab_shards
+from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_engine, resolve_vocab_shards
 from nanotron_ext.report import table
 from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.simulate import (
@@ -101,6 +101,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_outputs((args.out, "--out"), (args.loads_out if args.compare else None, "--loads-out"),
                   suffixes=PICTURE_SUFFIXES)
     cfg = config_from_args(args, args.config)  # the machine and its overrides: plans and steps priced alike
+    cfg, engine_choice = resolve_engine(cfg)
     cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
     machine = machine_for(cfg, blocks)
@@ -116,10 +117,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     }
     text: list[str] = [
         f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches",
+        *([] if engine_choice is None else engine_choice.lines()),
         f"machine: {machine.describe()}",
         legend(),
         "",
     ]
+    if engine_choice is not None:
+        out["engine_choice"] = engine_choice.to_dict()
     code = _simulate_chosen(args, cfg, blocks, out, text)
     if args.compare:
         _simulate_every_strategy(args, cfg, blocks, machine.name, out, text)

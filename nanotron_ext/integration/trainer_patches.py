@@ -36,6 +36,7 @@ from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_r
 from nanotron_ext.integration.dummy_data import install_dummy_data
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
+from nanotron_ext.schedule import ENGINE_AUTO
 from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
 
 __all__ = ["install_launcher", "strip_ext_keys"]
@@ -98,7 +99,7 @@ def install_launcher(
         _freeze_and_check(model, cfg, say)
         return model
 
-    _one_config_file(patches, nanotron_config)
+    _one_config_file(patches, nanotron_config, cfg.run.engine)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES:
         _zero_bubble_engine(patches, say)
     _freeze_and_check_before_ddp(patches, trainer, ready)
@@ -118,10 +119,19 @@ def install_launcher(
     return undo
 
 
-def _one_config_file(patches: Patches, nanotron_config: Any) -> None:
-    """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file."""
+def _one_config_file(patches: Patches, nanotron_config: Any, engine: str) -> None:
+    """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file; a
+    ``pp_engine: auto`` there reads as ``engine``, the one the planner chose (and the checkpoint's config names)."""
     load_dict = nanotron_config.get_config_from_dict
-    patches.set(nanotron_config, "get_config_from_dict", lambda d, *a, **k: load_dict(strip_ext_keys(d), *a, **k))
+
+    def load(d: Any, *args: Any, **kwargs: Any) -> Any:
+        d = strip_ext_keys(d)
+        parallelism = d.get("parallelism") if isinstance(d, dict) else None
+        if isinstance(parallelism, dict) and str(parallelism.get("pp_engine")).lower() == ENGINE_AUTO:
+            d = {**d, "parallelism": {**parallelism, "pp_engine": engine}}
+        return load_dict(d, *args, **kwargs)
+
+    patches.set(nanotron_config, "get_config_from_dict", load)
 
 
 def _zero_bubble_engine(patches: Patches, say: Callable[[str], None]) -> None:

@@ -16,6 +16,7 @@ from nanotron_ext.plan.fit import MemoryFix, fix_candidates
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
+from nanotron_ext.schedule import AUTO_UNRESOLVED, ENGINE_AUTO
 from nanotron_ext.strategies import get_strategy
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 from nanotron_ext.strategies.registry import Assignment
@@ -37,9 +38,12 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
         The :class:`Plan`, findings included (check ``plan.ok``).
 
     Raises:
-        ConfigError: unknown strategy or bad option.
+        ConfigError: unknown strategy or bad option; ``pp_engine: auto`` not yet resolved
+            (:func:`nanotron_ext.plan.resolve_engine`).
         PlanningError: no split satisfies the strategy's constraints.
     """
+    if cfg.run.engine == ENGINE_AUTO:
+        raise ConfigError(AUTO_UNRESOLVED)
     name = strategy or cfg.ext.cost_strategy
     return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg), suggest_fixes)
 

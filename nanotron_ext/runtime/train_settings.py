@@ -90,10 +90,11 @@ def preflight(
         PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
     """
     from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan, resolve_vocab_shards
+    from nanotron_ext.plan import make_plan, resolve_engine, resolve_vocab_shards
 
     # The installed Nanotron's keys count as known: where its loader reads a key, it has the final word.
     cfg = load_config(config_file, cost_strategy=cost_strategy, nanotron_keys=installed_nanotron_keys())
+    cfg, engine_choice = resolve_engine(cfg)
     cfg, _ = resolve_vocab_shards(cfg)
     raw, run = cfg.nanotron, cfg.run
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
@@ -115,6 +116,8 @@ def preflight(
         raise PlanningError(cannot_train_message(plan))
 
     nanotron = _nanotron_settings(cfg)
+    if engine_choice is not None:  # said first: the engine that trains, and the runner-up
+        nanotron["notes"] = [*engine_choice.lines(), *nanotron["notes"]]
     windows = load_packed_windows(files, run.sequence_length)
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(

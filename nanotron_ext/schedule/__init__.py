@@ -22,9 +22,12 @@ from typing import Literal, get_args
 
 __all__ = [
     "ENGINES",
+    "AUTO_UNRESOLVED",
+    "ENGINE_AUTO",
     "ONE_F_ONE_B_FAMILY",
     "ZERO_BUBBLE",
     "Engine",
+    "EngineSetting",
     "MicroBatchShortfall",
     "fills_pipeline",
     "ideal_bubble_fraction",
@@ -35,6 +38,12 @@ __all__ = [
 
 Engine = Literal["1f1b", "afab", "zb1p", "zb2p"]
 ENGINES: tuple[str, ...] = get_args(Engine)
+#: ``parallelism.pp_engine: auto``: the planner chooses the engine with the split (``nanotron_ext.plan.engine_choice``).
+ENGINE_AUTO = "auto"
+EngineSetting = Literal["1f1b", "afab", "zb1p", "zb2p", "auto"]
+#: What code that needs one engine says when it is given ``auto``.
+AUTO_UNRESOLVED = ("parallelism.pp_engine: auto is chosen by the planner together with the split; resolve it first "
+                   "with nanotron_ext.plan.resolve_engine(cfg) (plan, simulate, train and the launcher do)")
 #: Engines that run 1F1B's warm-up / steady / cool-down program (and so share its micro-batch rule).
 ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
 #: Engines that split each backward into B (input gradient) and a deferred W (weight gradient).

@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from nanotron_ext.schedule import ENGINES, ZERO_BUBBLE, Engine, too_few_micro_batches
+from nanotron_ext.schedule import (
+    AUTO_UNRESOLVED,
+    ENGINE_AUTO,
+    ENGINES,
+    ZERO_BUBBLE,
+    Engine,
+    too_few_micro_batches,
+)
 
 __all__ = ["Action", "Step", "check_engine", "deferred_weights", "engine_order", "engine_program", "warmup_forwards"]
 
@@ -83,6 +90,8 @@ class Step(NamedTuple):
 
 
 def check_engine(engine: str) -> None:
+    if engine == ENGINE_AUTO:
+        raise ValueError(AUTO_UNRESOLVED)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(map(repr, ENGINES))}")
 

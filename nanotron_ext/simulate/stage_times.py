@@ -19,6 +19,7 @@ from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.machine import MachineProfile
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.plan import Plan
+from nanotron_ext.report import format_seconds
 from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.schedule.simulator import SimResult, StageTimes, simulate
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -106,13 +107,6 @@ def simulate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
-
-def format_seconds(seconds: float) -> str:
-    """``0.0123`` → ``12.3 ms``: three significant digits in s, ms or µs."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns" if seconds else "0 s"
 
 
 def stage_labels(plan: Plan) -> list[str]:

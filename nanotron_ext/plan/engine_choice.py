@@ -1,0 +1,175 @@
+"""``parallelism.pp_engine: auto``: the engine and the split chosen together, under the memory every stage has.
+
+Each candidate engine (:data:`AUTO_ENGINES`) gets its own plan from the config's strategy (the default one is
+schedule-aware, so each engine gets the split that is fastest under it, ``vocab_shards: auto`` resolved per
+engine) and that plan's simulated step on the config's machine (the step-time objective, equal to
+``simulate_plan``; under ``recompute_layer`` every backward pays its forward again, as the machine prices it).
+The fastest engine whose plan has no error (memory over ``memory_cap_gib`` or the device's included) wins; with
+none, the fastest whose every stage fits, its other findings left on its plan for the validator to report; with
+no stage layout that fits under any engine, a :class:`~nanotron_ext.errors.ConfigError` that names each engine's
+peak and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError, PlanningError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine.memory_limit import memory_limit
+from nanotron_ext.partition import bounds_from_ranks
+from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
+from nanotron_ext.plan.make import make_plan
+from nanotron_ext.plan.types import Plan
+from nanotron_ext.plan.vocab import resolve_vocab_shards
+from nanotron_ext.report import format_seconds, human_bytes
+from nanotron_ext.schedule import ENGINE_AUTO, too_few_micro_batches
+from nanotron_ext.strategies.step_time import schedule_problem
+
+__all__ = ["AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "resolve_engine"]
+
+#: The engines ``auto`` chooses from (AFAB holds every micro-batch in flight and is never faster than 1F1B).
+AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One candidate: its plan's simulated step (s) and per-stage peaks (bytes), or why it has no plan."""
+
+    engine: str
+    step_time: float | None = None
+    peaks: tuple[float, ...] = ()
+    fits: bool = False  # every stage within the memory limit
+    ok: bool = False  # no error finding at all
+    reason: str = ""  # why there is no plan, or the first error of the plan
+    plan: Plan | None = field(default=None, compare=False, repr=False)
+    config: PlannerConfig | None = field(default=None, compare=False, repr=False)  # the config it was planned under
+
+    @property
+    def peak(self) -> float | None:
+        return max(self.peaks) if self.peaks else None
+
+    def describe(self) -> str:
+        """``zb1p: step 1.234 s, peak 3.10 GiB`` (with why it was not taken, when it has a reason)."""
+        if self.step_time is None or self.peak is None:
+            return f"{self.engine}: cannot be planned ({self.reason})"
+        if self.plan is None:  # planned without the cap: no split fits under it
+            return f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)} without " \
+                   f"the cap ({self.reason})"
+        why = "" if self.ok else f" ({self.reason})"
+        return f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)}{why}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "simulated_step_time": self.step_time, "memory_peak_bytes": list(self.peaks),
+                "fits": self.fits, "ok": self.ok, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What ``auto`` chose among ``options`` (in :data:`AUTO_ENGINES` order)."""
+
+    engine: str
+    options: tuple[EngineOption, ...]
+
+    @property
+    def chosen(self) -> EngineOption:
+        return next(o for o in self.options if o.engine == self.engine)
+
+    @property
+    def runner_up(self) -> EngineOption | None:
+        """The next option by the same rule: fastest without errors, then fastest that fits, then any."""
+        rest = [o for o in self.options if o.engine != self.engine]
+        return min(rest, key=_rank) if rest else None
+
+    @property
+    def faster_not_taken(self) -> tuple[EngineOption, ...]:
+        """Options with a faster simulated step than the choice that it passed over (a stage over the memory,
+        another error), fastest first: what the limit costs."""
+        step = self.chosen.step_time or 0.0
+        return tuple(sorted((o for o in self.options if o.step_time is not None and o.step_time < step),
+                            key=lambda o: o.step_time or 0.0))
+
+    def lines(self) -> list[str]:
+        """``pp_engine: auto -> zb1p: step ..., peak ...``, the runner-up, and any faster engine passed over."""
+        out = [f"pp_engine: auto -> {self.chosen.describe()}"]
+        if self.runner_up is not None:
+            out.append(f"  runner-up {self.runner_up.describe()}")
+        out += [f"  faster, not taken: {o.describe()}" for o in self.faster_not_taken if o is not self.runner_up]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "runner_up": None if self.runner_up is None else self.runner_up.engine,
+                "faster_not_taken": [o.engine for o in self.faster_not_taken],
+                "options": [o.to_dict() for o in self.options]}
+
+
+def _rank(o: EngineOption) -> tuple[int, float]:
+    """Sort key of the rule: no error first, then every stage fitting, then the simulated step."""
+    return (0 if o.ok else 1 if o.fits else 2, o.step_time if o.step_time is not None else float("inf"))
+
+
+def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> EngineChoice:
+    """Plan ``cfg`` under each of ``engines`` and take the fastest whose plan fits (see the module docstring).
+
+    Raises:
+        ConfigError: no engine has a plan whose every stage fits the memory (each engine's peak, the limit and
+            the fixes named), or none can run at all (each one's reason).
+    """
+    options = tuple(engine_option(cfg, engine) for engine in engines)
+    best = min(options, key=_rank)
+    if not best.fits:
+        limit = memory_limit(cfg)
+        where = f"{limit}" if limit is not None else "its memory"
+        raise ConfigError(
+            f"pp_engine: auto found no engine whose plan fits {where}: "
+            + "; ".join(o.describe() for o in options)
+            + ". Raise memory_cap_gib (or plan for a larger GPU), set parallelism.recompute_layer: true, use more "
+              "pipeline stages (pp) or tensor parallelism (tp), or fewer micro-batches in flight (pp_engine: 1f1b)"
+        )
+    return EngineChoice(best.engine, options)
+
+
+def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
+    """``cfg``'s default plan under ``engine`` (``vocab_shards: auto`` resolved for it), its simulated step and
+    per-stage peaks; an option without a plan, and why, where the engine cannot run or no split satisfies the
+    strategy (under ``memory_cap_gib``: with the step and peaks of its plan without the cap, what the cap costs)."""
+    trial = cfg.with_overrides(engine=engine)
+    shortfall = too_few_micro_batches(engine, trial.run.pp, trial.run.n_micro_batches)
+    if shortfall is not None:
+        return EngineOption(engine, reason=shortfall)
+    try:
+        trial, _ = resolve_vocab_shards(trial)
+        blocks = inventory_from_config(trial)
+        plan = make_plan(blocks, trial)
+    except PlanningError as exc:  # no split fits the cap under this engine: what it would need without the cap
+        if trial.ext.memory_cap_gib is None:
+            return EngineOption(engine, reason=str(exc))
+        uncapped = engine_option(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, memory_cap_gib=None)),
+                                 engine)
+        return dataclasses.replace(uncapped, fits=False, ok=False, reason=str(exc), plan=None, config=None)
+    problem = schedule_problem(blocks, trial)
+    step = float(StepTimeEvaluator(problem)([bounds_from_ranks(plan.block_ranks, plan.pp)])[0])
+    errors = [f for f in plan.findings if f.severity == "error"]
+    fits = not any(f.code == "memory" for f in errors)
+    reason = errors[0].message if errors else ""
+    return EngineOption(engine, step, tuple(s.memory_bytes for s in plan.stages), fits, not errors, reason, plan,
+                        trial)
+
+
+def resolve_engine(cfg: PlannerConfig) -> tuple[PlannerConfig, EngineChoice | None]:
+    """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes.
+
+    Returns:
+        ``(cfg with that engine, the choice)``; the config unchanged and None when it names an engine.
+
+    Raises:
+        ConfigError: as :func:`choose_engine`.
+    """
+    if cfg.run.engine != ENGINE_AUTO:
+        return cfg, None
+    choice = choose_engine(cfg)
+    return cfg.with_overrides(engine=choice.engine), choice

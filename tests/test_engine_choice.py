@@ -1,0 +1,129 @@
+"""``parallelism.pp_engine: auto`` (issue 31): the engine and the split chosen together, under the memory.
+
+Brute-force references: each engine planned and simulated on its own (``simulate_plan``), the choice the fastest
+of those whose every stage fits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanotron_ext.config import bundled_config, config_from_dict, load_config
+from nanotron_ext.costs.analytic import GIB
+from nanotron_ext.errors import ConfigError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.plan import AUTO_ENGINES, choose_engine, make_plan, resolve_engine, resolve_vocab_shards
+from nanotron_ext.schedule.programs import engine_program
+from nanotron_ext.simulate import simulate_plan
+
+
+def _seed(**ext):
+    import yaml
+
+    raw = yaml.safe_load(bundled_config().read_text())
+    raw["parallelism"]["pp_engine"] = "auto"
+    if "cost_strategy" in ext:  # the bundled YAML names its strategy under parallelism:
+        raw["parallelism"]["cost_strategy"] = ext.pop("cost_strategy")
+    raw["nanotron_ext"].update(ext)
+    return config_from_dict(raw, source="seed")
+
+
+def _by_hand(cfg) -> dict[str, tuple[float, float, bool]]:
+    """engine → (simulated step, largest stage peak, plan ok), each planned on its own."""
+    out = {}
+    for engine in AUTO_ENGINES:
+        trial, _ = resolve_vocab_shards(cfg.with_overrides(engine=engine))
+        blocks = inventory_from_config(trial)
+        plan = make_plan(blocks, trial)
+        out[engine] = (simulate_plan(plan, blocks, trial).step_time, max(s.memory_bytes for s in plan.stages),
+                       plan.ok)
+    return out
+
+
+def test_auto_takes_the_fastest_engine_and_writes_it_where_nanotron_reads_it() -> None:
+    cfg = _seed()
+    hand = _by_hand(cfg)
+    resolved, choice = resolve_engine(cfg)
+    assert choice is not None
+    fastest = min((e for e in AUTO_ENGINES if hand[e][2]), key=lambda e: hand[e][0])
+    assert choice.engine == fastest == resolved.run.engine == resolved.nanotron["parallelism"]["pp_engine"]
+    for option in choice.options:
+        assert option.step_time == pytest.approx(hand[option.engine][0], rel=1e-9)
+        assert option.peak == hand[option.engine][1]
+    assert choice.runner_up is not None and choice.runner_up.engine != choice.engine
+    lines = choice.lines()
+    assert lines[0].startswith(f"pp_engine: auto -> {fastest}: step ") and "peak" in lines[0]
+    assert lines[1].startswith(f"  runner-up {choice.runner_up.engine}: step ")
+    # an engine named in the YAML is left alone
+    assert resolve_engine(cfg.with_overrides(engine="1f1b")) == (cfg.with_overrides(engine="1f1b"), None)
+
+
+def test_a_cap_between_zb1p_and_zb2p_peaks_takes_zb1p() -> None:
+    """One split for every engine (``flops`` does not depend on it): zb2p is faster and holds more; a cap between
+    the two peaks leaves zb1p the fastest that fits, 1F1B the runner-up, and zb2p named as faster but over the
+    cap."""
+    free = _by_hand(_seed(cost_strategy="flops"))
+    assert free["zb2p"][0] < free["zb1p"][0] and free["zb2p"][1] > free["zb1p"][1]
+    cap = (free["zb1p"][1] + free["zb2p"][1]) / 2 / GIB
+    choice = choose_engine(_seed(cost_strategy="flops", memory_cap_gib=cap))
+    assert choice.engine == "zb1p"
+    assert choice.runner_up is not None and choice.runner_up.engine == "1f1b" and choice.runner_up.fits
+    (over,) = choice.faster_not_taken
+    assert over.engine == "zb2p" and not over.fits and over.reason.startswith(f"no split fits memory_cap_gib={cap:.3g}")
+    assert over.peak == free["zb2p"][1] and over.step_time == pytest.approx(free["zb2p"][0], rel=1e-9)
+    assert choice.lines()[2].startswith("  faster, not taken: zb2p: step ") and "memory_cap_gib" in choice.lines()[2]
+
+
+def test_a_cap_nothing_fits_is_refused_naming_each_engine_and_the_limit() -> None:
+    with pytest.raises(ConfigError, match=r"pp_engine: auto found no engine whose plan fits memory_cap_gib=0\.001: "
+                                          r"1f1b: .*; zb1p: .*; zb2p: .*\. Raise memory_cap_gib"):
+        resolve_engine(_seed(cost_strategy="flops", memory_cap_gib=0.001))
+
+
+def test_too_few_micro_batches_for_every_engine_is_refused_with_each_reason() -> None:
+    cfg = _seed().with_overrides(pp=2, n_micro_batches=1)
+    choice = choose_engine(cfg)  # pp = 2: one micro-batch is pp - 1, which every engine of the family runs
+    assert choice.engine in AUTO_ENGINES
+    big = load_config("nanotron_ext/configs/smollm_135m.yaml").with_overrides(engine="auto", pp=4, n_micro_batches=2)
+    with pytest.raises(ConfigError, match=r"1f1b: cannot be planned \(1F1B needs at least pp - 1 = 3"):
+        choose_engine(big)
+
+
+def test_recompute_is_priced_in_every_option() -> None:
+    # Under recompute_layer every backward pays its forward again: each option's step is its plan simulated
+    # under that config, and longer than without it.
+    import yaml
+
+    raw = yaml.safe_load(bundled_config().read_text())
+    raw["parallelism"].update(pp_engine="auto", recompute_layer=True)
+    cfg = config_from_dict(raw, source="seed, recompute")
+    plain = choose_engine(_seed())
+    choice = choose_engine(cfg)
+    hand = _by_hand(cfg)
+    for option, before in zip(choice.options, plain.options):
+        assert option.step_time == pytest.approx(hand[option.engine][0], rel=1e-9)
+        assert option.step_time > before.step_time
+
+
+def test_unresolved_auto_is_refused_where_one_engine_is_needed() -> None:
+    cfg = _seed()
+    with pytest.raises(ConfigError, match=r"pp_engine: auto is chosen by the planner .*resolve_engine\(cfg\)"):
+        make_plan(inventory_from_config(cfg.with_overrides(vocab_shards=1)), cfg)
+    with pytest.raises(ValueError, match=r"pp_engine: auto is chosen by the planner"):
+        engine_program("auto", 2, 0, 4)
+
+
+def test_plan_and_simulate_print_the_choice(capsys) -> None:
+    from nanotron_ext.cli import main
+
+    assert main(["plan", "--engine", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "pp_engine: auto -> " in out and "runner-up" in out
+    assert main(["plan", "--engine", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine_choice"]["engine"] == data["engine"] and len(data["engine_choice"]["options"]) == 3
+    assert main(["simulate", "--engine", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine"] == data["engine_choice"]["engine"] != "auto"
