@@ -127,3 +127,15 @@ def test_plan_and_simulate_print_the_choice(capsys) -> None:
     assert main(["simulate", "--engine", "auto", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["engine"] == data["engine_choice"]["engine"] != "auto"
+
+
+def test_on_an_h100_the_zero_bubble_plans_that_do_not_fit_are_passed_over() -> None:
+    """Llama-3-8B at pp=4, 16 micro-batches, on the analytic H100 (79.18 GiB): zb1p and zb2p are faster but
+    their deferred W's and micro-batches in flight put a stage over the GPU; 1F1B fits. Llama-3-70B fits under
+    no engine at pp=4: refused, with the GPU's memory named."""
+    choice = choose_engine(load_config(bundled_config("llama_3_8b.yaml"), pp=4).with_overrides(engine="auto"))
+    assert choice.engine == "1f1b" and choice.chosen.fits
+    assert [(o.engine, o.fits) for o in choice.faster_not_taken] == [("zb2p", False), ("zb1p", False)]
+    assert all("over 79.18 GiB per GPU" in o.reason for o in choice.faster_not_taken)
+    with pytest.raises(ConfigError, match=r"no engine whose plan fits 79\.18 GiB per GPU \(H100 SXM \(analytic\)\)"):
+        choose_engine(load_config(bundled_config("llama_3_70b.yaml"), pp=4).with_overrides(engine="auto"))

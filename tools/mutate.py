@@ -461,6 +461,19 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    schedule: Engine = \"zb2p\"", "    schedule: Engine = \"zb1p\"",
       ("tests/runtime/test_runtime_pipeline.py::test_simulator_program_is_what_nanotron_engine_runs",)),
 
+    M("auto takes the slowest engine", "nanotron_ext/plan/engine_choice.py",
+      "    best = min(options, key=_rank)", "    best = max(options, key=_rank)", ("tests/test_engine_choice.py",)),
+    M("auto ignores the memory limit", "nanotron_ext/plan/engine_choice.py",
+      "    fits = not any(f.code == \"memory\" for f in errors)", "    fits = True", ("tests/test_engine_choice.py",)),
+    M("auto does not price the recompute", "nanotron_ext/plan/engine_choice.py",
+      "    problem = schedule_problem(blocks, trial)",
+      "    problem = schedule_problem(blocks, dataclasses.replace(trial, run=dataclasses.replace(trial.run, "
+      "recompute_layer=False)))",
+      ("tests/test_engine_choice.py",)),
+    M("the launcher hands Nanotron pp_engine: auto", "nanotron_ext/integration/trainer_patches.py",
+      "str(parallelism.get(\"pp_engine\")).lower() == ENGINE_AUTO", "False",
+      ("tests/upstream/test_launcher_zero_bubble.py",), nanotron="upstream"),
+
     # --- checkpoints across plans (issue 28) -------------------------------------------------------------------
     M("a saved part is copied to the live tensor's own offsets", RESHARD,
       "out[_index(_shift(common, mine.whole, mine.local))]", "out[_index(_shift(common, mine.whole, theirs.local))]",

@@ -4,7 +4,7 @@ Each candidate engine (:data:`AUTO_ENGINES`) gets its own plan from the config's
 schedule-aware, so each engine gets the split that is fastest under it, ``vocab_shards: auto`` resolved per
 engine) and that plan's simulated step on the config's machine (the step-time objective, equal to
 ``simulate_plan``; under ``recompute_layer`` every backward pays its forward again, as the machine prices it).
-The fastest engine whose plan has no error (memory over ``memory_cap_gib`` or the device's included) wins; with
+The fastest engine (on a tie, the one with the smaller peak) whose plan has no error (memory over ``memory_cap_gib`` or the device's included) wins; with
 none, the fastest whose every stage fits, its other findings left on its plan for the validator to report; with
 no stage layout that fits under any engine, a :class:`~nanotron_ext.errors.ConfigError` that names each engine's
 peak and the limit.
@@ -13,6 +13,7 @@ peak and the limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from nanotron_ext.strategies.step_time import schedule_problem
 
 __all__ = ["AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "resolve_engine"]
 
+#: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
+TIE_DIGITS = 9
 #: The engines ``auto`` chooses from (AFAB holds every micro-batch in flight and is never faster than 1F1B).
 AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
 
@@ -107,9 +110,12 @@ class EngineChoice:
                 "options": [o.to_dict() for o in self.options]}
 
 
-def _rank(o: EngineOption) -> tuple[int, float]:
-    """Sort key of the rule: no error first, then every stage fitting, then the simulated step."""
-    return (0 if o.ok else 1 if o.fits else 2, o.step_time if o.step_time is not None else float("inf"))
+def _rank(o: EngineOption) -> tuple[int, float, float]:
+    """Sort key of the rule: no error first, then every stage fitting, then the simulated step (rounded to
+    :data:`TIE_DIGITS` significant digits, so that engines whose programs time alike tie), then the smaller peak."""
+    step = o.step_time if o.step_time is not None else float("inf")
+    rounded = float(f"{step:.{TIE_DIGITS}e}") if math.isfinite(step) else step
+    return (0 if o.ok else 1 if o.fits else 2, rounded, o.peak if o.peak is not None else float("inf"))
 
 
 def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> EngineChoice:

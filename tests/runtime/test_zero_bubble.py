@@ -116,15 +116,23 @@ def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict], engine: s
     assert rank0["popped"] == [4] * 8  # decoder.0's linears still defer; the projector's W ran in B
 
 
-def test_cli_trains_with_pp_engine_zb1p(tmp_path: Path) -> None:
+def test_cli_trains_with_pp_engine_zb1p_and_auto(tmp_path: Path) -> None:
     """``nanotron-ext train`` with ``pp_engine: zb1p`` in the YAML: the same losses as 1F1B on the same split.
-    (``flops`` places the blocks: the default, schedule-aware strategy may split differently per engine.)"""
+    (``flops`` places the blocks: the default, schedule-aware strategy may split differently per engine.) With
+    ``pp_engine: auto`` it trains the engine the planner takes, says so, and the losses are 1F1B's too."""
+    from nanotron_ext.config import load_config
+    from nanotron_ext.plan import resolve_engine
+
     losses = {}
-    for engine in ("zb1p", "1f1b"):
+    for engine in ("zb1p", "auto", "1f1b"):
         config = tw.write_config(tmp_path / f"{engine}.yaml", {"parallelism": {"pp_engine": engine}})
         launch = tw.launch_ranks(["--config-file", str(config), "--steps", "3", "--cost-strategy", "flops"], 2,
                                  timeout=120)
         assert launch.ok and launch.metrics is not None, launch.describe()
-        assert launch.metrics["engine"] == engine and f"engine {engine} |" in launch.ranks[0].stdout
+        runs = resolve_engine(load_config(config, cost_strategy="flops"))[0].run.engine if engine == "auto" else engine
+        assert launch.metrics["engine"] == runs and f"engine {runs} |" in launch.ranks[0].stdout
+        if engine == "auto":
+            assert f"pp_engine: auto -> {runs}: step " in launch.ranks[0].stdout, launch.ranks[0].stdout[-2000:]
         losses[engine] = launch.metrics["losses"]
     assert losses["zb1p"] == pytest.approx(losses["1f1b"], rel=TOL, abs=0)
+    assert losses["auto"] == pytest.approx(losses["1f1b"], rel=TOL, abs=0)
