@@ -73,7 +73,7 @@ def auto_pick(cfg: PlannerConfig) -> str:
     except NanotronExtError:
         return "none fits"
     over = [o.engine for o in choice.faster_not_taken]
-    return choice.engine + (f" ({', '.join(over)} over the memory)" if over else "")
+    return choice.engine + (f" ({', '.join(over)}: faster, does not fit)" if over else "")
 
 
 def row(label: str, pp: int, m: int, m_source: str, out: dict[str, Outcome], pick: str) -> list[str]:

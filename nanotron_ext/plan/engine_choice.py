@@ -92,9 +92,9 @@ class EngineChoice:
     def faster_not_taken(self) -> tuple[EngineOption, ...]:
         """Options with a faster simulated step than the choice that it passed over (a stage over the memory,
         another error), fastest first: what the limit costs."""
-        step = self.chosen.step_time or 0.0
-        return tuple(sorted((o for o in self.options if o.step_time is not None and o.step_time < step),
-                            key=lambda o: o.step_time or 0.0))
+        step = _rounded(self.chosen.step_time)
+        return tuple(sorted((o for o in self.options if _rounded(o.step_time) < step),
+                            key=lambda o: _rounded(o.step_time)))
 
     def lines(self) -> list[str]:
         """``pp_engine: auto -> zb1p: step ..., peak ...``, the runner-up, and any faster engine passed over."""
@@ -113,9 +113,12 @@ class EngineChoice:
 def _rank(o: EngineOption) -> tuple[int, float, float]:
     """Sort key of the rule: no error first, then every stage fitting, then the simulated step (rounded to
     :data:`TIE_DIGITS` significant digits, so that engines whose programs time alike tie), then the smaller peak."""
-    step = o.step_time if o.step_time is not None else float("inf")
-    rounded = float(f"{step:.{TIE_DIGITS}e}") if math.isfinite(step) else step
-    return (0 if o.ok else 1 if o.fits else 2, rounded, o.peak if o.peak is not None else float("inf"))
+    return (0 if o.ok else 1 if o.fits else 2, _rounded(o.step_time), o.peak if o.peak is not None else float("inf"))
+
+
+def _rounded(step: float | None) -> float:
+    """A simulated step to :data:`TIE_DIGITS` significant digits (infinite when there is none)."""
+    return float(f"{step:.{TIE_DIGITS}e}") if step is not None and math.isfinite(step) else math.inf
 
 
 def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> EngineChoice:

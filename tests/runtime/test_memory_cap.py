@@ -108,3 +108,28 @@ def test_recomputed_layers_hold_what_the_estimate_says() -> None:
     before, after = full.stages[0].memory, plan.stages[0].memory
     assert before is not None and after is not None and before.pipeline_peak > after.pipeline_peak
     assert before.pipeline_peak - stage0["pipeline_peak"] >= 0.5 * (before.pipeline_peak - after.pipeline_peak)
+
+
+def test_auto_under_a_cap_between_zb1p_and_zb2p_trains_zb1p_under_the_cap() -> None:
+    # Issue 31: one split for every engine (flops), a cap between zb1p's and zb2p's estimated peaks. auto takes
+    # zb1p (zb2p is faster but over the cap), and zb1p's measured peak on every rank stays under the cap.
+    from nanotron_ext.plan import resolve_engine
+
+    peaks = {}
+    for engine in ("zb1p", "zb2p"):
+        raw = _raw("float32", engine)
+        raw["parallelism"]["cost_strategy"] = "flops"
+        peaks[engine] = max(s.memory_bytes for s in make_plan(inventory_from_config(config_from_dict(raw)),
+                                                              config_from_dict(raw)).stages)
+    assert peaks["zb1p"] < peaks["zb2p"]
+    raw = _raw("float32", "auto")
+    raw["parallelism"]["cost_strategy"] = "flops"
+    raw["nanotron_ext"]["memory_cap_gib"] = cap_gib = (peaks["zb1p"] + peaks["zb2p"]) / 2 / GIB
+    cfg, choice = resolve_engine(config_from_dict(raw))
+    assert choice is not None and cfg.run.engine == "zb1p" and [o.engine for o in choice.faster_not_taken] == ["zb2p"]
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    raw["parallelism"]["pp_engine"] = cfg.run.engine
+    results = run_distributed(workers.measure_memory, 2, args=(raw, list(plan.block_ranks)), timeout=120)
+    for r in results:
+        assert r["peak"] < cap_gib * GIB, (r["pp_rank"], r["peak"], cap_gib * GIB)
+        assert plan.stages[r["pp_rank"]].memory_bytes >= r["peak"]
