@@ -68,6 +68,9 @@ class Scenario:
     n_micro_batches: int | None = None
     device: str = "cpu"
     recompute: bool = False  # parallelism.recompute_layer
+    #: ``pp_engine: auto`` under ``memory_cap_gib`` halfway between these two engines' estimated peaks (one split
+    #: for every engine: ``flops``); the check adds that every measured peak stays under the cap (issue 31).
+    cap_between: tuple[str, str] | None = None
 
     def raw_config(self) -> dict[str, Any]:
         raw = yaml.safe_load((CONFIGS / self.yaml_name).read_text())
@@ -105,6 +108,11 @@ def scenarios(device: str = "cpu") -> list[Scenario]:
         for engine in ("1f1b", "afab", "zb1p", "zb2p"):
             out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
                                 num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
+    # pp_engine: auto under a cap between zb1p's and zb2p's estimated peaks, issue 31's shape: zb2p is faster and
+    # does not fit, auto takes zb1p, whose measured peak must stay under the cap.
+    out.append(Scenario("SmolLM-135M-shaped 8 layers float32 auto, cap between zb1p and zb2p", "smollm_135m.yaml",
+                        "float32", "auto", num_hidden_layers=8, sequence_length=128, micro_batch_size=1,
+                        n_micro_batches=4, cap_between=("zb1p", "zb2p")))
     # parallelism.recompute_layer: each decoder layer keeps its input; its backward runs the forward again.
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab"):
@@ -134,6 +142,9 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from nanotron_ext.procs import local_env, run_local_ranks
 
     raw = sc.raw_config()
+    cap = chosen = None
+    if sc.cap_between is not None:
+        raw, cap, chosen = _auto_under_a_cap(raw, sc.cap_between)
     cfg = config_from_dict(raw, source=sc.label)
     plan = make_plan(inventory_from_config(cfg), cfg)
     world = cfg.run.dp * cfg.run.pp * cfg.run.tp
@@ -156,7 +167,29 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
             "est_pipeline": est.pipeline_peak, "est_optimizer": est.optimizer_peak, "est_peak": est.peak,
             "ratio": est.peak / m["peak"],
         })
-    return {"label": sc.label, "block_ranks": list(plan.block_ranks), "rows": rows}
+    return {"label": sc.label, "block_ranks": list(plan.block_ranks), "rows": rows, "cap": cap, "auto": chosen}
+
+
+def _auto_under_a_cap(raw: dict[str, Any], engines: tuple[str, str]) -> tuple[dict[str, Any], float, Any]:
+    """``raw`` split by ``flops`` under ``memory_cap_gib`` halfway between ``engines``' estimated peaks, with the
+    engine ``auto`` takes there; the cap (bytes) and ``auto``'s choice (as a dict)."""
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.costs.analytic import GIB
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan, resolve_engine
+
+    raw = {**raw, "parallelism": {**raw["parallelism"], "cost_strategy": "flops"}}
+    peaks = []
+    for engine in engines:
+        cfg = config_from_dict({**raw, "parallelism": {**raw["parallelism"], "pp_engine": engine}})
+        peaks.append(max(s.memory_bytes for s in make_plan(inventory_from_config(cfg), cfg).stages))
+    cap = sum(peaks) / 2
+    raw = {**raw, "parallelism": {**raw["parallelism"], "pp_engine": "auto"},
+           "nanotron_ext": {**raw["nanotron_ext"], "memory_cap_gib": cap / GIB}}
+    cfg, choice = resolve_engine(config_from_dict(raw))
+    print("\n".join(choice.lines()) if choice is not None else "", file=sys.stderr, flush=True)
+    return ({**raw, "parallelism": {**raw["parallelism"], "pp_engine": cfg.run.engine}}, cap,
+            None if choice is None else choice.to_dict())
 
 
 def _mib(x: float) -> str:
@@ -218,6 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [f"{r['scenario']} stage {r['pp_rank']} tp {r['tp_rank']}: {r['ratio']:.4f} "
            f"({r['est_peak'] - r['measured']['peak']:+.0f} B)"
            for res in results for r in res["rows"] if not 1.0 <= r["ratio"] <= BOUND]
+    for res in results:
+        if res.get("cap") is not None:
+            worst = max(r["measured"]["peak"] for r in res["rows"])
+            print(f"\n{res['label']}: auto took {res['auto']['engine']} under a cap of {_mib(res['cap'])} MiB "
+                  f"(faster, not taken: {', '.join(res['auto']['faster_not_taken']) or 'none'}); the largest "
+                  f"measured peak is {_mib(worst)} MiB, {worst / res['cap']:.3f} of the cap")
+            if worst >= res["cap"]:
+                bad.append(f"{res['label']}: measured peak {_mib(worst)} MiB over the cap")
     if args.device == "cuda":
         print(f"\non CUDA (finding, not a check): est ÷ meas from {min(r['ratio'] for res in results for r in res['rows']):.3f} "
               f"to {max(r['ratio'] for res in results for r in res['rows']):.3f}; the estimate is the CPU path's")

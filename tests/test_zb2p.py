@@ -143,3 +143,37 @@ def test_config_and_command_line_take_zb2p(tmp_path, capsys) -> None:
     assert data["simulation"]["engine"] == "zb2p" and any(op["kind"] == "W" for op in data["simulation"]["ops"])
     assert main(["simulate", "--engine", "zb2p", "--pp", "4", "--micro-batches", "2"]) == 2
     assert "zb2p (ZB-H2" in capsys.readouterr().err
+
+
+def _deadlocks_when_sends_wait(programs) -> bool:
+    """Replay ``programs`` where a send waits until its receive is posted (a P2P that syncs the host after its
+    send, as Nanotron's on GPU does after its metadata send): True when every rank ends up waiting."""
+    pos, sends, recvs = [0] * len(programs), set(), set()
+    while any(p < len(prog) for p, prog in zip(pos, programs)):
+        moved = False
+        for s, prog in enumerate(programs):
+            while pos[s] < len(prog):
+                action, j = prog[pos[s]]
+                if not action.is_compute:
+                    key = (action.carries_gradient, s if action.is_send else s + action.peer, j)
+                    (sends if action.is_send else recvs).add(key)
+                    if key not in (recvs if action.is_send else sends):
+                        break
+                pos[s] += 1
+                moved = True
+        if not moved:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("engine", ["afab", "1f1b", "zb1p", "zb2p"])
+def test_no_program_deadlocks_when_a_send_waits_for_its_receive(engine: str) -> None:
+    """zb2p's warm-ups differ by two between neighbours: the activation of a stage's steady forward is held until
+    after its backward (``act_lead``), so each link carries its messages in one order on both sides."""
+    for pp in range(2, 9):
+        for m in range(max(1, pp - 1), 3 * pp + 1):
+            for frozen_prefix in (0, 1):
+                cuts = [c >= frozen_prefix for c in range(pp - 1)]
+                programs = [engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1],
+                                           grad_out=s == pp - 1 or cuts[s]) for s in range(pp)]
+                assert not _deadlocks_when_sends_wait(programs), (engine, pp, m, frozen_prefix)

@@ -457,6 +457,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    return [min(program_deferred(\"zb1p\" if engine == \"zb2p\" else engine, stage) or 0, n_micro_batches - 1)"
       " for stage in range(pp)]",
       ("tests/runtime/test_memory_cap.py::test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it",)),
+    M("zb2p sends its steady forward's activation before its backward's receive", PROGRAMS,
+      "        rank.act_lead = warmup_forwards(engine, pp, stage + 1, m) + 1", "        pass",
+      ("tests/test_zb2p.py",)),
+    M("the engine sends the activation the program holds", "nanotron_ext/zero_bubble/engine.py",
+      "                    held = list(queue)\n                    queue.clear()", "                    held = []",
+      ("tests/runtime/test_runtime_pipeline.py::test_simulator_program_is_what_nanotron_engine_runs",)),
     M("the zb2p engine runs zb1p's program", "nanotron_ext/zero_bubble/engine.py",
       "    schedule: Engine = \"zb2p\"", "    schedule: Engine = \"zb1p\"",
       ("tests/runtime/test_runtime_pipeline.py::test_simulator_program_is_what_nanotron_engine_runs",)),

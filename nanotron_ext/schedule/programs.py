@@ -162,6 +162,8 @@ def engine_program(
             rank.backward(j)
             rank.flush(rank.grads_to_send, Action.SEND_GRAD)
         return rank.program
+    if not last:  # the next stage receives micro-batches up to its warm-up + 1 + j before it sends gradient j back
+        rank.act_lead = warmup_forwards(engine, pp, stage + 1, m) + 1
     return _one_f_one_b(rank, m, warmup=warmup_forwards(engine, pp, stage, m), defer=deferred_weights(engine, stage))
 
 
@@ -218,6 +220,12 @@ class _RankProgram:
     sends_grads: bool
     gets_grads: bool
     program: list[Step] = field(default_factory=list)
+    #: Before receiving gradient ``j`` send only the activations of micro-batches ``<= act_lead + j``: those the
+    #: next stage receives before it sends gradient ``j``. Then each link carries its messages in one order on
+    #: both sides, which a send that waits for its receive needs (Nanotron's P2P syncs the host after its metadata
+    #: send on GPU). 1F1B's and zb1p's warm-ups differ by one between neighbours and never hold anything back;
+    #: zb2p's differ by two, so the activation of its steady forward is held and sent right after the backward.
+    act_lead: int | None = None
     acts_to_send: deque[int] = field(default_factory=deque)
     grads_to_send: deque[int] = field(default_factory=deque)
     weights_pending: deque[int] = field(default_factory=deque)
@@ -235,14 +243,20 @@ class _RankProgram:
             self.acts_to_send.append(j)
 
     def backward(self, j: int) -> None:
+        held = False
         if self.gets_grads:  # SendTensorToPipelineBuffer.backward -> run_communication()
-            self.flush(self.acts_to_send, Action.SEND_ACT)
+            limit = None if self.act_lead is None else self.act_lead + j
+            while self.acts_to_send and (limit is None or self.acts_to_send[0] <= limit):
+                self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
+            held = bool(self.acts_to_send)
             if self.grads_to_send:
                 self.program.append(Step(Action.SEND_GRAD, self.grads_to_send.popleft()))
             self.program.append(Step(Action.RECV_GRAD, j))
         elif not self.last and self.acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
             self.program.append(Step(Action.SEND_ACT, self.acts_to_send.popleft()))
         self.program.append(Step(Action.BACKWARD, j))
+        if held:  # right after the backward (see act_lead)
+            self.flush(self.acts_to_send, Action.SEND_ACT)
         if self.sends_grads:
             self.grads_to_send.append(j)
 

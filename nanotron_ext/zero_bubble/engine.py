@@ -159,12 +159,25 @@ class _StepRun:
     trace: list[Step] = field(default_factory=list)
 
     def execute(self, program: list[Step]) -> None:
-        """Run the program's compute steps, and its sends that follow a compute step (see the module docstring)."""
+        """Run the program's compute steps, and its sends that follow a compute step (see the module docstring).
+
+        The activation sends a backward's ``run_communication`` would make but the program holds back until after
+        that backward (``act_lead`` in :mod:`nanotron_ext.schedule.programs`: zb2p) are taken out of Nanotron's
+        queue for the backward and put back at its front afterwards, where the program sends them. The engine's
+        program assumes every cut carries a gradient; where one does not, nothing is held (the program of
+        ``grad_out=False``)."""
         compute = {Action.FORWARD: self.forward, Action.BACKWARD: self.backward, Action.WEIGHT: self.weight}
         after_compute = False
-        for step in program:
+        for i, step in enumerate(program):
             if step.action.is_compute:
+                queue = self.state.microbatches_activations_to_send
+                held: list[Any] = []
+                # An activation without a gradient (a frozen prefix) has no gradient to cross on its link.
+                if _holds_activations(program, i) and any(s.activation.requires_grad for s in queue):
+                    held = list(queue)
+                    queue.clear()
                 compute[step.action](step.micro_batch)
+                queue.extendleft(reversed(held))
                 self.trace.append(step)
                 after_compute = True
             elif step.action.is_send and after_compute:
@@ -207,6 +220,18 @@ class _StepRun:
             torch.autograd.backward([param], [grad])
             del grad
         accumulate_into_fp32(self.grad_accumulator)
+
+
+def _holds_activations(program: list[Step], i: int) -> bool:
+    """Whether backward ``program[i]`` sends no activation at its communication point but one right after it."""
+    if program[i].action is not Action.BACKWARD or i + 1 >= len(program):
+        return False
+    before = []
+    for step in reversed(program[:i]):
+        if step.action.is_compute:
+            break
+        before.append(step.action)
+    return program[i + 1].action is Action.SEND_ACT and Action.SEND_ACT not in before
 
 
 def accumulate_into_fp32(grad_accumulator: Any | None) -> None:
