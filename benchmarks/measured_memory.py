@@ -68,9 +68,12 @@ class Scenario:
     n_micro_batches: int | None = None
     device: str = "cpu"
     recompute: bool = False  # parallelism.recompute_layer
-    #: ``pp_engine: auto`` under ``memory_cap_gib`` halfway between these two engines' estimated peaks (one split
-    #: for every engine: ``flops``); the check adds that every measured peak stays under the cap (issue 31).
+    #: ``pp_engine: auto`` under ``memory_cap_gib`` halfway between these two engines' estimated peaks under
+    #: ``flops``'s split; the check adds that every measured peak stays under the cap (issue 31).
     cap_between: tuple[str, str] | None = None
+    #: With ``cap_between``: keep ``flops``'s uncapped split for every engine (``layout``), so that only the engine
+    #: can change; else ``flops`` plans under the cap and may move the split.
+    fixed_split: bool = False
 
     def raw_config(self) -> dict[str, Any]:
         raw = yaml.safe_load((CONFIGS / self.yaml_name).read_text())
@@ -110,9 +113,12 @@ def scenarios(device: str = "cpu") -> list[Scenario]:
                                 num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
     # pp_engine: auto under a cap between zb1p's and zb2p's estimated peaks, issue 31's shape: zb2p is faster and
     # does not fit, auto takes zb1p, whose measured peak must stay under the cap.
-    out.append(Scenario("SmolLM-135M-shaped 8 layers float32 auto, cap between zb1p and zb2p", "smollm_135m.yaml",
-                        "float32", "auto", num_hidden_layers=8, sequence_length=128, micro_batch_size=1,
-                        n_micro_batches=4, cap_between=("zb1p", "zb2p")))
+    # With the split free, flops plans zb2p under the cap too and may find a split of it that fits.
+    for fixed in (True, False):
+        out.append(Scenario(f"SmolLM-135M-shaped 8 layers float32 auto, cap between zb1p and zb2p, split "
+                            f"{'fixed' if fixed else 'free'}", "smollm_135m.yaml", "float32", "auto",
+                            num_hidden_layers=8, sequence_length=128, micro_batch_size=1, n_micro_batches=4,
+                            cap_between=("zb1p", "zb2p"), fixed_split=fixed))
     # parallelism.recompute_layer: each decoder layer keeps its input; its backward runs the forward again.
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab"):
@@ -144,7 +150,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     raw = sc.raw_config()
     cap = chosen = None
     if sc.cap_between is not None:
-        raw, cap, chosen = _auto_under_a_cap(raw, sc.cap_between)
+        raw, cap, chosen = _auto_under_a_cap(raw, sc.cap_between, fixed_split=sc.fixed_split)
     cfg = config_from_dict(raw, source=sc.label)
     plan = make_plan(inventory_from_config(cfg), cfg)
     world = cfg.run.dp * cfg.run.pp * cfg.run.tp
@@ -170,20 +176,29 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     return {"label": sc.label, "block_ranks": list(plan.block_ranks), "rows": rows, "cap": cap, "auto": chosen}
 
 
-def _auto_under_a_cap(raw: dict[str, Any], engines: tuple[str, str]) -> tuple[dict[str, Any], float, Any]:
-    """``raw`` split by ``flops`` under ``memory_cap_gib`` halfway between ``engines``' estimated peaks, with the
-    engine ``auto`` takes there; the cap (bytes) and ``auto``'s choice (as a dict)."""
+def _auto_under_a_cap(raw: dict[str, Any], engines: tuple[str, str], *,
+                      fixed_split: bool) -> tuple[dict[str, Any], float, Any]:
+    """``raw`` under ``memory_cap_gib`` halfway between ``engines``' estimated peaks on ``flops``'s split, with the
+    engine ``auto`` takes there (``fixed_split``: on that split, written as a ``layout``); the cap (bytes) and
+    ``auto``'s choice (as a dict)."""
     from nanotron_ext.config import config_from_dict
     from nanotron_ext.costs.analytic import GIB
     from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.partition.layout_string import layout_string
     from nanotron_ext.plan import make_plan, resolve_engine
 
     raw = {**raw, "parallelism": {**raw["parallelism"], "cost_strategy": "flops"}}
     peaks = []
     for engine in engines:
         cfg = config_from_dict({**raw, "parallelism": {**raw["parallelism"], "pp_engine": engine}})
-        peaks.append(max(s.memory_bytes for s in make_plan(inventory_from_config(cfg), cfg).stages))
+        blocks = inventory_from_config(cfg)
+        plan = make_plan(blocks, cfg)
+        peaks.append(max(s.memory_bytes for s in plan.stages))
+        layout = layout_string([b.role for b in blocks], plan.block_ranks)
     cap = sum(peaks) / 2
+    if fixed_split:
+        raw = {**raw, "parallelism": {**raw["parallelism"], "cost_strategy": "layout"},
+               "nanotron_ext": {**raw["nanotron_ext"], "layout": layout}}
     raw = {**raw, "parallelism": {**raw["parallelism"], "pp_engine": "auto"},
            "nanotron_ext": {**raw["nanotron_ext"], "memory_cap_gib": cap / GIB}}
     cfg, choice = resolve_engine(config_from_dict(raw))
