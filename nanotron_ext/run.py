@@ -14,6 +14,7 @@ import argparse
 import os
 import runpy
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("script", help="the training script, e.g. run_train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
+
+
+#: Seconds a rank that stops before training waits before exiting, so that its peers' messages are printed too.
+PEER_REPORT_GRACE_S = 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nanotron_ext: vocab_shards: auto -> {cfg.vocab_shards} ({how})", flush=True)
         undo = install_launcher(cfg, opts.cost_strategy, resume=resume)
     except NanotronExtError as exc:
-        return report_error(exc, prefix)
+        code = report_error(exc, prefix)
+        # Every rank reads the same YAML and stops here with the same message, but torchrun ends the others as
+        # soon as one exits: a moment before exiting lets each say it (a loaded machine staggers them by tens of ms).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(PEER_REPORT_GRACE_S)
+        return code
     sys.argv = [str(script), *opts.script_args]
     sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT` would
     try:

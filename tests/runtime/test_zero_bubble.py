@@ -117,14 +117,15 @@ def test_unknown_linear_warns_once_and_names_it(two_ranks: list[dict], engine: s
 
 
 def test_cli_trains_with_pp_engine_zb1p_and_auto(tmp_path: Path) -> None:
-    """``nanotron-ext train`` with ``pp_engine: zb1p`` in the YAML: the same losses as 1F1B on the same split.
-    (``flops`` places the blocks: the default, schedule-aware strategy may split differently per engine.) With
-    ``pp_engine: auto`` it trains the engine the planner takes, says so, and the losses are 1F1B's too."""
+    """``nanotron-ext train`` with ``pp_engine: zb1p`` in the YAML, and with ``pp_engine: auto``, which trains the
+    engine the planner takes and says so; the same losses on the same split (``flops`` places the blocks: the
+    default, schedule-aware strategy may split differently per engine). Equal to 1F1B's gradients: the
+    exactness cases above."""
     from nanotron_ext.config import load_config
     from nanotron_ext.plan import resolve_engine
 
     losses = {}
-    for engine in ("zb1p", "auto", "1f1b"):
+    for engine in ("zb1p", "auto"):
         config = tw.write_config(tmp_path / f"{engine}.yaml", {"parallelism": {"pp_engine": engine}})
         launch = tw.launch_ranks(["--config-file", str(config), "--steps", "3", "--cost-strategy", "flops"], 2,
                                  timeout=120)
@@ -134,5 +135,4 @@ def test_cli_trains_with_pp_engine_zb1p_and_auto(tmp_path: Path) -> None:
         if engine == "auto":
             assert f"pp_engine: auto -> {runs}: step " in launch.ranks[0].stdout, launch.ranks[0].stdout[-2000:]
         losses[engine] = launch.metrics["losses"]
-    assert losses["zb1p"] == pytest.approx(losses["1f1b"], rel=TOL, abs=0)
-    assert losses["auto"] == pytest.approx(losses["1f1b"], rel=TOL, abs=0)
+    assert losses["auto"] == pytest.approx(losses["zb1p"], rel=TOL, abs=0)
