@@ -4,10 +4,10 @@ Each candidate engine (:data:`AUTO_ENGINES`) gets its own plan from the config's
 schedule-aware, so each engine gets the split that is fastest under it, ``vocab_shards: auto`` resolved per
 engine) and that plan's simulated step on the config's machine (the step-time objective, equal to
 ``simulate_plan``; under ``recompute_layer`` every backward pays its forward again, as the machine prices it).
-The fastest engine (on a tie, the one with the smaller peak) whose plan has no error (memory over ``memory_cap_gib`` or the device's included) wins; with
-none, the fastest whose every stage fits, its other findings left on its plan for the validator to report; with
-no stage layout that fits under any engine, a :class:`~nanotron_ext.errors.ConfigError` that names each engine's
-peak and the limit.
+The fastest engine whose plan has no error (a stage over ``memory_cap_gib`` or the device's memory is one) wins,
+on a tie the one with the smaller peak; with none, the fastest whose every stage fits, its other findings left on
+its plan for the validator to report; with no engine whose plan fits, a :class:`~nanotron_ext.errors.ConfigError`
+that names each engine's peak and the limit.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ __all__ = ["AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "eng
 
 #: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
 TIE_DIGITS = 9
-#: The engines ``auto`` chooses from (AFAB holds every micro-batch in flight and is never faster than 1F1B).
+#: The engines ``auto`` chooses from (AFAB is left out: it holds all m micro-batches in flight for 1F1B's ideal
+#: bubble).
 AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
 
 
