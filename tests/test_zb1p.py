@@ -412,12 +412,12 @@ def test_stage_peak_adds_rank_times_the_deferred_state_under_zb1p_only() -> None
 
 
 def test_deferred_counts() -> None:
-    from nanotron_ext.costs.block_memory import deferred_weights
+    from nanotron_ext.costs.block_memory import deferred_at_once
 
-    assert deferred_weights("zb1p", 4, 8) == [0, 1, 2, 3]
-    assert deferred_weights("zb1p", 4, 3) == [0, 1, 2, 2]  # m = pp - 1: stage 3's last W runs first of three
-    assert deferred_weights("zb1p", 8, 7)[7] == 6
-    assert deferred_weights("1f1b", 4, 8) == deferred_weights("afab", 4, 8) == [0] * 4
+    assert deferred_at_once("zb1p", 4, 8) == [0, 1, 2, 3]
+    assert deferred_at_once("zb1p", 4, 3) == [0, 1, 2, 2]  # m = pp - 1: stage 3's last W runs first of three
+    assert deferred_at_once("zb1p", 8, 7)[7] == 6
+    assert deferred_at_once("1f1b", 4, 8) == deferred_at_once("afab", 4, 8) == [0] * 4
     # it is the most W's pending while the stage computes, the running W left out, counted from the program
     for pp, m in [(2, 1), (3, 2), (4, 3), (4, 8), (5, 6), (8, 16)]:
         for stage in range(pp):
@@ -426,7 +426,7 @@ def test_deferred_counts() -> None:
                 if action.is_compute:
                     most = max(most, pending - (action is Action.WEIGHT))
                 pending += {Action.BACKWARD: 1, Action.WEIGHT: -1}.get(action, 0)
-            assert pending == 0 and most == deferred_weights("zb1p", pp, m)[stage], (pp, m, stage)
+            assert pending == 0 and most == deferred_at_once("zb1p", pp, m)[stage], (pp, m, stage)
 
 
 def test_memory_cap_counts_the_deferred_state_brute_force() -> None:

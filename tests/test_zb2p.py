@@ -69,7 +69,7 @@ def test_pp2_m4_by_hand() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_never_deadlocks_and_holds_what_in_flight_says(seed: int) -> None:
     from nanotron_ext.costs.analytic import in_flight
-    from nanotron_ext.costs.block_memory import deferred_weights as deferred_count
+    from nanotron_ext.costs.block_memory import deferred_at_once
 
     rng = random.Random(seed)
     for pp in range(2, 6):
@@ -86,7 +86,7 @@ def test_never_deadlocks_and_holds_what_in_flight_says(seed: int) -> None:
                     if action.is_compute:
                         most = max(most, pending - (action is Action.WEIGHT))
                     pending += {Action.BACKWARD: 1, Action.WEIGHT: -1}.get(action, 0)
-                assert most == deferred_count("zb2p", pp, m)[stage], (pp, m, stage)
+                assert most == deferred_at_once("zb2p", pp, m)[stage], (pp, m, stage)
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 12), (8, 16)])

@@ -453,8 +453,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       "warmup_forwards(engine, pp, stage, n_micro_batches) + 1)", "(pp - stage if engine != \"afab\" else n_micro_batches))",
       ("tests/test_zb2p.py",)),
     M("the memory estimate counts zb1p's deferred W's under zb2p", "nanotron_ext/costs/block_memory.py",
-      "    return [min(program_deferred(engine, stage) or 0, n_micro_batches - 1) for stage in range(pp)]",
-      "    return [min(program_deferred(\"zb1p\" if engine == \"zb2p\" else engine, stage) or 0, n_micro_batches - 1)"
+      "    return [min(deferred_weights(engine, stage) or 0, n_micro_batches - 1) for stage in range(pp)]",
+      "    return [min(deferred_weights(\"zb1p\" if engine == \"zb2p\" else engine, stage) or 0, n_micro_batches - 1)"
       " for stage in range(pp)]",
       ("tests/runtime/test_memory_cap.py::test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it",)),
     M("zb2p sends its steady forward's activation before its backward's receive", PROGRAMS,

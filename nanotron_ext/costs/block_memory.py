@@ -33,9 +33,9 @@ from nanotron_ext.config import DTYPE_BYTES, MemoryRuntime, ModelShape, RunShape
 from nanotron_ext.costs.block_terms import BlockMemory, block_layer, mlp_saved_width, norm_saved
 from nanotron_ext.costs.gpu_memory import fused_final_norm, gpu_decoder, gpu_final_norm, gpu_path
 from nanotron_ext.inventory.flops import mlp_active
-from nanotron_ext.schedule.programs import deferred_weights as program_deferred
+from nanotron_ext.schedule.programs import deferred_weights
 
-__all__ = ["BlockMemory", "block_memory", "deferred_weights", "largest_output", "largest_param", "mlp_saved_width",
+__all__ = ["BlockMemory", "block_memory", "deferred_at_once", "largest_output", "largest_param", "mlp_saved_width",
            "output_tensors", "pending_tensors", "weight_pending"]
 
 
@@ -198,12 +198,12 @@ def largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
     return block.trainable
 
 
-def deferred_weights(engine: str, pp: int, n_micro_batches: int) -> list[int]:
+def deferred_at_once(engine: str, pp: int, n_micro_batches: int) -> list[int]:
     """Weight-gradient passes a stage keeps deferred while it computes, the running W left out: a rank that
     defers the W of its first ``d`` backwards (:func:`~nanotron_ext.schedule.programs.deferred_weights`: zb1p's
     rank ``r`` ``r``, zb2p's ``2r``) keeps ``min(d, m - 1)`` (with ``m <= d`` the last backward's W is the first
     to run); AFAB and 1F1B defer none."""
-    return [min(program_deferred(engine, stage) or 0, n_micro_batches - 1) for stage in range(pp)]
+    return [min(deferred_weights(engine, stage) or 0, n_micro_batches - 1) for stage in range(pp)]
 
 
 def pending_tensors(block: BlockInfo, m: ModelShape, run: RunShape) -> dict[str, float]:

@@ -29,7 +29,7 @@ from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
 from nanotron_ext.costs.block_memory import (
     BlockMemory,
     block_memory,
-    deferred_weights,
+    deferred_at_once,
     largest_param,
     weight_pending,
 )
@@ -177,7 +177,7 @@ def stage_memory(
         optimizer_temporaries=_optimizer_temporaries(blocks, m, run, held.trainable, per.state, optimizer),
         overhead=overhead_gib * GIB,
         weight_pending=sum(weight_pending(b, m, run) for b in blocks) if run.engine in ZERO_BUBBLE else 0.0,
-        deferred=deferred_weights(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0,
+        deferred=deferred_at_once(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0,
     )
 
 

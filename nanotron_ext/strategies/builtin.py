@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB, in_flight, static_bytes, training_flops
-from nanotron_ext.costs.block_memory import block_memory, deferred_weights, weight_pending
+from nanotron_ext.costs.block_memory import block_memory, deferred_at_once, weight_pending
 from nanotron_ext.errors import ConfigError, PlanningError, suggest
 from nanotron_ext.machine import machine_for, price_blocks
 from nanotron_ext.partition import (
@@ -126,7 +126,7 @@ def stage_memory_terms(blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: flo
         cap=cap,
         overhead=cfg.ext.overhead_gib * GIB,
         pending=tuple(weight_pending(b, cfg.model, run) for b in blocks) if run.engine in ZERO_BUBBLE else (),
-        deferred=tuple(deferred_weights(run.engine, run.pp, run.n_micro_batches)),
+        deferred=tuple(deferred_at_once(run.engine, run.pp, run.n_micro_batches)),
     )
 
 
