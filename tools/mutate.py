@@ -138,7 +138,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_freeze.py",)),
     # --- simulator schedule --------------------------------------------------------------------------------
     M("1F1B runs one warm-up forward too many", PROGRAMS,
-      "warmup = pp - stage - 1", "warmup = pp - stage",
+      "    base = pp - stage - 1\n", "    base = pp - stage\n",
       ("tests/test_simulate.py",)),
     M("a receive does not wait for its send", SIMULATOR,
       "clock[s] = max(clock[s], sent) + p2p_times[min(s, s + action.peer)]",
