@@ -1,5 +1,6 @@
-"""Issue 32: a calibration you can take twice. The median's interval, the blocks timed in interleaved rounds, and
-the rule that names a figure too uncertain for two calibrations to agree within 3 %."""
+"""Issue 32: a calibration you can take twice. The median's interval, a block's fastest round and its split-half
+spread, the blocks timed in interleaved rounds, and the rule that names a figure too uncertain for two calibrations
+to agree within 3 %."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import BlockCost, MachineProfile, block_signature
 from nanotron_ext.machine.spread import STEP_SHARE_LIMIT, uncertain_figures
-from nanotron_ext.stats import median_interval, relative_spread
+from nanotron_ext.stats import fastest, fastest_spread, median_interval, relative_spread
 
 
 def test_the_median_interval_is_the_order_statistics_of_the_binomial_tail() -> None:
@@ -38,6 +39,18 @@ def test_the_relative_spread_is_half_the_interval_over_the_median() -> None:
     assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(0.5)
     assert relative_spread([float(x) for x in range(1, 12)]) == pytest.approx((10 - 2) / 2 / 6)
     assert relative_spread([0.0, 0.0, 0.0]) == 0.0
+
+
+def test_the_fastest_and_how_far_two_half_calibrations_put_it_apart() -> None:
+    xs = [5.0, 3.0, 4.0, 6.0, 2.5, 7.0]  # in the order taken: halves [5, 3, 4] and [6, 2.5, 7]
+    assert fastest(xs) == 2.5
+    assert fastest_spread(xs) == pytest.approx((3.0 - 2.5) / 2 / 2.5)
+    # A drift shows: every value of the second half 10 % slower, the first half's fastest 1.0.
+    assert fastest_spread([1.0, 1.2, 1.1, 1.3]) == pytest.approx((1.1 - 1.0) / 2 / 1.0)
+    assert fastest_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
+    assert fastest_spread([4.0]) == 0.0 and fastest_spread([0.0, 0.0]) == 0.0
+    with pytest.raises(ValueError, match="at least one value"):
+        fastest([])
 
 
 def test_blocks_take_turns_in_every_round_the_first_one_rotating(tmp_path, monkeypatch) -> None:

@@ -51,8 +51,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
-                   help=f"timed rounds per measurement, every block and link size once a round (median; default "
-                   f"{DEFAULT_REPEATS})")
+                   help=f"timed rounds per measurement, every block and link size once a round (a block's fastest, "
+                   f"a link's median; default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "

@@ -5,8 +5,9 @@ the loss are slower per FLOP than large matmuls, the embedding's backward fills 
 The ``profiled`` strategy builds each block's module standalone (by default the CPU Llama modules of
 :mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
-hidden]`` layout), and times forward and backward separately: warm-up rounds, then the median of ``repeats``
-rounds, every block taking its turn in each round. The backward follows what trains: a frozen parameter gets no
+hidden]`` layout), and times forward and backward separately: warm-up rounds, then the fastest of ``repeats``
+rounds (:func:`nanotron_ext.stats.fastest`: what moves least on a shared machine), every block taking its turn
+in each round. The backward follows what trains: a frozen parameter gets no
 weight gradient, and a block's input only asks for a gradient when something before it trains, so a frozen prefix
 costs forward only (the same rule as :func:`nanotron_ext.costs.analytic.training_flops`).
 
@@ -29,7 +30,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -55,7 +55,7 @@ from nanotron_ext.costs.timing_cache import (
     profile_key,
 )
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.stats import relative_spread
+from nanotron_ext.stats import fastest, fastest_spread
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ __all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning"
            "cache_dir_for", "measure_block", "measure_blocks", "profile_blocks", "profile_key"]
 
 DEFAULT_WARMUP = 2
-#: Timed rounds: 11 samples give the median an order-statistic interval of 98.8 % ([x_(2), x_(10)]).
+#: Timed rounds: each figure is their fastest, its spread the gap between the fastest of the first 5 and of the last 6.
 DEFAULT_REPEATS = 11
 #: ``factory(block, cfg, tp_pg)`` builds the module (or callable) that one block runs, for timing.
 ModuleFactory = Callable[[BlockInfo, PlannerConfig, Any], Callable[..., Any]]
@@ -129,7 +129,7 @@ def measure_blocks(
         cfg: model and batch shape, dtype.
         tp_pg: a one-process group for Nanotron's tensor-parallel layers.
         warmup: untimed rounds first (allocator, kernel selection, caches).
-        repeats: timed rounds; each figure keeps their median, and its spread (:class:`BlockTiming`).
+        repeats: timed rounds; each figure keeps their fastest, and its spread (:class:`BlockTiming`).
         device: where to run; CUDA when available, else CPU.
         module_factory: builds the block's module; default the CPU Llama's block
             (:func:`nanotron_ext.models.profiled_blocks.build_block_module`).
@@ -253,9 +253,9 @@ class _Run:
         return clock() - t0
 
     def timing(self) -> BlockTiming:
-        medians = [max(0.0, statistics.median(t)) for t in self.times]
-        spread = tuple(relative_spread(t) for t in self.times)  # 0 where the median is 0
-        return BlockTiming(*medians, spread)  # type: ignore[arg-type]
+        best = [max(0.0, fastest(t)) for t in self.times]
+        spread = tuple(fastest_spread(t) for t in self.times)  # 0 where the fastest is 0
+        return BlockTiming(*best, spread)  # type: ignore[arg-type]
 
 
 def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any,

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning", "cache_dir_for", "profile_key"]
 
 #: Bump when the way blocks are measured changes, so that older cache entries are not reused.
-PROFILE_VERSION = 4  # 2: the optimizer step is timed too; 3: with cold caches; 4: blocks interleaved, with a spread
+# 2: the optimizer step is timed too; 3: with cold caches; 4: blocks interleaved, with a spread; 5: the fastest round
+PROFILE_VERSION = 5
 DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 
 
@@ -33,12 +34,12 @@ class BlockTiming:
     """Measured time of one block for one micro-batch, in seconds.
 
     Attributes:
-        forward: median forward time.
-        backward: median backward time (0 when no gradient flows through the block).
-        optimizer: median time of an AdamW step over the block's trainable parameters (0 when none train);
+        forward: fastest forward time over the rounds (:func:`nanotron_ext.stats.fastest`).
+        backward: fastest backward time (0 when no gradient flows through the block).
+        optimizer: fastest time of an AdamW step over the block's trainable parameters (0 when none train);
             once per training step, not per micro-batch.
-        spread: each of the three medians' uncertainty: half the width of its distribution-free 95 % interval
-            (:func:`nanotron_ext.stats.median_interval`) ÷ the median; 0 where the figure is 0.
+        spread: how far each of the three could move between two calibrations, a fraction of it
+            (:func:`nanotron_ext.stats.fastest_spread`); 0 where the figure is 0.
     """
 
     forward: float

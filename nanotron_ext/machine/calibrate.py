@@ -3,7 +3,8 @@
 What it measures, and how (torch and Nanotron are imported only here, inside the functions):
 
 * **blocks**: every distinct block of the config (and, under ``vocab_shards: auto``, of every K that ``auto``
-  tries), built standalone and timed by :mod:`nanotron_ext.costs.profiled` (under torchrun every rank measures at once; the median over the ranks).
+  tries), built standalone and timed in rounds by :mod:`nanotron_ext.costs.profiled` (the fastest round of each;
+  under torchrun rank 0 measures while the others wait).
   ``cache_dir=None`` measures afresh (a temporary cache), so ``--repeats`` is never answered from old files;
   a folder reuses and fills that cache.
 * **rates**: per block role, training FLOPs (:func:`~nanotron_ext.costs.analytic.training_flops`) ÷ measured
@@ -87,8 +88,8 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
     Args:
         cfg: the config whose blocks, links and syncs are measured.
         warmup: untimed runs before each measurement.
-        repeats: timed runs of each measurement (the median is kept); blocks and link sizes take turns in each
-            round, so a slow stretch of the machine hits them alike.
+        repeats: timed runs of each measurement (a block keeps its fastest, a link size its median); blocks and
+            link sizes take turns in each round, so a slow stretch of the machine hits them alike.
         cache_dir: block-timing cache to reuse and fill; None measures every block afresh.
         progress: a progress bar on stderr (rank 0 only).
 
@@ -142,7 +143,7 @@ def _check_counts(warmup: int, repeats: int) -> None:
     for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"calibrate: {name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
-                              f"--repeats 5: two untimed runs, then the median of five)")
+                              f"--repeats 5: two untimed runs, then five timed ones)")
 
 
 # --- what is measured ------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class BlockCost:
 
     ``backward_weight``: the weight-gradient part of ``backward`` (zb1p's deferred ``W``), when measured;
     None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`). ``spread``: how far each
-    of the three could move, a fraction (:func:`nanotron_ext.stats.relative_spread`); None: not measured.
+    of the three could move, a fraction (:func:`nanotron_ext.stats.fastest_spread`); None: not measured.
     """
 
     signature: str

@@ -119,11 +119,12 @@ def test_frozen_prefix_costs_forward_only(tmp_path: Path, counting_clock: None) 
                    "lm_head": (1.0, 1.0, 1.0), "cast": (1.0, 0.0, 0.0), "loss": (1.0, 1.0, 0.0)}
 
 
-def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fastest_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, blocks = _tiny(tmp_path)
     # Per round the clock is read before/after forward, before/after backward, before/after the optimizer step.
-    forward, backward = [100.0, 3.0, 1.0, 2.0], [100.0, 6.0, 4.0, 5.0]  # first round is the warm-up
-    optimizer = [100.0, 9.0, 7.0, 8.0]
+    # The first round is the warm-up; the four timed ones split into halves of two.
+    forward, backward = [0.5, 3.0, 1.0, 2.0, 4.0], [0.5, 6.0, 5.0, 4.0, 7.0]
+    optimizer = [0.5, 9.0, 8.0, 7.0, 10.0]
     ticks = []
     now = 0.0
     for f, b, o in zip(forward, backward, optimizer):
@@ -132,10 +133,10 @@ def test_median_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.Monk
     readings = iter(ticks)
     monkeypatch.setattr(profiled, "clock", lambda: next(readings))
     # The final norm needs no process group; its input and weight both want gradients, so backward runs.
-    timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=3)
-    assert (timing.forward, timing.backward, timing.optimizer) == (2.0, 5.0, 8.0)
-    # 3 values: the interval of the median is their range; half of it ÷ the median.
-    assert timing.spread == pytest.approx((1.0 / 2.0, 1.0 / 5.0, 1.0 / 8.0))
+    timing = profiled.measure_block(blocks[3], cfg, input_grad=True, tp_pg=None, warmup=1, repeats=4)
+    assert (timing.forward, timing.backward, timing.optimizer) == (1.0, 4.0, 7.0)  # the warm-up's 0.5 left out
+    # Half the gap between the two halves' fastest, ÷ the fastest: |1 - 2| / 2 / 1, |5 - 4| / 2 / 4, |8 - 7| / 2 / 7.
+    assert timing.spread == pytest.approx((0.5, 0.125, 1 / 14))
     assert next(readings, None) is None  # every reading used: one optimizer step per warm-up and repeat
 
 
