@@ -1030,6 +1030,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run only this scenario (repeatable): seed-pp2, smollm-m2, smollm-m4, smollm-pp3, "
                         "smollm-layouts, seed-pp4")
     parser.add_argument("--rounds", type=int, default=None, help="rounds in which every split takes a turn")
+    parser.add_argument("--calibrate-every", type=int, default=None, metavar="N",
+                        help="calibrate again after every N rounds (pairs each calibration with the steps measured "
+                        "beside it in time)")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc malloc's defaults (default: keep freed memory, see measured_cpu.MALLOC_ENV)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -1043,6 +1046,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [sc for label, sc in known.items() if args.scenario is None or label in args.scenario]
     if args.rounds is not None:
         chosen = [dataclasses.replace(sc, rounds=args.rounds) for sc in chosen]
+    if args.calibrate_every is not None:
+        chosen = [dataclasses.replace(sc, calibrate_every=args.calibrate_every) for sc in chosen]
     print(f"Reproduce: `python {shlex.join(['benchmarks/predict_vs_measure.py', *argv])}` (from the repository root)\n")
     import torch
 
