@@ -75,7 +75,13 @@ from nanotron_ext.machine.profile import (
     key_for,
 )
 
-__all__ = ["calibrate", "calibration_blocks", "fit_line", "host_staged"]
+__all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_line", "host_staged"]
+
+#: Block rounds per ``repeats``: each block keeps its fastest round, and a longer window lets it escape a slow
+#: stretch of the machine. Issue 32's SmolLM shape, 4 calibrations in a row on a noisy day: the fastest of 33 rounds
+#: predicted every layout within 1.025 (max ÷ min), the fastest of the same runs' first 11 within 1.048
+#: (``benchmarks/calibration_statistics.py --repeats 33``); about 35 s here instead of 12.
+BLOCK_ROUNDS_PER_REPEAT = 3
 
 
 
@@ -88,8 +94,9 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
     Args:
         cfg: the config whose blocks, links and syncs are measured.
         warmup: untimed runs before each measurement.
-        repeats: timed runs of each measurement (a block keeps its fastest, a link size its median); blocks and
-            link sizes take turns in each round, so a slow stretch of the machine hits them alike.
+        repeats: timed runs of each measurement; blocks take :data:`BLOCK_ROUNDS_PER_REPEAT` times as many rounds
+            and keep their fastest, link sizes four times as many and keep their median; blocks and link sizes take
+            turns in each round, so a slow stretch of the machine hits them alike.
         cache_dir: block-timing cache to reuse and fill; None measures every block afresh.
         progress: a progress bar on stderr (rank 0 only).
 
@@ -105,9 +112,10 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
     device, backend = _device_and_backend()
     signatures = {sig for _, blocks in variants for sig in _signatures(blocks)}
     rank0 = world is None or world.rank == 0
-    block_calls = len(signatures) * (warmup + repeats)  # the bar counts each block's call in each round
+    rounds = BLOCK_ROUNDS_PER_REPEAT * repeats
+    block_calls = len(signatures) * (warmup + rounds)  # the bar counts each block's call in each round
     with _progress(_steps(cfg, world, block_calls), enabled=progress and rank0) as bar:
-        costs = _measure_blocks(variants, warmup, repeats, cache_dir, bar)
+        costs = _measure_blocks(variants, warmup, rounds, cache_dir, bar)
         bar.update(max(0, block_calls - bar.n))  # the blocks the cache had
         call = _deferred(world, lambda: _block_call_overhead(world, device, warmup, repeats))
         bar.update()

@@ -117,6 +117,21 @@ def test_alone_it_measures_the_compute_only(alone: MachineProfile) -> None:
     assert MachineProfile.from_json(alone.to_json()) == alone
 
 
+def test_blocks_take_three_rounds_for_each_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanotron_ext.machine import calibrate as calibrate_module
+
+    seen: list[tuple[int, int]] = []
+    measured = calibrate_module.measured_blocks
+
+    def counted(blocks, cfg, *, warmup, repeats, **kwargs):
+        seen.append((warmup, repeats))
+        return measured(blocks, cfg, warmup=warmup, repeats=repeats, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "measured_blocks", counted)
+    calibrate(load_config(CONFIG), warmup=1, repeats=2, progress=False)
+    assert seen == [(1, 6)]  # the fastest of a longer window (BLOCK_ROUNDS_PER_REPEAT = 3); warm-ups as asked
+
+
 def test_the_fitted_rates_price_blocks_that_were_not_measured(alone: MachineProfile) -> None:
     rates = dict(alone.rates)
     lm_head = alone.block(next(s for s in _signatures(inventory_from_config(load_config(CONFIG)))
