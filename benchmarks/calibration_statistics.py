@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps: dict[str, list[dict[str, float]]] = {name: [] for name in priced}
     with tempfile.TemporaryDirectory(prefix="calibration_statistics_") as tmp:
         for _ in tqdm(range(args.calibrations), desc="calibrations", file=sys.stderr):
-            profile, rounds = calibrate_keeping_rounds(cfg, args.repeats)
+            profile, kept = calibrate_keeping_rounds(cfg, args.repeats)
             for name, stat in priced.items():
-                steps[name].append(layout_steps(cfg, with_statistic(profile, rounds, stat), Path(tmp)))
+                steps[name].append(layout_steps(cfg, with_statistic(profile, kept, stat), Path(tmp)))
     print(f"{args.calibrations} compute-only calibrations in a row, {rounds} block rounds each (--repeats "
           f"{args.repeats}), one process, one "
           f"thread; {cfg.source}: each layout's simulated step (ms) per calibration, priced by each statistic of "
