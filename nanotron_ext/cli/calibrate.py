@@ -28,6 +28,7 @@ from nanotron_ext.costs.profiled import DEFAULT_REPEATS
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine import MachineProfile, block_signature
 from nanotron_ext.machine.calibrate import BLOCK_ROUNDS_PER_REPEAT, calibrate, calibration_blocks, host_staged
+from nanotron_ext.machine.calibrate_comm import LINK_ROUNDS_PER_REPEAT
 from nanotron_ext.machine.spread import uncertain_figures
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
@@ -52,7 +53,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                    help=f"timed rounds per measurement (default {DEFAULT_REPEATS}): blocks take "
-                   f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes 4× and keep their median")
+                   f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes {LINK_ROUNDS_PER_REPEAT}× and keep "
+                   f"their median")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "

@@ -78,9 +78,9 @@ from nanotron_ext.machine.profile import (
 __all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_line", "host_staged"]
 
 #: Block rounds per ``repeats``: each block keeps its fastest round, and a longer window lets it escape a slow
-#: stretch of the machine. Issue 32's SmolLM shape, 4 calibrations in a row on a noisy day: the fastest of 33 rounds
-#: predicted every layout within 1.025 (max ÷ min), the fastest of the same runs' first 11 within 1.048
-#: (``benchmarks/calibration_statistics.py --repeats 33``); about 35 s here instead of 12.
+#: stretch of the machine. Issue 32's SmolLM shape, calibrations in a row on a noisy day: the fastest of 33 rounds
+#: predicted every layout within 1.021-1.025 (max ÷ min), the fastest of the same runs' first 11 within 1.047-1.059
+#: (``benchmarks/calibration_statistics.py``); about 31 s here instead of 13.
 BLOCK_ROUNDS_PER_REPEAT = 3
 
 
