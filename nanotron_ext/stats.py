@@ -65,8 +65,7 @@ def fastest_spread(values: Sequence[float]) -> float:
     drift during it shows here as well as noise."""
     if len(values) < 2:
         return 0.0
-    best = fastest(values)
-    if best <= 0:
-        return 0.0
     half = len(values) // 2
-    return abs(fastest(values[:half]) - fastest(values[half:])) / 2 / best
+    first, second = fastest(values[:half]), fastest(values[half:])
+    best = min(first, second)
+    return abs(first - second) / 2 / best if best > 0 else 0.0
