@@ -50,8 +50,8 @@ def print_repeatability(predicted: dict[str, list[float]], steps: dict[str, Sequ
     step, and the engine's own spread over the run's timed steps (what no calibration can predict closer than).
 
     Returns:
-        ``spread``: split → max ÷ min; ``ratios``: split → each prediction ÷ measured; ``engine``: split → its timed
-        steps' max ÷ min; ``holds``: the spread within
+        ``spread``: split → max ÷ min; ``ratios``: split → each prediction ÷ measured; ``engine``: split → its
+        timed steps' max ÷ min; ``holds``: the spread within
         :data:`REPEATABLE` on the splits in ``repeatable`` (issue 32 asks it of its three layouts; the others' is
         printed), and every ratio within :data:`ACCURATE`.
     """

@@ -1043,6 +1043,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(args.scenario or ()) - set(known)
     if unknown or (args.rounds is not None and args.rounds < 1):
         parser.error(f"unknown scenario {sorted(unknown)} (known: {', '.join(known)}) or --rounds < 1")
+    if args.calibrate_every is not None and args.calibrate_every < 0:
+        parser.error(f"--calibrate-every {args.calibrate_every}: a number of rounds, 0 (calibrate only before "
+                     f"training) or more")
     chosen = [sc for label, sc in known.items() if args.scenario is None or label in args.scenario]
     if args.rounds is not None:
         chosen = [dataclasses.replace(sc, rounds=args.rounds) for sc in chosen]

@@ -53,8 +53,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                    help=f"timed rounds per measurement (default {DEFAULT_REPEATS}): blocks take "
-                   f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes {LINK_ROUNDS_PER_REPEAT}× and keep "
-                   f"their median")
+                   f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes "
+                   f"{LINK_ROUNDS_PER_REPEAT}× and keep their median")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
