@@ -16,7 +16,15 @@ processes slows both engines alike, as in ``measured_cpu.py``. Each round pairs 
   before any model exists (as a user's ``calibrate`` runs before training), and, for comparison, under a second one
   taken once every model is built and has run its warm-up step (the state the timed steps run in);
 * where the time goes, per engine and PP rank (medians per step): busy, waits in receives, sends and collectives,
-  the closing wait for the slower rank, and (zb1p, zb2p) the time in W steps.
+  the closing wait for the slower rank, and (zb1p, zb2p) the time in W steps;
+* one op of each kind (F, B, W) per engine and rank, its own work in the run (the waits on a peer inside it left
+  out; ``_in_run_ops.py``) against the calibrated profile's price of it: where a calibrated step comes out short;
+* the profile the run's own ops make: each rank's mean F, B, W and update replayed by the simulator (links and
+  the tied all-reduce as calibrated) against the engine's pipeline and step. It checks the schedule the simulator
+  runs apart from the calibration's prices.
+
+Exit status 1 unless issue 31's checks hold (zb2p's gain, every simulated step within 5 %) and every step under
+the run's own ops is within 5 % too.
 
 Usage: ``python benchmarks/zb_measured_cpu.py [--rounds R] [--layers L] [--seq S] [--m 4 --m 8] [--quick]``
 (``--quick``: 4 layers, sequence 64, 3 rounds).
@@ -25,7 +33,9 @@ Usage: ``python benchmarks/zb_measured_cpu.py [--rounds R] [--layers L] [--seq S
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shlex
 import statistics
@@ -39,10 +49,24 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _in_run_ops import (  # noqa: E402  (the ops as the run times them, and the profile they make)
+    OP_KINDS,
+    calibrated_ops,
+    clear_ops,
+    in_run_stages,
+    measured_pipeline,
+    op_fastest,
+    op_means,
+    step_ops,
+    step_times,
+    tied_sync,
+    time_ops,
+)
 from measured_cpu import MALLOC_ENV  # noqa: E402  (the sibling benchmark: one home for the malloc settings)
 
 from nanotron_ext import stats  # noqa: E402
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
+from nanotron_ext.schedule.simulator import simulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PP = 2
@@ -69,25 +93,6 @@ def raw_config(layers: int, seq: int, m: int) -> dict[str, Any]:
 
 # --- inside the two ranks ------------------------------------------------------------------------------
 
-_W_SECONDS = [0.0]
-
-
-def _time_w_steps() -> None:
-    """Count the wall time of the W steps in ``_W_SECONDS`` (this process only)."""
-    from nanotron_ext.zero_bubble import engine
-
-    weight = engine._StepRun.weight
-
-    def timed(self: Any, micro_batch: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            weight(self, micro_batch)
-        finally:
-            _W_SECONDS[0] += time.perf_counter() - t0
-
-    engine._StepRun.weight = timed
-
-
 def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict[str, dict[str, Any]]:
     """One model per (m, engine), same init and split, each with its optimizer, data and timer."""
     import torch
@@ -106,7 +111,7 @@ def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict
             runs[f"{engine}@{m}"] = {
                 "engine": engine, "m": m, "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
                 "batches": random_micro_batches(model, ctx, lcfg.vocab_size, 1, cfg.run.sequence_length),
-                "timer": StepTimer(model, ctx), "w": [], "losses": [],
+                "timer": StepTimer(model, ctx), "ops": [], "losses": [],
             }
     return runs
 
@@ -114,13 +119,13 @@ def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict
 def _step(run: dict[str, Any], ctx: Any, record: bool) -> None:
     from nanotron_ext.runtime import train_step
 
-    _W_SECONDS[0] = 0.0
+    clear_ops()
     with run["timer"] as timer, timer.step(record=record):
         # No clipping: the runtime's clip cannot run on a rank whose only weights are tied copies (measured_cpu.py).
         run["losses"].append(train_step(run["model"], ctx, run["engine"], run["batches"], run["m"],
                                         run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
     if record:
-        run["w"].append(_W_SECONDS[0])
+        run["ops"].append(step_ops())
 
 
 def _warm_up(runs: dict[str, dict[str, Any]], ctx: Any, warmup: int) -> None:
@@ -138,16 +143,16 @@ def _train(runs: dict[str, dict[str, Any]], ctx: Any, ms: Sequence[int], rounds:
 
 
 def _gathered(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Every run's per-rank step records and W times, on rank 0 (collective)."""
+    """Every run's per-rank step records and op times, on rank 0 (collective)."""
     import torch.distributed as dist
 
     out = {}
     for key, run in runs.items():
         per_rank = run["timer"].gather()
-        w_all: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(run["w"], w_all, dst=0)
+        ops_all: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(run["ops"], ops_all, dst=0)
         if per_rank is not None:
-            out[key] = {"engine": run["engine"], "m": run["m"], "losses": run["losses"], "w": w_all,
+            out[key] = {"engine": run["engine"], "m": run["m"], "losses": run["losses"], "ops": ops_all,
                         "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
     return out
 
@@ -166,7 +171,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    _time_w_steps()
+    time_ops()
     ms = spec["ms"]
     with GlooParallelContext(1, PP, 1, timeout_s=600) as ctx:
         cfg = config_from_dict(spec["raw"], source="zb_measured_cpu")
@@ -193,9 +198,10 @@ def worker(spec_path: str, out_path: str) -> None:
                 "split": plan.table(), "ranks": list(plan.block_ranks), "machine": machine.name,
                 "profile": json.loads(machine.to_json()),  # to re-simulate the run's plan by hand
                 "late_profile": json.loads(late.to_json()), "late_sim": late_sims,
-                "calibrate_s": calibrate_s, "train_s": train_s, "runs": gathered,
-                "sim": {k: {"step": s.step_time, "busy": list(s.busy), "bubble": s.bubble_fraction}
-                        for k, s in sims.items()},
+                "calibrate_s": calibrate_s, "train_s": train_s, "runs": gathered, "tied_sync": tied_sync(cfg, machine),
+                "sim": {k: {"step": s.step_time, "busy": list(s.busy), "bubble": s.bubble_fraction,
+                            "pipeline": s.pipeline_time, "p2p": list(s.p2p_times),
+                            "stages": [dataclasses.asdict(st) for st in s.stages]} for k, s in sims.items()},
                 "load_average": os.getloadavg()[0],
             }))
 
@@ -209,22 +215,54 @@ def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, fl
     return statistics.median(xs), low, high, coverage
 
 
-def _steps(run: dict[str, Any]) -> list[float]:
-    """The step time of each timed step: the slowest rank's."""
-    return [max(recs) for recs in zip(*[[r["step"] for r in rank] for rank in run["records"]])]
-
-
 def _where(run: dict[str, Any]) -> str:
     """Per PP rank, median per step: busy, receive/send/collective/end waits, W."""
     parts = []
     for rank, recs in enumerate(run["records"]):
         med = {k: statistics.median(r[k] for r in recs) for k in
                ("step", "busy", "recv_wait", "send_wait", "collective_wait", "end_wait")}
-        w = statistics.median(run["w"][rank]) if run["w"] and run["w"][rank] else 0.0
+        w = statistics.median(math.fsum(step["W"]) for step in run["ops"][rank])
         parts.append(f"rank {rank}: busy {med['busy'] * 1e3:.0f}, recv {med['recv_wait'] * 1e3:.0f}, send "
                      f"{med['send_wait'] * 1e3:.0f}, coll {med['collective_wait'] * 1e3:.0f}, end "
                      f"{med['end_wait'] * 1e3:.0f}" + (f", W {w * 1e3:.0f}" if run["engine"] in ZERO_BUBBLE else ""))
     return "; ".join(parts) + " (ms)"
+
+
+def schedule_check(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
+    """The simulator under the profile the run's own ops make (:func:`in_run_stages`; links as calibrated) against
+    the engine: pipeline makespan and step. Holds when every engine's step is within :data:`SIM_WITHIN`."""
+    lines = ["| m | engine | measured pipeline | simulated pipeline | simulated ÷ measured | measured step | "
+             "simulated step | simulated ÷ measured |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    holds = True
+    for m in ms:
+        for engine in ENGINES:
+            key = f"{engine}@{m}"
+            run = result["runs"][key]
+            sim = simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=result["sim"][key]["p2p"])
+            pipeline, step = measured_pipeline(run), statistics.median(step_times(run))
+            holds &= abs(sim.step_time / step - 1) <= SIM_WITHIN
+            lines.append(f"| {m} | {engine} | {pipeline * 1e3:.0f} ms | {sim.pipeline_time * 1e3:.0f} ms | "
+                         f"{sim.pipeline_time / pipeline:.3f} | {step * 1e3:.0f} ms | {sim.step_time * 1e3:.0f} ms | "
+                         f"{sim.step_time / step:.3f} |")
+    return lines, holds
+
+
+def op_table(result: dict[str, Any], m: int) -> list[str]:
+    """Per engine, rank and op kind at ``m``: the op in the run (mean and fastest) against the calibrated price."""
+    lines = ["| engine | rank | op | in the run: mean | fastest | calibrated | mean ÷ calibrated | fastest ÷ calibrated |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for engine in ENGINES:
+        key = f"{engine}@{m}"
+        run, priced = result["runs"][key], calibrated_ops(result["sim"][key], engine)
+        for rank in range(len(run["ops"])):
+            mean, best = op_means(run, rank), op_fastest(run, rank)
+            for kind in OP_KINDS:
+                cal = priced[rank][kind]
+                if cal > 0 or mean[kind] > 0:
+                    ratios = (f"{mean[kind] / cal:.3f} | {best[kind] / cal:.3f}" if cal > 0 else "- | -")
+                    lines.append(f"| {engine} | {rank} | {kind} | {mean[kind] * 1e3:.1f} ms | {best[kind] * 1e3:.1f} ms | "
+                                 f"{cal * 1e3:.1f} ms | {ratios} |")
+    return lines
 
 
 def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
@@ -240,11 +278,11 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
         s_ref = result["sim"][f"1f1b@{m}"]["step"]
         for engine in ENGINES:
             run, sim = result["runs"][f"{engine}@{m}"], result["sim"][f"{engine}@{m}"]["step"]
-            measured = statistics.median(_steps(run))
+            measured = statistics.median(step_times(run))
             gain = "-"
             if engine != "1f1b":
-                med, lo, hi, cov = median_interval([a / b for a, b in zip(_steps(ref), _steps(run))])
-                gain = f"{med:.3f}× [{lo:.3f}, {hi:.3f}] ({cov:.0%}, n={len(_steps(run))})"
+                med, lo, hi, cov = median_interval([a / b for a, b in zip(step_times(ref), step_times(run))])
+                gain = f"{med:.3f}× [{lo:.3f}, {hi:.3f}] ({cov:.0%}, n={len(step_times(run))})"
                 if engine == "zb2p" and m == min(ms):
                     holds &= med >= GAIN_FLOOR
                     if med < GAIN_FLOOR:
@@ -304,8 +342,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"machine profile: {result['machine']} (calibrated in the run, {result['calibrate_s']:.0f} s)\n")
     lines, holds = report(result, ms)
     print("\n".join(lines))
+    print(f"\nOne op of each kind at m={min(ms)}, its own work in the run (waits on a peer left out) against what "
+          f"the calibrated profile prices:\n")
+    print("\n".join(op_table(result, min(ms))))
+    schedule_lines, schedule_holds = schedule_check(result, ms)
+    print("\nThe profile the run's own ops make: the simulator given each rank's mean F, B, W and update in the run "
+          "(links and the tied all-reduce as calibrated), against the engine's median pipeline and step:\n")
+    print("\n".join(schedule_lines))
     print(f"\nCHECKS (issue 31: zb2p >= {GAIN_FLOOR}x 1F1B at m={min(ms)}, every simulated step within "
           f"{SIM_WITHIN:.0%} of measured): {'HOLD' if holds else 'DO NOT HOLD'}")
+    print(f"IN-RUN PROFILE (every engine's step simulated from the run's own ops within {SIM_WITHIN:.0%} of "
+          f"measured): {'HOLDS' if schedule_holds else 'DOES NOT HOLD'}")
+    holds &= schedule_holds
     print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
           f"end {result['load_average']:.1f}")
     return 0 if holds else 1

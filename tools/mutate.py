@@ -85,6 +85,8 @@ RESUME = "nanotron_ext/checkpoint/resume.py"
 RESHARD_TESTS = "tests/test_checkpoint_reshard.py"
 RECORD_TESTS = "tests/test_checkpoint_record.py"
 RESUME_E2E = "tests/upstream/test_resume.py"
+IN_RUN = "benchmarks/_in_run_ops.py"
+IN_RUN_TESTS = "tests/test_in_run_ops.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # --- the four that survived in issue 14 ----------------------------------------------------------------
@@ -567,6 +569,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a rank other than 0 repeats every warning", "nanotron_ext/cli/train.py",
       "    quiet_repeated_warnings(rank)\n", "",
       ("tests/test_cli.py::test_train_ranks_but_0_print_no_warning_every_rank_prints",)),
+    # --- issue 31: the profile a run's own ops make (benchmarks/_in_run_ops.py) --------------------------------
+    M("an op is the median of the run's", IN_RUN,
+      "out[kind] = statistics.fmean(xs) if xs else 0.0", "out[kind] = statistics.median(xs) if xs else 0.0",
+      (IN_RUN_TESTS,)),
+    M("the W is left out of the in-run backward", IN_RUN,
+      'backward=mean["B"] + mean["W"]', 'backward=mean["B"]', (IN_RUN_TESTS,)),
+    M("the update counts the pipeline's busy time too", IN_RUN,
+      'r["busy"] - (r["pipeline"] - r["pipeline_idle"])', 'r["busy"]', (IN_RUN_TESTS,)),
+    M("zero-bubble B is the whole backward", IN_RUN,
+      'out.append({"F": st["forward"], "B": st["backward"] - w, "W": w})',
+      'out.append({"F": st["forward"], "B": st["backward"], "W": w})', (IN_RUN_TESTS,)),
 )
 
 
