@@ -86,6 +86,8 @@ RESHARD_TESTS = "tests/test_checkpoint_reshard.py"
 RECORD_TESTS = "tests/test_checkpoint_record.py"
 RESUME_E2E = "tests/upstream/test_resume.py"
 IN_RUN = "benchmarks/_in_run_ops.py"
+SPLIT = "nanotron_ext/costs/split_backward.py"
+SPLIT_TESTS = "tests/runtime/test_split_backward.py"
 IN_RUN_TESTS = "tests/test_in_run_ops.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -577,6 +579,21 @@ MUTATIONS: tuple[Mutation, ...] = (
       'backward=mean["B"] + mean["W"]', 'backward=mean["B"]', (IN_RUN_TESTS,)),
     M("the update counts the pipeline's busy time too", IN_RUN,
       'r["busy"] - (r["pipeline"] - r["pipeline_idle"])', 'r["busy"]', (IN_RUN_TESTS,)),
+    M("every block's backward is split", SPLIT,
+      "return (block.role in DEFERS_WEIGHT_GRADIENT and isinstance", "return (isinstance",
+      (SPLIT_TESTS + "::test_the_blocks_zero_bubble_splits_time_their_w_and_no_other_does",), "0.2"),
+    M("a frozen block's backward is split", SPLIT,
+      "            and any(p.requires_grad for p in module.parameters()))", "            )",
+      (SPLIT_TESTS + "::test_a_frozen_block_has_no_w",), "0.2"),
+    M("the W pass computes nothing", SPLIT,
+      "        accumulate_weight_gradients(products)\n", "        pass\n",
+      (SPLIT_TESTS + "::test_the_w_pass_makes_the_weight_gradients_of_a_whole_backward",), "0.2"),
+    M("the profile drops the measured W", PRICING,
+      "backward_weight=weight))", "backward_weight=None))",
+      (SPLIT_TESTS + "::test_the_profile_prices_zero_bubble_w_as_measured_within_the_whole_backward",), "0.2"),
+    M("a measured W may exceed its backward", PRICING,
+      "weight = None if t.weight is None else min(t.weight, t.backward)", "weight = t.weight",
+      (SPLIT_TESTS + "::test_the_profile_prices_zero_bubble_w_as_measured_within_the_whole_backward",), "0.2"),
     M("zero-bubble B is the whole backward", IN_RUN,
       'out.append({"F": st["forward"], "B": st["backward"] - w, "W": w})',
       'out.append({"F": st["forward"], "B": st["backward"], "W": w})', (IN_RUN_TESTS,)),

@@ -41,6 +41,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.costs.block_inputs import _make_inputs, _outputs_needing_backward, _sync, flush_caches
+from nanotron_ext.costs.split_backward import splits, time_weight_pass
 from nanotron_ext.costs.timing_cache import (
     DEFAULT_CACHE_DIR,
     PROFILE_VERSION,
@@ -204,6 +205,9 @@ class _Run:
         self.gen = torch.Generator().manual_seed(0)
         self.optimizer: Any = None
         self.times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        #: zero-bubble's W of each timed round, for a block whose backward it splits (split_backward.py).
+        self.splits = splits(block, module)
+        self.weights: list[float] = []
 
     def once(self, cfg: PlannerConfig, device: Any, *, timed: bool) -> None:
         """Forward, backward and optimizer step once, each starting with cold caches; recorded when ``timed``."""
@@ -229,6 +233,10 @@ class _Run:
             _sync(device)
             backward = clock() - t0
         del out, tensors, inputs
+        if self.splits:
+            weight = time_weight_pass(self.block, self.module, cfg, device, self.input_grad, self.gen, clock)
+            if timed:
+                self.weights.append(weight)
         # Weight gradients accumulate across rounds, as they do across micro-batches within a step.
         step = self._step(device)
         if timed:
@@ -255,7 +263,8 @@ class _Run:
     def timing(self) -> BlockTiming:
         best = [max(0.0, fastest(t)) for t in self.times]
         spread = tuple(fastest_spread(t) for t in self.times)  # 0 where the fastest is 0
-        return BlockTiming(*best, spread)  # type: ignore[arg-type]
+        weight = max(0.0, fastest(self.weights)) if self.weights else None
+        return BlockTiming(*best, spread, weight)  # type: ignore[arg-type]
 
 
 def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any,

@@ -25,7 +25,7 @@ __all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning"
 
 #: Bump when the way blocks are measured changes, so that older cache entries are not reused.
 # 2: the optimizer step is timed too; 3: with cold caches; 4: blocks interleaved, with a spread; 5: the fastest round
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 
 
@@ -40,12 +40,15 @@ class BlockTiming:
             once per training step, not per micro-batch.
         spread: how far each of the three could move between two calibrations, a fraction of it
             (:func:`nanotron_ext.stats.fastest_spread`); 0 where the figure is 0.
+        weight: fastest time of the block's W as zb1p and zb2p run it (its weight gradients deferred, then computed
+            alone: :mod:`nanotron_ext.costs.split_backward`); None for a block whose backward they do not split.
     """
 
     forward: float
     backward: float
     optimizer: float = 0.0
     spread: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    weight: float | None = None
 
     @property
     def total(self) -> float:
@@ -143,8 +146,13 @@ def _read_cache(path: Path) -> BlockTiming | None:
     if not (isinstance(spread, list) and len(spread) == 3 and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in spread)):
         return _bad_entry(path, f"spread={spread!r} is not three relative uncertainties (finite, >= 0)")
+    weight = data.get("weight")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            math.isfinite(weight) and 0 <= weight <= MAX_CACHED_SECONDS)):
+        return _bad_entry(path, f"weight={weight!r} is not a time in seconds (finite, 0 to {MAX_CACHED_SECONDS:g})")
     return BlockTiming(float(values["forward"]), float(values["backward"]), float(values["optimizer"]),
-                       tuple(float(x) for x in spread))  # type: ignore[arg-type]
+                       tuple(float(x) for x in spread),  # type: ignore[arg-type]
+                       None if weight is None else float(weight))
 
 
 def _bad_entry(path: Path, why: str) -> None:

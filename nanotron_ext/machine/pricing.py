@@ -76,7 +76,9 @@ def measured_blocks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, **kwargs: o
     out: dict[str, BlockCost] = {}
     for b, grad, t in zip(blocks, trainable_before(blocks), timings):
         sig = block_signature(b, input_grad=grad)
-        out.setdefault(sig, BlockCost(sig, t.forward, t.backward, t.optimizer, spread=t.spread))
+        # zero-bubble's W as measured, within the whole backward it is a part of (both a fastest round's).
+        weight = None if t.weight is None else min(t.weight, t.backward)
+        out.setdefault(sig, BlockCost(sig, t.forward, t.backward, t.optimizer, spread=t.spread, backward_weight=weight))
     return list(out.values())
 
 

@@ -47,7 +47,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_ext.schedule import Engine
 from nanotron_ext.schedule.programs import Action, Step, engine_program
-from nanotron_ext.zero_bubble.store import WeightGradStore, install_store, store_of
+from nanotron_ext.zero_bubble.store import (
+    WeightGradStore,
+    accumulate_weight_gradients,
+    install_store,
+    store_of,
+)
 
 __all__ = ["ZERO_BUBBLE_ENGINES", "ZeroBubbleH2PipelineEngine", "ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
 
@@ -207,18 +212,8 @@ class _StepRun:
         accumulate_into_fp32(self.grad_accumulator)
 
     def weight(self, micro_batch: int) -> None:
-        """One parameter at a time, as autograd's backward accumulates them: one weight gradient alive at once.
-        A parameter used twice in the micro-batch gets the sum of its parts in one accumulation, as in autograd."""
-        groups: dict[int, tuple[nn.Parameter, list[Callable[[], torch.Tensor]]]] = {}
-        for product in self.store.pop(micro_batch):
-            for param, part in product.parts():
-                groups.setdefault(id(param), (param, []))[1].append(part)
-        for param, parts in groups.values():
-            grad = parts[0]()
-            for part in parts[1:]:
-                grad = grad + part()
-            torch.autograd.backward([param], [grad])
-            del grad
+        """Micro-batch ``micro_batch``'s deferred weight gradients (:func:`accumulate_weight_gradients`)."""
+        accumulate_weight_gradients(self.store.pop(micro_batch))
         accumulate_into_fp32(self.grad_accumulator)
 
 

@@ -42,6 +42,7 @@ from torch import nn
 
 __all__ = [
     "STORE_ATTR",
+    "accumulate_weight_gradients",
     "DeferredLinear",
     "WeightGradProduct",
     "WeightGradStore",
@@ -189,6 +190,22 @@ class DeferredLinear(torch.autograd.Function):
             return grad_input, None, None, None, None
         return (grad_input, product.weight_gradient() if needs_weight else None,
                 product.bias_gradient() if needs_bias else None, None, None)
+
+
+def accumulate_weight_gradients(products: list[WeightGradProduct]) -> None:
+    """One micro-batch's W: each parameter's deferred gradient accumulated through autograd, one parameter at a time
+    (as autograd's backward accumulates them: one weight gradient alive at once). A parameter used twice in the
+    micro-batch gets the sum of its parts in one accumulation, as in autograd."""
+    groups: dict[int, tuple[nn.Parameter, list[Callable[[], torch.Tensor]]]] = {}
+    for product in products:
+        for param, part in product.parts():
+            groups.setdefault(id(param), (param, []))[1].append(part)
+    for param, parts in groups.values():
+        grad = parts[0]()
+        for part in parts[1:]:
+            grad = grad + part()
+        torch.autograd.backward([param], [grad])
+        del grad
 
 
 def store_of(module: nn.Module) -> WeightGradStore | None:
