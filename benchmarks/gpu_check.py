@@ -9,7 +9,8 @@ Subcommands (each reads and writes under OUTDIR only):
   ``OUTDIR/environment.json``;
 * ``configs OUTDIR``: write ``OUTDIR/configs/smollm_135m_pp2.yaml``, SmolLM-135M's shape at pp=2 in fp32 (what the
   runtime trains; 2 ranks on the one GPU), sequence 512, micro-batch 2, 4 micro-batches;
-* ``compare OUTDIR``: the seed model's losses trained on CUDA against the same run on CPU;
+* ``compare OUTDIR [RUN REFERENCE]``: one training run's losses against another's (default: the seed model
+  trained on CUDA against the same run on CPU);
 * ``summary OUTDIR``: ``OUTDIR/summary.md`` from the steps' record (``steps.tsv``), the profiles and the training
   metrics; exit 1 when a step failed.
 """
@@ -60,7 +61,8 @@ def environment(out: Path, rehearsal: str = "0") -> int:
 
 
 def write_configs(out: Path) -> int:
-    """``OUTDIR/configs/smollm_135m_pp2.yaml``: SmolLM-135M's shape, pp=2, fp32, a batch that trains quickly."""
+    """``OUTDIR/configs/smollm_135m_pp2.yaml``: SmolLM-135M's shape, pp=2, fp32, a batch that trains quickly (its
+    path printed); beside it ``smollm_135m_pp2_zb2p.yaml``, the same under ``pp_engine: zb2p``."""
     raw = yaml.safe_load((CONFIGS / "smollm_135m.yaml").read_text())
     raw["parallelism"].update(pp=2, dp=1, tp=1)
     raw["model"]["dtype"] = "float32"
@@ -70,6 +72,10 @@ def write_configs(out: Path) -> int:
     path = out / "configs" / "smollm_135m_pp2.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# SmolLM-135M's shape at pp=2, fp32 (written by benchmarks/gpu_check.py)\n" + yaml.safe_dump(raw))
+    raw["parallelism"]["pp_engine"] = "zb2p"
+    raw["general"]["run"] = "smollm_135m_pp2_zb2p_gpu_check"
+    path.with_name("smollm_135m_pp2_zb2p.yaml").write_text(
+        "# SmolLM-135M's shape at pp=2, fp32, zb2p (written by benchmarks/gpu_check.py)\n" + yaml.safe_dump(raw))
     print(path)
     return 0
 
@@ -78,17 +84,18 @@ def _metrics(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def compare(out: Path) -> int:
-    """The seed model's per-step losses on CUDA vs CPU (same weights, same data); 1 when they differ."""
-    gpu, cpu = _metrics(out / "train" / "seed_cuda.json"), _metrics(out / "train" / "seed_cpu.json")
-    if gpu is None or cpu is None:
+def compare(out: Path, run: str = "seed_cuda", reference: str = "seed_cpu") -> int:
+    """Per-step losses of training run ``run`` against ``reference`` (same weights, same data; by default the seed
+    model on CUDA against it on CPU), written to ``OUTDIR/train/RUN_vs_REFERENCE.json``; 1 when they differ."""
+    got, ref = _metrics(out / "train" / f"{run}.json"), _metrics(out / "train" / f"{reference}.json")
+    if got is None or ref is None:
         print("compare: a training run wrote no metrics (see its log)", file=sys.stderr)
         return 1
-    rel = [abs(g - c) / abs(c) for g, c in zip(gpu["losses"], cpu["losses"])]
-    record = {"cuda_losses": gpu["losses"], "cpu_losses": cpu["losses"], "max_rel_diff": max(rel),
-              "rtol": LOSS_RTOL, "same": len(rel) == len(cpu["losses"]) and max(rel) <= LOSS_RTOL}
-    (out / "train" / "seed_cuda_vs_cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"seed model, {len(rel)} steps: largest relative loss difference CUDA vs CPU {max(rel):.2e} "
+    rel = [abs(g - c) / abs(c) for g, c in zip(got["losses"], ref["losses"])]
+    record = {"run": run, "reference": reference, "run_losses": got["losses"], "reference_losses": ref["losses"],
+              "max_rel_diff": max(rel), "rtol": LOSS_RTOL, "same": len(rel) == len(ref["losses"]) and max(rel) <= LOSS_RTOL}
+    (out / "train" / f"{run}_vs_{reference}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{run} against {reference}, {len(rel)} steps: largest relative loss difference {max(rel):.2e} "
           f"(tolerance {LOSS_RTOL:g}): {'same run' if record['same'] else 'DIFFERENT'}")
     return 0 if record["same"] else 1
 
@@ -127,10 +134,12 @@ def _train_lines(out: Path) -> list[str]:
             continue
         losses = ", ".join(f"{x:.4f}" for x in m["losses"])
         lines.append(f"| {path.stem} | {m.get('device')} | {m.get('p2p')} | {losses} | {m['mean_tokens_per_s']:,.0f} |")
-    diff = _metrics(out / "train" / "seed_cuda_vs_cpu.json")
-    if diff is not None:
-        lines += ["", f"Seed model, CUDA vs CPU: largest relative loss difference {diff['max_rel_diff']:.2e} "
-                      f"(tolerance {diff['rtol']:g}): {'the same run' if diff['same'] else 'DIFFERENT'}."]
+    for path in sorted((out / "train").glob("*_vs_*.json")):
+        diff = _metrics(path)
+        if diff is not None and "reference" in diff:
+            lines += ["", f"{diff['run']} against {diff['reference']}: largest relative loss difference "
+                          f"{diff['max_rel_diff']:.2e} (tolerance {diff['rtol']:g}): "
+                          f"{'the same run' if diff['same'] else 'DIFFERENT'}."]
     return lines
 
 
@@ -173,9 +182,10 @@ def summary(out: Path) -> int:
 
 def main(argv: list[str]) -> int:
     commands = {"env": environment, "configs": write_configs, "compare": compare, "summary": summary}
-    if not 2 <= len(argv) <= 3 or argv[0] not in commands or (len(argv) == 3 and argv[0] != "env"):
-        print(f"usage: python benchmarks/gpu_check.py {{{','.join(commands)}}} OUTDIR [REHEARSAL] (run "
-              "benchmarks/gpu_check.sh)",
+    extra = {"env": (0, 1), "compare": (0, 2)}.get(argv[0] if argv else "", (0,))
+    if len(argv) < 2 or argv[0] not in commands or len(argv) - 2 not in extra:
+        print(f"usage: python benchmarks/gpu_check.py {{{','.join(commands)}}} OUTDIR [REHEARSAL | RUN REFERENCE] "
+              "(run benchmarks/gpu_check.sh)",
               file=sys.stderr)
         return 2
     return commands[argv[0]](Path(argv[1]), *argv[2:])

@@ -11,7 +11,8 @@
 #      config and SmolLM-135M's shape at pp=2 with links, host-staged (device -> host -> gloo -> host -> device);
 #   4. nanotron-ext plan and simulate --machine with each of those profiles;
 #   5. nanotron-ext train on the GPU (NANOTRON_EXT_DEVICE=cuda) for 5 steps: the seed config, checked against the
-#      same run on CPU, and SmolLM-135M's shape at pp=2 (tied: the host-staged tied-gradient sync too);
+#      same run on CPU, and SmolLM-135M's shape at pp=2 (tied: the host-staged tied-gradient sync too), under 1F1B
+#      and under zb2p (its losses checked against 1F1B's);
 #   5b. python benchmarks/measured_memory.py --device cuda: SmolLM-135M's peak memory per stage, estimate vs CUDA's
 #      allocator, 1F1B and zb1p;
 #   5c. python benchmarks/gpu_path_memory.py --device cuda, when upstream Nanotron main is importable (UPSTREAM_SRC,
@@ -113,6 +114,11 @@ step train_seed_cuda env "${DEVICE_ENV[@]}" "${TORCHRUN[@]}" "${TRAIN[@]}" --con
 step compare_seed_cuda_cpu "$PY" benchmarks/gpu_check.py compare "$OUT"
 smollm train_smollm_pp2_cuda env "${DEVICE_ENV[@]}" "${TORCHRUN[@]}" "${TRAIN[@]}" --config-file "$SMOL2" \
     --metrics-out "$OUT/train/smollm_135m_pp2_cuda.json"
+# 5a. zb2p on the GPU (issue 31): the same run under the zero-bubble engine, its losses 1F1B's.
+smollm train_smollm_pp2_zb2p_cuda env "${DEVICE_ENV[@]}" "${TORCHRUN[@]}" "${TRAIN[@]}" \
+    --config-file "${SMOL2%.yaml}_zb2p.yaml" --metrics-out "$OUT/train/smollm_135m_pp2_zb2p_cuda.json"
+smollm compare_smollm_zb2p_1f1b_cuda "$PY" benchmarks/gpu_check.py compare "$OUT" smollm_135m_pp2_zb2p_cuda \
+    smollm_135m_pp2_cuda
 
 # 5b. peak memory on the GPU against the estimate (issue 30): SmolLM-135M at pp=2, bf16/fp32, 1F1B/zb1p.
 smollm measured_memory_cuda "$PY" benchmarks/measured_memory.py --device cuda \

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -45,7 +46,27 @@ def test_rehearsal_on_cpu_runs_the_steps_and_says_it_was_no_gpu_check(tmp_path: 
     assert ran == {"calibrate_seed_alone", "calibrate_seed_pp2_gloo", "plan_seed", "simulate_seed", "train_seed_cpu",
                    "train_seed_cuda", "compare_seed_cuda_cpu"}, steps
     assert set(steps.values()) == {"0", "skipped"}
-    same = json.loads((out / "train" / "seed_cuda_vs_cpu.json").read_text())
+    same = json.loads((out / "train" / "seed_cuda_vs_seed_cpu.json").read_text())
     assert same["same"] and same["max_rel_diff"] == 0.0  # the forced host staging changes no bit
     staged = json.loads((out / "train" / "seed_cuda.json").read_text())
     assert staged["p2p"] == "gloo, host-staged"
+    # The SmolLM run the GPU trains again under zb2p (skipped here), written beside the 1F1B one.
+    zb2p = yaml.safe_load((out / "configs" / "smollm_135m_pp2_zb2p.yaml").read_text())
+    one = yaml.safe_load((out / "configs" / "smollm_135m_pp2.yaml").read_text())
+    assert zb2p["parallelism"].pop("pp_engine") == "zb2p" and one["parallelism"].pop("pp_engine", "1f1b") == "1f1b"
+    assert zb2p["parallelism"] == one["parallelism"] and zb2p["model"] == one["model"]
+    assert "train_smollm_pp2_zb2p_cuda" in steps and "compare_smollm_zb2p_1f1b_cuda" in steps
+
+
+def test_compare_names_the_runs_and_fails_when_their_losses_differ(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    (tmp_path / "train").mkdir()
+    for name, losses in {"a": [2.0, 1.0], "b": [2.0, 1.0005], "c": [2.0, 1.01]}.items():
+        (tmp_path / "train" / f"{name}.json").write_text(json.dumps({"losses": losses}))
+    assert gpu_check.compare(tmp_path, "a", "b") == 0  # 5e-4 relative: within LOSS_RTOL
+    record = json.loads((tmp_path / "train" / "a_vs_b.json").read_text())
+    assert record["same"] and record["run"] == "a" and record["reference"] == "b"
+    assert gpu_check.compare(tmp_path, "c", "a") == 1
+    assert not json.loads((tmp_path / "train" / "c_vs_a.json").read_text())["same"]
