@@ -83,3 +83,20 @@ def test_the_profile_prices_zero_bubble_w_as_measured_within_the_whole_backward(
     assert costs["decoder"].backward_weight == 1.5e-3
     assert costs["lm_head"].backward_weight == 3e-3  # capped at the backward it is a part of
     assert costs["embedding"].backward_weight is None  # not measured: split by FLOPs where the engine splits
+
+
+def test_w_is_timed_in_every_other_timed_round_the_first_included(tmp_path: Path) -> None:
+    from nanotron_ext.models.profiled_blocks import build_block_module
+
+    cfg, blocks = _tiny(tmp_path)
+    forwards: list[int] = []
+
+    def factory(block, cfg, tp_pg):
+        module = build_block_module(block, cfg, tp_pg)
+        module.register_forward_pre_hook(lambda *args: forwards.append(1))
+        return module
+
+    with profiled._local_group() as tp_pg:
+        profiled.measure_blocks([(blocks[1], True)], cfg, tp_pg=tp_pg, warmup=2, repeats=3, module_factory=factory)
+    # One forward a round (2 warm-up, 3 timed), and one more for the W of timed rounds 1 and 3.
+    assert len(forwards) == 5 + 2
