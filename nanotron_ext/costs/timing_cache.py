@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning", "cache_dir_for", "profile_key"]
 
 #: Bump when the way blocks are measured changes, so that older cache entries are not reused.
-# 2: the optimizer step is timed too; 3: with cold caches; 4: blocks interleaved, with a spread; 5: the fastest round
+# 2: the optimizer step is timed too; 3: with cold caches; 4: blocks interleaved, with a spread; 5: the fastest round;
+# 6: zero-bubble's W of the blocks whose backward zb1p and zb2p split
 PROFILE_VERSION = 6
 DEFAULT_CACHE_DIR = Path("~/.cache/nanotron_ext")
 
