@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nanotron_ext.schedule import ZERO_BUBBLE
@@ -58,29 +59,36 @@ def step_ops() -> dict[str, list[float]]:
     return {kind: list(times) for kind, times in _OPS.items()}
 
 
+def _slowest_rank(run: dict[str, Any], field: str) -> list[float]:
+    """Each timed step's ``StepTimer`` record ``field`` on the slowest rank."""
+    return [max(per_rank) for per_rank in zip(*[[r[field] for r in rank] for rank in run["records"]])]
+
+
 def step_times(run: dict[str, Any]) -> list[float]:
     """The step time of each timed step: the slowest rank's."""
-    return [max(recs) for recs in zip(*[[r["step"] for r in rank] for rank in run["records"]])]
+    return _slowest_rank(run, "step")
 
 
-def op_means(run: dict[str, Any], rank: int) -> dict[str, float]:
-    """Mean compute seconds of one F, one B and one W on ``rank`` over the run's timed steps (0 for a kind the
-    engine never ran there). The mean, not the median: a step adds its ops up, slow ones included, and an op's
-    times lean right (a median of them priced the steps 2-5 % short, 2026-11-26)."""
+def _per_kind(run: dict[str, Any], rank: int, statistic: Callable[[list[float]], float]) -> dict[str, float]:
+    """``statistic`` of every F, every B and every W on ``rank`` over the run's timed steps (0 for a kind the engine
+    never ran there)."""
     out = {}
     for kind in OP_KINDS:
         xs = [t for step in run["ops"][rank] for t in step[kind]]
-        out[kind] = statistics.fmean(xs) if xs else 0.0
+        out[kind] = statistic(xs) if xs else 0.0
     return out
+
+
+def op_means(run: dict[str, Any], rank: int) -> dict[str, float]:
+    """Mean compute seconds of one F, one B and one W on ``rank``. The mean, not the median: a step adds its ops
+    up, slow ones included, and an op's times lean right (a median of them priced the steps 2-5 % short,
+    2026-11-26)."""
+    return _per_kind(run, rank, statistics.fmean)
 
 
 def op_fastest(run: dict[str, Any], rank: int) -> dict[str, float]:
     """The fastest F, B and W on ``rank`` in the run (what a calibration's fastest round compares with)."""
-    out = {}
-    for kind in OP_KINDS:
-        xs = [t for step in run["ops"][rank] for t in step[kind]]
-        out[kind] = min(xs) if xs else 0.0
-    return out
+    return _per_kind(run, rank, min)
 
 
 def in_run_stages(run: dict[str, Any], synced: float) -> list[StageTimes]:
@@ -109,14 +117,12 @@ def calibrated_ops(sim: dict[str, Any], engine: str) -> list[dict[str, float]]:
 
 def measured_pipeline(run: dict[str, Any]) -> float:
     """Median over the timed steps of the pipeline makespan (the slowest rank's ``StepTimer`` ``pipeline``)."""
-    return statistics.median(max(recs) for recs in zip(*[[r["pipeline"] for r in rank] for rank in run["records"]]))
+    return statistics.median(_slowest_rank(run, "pipeline"))
 
 
 def tied_sync(cfg: Any, machine: Any) -> float:
     """Seconds of the tied embedding's gradient all-reduce between the first and the last stage, as the calibrated
     profile prices it (0 without tied embeddings)."""
-    from nanotron_ext.machine.pricing import tied_weight_bytes
+    from nanotron_ext.machine.pricing import tied_sync_seconds
 
-    if not cfg.model.tie_word_embeddings or machine.tied_allreduce is None:
-        return 0.0
-    return machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
+    return tied_sync_seconds(machine, cfg) if cfg.model.tie_word_embeddings else 0.0

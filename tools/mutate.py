@@ -573,7 +573,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_cli.py::test_train_ranks_but_0_print_no_warning_every_rank_prints",)),
     # --- issue 31: the profile a run's own ops make (benchmarks/_in_run_ops.py) --------------------------------
     M("an op is the median of the run's", IN_RUN,
-      "out[kind] = statistics.fmean(xs) if xs else 0.0", "out[kind] = statistics.median(xs) if xs else 0.0",
+      "return _per_kind(run, rank, statistics.fmean)", "return _per_kind(run, rank, statistics.median)",
       (IN_RUN_TESTS,)),
     M("the W is left out of the in-run backward", IN_RUN,
       'backward=mean["B"] + mean["W"]', 'backward=mean["B"]', (IN_RUN_TESTS,)),

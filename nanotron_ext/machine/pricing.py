@@ -18,7 +18,8 @@ from nanotron_ext.costs.block_memory import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
 from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
 
-__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "tied_weight_bytes", "weight_part"]
+__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "tied_sync_seconds", "tied_weight_bytes",
+           "weight_part"]
 
 
 class BlockPrices(NamedTuple):
@@ -126,7 +127,7 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
         # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_saving otherwise).
         if tied is not None and i in tied and machine.tied_allreduce is not None:
-            synced = machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
+            synced = tied_sync_seconds(machine, cfg)
             u += synced
             if b.role == "embedding":
                 saving[i] = synced
@@ -142,6 +143,14 @@ def tied_weight_bytes(cfg: PlannerConfig) -> float:
     """Bytes of the tied embedding's gradient on one tp rank: what its all-reduce between the first and the last
     stage moves (priced here, measured by ``calibrate``)."""
     return float(cfg.model.vocab_size * cfg.model.hidden_size // cfg.run.tp * DTYPE_BYTES[cfg.run.dtype])
+
+
+def tied_sync_seconds(machine: MachineProfile, cfg: PlannerConfig) -> float:
+    """Seconds of the tied embedding's gradient all-reduce between the first and the last stage on ``machine`` (0
+    where the profile has no tied all-reduce)."""
+    if machine.tied_allreduce is None:
+        return 0.0
+    return machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
 
 
 def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None,
