@@ -9,20 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import profiled
 from nanotron_ext.costs.block_inputs import _make_inputs, _outputs_needing_backward
 from nanotron_ext.costs.split_backward import time_weight_pass
-from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.pricing import measured_blocks
 from nanotron_ext.zero_bubble.store import store_of
 
-FAST = {"warmup": 1, "repeats": 3}
-
-
-def _tiny(cache: Path, **ext):
-    cfg = load_config(bundled_config()).with_overrides(profile_cache=str(cache), **ext)
-    return cfg, inventory_from_config(cfg)
+from .test_profiled import FAST, _tiny
 
 
 @pytest.fixture
