@@ -22,7 +22,7 @@ ROOT = "nanotron_ext"
 
 #: The parts of the package, bottom up; a module may import its own part and the ones before it.
 ORDER = (
-    "errors", "report", "outputs", "procs", "stats", "allocator", "blocks", "schedule", "families", "config_keys", "config_ext", "config",
+    "errors", "report", "outputs", "procs", "stats", "allocator", "devices", "blocks", "schedule", "families", "config_keys", "config_ext", "config",
     "inventory", "zero_bubble", "models", "costs", "machine", "partition", "strategies", "plan", "__init__", "simulate",
     "checkpoint", "integration",
     "runtime", "cli", "run",

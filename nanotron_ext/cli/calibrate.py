@@ -25,6 +25,7 @@ from nanotron_ext.cli.common import EXIT_OK, check_outputs, legend, report_error
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.profiled import DEFAULT_REPEATS
+from nanotron_ext.devices import DEVICE_ENV, DEVICE_TYPES, device_type, use_device
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine import MachineProfile, block_signature
 from nanotron_ext.machine.calibrate import BLOCK_ROUNDS_PER_REPEAT, calibrate, calibration_blocks, host_staged
@@ -56,6 +57,10 @@ def add_subcommand(subparsers: Any) -> None:
                    f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes "
                    f"{LINK_ROUNDS_PER_REPEAT}× and keep their median")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
+    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
+                   help=f"where blocks run (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu); "
+                   "the CPU runtime and `profiled` follow the same rule, and a profile is refused for a run on another "
+                   "device")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
                    "else gloo; gloo on CUDA measures host-staged links)")
@@ -68,6 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     prefix = "nanotron-ext calibrate: " + ("" if rank is None else f"error on rank {rank}: ")
     try:
         exit_with_torchrun()
+        use_device(args.device)
         if rank in (None, "0"):
             check_outputs((args.out, "--out"))
         cfg = load_config(args.config or bundled_config())
@@ -92,13 +98,16 @@ def choose_backend(requested: str | None) -> str:
     """
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_cuda = device_type() == "cuda"
+    gpus = torch.cuda.device_count() if on_cuda else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if requested is None:
         return "nccl" if 0 < local <= gpus else "gloo"
     if requested == "nccl" and gpus == 0:
-        raise ConfigError(f"calibrate --backend nccl needs CUDA, but torch sees no CUDA device here (torch "
-                          f"{torch.__version__}); use --backend gloo, the default without a GPU")
+        where = (f"torch sees no CUDA device here (torch {torch.__version__})" if not torch.cuda.is_available()
+                 else "blocks run on the CPU here (--device cpu or $NANOTRON_EXT_DEVICE)")
+        raise ConfigError(f"calibrate --backend nccl needs CUDA, but {where}; use --backend gloo, the default "
+                          f"without a GPU, or --device cuda")
     if requested == "nccl" and local > gpus:
         raise ConfigError(
             f"calibrate --backend nccl: {local} ranks on this node but {gpus} GPU(s), and NCCL cannot put two ranks "
@@ -124,7 +133,7 @@ def _process_group(requested: str | None) -> Iterator[None]:
         yield
         return
     backend = choose_backend(requested)
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_from_env()))
     try:

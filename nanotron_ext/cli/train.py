@@ -23,6 +23,7 @@ from typing import Any
 from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
 from nanotron_ext.config import bundled_config
 from nanotron_ext.config_keys import DuplicateKeyWarning, UnreadKeyWarning
+from nanotron_ext.devices import DEVICE_ENV, DEVICE_TYPES, use_device
 
 __all__ = ["REPEATED_WARNINGS", "add_subcommand", "cmd_train", "quiet_repeated_warnings"]
 
@@ -48,6 +49,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, help="overrides general.seed (weights) and data.seed (data order)")
     p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
     p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
+    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
+                   help=f"where to train (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu; the rule "
+                   "calibrate follows too)")
     p.set_defaults(func=cmd_train)
 
 
@@ -72,6 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from nanotron_ext.procs import exit_with_torchrun
 
         exit_with_torchrun()
+        use_device(args.device)
         check_outputs((args.metrics_out, "--metrics-out"), (args.plan_out, "--plan-out"))
         from nanotron_ext.runtime.train import run_training  # imports torch and nanotron: only when training
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.devices import device_type
 
 if TYPE_CHECKING:
     import torch
@@ -71,9 +72,10 @@ def _trainable_flags(block: BlockInfo) -> list[tuple[str, bool]]:
 
 
 def _device() -> torch.device:
+    """Where blocks are timed: the one device rule (:func:`nanotron_ext.devices.device_type`)."""
     import torch
 
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device_type())
 
 
 def profile_key(block: BlockInfo, cfg: PlannerConfig, *, input_grad: bool) -> dict[str, Any]:

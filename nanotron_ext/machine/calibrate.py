@@ -55,6 +55,7 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, vocab_shard_candidates
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.profiled import DEFAULT_REPEATS
+from nanotron_ext.devices import device_type
 from nanotron_ext.errors import ConfigError, RunFailure
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.calibrate_comm import (
@@ -132,18 +133,18 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
             flops_per_second=overall, rates=rates, blocks=tuple(costs.values()), links=comm.links,
             overhead=EngineOverhead(call, comm.send_recv / 2, comm.send_recv / 2),
             dp_allreduce=comm.dp_allreduce, tied_allreduce=comm.tied_allreduce,
-            device_memory_bytes=_device_memory(),
+            device_memory_bytes=_device_memory(device),
         )
 
     return _share(build, world)
 
 
-def _device_memory() -> float | None:
+def _device_memory(device: str) -> float | None:
     """This rank's GPU memory as CUDA reports its total (what a plan must fit in); None on CPU."""
     import torch
 
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory) \
-        if torch.cuda.is_available() else None
+        if device.startswith("cuda") else None
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
@@ -194,11 +195,12 @@ def _check_buildable(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig,
 
 
 def _device_and_backend() -> tuple[str, str]:
-    """Where blocks run (as :mod:`~nanotron_ext.costs.profiled` picks) and the process group's backend."""
+    """Where blocks run (the one device rule, :func:`nanotron_ext.devices.device_type`; a GPU with its name) and the
+    process group's backend."""
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
+    cuda = device_type() == "cuda"
     device = f"cuda:{torch.cuda.get_device_name()}" if cuda else "cpu"
     backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "gloo"
     return device, "nccl" if cuda and "nccl" in backend else backend  # "cpu:gloo,cuda:nccl" sends CUDA by NCCL

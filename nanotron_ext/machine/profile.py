@@ -265,6 +265,15 @@ class MachineProfile:
             ConfigError: naming each field that differs and how to get a matching profile.
         """
         diffs = self.key.differences(expected)
+        run = [d for d in diffs if d.startswith(("device:", "backend:"))]
+        if run:  # measured where this run does not train: blocks timed on a GPU price nothing on a CPU
+            where = f"--device {expected.device.split(':')[0]} " if expected.device else ""
+            raise ConfigError(
+                f"machine profile {origin} was measured on another device or backend than this run ("
+                f"{'; '.join(run)}; profile vs run); its times would not predict this run. Measure one where it "
+                f"trains with `nanotron-ext calibrate CONFIG {where}--out FILE` (under torchrun for the links), or "
+                f"drop --machine / nanotron_ext.machine to plan with the analytic model"
+            )
         if diffs:
             raise ConfigError(
                 f"machine profile {origin} was measured for another setup ({'; '.join(diffs)}; profile vs "

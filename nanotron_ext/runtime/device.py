@@ -1,9 +1,9 @@
 """Where the runtime's tensors live, and how they cross gloo from there.
 
-The device is chosen by one environment variable, read on every rank: ``NANOTRON_EXT_DEVICE`` = ``cpu`` (the
-default; unset or empty means the same) or ``cuda``, which puts rank r on ``cuda:{LOCAL_RANK % device_count}``
-(every rank of a one-GPU machine on that GPU). Any other value, or ``cuda`` without CUDA, is a
-:class:`~nanotron_ext.errors.ConfigError` naming the value, the reason and the fix.
+The device follows the one device rule (:mod:`nanotron_ext.devices`): ``--device``, else ``NANOTRON_EXT_DEVICE``
+(``cpu`` or ``cuda``), else CUDA when torch sees a GPU, else the CPU, read on every rank; ``cuda`` puts rank r on
+``cuda:{LOCAL_RANK % device_count}`` (every rank of a one-GPU machine on that GPU). Any other value, or ``cuda``
+without CUDA, is a :class:`~nanotron_ext.errors.ConfigError` naming the value, the reason and the fix.
 
 The process groups stay gloo on every device (NCCL refuses two ranks on one GPU). gloo sends and receives host
 memory only and has no CUDA ``all_reduce_coalesced``, so on CUDA two paths go through the host, named
@@ -31,6 +31,7 @@ from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.tied_parameters import get_tied_id_to_param, sync_tied_weights_gradients
 from torch import nn
 
+from nanotron_ext.devices import DEVICE_ENV, device_type
 from nanotron_ext.errors import ConfigError
 
 __all__ = [
@@ -46,8 +47,6 @@ __all__ = [
     "to_host",
 ]
 
-#: Environment variable choosing the runtime's device: ``cpu`` (default) or ``cuda``.
-DEVICE_ENV = "NANOTRON_EXT_DEVICE"
 #: Environment variable that forces host staging on CPU (``1``; a test of the CUDA path's copies).
 STAGING_ENV = "NANOTRON_EXT_HOST_STAGING"
 #: How the runtime names a transport that copies through the host.
@@ -56,24 +55,14 @@ CPU = torch.device("cpu")
 
 
 def device_from_env() -> torch.device:
-    """This rank's device: ``$NANOTRON_EXT_DEVICE`` (``cpu`` when unset), ``cuda`` as ``cuda:{LOCAL_RANK % n}``.
+    """This rank's device under the one device rule (:func:`nanotron_ext.devices.device_type`: ``--device``, else
+    ``$NANOTRON_EXT_DEVICE``, else CUDA when torch sees a GPU), CUDA as ``cuda:{LOCAL_RANK % n}``.
 
     Raises:
         ConfigError: an unknown value, or ``cuda`` where torch sees no CUDA device.
     """
-    raw = os.environ.get(DEVICE_ENV, "")
-    value = raw.strip().lower()
-    if value in ("", "cpu"):
+    if device_type() == "cpu":
         return CPU
-    if value != "cuda":
-        raise ConfigError(
-            f"{DEVICE_ENV}={raw!r} is not a device the runtime knows; set {DEVICE_ENV}=cpu (the default) or "
-            f"{DEVICE_ENV}=cuda (rank r on cuda:{{LOCAL_RANK % device_count}})")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"{DEVICE_ENV}={raw!r} asks for CUDA, but torch sees no CUDA device here (torch {torch.__version__}, "
-            f"built for CUDA {torch.version.cuda}); run on a machine with an NVIDIA GPU and a CUDA build of torch, "
-            f"or unset {DEVICE_ENV} to train on CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 

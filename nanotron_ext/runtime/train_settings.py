@@ -14,6 +14,7 @@ from typing import Any
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import get_dotted, installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, PlanningError, check_positive_int
+from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, free_port, rendezvous_env
 from nanotron_ext.runtime.data import (
@@ -106,6 +107,8 @@ def preflight(
 
     world_size, rank = _world_from_env(run.dp * run.pp * run.tp, cfg)
     timeout_s, device = _timeout_s(), _device()
+    if cfg.ext.machine is not None:  # a profile timed on another device would misprice this run's plan
+        machine_for(cfg, device=device.split(":")[0], backend="gloo")
     ByteTokenizer().check_model_vocab(cfg.model.vocab_size)
     files = data_files_from_config(raw, config_path=None if cfg.source.startswith("<") else cfg.source)
 

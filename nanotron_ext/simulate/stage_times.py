@@ -16,7 +16,7 @@ from typing import NamedTuple
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, PlanningError
-from nanotron_ext.machine import MachineProfile
+from nanotron_ext.machine import MachineProfile, key_for, machine_for
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.plan import Plan
 from nanotron_ext.report import format_seconds
@@ -91,14 +91,22 @@ def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:
 
 
 def simulate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
-                  machine: MachineProfile | None = None, engine: str | None = None) -> SimResult:
+                  machine: MachineProfile | None = None, engine: str | None = None, device: str | None = None,
+                  backend: str | None = None) -> SimResult:
     """Simulate one training step of ``plan`` under the config's engine and micro-batch count, on the config's
     machine (or ``machine``).
+
+    ``device`` and ``backend``: the run this step stands for (``cpu``/``cuda``, ``gloo``/``nccl``), where known; a
+    profile measured on another device or backend is refused, naming both.
 
     Raises:
         ConfigError: the machine is refused, or 1F1B with fewer than ``pp − 1`` micro-batches (Nanotron asserts
             this).
     """
+    if machine is not None and (device is not None or backend is not None):
+        machine.check_key(key_for(cfg, device=device, backend=backend), origin=repr(machine.name))
+    elif device is not None or backend is not None:
+        machine_for(cfg, device=device, backend=backend)  # the config's profile, checked against the run
     if engine is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, engine=engine))
     times = plan_stage_times(plan, blocks, cfg, machine=machine)
