@@ -156,3 +156,72 @@ def test_fewer_windows_than_a_micro_batch_per_replica():
     with pytest.raises(ConfigError, match=r"^the data has 3 windows of 33 tokens: fewer than micro_batch_size=2 "
                                           r"per DP replica \(dp=2\); give more text or shrink the batch$"):
         PackedTextData(windows, 2, dp_rank=0, dp_size=2)
+
+
+# --- command-line flags: each message names the flag or the YAML key, never an internal name -----------------
+
+#: Python-side names of what a flag sets, which no user types (the flag's own spelling is in the message instead).
+INTERNAL_NAMES = ("n_micro_batches", "micro_batches", "p2p_gbps", "cost_strategy", "config_file")
+#: The subcommands checked here; calibrate's --repeats and --warmup are checked by machine/calibrate.py.
+OWN_COMMANDS = ("plan", "simulate", "train")
+
+
+def _numeric_flags() -> list[tuple[str, str, object]]:
+    import argparse
+
+    from nanotron_ext.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(command, action.option_strings[-1], action.type) for command in OWN_COMMANDS
+            for action in sub.choices[command]._actions if action.option_strings and action.type is not None]
+
+
+def test_every_numeric_flag_is_checked_where_it_is_parsed():
+    from nanotron_ext.cli.common import non_negative_int, positive_int, positive_number
+
+    flags = _numeric_flags()
+    assert {f for _, f, _ in flags} >= {"--pp", "--micro-batches", "--tflops", "--p2p-gbps", "--steps", "--seed"}
+    # A bare int or float lets -3 through to a check that names the config's field (n_micro_batches=-3).
+    loose = [(c, f) for c, f, t in flags if t not in (positive_int, non_negative_int, positive_number)]
+    assert not loose, f"numeric flags parsed without a range: {loose}"
+
+
+@pytest.mark.parametrize("command, flag, bad", [
+    (command, flag, bad) for command, flag, kind in _numeric_flags()
+    for bad in ("-3", "x", *(("0",) if kind.__name__.startswith("positive") else ()),
+                *(("nan", "inf") if kind.__name__ == "positive_number" else ()))
+])
+def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, command, flag, bad):
+    from nanotron_ext.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, flag, bad])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"nanotron-ext {command}: error: argument {flag}: {bad!r} is not a ")
+    assert f"`nanotron-ext {command} --help` lists every flag" in err
+    assert not any(name in err for name in INTERNAL_NAMES), err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_flags_the_config_refuses_are_named_before_its_message(capsys, command):
+    # The config's own check names the YAML key it guards; the flags that set it come first.
+    from nanotron_ext.cli import main
+
+    says = "nanotron-ext: error: --pp 2 --times profiled --tflops 3.5: nanotron_ext.times=profiled measures block times"
+    assert main([command, "--tflops", "3.5", "--times", "profiled", "--pp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and err.count("\n") == 1, err
+    assert not any(name in err for name in INTERNAL_NAMES), err
+
+
+def test_usage_errors_are_one_line_with_where_the_flags_are(capsys):
+    from nanotron_ext.cli import main
+
+    for argv, says in ((["plan", "--bogus"], "nanotron-ext: error: unrecognized arguments: --bogus (`nanotron-ext "
+                                             "--help` lists the commands, `nanotron-ext COMMAND --help` their flags)"),
+                       (["plan", "--pp"], "nanotron-ext plan: error: argument --pp: expected one argument")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err

@@ -6,9 +6,11 @@ Exit codes, the same for ``plan``, ``simulate`` and ``train`` (this module is th
 * ``1`` (``EXIT_INVALID``): the plan cannot train (a stage without a gradient, no split under the constraints);
 * ``2`` (``EXIT_USAGE``): bad usage or config: a flag, a YAML key or value, a layout string, an output path;
 * ``3`` (``EXIT_RUNTIME``): a runtime failure: a peer rank died or timed out, or an unexpected error;
-* ``141`` (``EXIT_CLOSED_PIPE``): the reader closed the output early (``| head``); nothing is printed, and the
-  code is the shell's for a tool that SIGPIPE stopped (128 + 13), so ``set -o pipefail`` sees an output cut short
-  and never mistakes it for a verdict.
+* ``141`` (``EXIT_CLOSED_PIPE``): the reader closed the output before the command could write it; nothing is
+  printed, and the code is the shell's for a tool that SIGPIPE stopped (128 + 13), so ``set -o pipefail`` sees an
+  output cut short and never mistakes it for a verdict. The output is written in one piece at the end
+  (:mod:`nanotron_ext.cli.output`), so which of 141 and the verdict a reader gets depends on the reader, never on
+  timing.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
+from nanotron_ext.cli.output import reader_left
 from nanotron_ext.config import BlockTimes, PlannerConfig, bundled_config, load_config
 from nanotron_ext.errors import (
     ConfigError,
@@ -40,8 +43,8 @@ from nanotron_ext.strategies import available_strategies
 __all__ = [
     "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
     "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
-    "exit_code_for", "legend", "titled_table", "report_error", "speed_cell", "stage_cell", "verdict_cell",
-    "verdict_line", "version_line", "warn_memory",
+    "exit_code_for", "legend", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
+    "speed_cell", "stage_cell", "verdict_cell", "verdict_line", "version_line", "warn_memory",
 ]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
@@ -52,13 +55,51 @@ TRACEBACK_ENV = "NANOTRON_EXT_TRACEBACK"
 
 class Parser(argparse.ArgumentParser):
     """``argparse`` with "did you mean" for a choice (an engine, ``--times``, a subcommand): the same rule as
-    every other name a user types (:func:`nanotron_ext.errors.did_you_mean`)."""
+    every other name a user types (:func:`nanotron_ext.errors.did_you_mean`); a usage error is one line, as
+    every other error is."""
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         if action.choices is not None and value not in action.choices:
             known = [str(c) for c in action.choices]
             raise argparse.ArgumentError(
                 action, f"invalid choice: {value!r}; {suggest(value, known)}choose from {', '.join(known)}")
+
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr, with where the flags are listed; exit 2."""
+        where = (f"`{self.prog} --help` lists the commands, `{self.prog} COMMAND --help` their flags"
+                 if self._subparsers is not None else f"`{self.prog} --help` lists every flag")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\n")
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type of a count (``--pp``, ``--micro-batches``, ``--steps``): a whole number, at least 1."""
+    return _whole_number(text, least=1)
+
+
+def non_negative_int(text: str) -> int:
+    """``argparse`` type of a seed: a whole number, at least 0."""
+    return _whole_number(text, least=0)
+
+
+def _whole_number(text: str, *, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}; give e.g. {least + 1}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """``argparse`` type of a rate (``--tflops``, ``--p2p-gbps``): a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number; give e.g. 400 or 12.5")
+    return value
 
 
 def version_line() -> str:
@@ -93,8 +134,10 @@ def report_error(exc: BaseException, prefix: str = "nanotron-ext: ", *, tag: boo
 
     Our own errors print as they are (with ``tag``, ``error: `` first for usage and runtime errors); an
     unexpected one prints its type and message in one line, with its traceback only when
-    ``NANOTRON_EXT_TRACEBACK=1``.
+    ``NANOTRON_EXT_TRACEBACK=1``. A broken pipe on standard output whose reader left prints nothing: 141.
     """
+    if isinstance(exc, BrokenPipeError) and reader_left():  # a command's own catch-all met a reader that left
+        return EXIT_CLOSED_PIPE
     code = exit_code_for(exc)
     if isinstance(exc, NanotronExtError):
         word = "error: " if tag and code != EXIT_INVALID else ""
@@ -229,13 +272,13 @@ def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micr
         p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
                    help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
-    p.add_argument("--pp", type=int, help="overrides parallelism.pp")
+    p.add_argument("--pp", type=positive_int, metavar="N", help="overrides parallelism.pp")
     p.add_argument("--engine", choices=(*ENGINES, ENGINE_AUTO), default=None,
                    help="overrides parallelism.pp_engine: afab, 1f1b, zb1p or zb2p (zero-bubble ZB-H1 and ZB-H2: "
                         "1F1B with deferred weight gradients; see docs/zero-bubble.md), or auto (the fastest of "
                         "1f1b, zb1p and zb2p whose plan fits the memory)")
     if micro_batches:
-        p.add_argument("--micro-batches", dest="micro_batches", type=int, metavar="N",
+        p.add_argument("--micro-batches", dest="micro_batches", type=positive_int, metavar="N",
                        help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
                             "changes it too; 1f1b needs at least pp - 1)")
     if machine:
@@ -250,19 +293,32 @@ def _add_machine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--times", choices=get_args(BlockTimes), default=None,
                    help="block times: machine (the profile's, default), flops (one FLOP rate for every block), "
                         "profiled (every block measured on this machine now, cached)")
-    g.add_argument("--tflops", type=float, metavar="X",
+    g.add_argument("--tflops", type=positive_number, metavar="X",
                    help="price every block at X TFLOP/s (drops measured block times)")
-    g.add_argument("--p2p-gbps", dest="p2p_gbps", type=float, metavar="Y",
+    g.add_argument("--p2p-gbps", dest="p2p_gbps", type=positive_number, metavar="Y",
                    help="every p2p link at Y GB/s (10^9 bytes/s), keeping the profile's latency")
 
 
+#: Each override flag, the argument it sets and the keyword of :meth:`PlannerConfig.with_overrides` it goes to.
+OVERRIDES = (("--cost-strategy", "cost_strategy", "cost_strategy"), ("--pp", "pp", "pp"),
+             ("--micro-batches", "micro_batches", "n_micro_batches"), ("--engine", "engine", "engine"),
+             ("--machine", "machine", "machine"), ("--times", "times", "times"), ("--tflops", "tflops", "tflops"),
+             ("--p2p-gbps", "p2p_gbps", "p2p_gbps"))
+
+
 def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfig:
-    """The config at ``path`` (the bundled example when None) with the command line's overrides."""
-    cfg = load_config(path or bundled_config(), cost_strategy=args.cost_strategy, pp=args.pp)
-    m = getattr(args, "micro_batches", None)
-    cfg = cfg if m is None else cfg.with_overrides(n_micro_batches=m)
-    engine = getattr(args, "engine", None)
-    cfg = cfg if engine is None else cfg.with_overrides(engine=engine)
-    if hasattr(args, "machine"):
-        cfg = cfg.with_overrides(machine=args.machine, times=args.times, tflops=args.tflops, p2p_gbps=args.p2p_gbps)
-    return cfg
+    """The config at ``path`` (the bundled example when None) with the command line's overrides.
+
+    Raises:
+        ConfigError: the file's own error as it is; an override's, after the flags given (``--times profiled
+            --tflops 3: ...``), so that a message naming a YAML key says which flag set it.
+    """
+    cfg = load_config(path or bundled_config())
+    given = {flag: (keyword, value) for flag, attr, keyword in OVERRIDES
+             if (value := getattr(args, attr, None)) is not None}
+    try:
+        return cfg.with_overrides(**{keyword: value for keyword, value in given.values()})
+    except ConfigError as exc:
+        flags = " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+                         for flag, (_, value) in given.items())
+        raise ConfigError(f"{flags}: {exc}") from exc

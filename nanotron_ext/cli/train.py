@@ -20,7 +20,7 @@ import os
 import warnings
 from typing import Any
 
-from nanotron_ext.cli.common import EXIT_OK, check_outputs, report_error
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, non_negative_int, positive_int, report_error
 from nanotron_ext.config import bundled_config
 from nanotron_ext.config_keys import DuplicateKeyWarning, UnreadKeyWarning
 from nanotron_ext.devices import DEVICE_ENV, DEVICE_TYPES, use_device
@@ -45,8 +45,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--config-file", dest="config_file", metavar="YAML",
                    help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME", help="overrides the YAML's strategy")
-    p.add_argument("--steps", type=int, help="training steps (default: tokens.train_steps)")
-    p.add_argument("--seed", type=int, help="overrides general.seed (weights) and data.seed (data order)")
+    p.add_argument("--steps", type=positive_int, metavar="N", help="training steps (default: tokens.train_steps)")
+    p.add_argument("--seed", type=non_negative_int, metavar="S",
+                   help="overrides general.seed (weights) and data.seed (data order)")
     p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
     p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
     p.add_argument("--device", choices=DEVICE_TYPES, default=None,
