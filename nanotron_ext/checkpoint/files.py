@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "CHECKPOINT_METADATA", "MODEL_CONFIG", "RankFile", "WeightFile", "parse_rank_file", "parse_weight_file",
-    "weight_name",
+    "CHECKPOINT_METADATA", "MODEL_CONFIG", "RankFile", "WeightFile", "describe_file", "parse_rank_file",
+    "parse_weight_file", "weight_name",
 ]
 
 #: Written last but one by Nanotron's ``save_checkpoint``; upstream's ``parse_ckpt_path`` takes a folder that has
@@ -111,3 +111,30 @@ def parse_rank_file(path: Path) -> RankFile | None:
 
     return RankFile(match["kind"], path, int(match["pp"]), int(match["pp_size"]), int(match["tp"]),
                     int(match["tp_size"]), num("dp"), num("dp_size"), num("exp_size") or 1)
+
+
+#: What the files of a checkpoint that are not per-parameter or per-rank hold, by path inside the folder.
+_NAMED_FILES = {
+    "config.yaml": "the run's config as saved",
+    MODEL_CONFIG: "the model's config",
+    CHECKPOINT_METADATA: "the step and the samples consumed",
+    "optimizer/optimizer_config.json": "the optimizer's type and sharding",
+}
+
+
+def describe_file(path: str) -> str:
+    """What a file of a checkpoint holds, from its path inside the folder (``/``-separated), in a user's words."""
+    name = path.rsplit("/", 1)[-1]
+    if path.startswith("model/"):
+        weight = parse_weight_file(Path(path), Path("model"))
+        if weight is not None:
+            shard = "" if not weight.tp_size or weight.tp_size == 1 else f", tp shard {weight.tp} of {weight.tp_size}"
+            return f"the weights of {weight.name}{shard}"
+    rank = parse_rank_file(Path(name))
+    if rank is not None:
+        what = "the optimizer state" if rank.kind == "optimizer" else "the learning-rate schedule"
+        dp = "" if rank.dp is None else f", dp rank {rank.dp}"
+        return f"{what} of pp rank {rank.pp}, tp rank {rank.tp}{dp}"
+    if path.startswith("random/"):
+        return "a rank's random states"
+    return _NAMED_FILES.get(path, "a file of the checkpoint")

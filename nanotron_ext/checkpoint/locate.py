@@ -12,6 +12,7 @@ written every file (:mod:`nanotron_ext.checkpoint.record`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from nanotron_ext.checkpoint.files import MODEL_CONFIG
 from nanotron_ext.checkpoint.record import RECORD_FILE, PlanRecord, read_record
 from nanotron_ext.errors import CheckpointError
 
-__all__ = ["ResumeSource", "last_complete", "locate_checkpoint"]
+__all__ = ["ResumeSource", "complete_checkpoints", "last_complete", "locate_checkpoint", "record_or_none"]
 
 
 @dataclass(frozen=True)
@@ -42,27 +43,32 @@ class ResumeSource:
 
 
 def _is_complete(folder: Path) -> bool:
-    record = _record_or_none(folder)
+    record = record_or_none(folder)
     if record is not None:
         return record.complete
     return (folder / MODEL_CONFIG).is_file()
 
 
-def _record_or_none(folder: Path) -> PlanRecord | None:
+def record_or_none(folder: Path) -> PlanRecord | None:
+    """A folder's plan record; None when it has none or it cannot be read."""
     try:
         return read_record(folder)
     except CheckpointError:
         return None
 
 
-def last_complete(root: Path, *, before: int | None = None) -> Path | None:
-    """The newest complete checkpoint folder under a checkpoints root (below step ``before`` if given)."""
+def complete_checkpoints(root: Path, *, before: int | None = None) -> Iterator[Path]:
+    """The complete checkpoint folders under a checkpoints root, newest first (below step ``before`` if given)."""
     steps = sorted((int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
         if Path(root).is_dir() else []
     for step in steps:
         if (before is None or step < before) and _is_complete(Path(root) / str(step)):
-            return Path(root) / str(step)
-    return None
+            yield Path(root) / str(step)
+
+
+def last_complete(root: Path, *, before: int | None = None) -> Path | None:
+    """The newest complete checkpoint folder under a checkpoints root (below step ``before`` if given)."""
+    return next(complete_checkpoints(root, before=before), None)
 
 
 def _instead(root: Path, before: int | None = None) -> str:

@@ -5,7 +5,9 @@ before Nanotron writes a file there, then with ``complete: true`` once every ran
 folder whose record says ``false`` was cut off while it was being written; one without a record was written by
 Nanotron alone. The record names the split (block → stage), the vocabulary shards, the engine and the strategy,
 pp/tp/dp and ZeRO, the model's shape and a digest of the machine model that priced the split, so a resume can
-keep the split or say exactly what moves.
+keep the split or say exactly what moves. The complete record also lists every file the save wrote, with its size and
+checksum (:mod:`nanotron_ext.checkpoint.digest`), so a resume can prove the files before anything loads
+(:mod:`nanotron_ext.checkpoint.verify`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from nanotron_ext import __version__
 from nanotron_ext.blocks import role_of, short_name, vocab_slices
+from nanotron_ext.checkpoint.digest import SavedFile
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import CheckpointError
 from nanotron_ext.machine import MachineProfile
@@ -78,6 +81,8 @@ class PlanRecord:
         model: the model's shape.
         written_by: the nanotron_ext version that wrote the record.
         format: the record's own format version.
+        files: every file the save wrote into the folder (this record aside), with its size and checksum; None
+            in a record written before checkpoints listed their files (its files cannot be verified).
     """
 
     step: int | None
@@ -96,6 +101,7 @@ class PlanRecord:
     model: ModelKey | None = None
     written_by: str = ""
     format: int = RECORD_FORMAT
+    files: tuple[SavedFile, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.blocks) != len(self.stages):
@@ -191,6 +197,8 @@ class PlanRecord:
             values["vocab_bounds"] = tuple((int(a), int(b)) for a, b in values.get("vocab_bounds", ()))
             if values.get("model") is not None:
                 values["model"] = ModelKey(**values["model"])
+            if values.get("files") is not None:
+                values["files"] = tuple(SavedFile(**f) for f in values["files"])
             return cls(**values)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{origin}: the plan record is malformed ({type(exc).__name__}: {exc}); the "
