@@ -3,7 +3,10 @@
 Saving (every checkpoint):
 
 * the plan record (:mod:`nanotron_ext.checkpoint.record`) is written with ``complete: false`` before Nanotron writes
-  a file, and with ``complete: true`` once every rank has written all of its files (before ``latest.txt`` moves);
+  a file, and with ``complete: true`` once every rank has written all of its files (before ``latest.txt`` moves),
+  listing each file with its size and checksum, taken as the bytes were written
+  (:class:`nanotron_ext.integration.checkpoint_io.SaveRecorder`); once Nanotron has written ``model_config.json``
+  too, the record is written a last time with it;
 * a vocabulary chain's shards are saved as the row shards of Nanotron's ``lm_head``
   (``model/model/lm_head/pp_block/model_weight_pp-rank-R-of-P_tp-rank-I-of-K.safetensors``, with the rows each
   holds in the header), so upstream's own ``load_weights`` (and its HF conversion) reads them into a plain model.
@@ -12,6 +15,9 @@ Resuming:
 
 * the checkpoint folder is found as Nanotron finds it, and a half-written one is refused before anything loads
   (:func:`nanotron_ext.checkpoint.locate_checkpoint`; Nanotron's trainer is handed the same folder);
+* before Nanotron reads a file of it, every file the record lists is proved (present, its size, its checksum), the
+  reading shared out over the ranks, and every rank stops with the same message if one is not; then each loader is
+  made collective, so a failure while loading stops every rank with a message naming the file (exit code 3);
 * the plan: the recorded split by default (:func:`nanotron_ext.checkpoint.choose_plan`), said in one line;
 * when the state's layout is the one it was saved with, Nanotron's own loaders run unchanged; otherwise (another
   split, pp, tp, ZeRO-1 dp, number of vocabulary shards, or a checkpoint without a record) the launcher's: every
@@ -35,26 +41,30 @@ from nanotron_ext.checkpoint import (
     PlanRecord,
     ResumeSource,
     SavedCheckpoint,
-    canonical_name,
     choose_plan,
     count_placements,
     placement_problems,
     record_for,
 )
-from nanotron_ext.checkpoint.boxes import Piece, full_box, pieces_of, slices_pairs_str
+from nanotron_ext.checkpoint.boxes import Piece, full_box, slices_pairs_str
+from nanotron_ext.checkpoint.digest import SavedFile
 from nanotron_ext.checkpoint.files import weight_name
 from nanotron_ext.checkpoint.reshard import (
-    LiveEntry,
-    LiveOptimizer,
     fill_weight,
     optimizer_state_dict,
     scheduler_state_dict,
 )
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import CheckpointError
+from nanotron_ext.integration.checkpoint_io import (
+    SaveRecorder,
+    gathered_files,
+    guarded_load,
+    verify_on_every_rank,
+)
+from nanotron_ext.integration.live_state import chain_of, live_optimizer, local_needs, vocab_bounds
 from nanotron_ext.integration.upstream_fixes import Patches
 from nanotron_ext.machine import machine_for
-from nanotron_ext.models.vocab_chain import VocabShard
 
 __all__ = ["ResumeState", "install_checkpoints"]
 
@@ -72,6 +82,9 @@ class ResumeState:
         self.optimizer: Any = None
         self.saved: SavedCheckpoint | None = None
         self.needs: dict[str, Need] = {}  # this rank's live parameters by local name (and tied name)
+        self.world_pg: Any = None  # the world group, once Nanotron has made it
+        self.verified = False  # the resumed checkpoint's files were proved before loading
+        self.recorder: SaveRecorder | None = None  # this rank's files of the save under way
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -88,7 +101,7 @@ class ResumeState:
         """Record the built plan, and decide whose loader reads the checkpoint."""
         self.model, self.context = model, context
         self.record = record_for(model.nanotron_ext_plan, self.cfg, machine_for(self.cfg), tp=context.tp_pg.size(),
-                                 dp=context.dp_pg.size(), vocab_bounds=_vocab_bounds(model))
+                                 dp=context.dp_pg.size(), vocab_bounds=vocab_bounds(model))
         if self.source is not None:
             recorded = self.source.record
             self.ours = recorded is None or not recorded.same_state_layout(self.record)
@@ -112,7 +125,7 @@ class ResumeState:
         import torch.distributed as dist
 
         assert self.source is not None and self.record is not None
-        mine = _local_needs(model, parallel_context)
+        mine = local_needs(model, parallel_context)
         gathered: list[Any] = [None] * dist.get_world_size(parallel_context.world_pg)
         dist.all_gather_object(gathered, [n for n, _ in mine], group=parallel_context.world_pg)
         needs = [n for rank_needs in gathered for n in rank_needs]
@@ -149,14 +162,14 @@ class ResumeState:
     def load_optimizer(self, optimizer: Any) -> None:
         """Place the optimizer state (moments, step, fp32 master, group hyperparameters) by name."""
         assert self.saved is not None
-        live = _live_optimizer(optimizer, self.needs, self.context)
+        live = live_optimizer(optimizer, self.needs, self.context)
         if live.entries:
             optimizer.load_state_dict(optimizer_state_dict(self.saved, live), map_location="cpu")
 
     def load_lr_scheduler(self, lr_scheduler: Any) -> None:
         """Give the scheduler the saved step and each group its saved rates, as Nanotron's loader then does."""
         assert self.saved is not None and self.optimizer is not None
-        live = _live_optimizer(self.optimizer, self.needs, self.context)
+        live = live_optimizer(self.optimizer, self.needs, self.context)
         by_index = {e.index: e.need for e in live.entries}
         groups = [[by_index[i] for i in g["params"]] for g in live.param_groups]
         lr_scheduler.load_state_dict(scheduler_state_dict(self.saved, lr_scheduler.state_dict(), groups))
@@ -164,14 +177,28 @@ class ResumeState:
 
     # --- saving ---------------------------------------------------------------------------------------------
 
-    def mark(self, folder: Path, step: int, *, complete: bool) -> None:
-        """Write the plan record into a checkpoint folder (world rank 0)."""
+    def mark(self, folder: Path, step: int, *, complete: bool, files: dict[str, SavedFile] | None = None) -> None:
+        """Write the plan record into a checkpoint folder (world rank 0), listing ``files`` when given."""
         if self.record is None or _rank() != 0:
             return
         from dataclasses import replace
 
         folder.mkdir(parents=True, exist_ok=True)
-        replace(self.record, step=step, complete=complete).write(folder)
+        listed = None if files is None else tuple(files.values())
+        replace(self.record, step=step, complete=complete, files=listed).write(folder)
+
+    def complete(self, folder: Path, step: int, group: Any, *, last: bool) -> None:
+        """Mark the checkpoint complete with every rank's files (a collective); the ``last`` time, with any file
+        that no writer recorded too, its size only, and a warning naming it."""
+        assert self.recorder is not None
+        files = gathered_files(self.recorder, group)
+        if last and _rank() == 0:
+            unrecorded = self.recorder.unrecorded(files)
+            for f in unrecorded:
+                self.say(f"nanotron_ext: warning: {f.path} was written into checkpoint {step} by a writer the "
+                         f"launcher does not hash: its record keeps its size, not its checksum")
+            files = dict(sorted((files | {f.path: f for f in unrecorded}).items()))
+        self.mark(folder, step, complete=True, files=files)
 
     def save_chain_as_lm_head(self, model: Any, parallel_context: Any, root_folder: Path) -> None:
         """Rewrite this rank's vocabulary shards (saved by Nanotron under ``vocab_shards/``) as row shards of the
@@ -180,7 +207,7 @@ class ResumeState:
         from nanotron.constants import CHECKPOINT_VERSION
         from safetensors.torch import save_file
 
-        chain = _chain(model)
+        chain = chain_of(model)
         if not chain or dist.get_rank(getattr(parallel_context, "dp_cp_pg", parallel_context.dp_pg)) != 0:
             return  # no chain; or not a rank Nanotron saves weights on (dp rank 0 only)
         rank, pp = dist.get_rank(parallel_context.pp_pg), parallel_context.pp_pg.size()
@@ -193,11 +220,14 @@ class ResumeState:
             piece = Piece(full_box(local), ((block.module_kwargs["lo"], block.module_kwargs["hi"]), *full_box(local[1:])))
             path = root_folder / "model" / weight_name(LM_HEAD, rank, pp, index, len(chain))
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"data": weight.detach().cpu().contiguous()}, str(path), metadata={
+            save = save_file if self.recorder is None else self.recorder.save_safetensors  # hashed as written
+            save({"data": weight.detach().cpu().contiguous()}, str(path), metadata={
                 "version": str(CHECKPOINT_VERSION), "local_global_slices_pairs": slices_pairs_str([piece]),
                 "unsharded_shape": str((rows, *local[1:]))})
             old = root_folder / "model" / weight_name(f"model.vocab_shards.{index}.pp_block.weight")
             old.unlink(missing_ok=True)
+            if self.recorder is not None:
+                self.recorder.forget(old)
             for folder in (old.parent, old.parent.parent, old.parent.parent.parent):  # .../vocab_shards/{i}/pp_block
                 try:
                     folder.rmdir()
@@ -215,77 +245,21 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _chain(model: Any) -> list[Any]:
-    """The vocabulary chain's ``PipelineBlock``s of a built model, in order (every rank's, built or not)."""
-    return list(getattr(getattr(getattr(model, "module", model), "model", None), "vocab_shards", None) or [])
-
-
-def _vocab_bounds(model: Any) -> tuple[tuple[int, int], ...]:
-    return tuple((b.module_kwargs["lo"], b.module_kwargs["hi"]) for b in _chain(model))
-
-
-def _local_needs(model: Any, parallel_context: Any) -> list[tuple[Need, Any]]:
-    """This rank's live parameters, each as the checkpoint must fill it."""
-    import torch.distributed as dist
-
-    prefixes = {id(m): f"{n}." for n, m in model.named_modules()}
-    prefixes[id(model)] = ""
-    shards = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, VocabShard)}
-    rows = max((hi for _, hi in _vocab_bounds(model)), default=0)
-    rank, dp = dist.get_rank(parallel_context.world_pg), dist.get_rank(parallel_context.dp_pg)
-    out = []
-    for local_name, param in model.named_parameters():
-        shape = tuple(param.shape)
-        tied = bool(getattr(param, "is_tied", False))
-        # Nanotron saves a tied parameter under its tied name; a vocabulary shard as rows of the lm_head.
-        name = canonical_name(param.get_tied_info().get_full_name_from_module_id_to_prefix(
-            module_id_to_prefix=prefixes) if tied else local_name)
-        if local_name in shards:
-            module = shards[local_name]
-            whole = (rows, *shape[1:])
-            pieces: tuple[Piece, ...] = (Piece(full_box(shape), ((module.lo, module.hi), *full_box(shape[1:]))),)
-        elif getattr(param, "is_sharded", False):
-            info = param.get_sharded_info()
-            whole = tuple(int(n) for n in info.unsharded_shape)
-            pieces = pieces_of([(p.local_slices, p.global_slices) for p in info.local_global_slices_pairs], shape, whole)
-        else:
-            whole, pieces = shape, (Piece(full_box(shape), full_box(shape)),)
-        out.append((Need(name, local_name, rank, dp, shape, whole, pieces, param.requires_grad, tied), param))
-    return out
-
-
-def _live_optimizer(optimizer: Any, needs: dict[str, Need], parallel_context: Any) -> LiveOptimizer:
-    """The live Nanotron optimizer as :class:`LiveOptimizer`: torch numbers its state by parameter, group after
-    group; Nanotron's ``id_to_name`` names each (the tied name for a tied parameter); ZeRO-1 keeps, per name, the
-    flat range each dp rank updates."""
-    import torch.distributed as dist
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    offsets = getattr(optimizer, "param_name_to_dp_rank_offsets", None)
-    dp = dist.get_rank(parallel_context.dp_pg)
-    entries = []
-    for index, param in enumerate(params):
-        name = optimizer.id_to_name[id(param)]
-        need = needs.get(name)
-        if need is None:
-            raise CheckpointError(f"the optimizer holds {name}, which is no parameter of this rank's model")
-        span = None if offsets is None else tuple(int(x) for x in offsets[name][dp])
-        entries.append(LiveEntry(index, name, need, span))  # type: ignore[arg-type]
-    template = optimizer.state_dict()
-    return LiveOptimizer(tuple(entries), tuple(template["param_groups"]), "gradient_accumulator" in template)
-
-
 def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> None:
     """Install the save and load hooks of the module docstring into ``nanotron.trainer``."""
     import nanotron.serialize.main as serialize_main
-    import torch.distributed as dist
 
     if state.source is not None:
         parse = trainer.parse_ckpt_path
 
         def parse_ckpt_path(config: Any, parallel_context: Any) -> Any:
-            # Nanotron is handed the folder the launcher checked (it would take a half-written one for none).
-            return state.source.folder if state.source is not None else parse(config, parallel_context)
+            # Nanotron is handed the folder the launcher checked (it would take a half-written one for none), once
+            # every rank knows its files are those the save wrote: the first moment every rank is in the world group.
+            if state.source is None:
+                return parse(config, parallel_context)
+            state.world_pg = parallel_context.world_pg
+            state.verified = verify_on_every_rank(state.source, state.world_pg, state.say).verified
+            return state.source.folder
 
         patches.set(trainer, "parse_ckpt_path", parse_ckpt_path)
 
@@ -309,13 +283,28 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
         return optimizer, accumulator
 
     patches.set(trainer, "init_optimizer_and_grad_accumulator", init_optimizer_and_grad_accumulator)
+    if state.source is not None:  # outermost: a failure in any loader, ours or Nanotron's, stops every rank alike
+        for name, what in (("load_weights", "its weights"), ("load_optimizer", "its optimizer states"),
+                           ("load_lr_scheduler", "its learning-rate schedule"),
+                           ("load_meta", "its step and consumed samples")):
+            if hasattr(trainer, name):
+                patches.set(trainer, name, guarded_load(getattr(trainer, name), what, state.source,
+                                                        lambda: state.world_pg, lambda: state.verified))
 
     save_checkpoint = trainer.DistributedTrainer.save_checkpoint
 
     def save_checkpoint_with_record(self: Any) -> Any:
         folder = Path(self.config.checkpoints.checkpoints_path) / str(self.iteration_step)
         state.mark(folder, self.iteration_step, complete=False)
-        return save_checkpoint(self)
+        state.recorder = SaveRecorder(folder)
+        try:
+            with state.recorder.writing():
+                out = save_checkpoint(self)
+            # Nanotron wrote model_config.json after latest.txt moved: the record lists it too, written last.
+            state.complete(folder, self.iteration_step, self.parallel_context.world_pg, last=True)
+        finally:
+            state.recorder = None
+        return out
 
     patches.set(trainer.DistributedTrainer, "save_checkpoint", save_checkpoint_with_record)
     save_random_states = trainer.save_random_states
@@ -323,9 +312,8 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
     def save_random_states_then_complete(*args: Any, parallel_context: Any, root_folder: Any, **kwargs: Any) -> Any:
         # The last files of a checkpoint before Nanotron moves latest.txt: once every rank is here, it is whole.
         out = save_random_states(*args, parallel_context=parallel_context, root_folder=root_folder, **kwargs)
-        dist.barrier(parallel_context.world_pg)
         step = Path(root_folder).name
-        state.mark(Path(root_folder), int(step) if step.isdigit() else -1, complete=True)
+        state.complete(Path(root_folder), int(step) if step.isdigit() else -1, parallel_context.world_pg, last=False)
         return out
 
     patches.set(trainer, "save_random_states", save_random_states_then_complete)
