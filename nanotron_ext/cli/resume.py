@@ -1,5 +1,6 @@
 """``nanotron-ext plan CONFIG --checkpoint DIR``: the plan a checkpoint was trained with beside the plan a resume
-under CONFIG would train, what differs, and whether the recorded split is kept."""
+under CONFIG would train, what differs, and whether the recorded split is kept; first, the check a resume makes of
+the checkpoint's files (each present, of the size and checksum its save recorded)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from nanotron_ext.checkpoint import (
     kept_vocab_shards,
     locate_checkpoint,
     record_for,
+    verify_checkpoint,
 )
 from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, legend
 from nanotron_ext.config import PlannerConfig
@@ -29,7 +31,7 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
 
     Raises:
         CheckpointError: ``checkpoint`` holds no checkpoint, a half-written one, one without a plan record (saved by
-            Nanotron alone) or one of another model.
+            Nanotron alone), one whose files are not those its save wrote, or one of another model.
     """
     source = locate_checkpoint(checkpoint)
     if source is None:
@@ -39,6 +41,7 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
         raise CheckpointError(f"{source.folder} has no nanotron_ext plan record: Nanotron saved it alone, so the split "
                               f"it was trained with is not recorded; a resume through the launcher places its state by "
                               f"name onto the config's plan")
+    verdict = verify_checkpoint(source)  # the resume's own check, in one process
     check_same_model(source, cfg)
     kept = kept_vocab_shards(source, cfg, cfg.ext.resume_plan)
     if kept is not None:
@@ -52,10 +55,11 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
     differences = source.record.differences(now)
     if as_json:
         print(json.dumps({"checkpoint": str(source.folder), "recorded": source.record.to_dict(),
+                          "files_verified": verdict.files if verdict.verified else None,
                           "resume": now.to_dict(), "kept": choice.kept, "note": choice.note,
                           "differences": [d.__dict__ for d in differences]}, indent=2))
     else:
-        print(f"{cfg.source}\n  {source.label}: {source.folder}\n  {legend()}\n")
+        print(f"{cfg.source}\n  {source.label}: {source.folder}\n  {verdict.line()}\n  {legend()}\n")
         print(source.record.side_by_side(now, now_title="resume under this config"))
         print(f"\n{choice.note}")
         if differences:
