@@ -120,6 +120,8 @@ def test_resuming_under_plan_a_through_nanotrons_own_loader_is_the_uninterrupted
     assert "resuming checkpoint 4 on its recorded split E,t|t,L (layout, pp=2), which is today's plan too" in \
         _notes(run)
     assert not any("placed" in n for n in _notes(run))  # the layout did not change: Nanotron's own loader ran
+    assert any(re.fullmatch(r"checkpoint 4: 25 files verified against the sizes and xxh3_64 checksums its save "
+                            r"recorded \(12\.\d MiB\)", n) for n in _notes(run)), _notes(run)
     _same(plan_a, resumed)
 
 
