@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -89,3 +90,56 @@ def test_the_readme_shows_plan_output_as_it_prints(capsys):
     assert main(["plan", "--cost-strategy", "nanotron"]) == 1
     printed = capsys.readouterr().out.replace(str(bundled_config().parent), "…/nanotron_ext/configs")
     assert shown.group(1) == printed, "regenerate README.md's block from `nanotron-ext plan --cost-strategy nanotron`"
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from nanotron_ext.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _documented_usages() -> dict[str, str]:
+    """Per subcommand, the usage cells of docs/cli.md's command table (``nanotron-ext plan [CONFIG] ...``, and
+    ``torchrun ... -m nanotron_ext.cli train ...``), joined, their escaped ``\\|`` unescaped."""
+    cells = re.findall(r"^\| `([^`]+)` \|", (DOCS / "cli.md").read_text(), re.M)
+    out: dict[str, str] = {}
+    for cell in cells:
+        m = re.search(r"(?:^nanotron-ext|-m nanotron_ext\.cli) (\w+)", cell)
+        if m:
+            out[m[1]] = out.get(m[1], "") + " " + cell.replace("\\|", "|")
+    return out
+
+
+def test_every_flag_of_every_subcommand_is_in_the_docs_with_its_choices():
+    documented = _documented_usages()
+    for name, parser in _subcommands().items():
+        assert name in documented, f"docs/cli.md's command table has no row for `nanotron-ext {name}`"
+        usage = documented[name]
+        flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+        shown = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", usage))
+        assert flags == shown, (f"`nanotron-ext {name} --help` and docs/cli.md differ: only in --help "
+                                f"{sorted(flags - shown)}, only in the docs {sorted(shown - flags)}")
+        for action in parser._actions:
+            if action.choices is None or not action.option_strings:
+                continue
+            flag = action.option_strings[-1]
+            written = re.findall(rf"{flag} ([\w.]+(?:\|[\w.]+)+)", usage)
+            assert written, f"docs/cli.md: `nanotron-ext {name}` shows {flag} without its choices"
+            for choices in written:
+                assert sorted(choices.split("|")) == sorted(map(str, action.choices)), (name, flag, choices)
+
+
+def test_the_docs_name_the_engines_and_strategies_the_command_line_takes():
+    from nanotron_ext.plan import AUTO_ENGINES
+    from nanotron_ext.strategies import available_strategies
+
+    text = (DOCS / "cli.md").read_text()
+    row = re.search(r"^\| `nanotron-ext plan \[CONFIG\] --compare-engines.*$", text, re.M)
+    assert row, "docs/cli.md: the --compare-engines row is gone"
+    compared = re.search(r"planned under each of (.*?), side by side", row[0])
+    assert compared and re.findall(r"`(\w+)`", compared[1]) == list(AUTO_ENGINES), row[0]
+    help_text = next(a.help for a in _subcommands()["plan"]._actions if "--compare-engines" in a.option_strings)
+    assert f"each of {', '.join(AUTO_ENGINES)}," in help_text
+    strategies = re.search(r"`--cost-strategy` overrides the YAML's strategy: one of\s+(.*?), or `package", text, re.S)
+    assert strategies and re.findall(r"`(\w+)`", strategies[1]) == list(available_strategies())
