@@ -370,3 +370,29 @@ def test_tflops_with_profiled_times_is_a_usage_error(tmp_path, capsys):
     argv = ["simulate", "--times", "profiled", "--tflops", "100", "--out", str(tmp_path / "x.png")]
     assert main(argv) == 2
     assert "times=profiled measures block times; tflops would replace them" in capsys.readouterr().err
+
+
+def test_the_summary_lines_print_the_simulations_own_step_and_bubbles(tmp_path, capsys):
+    # The simulator's one-line summary and simulate's bubble line, read back against the same run's --json: the
+    # whole step's bubble, the pipeline part's and the ideal are three figures, and each line must print each one.
+    argv = ["simulate", str(bundled_config("smollm_135m.yaml")), "--pp", "4", "--micro-batches", "8",
+            "--out", str(tmp_path / "t.png")]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sim, ideal = out["simulation"], out["ideal_bubble_fraction"]
+    pct = {name: f"{100 * value:.1f}" for name, value in (
+        ("bubble", sim["bubble_fraction"]), ("pipeline", sim["pipeline_bubble_fraction"]), ("ideal", ideal))}
+    assert len(set(pct.values())) == 3, pct  # three figures apart at the printed precision, or a swap hides
+    assert sim["step_time"] > sim["pipeline_time"]  # the update shows: the line names the pipeline part
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    head = re.search(r"^1f1b: pp=4, micro-batches=8, p2p=[^,]+, step=([\d.]+) ms \(pipeline ([\d.]+) ms \+ update\), "
+                     r"bubble=([\d.]+)% \(pipeline part ([\d.]+)%, ideal ([\d.]+)%\)$", text, re.M)
+    assert head, text
+    assert head.groups() == (f"{1e3 * sim['step_time']:.3f}", f"{1e3 * sim['pipeline_time']:.3f}", pct["bubble"],
+                             pct["pipeline"], pct["ideal"])
+    line = re.search(r"^pipeline bubble ([\d.]+)% vs ideal \(p-1\)/\(m\+p-1\) = ([\d.]+)% \(([+-][\d.]+) points\); "
+                     r"with the update, bubble ([\d.]+)%; step (.+)$", text, re.M)
+    assert line, text
+    points = f"{100 * (sim['pipeline_bubble_fraction'] - ideal):+.1f}"
+    assert line.groups() == (pct["pipeline"], pct["ideal"], points, pct["bubble"], format_seconds(sim["step_time"]))
