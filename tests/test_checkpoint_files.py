@@ -99,6 +99,32 @@ def test_a_recorder_hashes_each_file_as_it_is_written_never_by_reading_it_back(t
     assert torch.equal(load_file(tmp_path / "w.safetensors")["data"], torch.ones(3, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                   torch.int32, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize("shape", [(37, 5), (7,), (3, 0)])
+def test_the_streamed_safetensors_file_is_safetensors_own_byte_for_byte(tmp_path, dtype, shape):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"data": (torch.randn(shape) * 10).to(dtype)}
+    metadata = {"version": "1.4"}
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata=metadata)
+    SaveRecorder(tmp_path).save_safetensors(tensors, tmp_path / "ours.safetensors", metadata)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    assert torch.equal(load_file(tmp_path / "ours.safetensors")["data"], tensors["data"])
+
+
+def test_a_streamed_file_with_several_tensors_and_metadata_entries_reads_back_as_written(tmp_path):
+    from safetensors import safe_open
+
+    tensors = {"b": torch.arange(6, dtype=torch.int16).reshape(2, 3), "a": torch.randn(4, dtype=torch.float64),
+               "c": torch.ones(5, dtype=torch.bfloat16), "scalar": torch.tensor(3.5)}
+    metadata = {"version": "1.4", "local_global_slices_pairs": "x", "unsharded_shape": "(4,)"}
+    SaveRecorder(tmp_path).save_safetensors(tensors, tmp_path / "ours.safetensors", metadata)
+    with safe_open(str(tmp_path / "ours.safetensors"), "pt") as f:
+        assert f.metadata() == metadata and sorted(f.keys()) == sorted(tensors)
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
 def test_files_no_writer_recorded_are_listed_by_size_alone(tmp_path):
     recorder = SaveRecorder(tmp_path)
     with recorder._open(tmp_path / "a.json", "w") as f:

@@ -8,9 +8,9 @@ folder being saved; anything else passes through untouched:
 * ``open`` (``config.yaml``, ``checkpoint_metadata.json``, ``optimizer_config.json``, ``model_config.json``);
 * ``torch.save`` (optimizer, scheduler and random states), handed the hashing file instead of the path;
 * ``safetensors.torch.save_file`` as Nanotron's weights module holds it. It writes from Rust straight to the path,
-  so no byte of it passes through Python: safetensors' own ``save`` makes the same file's bytes in memory, which
-  are hashed and written in one pass (the cost: one file's size of memory while it is written, measured in
-  ``benchmarks/checkpoint_checksums.py``).
+  so no byte of it passes through Python: the same format is streamed from the tensor's memory instead
+  (:func:`nanotron_ext.checkpoint.safetensors_writer.write_safetensors`; safetensors' own ``save``, which returns
+  the file as bytes, costs twice the file's size in memory: ``benchmarks/checkpoint_checksums.py``).
 
 Resuming: the checkpoint's files are proved on every rank before Nanotron reads one (:func:`verify_on_every_rank`);
 each of Nanotron's loaders is then made collective (:func:`guarded_load`): while it runs, the same names note the last
@@ -42,6 +42,7 @@ from nanotron_ext.checkpoint import (
 )
 from nanotron_ext.checkpoint.digest import HashingWriter
 from nanotron_ext.checkpoint.load_failure import relative_file
+from nanotron_ext.checkpoint.safetensors_writer import write_safetensors
 from nanotron_ext.checkpoint.verify import Gather
 from nanotron_ext.errors import NanotronExtError
 
@@ -101,11 +102,9 @@ class SaveRecorder:
         self.files.pop(_inside(self.folder, path) or "", None)
 
     def save_safetensors(self, tensors: dict[str, torch.Tensor], path: Any, metadata: dict[str, str] | None) -> None:
-        """``safetensors.torch.save_file``, hashed: safetensors makes the file's bytes, which are hashed as written."""
-        from safetensors.torch import save
-
+        """``safetensors.torch.save_file``, hashed as written: the same format streamed from the tensors' memory."""
         with io.BufferedWriter(self.writer(path)) as out:  # buffered: a raw write may be partial (2 GiB at most)
-            out.write(save(tensors, metadata=metadata))
+            write_safetensors(out, tensors, metadata)
 
     def _open(self, file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
               errors: str | None = None, newline: str | None = None, closefd: bool = True, opener: Any = None) -> Any:
