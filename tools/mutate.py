@@ -85,6 +85,9 @@ RESUME = "nanotron_ext/checkpoint/resume.py"
 RESHARD_TESTS = "tests/test_checkpoint_reshard.py"
 RECORD_TESTS = "tests/test_checkpoint_record.py"
 RESUME_E2E = "tests/upstream/test_resume.py"
+FILES_E2E = "tests/upstream/test_resume_files.py"
+FILES_TESTS = "tests/test_checkpoint_files.py"
+VERIFY = "nanotron_ext/checkpoint/verify.py"
 IN_RUN = "benchmarks/_in_run_ops.py"
 SPLIT = "nanotron_ext/costs/split_backward.py"
 SPLIT_TESTS = "tests/runtime/test_split_backward.py"
@@ -544,8 +547,37 @@ MUTATIONS: tuple[Mutation, ...] = (
       "        state.save_chain_as_lm_head(model, parallel_context, Path(root_folder))\n", "",
       (f"{RESUME_E2E}::test_a_chain_checkpoint_is_a_nanotron_checkpoint",), "upstream"),
     M("a checkpoint is never marked complete", "nanotron_ext/integration/checkpoints.py",
-      "state.mark(Path(root_folder), int(step) if step.isdigit() else -1, complete=True)", "pass",
+      "        self.mark(folder, step, complete=True, files=files)", "        self.mark(folder, step, complete=False, files=files)",
       (f"{RESUME_E2E}::test_the_plan_travels_with_every_checkpoint",), "upstream"),
+    # --- issue 44: a checkpoint proves its files before anything loads --------------------------------------------
+    M("a resume skips the check of the checkpoint's files", "nanotron_ext/integration/checkpoints.py",
+      "state.verified = verify_on_every_rank(state.source, state.world_pg, state.say).verified",
+      "state.verified = False", (f"{FILES_E2E}::test_damaged_files_stop_every_rank_before_anything_loads_naming_each",),
+      "upstream"),
+    M("plan --checkpoint skips the check of the checkpoint's files", "nanotron_ext/cli/resume.py",
+      "    verdict = verify_checkpoint(source)", "    verdict = verify_checkpoint(type(source)(source.folder, source.step, None))",
+      (f"{FILES_TESTS}::test_plan_checkpoint_runs_the_resumes_check_and_exits_non_zero_on_a_damaged_file",)),
+    M("a file's size is not compared", VERIFY, "            if size != file.size:", "            if False:",
+      (FILES_TESTS,)),
+    M("a file's checksum is not compared", VERIFY,
+      "elif file.checksum is not None and (found := file_checksum(path, file.checksum)) != file.checksum:",
+      "elif False:", (FILES_TESTS,)),
+    M("the checkpoint named instead may be a newer one", VERIFY,
+      "complete_checkpoints(source.folder.parent, before=source.step)",
+      "complete_checkpoints(source.folder.parent, before=None)", (FILES_TESTS,)),
+    M("a file that no writer hashed is left out of the record", "nanotron_ext/integration/checkpoint_io.py",
+      "            if relative not in recorded and relative != RECORD_FILE", "            if False and relative != RECORD_FILE",
+      (FILES_TESTS,)),
+    M("the record is written before model_config.json", "nanotron_ext/integration/checkpoints.py",
+      "            state.complete(folder, self.iteration_step, self.parallel_context.world_pg, last=True)\n", "",
+      (f"{FILES_E2E}::test_every_file_the_save_wrote_is_listed_with_its_size_and_checksum_and_the_record_is_"
+       f"written_last",), "upstream"),
+    M("a load failure exits 1, as a plan that cannot train", "nanotron_ext/integration/checkpoint_io.py",
+      "raise CheckpointLoadFailure(load_failure_message(", "raise NanotronExtError(load_failure_message(",
+      (f"{FILES_E2E}::test_a_file_that_fails_to_load_stops_every_rank_with_a_load_failure_naming_it",), "upstream"),
+    M("a load failure stops only the rank it happened on", "nanotron_ext/integration/checkpoint_io.py",
+      "        if not failed:\n            return out", "        if mine is None:\n            return out",
+      (f"{FILES_E2E}::test_a_file_that_fails_to_load_stops_every_rank_with_a_load_failure_naming_it",), "upstream"),
     # --- issue 29: one figure, one meaning; a command line that behaves like a Unix tool ---------------------
     M("a tied weight is counted twice on its stage", "nanotron_ext/plan/make.py",
       "held_parameters(members, cfg.model.tie_word_embeddings)", "held_parameters(members, False)",
