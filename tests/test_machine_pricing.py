@@ -246,3 +246,41 @@ def test_a_recomputed_layer_pays_its_forward_again_in_its_backward():
         extra = plain.forward[i] - call if b.role == "decoder" else 0.0  # the forward, without its call overhead
         assert recomputed.backward[i] == pytest.approx(plain.backward[i] + extra), b.role
         assert recomputed.weight[i] == plain.weight[i]  # zb1p's W is the same weight-gradient work
+
+
+def test_the_dp_all_reduce_of_a_partly_frozen_block_reduces_only_its_trainable_gradients():
+    """DDP reduces the gradients that exist: a block with a third of its weights training all-reduces that third."""
+    sync = Collective(1e-3, 1e9)
+    machine = _measured(dp_allreduce=sync)
+    layer = BLOCKS[1]
+    part = dataclasses.replace(layer, trainable=layer.params // 3)
+    blocks = [*BLOCKS[:1], part, *BLOCKS[2:]]
+    alone, four = (price_blocks(machine, blocks, dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, dp=dp)))
+                   for dp in (1, 4))
+    assert four.update[1] - alone.update[1] == pytest.approx(sync.time(part.trainable * 4, 4))  # fp32 gradients
+    assert four.update[1] - alone.update[1] < sync.time(layer.params * 4, 4)
+
+
+def test_no_backward_call_is_priced_for_a_block_autograd_never_reaches():
+    """A frozen embedding with nothing trainable before it: no gradient reaches it, so its backward is no call at
+    all, not even the PipelineBlock's overhead; the first decoder layer after it runs its backward (its weights
+    train) and pays the call."""
+    cfg = SEED.with_overrides(freeze={"modules": ["embedding"]})
+    blocks = inventory_from_config(cfg)
+    assert blocks[0].trainable == 0 and not trainable_before(blocks)[0]
+    prices = price_blocks(_measured(overhead=EngineOverhead(block_call=1e-6)), blocks, cfg)
+    assert prices.backward[0] == 0.0
+    assert prices.backward[1] > 1e-6
+
+
+def test_a_links_one_way_latency_is_half_its_fitted_round_trip():
+    """calibrate times a message of n bytes answered by one byte (a round trip) and fits c + n / B: the link's
+    latency is one way, c / 2; its bandwidth the slope's (the answer's one byte costs nothing)."""
+    from nanotron_ext.machine.calibrate_comm import _fit_comm, _World
+
+    c, bandwidth = 400e-6, 2e9
+    rtt = {n: c + n / bandwidth for n in (4096, 65536, 1 << 20, 1 << 24)}
+    timings = {("link", 0, 1): rtt, ("link", 1, 0): rtt, ("link spread", 0, 1): {0: 0.0}, ("link spread", 1, 0): {0: 0.0}}
+    comm = _fit_comm([(timings, 0.0)], _World(rank=0, pp=2, dp=1, tp=1), tied=False)
+    assert [link.latency for link in comm.links] == pytest.approx([c / 2, c / 2])
+    assert [link.bytes_per_second for link in comm.links] == pytest.approx([bandwidth, bandwidth])
