@@ -204,7 +204,8 @@ def test_the_checkpoint_named_instead_is_the_newest_older_one_that_verifies(tmp_
     _save(tmp_path, record, 6)  # newer: never the one to go back to
     (folder / OPTIMIZER).unlink()
     source = ResumeSource(folder, 4, read_record(folder))
-    with pytest.raises(CheckpointError, match=rf"verifies instead: checkpoints.resume_checkpoint_path: {tmp_path / '2'}$"):
+    with pytest.raises(CheckpointError, match=rf"verifies instead: checkpoints.resume_checkpoint_path: "
+                                              rf"{tmp_path / '2'}$"):
         verify_checkpoint(source)
     (tmp_path / "2" / WEIGHT).unlink()
     with pytest.raises(CheckpointError, match="no checkpoint beside it verifies: restore these files from a copy, or "
@@ -265,7 +266,8 @@ def test_the_reading_is_shared_out_each_file_once_and_every_rank_gets_every_find
      "the weights of model.final_layer_norm.pp_block.weight"),
     ("optimizer/optimizer_pp-1-of-2_dp-3-of-4_tp-0-of-1_exp-0-of-1.pt", "the optimizer state of pp rank 1, tp rank 0, "
                                                                          "dp rank 3"),
-    ("lr_scheduler/lr_scheduler_pp-0-of-2_tp-0-of-1_exp-0-of-1.pt", "the learning-rate schedule of pp rank 0, tp rank 0"),
+    ("lr_scheduler/lr_scheduler_pp-0-of-2_tp-0-of-1_exp-0-of-1.pt",
+     "the learning-rate schedule of pp rank 0, tp rank 0"),
     ("random/tp-0-of-1_dp-0-of-1_pp-1-of-2.pt", "a rank's random states"),
     ("checkpoint_metadata.json", "the step and the samples consumed"),
     ("optimizer/optimizer_config.json", "the optimizer's type and sharding"),

@@ -101,8 +101,9 @@ def known_checksum(path: Path, checksum: str) -> None:
                               f"verify it")
 
 
-def file_checksum(path: Path, checksum: str) -> str:
-    """The checksum of a file on disk, in the algorithm ``checksum`` names (used to verify, never to save).
+def file_checksum(path: Path, checksum: str, progress: Callable[[int], Any] | None = None) -> str:
+    """The checksum of a file on disk, in the algorithm ``checksum`` names (used to verify, never to save);
+    ``progress(n)`` is told each ``n`` bytes read.
 
     Raises:
         CheckpointError: ``checksum`` names an algorithm this version does not know.
@@ -115,4 +116,6 @@ def file_checksum(path: Path, checksum: str) -> str:
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
+            if progress is not None:
+                progress(n)
     return f"{CHECKSUM}:{digest.hexdigest()}"

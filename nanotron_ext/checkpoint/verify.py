@@ -10,6 +10,7 @@ did, or by Nanotron alone) cannot be verified; the resume goes on and says so.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -28,6 +29,8 @@ __all__ = ["Damage", "FileProblem", "Gather", "Verdict", "check_files", "hash_ow
 Gather = Callable[[Any], list[Any]]
 #: Problems listed in a message before "... and N more".
 SHOWN_PROBLEMS = 12
+#: A rank's share of reading above which rank 0 shows a progress bar.
+PROGRESS_BYTES = 1 << 30
 
 
 class Damage(Enum):
@@ -100,12 +103,21 @@ def hash_owners(files: Sequence[SavedFile], world: int) -> list[int]:
 
 
 def check_files(folder: Path, files: Sequence[SavedFile], *, rank: int = 0, world: int = 1) -> list[FileProblem]:
-    """The problems of the files this rank checks (:func:`hash_owners`): missing, another size, another checksum."""
+    """The problems of the files this rank checks (:func:`hash_owners`): missing, another size, another checksum.
+    Rank 0 shows a progress bar on stderr when its share is over :data:`PROGRESS_BYTES`."""
+    from tqdm import tqdm
+
+    mine = [f for f, owner in zip(files, hash_owners(files, world)) if owner == rank]
+    share = sum(f.size for f in mine)
+    with tqdm(total=share, desc="verifying the checkpoint's files", unit="B", unit_scale=True, file=sys.stderr,
+              disable=rank != 0 or share < PROGRESS_BYTES) as bar:
+        return _check(Path(folder), mine, bar.update)
+
+
+def _check(folder: Path, files: Sequence[SavedFile], progress: Callable[[int], Any]) -> list[FileProblem]:
     out = []
-    for file, owner in zip(files, hash_owners(files, world)):
-        if owner != rank:
-            continue
-        path = Path(folder) / file.path
+    for file in files:
+        path = folder / file.path
         if not path.is_file():
             out.append(FileProblem(file, Damage.MISSING))
             continue
@@ -113,8 +125,10 @@ def check_files(folder: Path, files: Sequence[SavedFile], *, rank: int = 0, worl
             size = path.stat().st_size
             if size != file.size:
                 out.append(FileProblem(file, Damage.SIZE, size))
-            elif file.checksum is not None and (found := file_checksum(path, file.checksum)) != file.checksum:
-                out.append(FileProblem(file, Damage.CHECKSUM, found))
+            elif file.checksum is not None:
+                found = file_checksum(path, file.checksum, progress)
+                if found != file.checksum:
+                    out.append(FileProblem(file, Damage.CHECKSUM, found))
         except OSError as exc:  # one rank raising alone would leave the others waiting in the gather
             out.append(FileProblem(file, Damage.UNREADABLE, f"{type(exc).__name__}: {exc.strerror or exc}"))
     return out

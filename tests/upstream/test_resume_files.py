@@ -77,8 +77,8 @@ def _stopped_on_every_rank(run: Run, code: int, first_line: str, lines: list[str
     prefix; each of ``lines`` (the message's next lines, printed by both ranks) appears twice; no step trains and
     no traceback of ours is printed."""
     assert re.search(rf"exitcode\s*: {code} \(pid", run.out), run.out[-3000:]
-    assert set(re.findall(r"nanotron_ext\.run \[rank (\d)\]: error: " + re.escape(first_line), run.out)) == {"0", "1"}, \
-        run.out[-3000:]
+    ranks = re.findall(r"nanotron_ext\.run \[rank (\d)\]: error: " + re.escape(first_line), run.out)
+    assert set(ranks) == {"0", "1"}, run.out[-3000:]
     for line in lines:
         assert run.out.count(line) == 2, (line, run.out[-3000:])
     assert not re.search(r"\[rank\d\]: Traceback", run.out) and not run.losses
