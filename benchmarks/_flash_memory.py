@@ -2,8 +2,8 @@
 Nanotron's GPU path where flash-attn is not installed (the lent GPU machines have none, and this one has no GPU).
 
 :func:`install` puts them in place of the three flash-attn calls upstream's Llama makes in training, on top of the
-import stand-ins of ``tests/upstream_stubs/flash_attn`` (which compute the same values with plain torch autograd,
-and so keep far more):
+import stand-ins of ``--cpu-debug`` (``nanotron_ext/integration/cpu_standins/missing_modules/flash_attn``, which
+compute the same values with plain torch autograd, and so keep far more):
 
 * ``flash_attn_varlen_func`` (``models/llama.py:290``; the packed form of ``models/qwen.py:309`` too): torch's ``scaled_dot_product_attention`` restricted to its
   flash kernel, which keeps what flash-attn 2 keeps: q, k and v as given (views: no copy), the output and an fp32

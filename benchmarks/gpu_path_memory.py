@@ -5,8 +5,8 @@ One process builds upstream main's ``LlamaForTraining`` or ``Qwen2ForTraining`` 
 dp = 1) and runs one micro-batch forward and backward after a warm-up, reading the allocator between marks
 (:class:`~nanotron_ext.runtime.memory_measure.CudaMemoryRecorder` on a GPU, the CPU profiler's
 :class:`~nanotron_ext.runtime.memory_measure.MemoryRecorder` on CPU). flash-attn is not installed on the lent GPU
-machines: the import stand-ins of ``tests/upstream_stubs`` let upstream import, and ``benchmarks/_flash_memory.py``
-replaces its three kernels by ones that keep what flash-attn's keep (SDPA's flash kernel, in-place rotary, RMSNorm
+machines: the import stand-ins of ``--cpu-debug`` (``nanotron_ext/integration/cpu_standins``) let upstream import,
+and ``benchmarks/_flash_memory.py`` replaces its three kernels by ones that keep what flash-attn's keep (SDPA's flash kernel, in-place rotary, RMSNorm
 keeping its input and rstd). The estimate is :func:`nanotron_ext.costs.memory_estimate.stage_memory` with
 ``runtime="gpu"`` for the same shape, untied (upstream ties weights in its trainer, not in ``build_model``). The Qwen2
 runs have ``log_attn_probs`` off (see ``_model``).
@@ -19,7 +19,7 @@ Compared, in bytes above what is allocated just before the micro-batch (weights,
 * ``peak``: the high-water mark over forward and backward, against the pipeline moment's activations, gradients
   and temporaries.
 
-Usage (upstream Nanotron importable, e.g. ``PYTHONPATH=<upstream src>:tests/upstream_stubs``)::
+Usage (upstream Nanotron installed)::
 
     python benchmarks/gpu_path_memory.py [--device cuda|cpu] [--quick] [--out PATH]
 
@@ -45,7 +45,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 # flash-attn's import stand-ins, after the installed packages (a GPU machine's own triton comes first).
-sys.path.append(str(ROOT / "tests" / "upstream_stubs"))
+from nanotron_ext.integration.cpu_standins import MISSING_MODULES  # noqa: E402
+
+sys.path.append(str(MISSING_MODULES))
 
 import _flash_memory  # noqa: E402  (from benchmarks/, put on sys.path above)
 import torch  # noqa: E402
@@ -128,9 +130,10 @@ def _context(device: str) -> Any:
     if "MASTER_PORT" not in os.environ:  # not under torchrun: a world of this one process
         os.environ.update(rendezvous_env(0, 1, free_port()))
     if device == "cpu":
-        import nanotron_cpu  # the CPU stand-ins of upstream's CUDA calls (gloo, "cuda" devices on the CPU)
+        # the CPU stand-ins of upstream's CUDA calls (gloo, "cuda" devices on the CPU), as --cpu-debug installs them
+        from nanotron_ext.integration.cpu_standins.trainer import install
 
-        nanotron_cpu.install()
+        install()
     from nanotron.parallel import ParallelContext
 
     return ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)

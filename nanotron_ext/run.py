@@ -3,6 +3,9 @@ script with the planned split, freezing and the every-rank check. Put it where t
 
     torchrun --nproc_per_node=8 -m nanotron_ext.run run_train.py --config-file config.yaml
 
+``--cpu-debug`` runs the same trainer on CPU over gloo with the stand-ins of
+:mod:`nanotron_ext.integration.cpu_standins`, to debug a split, a checkpoint or a resume on a laptop (not for speed).
+
 The config file is the script's own ``--config-file`` (or this module's ``--config-file``): our keys stay in
 it and are stripped before Nanotron's loader reads it. What is installed is described in
 :mod:`nanotron_ext.integration.trainer_patches`.
@@ -23,6 +26,7 @@ from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
+from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
 from nanotron_ext.plan import resolve_engine, resolve_vocab_shards
 from nanotron_ext.procs import exit_with_torchrun
 from nanotron_ext.strategies import get_strategy
@@ -52,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cost-strategy", default=None, help="overrides the YAML's cost_strategy")
     parser.add_argument("--config-file", dest="config_file", default=None,
                         help="the YAML to plan from (default: the script's own --config-file)")
+    parser.add_argument(CPU_DEBUG_FLAG, dest="cpu_debug", action="store_true",
+                        help="debugging only, not for speed: run upstream Nanotron's own trainer on CPU over gloo, with "
+                             "plain-torch stand-ins for flash-attn, Triton, grouped_gemm and the trainer's CUDA calls "
+                             "(docs/stand-ins.md); without it none of them is on the import path")
     parser.add_argument("--replan", action="store_true",
                         help="on a resume, plan anew and move the checkpoint's state onto the new plan, instead of "
                              "keeping the split it was trained with (nanotron_ext.resume_plan: replan)")
@@ -72,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     prefix = f"nanotron_ext.run [rank {os.environ.get('RANK', '0')}]: "
     try:
+        if opts.cpu_debug:  # before anything imports Nanotron's models, which import flash_attn
+            from nanotron_ext.integration.cpu_standins import enable
+
+            enable(say=(lambda line: print(f"nanotron_ext: {line}", flush=True))
+                   if os.environ.get("RANK", "0") == "0" else None)
         script = Path(opts.script)
         if not script.is_file():
             raise ConfigError(f"training script {opts.script!r} not found; give the path of e.g. Nanotron's run_train.py")

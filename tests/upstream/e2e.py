@@ -1,6 +1,8 @@
-"""Upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` run through ``python -m nanotron_ext.run`` on
-CPU: two torchrun workers over gloo, dummy data (``dataset: null``), the stand-ins of
-``tests/upstream_stubs/nanotron_cpu.py``. Configs are upstream's own example YAMLs, shrunk to CPU size."""
+"""Upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` run through ``python -m nanotron_ext.run
+--cpu-debug`` on CPU, as a user runs them on a laptop: two torchrun workers over gloo, dummy data (``dataset: null``),
+the package's CPU stand-ins (:mod:`nanotron_ext.integration.cpu_standins`) and nothing of the test pass's shim (only
+a test fault puts ``tests/upstream_stubs`` on the ranks' path). Configs are upstream's own example YAMLs, shrunk to CPU
+size."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from typing import Any
 
 import torch
 import yaml
+from nanotron_cpu import PAUSE_IN_SAVE
 
+from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
 from nanotron_ext.procs import local_env, run_local_ranks
 from upstream.harness import UPSTREAM_EXAMPLES, upstream_tree
 
@@ -75,22 +79,25 @@ class Run:
         return {int(s): float(v) for s, v in re.findall(r"iteration: (\d+) / \d+ .*?\| lm_loss: ([0-9.]+)", self.out)}
 
 
-def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2,
-                     extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of ``torchrun --nproc_per_node=N -m nanotron_ext.run [ARGS] run_train.py --config-file
-    CONFIG`` on CPU: upstream's own trainer with the CPU stand-ins switched on. Upstream's tensor-parallel linears
-    refuse to start without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (as on a GPU)."""
-    env = local_env(ROOT, NANOTRON_EXT_CPU_TRAINER="1", CUDA_DEVICE_MAX_CONNECTIONS="1", **(extra_env or {}))
-    env["PYTHONPATH"] = os.pathsep.join([str(STUBS), env["PYTHONPATH"]])
+def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2, extra_env: dict[str, str] | None = None,
+                     cpu_debug: bool = True) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of ``torchrun --nproc_per_node=N -m nanotron_ext.run --cpu-debug [ARGS] run_train.py
+    --config-file CONFIG``: upstream's own trainer on CPU, as the docs tell a user to run it (``cpu_debug=False``
+    leaves the flag out). The ranks' ``PYTHONPATH`` has the project first and not the test pass's shim
+    (``tests/upstream_stubs``), unless ``extra_env`` asks for its test fault (``nanotron_cpu.PAUSE_IN_SAVE``)."""
+    env = local_env(ROOT, **(extra_env or {}))
+    paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p and Path(p).resolve() != STUBS]
+    env["PYTHONPATH"] = os.pathsep.join([str(STUBS), *paths] if PAUSE_IN_SAVE in (extra_env or {}) else paths)
     run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
+    flag = [CPU_DEBUG_FLAG] if cpu_debug else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "nanotron_ext.run", *launcher_args, str(run_train), "--config-file", str(config)]
+           "-m", "nanotron_ext.run", *flag, *launcher_args, str(run_train), "--config-file", str(config)]
     return cmd, env
 
 
-def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240) -> Run:
+def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240, cpu_debug: bool = True) -> Run:
     """Run :func:`torchrun_command` to its end (at most ``timeout`` seconds)."""
-    cmd, env = torchrun_command(config, *launcher_args, nproc=nproc)
+    cmd, env = torchrun_command(config, *launcher_args, nproc=nproc, cpu_debug=cpu_debug)
     # torchrun in its own session: at the deadline its workers are killed with it (subprocess.run's timeout
     # would kill torchrun alone).
     run = run_local_ranks(cmd, 1, timeout=timeout, env=env, rendezvous=False, merge_output=False, cwd=config.parent)

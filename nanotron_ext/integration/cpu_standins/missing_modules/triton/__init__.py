@@ -1,4 +1,4 @@
-"""Test-only stand-in for `triton`, for importing upstream Nanotron on CPU.
+"""CPU stand-in for `triton`, for importing upstream Nanotron on CPU (``--cpu-debug`` only).
 
 `nanotron/nn/ring_attention.py:293` and `nn/llama3_ring_attention.py:511` (imported by `nanotron.config`
 through `nn/attention.py`) do `import triton`, `import triton.language as tl` and decorate two helper
@@ -24,7 +24,7 @@ def _importer():
 
 
 if not _importer().startswith("nanotron"):
-    raise ImportError("triton stand-in (tests/upstream_stubs): only serves nanotron's ring-attention modules")
+    raise ImportError("triton stand-in (nanotron_ext --cpu-debug): only serves nanotron's ring-attention modules")
 
 
 def jit(fn=None, **kwargs):

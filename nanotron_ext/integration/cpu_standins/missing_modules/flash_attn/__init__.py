@@ -1,4 +1,5 @@
-"""Test-only stand-in for the `flash_attn` package (flash-attention 2.x), for importing upstream Nanotron on CPU.
+"""CPU stand-in for the `flash_attn` package (flash-attention 2.x), for running upstream Nanotron on CPU: on the
+import path only under the launcher's ``--cpu-debug`` (and in the upstream test pass).
 
 Upstream imports flash_attn at module level (nn/ring_attention.py, nn/rotary.py, nn/layer_norm.py,
 models/llama.py, models/qwen.py) although flash-attn only builds against CUDA. The submodules of this
