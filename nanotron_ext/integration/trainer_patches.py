@@ -14,6 +14,8 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
 * ``pp_engine: zb1p``: Nanotron's config casts know the name, so its trainer runs
   :class:`nanotron_ext.zero_bubble.ZeroBubblePipelineEngine` (Nanotron has no zero-bubble engine) and a checkpoint's
   saved config names it.
+* Gradient clipping adds its norm in one order at every split (:mod:`nanotron_ext.integration.clipping`), so that a
+  resume under another split or pp is bit-identical with ``clip_grad`` set.
 * Upstream bugs that stop any run, on GPUs too, are fixed while they are present in the installed Nanotron
   (:data:`nanotron_ext.integration.upstream_fixes.UPSTREAM_FIXES`: each is detected, and skipped once upstream
   has its own fix).
@@ -33,6 +35,7 @@ from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checkpoints import ResumeState, install_checkpoints
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
+from nanotron_ext.integration.clipping import install_split_independent_clipping
 from nanotron_ext.integration.dummy_data import install_dummy_data
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
@@ -78,7 +81,9 @@ def install_launcher(
         raise RunFailure(
             f"importing Nanotron's trainer failed ({type(exc).__name__}: {exc}); the launcher runs Nanotron's own "
             f"trainer, which needs what it imports: on a GPU machine `pip install flash-attn` (and grouped_gemm "
-            f"for MoE models); without a GPU, `nanotron-ext train` runs the CPU runtime instead"
+            f"for MoE models); without a GPU, add --cpu-debug (python -m nanotron_ext.run --cpu-debug SCRIPT ...) "
+            f"to run upstream Nanotron main's trainer on CPU with stand-ins, for debugging, or use "
+            f"`nanotron-ext train`, the CPU runtime on Nanotron 0.2"
         ) from exc
 
     shards = cfg.vocab_shards  # raises while still 'auto'
@@ -109,6 +114,7 @@ def install_launcher(
         _feed_the_vocab_chain(patches, trainer)
     install_checkpoints(patches, trainer, checkpoints)
     install_dummy_data(patches, trainer)
+    install_split_independent_clipping(patches, trainer)
     for fix, target in present_upstream_fixes(trainer):
         fix.apply(patches, target)
 
