@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["fastest", "fastest_spread", "median_interval", "relative_spread"]
+__all__ = ["fastest", "fastest_spread", "mean_spread", "median_interval", "relative_spread"]
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
@@ -63,9 +63,22 @@ def fastest_spread(values: Sequence[float]) -> float:
     fastest of the first half of ``values`` (in the order taken) and of the second half, ÷ the fastest of all; 0
     with fewer than two values or a fastest of 0. Two halves of one calibration are two shorter calibrations, so a
     drift during it shows here as well as noise."""
+    return _split_half(values, fastest)
+
+
+def mean_spread(values: Sequence[float]) -> float:
+    """How far the mean of ``values`` could move between two runs, as a fraction of it: half the gap between the
+    mean of the first half (in the order taken) and of the second half, ÷ the mean of all; 0 with fewer than two
+    values or a mean of 0. An in-run profile prices an op by its mean (a step adds its ops up, slow ones included)."""
+    return _split_half(values, statistics.fmean)
+
+
+def _split_half(values: Sequence[float], statistic: Callable[[Sequence[float]], float]) -> float:
+    """Half the gap between ``statistic`` of the two halves of ``values`` ÷ ``statistic`` of all (0 below two values
+    or at 0)."""
     if len(values) < 2:
         return 0.0
     half = len(values) // 2
-    first, second = fastest(values[:half]), fastest(values[half:])
-    best = min(first, second)
-    return abs(first - second) / 2 / best if best > 0 else 0.0
+    first, second = statistic(values[:half]), statistic(values[half:])
+    whole = statistic(values)
+    return abs(first - second) / 2 / whole if whole > 0 else 0.0

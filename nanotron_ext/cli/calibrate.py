@@ -30,6 +30,7 @@ from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine import MachineProfile, block_signature
 from nanotron_ext.machine.calibrate import BLOCK_ROUNDS_PER_REPEAT, calibrate, calibration_blocks, host_staged
 from nanotron_ext.machine.calibrate_comm import LINK_ROUNDS_PER_REPEAT
+from nanotron_ext.machine.in_run import IN_RUN_STEPS, IN_RUN_WARMUP_STEPS
 from nanotron_ext.machine.spread import uncertain_figures
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
@@ -57,6 +58,19 @@ def add_subcommand(subparsers: Any) -> None:
                    f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes "
                    f"{LINK_ROUNDS_PER_REPEAT}× and keep their median")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
+    p.add_argument("--in-run", dest="in_run", action="store_true",
+                   help="price blocks from real training steps of the config's split through Nanotron's engine (under "
+                   "torchrun, the CPU runtime): each block's mean forward, backward and W inside the pipeline, waits "
+                   "left out (docs/machine.md#two-ways-to-price-a-block)")
+    p.add_argument("--probes", action="store_true",
+                   help="with --in-run: train probe splits that put every block on every stage it can take, not only "
+                   "the config's split")
+    p.add_argument("--steps", type=int, default=IN_RUN_STEPS, metavar="N",
+                   help=f"with --in-run: timed training steps per split (default {IN_RUN_STEPS})")
+    p.add_argument("--warmup-steps", dest="warmup_steps", type=int, default=IN_RUN_WARMUP_STEPS, metavar="N",
+                   help=f"with --in-run: untimed training steps first (default {IN_RUN_WARMUP_STEPS})")
+    p.add_argument("--machine", metavar="FILE", default=None,
+                   help="with --in-run: build on this standalone profile instead of calibrating first")
     p.add_argument("--device", choices=DEVICE_TYPES, default=None,
                    help=f"where blocks run (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu); "
                    "the CPU runtime and `profiled` follow the same rule, and a profile is refused for a run on another "
@@ -77,8 +91,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if rank in (None, "0"):
             check_outputs((args.out, "--out"))
         cfg = load_config(args.config or bundled_config())
-        with _process_group(args.backend):
-            profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
+        _check_in_run_flags(args)
+        if args.in_run:
+            from nanotron_ext.runtime.in_run_calibrate import calibrate_in_run  # trains: the CPU runtime
+
+            profile = calibrate_in_run(cfg, probes=args.probes, steps=args.steps, warmup_steps=args.warmup_steps,
+                                       base=args.machine, warmup=args.warmup, repeats=args.repeats)
+        else:
+            with _process_group(args.backend):
+                profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
         if rank in (None, "0"):
             atomic_write_text(args.out, profile.to_json() + "\n")
             print(summary(cfg, profile))
@@ -86,6 +107,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except Exception as exc:  # one message and the documented exit code, never a traceback
         return report_error(exc, prefix, tag=rank is None)
     return EXIT_OK
+
+
+def _check_in_run_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags that only ``--in-run`` reads without it, and a backend it cannot use (the CPU runtime's
+    pipeline is gloo)."""
+    if args.in_run:
+        if args.backend == "nccl":
+            raise ConfigError("calibrate --in-run trains on the CPU runtime, whose pipeline runs over gloo: drop "
+                              "--backend nccl (or calibrate without --in-run for NCCL's links)")
+        return
+    given = [flag for flag, value, default in (("--probes", args.probes, False), ("--steps", args.steps, IN_RUN_STEPS),
+                                                ("--warmup-steps", args.warmup_steps, IN_RUN_WARMUP_STEPS),
+                                                ("--machine", args.machine, None)) if value != default]
+    if given:
+        raise ConfigError(f"calibrate: {', '.join(given)} only apply with --in-run (training steps priced in the "
+                          f"engine); add --in-run, or drop them")
 
 
 def choose_backend(requested: str | None) -> str:

@@ -76,7 +76,8 @@ from nanotron_ext.machine.profile import (
     key_for,
 )
 
-__all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_line", "host_staged"]
+__all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_line", "fit_rates", "host_staged",
+           "profile_source", "share_profile"]
 
 #: Block rounds per ``repeats``: each block keeps its fastest round, and a longer window lets it escape a slow
 #: stretch of the machine. Issue 32's SmolLM shape, calibrations in a row on a noisy day: the fastest of 33 rounds
@@ -126,9 +127,9 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
     def build() -> MachineProfile:
         if isinstance(call, BaseException):
             raise call
-        rates, overall = _fit_rates(variants, costs)
+        rates, overall = fit_rates(variants, costs)
         return MachineProfile(
-            name=_name(cfg, world, device, backend), source=_source(cfg),
+            name=_name(cfg, world, device, backend), source=profile_source(cfg),
             key=key_for(cfg, device=device, backend=backend if world else None, world=world is not None),
             flops_per_second=overall, rates=rates, blocks=tuple(costs.values()), links=comm.links,
             overhead=EngineOverhead(call, comm.send_recv / 2, comm.send_recv / 2),
@@ -136,7 +137,7 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
             device_memory_bytes=_device_memory(device),
         )
 
-    return _share(build, world)
+    return share_profile(build, None if world is None else world.rank)
 
 
 def _device_memory(device: str) -> float | None:
@@ -258,7 +259,7 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
     return out
 
 
-def _fit_rates(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
+def fit_rates(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
                costs: dict[str, BlockCost]) -> tuple[tuple[tuple[str, float], ...], float]:
     """Training FLOP/s per role over its measured blocks (each distinct block once), and over all of them."""
     flops: dict[str, float] = defaultdict(float)
@@ -318,7 +319,7 @@ def _one_process_group(world: _World | None) -> Iterator[Any]:
 
 def _deferred(world: _World | None, fn: Callable[[], float]) -> float | BaseException:
     """``fn()``, or under torch.distributed its error, kept to be raised after the collectives that follow (by
-    :func:`_share`), so that no peer is left waiting on a rank that stopped."""
+    :func:`share_profile`), so that no peer is left waiting on a rank that stopped."""
     try:
         return fn()
     except Exception as exc:
@@ -327,15 +328,17 @@ def _deferred(world: _World | None, fn: Callable[[], float]) -> float | BaseExce
         return exc
 
 
-def _share(build: Callable[[], MachineProfile], world: _World | None) -> MachineProfile:
-    """Rank 0 builds the profile and broadcasts it; every rank returns it (or raises rank 0's error)."""
-    if world is None:
+def share_profile(build: Callable[[], MachineProfile], rank: int | None, *,
+                  what: str = "calibrate") -> MachineProfile:
+    """Global rank 0 builds the profile and broadcasts it; every rank returns it, or raises rank 0's error
+    (``rank=None``: no process group, just build it)."""
+    if rank is None:
         return build()
     import torch.distributed as dist
 
     payload: list[Any] = [None]
     error: Exception | None = None
-    if world.rank == 0:
+    if rank == 0:
         try:
             payload[0] = {"ok": build().to_json()}
         except Exception as exc:
@@ -344,7 +347,7 @@ def _share(build: Callable[[], MachineProfile], world: _World | None) -> Machine
     if error is not None:
         raise error
     if "error" in payload[0]:
-        raise RunFailure(f"calibrate failed on global rank 0: {payload[0]['error']}")
+        raise RunFailure(f"{what} failed on global rank 0: {payload[0]['error']}")
     return MachineProfile.from_json(payload[0]["ok"], origin="(broadcast by rank 0)")
 
 
@@ -359,7 +362,7 @@ def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -
     return f"calibrated: {where}, {transport}, pp={world.pp}{extra}"
 
 
-def _source(cfg: PlannerConfig) -> str:
+def profile_source(cfg: PlannerConfig) -> str:
     """The command line, the config, the date, torch's version and the host."""
     import torch
 

@@ -20,73 +20,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal, get_args
 
 from nanotron_ext.blocks import BlockInfo
-from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError
+from nanotron_ext.machine.key import MachineKey, jsonable, key_for, to_lists
 
-__all__ = ["FORMAT_VERSION", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey", "MachineProfile",
+__all__ = ["FORMAT_VERSION", "METHODS", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey", "MachineProfile",
     "block_signature", "key_for", "load_machine"]
 
 #: Bump when the JSON layout changes; older files are refused with the command that re-measures them.
 FORMAT_VERSION = 1
 
-
-@dataclass(frozen=True)
-class MachineKey:
-    """What a profile's times depend on. ``None`` is a wildcard (matches anything): the analytic default has
-    only wildcards; a compute-only profile (``calibrate`` without torchrun) leaves ``pp`` and ``dp`` open."""
-
-    model: tuple[tuple[str, Any], ...] | None = None  # ModelShape fields, the layer count left out
-    micro_batch_size: int | None = None
-    sequence_length: int | None = None
-    dtype: str | None = None
-    tp: int | None = None
-    dp: int | None = None
-    pp: int | None = None
-    device: str | None = None  # "cpu", "cuda" (a name after a colon is shown, not compared)
-    backend: str | None = None  # "gloo", "nccl"
-
-    def differences(self, other: MachineKey) -> list[str]:
-        """``field: this vs that`` for every field both set and disagree on (the device compared by type)."""
-        out = []
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine is None or theirs is None:
-                continue
-            if f.name == "model":
-                a, b = dict(mine), dict(theirs)
-                out += [f"model.{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-                        if a.get(k) != b.get(k)]
-            elif f.name == "device":
-                if mine.split(":")[0] != theirs.split(":")[0]:
-                    out.append(f"device: {mine!r} vs {theirs!r}")
-            elif mine != theirs:
-                out.append(f"{f.name}: {mine!r} vs {theirs!r}")
-        return out
-
-
-def key_for(cfg: PlannerConfig, *, device: str | None = None, backend: str | None = None,
-            world: bool = True) -> MachineKey:
-    """The key a profile must have to price ``cfg`` (``world=False``: leave pp and dp open)."""
-    shape = dataclasses.asdict(cfg.model)
-    shape.pop("num_hidden_layers")
-    model = tuple(sorted((k, _jsonable(v)) for k, v in shape.items()))
-    return MachineKey(
-        model=model, micro_batch_size=cfg.run.micro_batch_size, sequence_length=cfg.run.sequence_length,
-        dtype=cfg.run.dtype, tp=cfg.run.tp, dp=cfg.run.dp if world else None, pp=cfg.run.pp if world else None,
-        device=device, backend=backend,
-    )
-
-
-def _jsonable(value: Any) -> Any:
-    """Lists for tuples and dicts as sorted pairs, so a key survives a JSON round trip unchanged."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, _jsonable(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_jsonable(v) for v in value)
-    return value
+Method = Literal["standalone", "in-run"]
+#: How a profile's blocks were timed: alone (``calibrate``) or inside the engine's steps (``calibrate --in-run``).
+METHODS: tuple[str, ...] = get_args(Method)
 
 
 def block_signature(block: BlockInfo, *, input_grad: bool) -> str:
@@ -175,6 +123,8 @@ class MachineProfile:
         device_memory_bytes: each rank's device memory, as CUDA reports its total; a stage whose estimated peak
             is above it does not fit (:mod:`nanotron_ext.plan.fit`). None: unknown (a CPU), no limit.
         notes: what was overridden after measuring (``--tflops``, ``--p2p-gbps``), shown in headers.
+        method: how the blocks were timed: ``standalone`` (``calibrate``: each block alone, its fastest round) or
+            ``in-run`` (``calibrate --in-run``: inside the engine's training steps, the mean op, waits left out).
     """
 
     name: str
@@ -190,9 +140,13 @@ class MachineProfile:
     memory_bytes_per_second: float | None = None
     device_memory_bytes: float | None = None
     notes: tuple[str, ...] = ()
+    method: Method = "standalone"
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"machine profile: method={self.method!r} must be one of {', '.join(METHODS)} (how its "
+                              f"blocks were timed)")
         _positive("flops_per_second", self.flops_per_second)
         for name in ("memory_bytes_per_second", "device_memory_bytes"):
             if getattr(self, name) is not None:
@@ -306,7 +260,7 @@ class MachineProfile:
     def describe(self) -> str:
         """One line for a table header: the machine, its compute, its p2p."""
         if self.blocks:
-            compute = f"{len(self.blocks)} measured blocks"
+            compute = f"{len(self.blocks)} measured blocks" + (" (in-run)" if self.method == "in-run" else "")
         else:
             compute = f"{self.key.dtype or 'bf16'} at {self.flops_per_second / 1e12:.3g} TFLOP/s"
         if self.links:
@@ -325,7 +279,7 @@ class MachineProfile:
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
-        data["key"]["model"] = None if self.key.model is None else _to_lists(dict(self.key.model))
+        data["key"]["model"] = None if self.key.model is None else to_lists(dict(self.key.model))
         data["rates"] = dict(self.rates)
         return json.dumps(data, indent=1, sort_keys=True)
 
@@ -348,7 +302,7 @@ class MachineProfile:
         try:
             key = dict(data["key"])
             if key.get("model") is not None:
-                key["model"] = tuple(sorted((k, _jsonable(v)) for k, v in key["model"].items()))
+                key["model"] = tuple(sorted((k, jsonable(v)) for k, v in key["model"].items()))
             return cls(
                 name=str(data["name"]), source=str(data["source"]), key=MachineKey(**key),
                 flops_per_second=float(data["flops_per_second"]),
@@ -362,6 +316,7 @@ class MachineProfile:
                 memory_bytes_per_second=data.get("memory_bytes_per_second"),
                 device_memory_bytes=data.get("device_memory_bytes"),
                 notes=tuple(data.get("notes", ())),
+                method=data.get("method", "standalone"),  # profiles written before in-run ones: timed alone
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -371,17 +326,6 @@ class MachineProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
-
-
-def _to_lists(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _to_lists(v) for k, v in value.items()}
-    if isinstance(value, tuple) and value and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
-                                                  for x in value):
-        return {k: _to_lists(v) for k, v in value}
-    if isinstance(value, tuple):
-        return [_to_lists(v) for v in value]
-    return value
 
 
 def load_machine(path: str | Path) -> MachineProfile:

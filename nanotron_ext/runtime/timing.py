@@ -292,6 +292,12 @@ class StepTimer:
             torch_dist.gather_object(self.records, out, dst=dst, group=self.group)
         return out
 
+    def waited(self) -> float:
+        """Seconds this rank has waited on peers so far in the current step (receives, sends, collectives; 0
+        outside :meth:`step`): what an op timed inside the step subtracts to keep only its own work."""
+        acc = self._acc
+        return 0.0 if acc is None else acc.recv + acc.send + acc.collective
+
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
         acc, self._acc = self._acc, None

@@ -32,7 +32,7 @@ import types
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,20 +192,25 @@ class DeferredLinear(torch.autograd.Function):
                 product.bias_gradient() if needs_bias else None, None, None)
 
 
-def accumulate_weight_gradients(products: list[WeightGradProduct]) -> None:
+def accumulate_weight_gradients(products: list[WeightGradProduct],
+                                timed: Callable[[str], AbstractContextManager[None]] | None = None) -> None:
     """One micro-batch's W: each parameter's deferred gradient accumulated through autograd, one parameter at a time
     (as autograd's backward accumulates them: one weight gradient alive at once). A parameter used twice in the
-    micro-batch gets the sum of its parts in one accumulation, as in autograd."""
-    groups: dict[int, tuple[nn.Parameter, list[Callable[[], torch.Tensor]]]] = {}
+    micro-batch gets the sum of its parts in one accumulation, as in autograd.
+
+    ``timed``: a clock's context per parameter, given the name of the linear that deferred it first (the in-run
+    profile puts each W on its block: :mod:`nanotron_ext.runtime.op_clock`); the arithmetic is the same with it."""
+    groups: dict[int, tuple[nn.Parameter, str, list[Callable[[], torch.Tensor]]]] = {}
     for product in products:
         for param, part in product.parts():
-            groups.setdefault(id(param), (param, []))[1].append(part)
-    for param, parts in groups.values():
-        grad = parts[0]()
-        for part in parts[1:]:
-            grad = grad + part()
-        torch.autograd.backward([param], [grad])
-        del grad
+            groups.setdefault(id(param), (param, product.module, []))[2].append(part)
+    for param, module, parts in groups.values():
+        with timed(module) if timed is not None else nullcontext():
+            grad = parts[0]()
+            for part in parts[1:]:
+                grad = grad + part()
+            torch.autograd.backward([param], [grad])
+            del grad
 
 
 def store_of(module: nn.Module) -> WeightGradStore | None:

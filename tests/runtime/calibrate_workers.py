@@ -80,3 +80,13 @@ def calibrate_host_staged(config: str, out: str) -> dict[str, Any]:
     with contextlib.redirect_stdout(text):
         code = main(["calibrate", config, "--out", out, "--backend", "gloo", "--repeats", "1", "--warmup", "0"])
     return {"code": code, "stdout": text.getvalue()}
+
+
+def calibrate_cli(argv: list[str]) -> dict[str, Any]:
+    """``nanotron-ext calibrate *argv`` on this rank. Returns its exit code and what it printed."""
+    from nanotron_ext.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["calibrate", *argv])
+    return {"rank": int(os.environ["RANK"]), "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}

@@ -1,4 +1,4 @@
-"""Functions run inside spawned ranks by ``test_timing.py`` and ``test_profiled.py`` (see ``runtime/spawn.py``).
+"""Functions run inside spawned ranks by ``test_timing.py``, ``test_profiled.py`` and ``test_op_clock.py`` (see ``runtime/spawn.py``).
 
 Free of pytest imports: each rank loads this file by path and calls one function. Return values are plain
 dicts so they unpickle in the test process without this module.
@@ -6,6 +6,7 @@ dicts so they unpickle in the test process without this module.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -233,3 +234,45 @@ def malloc_policy_in_the_runtime() -> dict[str, Any]:
     with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1):
         inside = malloc_policy()
     return {"before": before, "inside": inside}
+
+
+#: OpClock's cases (``test_op_clock.py``). SMALL's blocks: embedding, decoder.0-3, final_norm, lm_head, cast, loss; four and five on the two stages.
+SPLIT = [0, 0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def clocked_steps(engine: str, clocked: bool, frozen: tuple[str, ...] = (), steps: int = 2) -> dict[str, Any]:
+    """``steps`` training steps of SMALL at pp=2 under ``engine``, every one timed by an ``OpClock`` when ``clocked``
+    (else none), the parameters whose names start with one of ``frozen`` frozen. Returns the losses, every
+    parameter's bytes after training, and (rank 0, clocked) every rank's recorded steps as dicts."""
+    import torch
+    from nanotron.config import LlamaConfig
+
+    from nanotron_ext.runtime import (
+        GlooParallelContext,
+        build_cpu_llama,
+        build_optimizer,
+        random_micro_batches,
+        train_step,
+    )
+    from nanotron_ext.runtime.op_clock import OpClock
+
+    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
+        torch.manual_seed(0)
+        model = build_cpu_llama(LlamaConfig(**SMALL), ctx, block_ranks=SPLIT,
+                                freeze=lambda name, _: name.startswith(frozen) if frozen else False)
+        optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
+        batches = random_micro_batches(model, ctx, SMALL["vocab_size"], MICRO_BATCH, SEQ_LEN)
+        losses, gathered = [], None
+        if clocked:
+            with OpClock(model, ctx) as clock:
+                for _ in range(steps):
+                    with clock.step():
+                        losses.append(train_step(model, ctx, engine, batches, N_MICRO, optimizer,
+                                                 grad_accumulator=grad_acc))
+                gathered = clock.gather()
+        else:
+            losses = [train_step(model, ctx, engine, batches, N_MICRO, optimizer, grad_accumulator=grad_acc)
+                      for _ in range(steps)]
+        weights = {n: p.detach().clone().numpy().tobytes() for n, p in model.named_parameters()}
+    return {"rank": int(os.environ["RANK"]), "losses": losses, "weights": weights,
+            "steps": None if gathered is None else [[dataclasses.asdict(s) for s in rank] for rank in gathered]}

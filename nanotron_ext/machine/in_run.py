@@ -1,0 +1,281 @@
+"""The in-run profile: a :class:`~nanotron_ext.machine.profile.MachineProfile` priced from the engine's own clock.
+
+``calibrate`` times each block alone and keeps its fastest round; inside the engine the same block runs beside the
+other stages' work, and a step adds up its ops, slow ones included: the standalone profile priced the SmolLM shape's
+steps 2.5-15 % fast, the seed model's 13-35 %. This module turns what :mod:`nanotron_ext.runtime.op_clock` records
+during training steps (:mod:`~nanotron_ext.machine.in_run_records`) into the same profile, marked ``in-run``:
+
+* **blocks**: each signature's mean forward, backward (``B + W`` under zb1p and zb2p, where its ``W`` is measured too)
+  and update over every step, micro-batch and stage it ran on, with each figure's split-half spread. One price per
+  signature, whichever stage and neighbours it had: the planner prices a split as the sum of its blocks, so a block
+  is priced at a stage where it did not run by what it cost where it did, and a split whose blocks never ran together
+  by the sum of parts. What the stages do to each other (two ranks sharing a machine's memory) is in those means as
+  it was in the runs that made them, averaged over them; :func:`position_spread` says how far apart the stages put
+  one block.
+* **update**: each rank's busy time after the pipeline (the optimizer step and gradient finishing, waits left out),
+  shared among its blocks by trainable parameters (a tied lm_head beside its embedding holds no tensor of its own).
+* **blocks that never ran** (another vocabulary-shard count, a frozen variant): the standalone figure times the
+  in-run ÷ standalone ratio of the blocks of their role that did run (of all blocks, where none of the role ran).
+  A run under AFAB or 1F1B measures no ``W``: its backward is split as the standalone calibration split it.
+* **the engine's overhead**: the forward and backward ops less their blocks and waits, per block they ran.
+* **links**: each send matched with its receive (in order, per direction); where the receiver was already waiting
+  when the send was posted, post → arrival is the whole transfer. The calibrated link is scaled by the median of
+  those transfers ÷ its price of the same bytes (latency and bandwidth alike: one run sees few sizes).
+* **tied all-reduce**: the later of the two ends' time inside it (the earlier one waits for the other), and the
+  calibrated collective scaled to it the same way. The dp all-reduce stays as calibrated: DDP reduces inside the
+  backward, where the clock does not separate it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nanotron_ext.blocks import BlockInfo, tied_pair
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.analytic import trainable_before
+from nanotron_ext.errors import ConfigError
+from nanotron_ext.machine.calibrate import fit_rates
+from nanotron_ext.machine.in_run_records import RankStep
+from nanotron_ext.machine.pricing import tied_weight_bytes
+from nanotron_ext.machine.profile import (
+    BlockCost,
+    Collective,
+    EngineOverhead,
+    Link,
+    MachineProfile,
+    block_signature,
+)
+from nanotron_ext.stats import mean_spread
+
+__all__ = ["IN_RUN_STEPS", "IN_RUN_WARMUP_STEPS", "InRunSplit", "Samples", "in_run_profile", "position_spread",
+           "samples_of"]
+
+#: Timed training steps per split of ``calibrate --in-run``: each gives every block one figure per micro-batch.
+IN_RUN_STEPS = 5
+#: Untimed steps first (allocations, the optimizer's first states, the first P2P handshakes).
+IN_RUN_WARMUP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class InRunSplit:
+    """One split's timed steps: the stage of every block, and per step every global rank's :class:`RankStep`."""
+
+    block_ranks: tuple[int, ...]
+    steps: tuple[tuple[RankStep, ...], ...]
+
+
+@dataclass
+class Samples:
+    """Every figure one signature got, and on which stage position (``first``, ``middle``, ``last``)."""
+
+    forward: list[float] = dataclasses.field(default_factory=list)
+    backward: list[float] = dataclasses.field(default_factory=list)  # B (+ W where measured), per micro-batch
+    weight: list[float] = dataclasses.field(default_factory=list)
+    update: list[float] = dataclasses.field(default_factory=list)
+    positions: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+
+
+def _position(stage: int, pp: int) -> str:
+    return "first" if stage == 0 else "last" if stage == pp - 1 else "middle"
+
+
+def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[InRunSplit]) -> dict[str, Samples]:
+    """Each signature's figures over ``runs`` (``blocks``: the config's inventory, whose names the runs' blocks
+    carry).
+
+    Raises:
+        ConfigError: a run timed a block the inventory does not have (another config's run).
+    """
+    index = {b.name: i for i, b in enumerate(blocks)}
+    signature = [block_signature(b, input_grad=g) for b, g in zip(blocks, trainable_before(blocks))]
+    tie = tied_pair(blocks, cfg.model.tie_word_embeddings)
+    out: dict[str, Samples] = defaultdict(Samples)
+    for run in runs:
+        pp = max(run.block_ranks) + 1
+        for step in run.steps:
+            for rank in step:
+                held = []
+                for ops in rank.blocks:
+                    if ops.block not in index:
+                        raise ConfigError(f"an in-run step timed block {ops.block!r}, which this config's model does "
+                                          f"not have; price a config with the runs of its own model")
+                    i = index[ops.block]
+                    s = out[signature[i]]
+                    s.forward += ops.forward
+                    w = ops.weight if len(ops.weight) == len(ops.backward) else (0.0,) * len(ops.backward)
+                    s.backward += [b + x for b, x in zip(ops.backward, w)]
+                    s.weight += ops.weight
+                    s.positions[_position(run.block_ranks[i], pp)] += [
+                        f + b for f, b in zip(ops.forward, [b + x for b, x in zip(ops.backward, w)])]
+                    held.append(i)
+                for i, share in _update_shares(blocks, held, tie, rank.update):
+                    out[signature[i]].update.append(share)
+    return dict(out)
+
+
+def _update_shares(blocks: Sequence[BlockInfo], held: list[int], tie: tuple[int, int] | None,
+                   update: float) -> list[tuple[int, float]]:
+    """A rank's update shared among its trainable blocks by trainable parameters (a tied lm_head beside its
+    embedding holds one tensor with it, counted once, with the embedding)."""
+    together = tie is not None and tie[0] in held and tie[1] in held
+    weights = {i: 0 if together and i == tie[1] else blocks[i].trainable for i in held}
+    total = sum(weights.values())
+    return [(i, update * w / total) for i, w in weights.items() if w > 0] if total > 0 else []
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _block_cost(sig: str, s: Samples, base: BlockCost | None) -> BlockCost:
+    backward = _mean(s.backward)
+    if s.weight:
+        weight: float | None = min(_mean(s.weight), backward)
+    elif base is not None and base.backward_weight is not None and base.backward > 0:
+        weight = backward * base.backward_weight / base.backward  # AFAB/1F1B: no W measured, the standalone split
+    else:
+        weight = None
+    return BlockCost(sig, _mean(s.forward), backward, _mean(s.update), backward_weight=weight,
+                     spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)))
+
+
+def _ratios(measured: dict[str, BlockCost], base: MachineProfile, role: dict[str, str]) -> dict[str, tuple]:
+    """Per role (and ``*``: all), in-run ÷ standalone of forward, backward and update over the signatures both have."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * 6)
+    for sig, cost in measured.items():
+        old = base.block(sig)
+        if old is None:
+            continue
+        for key in (role[sig], "*"):
+            for k, (new, was) in enumerate(((cost.forward, old.forward), (cost.backward, old.backward),
+                                            (cost.update, old.update))):
+                sums[key][k] += new
+                sums[key][k + 3] += was
+    return {key: tuple(v[k] / v[k + 3] if v[k + 3] > 0 else 1.0 for k in range(3)) for key, v in sums.items()}
+
+
+def _unseen(base: MachineProfile, measured: dict[str, BlockCost], role: dict[str, str]) -> list[BlockCost]:
+    """The standalone blocks no run timed, scaled by their role's in-run ÷ standalone ratios."""
+    ratios = _ratios(measured, base, role)
+    out = []
+    for old in base.blocks:
+        if old.signature in measured:
+            continue
+        name = old.signature.split(":", 1)[0]
+        f, b, u = ratios.get(name, ratios.get("*", (1.0, 1.0, 1.0)))
+        w = None if old.backward_weight is None else old.backward_weight * b
+        out.append(dataclasses.replace(old, forward=old.forward * f, backward=old.backward * b,
+                                       update=old.update * u, backward_weight=w))
+    return out
+
+
+def position_spread(samples: dict[str, Samples]) -> dict[str, float]:
+    """Per signature that ran on more than one stage position: (slowest ÷ fastest position's mean) − 1, its forward
+    and backward per micro-batch together."""
+    out = {}
+    for sig, s in samples.items():
+        means = [statistics.fmean(xs) for xs in s.positions.values() if xs]
+        if len(means) > 1 and min(means) > 0:
+            out[sig] = max(means) / min(means) - 1
+    return out
+
+
+def _overhead(runs: Sequence[InRunSplit], base: EngineOverhead) -> EngineOverhead:
+    """The engine's bookkeeping per block call: the ops' own time less their blocks', per block they ran."""
+    own = calls = 0.0
+    for run in runs:
+        for step in run.steps:
+            for rank in step:
+                for seconds, n in rank.calls:
+                    own += seconds
+                    calls += n
+    return dataclasses.replace(base, block_call=max(own / calls, 0.0)) if calls > 0 else base
+
+
+def _transfers(runs: Sequence[InRunSplit]) -> dict[tuple[int, int], list[tuple[int, int, float]]]:
+    """Per direction ``(src, dst)``, ``(bytes, tensors, seconds)`` of every whole transfer: a send matched with its
+    receive (the k-th of each, within a step), kept where the receiver was waiting before the send was posted."""
+    out: dict[tuple[int, int], list[tuple[int, int, float]]] = defaultdict(list)
+    for run in runs:
+        for step in run.steps:
+            sends, receives = defaultdict(list), defaultdict(list)
+            for rank in step:
+                for s in rank.sends:
+                    sends[(s.src, s.dst)].append(s)
+                for r in rank.receives:
+                    receives[(r.src, r.dst)].append(r)
+            for pair, posted in sends.items():
+                for s, r in zip(posted, receives.get(pair, [])):
+                    if r.started <= s.posted and r.n_bytes == s.n_bytes:
+                        out[pair].append((s.n_bytes, s.n_tensors, r.ended - s.posted))
+    return out
+
+
+def _scaled_links(base: MachineProfile, runs: Sequence[InRunSplit]) -> tuple[Link, ...]:
+    """Each calibrated link scaled by the median of its in-run transfers ÷ its own price of the same bytes."""
+    transfers = _transfers(runs)
+    links = []
+    for link in base.links:
+        call = base.overhead.send + base.overhead.recv  # Nanotron's per-tensor posting, priced apart from the link
+        # k such that n (k·latency + call) + k·bytes / bandwidth is the transfer as measured
+        ratios = [(t - n * call) / (n * link.latency + n_bytes / link.bytes_per_second)
+                  for n_bytes, n, t in transfers.get((link.src, link.dst), [])]
+        ratios = [k for k in ratios if k > 0]
+        if not ratios:
+            links.append(link)
+            continue
+        k = statistics.median(ratios)
+        links.append(Link(link.src, link.dst, link.latency * k, link.bytes_per_second / k,
+                          mean_spread(ratios) if len(ratios) > 1 else link.spread))
+    return tuple(links)
+
+
+def _tied(base: MachineProfile, cfg: PlannerConfig, blocks: Sequence[BlockInfo],
+          runs: Sequence[InRunSplit]) -> Collective | None:
+    """The tied all-reduce scaled to its in-run time: per step, the later end's time inside it."""
+    tie = tied_pair(blocks, cfg.model.tie_word_embeddings)
+    if tie is None:
+        return base.tied_allreduce
+    ends = {blocks[tie[0]].name, blocks[tie[1]].name}
+    times = []
+    for run in runs:
+        if run.block_ranks[tie[0]] == run.block_ranks[tie[1]]:
+            continue  # both ends on one stage: one tensor, no all-reduce
+        for step in run.steps:
+            spans = [r.tied_sync for r in step if r.tied_sync is not None and ends & {o.block for o in r.blocks}]
+            if len(spans) >= 2:
+                later = max(spans, key=lambda span: span[0])
+                times.append(later[1] - later[0])
+    if not times:
+        return base.tied_allreduce
+    n_bytes, seconds = tied_weight_bytes(cfg), statistics.median(times)
+    if base.tied_allreduce is None:
+        return Collective(0.0, n_bytes / seconds)
+    k = seconds / base.tied_allreduce.time(n_bytes, 2)
+    return Collective(base.tied_allreduce.latency * k, base.tied_allreduce.bus_bytes_per_second / k)
+
+
+def in_run_profile(cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequence[InRunSplit],
+                   base: MachineProfile, *, source: str) -> MachineProfile:
+    """The profile ``runs`` make, on top of ``base`` (the standalone calibration of the same processes), for
+    ``cfg``'s blocks (see the module docstring).
+
+    Raises:
+        ConfigError: no run timed any block, or a run timed a block of another model.
+    """
+    samples = samples_of(blocks, cfg, runs)
+    if not any(s.forward for s in samples.values()):
+        raise ConfigError("the in-run steps timed no block; run at least one recorded step of a built model")
+    role = {sig: sig.split(":", 1)[0] for sig in samples}
+    measured = {sig: _block_cost(sig, s, base.block(sig)) for sig, s in samples.items() if s.forward}
+    costs = {c.signature: c for c in (*measured.values(), *_unseen(base, measured, role))}
+    rates, overall = fit_rates([(cfg, list(blocks))], costs)
+    return dataclasses.replace(
+        base, name=base.name.replace("calibrated:", "in-run:", 1), source=source, flops_per_second=overall,
+        rates=rates, blocks=tuple(costs.values()), links=_scaled_links(base, runs),
+        overhead=_overhead(runs, base.overhead), tied_allreduce=_tied(base, cfg, blocks, runs), method="in-run",
+    )

@@ -1,0 +1,176 @@
+"""The in-run profile (``nanotron_ext.machine.in_run``): exact hand cases of what a run's clock records becoming the
+prices the planner reads. The clock itself, inside Nanotron's engine: ``tests/runtime/test_op_clock.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nanotron_ext.config import bundled_config, load_config
+from nanotron_ext.costs import trainable_before
+from nanotron_ext.errors import ConfigError
+from nanotron_ext.inventory import inventory_from_config
+from nanotron_ext.machine import BlockCost, Collective, EngineOverhead, Link, MachineProfile, block_signature, key_for
+from nanotron_ext.machine.in_run import InRunSplit, in_run_profile, position_spread, samples_of
+from nanotron_ext.machine.in_run_records import BlockOps, RankStep, Receive, Send
+from nanotron_ext.machine.pricing import tied_weight_bytes
+
+SEED = load_config(bundled_config())  # embedding, decoder.0, decoder.1, final_norm, lm_head, cast, loss; pp=2
+BLOCKS = inventory_from_config(SEED)
+SIG = {b.name: block_signature(b, input_grad=g) for b, g in zip(BLOCKS, trainable_before(BLOCKS))}
+SPLIT = (0, 0, 0, 1, 1, 1, 1)  # E, t, t | N, H, C, X
+
+
+def _base(**fields) -> MachineProfile:
+    """A standalone profile: every block 1 ms forward, 2 ms backward (0.5 ms of it W where deferred), 0.1 ms update."""
+    costs = tuple(BlockCost(sig, 1e-3, 2e-3, 1e-4, backward_weight=5e-4 if sig.startswith(("decoder", "lm_head"))
+                            else None) for sig in dict.fromkeys(SIG.values()))
+    return MachineProfile(**{"name": "calibrated: cpu, gloo, pp=2", "source": "test", "key": key_for(SEED),
+                             "blocks": costs, **fields})
+
+
+def _ops(name: str, fwd: tuple, bwd: tuple = (), w: tuple = ()) -> BlockOps:
+    return BlockOps(name, tuple(fwd), tuple(bwd), tuple(w))
+
+
+def _step(pp_rank: int, blocks: list[BlockOps], **fields) -> RankStep:
+    return RankStep(pp_rank=pp_rank, engine=fields.pop("engine", "1f1b"), blocks=tuple(blocks), **fields)
+
+
+def _run(steps: list[tuple[RankStep, ...]], split: tuple[int, ...] = SPLIT) -> InRunSplit:
+    return InRunSplit(split, tuple(steps))
+
+
+def _two_ranks(**rank0_fields) -> tuple[RankStep, RankStep]:
+    rank0 = _step(0, [_ops("model.token_position_embeddings", (1.0, 3.0), (2.0, 2.0)),
+                      _ops("model.decoder.0", (4.0, 4.0), (8.0, 6.0)),
+                      _ops("model.decoder.1", (6.0, 6.0), (10.0, 12.0))], **rank0_fields)
+    rank1 = _step(1, [_ops("model.final_layer_norm", (0.5, 0.5), (1.0, 1.0)), _ops("model.lm_head", (7.0, 9.0), (16.0, 16.0)),
+                      _ops("model.cast_to_fp32", (0.0, 0.0), (0.0, 0.0)), _ops("loss", (2.0, 2.0), (1.0, 1.0))],
+                  update=3.0)
+    return rank0, rank1
+
+
+def test_each_signature_is_its_mean_over_steps_micro_batches_and_blocks_sharing_it() -> None:
+    profile = in_run_profile(SEED, BLOCKS, [_run([_two_ranks(update=6.0)])], _base(), source="test")
+    decoder = profile.block(SIG["model.decoder.0"])
+    # decoder.0 and decoder.1 share one signature: forward over 4, 4, 6, 6; backward over 8, 6, 10, 12
+    assert (decoder.forward, decoder.backward) == (5.0, 9.0)
+    embedding = profile.block(SIG["model.token_position_embeddings"])
+    assert (embedding.forward, embedding.backward) == (2.0, 2.0)
+    assert profile.method == "in-run" and profile.name == "in-run: cpu, gloo, pp=2"
+
+
+def test_a_one_f_one_b_run_splits_its_backward_as_the_standalone_calibration_did() -> None:
+    profile = in_run_profile(SEED, BLOCKS, [_run([_two_ranks()])], _base(), source="test")
+    # standalone: W is 0.5 of 2 ms; in-run the decoder's whole backward is 9: W = 9 · 0.25
+    assert profile.block(SIG["model.decoder.0"]).backward_weight == pytest.approx(2.25)
+    assert profile.block(SIG["model.token_position_embeddings"]).backward_weight is None  # the embedding defers none
+
+
+def test_a_zero_bubble_run_prices_b_plus_w_and_its_measured_w() -> None:
+    rank0 = _step(0, [_ops("model.token_position_embeddings", (1.0,), (2.0,)),
+                      _ops("model.decoder.0", (4.0,), (5.0,), (3.0,)), _ops("model.decoder.1", (4.0,), (7.0,), (5.0,))],
+                  engine="zb1p")
+    rank1 = _step(1, [_ops("model.final_layer_norm", (1.0,), (1.0,)), _ops("model.lm_head", (8.0,), (6.0,), (10.0,)),
+                      _ops("model.cast_to_fp32", (0.0,), (0.0,)), _ops("loss", (2.0,), (1.0,))], engine="zb1p")
+    profile = in_run_profile(SEED, BLOCKS, [_run([(rank0, rank1)])], _base(), source="test")
+    decoder = profile.block(SIG["model.decoder.0"])
+    assert (decoder.backward, decoder.backward_weight) == (10.0, 4.0)  # B 5, 7 and W 3, 5
+    lm_head = profile.block(SIG["model.lm_head"])
+    assert (lm_head.backward, lm_head.backward_weight) == (16.0, 10.0)
+
+
+def test_a_ranks_update_is_shared_by_trainable_parameters() -> None:
+    profile = in_run_profile(SEED, BLOCKS, [_run([_two_ranks(update=6.0)])], _base(), source="test")
+    embedding, layer = BLOCKS[0], BLOCKS[1]
+    total = embedding.trainable + 2 * layer.trainable
+    assert profile.block(SIG[embedding.name]).update == pytest.approx(6.0 * embedding.trainable / total)
+    assert profile.block(SIG[layer.name]).update == pytest.approx(6.0 * layer.trainable / total)
+    norm, head = BLOCKS[3], BLOCKS[4]
+    assert profile.block(SIG[head.name]).update == pytest.approx(3.0 * head.trainable / (norm.trainable + head.trainable))
+    assert profile.block(SIG["loss"]).update == 0.0  # nothing to step
+
+
+def test_a_tied_lm_head_beside_its_embedding_holds_no_share_of_the_update() -> None:
+    cfg = SEED.with_overrides(pp=1)
+    tied = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_word_embeddings=True))
+    blocks = inventory_from_config(tied)
+    sig = {b.name: block_signature(b, input_grad=g) for b, g in zip(blocks, trainable_before(blocks))}
+    rank0, rank1 = _two_ranks(update=4.0)
+    one = _step(0, [*rank0.blocks, *rank1.blocks], update=4.0)
+    profile = in_run_profile(tied, blocks, [_run([(one,)], split=(0,) * 7)], _base(key=key_for(tied)), source="t")
+    assert profile.block(sig["model.lm_head"]).update == 0.0
+    # the embedding's share counts the one tensor once: the decoders and the norm take the rest by their weights
+    counted = blocks[0].trainable + 2 * blocks[1].trainable + blocks[3].trainable
+    assert profile.block(sig["model.token_position_embeddings"]).update == pytest.approx(4.0 * blocks[0].trainable
+                                                                                       / counted)
+
+
+def test_a_block_no_run_timed_is_its_standalone_figure_times_its_roles_in_run_ratio() -> None:
+    rank0, rank1 = _two_ranks()
+    without_head = dataclasses.replace(rank1, blocks=tuple(b for b in rank1.blocks if b.block != "model.lm_head"))
+    profile = in_run_profile(SEED, BLOCKS, [_run([(rank0, without_head)])], _base(), source="test")
+    head = profile.block(SIG["model.lm_head"])
+    # no lm_head ran: the ratio of every block that ran (in-run ÷ standalone sums over the signatures both have)
+    forward = (2.0 + 5.0 + 0.5 + 0.0 + 2.0) / (5 * 1e-3)
+    backward = (2.0 + 9.0 + 1.0 + 0.0 + 1.0) / (5 * 2e-3)
+    assert head.forward == pytest.approx(1e-3 * forward)
+    assert head.backward == pytest.approx(2e-3 * backward)
+    assert head.backward_weight == pytest.approx(5e-4 * backward)
+
+
+def test_the_engines_overhead_is_its_ops_own_time_per_block_they_ran() -> None:
+    rank0, rank1 = _two_ranks(calls=((0.3, 3), (0.5, 2)))
+    profile = in_run_profile(SEED, BLOCKS, [_run([(rank0, dataclasses.replace(rank1, calls=((0.2, 5),)))])],
+                             _base(overhead=EngineOverhead(1e-6, 2e-6, 3e-6)), source="test")
+    assert profile.overhead == EngineOverhead(pytest.approx(1.0 / 10), 2e-6, 3e-6)
+
+
+def test_a_link_is_scaled_to_its_whole_transfers_in_the_run() -> None:
+    link = Link(0, 1, 1e-4, 1e9)
+    base = _base(links=(link, Link(1, 0, 1e-4, 1e9)), overhead=EngineOverhead(0.0, 1e-5, 1e-5))
+    n_bytes, k = 4_000_000, 3.0
+    whole = k * (link.latency + n_bytes / link.bytes_per_second) + 2e-5  # what a transfer 3x the link's price takes
+    rank0, rank1 = _two_ranks()
+    sender = dataclasses.replace(rank0, sends=(Send(0, 1, n_bytes, 1, posted=10.0), Send(0, 1, n_bytes, 1, 20.0)))
+    # the first receive was waiting before its send was posted: a whole transfer; the second came late: left out
+    receiver = dataclasses.replace(rank1, receives=(Receive(0, 1, n_bytes, 1, started=9.0, ended=10.0 + whole),
+                                                    Receive(0, 1, n_bytes, 1, started=21.0, ended=21.001)))
+    profile = in_run_profile(SEED, BLOCKS, [_run([(sender, receiver)])], base, source="test")
+    forward, backward = profile.links
+    assert (forward.latency, forward.bytes_per_second) == (pytest.approx(3e-4), pytest.approx(1e9 / 3))
+    assert profile.p2p_time(n_bytes, 1, cut=0) == pytest.approx(whole)
+    assert backward == base.links[1]  # nothing crossed back whole: as calibrated
+
+
+def test_the_tied_all_reduce_is_the_later_ends_time_inside_it() -> None:
+    tied = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, tie_word_embeddings=True))
+    blocks = inventory_from_config(tied)
+    base = _base(key=key_for(tied), tied_allreduce=Collective(1e-4, 1e9))
+    rank0, rank1 = _two_ranks()
+    steps = [(dataclasses.replace(rank0, tied_sync=(1.0, 1.5)), dataclasses.replace(rank1, tied_sync=(1.2, 1.5))),
+             (dataclasses.replace(rank0, tied_sync=(2.0, 2.7)), dataclasses.replace(rank1, tied_sync=(2.1, 2.7)))]
+    profile = in_run_profile(tied, blocks, [_run(steps)], base, source="test")
+    # later ends: rank 1 in both steps, 0.3 s and 0.6 s inside: the median, 0.45 s, for the tied gradient's bytes
+    assert profile.tied_allreduce.time(tied_weight_bytes(tied), 2) == pytest.approx(0.45)
+
+
+def test_position_spread_compares_one_blocks_stages() -> None:
+    first = _run([_two_ranks()])
+    later = _run([_two_ranks()], split=(0, 0, 1, 1, 1, 1, 1))  # decoder.1 on the last stage in the second run
+    samples = samples_of(BLOCKS, SEED, [first, later])
+    spread = position_spread(samples)
+    # the decoder signature: first stage 4, 4, 6, 6, 4, 4 forwards + backwards 8, 6, 10, 12, 8, 6; last: 6+10, 6+12
+    first_mean = (12 + 10 + 16 + 18 + 12 + 10) / 6
+    assert spread[SIG["model.decoder.0"]] == pytest.approx(17 / first_mean - 1)
+    assert SIG["loss"] not in spread  # only ever on the last stage
+
+
+def test_a_run_of_another_model_or_of_nothing_is_refused() -> None:
+    alien = _step(0, [_ops("model.decoder.9", (1.0,))])
+    with pytest.raises(ConfigError, match=r"timed block 'model.decoder.9', which this config's model does not have"):
+        in_run_profile(SEED, BLOCKS, [_run([(alien,)])], _base(), source="test")
+    with pytest.raises(ConfigError, match=r"the in-run steps timed no block"):
+        in_run_profile(SEED, BLOCKS, [_run([])], _base(), source="test")
