@@ -312,9 +312,16 @@ def test_unplannable_strategy_exits_1(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize("argv", [["--tflops", "0"], ["--p2p-gbps", "-1"], ["--pp", "0"], ["missing.yaml"]])
-def test_usage_errors_exit_2(tmp_path, capsys, argv):
-    assert main(["simulate", *argv, "--out", str(tmp_path / "x.png")]) == 2
+@pytest.mark.parametrize("argv", [["--tflops", "0"], ["--p2p-gbps", "-1"], ["--pp", "0"]])
+def test_flag_values_out_of_range_exit_2_naming_the_flag(tmp_path, capsys, argv):
+    with pytest.raises(SystemExit) as exc:  # refused where argparse parses them
+        main(["simulate", *argv, "--out", str(tmp_path / "x.png")])
+    assert exc.value.code == 2
+    assert f"nanotron-ext simulate: error: argument {argv[0]}: {argv[1]!r} is not a" in capsys.readouterr().err
+
+
+def test_a_missing_config_exits_2(tmp_path, capsys):
+    assert main(["simulate", "missing.yaml", "--out", str(tmp_path / "x.png")]) == 2
     assert "nanotron-ext: error:" in capsys.readouterr().err
 
 

@@ -35,13 +35,14 @@ from nanotron_ext.errors import (
     suggest,
 )
 from nanotron_ext.plan import Plan
+from nanotron_ext.plan.compare import why_invalid
 from nanotron_ext.report import table
 from nanotron_ext.schedule import ENGINE_AUTO, ENGINES
 from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.strategies import available_strategies
 
 __all__ = [
-    "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
+    "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "against", "best_valid_cell", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
     "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
     "exit_code_for", "legend", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
     "speed_cell", "stage_cell", "verdict_cell", "verdict_line", "version_line", "warn_memory",
@@ -245,6 +246,19 @@ def speed_cell(other: float | None, this: float | None) -> str:
     if not other or not this or not math.isfinite(other) or not math.isfinite(this):
         return "-"
     return f"{other / this:.3f}x"
+
+
+def against(name: str, plan: Plan | None) -> str:
+    """``Nanotron's split does not fit: stage 0 needs 94.7 GiB, over ...`` when ``plan``, which a line or a column
+    compares with, cannot train; ``""`` when it can (or is missing). The one way every comparison says so."""
+    why = None if plan is None else why_invalid(plan)
+    return "" if why is None else f"{name} {why}"
+
+
+def best_valid_cell(best: Plan | None, plan: Plan) -> str:
+    """``0.917x``: the best valid split's slowest stage ÷ ``plan``'s (train FLOPs/mb), or ``-`` when no split is
+    valid (:func:`nanotron_ext.plan.compare.best_valid_split`)."""
+    return speed_cell(None if best is None else best.slowest_flops, plan.slowest_flops)
 
 
 def verdict_line(plan: Plan, result: SimResult | None = None) -> str:

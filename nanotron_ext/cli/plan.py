@@ -14,6 +14,8 @@ from nanotron_ext.cli.common import (
     EXIT_OK,
     Notes,
     add_config_args,
+    against,
+    best_valid_cell,
     config_from_args,
     error_cell,
     legend,
@@ -42,10 +44,11 @@ from nanotron_ext.plan import (
     resolve_engine,
     resolve_vocab_shards,
 )
+from nanotron_ext.plan.compare import best_valid_split
 from nanotron_ext.report import compact_names, human_bytes, human_count
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 
-__all__ = ["add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
+__all__ = ["add_subcommand", "best_valid_fields", "best_valid_line", "cmd_plan", "compare_engines", "engine_rows",
            "fit_table", "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
 
 #: The engines ``plan --compare-engines`` puts side by side.
@@ -53,7 +56,8 @@ __all__ = ["add_subcommand", "cmd_plan", "compare_engines", "engine_rows",
 
 def add_subcommand(subparsers: Any) -> None:
     """Register ``plan`` on the ``nanotron-ext`` parser."""
-    p = subparsers.add_parser("plan", help="print the per-stage plan and verdict (dry run)")
+    p = subparsers.add_parser("plan", help="split a model into pipeline stages: each stage's blocks, memory and "
+                                           "the simulated step, then whether it can train (a dry run)")
     add_config_args(p, micro_batches=True, machine=True)
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
     p.add_argument("--compare-engines", dest="compare_engines", action="store_true",
@@ -103,9 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     warn_memory(plan)
     result = simulated(plan, blocks, cfg)
+    best = best_valid_split(blocks, cfg)
     if args.json:
         extra = {} if engine_choice is None else {"engine_choice": engine_choice.to_dict()}
-        print(json.dumps({**plan.to_dict(), **simulated_fields(result), **extra}, indent=2))
+        print(json.dumps({**plan.to_dict(), **simulated_fields(result), **best_valid_fields(best), **extra}, indent=2))
     else:
         print(_header(cfg, plan, choice, engine_choice))
         print(plan.table())
@@ -113,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
               f"alive then{limit}):")
         print(plan.memory_table())
-        print(_verdict(plan, result, step_time_line(cfg, blocks, plan, result)))
+        print(_verdict(plan, result, step_time_line(cfg, blocks, plan, result), best))
         tradeoff = frozen_tradeoff(cfg, blocks)
         if tradeoff:
             print(tradeoff)
@@ -134,13 +139,25 @@ def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None,
             f" | strategy: {plan.strategy}{shards}\n  {legend()}\n")
 
 
-def _verdict(plan: Plan, result: SimResult | None, step_line: str) -> str:
-    lines = ["", f"block -> stage: {list(plan.block_ranks)}",
-             f"slowest stage vs optimum: {speed_cell(plan.optimum_flops, plan.slowest_flops)} (train FLOPs/mb: the "
-             f"optimum's slowest stage ÷ this one's)", step_line]
+def _verdict(plan: Plan, result: SimResult | None, step_line: str, best: Plan | None) -> str:
+    lines = ["", f"block -> stage: {list(plan.block_ranks)}", best_valid_line(plan, best), step_line]
     lines += [str(f) for f in plan.findings]
     lines.append(verdict_line(plan, result))
     return "\n".join(lines)
+
+
+def best_valid_line(plan: Plan, best: Plan | None) -> str:
+    """``slowest stage vs best valid split: 0.917x (...)``: ``plan``'s slowest stage against the smallest slowest
+    stage of a split that can train and fits (:func:`~nanotron_ext.plan.compare.best_valid_split`)."""
+    if best is None:
+        return "slowest stage vs best valid split: - (no split can train and fit under this config)"
+    return (f"slowest stage vs best valid split: {best_valid_cell(best, plan)} (train FLOPs/mb: the slowest stage "
+            f"of the best split that can train and fits ({best.stage_map()}) ÷ this one's)")
+
+
+def best_valid_fields(best: Plan | None) -> dict[str, float | None]:
+    """What ``--json`` carries of the best valid split: its slowest stage (None when no split is valid)."""
+    return {"best_valid_flops": None if best is None else best.slowest_flops}
 
 
 def simulated(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> SimResult | None:
@@ -159,19 +176,22 @@ def simulated_fields(result: SimResult | None) -> dict[str, float | None]:
 
 
 def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, result: SimResult | None) -> str:
-    """``simulated step: 1.23 ms, bubble 40.0% (...); Nanotron's rule: 1.30 ms, this split is 1.057x as fast``."""
+    """``simulated step: 1.23 ms, bubble 40.0% (...)``, then ``Nanotron's rule: 1.30 ms, this split is 1.057x as
+    fast``, saying in that line when Nanotron's split cannot train or does not fit."""
     if result is None:
         return "simulated step: - (the engine cannot run this many micro-batches)"
     line = (f"simulated step: {format_seconds(result.step_time)}, bubble {result.bubble_fraction:.1%} "
             f"({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; {machine_for(cfg, blocks).describe()})")
     if plan.strategy != "nanotron":
         try:
-            rule = simulated(make_plan(blocks, cfg, "nanotron", suggest_fixes=False), blocks, cfg)
+            rule_plan = make_plan(blocks, cfg, "nanotron", suggest_fixes=False)
         except NanotronExtError:
-            rule = None
+            rule_plan = None
+        rule = None if rule_plan is None else simulated(rule_plan, blocks, cfg)
         if rule is not None:
-            line += (f"; Nanotron's rule: {format_seconds(rule.step_time)}, this split is "
-                     f"{speed_cell(rule.step_time, result.step_time)} as fast")
+            caveat = against("Nanotron's split", rule_plan)
+            line += (f"\nNanotron's rule: {format_seconds(rule.step_time)}, this split is "
+                     f"{speed_cell(rule.step_time, result.step_time)} as fast{'; ' + caveat if caveat else ''}")
     return line + gave_up_line(cfg, blocks, plan, result)
 
 
@@ -196,6 +216,7 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | No
     notes, rows = Notes(), []
     trainable = [b.short for b in blocks if b.trainable]
     free: float | None = None
+    free_plan: Plan | None = None
     for name, allow in (("frozen stages allowed", True), ("trainable on every stage", False)):
         variant = cfg.with_overrides(allow_frozen_stages=allow)
         if not allow and len(trainable) < cfg.run.pp:  # said here, not by the planner, whose fix is the other row
@@ -211,13 +232,15 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | No
             continue
         result = simulated(plan, blocks, variant)
         step = None if result is None else result.step_time
-        free = step if allow else free
+        free, free_plan = (step, plan) if allow else (free, free_plan)
         rows.insert(0, [name, stage_cell(plan.stage_map()), "-" if step is None else format_seconds(step),
                         human_count(plan.slowest_flops), sum(1 for s in plan.stages if s.trainable),
                         speed_cell(free, step)])
     head = ["constrained plan", "stages", "sim. step", "slowest stage (train FLOPs/mb)", "stages with trainable",
             "vs frozen allowed"]
-    return "\n" + titled_table("frozen setup: what a trainable block on every stage costs", head, rows, notes)
+    caveat = against("the plan with frozen stages allowed", free_plan)
+    return ("\n" + titled_table("frozen setup: what a trainable block on every stage costs", head, rows, notes)
+            + (f"\nvs frozen allowed: {caveat}" if caveat else ""))
 
 
 def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) -> int:
@@ -225,6 +248,7 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
     attempts = plan_every_strategy(blocks, cfg)
     results = {a.strategy: simulated(a.plan, blocks, cfg) for a in attempts if a.plan is not None}
     rule = results.get("nanotron")
+    best = best_valid_split(blocks, cfg)
     for attempt in attempts:
         name, plan = attempt.strategy, attempt.plan
         if plan is None:
@@ -233,12 +257,12 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
             continue
         result = results.get(name)
         step = None if result is None else result.step_time
-        rows.append([name, stage_cell(plan.stage_map()), speed_cell(plan.optimum_flops, plan.slowest_flops),
+        rows.append([name, stage_cell(plan.stage_map()), best_valid_cell(best, plan),
                      "-" if step is None else format_seconds(step),
                      speed_cell(None if rule is None else rule.step_time, step), f"{100 * plan.spread:.0f}%",
                      "-" if result is None else f"{result.bubble_fraction:.1%}",
                      human_count(min(s.trainable for s in plan.stages)), verdict_cell(plan.verdict, notes)])
-        out.append({**plan.to_dict(), **simulated_fields(result)})
+        out.append({**plan.to_dict(), **simulated_fields(result), **best_valid_fields(best)})
         selected_ok |= name == cfg.ext.cost_strategy and plan.ok
         if name == cfg.ext.cost_strategy:
             warn_memory(plan)
@@ -248,9 +272,20 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
         print(titled_table(
             f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
             f"{machine_for(cfg, blocks).describe()}",
-            ["strategy", "stages (block ranges)", "vs optimum", "sim. step", "vs nanotron", "spread", "bubble",
+            ["strategy", "stages (block ranges)", "vs best valid", "sim. step", "vs nanotron", "spread", "bubble",
              "min trainable", "verdict"], rows, notes))
+        rule_plan = next((a.plan for a in attempts if a.strategy == "nanotron"), None)
+        print("\n".join(f"{column}: {caveat}" for column, caveat in (
+            ("vs best valid", best_valid_line_short(best)), ("vs nanotron", against("Nanotron's split", rule_plan)))
+            if caveat))
     return EXIT_OK if selected_ok else EXIT_INVALID
+
+
+def best_valid_line_short(best: Plan | None) -> str:
+    """What the ``vs best valid`` column of a table compares with."""
+    if best is None:
+        return "no split can train and fit under this config"
+    return f"the best split that can train and fits is {best.stage_map()}"
 
 
 def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> list[tuple[EngineOption, SimResult | None]]:
@@ -287,6 +322,9 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
             f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
             ["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage", "verdict"],
             cells, notes))
+        caveat = against("1F1B's split", next((o.plan for o, _ in rows if o.engine == "1f1b"), None))
+        if base is not None and caveat:
+            print(f"vs 1f1b: {caveat}")
     chosen = next((o for o, _ in rows if o.engine == cfg.run.engine), rows[0][0])
     return EXIT_OK if chosen.plan is not None and chosen.plan.ok else EXIT_INVALID
 
