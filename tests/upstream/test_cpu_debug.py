@@ -9,6 +9,7 @@ or pp drifted by 8.6e-7; under the launcher's split-independent clipping it is b
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -70,6 +71,14 @@ def test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically(l
         moved = whole_weights(folder / "checkpoints" / other / "6")
         assert moved.keys() == reference.keys()
         assert [k for k in reference if not torch.equal(reference[k], moved[k])] == [], other
+    # The docs' comparison, as a user runs it: identical, and a checkpoint that differs is told apart.
+    compare = [sys.executable, str(EXAMPLE / "compare_weights.py"), "checkpoints/resume_pp2/6"]
+    same = subprocess.run([*compare, "checkpoints/resume_pp1/6", "checkpoints/resume_split/6"], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0 and same.stdout.count("15 weights, bit-identical to checkpoints/resume_pp2/6") == 2, \
+        same.stdout + same.stderr
+    differs = subprocess.run([*compare, "checkpoints/train/4"], cwd=folder, capture_output=True, text=True, timeout=120)
+    assert differs.returncode == 1 and "max |w - w_ref| = " in differs.stdout, differs.stdout + differs.stderr
 
 
 def test_the_example_configs_differ_only_where_their_comments_say():
@@ -91,9 +100,11 @@ def test_the_example_configs_differ_only_where_their_comments_say():
 _PROBE = textwrap.dedent(
     """
     import importlib.util, sys
+    import flash_attn
     import nanotron.parallel.context as context
     print("FOUND", sorted(n for n in sys.argv[1].split(",") if importlib.util.find_spec(n) is not None))
     print("SET_DEVICE", context.ParallelContext.set_device.__module__)
+    print("FLASH_ATTN", flash_attn.__version__)
     """
 )
 _CHILD = textwrap.dedent(
@@ -109,10 +120,11 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(args: list[str]) -> list[str]:
-    """The launcher's ``main(args)`` in a fresh interpreter, one process, without the test pass's shim on its path."""
+def _child(args: list[str], *first: Path) -> list[str]:
+    """The launcher's ``main(args)`` in a fresh interpreter, one process, with ``first`` and the project on its path and
+    not the test pass's shim."""
     env = local_env(ROOT)
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, first), str(ROOT)])
     out = subprocess.run([sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, timeout=180)
     assert STUBS.name not in env["PYTHONPATH"]
     return (out.stdout + out.stderr).splitlines()
@@ -133,9 +145,14 @@ def test_without_the_flag_no_standin_is_importable_and_with_it_the_script_runs_o
                             f"if u.find_spec(n)])"], env={**local_env(ROOT), "PYTHONPATH": str(ROOT)},
                            capture_output=True, text=True, timeout=60).stdout
     assert found.strip() == "[]", found
-    # With it, one process (no torchrun): the same script runs, on the stand-ins.
-    debug = _child(["--cpu-debug", str(probe), names, "--config-file", str(config)])
+    # With it, one process (no torchrun): the same script runs, on the stand-ins, which win over an installed
+    # flash_attn (whose CUDA kernels could not take the CPU's tensors).
+    installed = tmp_path / "site" / "flash_attn"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("__version__ = '2.7.0'\n")
+    debug = _child(["--cpu-debug", str(probe), names, "--config-file", str(config)], installed.parent)
     assert "CODE 0" in debug, debug[-20:]
+    assert "FLASH_ATTN 2.6.3+cpustub" in debug
     assert f"FOUND {sorted(STANDIN_PACKAGES)}" in debug
     assert "SET_DEVICE nanotron_ext.integration.cpu_standins.trainer" in debug
     assert any(line == f"nanotron_ext: {BANNER}" for line in debug)
