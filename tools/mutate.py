@@ -87,6 +87,8 @@ RESUME = "nanotron_ext/checkpoint/resume.py"
 RESHARD_TESTS = "tests/test_checkpoint_reshard.py"
 RECORD_TESTS = "tests/test_checkpoint_record.py"
 RESUME_E2E = "tests/upstream/test_resume.py"
+CPU_DEBUG_E2E = "tests/upstream/test_cpu_debug.py"
+CPU_STANDINS = "nanotron_ext/integration/cpu_standins/__init__.py"
 FILES_E2E = "tests/upstream/test_resume_files.py"
 FILES_TESTS = "tests/test_checkpoint_files.py"
 VERIFY = "nanotron_ext/checkpoint/verify.py"
@@ -579,6 +581,24 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a load failure stops only the rank it happened on", "nanotron_ext/integration/checkpoint_io.py",
       "        if not failed:\n            return out", "        if mine is None:\n            return out",
       (f"{FILES_E2E}::test_a_file_that_fails_to_load_stops_every_rank_with_a_load_failure_naming_it",), "upstream"),
+    # --- issue 44: resume on a laptop (--cpu-debug), exactly ------------------------------------------------------
+    M("the launcher leaves Nanotron's per-rank clipping", LAUNCHER,
+      "    install_split_independent_clipping(patches, trainer)\n", "",
+      (f"{CPU_DEBUG_E2E}::test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically",), "upstream"),
+    M("the launcher installs the stand-ins without the flag", "nanotron_ext/run.py",
+      "        if opts.cpu_debug:  # before", "        if True:  # before",
+      (f"{CPU_DEBUG_E2E}::test_without_the_flag_no_standin_is_importable_and_with_it_the_script_runs_on_them",),
+      "upstream"),
+    M("an installed flash_attn wins over the stand-in", CPU_STANDINS,
+      "        sys.path.insert(0, folder)", "        sys.path.append(folder)",
+      (f"{CPU_DEBUG_E2E}::test_without_the_flag_no_standin_is_importable_and_with_it_the_script_runs_on_them",),
+      "upstream"),
+    M("every rank prints the debugging banner", "nanotron_ext/run.py",
+      """if os.environ.get("RANK", "0") == "0" else None)""", "if True else None)",
+      (f"{CPU_DEBUG_E2E}::test_the_flag_says_once_that_the_run_is_for_debugging",), "upstream"),
+    M("--cpu-debug runs on Nanotron 0.2", CPU_STANDINS,
+      "    if not _installed_nanotron_is_upstream():", "    if False:",
+      ("tests/test_cpu_debug_flag.py",), "0.2"),
     # --- issue 29: one figure, one meaning; a command line that behaves like a Unix tool ---------------------
     M("a tied weight is counted twice on its stage", "nanotron_ext/plan/make.py",
       "held_parameters(members, cfg.model.tie_word_embeddings)", "held_parameters(members, False)",
@@ -619,6 +639,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("an override's error does not name its flags", "nanotron_ext/cli/common.py",
       'raise ConfigError(f"{flags}: {exc}") from exc', "raise",
       ("tests/test_user_errors.py::test_flags_the_config_refuses_are_named_before_its_message",)),
+    M("calibrate's counts are named by their parameter", "nanotron_ext/machine/calibrate.py",
+      'ConfigError(f"calibrate: --{name}={value!r} must', 'ConfigError(f"calibrate: {name}={value!r} must',
+      ("tests/test_user_errors.py::test_calibrates_counts_name_their_flag",)),
     M("docs/cli.md leaves out a flag --help lists", "docs/cli.md",
       " [--plan-out FILE.json] [--device cpu\\|cuda]` |", " [--plan-out FILE.json]` |",
       ("tests/test_docs.py::test_every_flag_of_every_subcommand_is_in_the_docs_with_its_choices",)),
