@@ -225,3 +225,16 @@ def test_usage_errors_are_one_line_with_where_the_flags_are(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--repeats", "0"], "--repeats"), (["--warmup", "-1"], "--warmup"),
+    (["--in-run", "--steps", "0"], "--steps"), (["--in-run", "--warmup-steps", "-1"], "--warmup-steps"),
+])
+def test_calibrates_counts_name_their_flag(tmp_path, capsys, argv, flag):
+    # calibrate checks its counts before it measures anything; the message names the flag as typed.
+    from nanotron_ext.cli import main
+
+    assert main(["calibrate", *argv, "--out", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}={argv[-1]} must be an integer >= " in err and err.count("\n") == 1, err

@@ -152,7 +152,7 @@ def _check_counts(warmup: int, repeats: int) -> None:
     """Raise a ConfigError unless ``warmup >= 0`` and ``repeats >= 1`` are integers."""
     for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"calibrate: {name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
+            raise ConfigError(f"calibrate: --{name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
                               f"--repeats 5: two untimed runs, then five timed ones)")
 
 
