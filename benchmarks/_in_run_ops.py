@@ -22,7 +22,8 @@ def time_ops() -> None:
     """Time every F, B and W step of every engine into :data:`_OPS` (this process only).
 
     F and B are Nanotron's ``PipelineEngine.forward`` and ``backward``, which its 1F1B and our zero-bubble
-    engines both call; W is the zero-bubble engine's weight step. Receives happen inside F and B (Nanotron's
+    engines both call; W is the zero-bubble engine's weight pass (``accumulate_weight_gradients``, the one function
+    for W). Receives happen inside F and B (Nanotron's
     ``run_communication``): the time the installed ``StepTimer`` counts as waiting on a peer during the op is taken
     out, so what is left is the op's own work, which is what the simulator prices."""
     from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
@@ -31,8 +32,8 @@ def time_ops() -> None:
     from nanotron_ext.zero_bubble import engine
 
     def waited() -> float:
-        acc = StepTimer._installed._acc if StepTimer._installed is not None else None
-        return acc.recv + acc.send + acc.collective if acc is not None else 0.0
+        timer = StepTimer.installed()
+        return timer.waited() if timer is not None else 0.0
 
     def timed(fn: Any, kind: str) -> Any:
         def op(*args: Any, **kwargs: Any) -> Any:
@@ -45,7 +46,7 @@ def time_ops() -> None:
 
     PipelineEngine.forward = timed(PipelineEngine.forward, "F")
     PipelineEngine.backward = timed(PipelineEngine.backward, "B")
-    engine._StepRun.weight = timed(engine._StepRun.weight, "W")
+    engine.accumulate_weight_gradients = timed(engine.accumulate_weight_gradients, "W")
 
 
 def clear_ops() -> None:

@@ -83,7 +83,7 @@ import _repeatability as repeatability  # noqa: E402
 from measured_cpu import MALLOC_ENV, SYSTEM_MALLOC_ENV  # noqa: E402
 
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
-from nanotron_ext.stats import median_interval  # noqa: E402
+from nanotron_ext.stats import kendall_tau, median_interval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nanotron_ext" / "configs"
@@ -721,30 +721,6 @@ def _show(path: Path, bar: Any) -> None:
     bar.total = state["total"]
     bar.n = state["done"]
     bar.refresh()
-
-
-# --- statistics ------------------------------------------------------------------------------------------
-
-
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall's τ-b of two rankings (ties allowed); NaN with fewer than two distinct values on a side."""
-    concordant = discordant = ties_a = ties_b = 0
-    for i in range(len(a)):
-        for j in range(i + 1, len(a)):
-            da, db = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
-            if da == 0 and db == 0:
-                continue
-            if da == 0:
-                ties_a += 1
-            elif db == 0:
-                ties_b += 1
-            elif da == db:
-                concordant += 1
-            else:
-                discordant += 1
-    n = concordant + discordant
-    denominator = math.sqrt((n + ties_a) * (n + ties_b))
-    return (concordant - discordant) / denominator if denominator else math.nan
 
 
 # --- analysis and report ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["fastest", "fastest_spread", "mean_spread", "median_interval", "relative_spread"]
+__all__ = ["fastest", "fastest_spread", "kendall_tau", "mean_spread", "median_interval", "relative_spread"]
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
@@ -82,3 +82,24 @@ def _split_half(values: Sequence[float], statistic: Callable[[Sequence[float]], 
     first, second = statistic(values[:half]), statistic(values[half:])
     whole = statistic(values)
     return abs(first - second) / 2 / whole if whole > 0 else 0.0
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's τ-b of two rankings (ties allowed); NaN with fewer than two distinct values on a side."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif da == db:
+                concordant += 1
+            else:
+                discordant += 1
+    n = concordant + discordant
+    denominator = math.sqrt((n + ties_a) * (n + ties_b))
+    return (concordant - discordant) / denominator if denominator else math.nan

@@ -11,7 +11,15 @@ from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import trainable_before
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.machine import BlockCost, Collective, EngineOverhead, Link, MachineProfile, block_signature, key_for
+from nanotron_ext.machine import (
+    BlockCost,
+    Collective,
+    EngineOverhead,
+    Link,
+    MachineProfile,
+    block_signature,
+    key_for,
+)
 from nanotron_ext.machine.in_run import InRunSplit, in_run_profile, position_spread, samples_of
 from nanotron_ext.machine.in_run_records import BlockOps, RankStep, Receive, Send
 from nanotron_ext.machine.pricing import tied_weight_bytes
@@ -128,11 +136,11 @@ def test_the_engines_overhead_is_its_ops_own_time_per_block_they_ran() -> None:
     assert profile.overhead == EngineOverhead(pytest.approx(1.0 / 10), 2e-6, 3e-6)
 
 
-def test_a_link_is_scaled_to_its_whole_transfers_in_the_run() -> None:
+def test_a_link_takes_the_latency_of_its_whole_transfers_in_the_run() -> None:
     link = Link(0, 1, 1e-4, 1e9)
     base = _base(links=(link, Link(1, 0, 1e-4, 1e9)), overhead=EngineOverhead(0.0, 1e-5, 1e-5))
-    n_bytes, k = 4_000_000, 3.0
-    whole = k * (link.latency + n_bytes / link.bytes_per_second) + 2e-5  # what a transfer 3x the link's price takes
+    n_bytes = 4_000_000
+    whole = 3e-3 + n_bytes / link.bytes_per_second + 2e-5  # a transfer whose latency in the run is 3 ms
     rank0, rank1 = _two_ranks()
     sender = dataclasses.replace(rank0, sends=(Send(0, 1, n_bytes, 1, posted=10.0), Send(0, 1, n_bytes, 1, 20.0)))
     # the first receive was waiting before its send was posted: a whole transfer; the second came late: left out
@@ -140,7 +148,7 @@ def test_a_link_is_scaled_to_its_whole_transfers_in_the_run() -> None:
                                                     Receive(0, 1, n_bytes, 1, started=21.0, ended=21.001)))
     profile = in_run_profile(SEED, BLOCKS, [_run([(sender, receiver)])], base, source="test")
     forward, backward = profile.links
-    assert (forward.latency, forward.bytes_per_second) == (pytest.approx(3e-4), pytest.approx(1e9 / 3))
+    assert (forward.latency, forward.bytes_per_second) == (pytest.approx(3e-3), 1e9)  # the bandwidth as calibrated
     assert profile.p2p_time(n_bytes, 1, cut=0) == pytest.approx(whole)
     assert backward == base.links[1]  # nothing crossed back whole: as calibrated
 
@@ -174,3 +182,11 @@ def test_a_run_of_another_model_or_of_nothing_is_refused() -> None:
         in_run_profile(SEED, BLOCKS, [_run([(alien,)])], _base(), source="test")
     with pytest.raises(ConfigError, match=r"the in-run steps timed no block"):
         in_run_profile(SEED, BLOCKS, [_run([])], _base(), source="test")
+
+
+def test_kendall_tau_counts_concordant_and_discordant_pairs() -> None:
+    from nanotron_ext.stats import kendall_tau
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx((5 - 1) / 6)

@@ -19,8 +19,8 @@ during training steps (:mod:`~nanotron_ext.machine.in_run_records`) into the sam
   A run under AFAB or 1F1B measures no ``W``: its backward is split as the standalone calibration split it.
 * **the engine's overhead**: the forward and backward ops less their blocks and waits, per block they ran.
 * **links**: each send matched with its receive (in order, per direction); where the receiver was already waiting
-  when the send was posted, post → arrival is the whole transfer. The calibrated link is scaled by the median of
-  those transfers ÷ its price of the same bytes (latency and bandwidth alike: one run sees few sizes).
+  when the send was posted, post → arrival is the whole transfer. A link keeps its calibrated bandwidth (the
+  transport's, measured over every size; a run sees one or two) and takes the latency those transfers show.
 * **tied all-reduce**: the later of the two ends' time inside it (the earlier one waits for the other), and the
   calibrated collective scaled to it the same way. The dp all-reduce stays as calibrated: DDP reduces inside the
   backward, where the clock does not separate it.
@@ -215,22 +215,23 @@ def _transfers(runs: Sequence[InRunSplit]) -> dict[tuple[int, int], list[tuple[i
     return out
 
 
-def _scaled_links(base: MachineProfile, runs: Sequence[InRunSplit]) -> tuple[Link, ...]:
-    """Each calibrated link scaled by the median of its in-run transfers ÷ its own price of the same bytes."""
+def _in_run_links(base: MachineProfile, runs: Sequence[InRunSplit]) -> tuple[Link, ...]:
+    """Each calibrated link with the latency its whole transfers in the run show: per tensor, the median of the
+    transfer less Nanotron's posting and the bytes at the calibrated bandwidth. The bandwidth stays as calibrated:
+    it is the transport's, measured over every size between idle ranks, where a run sees one or two sizes; what a
+    run adds per transfer (waking a rank blocked in its receive, the transport's loop under load) is latency."""
     transfers = _transfers(runs)
+    call = base.overhead.send + base.overhead.recv  # Nanotron's per-tensor posting, priced apart from the link
     links = []
     for link in base.links:
-        call = base.overhead.send + base.overhead.recv  # Nanotron's per-tensor posting, priced apart from the link
-        # k such that n (k·latency + call) + k·bytes / bandwidth is the transfer as measured
-        ratios = [(t - n * call) / (n * link.latency + n_bytes / link.bytes_per_second)
-                  for n_bytes, n, t in transfers.get((link.src, link.dst), [])]
-        ratios = [k for k in ratios if k > 0]
-        if not ratios:
+        samples = transfers.get((link.src, link.dst), [])
+        latencies = [(t - n_bytes / link.bytes_per_second) / n - call for n_bytes, n, t in samples]
+        if not latencies:
             links.append(link)
             continue
-        k = statistics.median(ratios)
-        links.append(Link(link.src, link.dst, link.latency * k, link.bytes_per_second / k,
-                          mean_spread(ratios) if len(ratios) > 1 else link.spread))
+        latency = max(statistics.median(latencies), 0.0)
+        links.append(Link(link.src, link.dst, latency, link.bytes_per_second,
+                          mean_spread(latencies) if len(latencies) > 1 else link.spread))
     return tuple(links)
 
 
@@ -276,6 +277,6 @@ def in_run_profile(cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequen
     rates, overall = fit_rates([(cfg, list(blocks))], costs)
     return dataclasses.replace(
         base, name=base.name.replace("calibrated:", "in-run:", 1), source=source, flops_per_second=overall,
-        rates=rates, blocks=tuple(costs.values()), links=_scaled_links(base, runs),
+        rates=rates, blocks=tuple(costs.values()), links=_in_run_links(base, runs),
         overhead=_overhead(runs, base.overhead), tied_allreduce=_tied(base, cfg, blocks, runs), method="in-run",
     )

@@ -18,8 +18,8 @@ import contextlib
 import gc
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError
@@ -31,7 +31,7 @@ from nanotron_ext.plan import make_plan, resolve_engine
 from nanotron_ext.plan.probes import Probe, probe_splits
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 
-__all__ = ["calibrate_in_run", "in_run_splits"]
+__all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context"]
 
 
 def in_run_splits(cfg: PlannerConfig, *, probes: bool) -> list[Probe]:
@@ -91,46 +91,74 @@ def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = I
         else:
             profile = calibrate(cfg, warmup=warmup, repeats=repeats, progress=progress)
         rank = int(os.environ["RANK"])
-        with _bar(len(splits) * (steps + warmup_steps), enabled=progress and rank == 0) as bar:
-            runs = [_time_split(cfg, split, ctx, steps, warmup_steps, bar) for split in splits]
-        return share_profile(lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, profile,
-                                                    source=profile_source(cfg)), rank, what="calibrate --in-run")
+        return profile_in_context(cfg, ctx, profile, splits, steps=steps, warmup_steps=warmup_steps,
+                                  progress=progress and rank == 0)
 
 
-def _time_split(cfg: PlannerConfig, split: Probe, ctx: Any, steps: int, warmup_steps: int, bar: Any) -> InRunSplit:
-    """One split built, warmed up and timed; its steps gathered on rank 0 (an empty split elsewhere)."""
+def profile_in_context(cfg: PlannerConfig, ctx: Any, base: MachineProfile, splits: list[Probe], *,
+                       steps: int = IN_RUN_STEPS, warmup_steps: int = IN_RUN_WARMUP_STEPS,
+                       progress: bool = False) -> MachineProfile:
+    """The in-run profile of ``splits`` on top of ``base``, in an existing gloo context (collective; every rank
+    returns the same profile). What :func:`calibrate_in_run` does once its context and base exist; a benchmark that
+    trains in the same processes calls it directly."""
+    rank = int(os.environ["RANK"])
+    with _bar(len(splits) * (steps + warmup_steps), enabled=progress) as bar:
+        runs = [_time_split(cfg, split, ctx, steps, warmup_steps, bar) for split in splits]
+    return share_profile(lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, base,
+                                                source=profile_source(cfg)), rank, what="calibrate --in-run")
+
+
+def build_split(cfg: PlannerConfig, block_ranks: Sequence[int], ctx: Any, *, seed: int = 0) -> SplitRun:
+    """``cfg``'s model built on ``block_ranks`` (frozen as the config says, DDP where dp > 1), its optimizer and a
+    stream of random micro-batches: what one split trains with (collective)."""
     import torch
 
     from nanotron_ext.integration import apply_freeze_to_model
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
-    from nanotron_ext.runtime import (
-        build_cpu_llama,
-        build_optimizer,
-        random_micro_batches,
-        train_step,
-        wrap_ddp,
-    )
-    from nanotron_ext.runtime.op_clock import OpClock
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches, wrap_ddp
 
-    bar.set_postfix_str(f"{split.name}: building")
-    torch.manual_seed(0)
-    model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(split.block_ranks), ddp=False,
+    torch.manual_seed(seed)
+    model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks), ddp=False,
                             projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards,
                             recompute_layer=cfg.run.recompute_layer)
     apply_freeze_to_model(model, cfg, inventory_from_config(cfg))
     model = wrap_ddp(model, ctx)
     optimizer, accumulator = build_optimizer(model, ctx, learning_rate=1e-5)
     batches = random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                   cfg.run.sequence_length)
-    with OpClock(model, ctx) as clock:
+                                   cfg.run.sequence_length, seed=seed)
+    return SplitRun(model, optimizer, accumulator, batches)
+
+
+class SplitRun(NamedTuple):
+    """A split's model, optimizer, gradient accumulator and micro-batch stream."""
+
+    model: Any
+    optimizer: Any
+    accumulator: Any
+    batches: Iterator[Any]
+
+    def step(self, cfg: PlannerConfig, ctx: Any, engine: str | None = None) -> float:
+        """One training step under ``engine`` (default: the config's); its loss."""
+        from nanotron_ext.runtime import train_step
+
+        return train_step(self.model, ctx, engine or cfg.run.engine, self.batches, cfg.run.n_micro_batches,
+                          self.optimizer, grad_accumulator=self.accumulator)
+
+
+def _time_split(cfg: PlannerConfig, split: Probe, ctx: Any, steps: int, warmup_steps: int, bar: Any) -> InRunSplit:
+    """One split built, warmed up and timed; its steps gathered on rank 0 (an empty split elsewhere)."""
+    from nanotron_ext.runtime.op_clock import OpClock
+
+    bar.set_postfix_str(f"{split.name}: building")
+    run = build_split(cfg, split.block_ranks, ctx)
+    with OpClock(run.model, ctx) as clock:
         for i in range(warmup_steps + steps):
             bar.set_postfix_str(f"{split.name}: {'warm-up' if i < warmup_steps else 'timed'} step")
             with clock.step(record=i >= warmup_steps):
-                train_step(model, ctx, cfg.run.engine, batches, cfg.run.n_micro_batches, optimizer,
-                           grad_accumulator=accumulator)
+                run.step(cfg, ctx)
             bar.update()
         gathered = clock.gather()
-    del model, optimizer, accumulator, batches, clock
+    del run, clock
     gc.collect()
     steps_by_rank = () if gathered is None else tuple(zip(*gathered))
     return InRunSplit(split.block_ranks, steps_by_rank)

@@ -292,6 +292,11 @@ class StepTimer:
             torch_dist.gather_object(self.records, out, dst=dst, group=self.group)
         return out
 
+    @classmethod
+    def installed(cls) -> StepTimer | None:
+        """The timer installed in this process, if any (an op timed inside a step asks it for the waits so far)."""
+        return cls._installed
+
     def waited(self) -> float:
         """Seconds this rank has waited on peers so far in the current step (receives, sends, collectives; 0
         outside :meth:`step`): what an op timed inside the step subtracts to keep only its own work."""

@@ -57,6 +57,21 @@ def test_every_block_of_a_rank_is_timed_once_per_micro_batch_where_the_engine_ra
             assert step["update"] > 0
 
 
+def test_a_ranks_blocks_add_up_to_no_more_than_its_busy_time_in_the_pipeline(
+        clocked: tuple[str, list[dict[str, Any]]]) -> None:
+    """The blocks' spans tile the engine's ops without overlapping: together they are inside the rank's own work in
+    the pipeline (the step timer's pipeline part less its waits), and the engine's bookkeeping is what is left."""
+    _, ranks = clocked
+    for rank_steps, rank_records in zip(ranks[0]["steps"], ranks[0]["records"]):
+        for step, record in zip(rank_steps, rank_records):
+            blocks = sum(sum(b["forward"]) + sum(b["backward"]) + sum(b["weight"]) for b in step["blocks"])
+            busy = record["pipeline"] - record["pipeline_idle"]
+            calls = [own for own, _ in step["calls"]]
+            assert 0 < blocks <= busy
+            assert min(calls) >= -1e-6  # an op's own time holds its blocks': never less than them
+            assert blocks + sum(calls) <= busy + 1e-6
+
+
 def test_every_transfer_is_recorded_on_both_ends(clocked: tuple[str, list[dict[str, Any]]]) -> None:
     _, ranks = clocked
     for step0, step1 in zip(*ranks[0]["steps"]):

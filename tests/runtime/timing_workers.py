@@ -262,7 +262,7 @@ def clocked_steps(engine: str, clocked: bool, frozen: tuple[str, ...] = (), step
                                 freeze=lambda name, _: name.startswith(frozen) if frozen else False)
         optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
         batches = random_micro_batches(model, ctx, SMALL["vocab_size"], MICRO_BATCH, SEQ_LEN)
-        losses, gathered = [], None
+        losses, gathered, records = [], None, None
         if clocked:
             with OpClock(model, ctx) as clock:
                 for _ in range(steps):
@@ -270,9 +270,11 @@ def clocked_steps(engine: str, clocked: bool, frozen: tuple[str, ...] = (), step
                         losses.append(train_step(model, ctx, engine, batches, N_MICRO, optimizer,
                                                  grad_accumulator=grad_acc))
                 gathered = clock.gather()
+                records = clock.timer.gather()
         else:
             losses = [train_step(model, ctx, engine, batches, N_MICRO, optimizer, grad_accumulator=grad_acc)
                       for _ in range(steps)]
         weights = {n: p.detach().clone().numpy().tobytes() for n, p in model.named_parameters()}
     return {"rank": int(os.environ["RANK"]), "losses": losses, "weights": weights,
-            "steps": None if gathered is None else [[dataclasses.asdict(s) for s in rank] for rank in gathered]}
+            "steps": None if gathered is None else [[dataclasses.asdict(s) for s in rank] for rank in gathered],
+            "records": None if records is None else [[r.to_dict() for r in rank] for rank in records]}
