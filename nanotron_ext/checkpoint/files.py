@@ -13,13 +13,15 @@ Layout of a checkpoint written by Nanotron's trainer (upstream main, ``nanotron/
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHECKPOINT_METADATA", "MODEL_CONFIG", "RankFile", "WeightFile", "describe_file", "parse_rank_file",
-    "parse_weight_file", "weight_name",
+    "parse_weight_file", "path_inside", "weight_name",
 ]
 
 #: Written last but one by Nanotron's ``save_checkpoint``; upstream's ``parse_ckpt_path`` takes a folder that has
@@ -138,3 +140,14 @@ def describe_file(path: str) -> str:
     if path.startswith("random/"):
         return "a rank's random states"
     return _NAMED_FILES.get(path, "a file of the checkpoint")
+
+
+def path_inside(folder: Path, file: Any) -> str | None:
+    """``file``'s path inside the checkpoint ``folder`` as a record lists it (``/``-separated); None for a file
+    elsewhere, or for something that is not a path."""
+    if not isinstance(file, (str, bytes, os.PathLike)):
+        return None
+    try:
+        return Path(os.fsdecode(file)).resolve().relative_to(Path(folder).resolve()).as_posix()
+    except ValueError:
+        return None

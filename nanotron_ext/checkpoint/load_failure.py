@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanotron_ext.checkpoint.files import path_inside
 from nanotron_ext.checkpoint.locate import ResumeSource
 from nanotron_ext.errors import RunFailure
 
@@ -40,10 +41,7 @@ def relative_file(path: Path | str | None, folder: Path) -> str | None:
     """``path`` inside ``folder`` as the record lists it, or as given when it lies elsewhere."""
     if path is None:
         return None
-    try:
-        return Path(path).resolve().relative_to(folder.resolve()).as_posix()
-    except ValueError:
-        return str(path)
+    return path_inside(folder, path) or str(path)
 
 
 def load_failure_message(source: ResumeSource, failures: Sequence[LoadFailure], *, verified: bool, instead: str) -> str:

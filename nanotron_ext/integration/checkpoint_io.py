@@ -22,7 +22,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import io
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from nanotron_ext.checkpoint import (
     verify_checkpoint,
 )
 from nanotron_ext.checkpoint.digest import HashingWriter
+from nanotron_ext.checkpoint.files import path_inside
 from nanotron_ext.checkpoint.load_failure import relative_file
 from nanotron_ext.checkpoint.safetensors_writer import write_safetensors
 from nanotron_ext.checkpoint.verify import Gather
@@ -65,16 +65,6 @@ def swapped(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def _inside(folder: Path, file: Any) -> str | None:
-    """``file``'s path inside ``folder`` (``/``-separated), None for a file elsewhere or not a path."""
-    if not isinstance(file, (str, bytes, os.PathLike)):
-        return None
-    try:
-        return Path(os.fsdecode(file)).resolve().relative_to(folder).as_posix()
-    except ValueError:
-        return None
-
-
 def _writes(mode: str) -> bool:
     return ("w" in mode or "x" in mode) and "+" not in mode and "a" not in mode
 
@@ -88,7 +78,7 @@ class SaveRecorder:
 
     def writer(self, path: Any) -> HashingWriter:
         """A new binary file at ``path`` (inside the folder) whose size and checksum are recorded when it closes."""
-        relative = _inside(self.folder, path)
+        relative = path_inside(self.folder, path)
         assert relative is not None, f"{path} is not inside {self.folder}"
         raw = _OPEN(path, "wb", buffering=0)
 
@@ -99,7 +89,7 @@ class SaveRecorder:
 
     def forget(self, path: Path) -> None:
         """Drop a file the save wrote and then removed."""
-        self.files.pop(_inside(self.folder, path) or "", None)
+        self.files.pop(path_inside(self.folder, path) or "", None)
 
     def save_safetensors(self, tensors: dict[str, torch.Tensor], path: Any, metadata: dict[str, str] | None) -> None:
         """``safetensors.torch.save_file``, hashed as written: the same format streamed from the tensors' memory."""
@@ -108,7 +98,7 @@ class SaveRecorder:
 
     def _open(self, file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
               errors: str | None = None, newline: str | None = None, closefd: bool = True, opener: Any = None) -> Any:
-        if not _writes(mode) or opener is not None or not closefd or _inside(self.folder, file) is None:
+        if not _writes(mode) or opener is not None or not closefd or path_inside(self.folder, file) is None:
             return _OPEN(file, mode, buffering, encoding, errors, newline, closefd, opener)
         raw = self.writer(file)
         buffered = io.BufferedWriter(raw) if buffering != 0 else raw
@@ -119,7 +109,7 @@ class SaveRecorder:
 
     def _torch_save(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if _inside(self.folder, f) is None:
+            if path_inside(self.folder, f) is None:
                 return original(obj, f, *args, **kwargs)
             with io.BufferedWriter(self.writer(f)) as out:
                 return original(obj, out, *args, **kwargs)
@@ -128,7 +118,7 @@ class SaveRecorder:
 
     def _save_file(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> Any:
-            if _inside(self.folder, filename) is None:
+            if path_inside(self.folder, filename) is None:
                 return original(tensors, filename, metadata=metadata)
             return self.save_safetensors(tensors, filename, metadata)
 
@@ -162,7 +152,7 @@ class ReadWatch:
         self.last: str | None = None
 
     def _note(self, file: Any) -> None:
-        relative = _inside(self.folder, file)
+        relative = path_inside(self.folder, file)
         if relative is not None:
             self.last = relative
 
