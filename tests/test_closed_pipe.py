@@ -110,6 +110,31 @@ def test_the_output_is_written_once_at_the_end(monkeypatch):
     os.close(write)
 
 
+@pytest.mark.parametrize("command, held", [("plan", True), ("simulate", True), ("train", False), ("calibrate", False)])
+def test_reports_are_held_and_progress_streams(monkeypatch, command, held):
+    # plan and simulate print a report at the end: held, then written once. train and calibrate print a line per
+    # step (or per measurement): each goes out as it is printed, or a watcher sees nothing until the end.
+    import nanotron_ext.cli as cli
+
+    read, write = os.pipe()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.FileIO(write, "wb", closefd=False), write_through=True))
+    seen: list[bytes] = []
+
+    def command_that_prints(args: object) -> int:
+        print("step 1")
+        seen.append(fcntl.ioctl(read, 0x541B, b"\0\0\0\0"))  # FIONREAD: bytes already in the pipe
+        return 0
+
+    module = getattr(cli, command)
+    monkeypatch.setattr(module, f"cmd_{command}", command_that_prints)
+    argv = [command, "--out", "m.json"] if command == "calibrate" else [command]
+    assert cli.main(argv) == 0
+    assert (int.from_bytes(seen[0], sys.byteorder) == 0) == held
+    assert os.read(read, 100) == b"step 1\n"
+    os.close(read)
+    os.close(write)
+
+
 BROKEN = """
 import os, sys
 from nanotron_ext.cli.common import report_error

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from nanotron_ext.cli import calibrate, plan, simulate, train
 from nanotron_ext.cli.common import EXIT_CLOSED_PIPE, EXIT_RUNTIME, Parser, report_error, version_line
-from nanotron_ext.cli.output import drop_output, whole_output
+from nanotron_ext.cli.output import WholeOutput, drop_output, whole_output
 
 __all__ = ["DESCRIPTION", "FIRST_STEPS", "build_parser", "main"]
 
@@ -68,8 +68,8 @@ class _KeepLayout(argparse.RawDescriptionHelpFormatter):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     try:
-        with whole_output():  # --help and --version too: one rule for a reader that leaves
-            return _run(argv)
+        with whole_output() as output:  # --help and --version too: one rule for a reader that leaves
+            return _run(argv, output)
     except BrokenPipeError:  # the reader left before the output was written
         drop_output()
         return EXIT_CLOSED_PIPE
@@ -80,8 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_RUNTIME
 
 
-def _run(argv: Sequence[str] | None) -> int:
+def _run(argv: Sequence[str] | None, output: WholeOutput) -> int:
     args = build_parser().parse_args(argv)
+    if not getattr(args, "whole_output", False):  # train and calibrate stream their progress
+        output.release()
     warnings.formatwarning = _one_line_warning
     try:
         return int(args.func(args))

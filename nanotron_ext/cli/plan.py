@@ -73,7 +73,7 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--replan", action="store_true",
                    help="with --checkpoint: the resume plans anew (nanotron_ext.resume_plan: replan) instead of "
                         "keeping the recorded split")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, whole_output=True)  # a report: written once (cli.output)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

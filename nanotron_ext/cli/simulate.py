@@ -94,7 +94,7 @@ def add_subcommand(subparsers: Any) -> None:
         help="with --compare: per-stage load of every strategy (default stage_loads.png)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(func=cmd_simulate, whole_output=True)  # a report: written once (cli.output)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
