@@ -19,9 +19,15 @@
 #      default .gpu/upstream: a copy of its src/): its own Llama on the GPU against the estimate of its GPU path;
 #   6. python benchmarks/predict_vs_measure.py --device cuda $PVM_ARGS (default --quick), when that script is
 #      here and takes --device;
+#   5d. python benchmarks/gpu_launcher.py under torchrun, world 1 over NCCL: upstream main's own run_train.py through
+#      the launcher on the GPU, flash-attn's kernels stood in as in 5c, 4 steps and a checkpoint that verifies, when
+#      upstream's run_train.py is at UPSTREAM_SRC (copy ../shared/upstream/nanotron/run_train.py there too);
+#   6b. calibrate --in-run on the GPU (2 ranks on the one GPU, host-staged): the seed config and SmolLM-135M's shape
+#      at pp=2, each block priced from real training steps (issue 41); then python benchmarks/in_run_accuracy.py
+#      --device cuda $IRA_ARGS (default: --quick on seed-pp2 and smollm-pp2), the in-run profile against the engine;
 #   7. OUTDIR/summary.md: the device, every step's result and log, the profiles, the training runs.
 # Exit status: 0 when every step passed, 1 when one failed (the summary names it), 2 without a CUDA device.
-# Environment: PYTHON (default python), STEP_TIMEOUT seconds per step (default 300), PVM_ARGS, and
+# Environment: PYTHON (default python), STEP_TIMEOUT seconds per step (default 300), PVM_ARGS, IRA_ARGS, and
 # CUDA_VISIBLE_DEVICES (default 0: one GPU). GPU_CHECK_REHEARSAL=1 rehearses the script on a machine without a GPU
 # (the seed model's steps only, "cuda" replaced by CPU with the host staging forced on; the summary says so): it
 # checks the script, not a GPU.
@@ -35,11 +41,16 @@ cd "$ROOT" || exit 2
 PY="${PYTHON:-python}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 PVM_ARGS="${PVM_ARGS:---quick}"
+IRA_ARGS="${IRA_ARGS:---quick --scenario seed-pp2 --scenario smollm-pp2}"
 REHEARSAL="${GPU_CHECK_REHEARSAL:-0}"
 if [ "$REHEARSAL" = 1 ]; then
     DEVICE_ENV=(NANOTRON_EXT_DEVICE=cpu NANOTRON_EXT_HOST_STAGING=1)  # the CUDA path's copies, on CPU
+    DEVICE=cpu
+    IN_RUN_STEPS=(--steps 1 --warmup-steps 1)  # the script's check, not a profile
 else
     DEVICE_ENV=(NANOTRON_EXT_DEVICE=cuda)
+    DEVICE=cuda
+    IN_RUN_STEPS=()
 fi
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,12 +99,13 @@ smollm() {  # smollm NAME CMD...: a SmolLM-sized step, skipped in a rehearsal (t
 }
 
 # 2-3. calibrate: alone (compute on the GPU), then 2 ranks on the one GPU over gloo (links host-staged).
-step calibrate_seed_alone "${NX[@]}" calibrate "$SEED" --out "$P/seed_alone.json"
-smollm calibrate_smollm_alone "${NX[@]}" calibrate "$SMOL" --out "$P/smollm_135m_alone.json"
+# The one device rule: every step names its device (--device, or NANOTRON_EXT_DEVICE for train).
+step calibrate_seed_alone "${NX[@]}" calibrate "$SEED" --device "$DEVICE" --out "$P/seed_alone.json"
+smollm calibrate_smollm_alone "${NX[@]}" calibrate "$SMOL" --device "$DEVICE" --out "$P/smollm_135m_alone.json"
 step calibrate_seed_pp2_gloo "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SEED" --backend gloo \
-    --out "$P/seed_pp2_gloo_host_staged.json"
+    --device "$DEVICE" --out "$P/seed_pp2_gloo_host_staged.json"
 smollm calibrate_smollm_pp2_gloo "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SMOL2" --backend gloo \
-    --out "$P/smollm_135m_pp2_gloo_host_staged.json"
+    --device "$DEVICE" --out "$P/smollm_135m_pp2_gloo_host_staged.json"
 
 # 4. plan and simulate with each profile.
 for run in "seed:$SEED:seed_pp2_gloo_host_staged" "smollm_alone:$SMOL:smollm_135m_alone" \
@@ -134,6 +146,16 @@ else
         --device cuda --out "$OUT/train/gpu_path_memory_cuda.json"
 fi
 
+# 5d. the launcher itself on the GPU (issue 41): upstream's run_train.py, world 1 over NCCL.
+if [ "$REHEARSAL" = 1 ]; then
+    skip launcher_cuda "rehearsal on CPU: the launcher runs there with --cpu-debug (tests/upstream)"
+elif [ ! -f "$UPSTREAM_SRC/run_train.py" ]; then
+    skip launcher_cuda "no upstream run_train.py at $UPSTREAM_SRC (copy ../shared/upstream/nanotron/run_train.py there)"
+else
+    step launcher_cuda env PYTHONPATH="$UPSTREAM_SRC:$PYTHONPATH" "${TORCHRUN[@]/--nproc_per_node=2/--nproc_per_node=1}" \
+        benchmarks/gpu_launcher.py "$UPSTREAM_SRC/run_train.py" "$OUT/launcher"
+fi
+
 PVM=benchmarks/predict_vs_measure.py
 if [ "$REHEARSAL" = 1 ]; then
     skip predict_vs_measure "rehearsal on CPU: run python $PVM itself there"
@@ -149,6 +171,19 @@ else
     find benchmarks/results -maxdepth 1 -name 'predict_vs_measure*' -newer "$marker" \
         -exec cp {} "$OUT/predict_vs_measure/" \;
     rm -f "$marker"
+fi
+
+# 6b. the in-run profile on the GPU (issue 41): blocks priced from real training steps, 2 ranks on the one GPU.
+step calibrate_seed_in_run "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SEED" --in-run --probes \
+    "${IN_RUN_STEPS[@]}" --device "$DEVICE" --machine "$P/seed_pp2_gloo_host_staged.json" --out "$P/seed_pp2_in_run.json"
+smollm calibrate_smollm_pp2_in_run "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SMOL2" --in-run \
+    --device "$DEVICE" --machine "$P/smollm_135m_pp2_gloo_host_staged.json" --out "$P/smollm_135m_pp2_in_run.json"
+if [ "$REHEARSAL" = 1 ]; then
+    skip in_run_accuracy "rehearsal on CPU: run python benchmarks/in_run_accuracy.py itself there"
+else
+    # shellcheck disable=SC2086  # IRA_ARGS is a list of flags
+    step in_run_accuracy "$PY" benchmarks/in_run_accuracy.py --device cuda $IRA_ARGS \
+        --out "$OUT/in_run_accuracy_cuda.json"
 fi
 
 # 7. the summary (exit 1 when a step failed).

@@ -32,6 +32,7 @@ from in_run import ranks, report  # noqa: E402
 from in_run.scenarios import SCENARIOS, Scenario  # noqa: E402
 from measured_cpu import MALLOC_ENV  # noqa: E402  (the malloc settings every CPU benchmark trains with)
 
+from nanotron_ext.devices import DEVICE_TYPES, device_type  # noqa: E402
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def spec_of(sc: Scenario, args: argparse.Namespace, folder: Path) -> dict[str, A
             "splits": [{"name": s.name, "layout": s.layout} for s in sc.splits], "engines": list(sc.engines),
             "micro_batches": [sc.micro_batches, *sc.micro_batches_also], "tolerance": sc.tolerance,
             "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 2,
-            "repeats": args.repeats, "in_run_steps": args.in_run_steps, "pp": sc.pp}
+            "repeats": args.repeats, "in_run_steps": args.in_run_steps, "pp": sc.pp, "device": args.device}
 
 
 def launch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def launch(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
                                str(out_path)], spec["pp"], timeout=WORLD_TIMEOUT_S, grace=0,
-                              env={**MALLOC_ENV, **local_env(ROOT)}, cwd=ROOT)
+                              env={**MALLOC_ENV, **local_env(ROOT, NANOTRON_EXT_DEVICE=spec["device"])}, cwd=ROOT)
     finally:
         stop.set()
         follower.join()
@@ -97,13 +98,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a rehearsal, its verdicts not counted")
     parser.add_argument("--repeats", type=int, default=11, help="calibrate's --repeats for the standalone profile")
     parser.add_argument("--in-run-steps", type=int, default=5, help="timed steps of the profile's run")
+    parser.add_argument("--device", choices=DEVICE_TYPES, default=None,
+                        help="where the ranks train and calibrate (default: the one device rule: $NANOTRON_EXT_DEVICE, "
+                        "else cuda when torch sees a GPU, else cpu); on one GPU the ranks share it, host-staged")
     parser.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/in_run_accuracy.json)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         ranks.worker(*args.worker)
         return 0
-    print("$ " + shlex.join(["python", *sys.argv]))
+    args.device = device_type(args.device)
+    print("$ " + shlex.join(["python", *sys.argv]) + f"  (device: {args.device})")
     chosen = [s for s in SCENARIOS if not args.scenario or s.label in args.scenario]
     folder = Path(tempfile.mkdtemp(prefix="in_run_accuracy_"))
     results, failed = {}, []
@@ -119,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[sc.label] = {"rows": [r.__dict__ for r in found], "clock": clock, "checks": verdicts,
                              "profiles": profiles, "seconds": time.perf_counter() - start}
         print(f"({time.perf_counter() - start:.0f} s)")
-    out = Path(args.out) if args.out else RESULTS / ("in_run_accuracy_quick.json" if args.quick else
-                                                      "in_run_accuracy.json")
+    stem = "in_run_accuracy" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
+    out = Path(args.out) if args.out else RESULTS / f"{stem}.json"
     out.write_text(json.dumps({"command": sys.argv, "scenarios": results}, indent=1))
     print(f"\nwrote {out}")
     if failed:

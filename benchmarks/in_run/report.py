@@ -79,7 +79,7 @@ def rows(result: dict[str, Any]) -> tuple[list[Row], dict[str, float]]:
             continue
         c = cfg.with_overrides(engine=run["engine"], n_micro_batches=run["m"])
         plan = plan_with_ranks(blocks, c, ranks, "measured", suggest_fixes=False)
-        predicted = {name: simulate_plan(plan, blocks, c, machine=p, device="cpu", backend="gloo").step_time
+        predicted = {name: simulate_plan(plan, blocks, c, machine=p, device=spec["device"], backend="gloo").step_time
                      for name, p in profiles.items()}
         low, high, _ = median_interval(times)
         key = (ranks, run["engine"], run["m"])

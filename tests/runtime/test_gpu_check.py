@@ -19,7 +19,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 
 def _run(out: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=300,
+    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=480,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **env}, cwd=REPO)
 
 
@@ -44,8 +44,11 @@ def test_rehearsal_on_cpu_runs_the_steps_and_says_it_was_no_gpu_check(tmp_path: 
     steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
     ran = {name for name, rc in steps.items() if rc == "0"}
     assert ran == {"calibrate_seed_alone", "calibrate_seed_pp2_gloo", "plan_seed", "simulate_seed", "train_seed_cpu",
-                   "train_seed_cuda", "compare_seed_cuda_cpu"}, steps
+                   "train_seed_cuda", "compare_seed_cuda_cpu", "calibrate_seed_in_run"}, steps
     assert set(steps.values()) == {"0", "skipped"}
+    in_run = json.loads((out / "profiles" / "seed_pp2_in_run.json").read_text())  # issue 41, on the run's device
+    assert in_run["method"] == "in-run" and in_run["key"]["device"] == "cpu"
+    assert {"calibrate_smollm_pp2_in_run", "in_run_accuracy"} <= set(steps)
     same = json.loads((out / "train" / "seed_cuda_vs_seed_cpu.json").read_text())
     assert same["same"] and same["max_rel_diff"] == 0.0  # the forced host staging changes no bit
     staged = json.loads((out / "train" / "seed_cuda.json").read_text())
