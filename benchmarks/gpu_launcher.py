@@ -71,16 +71,18 @@ def main(argv: list[str] | None = None) -> int:
 def _check_checkpoint(folder: Path) -> int:
     """The last checkpoint's record read back and its files proved, as a resume does."""
     from nanotron_ext.checkpoint import locate_checkpoint
+    from nanotron_ext.checkpoint.verify import verify_checkpoint
 
     try:
         found = locate_checkpoint(str(folder))
-    except Exception as exc:  # a half-written or unreadable checkpoint: the check's finding
+        verdict = None if found is None else verify_checkpoint(found)
+    except Exception as exc:  # a half-written, unreadable or damaged checkpoint: the check's finding
         print(f"gpu_launcher: the checkpoint under {folder} does not verify: {exc}", file=sys.stderr)
         return 1
-    if found is None:
-        print(f"gpu_launcher: no checkpoint under {folder}", file=sys.stderr)
+    if found is None or verdict is None or not verdict.verified:
+        print(f"gpu_launcher: no checkpoint under {folder} whose files its record proves", file=sys.stderr)
         return 1
-    print(f"gpu_launcher: trained through the launcher and saved {found.label}")
+    print(f"gpu_launcher: trained through the launcher and saved {found.label}, {verdict.files} files proved")
     return 0
 
 

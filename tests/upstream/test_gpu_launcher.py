@@ -24,7 +24,8 @@ def test_the_launcher_step_trains_saves_and_verifies_its_checkpoint(tmp_path: Pa
                            str(REPO / "benchmarks" / "gpu_launcher.py"), str(run_train), str(tmp_path), "--cpu-debug"],
                           capture_output=True, text=True, timeout=300, env=local_env(REPO), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "gpu_launcher: trained through the launcher and saved checkpoint 4" in done.stdout
+    assert "gpu_launcher: trained through the launcher and saved checkpoint 4, " in done.stdout
+    assert " files proved" in done.stdout
     config = yaml.safe_load((tmp_path / "gpu_launcher.yaml").read_text())
     assert config["parallelism"]["pp"] == 1 and config["checkpoints"]["checkpoints_path"] == str(tmp_path / "checkpoints")
     assert (tmp_path / "checkpoints" / "4").is_dir()
