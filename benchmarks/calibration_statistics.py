@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _repeatability import REPEATABLE  # noqa: E402
-from predict_vs_measure import LAYOUTS, RESULTS, scenarios  # noqa: E402
+from pvm.scenarios import LAYOUTS, RESULTS, scenarios  # noqa: E402
 
 from nanotron_ext.stats import fastest  # noqa: E402
 

@@ -60,7 +60,6 @@ a significant misordered pair, or the default not measured fastest (within the f
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -76,122 +75,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _repeatability as repeatability  # noqa: E402
 from measured_cpu import MALLOC_ENV, SYSTEM_MALLOC_ENV  # noqa: E402
+from pvm.scenarios import ENGINE, RESULTS, ROOT, Scenario, scenarios  # noqa: E402
 
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 from nanotron_ext.stats import kendall_tau, median_interval  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "nanotron_ext" / "configs"
-RESULTS = Path(__file__).resolve().parent / "results"
-ENGINE = "1f1b"
+WORLD_TIMEOUT_S = 600.0
 EAGER_SENDS = " [eager sends]"
 RATIO_RANGE = (0.95, 1.05)
 CONFIDENCE = 0.95
-WORLD_TIMEOUT_S = 600.0
-#: The splits of the seed model at pp=2 (the chain at K = 2, 3, 4, planned under the profile). The default comes
-#: first, so that a split equal to it is shown as ``(= default)``.
-SEED_SPLITS = ("default", "nanotron", "uniform", "flop-optimal", "chain K=2", "chain K=3", "chain K=4")
-#: The splits of the SmolLM shape; ``shift ±2``: two decoder layers more (fewer) on PP0 than the default has, a
-#: deliberately shifted split (``layout`` strategy).
-SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
-#: Issue 32's hand layouts of the 8-layer SmolLM shape at pp=2 (no other scenario trains them).
-LAYOUTS = (("front-heavy", "E,t*6|t*2,N,H,C,X"), ("even", "E,t*4|t*4,N,H,C,X"), ("back-heavy", "E,t*2|t*6,N,H,C,X"),
-           # The 25 MB of fp32 logits across the cut (PP1 holds only the cast and the loss: its optimizer skipped).
-           ("logits across the cut", "E,t*8,N,H|C,X"))
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """A model, batch shape and pipeline size, and the splits trained on it."""
-
-    label: str
-    yaml_name: str
-    pp: int
-    n_micro_batches: int
-    splits: tuple[str, ...]
-    notes: str
-    sequence_length: int | None = None  # None: as in the YAML
-    micro_batch_size: int | None = None
-    num_hidden_layers: int | None = None
-    #: Each split's turn in a round: ``rewarm`` untimed steps, then ``steps_per_turn`` timed ones.
-    rounds: int = 8
-    steps_per_turn: int = 1
-    rewarm: int = 0
-    #: ``calibrate`` again after every this many rounds (0: only at the start).
-    calibrate_every: int = 4
-    #: Print what ``vocab_shards: auto`` picks under the profile (untied models only).
-    auto: bool = False
-    #: Item 3: the splits whose step is taken apart per stage, measured and predicted.
-    decompose: tuple[str, ...] = ()
-    #: Splits trained a second time, in the same rounds, with every queued send posted at once (the runtime's
-    #: ``sends="eager"``) instead of Nanotron's one tensor of a cut per communication call: that fix's measured effect.
-    eager_sends: tuple[str, ...] = ()
-    #: Calibrations back to back at the start (issue 32: how far apart their predictions land).
-    calibrations_first: int = 1
-    #: Named hand layouts (``layout`` strategy) trained as splits of those names.
-    layouts: tuple[tuple[str, str], ...] = ()
-    tied: bool | None = None  # None: as in the YAML
-    #: The splits whose calibrations must agree within 3 % (issue 32's three layouts; the others' spread is printed).
-    repeatable: tuple[str, ...] = ()
-
-    def raw_config(self) -> dict[str, Any]:
-        """The YAML as a dict with this scenario's overrides (pp, 1F1B, fp32, batch shape)."""
-        raw = copy.deepcopy(yaml.safe_load((CONFIGS / self.yaml_name).read_text()))
-        raw["parallelism"].update(dp=1, tp=1, pp=self.pp, pp_engine=ENGINE)
-        raw["tokens"]["batch_accumulation_per_replica"] = self.n_micro_batches
-        for key, value in (("sequence_length", self.sequence_length), ("micro_batch_size", self.micro_batch_size)):
-            if value is not None:
-                raw["tokens"][key] = value
-        raw["model"]["dtype"] = "float32"
-        raw.setdefault("optimizer", {})["accumulate_grad_in_fp32"] = False
-        if self.num_hidden_layers is not None:
-            raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
-        if self.tied is not None:
-            raw["model"]["model_config"]["tie_word_embeddings"] = self.tied
-        raw.pop("nanotron_ext", None)
-        return raw
-
-
-def scenarios(quick: bool) -> list[Scenario]:
-    """The scenarios; ``quick``: smaller models and fewer rounds (a minute or two on a busy 2-core machine)."""
-    layers, seq = (4, 32) if quick else (8, 128)
-    smol = dict(yaml_name="smollm_135m.yaml", pp=2, splits=SMOL_SPLITS, sequence_length=seq, micro_batch_size=1,
-                num_hidden_layers=layers, rounds=3 if quick else 8, steps_per_turn=1 if quick else 2,
-                # Its calibration takes ~10 s (the tied embedding's 113 MB all-reduce): once more at the end only.
-                calibrate_every=0 if quick else 8)
-    shape = f"SmolLM-135M shape, {layers} layers, seq {seq}, micro-batch 1"
-    return [
-        # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
-        Scenario("seed-pp2", "tiny_llama_large_vocab.yaml", 2, 4, SEED_SPLITS, "seed model as shipped, pp=2, m=4",
-                 rounds=3 if quick else 10, steps_per_turn=2 if quick else 3, rewarm=1,
-                 # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
-                 calibrate_every=0 if quick else 2, auto=True, decompose=("default", "chain K=2"),
-                 eager_sends=("default", "chain K=2", "chain K=4")),
-        Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
-        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",),
-                 eager_sends=("default",), **smol),
-        # Issue 29: Nanotron's rule ships the logits across one cut (lm_head | cast, loss), hidden states across the
-        # other; each cut is priced by what crosses it.
-        Scenario("smollm-pp3", n_micro_batches=4, notes=f"{shape}, pp=3, m=4 (logits across a cut)",
-                 **{**smol, "pp": 3, "splits": ("default", "nanotron", "flop-optimal")}),
-        # Issue 32: three layouts no other scenario trains, untied; three calibrations back to back, each predicting
-        # every layout (repeatability), then training (accuracy of each calibration).
-        # The layouts name 8 decoder layers, so --quick keeps 8 here (and its shorter sequence).
-        Scenario("smollm-layouts", n_micro_batches=4,
-                 notes=f"SmolLM-135M shape, 8 layers, seq {seq}, micro-batch 1, untied, m=4, hand layouts",
-                 **{**smol, "splits": tuple(name for name, _ in LAYOUTS), "calibrate_every": 0,
-                    "rounds": 3 if quick else 6, "num_hidden_layers": 8},
-                 calibrations_first=3, layouts=LAYOUTS, tied=False,
-                 repeatable=tuple(name for name, _ in LAYOUTS[:3])),
-        Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
-                 "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
-                 steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
-    ]
 
 
 # --- calibration (inside the ranks) ----------------------------------------------------------------------
