@@ -78,500 +78,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _repeatability as repeatability  # noqa: E402
 from measured_cpu import MALLOC_ENV, SYSTEM_MALLOC_ENV  # noqa: E402
-from pvm.scenarios import ENGINE, RESULTS, ROOT, Scenario, scenarios  # noqa: E402
+from pvm.scenarios import ENGINE, RESULTS, ROOT, RankSpec, Scenario, scenarios  # noqa: E402
+from pvm.splits import layout_of  # noqa: E402
 
+from nanotron_ext.machine import load_machine  # noqa: E402
 from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 from nanotron_ext.stats import kendall_tau, median_interval  # noqa: E402
 
 WORLD_TIMEOUT_S = 600.0
-EAGER_SENDS = " [eager sends]"
 RATIO_RANGE = (0.95, 1.05)
 CONFIDENCE = 0.95
 
 
-# --- calibration (inside the ranks) ----------------------------------------------------------------------
-
-
-def calibrate_profile(cfg: Any) -> Any:
-    """The machine profile of ``cfg`` measured here, afresh (collective), with ``calibrate``'s own defaults (what
-    a user's ``nanotron-ext calibrate`` takes). The one place that names the calibrator."""
-    from nanotron_ext.machine.calibrate import calibrate
-
-    return calibrate(cfg, cache_dir=None, progress=False)
-
-
-def take_profile(cfgs: dict[int, Any]) -> Any:
-    """One profile for every vocabulary-shard count in ``cfgs`` (K → config). With K > 1 among them, ``calibrate``
-    of the config under ``vocab_shards: auto``, which measures every K that ``auto`` tries; a K it did not try
-    gets its blocks from a ``calibrate`` of its own config (the key leaves ``vocab_shards`` out)."""
-    base = cfgs[min(cfgs)]
-    profiles = [calibrate_profile(base.with_overrides(vocab_shards="auto") if len(cfgs) > 1 else base)]
-    for cfg in cfgs.values():
-        if not _covers(profiles[0], cfg):
-            profiles.append(calibrate_profile(cfg))
-    extra = [b for p in profiles[1:] for b in p.blocks if profiles[0].block(b.signature) is None]
-    if not extra:
-        return profiles[0]
-    return profiles[0].with_blocks(extra, "vocab-shard blocks calibrated from their own configs")
-
-
-def _covers(profile: Any, cfg: Any) -> bool:
-    """Whether ``profile`` measured every block of ``cfg``."""
-    from nanotron_ext.costs.analytic import trainable_before
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.machine import block_signature
-
-    blocks = inventory_from_config(cfg)
-    return all(profile.block(block_signature(b, input_grad=g)) is not None
-               for b, g in zip(blocks, trainable_before(blocks)))
-
-
-def median_profile(profiles: Sequence[Any]) -> Any:
-    """Every number of the profiles replaced by its median over them (same blocks, links and syncs)."""
-    from nanotron_ext.machine import BlockCost, Collective, EngineOverhead, Link
-
-    med, first = statistics.median, profiles[0]
-    blocks = tuple(BlockCost(b.signature, *(med(getattr(p.block(b.signature), f) for p in profiles)
-                                            for f in ("forward", "backward", "update"))) for b in first.blocks)
-    links = tuple(Link(link.src, link.dst, med(p.links[i].latency for p in profiles),
-                       med(p.links[i].bytes_per_second for p in profiles)) for i, link in enumerate(first.links))
-    overhead = EngineOverhead(*(med(getattr(p.overhead, f) for p in profiles) for f in ("block_call", "send", "recv")))
-
-    def sync(name: str) -> Any:
-        found = [getattr(p, name) for p in profiles]
-        if any(c is None for c in found):
-            return None
-        return Collective(med(c.latency for c in found), med(c.bus_bytes_per_second for c in found))
-
-    rates = tuple((role, med(dict(p.rates).get(role, rate) for p in profiles)) for role, rate in first.rates)
-    return dataclasses.replace(first, blocks=blocks, links=links, overhead=overhead, rates=rates,
-                               dp_allreduce=sync("dp_allreduce"), tied_allreduce=sync("tied_allreduce"),
-                               source=f"{first.source}; median of {len(profiles)} calibrations in this run")
-
-
-def busy_block_times(cfgs: dict[int, Any]) -> dict[str, list[float]]:
-    """Every block timed on every rank at the same time (each rank its own copy): signature → rank 0's
-    [forward, backward, update]. Against the profile (rank 0 alone while the others wait), this shows what ranks
-    computing side by side cost each other (shared caches, memory bandwidth, cores)."""
-    import torch.distributed as dist
-
-    from nanotron_ext.costs.analytic import trainable_before
-    from nanotron_ext.costs.profiled import profile_blocks
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.machine import block_signature
-
-    groups = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]
-    out: dict[str, list[float]] = {}
-    for cfg in cfgs.values():
-        blocks = inventory_from_config(cfg)
-        with tempfile.TemporaryDirectory(prefix="predict_vs_measure_busy_") as fresh:
-            dist.barrier()
-            timings = profile_blocks(blocks, cfg, tp_pg=groups[dist.get_rank()], cache_dir=fresh, warmup=2,
-                                     repeats=5)
-        for b, grad, t in zip(blocks, trainable_before(blocks), timings):
-            out.setdefault(block_signature(b, input_grad=grad), [t.forward, t.backward, t.optimizer])
-    dist.barrier()
-    return out
-
-
-# --- planning (inside the ranks) -------------------------------------------------------------------------
-
-
-def _layout_of(ranks: Sequence[int], roles: Sequence[str]) -> str:
-    """The layout string of a split, e.g. ``E,t*5|t*3,N,H,C,X``."""
-    from nanotron_ext.partition.layout_string import SYMBOLS
-
-    symbol = {roles_[0]: s for s, roles_ in SYMBOLS.items() if len(roles_) == 1}
-    stages = []
-    for k in range(max(ranks) + 1):
-        items: list[list[Any]] = []
-        for r, role in zip(ranks, roles):
-            if r == k:
-                if items and items[-1][0] == symbol[role]:
-                    items[-1][1] += 1
-                else:
-                    items.append([symbol[role], 1])
-        stages.append(",".join(s if n == 1 else f"{s}*{n}" for s, n in items))
-    return "|".join(stages)
-
-
-def _shifted(plan: Any, blocks: Sequence[Any], shift: int) -> str:
-    """pp=2: the layout whose first stage holds ``shift`` more decoder layers than ``plan``'s (fewer when
-    negative), the cut inside the decoder stack (each stage keeps at least one layer)."""
-    roles = [b.role for b in blocks]
-    decoders = [i for i, role in enumerate(roles) if role == "decoder"]
-    first = sum(plan.block_ranks[i] == 0 for i in decoders)
-    cut = decoders[min(max(1, first + shift), len(decoders) - 1)]
-    return _layout_of([0 if i < cut else 1 for i in range(len(roles))], roles)
-
-
-def plan_splits(names: Sequence[str], cfg: Any, machine_path: str,
-                layouts: dict[str, str] | None = None) -> dict[str, tuple[Any, Any, Any]]:
-    """Each named split: (its config, its blocks, its plan). ``default``, the chain and the shifts are planned
-    under the machine profile at ``machine_path``; Nanotron's rule, uniform and FLOP-optimal need no times."""
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan
-
-    under = cfg.with_overrides(machine=machine_path)
-    out: dict[str, tuple[Any, Any, Any]] = {}
-    for name in names:
-        if name in ("nanotron", "uniform"):
-            c, strategy = cfg, name
-        elif name == "flop-optimal":
-            c, strategy = cfg.with_overrides(objective="slowest_stage"), "constrained"
-        elif name == "default":
-            c, strategy = under, "constrained"
-        elif name.startswith("chain K="):
-            c, strategy = under.with_overrides(vocab_shards=int(name.removeprefix("chain K="))), "constrained"
-        elif name in (layouts or {}):
-            c, strategy = cfg.with_overrides(layout=(layouts or {})[name]), "layout"
-        elif name.startswith("shift "):
-            _, blocks, plan = out["default"]
-            c, strategy = under.with_overrides(layout=_shifted(plan, blocks, int(name.split()[1]))), "layout"
-        else:
-            raise ValueError(f"unknown split {name!r}")
-        blocks = inventory_from_config(c)
-        out[name] = (c, blocks, make_plan(blocks, c, strategy))
-    return out
-
-
-def split_key(cfg: Any, plan: Any) -> str:
-    """What makes two splits one model: the vocabulary-shard count and the stage of every block."""
-    return f"K{cfg.vocab_shards}:" + ",".join(map(str, plan.block_ranks))
-
-
-# --- training (inside the ranks) -------------------------------------------------------------------------
-
-
-class Progress:
-    """Rank 0 writes ``{"done", "total"}`` to a file the launcher's progress bar reads (atomic replace)."""
-
-    def __init__(self, path: str, active: bool, total: int) -> None:
-        self.path, self.active, self.total, self.done = Path(path), active, total, 0
-
-    def advance(self, n: int = 1) -> None:
-        self.done += n
-        if self.active:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"done": self.done, "total": self.total}))
-            os.replace(tmp, self.path)
-
-
-def build_models(plans: dict[str, tuple[Any, Any, Any]], ctx: Any,
-                 eager_sends: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """One model per distinct split (all alive at once), with its optimizer, micro-batch stream and timer; and
-    for each split in ``eager_sends`` a second run of the same model with every queued send posted at once."""
-    import torch
-
-    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
-    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches
-    from nanotron_ext.runtime.timing import StepTimer
-
-    runs: dict[str, dict[str, Any]] = {}
-    for name, (cfg, _, plan) in plans.items():
-        key = split_key(cfg, plan)
-        if key in runs:
-            runs[key]["names"].append(name)
-            continue
-        torch.manual_seed(0)
-        model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks),
-                                vocab_shards=cfg.vocab_shards)
-        # A rank without trainable parameters (Nanotron's rule on the seed model) gets no optimizer.
-        optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
-        runs[key] = {"names": [name], "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
-                     "m": cfg.run.n_micro_batches, "timer": StepTimer(model, ctx), "losses": [],
-                     "sends": "nanotron",
-                     "batches": random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                                     cfg.run.sequence_length)}
-    for name in eager_sends:
-        key = split_key(*plans[name][::2])
-        # The same model, optimizer and data: only the send order differs. No names: no prediction row.
-        runs[key + EAGER_SENDS] = runs[key] | {"names": [], "of": name, "sends": "eager", "losses": [],
-                                               "timer": StepTimer(runs[key]["model"], ctx)}
-    return runs
-
-
-class P2PCount:
-    """Tensors this process sends and receives through the runtime's ``CPUP2P`` (Nanotron's pipeline state sends
-    and receives one tensor per call). Class-level wrappers, so the per-instance ones ``StepTimer`` installs for
-    timing still run on top of them."""
-
-    sent = received = 0
-    shapes: list[tuple[list[int], str]] = []  # what this process sent, in order, since the last reset
-
-    @classmethod
-    def install(cls) -> None:
-        from nanotron_ext.runtime import CPUP2P
-
-        send, recv = CPUP2P.send_tensors, CPUP2P.recv_tensors
-
-        def counted_send(self: Any, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
-            cls.sent += len(tensors)
-            cls.shapes += [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
-            return send(self, tensors, *args, **kwargs)
-
-        def counted_recv(self: Any, *args: Any, **kwargs: Any) -> Any:
-            cls.received += kwargs.get("num_tensors", args[0] if args else 1)
-            return recv(self, *args, **kwargs)
-
-        CPUP2P.send_tensors, CPUP2P.recv_tensors = counted_send, counted_recv  # type: ignore[method-assign]
-
-
-def _turn(run: dict[str, Any], ctx: Any, records: Sequence[bool]) -> None:
-    from nanotron_ext.runtime import train_step
-
-    for record in records:
-        before, P2PCount.shapes = (P2PCount.sent, P2PCount.received), []
-        with run["timer"] as timer, timer.step(record=record):
-            run["losses"].append(train_step(run["model"], ctx, ENGINE, run["batches"], run["m"], run["optimizer"],
-                                            grad_accumulator=run["grad_acc"], clip_grad=None, sends=run["sends"]))
-        run["tensors"] = [P2PCount.sent - before[0], P2PCount.received - before[1]]  # the same every step
-        run["shapes"] = P2PCount.shapes[: len(P2PCount.shapes) // run["m"]]  # one micro-batch's sends
-
-
-def train_rounds(runs: dict[str, dict[str, Any]], ctx: Any, spec: dict[str, Any], recalibrate: Callable[[], None],
-                 progress: Progress) -> list[float]:
-    """Every model takes its turn in every round, in an order that rotates (each goes first in turn);
-    ``recalibrate`` after every ``calibrate_every`` rounds. Returns the load average before each round."""
-    keys, loads = list(runs), []
-    for r in range(spec["rounds"]):
-        loads.append(os.getloadavg()[0])
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            first = [False] * spec["warmup"] if r == 0 else []
-            _turn(runs[key], ctx, first + [False] * spec["rewarm"] + [True] * spec["steps_per_turn"])
-            progress.advance()
-        if spec["calibrate_every"] and (r + 1) % spec["calibrate_every"] == 0:
-            recalibrate()
-            progress.advance()
-    return loads
-
-
-def exchange_times(ctx: Any, run: dict[str, Any], repeats: int = 15) -> dict[str, float]:
-    """pp=2: median seconds of one micro-batch's exchange across the cut, PP0's activations against PP1's
-    gradients (the tensors this run sends), in Nanotron's order (one tensor per communication call, so each
-    activation send waits for the previous gradient to arrive, and each gradient send for the next activation)
-    and with every send posted first. Collective; the same on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    from nanotron_ext.runtime import CPUP2P
-
-    shapes: list[Any] = [None, None]
-    dist.all_gather_object(shapes, run["shapes"])
-    p2p, rank, out = CPUP2P(ctx.pp_pg), dist.get_rank(ctx.pp_pg), {}
-    mine, theirs = shapes[rank], shapes[1 - rank]
-    for order in ("one per call", "all sends first"):
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier(group=ctx.pp_pg)
-            t0 = time.perf_counter()
-            _exchange(p2p, rank, [torch.ones(s, dtype=getattr(torch, d)) for s, d in mine], len(theirs),
-                      interleaved=order == "one per call")
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out[order] = statistics.median(times)
-    payload = [out]
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(ctx.pp_pg, 0), group=ctx.pp_pg)
-    return payload[0]
-
-
-def _exchange(p2p: Any, rank: int, mine: list[Any], n_theirs: int, *, interleaved: bool) -> None:
-    """PP0 sends activations and receives gradients, PP1 the reverse; ``interleaved``: alternately one of each
-    (PP0 sends first, PP1 receives first), else every send posted before the first receive."""
-    peer = 1 - rank
-    if not interleaved:
-        p2p.send_tensors(mine, to_rank=peer)
-        p2p.recv_tensors(num_tensors=n_theirs, from_rank=peer)
-    for i in range(max(len(mine), n_theirs) if interleaved else 0):
-        for do_send in ((True, False) if rank == 0 else (False, True)):
-            if do_send and i < len(mine):
-                p2p.send_tensors([mine[i]], to_rank=peer)
-            elif not do_send and i < n_theirs:
-                p2p.recv_tensors(num_tensors=1, from_rank=peer)
-    p2p.wait_pending()
-
-
-def n_calibrations(spec: dict[str, Any]) -> int:
-    every = spec["calibrate_every"]
-    return spec["calibrations_first"] + (spec["rounds"] // every if every else 0)
-
-
-def worker(spec_path: str, out_path: str) -> None:
-    """One rank: calibrate, plan, build every split, train them in turns, predict; rank 0 writes the JSON."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
-    from nanotron_ext.config import config_from_dict
-    from nanotron_ext.procs import exit_with_parent
-    from nanotron_ext.runtime import GlooParallelContext
-
-    exit_with_parent()
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(1)
-    with GlooParallelContext(1, spec["pp"], 1, timeout_s=300) as ctx:
-        rank0 = dist.get_rank() == 0
-        cfg = config_from_dict(spec["raw"], source=spec["label"])
-        shards = sorted({int(n.removeprefix("chain K=")) for n in spec["splits"] if n.startswith("chain K=")} | {1})
-        cfgs = {k: cfg.with_overrides(vocab_shards=k) for k in shards}
-        t0 = time.perf_counter()
-        profiles = [take_profile(cfgs) for _ in range(spec["calibrations_first"])]
-        calibrate_s = (time.perf_counter() - t0) / spec["calibrations_first"]
-        busy = busy_block_times(cfgs) if spec["decompose"] else {}
-        planning_path = spec["profile_paths"]["planning"]
-        if rank0:
-            profiles[0].save(planning_path)
-        dist.barrier()
-        plans = plan_splits(spec["splits"], cfg, planning_path, dict(spec["layouts"]))
-        P2PCount.install()
-        runs = build_models(plans, ctx, spec["eager_sends"])
-        progress = Progress(spec["progress"], rank0, n_calibrations(spec) + spec["rounds"] * len(runs))
-        progress.advance()
-        loads = train_rounds(runs, ctx, spec, lambda: profiles.append(take_profile(cfgs)), progress)
-        measured = {}
-        for key, run in runs.items():
-            if spec["pp"] == 2 and set(run["names"]) & set(spec["decompose"]):
-                run["exchange"] = exchange_times(ctx, run)
-            measured[key] = _gathered(run)
-        runs.clear()
-        gc.collect()
-        if rank0:
-            median_path = spec["profile_paths"]["median"]
-            median_profile(profiles).save(median_path)
-            out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
-                   "splits": describe_splits(plans, planning_path, median_path, spec["decompose"], busy),
-                   "auto": _auto_pick(cfg, planning_path, plans) if spec["auto"] else None,
-                   "auto_median": _auto_pick(cfg, median_path, plans) if spec["auto"] else None,
-                   "profiles": [json.loads(p.to_json()) for p in profiles]}
-            Path(out_path).write_text(json.dumps(out))
-
-
-def _gathered(run: dict[str, Any]) -> dict[str, Any] | None:
-    """Every rank's step records and tensors sent / received per step, on rank 0 (collective)."""
-    import torch.distributed as dist
-
-    tensors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(tensors, run["tensors"])
-    per_rank = run["timer"].gather()
-    if per_rank is None:
-        return None
-    return {"names": run["names"], "sends": run["sends"], "of": run.get("of"), "losses": run["losses"],
-            "tensors": tensors, "exchange": run.get("exchange"),
-            "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
-
-
-def _auto_pick(cfg: Any, machine_path: str, plans: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
-    """What ``vocab_shards: auto`` picks under the profile, and which trained split that is."""
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan, resolve_vocab_shards
-
-    resolved, choice = resolve_vocab_shards(cfg.with_overrides(vocab_shards="auto", machine=machine_path))
-    assert choice is not None
-    blocks = inventory_from_config(resolved)
-    plan = make_plan(blocks, resolved)
-    key = split_key(resolved, plan)
-    same = [n for n, (c, _, p) in plans.items() if split_key(c, p) == key]
-    same.sort(key=lambda n: not (n == "default" or n.startswith("chain")))  # name it as the default or a chain
-    return {"shards": choice.shards, "step_times": {str(k): v for k, v in choice.step_times.items()},
-            "ranks": list(plan.block_ranks), "same_as": same[0] if same else None}
-
-
-# --- predictions (rank 0, after training) ----------------------------------------------------------------
-
-
-def describe_splits(plans: dict[str, tuple[Any, Any, Any]], planning_path: str, median_path: str,
-                    decompose: Sequence[str], busy: dict[str, list[float]]) -> dict[str, Any]:
-    """Per split: its stages, validity, model key, and its predicted step under both profiles; item 3's parts
-    for the splits in ``decompose`` (``busy``: :func:`busy_block_times`)."""
-    from nanotron_ext.machine import load_machine
-    from nanotron_ext.simulate import simulate_plan
-
-    median = load_machine(median_path)
-    out = {}
-    for name, (cfg, blocks, plan) in plans.items():
-        under = cfg.with_overrides(machine=median_path)
-        out[name] = {
-            "key": split_key(cfg, plan), "ranks": list(plan.block_ranks), "ok": plan.ok,
-            "vocab_shards": cfg.vocab_shards, "stages": [s.label for s in plan.stages],
-            "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
-            "predicted": simulate_plan(plan, blocks, under).step_time,
-            "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
-            "predicted_one_p2p": one_p2p_for_every_cut(plan, blocks, under),
-            "parts": predicted_parts(plan, blocks, under, median, busy) if name in decompose else None,
-        }
-    return out
-
-
-def one_p2p_for_every_cut(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
-    """The step as the simulator priced it before issue 29: every cut charged the largest transfer of any cut."""
-    from nanotron_ext.schedule.simulator import simulate
-    from nanotron_ext.simulate.stage_times import plan_stage_times
-
-    t = plan_stage_times(plan, blocks, cfg)
-    return simulate(t.stages, cfg.run.n_micro_batches, cfg.run.engine, max(t.p2p, default=0.0),
-                    grad_cuts=t.grad_cuts).step_time
-
-
-def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
-                    busy: dict[str, list[float]]) -> dict[str, Any]:
-    """The simulated step of ``plan`` taken apart per stage as item 3 takes the measured one apart; and each
-    stage's blocks timed with every rank busy (``busy``)."""
-    from nanotron_ext.costs.analytic import trainable_before
-    from nanotron_ext.machine import EngineOverhead, block_signature, price_blocks
-    from nanotron_ext.simulate import simulate_plan
-
-    sim = simulate_plan(plan, blocks, cfg)
-    raw = price_blocks(dataclasses.replace(machine, overhead=EngineOverhead()), blocks, cfg)
-    together = [busy[block_signature(b, input_grad=g)] for b, g in zip(blocks, trainable_before(blocks))]
-    m = cfg.run.n_micro_batches
-    stages = []
-    for k in range(plan.pp):
-        mine = [i for i, r in enumerate(plan.block_ranks) if r == k]
-        compute = m * math.fsum(raw.forward[i] + raw.backward[i] for i in mine)
-        ops = [op for op in sim.ops if op.stage == k and op.kind != "U"]
-        computing = math.fsum(op.duration for op in ops)
-        end = max((op.end for op in ops), default=0.0)
-        stages.append({"profiled": compute, "profiled_busy": m * math.fsum(sum(together[i][:2]) for i in mine),
-                       "update_busy": math.fsum(together[i][2] for i in mine),
-                       "overhead": computing - compute, "pipeline_wait": end - computing,
-                       "after_wait": sim.pipeline_time - end, "update": sim.stages[k].update})
-    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_times, "stages": stages,
-            "eager_step": eager_step(plan, blocks, cfg)}
-
-
-def eager_step(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
-    """The simulated step if the engine posted every send as soon as its tensor exists (right after its forward
-    or backward). Nanotron's 1F1B defers steady-phase sends to the rank's next communication point, so the last
-    stage sends micro-batch j's gradient only after micro-batch j + 1's activation has arrived. A what-if on the
-    simulator's own replay (a private helper of ``nanotron_ext.schedule.simulator``), not a change to the engine."""
-    from nanotron_ext.schedule.simulator import Action, _replay, engine_program
-    from nanotron_ext.simulate import plan_stage_times
-
-    times = plan_stage_times(plan, blocks, cfg)
-    pp, cuts, programs = plan.pp, times.grad_cuts, []
-    for s in range(pp):
-        program = engine_program(cfg.run.engine, pp, s, cfg.run.n_micro_batches,
-                                 grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
-        sends = [step for step in program if step.action.is_send]
-        eager = []
-        for step in program:
-            if step.action.is_send:
-                continue
-            eager.append(step)
-            if step.action.is_compute:
-                kind = Action.SEND_ACT if step.action is Action.FORWARD else Action.SEND_GRAD
-                eager += [x for x in sends if x.action is kind and x.micro_batch == step.micro_batch]
-        programs.append(eager)
-    _, clock = _replay(programs, times.stages, times.p2p)
-    return max(clock) + max(st.update for st in times.stages)
-
-
-# --- launching -------------------------------------------------------------------------------------------
-
-
-def launch(spec: dict[str, Any], *, malloc_env: bool) -> dict[str, Any]:
-    """Run :func:`worker` in ``spec["pp"]`` fresh processes; a progress bar on stderr follows rank 0's turns.
+def launch(spec: RankSpec, *, malloc_env: bool) -> dict[str, Any]:
+    """Run :func:`pvm.ranks.worker` in ``spec.pp`` fresh processes; a progress bar on stderr follows rank 0's turns.
 
     Raises:
         RuntimeError: a rank failed or the scenario passed :data:`WORLD_TIMEOUT_S` (every rank is killed then).
@@ -579,25 +99,25 @@ def launch(spec: dict[str, Any], *, malloc_env: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="predict_vs_measure_") as tmp:
-        spec = {**spec, "progress": str(Path(tmp) / "progress.json")}
+        spec = dataclasses.replace(spec, progress=str(Path(tmp) / "progress.json"))
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(spec.to_json())
         env = local_env(ROOT)
         env = {**MALLOC_ENV, **env} if malloc_env else {**env, **SYSTEM_MALLOC_ENV}
         stop = threading.Event()
-        bar = tqdm(desc=spec["label"], unit="turn", file=sys.stderr, dynamic_ncols=True)
-        follower = threading.Thread(target=_follow, args=(Path(spec["progress"]), bar, stop), daemon=True)
+        bar = tqdm(desc=spec.label, unit="turn", file=sys.stderr, dynamic_ncols=True)
+        follower = threading.Thread(target=_follow, args=(Path(spec.progress), bar, stop), daemon=True)
         follower.start()
         try:
             # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
             run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                                   str(out_path)], spec["pp"], timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+                                   str(out_path)], spec.pp, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
         finally:
             stop.set()
             follower.join()
             bar.close()
         if not run.ok or not out_path.exists():
-            raise RuntimeError(f"scenario {spec['label']!r} {'timed out' if run.deadline_hit else 'failed'}:\n"
+            raise RuntimeError(f"scenario {spec.label!r} {'timed out' if run.deadline_hit else 'failed'}:\n"
                                + run.describe())
         return json.loads(out_path.read_text())
 
@@ -834,19 +354,13 @@ def _ms(*seconds: float) -> list[str]:
 def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str, Any]:
     """Launch one scenario, print its report, return its record for the JSON file (``checks_count``: whether
     its checks decide the exit status)."""
-    from nanotron_ext.machine import load_machine
-
     paths = {kind: str(RESULTS / f"{stem}_{sc.label}_profile_{kind}.json") for kind in ("planning", "median")}
-    spec = {"label": sc.label, "raw": sc.raw_config(), "pp": sc.pp, "splits": list(sc.splits),
-            "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 1,
-            "calibrate_every": sc.calibrate_every, "auto": sc.auto, "decompose": list(sc.decompose),
-            "eager_sends": list(sc.eager_sends), "profile_paths": paths,
-            "calibrations_first": sc.calibrations_first, "layouts": [list(x) for x in sc.layouts]}
+    spec = RankSpec.of(sc, paths["planning"], paths["median"])
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = launch(spec, malloc_env=not args.system_malloc)
     oversubscribed = sc.pp > (os.cpu_count() or 1)
     print(f"\n## {sc.label}: {sc.notes}; {sc.rounds} rounds × ({sc.rewarm} untimed + {sc.steps_per_turn} timed) "
-          f"per split, calibrate {n_calibrations(spec)}× (first: {result['calibrate_s']:.1f} s); wall "
+          f"per split, calibrate {spec.n_calibrations}× (first: {result['calibrate_s']:.1f} s); wall "
           f"{time.perf_counter() - t0:.0f} s; load average {load0:.2f} before, {min(result['load_average']):.2f}–"
           f"{max(result['load_average']):.2f} during")
     if oversubscribed:
@@ -863,7 +377,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     parts = print_parts(result, sc)
     checks["send_order"] = print_send_order(result, rows)
     if sc.calibrations_first > 1:
-        checks["repeatability"] = repeatability.report(result, spec["raw"], rows, dict(sc.layouts), _layout_of,
+        checks["repeatability"] = repeatability.report(result, spec.raw, rows, dict(sc.layouts), layout_of,
                                                         sc.repeatable)
     return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
             "checks": checks, "parts": parts, "checks_count": not oversubscribed}
@@ -893,6 +407,8 @@ def print_verdict(records: dict[str, dict[str, Any]]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
+        from pvm.ranks import worker  # torch and Nanotron's runtime: only the ranks load them
+
         worker(argv[1], argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,8 +1,11 @@
-"""The scenarios of ``predict_vs_measure.py``: a model, a batch shape, a pipeline and the splits trained on it."""
+"""The scenarios of ``predict_vs_measure.py`` (a model, a batch shape, a pipeline and the splits trained on it),
+and :class:`RankSpec`, what one scenario's rank processes read."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,3 +116,58 @@ def scenarios(quick: bool) -> list[Scenario]:
                  steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
     ]
 
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What the ranks of one scenario read, as JSON: its config and splits, the rounds, where to save the profiles.
+
+    Attributes:
+        raw: the scenario's config as a dict (:meth:`Scenario.raw_config`).
+        warmup: untimed steps of each split before its first turn.
+        planning_profile, median_profile: where rank 0 saves the first calibration (the splits are planned under
+            it) and the median of every calibration of the run (the predictions use it).
+        progress: the file rank 0 rewrites with its turns done (the launcher's progress bar reads it).
+    """
+
+    label: str
+    raw: dict[str, Any]
+    pp: int
+    splits: tuple[str, ...]
+    rounds: int
+    steps_per_turn: int
+    rewarm: int
+    calibrate_every: int
+    auto: bool
+    decompose: tuple[str, ...]
+    eager_sends: tuple[str, ...]
+    calibrations_first: int
+    layouts: tuple[tuple[str, str], ...]
+    planning_profile: str
+    median_profile: str
+    warmup: int = 1
+    progress: str = ""
+
+    @classmethod
+    def of(cls, sc: Scenario, planning_profile: str, median_profile: str) -> RankSpec:
+        """The spec of scenario ``sc``, its profiles saved at those paths."""
+        return cls(sc.label, sc.raw_config(), sc.pp, sc.splits, sc.rounds, sc.steps_per_turn, sc.rewarm,
+                   sc.calibrate_every, sc.auto, sc.decompose, sc.eager_sends, sc.calibrations_first, sc.layouts,
+                   planning_profile, median_profile)
+
+    @property
+    def n_calibrations(self) -> int:
+        """The calibrations of the run: those back to back first, then one after every ``calibrate_every`` rounds."""
+        every = self.calibrate_every
+        return self.calibrations_first + (self.rounds // every if every else 0)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        """The spec :meth:`to_json` wrote (JSON's lists back to tuples)."""
+        data = json.loads(text)
+        for key in ("splits", "decompose", "eager_sends"):
+            data[key] = tuple(data[key])
+        data["layouts"] = tuple((name, layout) for name, layout in data["layouts"])
+        return cls(**data)
