@@ -1,2 +1,3 @@
-"""``benchmarks/predict_vs_measure.py`` in modules, one concept each: the scenarios and what their ranks read
-(``scenarios``), and what runs inside the ranks (``calibration``, ``splits``, ``ranks``, ``predictions``)."""
+"""``benchmarks/predict_vs_measure.py`` in modules: the scenarios (``scenarios``), what runs inside the ranks
+(``calibration``, ``splits``, ``ranks``, ``predictions``), and how the launcher reads and prints the results
+(``analysis``, ``report``)."""
