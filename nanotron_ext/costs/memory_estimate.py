@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanotron_ext.blocks import BlockInfo, held_parameters, tied_copy
 from nanotron_ext.config import MemoryRuntime, ModelShape, PlannerConfig, RunShape
@@ -35,7 +35,8 @@ from nanotron_ext.costs.block_memory import (
 )
 from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
 
-__all__ = ["RUNTIME_TENSORS_BYTES", "StageMemory", "config_stage_memory", "stage_memory"]
+__all__ = ["RUNTIME_TENSORS_BYTES", "SegmentMemory", "StageMemory", "config_stage_memory", "estimate_key",
+           "stage_memory"]
 
 
 #: Small tensors of the engine, P2P, TP collectives and optimizer that no block owns (metadata buffers, Adam's
@@ -159,11 +160,36 @@ def stage_memory(
     if optimizer not in ("foreach", "for_loop", "fused"):
         raise ValueError(f"optimizer={optimizer!r} is not one of foreach, for_loop, fused")
     pp = run.pp if pp is None else pp
+    n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
+    deferred = deferred_at_once(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
+    return _stage_memory(blocks, _per_block(blocks, m, run, runtime), m, run, stage, pp, n, deferred,
+                         overhead_gib, optimizer, retain_sends)
+
+
+class _PerBlock(NamedTuple):
+    """What a stage's estimate reads of each of its blocks: what it saves and holds, its largest trainable tensor
+    (elements), what one deferred W keeps (0 outside zb1p and zb2p)."""
+
+    memory: list[BlockMemory]
+    largest: list[int]
+    pending: list[float]
+
+
+def _per_block(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, runtime: MemoryRuntime) -> _PerBlock:
+    zero_bubble = run.engine in ZERO_BUBBLE
+    return _PerBlock([block_memory(b, m, run, runtime) for b in blocks], [largest_param(b, m, run) for b in blocks],
+                     [weight_pending(b, m, run) if zero_bubble else 0.0 for b in blocks])
+
+
+def _stage_memory(blocks: Sequence[BlockInfo], per_block: _PerBlock, m: ModelShape, run: RunShape, stage: int,
+                  pp: int, n: int, deferred: int, overhead_gib: float, optimizer: str,
+                  retain_sends: bool) -> StageMemory:
+    """:func:`stage_memory` of ``blocks`` with what it reads of each block given, ``n`` micro-batches in flight
+    and ``deferred`` W's."""
     per = param_bytes(run)
     held = _stage_parameters(blocks, m, per)
-    n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
-    mems = [block_memory(b, m, run, runtime) for b in blocks]
-    activations, worst = _pipeline_moment(blocks, mems, m, run, stage, pp, n, held, retain_sends)
+    mems = per_block.memory
+    activations, worst = _pipeline_moment(blocks, per_block, run, stage, pp, n, held, retain_sends)
     return StageMemory(
         weights=held.params * per.weights,
         gradients=sum(held.grads) + held.allocated,
@@ -174,10 +200,10 @@ def stage_memory(
         pipeline_activations=worst[0],
         pipeline_gradients=worst[1],
         pipeline_temporaries=worst[2],
-        optimizer_temporaries=_optimizer_temporaries(blocks, m, run, held.trainable, per.state, optimizer),
+        optimizer_temporaries=_optimizer_temporaries(per_block.largest, held.trainable, per.state, optimizer),
         overhead=overhead_gib * GIB,
-        weight_pending=sum(weight_pending(b, m, run) for b in blocks) if run.engine in ZERO_BUBBLE else 0.0,
-        deferred=deferred_at_once(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0,
+        weight_pending=sum(per_block.pending) if run.engine in ZERO_BUBBLE else 0.0,
+        deferred=deferred,
     )
 
 
@@ -213,11 +239,12 @@ def _stage_parameters(blocks: Sequence[BlockInfo], m: ModelShape, per: ParamByte
 
 
 def _pipeline_moment(
-    blocks: Sequence[BlockInfo], mems: Sequence[BlockMemory], m: ModelShape, run: RunShape, stage: int, pp: int,
-    n: int, held: _StageParameters, retain_sends: bool,
+    blocks: Sequence[BlockInfo], per_block: _PerBlock, run: RunShape, stage: int, pp: int, n: int,
+    held: _StageParameters, retain_sends: bool,
 ) -> tuple[float, tuple[float, float, float]]:
     """One micro-batch's activations, and the (activations, gradients, temporaries) alive at the pipeline's
     worst moment (zeros for an empty stage)."""
+    mems = per_block.memory
     if not mems:
         return 0.0, (0.0, 0.0, 0.0)
     held_in = 0.0 if mems[0].input_saved else mems[0].input
@@ -229,13 +256,13 @@ def _pipeline_moment(
         # gradients sent back for the stage's input.
         sent = ((run.n_micro_batches - n) * held_out * (stage < pp - 1)
                 + run.n_micro_batches * mems[0].input * (stage > 0))
-    worst = max(_pipeline_candidates(blocks, mems, m, run, n, held, held_in, held_out, activations), key=sum)
+    worst = max(_pipeline_candidates(per_block, run, n, held, held_in, held_out, activations), key=sum)
     return activations, (worst[0], worst[1] + held.allocated, worst[2] + sent)
 
 
 def _pipeline_candidates(
-    blocks: Sequence[BlockInfo], mems: Sequence[BlockMemory], m: ModelShape, run: RunShape, n: int,
-    held: _StageParameters, held_in: float, held_out: float, activations: float,
+    per_block: _PerBlock, run: RunShape, n: int, held: _StageParameters, held_in: float, held_out: float,
+    activations: float,
 ) -> list[tuple[float, float, float]]:
     """Every moment of the micro-batch being computed, block by block, forward then backward, as (activations,
     gradients, temporaries); the worst is the stage's pipeline peak."""
@@ -249,14 +276,14 @@ def _pipeline_candidates(
     saved_so_far = held_in
     # zb1p: during a micro-batch's B, the products of every block already back-propagated (and the one in
     # progress) wait in the store for its W, besides the deferred W's of earlier micro-batches.
-    pending = [weight_pending(b, m, run) if run.engine in ZERO_BUBBLE else 0.0 for b in blocks]
+    pending = per_block.pending
     candidates = []
-    for i, (b, x) in enumerate(zip(blocks, mems)):
+    for i, (x, largest) in enumerate(zip(per_block.memory, per_block.largest)):
         saved_so_far += x.saved
         current = sum(pending[i:])
         own_input = x.input if i > 0 and not x.input_saved else 0.0
         others = (n - 1) * activations
-        fresh = largest_param(b, m, run) * weight_bytes if trainable[i] else 0.0
+        fresh = largest * weight_bytes if trainable[i] else 0.0
         candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
                            own_input + x.forward_temp + x.output))
         if grads_early:
@@ -271,15 +298,16 @@ def _pipeline_candidates(
     return candidates
 
 
-def _optimizer_temporaries(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, trainable: Sequence[int],
-                           state_bytes: float, optimizer: str) -> float:
-    """The optimizer step's temporaries (bytes) for AdamW run as ``optimizer`` (see :func:`stage_memory`)."""
-    largest = max((largest_param(b, m, run) for b, tr in zip(blocks, trainable) if tr), default=0)
+def _optimizer_temporaries(largest: Sequence[int], trainable: Sequence[int], state_bytes: float,
+                           optimizer: str) -> float:
+    """The optimizer step's temporaries (bytes) for AdamW run as ``optimizer`` (see :func:`stage_memory`), from each
+    block's largest trainable tensor and trainable parameters."""
+    largest_trained = max((x for x, tr in zip(largest, trainable) if tr), default=0)
     if optimizer == "for_loop":
         # torch's single-tensor AdamW: denom = (exp_avg_sq.sqrt() / c).add_(eps), two tensors for a moment.
-        return 2.0 * largest * state_bytes
+        return 2.0 * largest_trained * state_bytes
     if optimizer == "foreach":
-        return max(2.0 * largest, sum(trainable)) * state_bytes
+        return max(2.0 * largest_trained, sum(trainable)) * state_bytes
     return 0.0
 
 
@@ -291,10 +319,41 @@ def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: 
         cfg: the config (``nanotron_ext.memory_runtime``, ``memory_overhead_gib``, ``torch_adam_is_fused``).
         stage: the stage's PP rank.
     """
+    optimizer, retain_sends = _config_runtime(cfg)
+    return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
+                        retain_sends=retain_sends, runtime=cfg.ext.memory_runtime)
+
+
+def estimate_key(cfg: PlannerConfig) -> tuple[object, ...]:
+    """What :func:`config_stage_memory` reads of ``cfg`` (hashable): configs with equal keys estimate alike."""
+    return cfg.model, cfg.run, cfg.ext.memory_runtime, cfg.ext.overhead_gib
+
+
+def _config_runtime(cfg: PlannerConfig) -> tuple[str, bool]:
+    """How the config's run steps AdamW, and whether its P2P keeps every sent tensor (the CPU runtime)."""
     cpu = cfg.ext.memory_runtime == "cpu"
     if cpu:
-        optimizer = "for_loop"
-    else:
-        optimizer = "fused" if cfg.run.torch_adam_is_fused else "foreach"
-    return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
-                        retain_sends=cpu, runtime=cfg.ext.memory_runtime)
+        return "for_loop", True
+    return ("fused" if cfg.run.torch_adam_is_fused else "foreach"), False
+
+
+class SegmentMemory:
+    """:func:`config_stage_memory` of any contiguous run ``blocks[s:e]`` of one inventory on any stage: what each
+    block saves, holds and defers is worked out once (a split search asks for thousands of segments)."""
+
+    def __init__(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> None:
+        self.blocks, self.cfg = list(blocks), cfg
+        run = cfg.run
+        self._per = _per_block(self.blocks, cfg.model, run, cfg.ext.memory_runtime)
+        self._flight = in_flight(run.engine, run.pp, run.n_micro_batches)
+        self._deferred = deferred_at_once(run.engine, run.pp, run.n_micro_batches)
+        self._optimizer, self._retain_sends = _config_runtime(cfg)
+
+    def __call__(self, stage: int, s: int, e: int) -> StageMemory:
+        """The estimate of blocks ``[s, e)`` on ``stage``: equal to ``config_stage_memory(blocks[s:e], cfg, stage)``."""
+        cfg, per = self.cfg, self._per
+        part = _PerBlock(per.memory[s:e], per.largest[s:e], per.pending[s:e])
+        held = e > s
+        return _stage_memory(self.blocks[s:e], part, cfg.model, cfg.run, stage, cfg.run.pp,
+                             self._flight[stage] if held else 0, self._deferred[stage] if held else 0,
+                             cfg.ext.overhead_gib, self._optimizer, self._retain_sends)

@@ -67,11 +67,17 @@ class MemoryCap:
     fix: str = ""  # what the config could change when no split fits (the caller knows the config; empty: generic)
     exact: Callable[[int, int, int], float] | None = field(default=None, compare=False, repr=False)
     _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _prefixes: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def room(self) -> float:
         """What the blocks of one stage may use: the cap less the overhead."""
         return self.cap - self.overhead
+
+    @property
+    def slack_room(self) -> float:
+        """:attr:`room` with the relative slack every comparison with the cap allows (rounding)."""
+        return self.room + self.cap * _RTOL
 
     def table(self, k: int, n: int, *, only_fitting: bool = False) -> np.ndarray:
         """``(n + 1) × (n + 1)`` bytes of blocks ``[s, e)`` on stage ``k`` (``inf`` where ``s >= e``): the full
@@ -98,12 +104,16 @@ class MemoryCap:
         return self.table(k, n, only_fitting=True) <= self.cap * (1 + _RTOL)
 
     def prefix(self, k: int) -> np.ndarray:
-        """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``."""
-        q = np.concatenate([[0.0], np.cumsum(self.static)])
-        q = q + self.in_flight[k] * np.concatenate([[0.0], np.cumsum(self.activation)])
-        if self.pending and self.deferred and self.deferred[k]:
-            q = q + self.deferred[k] * np.concatenate([[0.0], np.cumsum(self.pending)])
-        return q
+        """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``
+        (read-only: computed once per stage, searches ask for it again and again)."""
+        if k not in self._prefixes:
+            q = np.concatenate([[0.0], np.cumsum(self.static)])
+            q = q + self.in_flight[k] * np.concatenate([[0.0], np.cumsum(self.activation)])
+            if self.pending and self.deferred and self.deferred[k]:
+                q = q + self.deferred[k] * np.concatenate([[0.0], np.cumsum(self.pending)])
+            q.flags.writeable = False
+            self._prefixes[k] = q
+        return self._prefixes[k]
 
 
 @dataclass(frozen=True)
@@ -230,7 +240,7 @@ def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: Me
         return lambda k: base
     if memory.exact is not None:
         return lambda k: base & memory.fits(k, n)
-    limit = memory.room + memory.cap * _RTOL
+    limit = memory.slack_room
 
     def valid(k: int) -> np.ndarray:
         q = memory.prefix(k)
@@ -280,9 +290,10 @@ def _stage_multipliers(in_flight: Sequence[int] | None, pp: int) -> list[float]:
 
 
 def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningError:
+    whats = " and ".join(r.what for r in requirements) or "non-empty stages"
+    no_split = PlanningError(f"no contiguous split into {pp} stages gives every stage {whats}; lower pp")
     if memory is None:
-        whats = " and ".join(r.what for r in requirements) or "non-empty stages"
-        return PlanningError(f"no contiguous split into {pp} stages gives every stage {whats}; lower pp")
+        return no_split
     # Which peak memory is reachable at all under the other constraints?
     n = len(names)
     flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
@@ -290,6 +301,8 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     # The full estimate of every segment when the cap holds on it (exact), else the additive part's.
     least, bounds = _dp(pp, n, lambda k: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n)), valid,
                         combine="max")
+    if not bounds:  # the requirements alone leave no split, whatever the memory
+        return no_split
     worst = int(np.argmax([memory.table(k, n)[bounds[k], bounds[k + 1]] for k in range(pp)]))
     gib = float(1 << 30)
     return PlanningError(

@@ -27,7 +27,6 @@ Pure numpy, no torch: the planner layer uses it for the ``constrained`` strategy
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,7 +151,7 @@ def step_time_partition(
         best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
     if least_memory is not None:
         left = max(0.0, work - evaluate.work)
-        best = _least_memory_among_fastest(evaluate, requirements, memory, best, least_memory,
+        best = _least_memory_among_fastest(evaluate, bound, requirements, memory, best, least_memory,
                                            min(budget, _TIE_BUDGET, max(64, int(left / max(nodes, 1)))))
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
@@ -191,6 +190,28 @@ def _score(evaluate: StepTimeEvaluator, bound: Bound, splits: Sequence[tuple[int
     times = evaluate(splits)
     values = bound.values(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))
     return [(float(t), float(v), s) for t, v, s in zip(times, values, splits)]
+
+
+#: Splits :func:`_fastest` simulates first, those of the smallest lower bound: their best step rules out the rest.
+_FIRST_BATCH = 32
+#: A split whose lower bound is above the best step found by more than this is slower (the bound never exceeds a
+#: split's step time; the margin covers rounding).
+_BOUND_MARGIN = 1e-6
+
+
+def _fastest(evaluate: StepTimeEvaluator, bound: Bound, splits: np.ndarray) -> _Scored:
+    """``min(_score(evaluate, bound, splits))`` (rows of ``splits``), simulating only the splits whose lower bound
+    is not above the best step time found: those of the smallest bound first, then the rest that their best does
+    not rule out. The others are charged to the evaluator as if simulated, so the budgets run as before."""
+    values = bound.values(splits)
+    order = np.argsort(values, kind="stable")
+    as_tuples = [tuple(int(x) for x in row) for row in splits[order]]
+    best = min(_score(evaluate, bound, as_tuples[:_FIRST_BATCH]))
+    rest = as_tuples[_FIRST_BATCH:]
+    keep = values[order][_FIRST_BATCH:] <= best[0] * (1 + _BOUND_MARGIN)
+    evaluate.charge([x for x, k in zip(rest, keep) if not k])
+    kept = [x for x, k in zip(rest, keep) if k]
+    return min(best, *_score(evaluate, bound, kept)) if kept else best
 
 
 def _cuts_of(problem: ScheduleProblem, bounds: Sequence[int]) -> tuple[bool, ...]:
@@ -237,7 +258,7 @@ def _descend(evaluate: StepTimeEvaluator, bound: Bound, valid: Validity, best: _
         neighbours = np.unique(neighbours[_feasible_rows(valid, neighbours)], axis=0)
         if not len(neighbours):
             return best
-        cand = min(_score(evaluate, bound, [tuple(int(x) for x in row) for row in neighbours]))
+        cand = _fastest(evaluate, bound, neighbours)
         if cand[0] >= best[0] * (1 - 1e-12):
             return min(best, cand) if cand[0] <= best[0] else best
         best = cand
@@ -250,32 +271,35 @@ def _branch_and_bound(
     """Evaluate every split whose lower bound is below the best step time; False if the budget ran out."""
     problem = evaluate.problem
     n, pp = problem.n, problem.pp
-    threshold = best[0]
-    windows, coreach = _windows_and_coreach(bound, threshold)
+    stage_ends = _StageEnds(bound, best[0])
+    below = best[0] * (1 - RTOL)  # a stage's bound must stay below it
+    pushed: dict[tuple[int, int], list[int]] = {}  # the ends to push, last first, per (stage, start) under ``below``
     pending: list[tuple[int, ...]] = []
     seen = 0
     stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]  # (stage, cuts before the last, last cut)
     while stack:
         k, head, s = stack.pop()
         prefix = (*head, s)
-        if k == pp:
-            if s == n:
-                pending.append(prefix)
-                seen += 1
-                if len(pending) >= 512:
-                    best = min(best, *_score(evaluate, bound, pending))
-                    pending = []
-                if seen > budget:
-                    return best, False
-            continue
         # Stage k = [s, e): e with s in its window, the stage's bound below the best, the rest completable.
-        ends = np.arange(s + 1, n + 1)
-        lo, hi = windows[k]
-        ok = (lo[ends] <= s) & (hi[ends] >= s) & coreach[k + 1][ends]
-        ends = ends[ok]
-        if len(ends):
-            ends = ends[bound.stage_value(k, s, ends) < best[0] * (1 - RTOL)]
-        stack.extend((k + 1, prefix, e) for e in ends[::-1].tolist())
+        ends = pushed.get((k, s))
+        if ends is None:
+            at, values = stage_ends(k, s)
+            ends = pushed[(k, s)] = at[values < below][::-1].tolist() if len(at) else []
+        if k < pp - 1:
+            stack.extend([(k + 1, prefix, e) for e in ends])
+            continue
+        if not ends:  # the last stage ends at n, or nowhere
+            continue
+        pending.append((*prefix, n))
+        seen += 1
+        if len(pending) >= 512:
+            best = min(best, *_score(evaluate, bound, pending))
+            pending = []
+            if best[0] * (1 - RTOL) != below:
+                below = best[0] * (1 - RTOL)
+                pushed.clear()
+        if seen > budget:
+            return best, False
     if pending:
         best = min(best, *_score(evaluate, bound, pending))
     return best, True
@@ -289,7 +313,7 @@ def split_memory(terms: MemoryCap | Sequence[np.ndarray], bounds: Sequence[int])
     return max(float(prefixes[k][e] - prefixes[k][s]) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
 
 
-def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Sequence[Requirement],
+def _least_memory_among_fastest(evaluate: StepTimeEvaluator, base: Bound, requirements: Sequence[Requirement],
                                 memory: MemoryCap | None, best: _Scored, terms: MemoryCap, budget: int) -> _Scored:
     """Among the splits as fast as ``best`` (within ``RTOL``), the one whose largest stage uses the least memory
     under ``terms`` (within ``budget`` simulated splits; past it, the least found so far).
@@ -307,8 +331,8 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
 
     def bound_at(cap: float) -> Bound:
         room = cap if memory is None else min(cap, memory.room)  # the user's cap still holds
-        return Bound(problem, Validity.build(problem.n, requirements, dataclasses.replace(terms, cap=room,
-                                                                                           overhead=0.0)))
+        # ``terms`` under a cap of ``room`` and no overhead: their prefix sums are the same at any cap.
+        return base.under(Validity.build(problem.n, requirements, terms, room + room * RTOL))
 
     lo, hi = 0.0, ceiling
     while hi - lo > 1e-3 * hi:
@@ -338,6 +362,27 @@ def _least_memory_among_fastest(evaluate: StepTimeEvaluator, requirements: Seque
     return step, chosen[1], chosen[2]
 
 
+class _StageEnds:
+    """For a depth-first search over splits under bound ``x``: per stage ``k`` and start ``s``, the ends ``e`` of
+    ``[s, e)`` with ``s`` in its window and the rest completable, and the stage's bound at each; worked out once
+    per ``(k, s)``, which the search reaches again under every different prefix."""
+
+    def __init__(self, bound: Bound, x: float) -> None:
+        self.bound, self.n = bound, bound.problem.n
+        self.windows, self.coreach = _windows_and_coreach(bound, x)
+        self._known: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, k: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+        known = self._known.get((k, s))
+        if known is None:
+            ends = np.arange(s + 1, self.n + 1)
+            lo, hi = self.windows[k]
+            ends = ends[(lo[ends] <= s) & (hi[ends] >= s) & self.coreach[k + 1][ends]]
+            known = (ends, self.bound.stage_value(k, s, ends) if len(ends) else np.zeros(0))
+            self._known[(k, s)] = known
+        return known
+
+
 def _windows_and_coreach(bound: Bound, x: float) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
     """Each stage's windows under bound ``x``, and backward reachability under it: ``coreach[k][s]`` — can
     ``[s, n)`` be split into stages ``k..pp-1``?"""
@@ -359,7 +404,8 @@ def _splits_within(bound: Bound, limit: float, most: int) -> list[tuple[int, ...
     """Up to ``most`` valid splits whose every stage's lower bound is within ``limit`` (depth first)."""
     problem = bound.problem
     n, pp = problem.n, problem.pp
-    windows, coreach = _windows_and_coreach(bound, limit)
+    stage_ends = _StageEnds(bound, limit)
+    within: dict[tuple[int, int], list[int]] = {}  # the ends to push, last first, per (stage, start)
     out: list[tuple[int, ...]] = []
     stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]
     while stack and len(out) < most:
@@ -369,10 +415,9 @@ def _splits_within(bound: Bound, limit: float, most: int) -> list[tuple[int, ...
             if s == n:
                 out.append(prefix)
             continue
-        ends = np.arange(s + 1, n + 1)
-        lo, hi = windows[k]
-        ends = ends[(lo[ends] <= s) & (hi[ends] >= s) & coreach[k + 1][ends]]
-        if len(ends):
-            ends = ends[bound.stage_value(k, s, ends) <= limit]
-        stack.extend((k + 1, prefix, e) for e in ends[::-1].tolist())
+        pushed = within.get((k, s))
+        if pushed is None:
+            ends, values = stage_ends(k, s)
+            pushed = within[(k, s)] = ends[values <= limit][::-1].tolist() if len(ends) else []
+        stack.extend([(k + 1, prefix, e) for e in pushed])
     return out

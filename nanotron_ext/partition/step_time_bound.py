@@ -10,6 +10,7 @@ reachability sweep with prefix sums, ``O(pp · n log n)``, one binary search per
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition.feasible import latest_starts, sweep
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
 from nanotron_ext.partition.step_time_eval import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
@@ -141,6 +143,13 @@ class Bound:
         self._S = np.array([[s_arr for _, s_arr, _ in rows] for rows in padded])
         self._C = np.array([[const for _, _, const in rows] for rows in padded])
 
+    def under(self, valid: Validity) -> Bound:
+        """The same bound over the segments ``valid`` allows: the terms, and the searches under the last bound
+        asked, shared."""
+        other = copy.copy(self)
+        other.valid = valid
+        return other
+
     def value(self, bounds: Sequence[int]) -> float:
         """The lower bound of one split."""
         return max(
@@ -156,8 +165,9 @@ class Bound:
         g = self._E[stage, term, bounds[:, 1:, None]] - self._S[stage, term, bounds[:, :-1, None]] + self._C
         return g.reshape(len(bounds), -1).max(axis=1)
 
-    def stage_value(self, k: int, s: np.ndarray | int, e: np.ndarray | int) -> np.ndarray:
-        return np.max([e_arr[e] - s_arr[s] + const for e_arr, s_arr, const in self.terms[k]], axis=0)
+    def stage_value(self, k: int, s: int, e: np.ndarray) -> np.ndarray:
+        """Stage ``k``'s bound on segments ``[s, e)``, one start and many ends (the arithmetic of :meth:`value`)."""
+        return (self._E[k][:, e] - self._S[k][:, s, None] + self._C[k][:, None]).max(axis=0)
 
     def windows(self, k: int, x: float) -> tuple[np.ndarray, np.ndarray]:
         """For every end ``e`` (0..n): the starts ``s`` in ``[lo[e], hi[e]]`` give stage ``k`` a valid segment
@@ -178,20 +188,7 @@ class Bound:
     def reach(self, x: float) -> list[np.ndarray] | None:
         """Forward reachability under bound ``x``: ``reach[k][s]`` — blocks ``[0, s)`` split into ``k`` stages.
         None when ``[0, n)`` cannot be split into ``pp`` stages."""
-        n, pp = self.problem.n, self.problem.pp
-        cur = np.zeros(n + 1, dtype=bool)
-        cur[0] = True
-        out = [cur]
-        cnt = np.zeros(n + 2, dtype=np.int64)  # cnt[i]: reachable starts below i
-        hi_next = self.valid.hi + 1  # hi >= -1
-        for k in range(pp):
-            lo, hi = self.windows(k, x)  # lo in 0..n + 1
-            np.cumsum(cur, out=cnt[1:])
-            cur = (hi >= lo) & (cnt[hi_next] > cnt[lo])
-            if not cur.any():
-                return None
-            out.append(cur)
-        return out if cur[n] else None
+        return sweep(self.problem.n, self.problem.pp, lambda k: self.windows(k, x))
 
 
 @dataclass
@@ -205,17 +202,19 @@ class Validity:
     _lo: dict[int, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
-    def build(n: int, requirements: Sequence[Requirement], memory: MemoryCap | None) -> Validity:
-        hi = np.arange(n + 1) - 1  # non-empty: s <= e - 1
-        for req in requirements:
-            flags = np.asarray(req.flags, dtype=bool)
-            idx = np.where(flags, np.arange(n), -1)
-            last = np.concatenate([[-1], np.maximum.accumulate(idx)]) if n else np.array([-1])
-            hi = np.minimum(hi, last)  # s <= the last flagged block before e
+    def build(n: int, requirements: Sequence[Requirement], memory: MemoryCap | None,
+              room: float | None = None) -> Validity:
+        """The valid segments under ``requirements`` and ``memory`` (its additive part within ``room`` bytes a
+        stage, default :attr:`MemoryCap.slack_room`; its ``cap`` and ``overhead`` are read only for that)."""
+        hi = latest_starts(n, requirements)  # non-empty, every requirement met
         mem = None
         if memory is not None:
-            mem = (memory, memory.room + memory.cap * RTOL)
+            mem = (memory, memory.slack_room if room is None else room)
         return Validity(n=n, hi=hi, mem=mem)
+
+    def any_split(self, pp: int) -> bool:
+        """Whether ``[0, n)`` splits into ``pp`` stages every one of which is valid."""
+        return sweep(self.n, pp, lambda k: (self.lo(k), self.hi)) is not None
 
     def lo(self, k: int) -> np.ndarray:
         if k not in self._lo:

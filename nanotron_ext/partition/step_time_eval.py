@@ -229,6 +229,12 @@ class _Nodes(NamedTuple):
     depth: list[int]
 
 
+#: Per action's value: (0 compute, 1 send, 2 receive; the compute kind of :data:`_KIND`; carries a gradient; the
+#: peer a receive hears from), read from :class:`Action` once, so the replay below reads no enum property per step.
+_STEP_INFO = {a.value: (0 if a.is_compute else 1 if a.is_send else 2, _KIND.get(a, 0), a.carries_gradient, a.peer)
+              for a in Action}
+
+
 def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
     """Replay the programs as ``simulate`` does, making one node per compute (fused into the receive before it
     when nothing else waits on that receive) and one per receive; returns the nodes and each rank's last."""
@@ -236,20 +242,23 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
     n_actions = sum(len(p) for p in programs)
     p2p, nothing = _codes(pp)
     pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
+    info = _STEP_INFO
     posted: dict[tuple[bool, int, int], int] = {}  # (gradient?, sender, micro-batch) -> node before the send
     prev = [0] * pp
     fusable = [False] * pp  # prev[s] is a receive that nothing else waits on yet
     pos = [0] * pp
     done = 0
+    last = 0  # the newest node
     while done < n_actions:
         progressed = False
         for s in range(pp):
             prog, i, node, fuse = programs[s], pos[s], prev[s], fusable[s]
-            start = i
-            while i < len(prog):
+            start, end = i, len(prog)
+            while i < end:
                 action, j = prog[i]
-                if action.is_compute:
-                    c = s + pp * _KIND[action]
+                op, kind, grad, peer = info[action._value_]
+                if op == 0:  # compute
+                    c = s + pp * kind
                     if fuse:
                         code2[node] = c
                         fuse = False
@@ -259,20 +268,23 @@ def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
                         code.append(c)
                         code2.append(nothing)
                         depth.append(depth[node] + 1)
-                        node = len(code) - 1
-                elif action.is_send:
-                    posted[(action.carries_gradient, s, j)] = node
+                        last += 1
+                        node = last
+                elif op == 1:  # send
+                    posted[(grad, s, j)] = node
                     fuse = False
-                else:
-                    sent = posted.get((action.carries_gradient, s + action.peer, j))
+                else:  # receive
+                    sent = posted.get((grad, s + peer, j))
                     if sent is None:
                         break
                     pred_rank.append(node)
                     pred_msg.append(sent)
-                    code.append(p2p + min(s, s + action.peer))  # the cut the message crosses
+                    code.append(p2p + min(s, s + peer))  # the cut the message crosses
                     code2.append(nothing)
-                    depth.append(max(depth[node], depth[sent]) + 1)
-                    node = len(code) - 1
+                    d, d_sent = depth[node], depth[sent]
+                    depth.append((d if d > d_sent else d_sent) + 1)
+                    last += 1
+                    node = last
                     fuse = True
                 i += 1
             if i > start:
@@ -337,6 +349,20 @@ class StepTimeEvaluator:
             self.work += graph.n_actions * len(rows)
         self.evaluated += len(bounds)
         return out
+
+    def charge(self, splits: Sequence[Sequence[int]]) -> None:
+        """Count ``splits`` as evaluated without simulating them (the search ruled them out by their lower bound),
+        so that every budget read from :attr:`evaluated` and :attr:`work` is spent as if they were."""
+        if len(splits) == 0:
+            return
+        bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
+        pp = self.problem.pp
+        cuts = self._grad[bounds[:, 1:-1]] if pp > 1 else np.zeros((len(bounds), 0), dtype=bool)
+        keys, counts = np.unique(cuts, axis=0, return_counts=True)
+        for key, count in zip(keys, counts):
+            graph = schedule_graph(self.problem.engine, pp, self.problem.n_micro_batches, tuple(bool(x) for x in key))
+            self.work += graph.n_actions * int(count)
+        self.evaluated += len(bounds)
 
     def _run(self, bounds: np.ndarray, cuts: tuple[bool, ...]) -> np.ndarray:
         p = self.problem

@@ -36,7 +36,11 @@ from nanotron_ext.partition.schedule_aware import step_time_partition
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import ZERO_BUBBLE, too_few_micro_batches
 from nanotron_ext.strategies.fixes import memory_cap_fix
-from nanotron_ext.strategies.memory_fit import under_full_estimate, within_device_memory
+from nanotron_ext.strategies.memory_fit import (
+    refuse_when_none_fits,
+    under_full_estimate,
+    within_device_memory,
+)
 from nanotron_ext.strategies.registry import Assignment, register_strategy
 from nanotron_ext.strategies.step_time import schedule_problem
 
@@ -85,6 +89,7 @@ def optimal_assignment(
     run = cfg.run
     flight = in_flight(run.engine, run.pp, run.n_micro_batches)
     reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
+    refuse_when_none_fits(len(blocks), run.pp, reqs, memory)
     part = under_full_estimate(lambda mem: partition(
         costs,
         run.pp,
@@ -152,6 +157,7 @@ def step_time_assignment(
     seeds the search, so the answer is never slower than it.
     """
     reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
+    refuse_when_none_fits(len(blocks), cfg.run.pp, reqs, memory)
     if too_few_micro_batches(cfg.run.engine, cfg.run.pp, cfg.run.n_micro_batches) is not None:
         # Nanotron's engine would refuse this schedule, so there is no step to time: split by FLOPs, and
         # leave the complaint to whatever runs or simulates it.

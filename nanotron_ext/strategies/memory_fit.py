@@ -12,14 +12,16 @@ from typing import TypeVar
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB
-from nanotron_ext.costs.memory_estimate import config_stage_memory
+from nanotron_ext.costs.memory_estimate import SegmentMemory, estimate_key
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.machine import memory_limit
-from nanotron_ext.partition import MemoryCap, Partition, bounds_from_ranks
+from nanotron_ext.partition import MemoryCap, Partition, Requirement, bounds_from_ranks
+from nanotron_ext.partition.feasible import any_split_fits
 from nanotron_ext.partition.schedule_aware import StepTimeSplit
+from nanotron_ext.partition.step_time_bound import Validity
 from nanotron_ext.strategies.registry import Assignment
 
-__all__ = ["only_whether_it_fits", "under_full_estimate", "within_device_memory"]
+__all__ = ["only_whether_it_fits", "refuse_when_none_fits", "under_full_estimate", "within_device_memory"]
 
 _Split = TypeVar("_Split", Partition, StepTimeSplit)
 #: Whether a search under a cap that no split meets raises with the full estimate's least memory (one estimate
@@ -38,6 +40,23 @@ def only_whether_it_fits() -> Iterator[None]:
         _EXACT_ERRORS.reset(token)
 
 
+def refuse_when_none_fits(n: int, pp: int, requirements: Sequence[Requirement], memory: MemoryCap | None) -> None:
+    """Inside :func:`only_whether_it_fits`, a :class:`PlanningError` at once when no split of ``n`` blocks into
+    ``pp`` stages fits ``memory``'s additive part, neither by the partitioner's programme nor by the step-time
+    search's windows: both searches would raise after all their work (seconds on a large model), and the caller
+    reads only that they did. Outside it, or under the full estimate, nothing: the searches raise their own error.
+
+    Raises:
+        PlanningError: no split fits.
+    """
+    if memory is None or memory.exact is not None or _EXACT_ERRORS.get():
+        return
+    if any_split_fits(n, pp, requirements, memory) or Validity.build(n, requirements, memory).any_split(pp):
+        return
+    raise PlanningError(f"no split into pp={pp} stages fits {memory.cap / GIB:.4g} GiB per stage by the estimate's "
+                        f"additive part alone; {memory.fix or 'raise the cap or use a larger pp'}")
+
+
 def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: MemoryCap | None,
                         blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Split:
     """``search`` under ``memory``'s additive terms, then, if its split is over the cap by the full estimate
@@ -46,11 +65,7 @@ def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: Me
     error's least memory is the full estimate's. Without a cap, ``search(None)``."""
     if memory is None:
         return search(None)
-
-    def full(k: int, s: int, e: int) -> float:
-        return config_stage_memory(blocks[s:e], cfg, k).peak
-
-    exact = dataclasses.replace(memory, exact=full)
+    exact = dataclasses.replace(memory, exact=_full_estimate(blocks, cfg))
     try:
         found = search(memory)
     except PlanningError:
@@ -84,5 +99,33 @@ def within_device_memory(split: Callable[[PlannerConfig], Assignment], blocks: S
 
 def _fits(bounds: Sequence[int], blocks: Sequence[BlockInfo], cfg: PlannerConfig, cap: float) -> bool:
     """Whether every stage of the split ``bounds`` fits ``cap`` bytes by its full estimate."""
-    return all(config_stage_memory(blocks[s:e], cfg, k).peak <= cap * (1 + 1e-9)
-               for k, (s, e) in enumerate(zip(bounds, bounds[1:])))
+    full = _full_estimate(blocks, cfg)
+    return all(full(k, s, e) <= cap * (1 + 1e-9) for k, (s, e) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _full_estimate(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Callable[[int, int, int], float]:
+    """``full(k, s, e)``: the peak of ``config_stage_memory(blocks[s:e], cfg, k)``, each segment estimated once
+    for every search of the same blocks and estimate (the step-time search under the full estimate, then the
+    min-max split that stands in for it, ask for the same segments); the last few kept."""
+    key = (tuple(blocks), estimate_key(cfg))
+    full = _ESTIMATES.get(key)
+    if full is None:
+        while len(_ESTIMATES) >= 8:
+            _ESTIMATES.pop(next(iter(_ESTIMATES)))
+        full = _ESTIMATES[key] = _once_each(SegmentMemory(blocks, cfg))
+    return full
+
+
+_ESTIMATES: dict[tuple[object, ...], Callable[[int, int, int], float]] = {}
+
+
+def _once_each(segments: SegmentMemory) -> Callable[[int, int, int], float]:
+    known: dict[tuple[int, int, int], float] = {}
+
+    def full(k: int, s: int, e: int) -> float:
+        peak = known.get((k, s, e))
+        if peak is None:
+            peak = known[(k, s, e)] = segments(k, s, e).peak
+        return peak
+
+    return full

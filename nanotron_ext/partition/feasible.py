@@ -1,0 +1,100 @@
+"""Whether any split exists under the constraints, without searching for the best one.
+
+A stage ``k`` may hold blocks ``[s, e)`` for every start ``s`` in a window ``[lo_k(e), hi(e)]``: ``hi`` from the
+requirements (a flagged block in ``[s, e)``, and ``s < e``), ``lo_k`` from the memory cap (the additive part of a
+stage's memory grows with its segment, so the starts that fit are those from some ``lo`` on). One forward sweep
+over the stages with prefix counts (:func:`sweep`) then says which ends ``[0, e)`` can be split into ``k``
+stages: ``O(pp · n)`` once the windows are known, where the partitioner's dynamic programme fills ``pp`` tables of
+``(n + 1)²``.
+
+:func:`any_split_fits` answers with the very comparisons of :func:`~nanotron_ext.partition.partition`'s
+programme (``q[e] - q[s] <= room`` on :meth:`MemoryCap.prefix`), so it says False exactly when ``partition``
+would raise that no split fits: callers that only ask whether a split fits skip the programme and its
+least-memory search when none does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from nanotron_ext.partition.optimal import MemoryCap, Requirement
+
+__all__ = ["any_split_fits", "latest_starts", "sweep"]
+
+
+def latest_starts(n: int, requirements: Sequence[Requirement]) -> np.ndarray:
+    """Per end ``e`` (0..n), the latest start of a stage ``[s, e)``: non-empty (``s <= e - 1``) and holding a
+    flagged block of every requirement (``s <=`` the last flagged block before ``e``); -1: none."""
+    hi = np.arange(n + 1) - 1
+    for req in requirements:
+        flags = np.asarray(req.flags, dtype=bool)
+        idx = np.where(flags, np.arange(n), -1)
+        last = np.concatenate([[-1], np.maximum.accumulate(idx)]) if n else np.array([-1])
+        hi = np.minimum(hi, last)
+    return hi
+
+
+def sweep(n: int, pp: int, windows: Callable[[int], tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray] | None:
+    """Forward reachability: ``out[k][e]`` — blocks ``[0, e)`` split into ``k`` stages, stage ``j`` starting in
+    ``windows(j)`` (``lo``, ``hi`` per end); None when ``[0, n)`` cannot be split into ``pp`` stages."""
+    cur = np.zeros(n + 1, dtype=bool)
+    cur[0] = True
+    out = [cur]
+    cnt = np.zeros(n + 2, dtype=np.int64)  # cnt[i]: reachable starts below i
+    for k in range(pp):
+        lo, hi = windows(k)  # lo in 0..n + 1, hi in -1..n
+        np.cumsum(cur, out=cnt[1:])
+        cur = (hi >= lo) & (cnt[hi + 1] > cnt[lo])
+        if not cur.any():
+            return None
+        out.append(cur)
+    return out if cur[n] else None
+
+
+def any_split_fits(n: int, pp: int, requirements: Sequence[Requirement], memory: MemoryCap | None) -> bool:
+    """Whether :func:`~nanotron_ext.partition.partition` finds a split of ``n`` blocks into ``pp`` non-empty
+    stages, each with a flagged block of every requirement and within ``memory``'s additive part (the same
+    comparisons as its programme; ``memory.exact`` is not read)."""
+    if not 1 <= pp <= n or any(len(r.flags) != n for r in requirements):
+        return False
+    hi = latest_starts(n, requirements)
+    if memory is None:
+        return sweep(n, pp, lambda k: (np.zeros(n + 1, dtype=np.int64), hi)) is not None
+    prefixes = [memory.prefix(k) for k in range(pp)]
+    if not all(np.all(q[1:] >= q[:-1]) for q in prefixes):  # a negative term: the starts that fit have gaps
+        return _dense(n, pp, hi, prefixes, memory.slack_room)
+    return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], memory.slack_room), hi)) is not None
+
+
+def _earliest_fitting(q: np.ndarray, room: float) -> np.ndarray:
+    """Per end ``e``, the smallest ``s`` with ``q[e] - q[s] <= room`` as numpy computes it (``e + 1``: none).
+
+    ``q`` never decreases (prefix sums of non-negative terms), and neither does the rounded difference as ``s``
+    falls: the starts that fit are ``lo..e``. A binary search finds ``lo`` to within rounding; the comparison
+    itself then settles it."""
+    n = len(q) - 1
+    ends = np.arange(n + 1)
+    lo = np.minimum(np.searchsorted(q, q - room, side="left"), ends)
+    while True:  # earlier starts that fit after all
+        back = (lo > 0) & ((q - q[np.maximum(lo - 1, 0)]) <= room)
+        if not back.any():
+            break
+        lo = lo - back
+    while True:  # starts that do not fit after all (e + 1 when not even [e, e) does)
+        ahead = (lo <= ends) & ~((q - q[np.minimum(lo, n)]) <= room)
+        if not ahead.any():
+            break
+        lo = lo + ahead
+    return lo
+
+
+def _dense(n: int, pp: int, hi: np.ndarray, prefixes: Sequence[np.ndarray], room: float) -> bool:
+    """:func:`any_split_fits` segment by segment, for prefix sums that decrease somewhere."""
+    starts = np.arange(n + 1)[:, None]
+    cur = starts[:, 0] == 0
+    for q in prefixes:
+        ok = (starts <= hi[None, :]) & ((q[None, :] - q[:, None]) <= room)
+        cur = (cur[:, None] & ok).any(axis=0)
+    return bool(cur[n])
