@@ -186,6 +186,49 @@ def test_plan_fit_prints_the_table_and_says_when_nothing_fits(capsys, tmp_path):
     assert "--compare, --compare-engines and --fit are three tables; pass one of them" in capsys.readouterr().err
 
 
+def test_plan_fit_says_how_many_candidates_it_left_out_and_all_prints_every_one(capsys):
+    from nanotron_ext.cli.plan import FIT_ROWS
+    from nanotron_ext.simulate.fit_search import fit_search
+
+    config = str(bundled_config("llama_3_8b.yaml"))
+    _, rows = fit_search(load_config(config, pp=4, cost_strategy="nanotron"))
+    others = [r for r in rows if r.change != "as configured"]
+    hidden = others[FIT_ROWS - 1:]  # the config as it is, then the first rows of the others
+    assert len(hidden) > 0 and 0 < sum(r.fits for r in hidden) < len(hidden)  # the count below is not trivial
+
+    def printed(*extra: str) -> tuple[list[str], str]:
+        assert main(["plan", config, "--pp", "4", "--cost-strategy", "nanotron", "--fit", *extra]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        start = next(i for i, x in enumerate(lines) if x.startswith("change")) + 2
+        end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+        return lines[start:end], out
+
+    table, out = printed()
+    assert len(table) == FIT_ROWS
+    assert (f"{len(hidden)} more candidates left out ({sum(r.fits for r in hidden)} of them fit): --all prints "
+            "every one") in out
+    table, out = printed("--all")
+    assert len(table) == len(rows) and "left out" not in out
+    assert sorted(x.split("  ")[0] for x in table) == sorted(r.change for r in rows)
+    assert main(["plan", config, "--all"]) == 2
+    assert "--all goes with --fit" in capsys.readouterr().err
+
+
+def test_fixes_that_all_stay_over_point_to_plan_fit_and_one_that_fits_does_not():
+    from nanotron_ext.plan.fit import FIT_POINTER
+
+    big = load_config(bundled_config("llama_3_70b.yaml"))  # every single change is still over an H100
+    plan = make_plan(inventory_from_config(big), big)
+    fix = next(f.fix for f in plan.findings if f.code == "memory")
+    assert fix.count("(largest stage") == fix.count(", still over)") >= 3 and fix.endswith(f". {FIT_POINTER}")
+    blocks = inventory_from_config(TINY)
+    need = make_plan(blocks, TINY, "nanotron").stages[0].memory_bytes
+    capped = TINY.with_overrides(memory_cap_gib=need * 0.997 / GIB)  # tp 2 fits, pp 4 is still over
+    fix = next(f.fix for f in make_plan(blocks, capped, "nanotron").findings if f.code == "memory")
+    assert fix.count("(largest stage") > fix.count(", still over)") >= 1 and FIT_POINTER not in fix
+
+
 def test_fit_search_tries_only_a_tp_that_divides_the_heads():
     from nanotron_ext.plan.fit import heads_split
     from nanotron_ext.simulate.fit_search import fit_search

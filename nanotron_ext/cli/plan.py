@@ -47,9 +47,10 @@ from nanotron_ext.plan import (
 from nanotron_ext.plan.compare import best_valid_split
 from nanotron_ext.report import compact_names, human_bytes, human_count
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
+from nanotron_ext.simulate.fit_search import FitRow
 
 __all__ = ["add_subcommand", "best_valid_fields", "best_valid_line", "cmd_plan", "compare_engines", "engine_rows",
-           "fit_table", "frozen_tradeoff", "simulated", "simulated_fields", "step_time_line"]
+           "fit_table", "frozen_tradeoff", "left_out", "simulated", "simulated_fields", "step_time_line"]
 
 #: The engines ``plan --compare-engines`` puts side by side.
 
@@ -66,6 +67,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--fit", action="store_true",
                    help="the cheapest changes (tp, pp, ZeRO-1, recompute_layer, engine) whose every stage fits the "
                         "memory, each planned and simulated")
+    p.add_argument("--all", dest="all_rows", action="store_true",
+                   help=f"with --fit: every candidate planned, not only the first {FIT_ROWS} rows")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
@@ -88,8 +91,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--replan goes with --checkpoint DIR (what a resume of that checkpoint would train)")
     if sum(map(bool, (args.compare, args.compare_engines, args.fit))) > 1:
         raise ConfigError("--compare, --compare-engines and --fit are three tables; pass one of them")
+    if args.all_rows and not args.fit:
+        raise ConfigError("--all goes with --fit (it prints every candidate --fit planned); add --fit or drop --all")
     if args.fit:
-        return fit_table(config_from_args(args, args.config), as_json=args.json)
+        return fit_table(config_from_args(args, args.config), as_json=args.json, every=args.all_rows)
     if args.compare_engines:
         return compare_engines(config_from_args(args, args.config), as_json=args.json)
     cfg, engine_choice = resolve_engine(config_from_args(args, args.config))
@@ -333,8 +338,17 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
 FIT_ROWS = 8
 
 
-def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
-    """``plan --fit``: the candidates of :func:`~nanotron_ext.simulate.fit_search.fit_search`; exit 0 when one fits."""
+def left_out(rows: Sequence[FitRow], shown: Sequence[FitRow]) -> str:
+    """What ``plan --fit`` did not print: how many candidates, how many of them fit, and how to see them."""
+    hidden = [r for r in rows if r not in shown]
+    fitting = sum(r.fits for r in hidden)
+    return (f"{len(hidden)} more candidate{'s' if len(hidden) != 1 else ''} left out ({fitting} of them "
+            f"fit{'' if fitting != 1 else 's'}): --all prints every one, --json lists them all")
+
+
+def fit_table(cfg: PlannerConfig, *, as_json: bool, every: bool = False) -> int:
+    """``plan --fit``: the candidates of :func:`~nanotron_ext.simulate.fit_search.fit_search`, the first
+    :data:`FIT_ROWS` of them (``every``: all, as ``--json`` gives); exit 0 when one fits."""
     import sys
 
     from tqdm import tqdm
@@ -352,7 +366,7 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
                           "rows": [{**dataclasses.asdict(r), "gpus": r.gpus} for r in rows]}, indent=2))
         return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID
     shown = [r for r in rows if r.change == "as configured"] + [r for r in rows if r.change != "as configured"]
-    shown = shown[:FIT_ROWS]
+    shown = shown if every else shown[:FIT_ROWS]
     table_rows = [[r.change, r.tp * r.pp, human_bytes(r.peak),
                    "-" if limit is None else f"{r.peak / limit.bytes:.0%}",
                    "-" if r.step_time is None else format_seconds(r.step_time), "yes" if r.fits else "no"]
@@ -362,6 +376,8 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool) -> int:
                        f"{len(rows)} candidates, {sum(r.fits for r in rows)} fit",
                        ["change", "GPUs per replica", "largest stage", "of limit", "sim. step", "fits"],
                        table_rows, Notes()))
+    if len(shown) < len(rows):
+        print(f"\n{left_out(rows, shown)}")
     if limit is not None and not any(r.fits for r in rows):
         print("\nnothing here fits: what is left is a smaller `tokens.micro_batch_size` or sequence (it changes the "
               "training), or a GPU with more memory")

@@ -24,7 +24,8 @@ from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes
 from nanotron_ext.schedule import too_few_micro_batches
 
-__all__ = ["GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split", "overrun"]
+__all__ = ["FIT_POINTER", "GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split",
+           "overrun"]
 
 #: The share of a stage's in-flight activations the CPU runtime's count may put above Nanotron's GPU path, for the
 #: families not counted for that path (Starcoder2, LlaMoE): the counted families' decoder layers keep 13–22.5 % less
@@ -111,15 +112,21 @@ def heads_split(cfg: PlannerConfig, tp: int) -> bool:
     return m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0
 
 
+#: What the fixes add when every one of them is still over alone: ``plan --fit`` plans the changes combined.
+FIT_POINTER = ("None of these fits alone: `nanotron-ext plan --fit` (same config and flags) plans them combined "
+               "and lists those that fit")
+
+
 def fix_text(limit: MemoryLimit, fixes: Sequence[MemoryFix], generic: str) -> str:
     """The priced fixes, those that fit first, then the cap: raised, or set when the estimate is known high;
-    ``generic`` (the ways out, unpriced) when none was priced."""
+    ``generic`` (the ways out, unpriced) when none was priced; :data:`FIT_POINTER` when none of them fits."""
     last = ("raise `memory_cap_gib`" if limit.kind == "cap"
             else "`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the estimate")
     if not fixes:
         return generic if limit.kind == "cap" else last
     ordered = sorted(fixes, key=lambda f: (not f.fits, f.peak))
-    return "; or ".join([str(f) for f in ordered] + [last])
+    text = "; or ".join([str(f) for f in ordered] + [last])
+    return text if any(f.fits for f in fixes) else f"{text}. {FIT_POINTER}"
 
 
 def _replace_run(cfg: PlannerConfig, **changes: int | bool) -> PlannerConfig:
