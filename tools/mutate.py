@@ -61,6 +61,9 @@ SEND_ORDER = "nanotron_ext/runtime/send_order.py"
 GPU_PATH_TESTS = "tests/test_gpu_path_memory.py"
 GPU_MEMORY = "nanotron_ext/costs/gpu_memory.py"
 OPTIMAL = "nanotron_ext/partition/optimal.py"
+FEASIBLE = "nanotron_ext/partition/feasible.py"
+SCHEDULE_AWARE = "nanotron_ext/partition/schedule_aware.py"
+SHORTCUTS = "tests/test_search_shortcuts.py"
 RULE = "nanotron_ext/partition/nanotron_rule.py"
 SIMULATOR = "nanotron_ext/schedule/simulator.py"
 PROGRAMS = "nanotron_ext/schedule/programs.py"
@@ -342,7 +345,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "return [max(float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1]))] * (len(bounds) - 2)",
       ("tests/test_simulate_cli.py",)),
     M("the evaluator prices every message as cut 0's", "nanotron_ext/partition/step_time_eval.py",
-      "code.append(p2p + min(s, s + action.peer))", "code.append(p2p)",
+      "code.append(p2p + min(s, s + peer))", "code.append(p2p)",
       ("tests/test_schedule_aware.py",)),
     M("the simulator prices every message as cut 0's", SIMULATOR,
       "+ p2p_times[min(s, s + action.peer)]", "+ p2p_times[0]",
@@ -384,6 +387,59 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/test_fit.py",)),
     M("--fit rows are not ordered", "nanotron_ext/simulate/fit_search.py",
       "    rows.sort(key=lambda r:", "    sorted(rows, key=lambda r:", ("tests/test_fit.py",)),
+    # Issue 44: planning in seconds; each shortcut gives the straightforward computation's answer.
+    M("the fit check ignores the requirements", FEASIBLE,
+      "    hi = latest_starts(n, requirements)\n    if memory is None:", "    hi = latest_starts(n, ())\n    if memory is None:",
+      (SHORTCUTS,)),
+    M("the fit check ignores the memory", FEASIBLE,
+      "(_earliest_fitting(prefixes[k], memory.slack_room), hi)", "(np.zeros(n + 1, dtype=np.int64), hi)", (SHORTCUTS,)),
+    M("the fit check's dense path ignores the memory", FEASIBLE,
+      "ok = (starts <= hi[None, :]) & ((q[None, :] - q[:, None]) <= room)", "ok = starts <= hi[None, :]",
+      (SHORTCUTS,)),
+    M("an infeasible partition's message needs a split", OPTIMAL,
+      "    if not bounds:  # the requirements alone leave no split, whatever the memory\n        return no_split\n", "",
+      (SHORTCUTS,)),
+    M("a search is refused though a split fits", "nanotron_ext/strategies/memory_fit.py",
+      "    if any_split_fits(n, pp, requirements, memory) or Validity.build(n, requirements, memory).any_split(pp):\n"
+      "        return\n", "", (SHORTCUTS,)),
+    M("the refusal also answers callers that read the error", "nanotron_ext/strategies/memory_fit.py",
+      "if memory is None or memory.exact is not None or _EXACT_ERRORS.get():",
+      "if memory is None or memory.exact is not None:", (SHORTCUTS,)),
+    M("a segment's estimate holds stage 0's micro-batches", MEMORY,
+      "self._flight[stage] if held else 0", "self._flight[0] if held else 0", (SHORTCUTS,)),
+    M("every stage reads stage 0's memory prefix", OPTIMAL,
+      "        return self._prefixes[k]", "        return self._prefixes[min(self._prefixes)]",
+      ("tests/test_partition.py", SHORTCUTS)),
+    M("the descent simulates only its first batch", SCHEDULE_AWARE,
+      "    kept = [x for x, k in zip(rest, keep) if k]\n", "    kept = []\n", (SHORTCUTS,)),
+    M("the descent does not charge the splits it rules out", SCHEDULE_AWARE,
+      "    evaluate.charge([x for x, k in zip(rest, keep) if not k])\n", "", (SHORTCUTS,)),
+    M("branch and bound keeps the ends of a best it has beaten", SCHEDULE_AWARE,
+      "                pushed.clear()\n", "                pass\n", (SHORTCUTS,)),
+    M("branch and bound counts a split whose last stage ends nowhere", SCHEDULE_AWARE,
+      "        if not ends:  # the last stage ends at n, or nowhere\n            continue\n", "", (SHORTCUTS,)),
+    M("splits within a bound reuse another stage's ends", SCHEDULE_AWARE,
+      "        pushed = within.get((k, s))\n        if pushed is None:\n            ends, values = stage_ends(k, s)\n"
+      "            pushed = within[(k, s)] =",
+      "        pushed = within.get(s)\n        if pushed is None:\n            ends, values = stage_ends(k, s)\n"
+      "            pushed = within[s] =", (SHORTCUTS,)),
+    M("a stage's bound takes its smallest term", STEP_TIME,
+      "+ self._C[k][:, None]).max(axis=0)", "+ self._C[k][:, None]).min(axis=0)", (SHORTCUTS,)),
+    M("the tie-break's memory levels admit half their memory", SCHEDULE_AWARE,
+      "requirements, terms, room + room * RTOL))", "requirements, terms, 0.5 * room))", ("tests/test_schedule_aware.py",)),
+    M("the evaluator levels a receive by its own rank alone", "nanotron_ext/partition/step_time_eval.py",
+      "depth.append((d if d > d_sent else d_sent) + 1)", "depth.append(d + 1)", ("tests/test_schedule_aware.py",)),
+    M("fixes that all stay over do not point to --fit", "nanotron_ext/plan/fit.py",
+      'return text if any(f.fits for f in fixes) else f"{text}. {FIT_POINTER}"', "return text", ("tests/test_fit.py",)),
+    M("fixes point to --fit though one fits", "nanotron_ext/plan/fit.py",
+      'return text if any(f.fits for f in fixes) else f"{text}. {FIT_POINTER}"', 'return f"{text}. {FIT_POINTER}"',
+      ("tests/test_fit.py",)),
+    M("--fit counts every row it left out as fitting", "nanotron_ext/cli/plan.py",
+      "fitting = sum(r.fits for r in hidden)", "fitting = len(hidden)", ("tests/test_fit.py",)),
+    M("--fit says nothing of the rows it left out", "nanotron_ext/cli/plan.py",
+      "        print(f\"\\n{left_out(rows, shown)}\")\n", "        pass\n", ("tests/test_fit.py",)),
+    M("--fit --all still prints only the first rows", "nanotron_ext/cli/plan.py",
+      "shown = shown if every else shown[:FIT_ROWS]", "shown = shown[:FIT_ROWS]", ("tests/test_fit.py",)),
     M("a split over the cap by the full estimate is kept", "nanotron_ext/strategies/memory_fit.py",
       "        return found\n    return search(exact)", "        return found\n    return found", ("tests/test_fit.py",)),
     M("the least memory is the additive part's", "nanotron_ext/strategies/memory_fit.py",
