@@ -2,12 +2,15 @@
 thread each):
 
 1. ``calibrate``: the standalone profile (every block alone, the links, the all-reduces);
-2. the in-run profile on top of it: the config's own split trained for a few steps under
-   :class:`~nanotron_ext.runtime.op_clock.OpClock` (``profile_in_context``, what ``calibrate --in-run`` runs);
-3. every split of the scenario (the planner's pick under the in-run profile among them) built once per engine and
+2. the in-run profile on top of it, as ``calibrate --in-run`` takes it: the config's own split trained for a few
+   steps under :class:`~nanotron_ext.runtime.op_clock.OpClock` (``profile_in_context``): ``in-run before``;
+3. every split of the scenario (the planner's pick under that profile among them) built once per engine and
    micro-batch count, all alive at once, trained in interleaved rounds (the order rotates every round) with a
    :class:`~nanotron_ext.runtime.timing.StepTimer`; the config's split also runs turns under an ``OpClock``, so its
-   cost is measured side by side (issue 41: at most 2 % of a step).
+   cost is measured side by side (issue 41: at most 2 % of a step), and its clocked steps make a second in-run profile,
+   ``in-run``, taken in the same rounds as every split it prices: the machine's drift between a calibration and the
+   training after it (this VM's speed moves by 10-25 % over minutes to hours) is then out of the comparison, as in a
+   run that profiles its own first steps (issue 42). No held-out split is ever clocked.
 
 Rank 0 writes a JSON of everything measured; the launcher's progress bar follows a small file rank 0 rewrites.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,7 +59,9 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch.distributed
 
     from nanotron_ext.config import load_config
+    from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.machine.calibrate import calibrate
+    from nanotron_ext.machine.in_run import InRunSplit, in_run_profile, samples_of
     from nanotron_ext.plan.probes import Probe
     from nanotron_ext.runtime import GlooParallelContext
     from nanotron_ext.runtime.in_run_calibrate import build_split, profile_in_context
@@ -69,18 +75,26 @@ def worker(spec_path: str, out_path: str) -> None:
         standalone = calibrate(cfg, repeats=spec["repeats"], progress=False)
         plan = _plan_split(cfg, "plan", "")
         in_run = profile_in_context(cfg, ctx, standalone, [Probe("plan", plan)], steps=spec["in_run_steps"])
-        paths = {"standalone": folder / "standalone.json", "in-run": folder / "in_run.json"}
+        paths = {"standalone": folder / "standalone.json", "in-run before": folder / "in_run_before.json",
+                 "in-run": folder / "in_run.json"}
         if rank == 0:
             standalone.save(paths["standalone"])
-            in_run.save(paths["in-run"])
+            in_run.save(paths["in-run before"])
         torch.distributed.barrier(group=ctx.world_pg)  # rank 0's files exist before anyone reads them
-        runs = _build(spec, cfg, ctx, str(paths["in-run"]), build_split)
+        runs = _build(spec, cfg, ctx, str(paths["in-run before"]), build_split)
         progress = _Progress(spec["progress"], spec["rounds"] * len(runs), rank == 0)
         _rounds(spec, cfg, ctx, runs, progress)
         out = {name: _gathered(run) for name, run in runs.items()}
+        if rank == 0:
+            clocked = next(run for run in runs.values() if run["clocked"])
+            split = InRunSplit(tuple(clocked["block_ranks"]), tuple(clocked["steps"]))
+            in_run_profile(clocked["cfg"], inventory_from_config(cfg), [split], standalone,
+                           source=f"in_run_accuracy.py {spec['label']}: the clocked turns").save(paths["in-run"])
+            positions = {sig: {pos: statistics.fmean(xs) for pos, xs in sample.positions.items()}
+                         for sig, sample in samples_of(inventory_from_config(cfg), cfg, [split]).items()}
     if rank == 0:
         Path(out_path).write_text(json.dumps({
-            "spec": spec, "runs": out, "profiles": {k: str(p) for k, p in paths.items()},
+            "spec": spec, "runs": out, "profiles": {k: str(p) for k, p in paths.items()}, "positions": positions,
             "splits": {name: list(r["block_ranks"]) for name, r in runs.items()},
         }))
 
@@ -107,7 +121,8 @@ def _build(spec: dict[str, Any], cfg: Any, ctx: Any, in_run_path: str, build_spl
                 runs[name] = models[key]
     own = (_plan_split(cfg, "plan", ""), cfg.run.engine, cfg.run.n_micro_batches)
     plan = models[own]
-    runs[plan["names"][0] + CLOCKED] = {**plan, "names": [plan["names"][0] + CLOCKED], "clocked": True, "records": []}
+    runs[plan["names"][0] + CLOCKED] = {**plan, "names": [plan["names"][0] + CLOCKED], "clocked": True, "records": [],
+                                        "steps": []}
     return runs
 
 
@@ -136,6 +151,9 @@ def _rounds(spec: dict[str, Any], cfg: Any, ctx: Any, runs: dict[str, dict[str, 
                     with t.step(record=i >= untimed):
                         run["run"].step(run["cfg"], ctx)
                 records = (t.timer if run["clocked"] else t).gather()
+                clocked = t.gather() if run["clocked"] else None
+            if clocked is not None:
+                run["steps"] += list(zip(*clocked))
             if records is not None:
                 run["records"] += [[rec.to_dict() for rec in per_rank] for per_rank in zip(*records)]
             if not run["clocked"]:

@@ -47,6 +47,7 @@ class Row:
     high: float
     in_run: float
     standalone: float
+    before: float
 
     @property
     def ratio(self) -> float:
@@ -55,6 +56,10 @@ class Row:
     @property
     def standalone_ratio(self) -> float:
         return self.standalone / self.median
+
+    @property
+    def before_ratio(self) -> float:
+        return self.before / self.median
 
 
 def step_times(records: Sequence[Sequence[dict[str, float]]]) -> list[float]:
@@ -87,7 +92,7 @@ def rows(result: dict[str, Any]) -> tuple[list[Row], dict[str, float]]:
             plain_of_own = times
         out.append(Row(", ".join(run["names"]), layout_string([b.role for b in blocks], ranks) or "?", run["engine"],
                        run["m"], key != own, statistics.median(times), low, high, predicted["in-run"],
-                       predicted["standalone"]))
+                       predicted["standalone"], predicted["in-run before"]))
     if clock.get("clocked") and plain_of_own:
         pairs = [a / b for a, b in zip(clock["clocked"], plain_of_own)]
         low, high, _ = median_interval(pairs)
@@ -154,10 +159,19 @@ def print_scenario(result: dict[str, Any], found: list[Row], clock: dict[str, fl
     spec = result["spec"]
     print(f"\n## {spec['label']}: {spec['notes']}\n")
     print(table(["run", "layout", "engine", "m", "held out", "measured ms [95 % interval]", "in-run ms",
-                 "in-run ÷ meas", "standalone ms", "standalone ÷ meas"],
+                 "in-run ÷ meas", "in-run before ÷ meas", "standalone ms", "standalone ÷ meas"],
                 [[r.name, r.layout, r.engine, r.m, "yes" if r.held_out else "profile's run",
                   f"{r.median * 1e3:.1f} [{r.low * 1e3:.1f}, {r.high * 1e3:.1f}]", f"{r.in_run * 1e3:.1f}",
-                  f"{r.ratio:.3f}", f"{r.standalone * 1e3:.1f}", f"{r.standalone_ratio:.3f}"] for r in found]))
+                  f"{r.ratio:.3f}", f"{r.before_ratio:.3f}", f"{r.standalone * 1e3:.1f}", f"{r.standalone_ratio:.3f}"]
+                 for r in found]))
+    print("in-run: the clocked turns of the profile's split, in the same rounds; in-run before: calibrate --in-run's "
+          "steps before the rounds (the same split); standalone: calibrate, blocks alone")
+    positions = result.get("positions", {})
+    if any(len(by) > 1 for by in positions.values()):
+        print("\nthe profile's split, clocked: each block's forward + backward per micro-batch (ms) by stage position")
+        order = ("first", "middle", "last")
+        print(table(["block signature", *order], [[sig, *(f"{by[p] * 1e3:.2f}" if p in by else "-" for p in order)]
+                                                   for sig, by in positions.items() if len(by) > 1]))
     tau = kendall_tau([r.median for r in found], [r.in_run for r in found])
     print(f"\nKendall τ (every row, in-run) {tau:.2f}; standalone "
           f"{kendall_tau([r.median for r in found], [r.standalone for r in found]):.2f}")
