@@ -205,12 +205,11 @@ def _fastest(evaluate: StepTimeEvaluator, bound: Bound, splits: np.ndarray) -> _
     not rule out. The others are charged to the evaluator as if simulated, so the budgets run as before."""
     values = bound.values(splits)
     order = np.argsort(values, kind="stable")
-    as_tuples = [tuple(int(x) for x in row) for row in splits[order]]
-    best = min(_score(evaluate, bound, as_tuples[:_FIRST_BATCH]))
-    rest = as_tuples[_FIRST_BATCH:]
-    keep = values[order][_FIRST_BATCH:] <= best[0] * (1 + _BOUND_MARGIN)
-    evaluate.charge([x for x, k in zip(rest, keep) if not k])
-    kept = [x for x, k in zip(rest, keep) if k]
+    first, rest = splits[order[:_FIRST_BATCH]], splits[order[_FIRST_BATCH:]]
+    best = min(_score(evaluate, bound, [tuple(int(x) for x in row) for row in first]))
+    keep = values[order[_FIRST_BATCH:]] <= best[0] * (1 + _BOUND_MARGIN)
+    evaluate.charge(rest[~keep])
+    kept = [tuple(int(x) for x in row) for row in rest[keep]]
     return min(best, *_score(evaluate, bound, kept)) if kept else best
 
 

@@ -337,10 +337,7 @@ class StepTimeEvaluator:
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
         pp = self.problem.pp
         out = np.empty(len(bounds))
-        cuts = self._grad[bounds[:, 1:-1]] if pp > 1 else np.zeros((len(bounds), 0), dtype=bool)
-        keys, inverse = np.unique(cuts, axis=0, return_inverse=True)
-        for g, key in enumerate(keys):
-            rows = np.flatnonzero(inverse.reshape(-1) == g)
+        for key, rows in self._by_cuts(bounds):
             cuts_key = tuple(bool(x) for x in key)
             graph = schedule_graph(self.problem.engine, pp, self.problem.n_micro_batches, cuts_key)
             chunk = max(1, int(_CHUNK_FLOATS // graph.n_nodes))  # bounds the (nodes × splits) time table
@@ -350,19 +347,27 @@ class StepTimeEvaluator:
         self.evaluated += len(bounds)
         return out
 
-    def charge(self, splits: Sequence[Sequence[int]]) -> None:
+    def charge(self, splits: Sequence[Sequence[int]] | np.ndarray) -> None:
         """Count ``splits`` as evaluated without simulating them (the search ruled them out by their lower bound),
         so that every budget read from :attr:`evaluated` and :attr:`work` is spent as if they were."""
         if len(splits) == 0:
             return
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
+        for key, rows in self._by_cuts(bounds):
+            graph = schedule_graph(self.problem.engine, self.problem.pp, self.problem.n_micro_batches,
+                                   tuple(bool(x) for x in key))
+            self.work += graph.n_actions * len(rows)
+        self.evaluated += len(bounds)
+
+    def _by_cuts(self, bounds: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The splits (rows of ``bounds``) grouped by which cuts carry a gradient (one schedule graph each):
+        ``(flags, rows)``, in the flags' order."""
         pp = self.problem.pp
         cuts = self._grad[bounds[:, 1:-1]] if pp > 1 else np.zeros((len(bounds), 0), dtype=bool)
-        keys, counts = np.unique(cuts, axis=0, return_counts=True)
-        for key, count in zip(keys, counts):
-            graph = schedule_graph(self.problem.engine, pp, self.problem.n_micro_batches, tuple(bool(x) for x in key))
-            self.work += graph.n_actions * int(count)
-        self.evaluated += len(bounds)
+        if cuts.all():  # every cut carries a gradient (nothing frozen up front): one graph, no sort
+            return [(cuts[0], np.arange(len(bounds)))]
+        keys, inverse = np.unique(cuts, axis=0, return_inverse=True)
+        return [(key, np.flatnonzero(inverse.reshape(-1) == g)) for g, key in enumerate(keys)]
 
     def _run(self, bounds: np.ndarray, cuts: tuple[bool, ...]) -> np.ndarray:
         p = self.problem
