@@ -190,3 +190,49 @@ def test_kendall_tau_counts_concordant_and_discordant_pairs() -> None:
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx((5 - 1) / 6)
+
+
+def test_each_signature_keeps_its_means_by_stage_position() -> None:
+    first = _run([_two_ranks()])
+    later = _run([_two_ranks()], split=(0, 0, 1, 1, 1, 1, 1))  # decoder.1 on the last stage in the second run
+    profile = in_run_profile(SEED, BLOCKS, [first, later], _base(), source="test")
+    decoder = profile.block(SIG["model.decoder.0"])
+    # first stage: decoder.0 twice (4, 4 | 8, 6) and decoder.1 in the first run (6, 6 | 10, 12); last: decoder.1
+    assert [p.position for p in decoder.positions] == ["first", "last"]
+    assert decoder.at("first")[:2] == (pytest.approx(28 / 6), pytest.approx(50 / 6))
+    assert decoder.at("last")[:2] == (6.0, 11.0)
+    assert decoder.at("middle") == (decoder.forward, decoder.backward, decoder.backward_weight)  # not run there: mean
+    # a 1F1B run: each position's W is its backward split as the standalone calibration split it (a quarter)
+    assert decoder.at("last")[2] == pytest.approx(11.0 / 4)
+
+
+def test_a_profile_by_position_prices_each_stage_at_its_position(tmp_path) -> None:
+    from nanotron_ext.machine import PositionCost, load_machine
+    from nanotron_ext.plan import plan_with_ranks
+    from nanotron_ext.simulate import plan_stage_times
+
+    sig = SIG["model.decoder.0"]
+    costs = tuple(c if c.signature != sig else dataclasses.replace(
+        c, positions=(PositionCost("first", 4e-3, 6e-3, 1e-3), PositionCost("last", 1e-3, 1e-3, None)))
+        for c in _base().blocks)
+    machine = _base(blocks=costs)
+    machine.save(tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json") == machine  # positions survive the JSON round trip
+    split = plan_with_ranks(BLOCKS, SEED, (0, 0, 1, 1, 1, 1, 1), "layout", suggest_fixes=False)
+    stages = plan_stage_times(split, BLOCKS, SEED, machine=machine).stages
+    # stage 0: the embedding (1 ms) and decoder.0 at the first stage's 4 ms; stage 1: decoder.1 at the last's 1 ms
+    assert stages[0].forward == pytest.approx(1e-3 + 4e-3)
+    assert stages[1].forward == pytest.approx(1e-3 + 4 * 1e-3)  # decoder.1, norm, lm_head, cast, loss
+    assert stages[0].backward == pytest.approx(2e-3 + 6e-3)
+
+
+def test_a_bad_position_figure_is_refused_naming_it() -> None:
+    from nanotron_ext.machine import PositionCost
+
+    sig = SIG["model.decoder.0"]
+    for bad, why in ((PositionCost("top", 1.0, 1.0), "a position is one of first, middle, last"),
+                     (PositionCost("first", 1.0, 1.0, 2.0), r"backward_weight=2.0 exceeds its backward=1.0"),
+                     (PositionCost("last", -1.0, 1.0), r"forward=-1.0 must be a finite number >= 0")):
+        costs = tuple(dataclasses.replace(c, positions=(bad,)) if c.signature == sig else c for c in _base().blocks)
+        with pytest.raises(ConfigError, match=why):
+            _base(blocks=costs)

@@ -28,7 +28,7 @@ from nanotron_ext.simulate import simulate_plan
 
 
 def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afab", "zb1p"), *,
-                    ties: bool = False) -> ScheduleProblem:
+                    ties: bool = False, positions: bool = False) -> ScheduleProblem:
     n = rng.randint(2, 9)
     pp = rng.randint(1, min(n, 5))
     engine = rng.choice(engines)
@@ -47,8 +47,15 @@ def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afa
         tied = tuple(sorted(rng.sample(range(n), 2)))
         u[tied[0]], u[tied[1]] = 3 * rng.random(), 3 * rng.random()
         saving[tied[0]], saving[tied[1]] = rng.uniform(0, u[tied[0]]), u[tied[1]]
+    by_position = []
+    if positions and rng.random() < 0.8:  # an in-run profile's prices by stage position, some blocks at some
+        for position in rng.sample(("first", "middle", "last"), rng.randint(1, 3)):
+            scale = [rng.choice([1.0, rng.uniform(0.5, 1.5)]) for _ in range(n)]
+            pb = tuple(x * k for x, k in zip(b, scale))
+            by_position.append((position, tuple(x * k for x, k in zip(f, scale)), pb,
+                                tuple(min(x * k, y) for x, k, y in zip(w, scale, pb))))
     return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w),
-                           tied, tuple(saving))
+                           tied, tuple(saving), tuple(by_position))
 
 
 def _stage_updates_by_hand(problem: ScheduleProblem, bounds) -> list[float]:
@@ -83,6 +90,42 @@ def test_evaluator_equals_simulate_and_bound_never_above(seed):
             assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
             stages = problem.simulator_inputs(bounds)[0]
             assert [st.update for st in stages] == pytest.approx(_stage_updates_by_hand(problem, bounds), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prices_by_stage_position_keep_evaluator_simulate_bound_and_search_in_step(seed):
+    """An in-run profile prices a block by the stage position it runs at: the evaluator still equals simulate, the
+    bound stays below every split, and the search finds brute force's fastest split."""
+    rng = random.Random(700 + seed)
+    by_position = 0
+    for _ in range(20):
+        problem = _random_problem(rng, ("1f1b", "afab", "zb1p", "zb2p"), ties=True, positions=True)
+        by_position += bool(problem.positions) and problem.pp > 1
+        splits = _all_splits(problem.n, problem.pp)
+        times = StepTimeEvaluator(problem)(splits)
+        for bounds, t in zip(splits, times):
+            assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
+            assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+        found = step_time_partition(problem)
+        assert found.step_time == pytest.approx(min(times), rel=1e-9, abs=1e-15)
+        assert found.lower_bound <= min(times) * (1 + 1e-9) + 1e-15
+    assert by_position >= 5
+
+
+def test_a_stage_takes_the_prices_of_its_position():
+    # Three blocks at 1 s forward, 2 s backward; measured on the first stage at twice that, on the last at half.
+    first = ("first", (2.0,) * 3, (4.0,) * 3, (0.0,) * 3)
+    last = ("last", (0.5,) * 3, (1.0,) * 3, (0.0,) * 3)
+    problem = ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 3, 3, "1f1b",
+                              positions=(first, last))
+    forward, backward = problem.stage_times((0, 1, 2, 3))[:2]
+    assert (forward, backward) == ([2.0, 1.0, 0.5], [4.0, 2.0, 1.0])  # a middle stage: the mean, not measured there
+    alone = ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 1, 3, "1f1b",
+                            positions=(first, last))
+    assert alone.stage_times((0, 3))[:2] == ([3.0], [6.0])  # one stage has no position: the mean
+    with pytest.raises(PlanningError, match=r"positions\['top'\]: a position is one of first, middle, last"):
+        ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 2, 3, "1f1b",
+                        positions=(("top", (1.0,) * 3, (1.0,) * 3, (0.0,) * 3),))
 
 
 def test_a_stage_holding_both_ends_of_a_tie_runs_one_update_and_no_sync():

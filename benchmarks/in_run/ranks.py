@@ -90,7 +90,8 @@ def worker(spec_path: str, out_path: str) -> None:
             split = InRunSplit(tuple(clocked["block_ranks"]), tuple(clocked["steps"]))
             in_run_profile(clocked["cfg"], inventory_from_config(cfg), [split], standalone,
                            source=f"in_run_accuracy.py {spec['label']}: the clocked turns").save(paths["in-run"])
-            positions = {sig: {pos: statistics.fmean(xs) for pos, xs in sample.positions.items()}
+            positions = {sig: {pos: statistics.fmean(ops.forward) + statistics.fmean(ops.backward)
+                               for pos, ops in sample.positions.items() if ops.forward}
                          for sig, sample in samples_of(inventory_from_config(cfg), cfg, [split]).items()}
     if rank == 0:
         Path(out_path).write_text(json.dumps({

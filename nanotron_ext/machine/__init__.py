@@ -7,20 +7,24 @@ from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
 from nanotron_ext.machine.pricing import BlockPrices, machine_for, measured_blocks, price_blocks, weight_part
 from nanotron_ext.machine.profile import (
     FORMAT_VERSION,
+    POSITIONS,
     BlockCost,
     Collective,
     EngineOverhead,
     Link,
     MachineKey,
     MachineProfile,
+    PositionCost,
     block_signature,
     key_for,
     load_machine,
+    stage_position,
 )
 
 __all__ = [
     "ANALYTIC_GPU",
     "FORMAT_VERSION",
+    "POSITIONS",
     "BlockCost",
     "BlockPrices",
     "Collective",
@@ -29,6 +33,7 @@ __all__ = [
     "MachineKey",
     "MachineProfile",
     "MemoryLimit",
+    "PositionCost",
     "block_signature",
     "key_for",
     "load_machine",
@@ -36,5 +41,6 @@ __all__ = [
     "measured_blocks",
     "memory_limit",
     "price_blocks",
+    "stage_position",
     "weight_part",
 ]

@@ -6,12 +6,13 @@ steps 2.5-15 % fast, the seed model's 13-35 %. This module turns what :mod:`nano
 during training steps (:mod:`~nanotron_ext.machine.in_run_records`) into the same profile, marked ``in-run``:
 
 * **blocks**: each signature's mean forward, backward (``B + W`` under zb1p and zb2p, where its ``W`` is measured too)
-  and update over every step, micro-batch and stage it ran on, with each figure's split-half spread. One price per
-  signature, whichever stage and neighbours it had: the planner prices a split as the sum of its blocks, so a block
-  is priced at a stage where it did not run by what it cost where it did, and a split whose blocks never ran together
-  by the sum of parts. What the stages do to each other (two ranks sharing a machine's memory) is in those means as
-  it was in the runs that made them, averaged over them; :func:`position_spread` says how far apart the stages put
-  one block.
+  over every step, micro-batch and rank it ran on, with each figure's split-half spread, and the same means per stage
+  position it ran at (first, middle, last stage): inside a pipeline a block's time depends on where it sits, what
+  runs beside it and how long its activations wait for their backward (the SmolLM shape at pp=2: a decoder layer's
+  forward + backward 52.4 ms on the first stage, 41.2 on the last, in one run). A block is priced at each position by
+  its mean there, and at a position it did not run at by its mean over the positions it ran at; a split whose blocks
+  never ran together, by the sum of those prices. :func:`position_spread` says how far apart the positions put one
+  block.
 * **update**: each rank's busy time after the pipeline (the optimizer step and gradient finishing, waits left out),
   shared among its blocks by trainable parameters (a tied lm_head beside its embedding holds no tensor of its own).
 * **blocks that never ran** (another vocabulary-shard count, a frozen variant): the standalone figure times the
@@ -39,19 +40,22 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.machine.calibrate import fit_rates
-from nanotron_ext.machine.in_run_records import RankStep
+from nanotron_ext.machine.in_run_records import BlockOps, RankStep
 from nanotron_ext.machine.pricing import tied_weight_bytes
 from nanotron_ext.machine.profile import (
+    POSITIONS,
     BlockCost,
     Collective,
     EngineOverhead,
     Link,
     MachineProfile,
+    PositionCost,
     block_signature,
+    stage_position,
 )
 from nanotron_ext.stats import mean_spread
 
-__all__ = ["IN_RUN_STEPS", "IN_RUN_WARMUP_STEPS", "InRunSplit", "Samples", "in_run_profile", "position_spread",
+__all__ = ["IN_RUN_STEPS", "IN_RUN_WARMUP_STEPS", "InRunSplit", "Ops", "Samples", "in_run_profile", "position_spread",
            "samples_of"]
 
 #: Timed training steps per split of ``calibrate --in-run``: each gives every block one figure per micro-batch.
@@ -69,18 +73,26 @@ class InRunSplit:
 
 
 @dataclass
-class Samples:
-    """Every figure one signature got, and on which stage position (``first``, ``middle``, ``last``)."""
+class Ops:
+    """One signature's figures per micro-batch: forward, backward (``B + W`` where W is measured) and W."""
 
     forward: list[float] = dataclasses.field(default_factory=list)
-    backward: list[float] = dataclasses.field(default_factory=list)  # B (+ W where measured), per micro-batch
+    backward: list[float] = dataclasses.field(default_factory=list)
     weight: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, ops: BlockOps) -> None:
+        w = ops.weight if len(ops.weight) == len(ops.backward) else (0.0,) * len(ops.backward)
+        self.forward += ops.forward
+        self.backward += [b + x for b, x in zip(ops.backward, w)]
+        self.weight += ops.weight
+
+
+@dataclass
+class Samples(Ops):
+    """Every figure one signature got, its share of its ranks' updates, and its figures by stage position."""
+
     update: list[float] = dataclasses.field(default_factory=list)
-    positions: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-
-
-def _position(stage: int, pp: int) -> str:
-    return "first" if stage == 0 else "last" if stage == pp - 1 else "middle"
+    positions: dict[str, Ops] = dataclasses.field(default_factory=lambda: defaultdict(Ops))
 
 
 def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[InRunSplit]) -> dict[str, Samples]:
@@ -105,12 +117,10 @@ def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[I
                                           f"not have; price a config with the runs of its own model")
                     i = index[ops.block]
                     s = out[signature[i]]
-                    s.forward += ops.forward
-                    w = ops.weight if len(ops.weight) == len(ops.backward) else (0.0,) * len(ops.backward)
-                    s.backward += [b + x for b, x in zip(ops.backward, w)]
-                    s.weight += ops.weight
-                    s.positions[_position(run.block_ranks[i], pp)] += [
-                        f + b for f, b in zip(ops.forward, [b + x for b, x in zip(ops.backward, w)])]
+                    s.add(ops)
+                    position = stage_position(run.block_ranks[i], pp)
+                    if position is not None:
+                        s.positions[position].add(ops)
                     held.append(i)
                 for i, share in _update_shares(blocks, held, tie, rank.update):
                     out[signature[i]].update.append(share)
@@ -131,16 +141,24 @@ def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
+def _weight(ops: Ops, backward: float, base: BlockCost | None) -> float | None:
+    """W as measured (zb1p, zb2p); from a run under AFAB or 1F1B, which measure none, the backward split as the
+    standalone calibration split it; None where neither says (then the FLOPs split it)."""
+    if ops.weight:
+        return min(_mean(ops.weight), backward)
+    if base is not None and base.backward_weight is not None and base.backward > 0:
+        return backward * base.backward_weight / base.backward
+    return None
+
+
 def _block_cost(sig: str, s: Samples, base: BlockCost | None) -> BlockCost:
     backward = _mean(s.backward)
-    if s.weight:
-        weight: float | None = min(_mean(s.weight), backward)
-    elif base is not None and base.backward_weight is not None and base.backward > 0:
-        weight = backward * base.backward_weight / base.backward  # AFAB/1F1B: no W measured, the standalone split
-    else:
-        weight = None
-    return BlockCost(sig, _mean(s.forward), backward, _mean(s.update), backward_weight=weight,
-                     spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)))
+    positions = tuple(PositionCost(p, _mean(ops.forward), _mean(ops.backward), _weight(ops, _mean(ops.backward), base))
+                      for p, ops in sorted(s.positions.items(), key=lambda item: POSITIONS.index(item[0]))
+                      if ops.forward)
+    return BlockCost(sig, _mean(s.forward), backward, _mean(s.update), backward_weight=_weight(s, backward, base),
+                     spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)),
+                     positions=positions)
 
 
 def _ratios(measured: dict[str, BlockCost], base: MachineProfile, role: dict[str, str]) -> dict[str, tuple]:
@@ -178,7 +196,7 @@ def position_spread(samples: dict[str, Samples]) -> dict[str, float]:
     and backward per micro-batch together."""
     out = {}
     for sig, s in samples.items():
-        means = [statistics.fmean(xs) for xs in s.positions.values() if xs]
+        means = [_mean(ops.forward) + _mean(ops.backward) for ops in s.positions.values() if ops.forward]
         if len(means) > 1 and min(means) > 0:
             out[sig] = max(means) / min(means) - 1
     return out

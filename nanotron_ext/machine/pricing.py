@@ -8,6 +8,7 @@ pricing and simulated under another.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -16,10 +17,27 @@ from nanotron_ext.config import DTYPE_BYTES, PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before, training_flops, update_bytes
 from nanotron_ext.costs.block_memory import block_memory, output_tensors
 from nanotron_ext.machine.analytic import ANALYTIC_GPU
-from nanotron_ext.machine.profile import BlockCost, MachineProfile, block_signature, key_for, load_machine
+from nanotron_ext.machine.profile import (
+    POSITIONS,
+    BlockCost,
+    MachineProfile,
+    block_signature,
+    key_for,
+    load_machine,
+)
 
-__all__ = ["BlockPrices", "machine_for", "measured_blocks", "price_blocks", "tied_sync_seconds", "tied_weight_bytes",
+__all__ = ["BlockPrices", "PositionPrices", "machine_for", "measured_blocks", "price_blocks", "tied_sync_seconds", "tied_weight_bytes",
            "weight_part"]
+
+
+class PositionPrices(NamedTuple):
+    """Per block, seconds on a stage of one position (``first``, ``middle``, ``last``): forward and backward per
+    micro-batch and the backward's weight-gradient part, as :class:`BlockPrices` prices them, from the figures an
+    in-run profile measured at that position (a block it did not measure there keeps its mean)."""
+
+    forward: list[float]
+    backward: list[float]
+    weight: list[float]
 
 
 class BlockPrices(NamedTuple):
@@ -38,6 +56,9 @@ class BlockPrices(NamedTuple):
     #: one tensor, stepped and synced once); None and [] when untied.
     tied_pair: tuple[int, int] | None = None
     tied_saving: list[float] = []
+    #: ``(position, its prices)`` for each stage position, where the machine measured blocks by position (an in-run
+    #: profile); empty: every stage takes ``forward``, ``backward`` and ``weight``.
+    positions: tuple[tuple[str, PositionPrices], ...] = ()
 
 
 def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *, device: str | None = None,
@@ -102,27 +123,20 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     weight-gradient FLOPs ÷ rate. The call overhead stays with the input-gradient part. AFAB and 1F1B only
     read the whole ``backward``, which the split leaves as it was.
     """
-    fwd, bwd, upd, wgt = [], [], [], []
+    upd = []
     step_bytes = update_bytes(cfg.run)
     sent: list[tuple[float, int]] = []
-    call = machine.overhead.block_call
     grad_bytes = DTYPE_BYTES[cfg.run.dtype]
     tied = tied_pair(blocks, cfg.model.tie_word_embeddings)
     saving = [0.0] * len(blocks)
-    for i, (b, grad, train) in enumerate(zip(blocks, trainable_before(blocks), training_flops(blocks))):
+    for i, (b, grad) in enumerate(zip(blocks, trainable_before(blocks))):
         measured = machine.block(block_signature(b, input_grad=grad))
         if measured is not None:
-            f, w, u = measured.forward, measured.backward, measured.update
+            u = measured.update
         else:
-            rate = machine.rate(b.role)
-            f, w, u = b.flops_fwd / rate, max(0.0, train - b.flops_fwd) / rate, 0.0
+            u = 0.0
             if machine.memory_bytes_per_second is not None:
                 u = b.trainable * step_bytes / machine.memory_bytes_per_second
-        fwd.append(f + call)
-        wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
-        if cfg.run.recompute_layer and b.role == "decoder":  # its backward runs its forward again first (B's part)
-            w += f
-        bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
         if b.trainable and machine.dp_allreduce is not None:
             u += machine.dp_allreduce.time(b.trainable * grad_bytes, cfg.run.dp)
         # Both ends of the tie wait in its all-reduce when they sit on different stages (tied_saving otherwise).
@@ -136,7 +150,33 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     if tied is not None:  # one tensor on a stage holding both: stepped and synced once, no tied sync
         saving[tied[1]] = upd[tied[1]]
     send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
-    return BlockPrices(fwd, bwd, upd, send, wgt, tied, saving if tied is not None else [])
+    mean = _compute(machine, blocks, cfg, None)
+    by_position = any(cost.positions for cost in machine.blocks)
+    positions = tuple((p, _compute(machine, blocks, cfg, p)) for p in POSITIONS) if by_position else ()
+    return BlockPrices(mean.forward, mean.backward, upd, send, mean.weight, tied, saving if tied is not None else [],
+                       positions)
+
+
+def _compute(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: PlannerConfig,
+             position: str | None) -> PositionPrices:
+    """Each block's forward, backward and weight part on a stage of ``position`` (None: the mean of where it ran)."""
+    fwd, bwd, wgt = [], [], []
+    call = machine.overhead.block_call
+    for b, grad, train in zip(blocks, trainable_before(blocks), training_flops(blocks)):
+        cost = machine.block(block_signature(b, input_grad=grad))
+        measured = None
+        if cost is not None:
+            f, w, weight = cost.at(position)
+            measured = dataclasses.replace(cost, backward_weight=weight)  # weight_part reads the position's W
+        else:
+            rate = machine.rate(b.role)
+            f, w = b.flops_fwd / rate, max(0.0, train - b.flops_fwd) / rate
+        fwd.append(f + call)
+        wgt.append(weight_part(b, grad, w, measured, None if measured is not None else machine.rate(b.role)))
+        if cfg.run.recompute_layer and b.role == "decoder":  # its backward runs its forward again first (B's part)
+            w += f
+        bwd.append(w + call if (grad or b.trainable) else w)  # no backward call where autograd never reaches
+    return PositionPrices(fwd, bwd, wgt)
 
 
 def tied_weight_bytes(cfg: PlannerConfig) -> float:

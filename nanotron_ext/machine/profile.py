@@ -3,7 +3,8 @@
 It holds, for one model shape, dtype, device, backend and world layout (:class:`MachineKey`):
 
 * ``blocks``: measured forward, backward and update seconds of each distinct block (:class:`BlockCost`, found
-  by its :func:`block_signature`), and ``rates``: training FLOP/s per block role, for blocks not measured;
+  by its :func:`block_signature`; :mod:`nanotron_ext.machine.block_cost`), and ``rates``: training FLOP/s per block
+  role, for blocks not measured;
 * ``links``: p2p between pipeline neighbours as latency + bytes ÷ bandwidth (:class:`Link`); ``overhead``: the
   engine's per-call costs (:class:`EngineOverhead`); ``dp_allreduce`` / ``tied_allreduce``: the gradient syncs.
 
@@ -14,7 +15,6 @@ analytic default (:mod:`nanotron_ext.machine.analytic`) has a key of wildcards (
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.errors import ConfigError
+from nanotron_ext.machine.block_cost import (
+    POSITIONS,
+    BlockCost,
+    PositionCost,
+    block_signature,
+    nonnegative,
+    stage_position,
+)
 from nanotron_ext.machine.key import MachineKey, jsonable, key_for, to_lists
 
-__all__ = ["FORMAT_VERSION", "METHODS", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey", "MachineProfile",
-    "block_signature", "key_for", "load_machine"]
+__all__ = ["FORMAT_VERSION", "METHODS", "POSITIONS", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey",
+           "MachineProfile", "PositionCost", "block_signature", "key_for", "load_machine", "stage_position"]
 
 #: Bump when the JSON layout changes; older files are refused with the command that re-measures them.
 FORMAT_VERSION = 1
@@ -35,34 +42,6 @@ FORMAT_VERSION = 1
 Method = Literal["standalone", "in-run"]
 #: How a profile's blocks were timed: alone (``calibrate``) or inside the engine's steps (``calibrate --in-run``).
 METHODS: tuple[str, ...] = get_args(Method)
-
-
-def block_signature(block: BlockInfo, *, input_grad: bool) -> str:
-    """What a block's time depends on within one key: role, size, which parameters train, whether its input
-    needs a gradient. Identical decoder layers share a signature (a readable role, then a short hash)."""
-    marker = ".pp_block."
-    flags = sorted((p.name.split(marker, 1)[-1], bool(p.trainable)) for p in block.parameters)
-    if not flags and block.params:
-        flags = [("*", block.trainable > 0)]
-    digest = hashlib.sha256(json.dumps([block.role, block.params, flags, bool(input_grad)]).encode()).hexdigest()
-    return f"{block.role}:{digest[:12]}"
-
-
-@dataclass(frozen=True)
-class BlockCost:
-    """Measured seconds of one distinct block: forward and backward per micro-batch, update once per step.
-
-    ``backward_weight``: the weight-gradient part of ``backward`` (zb1p's deferred ``W``), when measured;
-    None splits ``backward`` by FLOPs (:func:`nanotron_ext.machine.pricing.weight_part`). ``spread``: how far each
-    of the three could move, a fraction (:func:`nanotron_ext.stats.fastest_spread`); None: not measured.
-    """
-
-    signature: str
-    forward: float
-    backward: float
-    update: float = 0.0
-    backward_weight: float | None = None
-    spread: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,30 +133,18 @@ class MachineProfile:
         for role, rate in self.rates:
             _positive(f"rates[{role}]", rate)
         for b in self.blocks:
-            for name in ("forward", "backward", "update"):
-                _nonnegative(f"blocks[{b.signature}].{name}", getattr(b, name))
-            if b.backward_weight is not None:
-                _nonnegative(f"blocks[{b.signature}].backward_weight", b.backward_weight)
-                if b.backward_weight > b.backward:
-                    raise ConfigError(f"machine profile: blocks[{b.signature}].backward_weight={b.backward_weight!r} "
-                                      f"exceeds its backward={b.backward!r}; it is the weight-gradient part of the "
-                                      "backward (null: split by FLOPs)")
-            if b.spread is not None and len(b.spread) != 3:
-                raise ConfigError(f"machine profile: blocks[{b.signature}].spread={list(b.spread)!r} must be three "
-                                  "fractions (forward, backward, update), or null")
-            for name, value in zip(("forward", "backward", "update"), b.spread or ()):
-                _nonnegative(f"blocks[{b.signature}].spread of its {name}", value, "a fraction")
+            b.check()
         for link in self.links:
-            _nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
+            nonnegative(f"link {link.src}->{link.dst} latency", link.latency)
             _positive(f"link {link.src}->{link.dst} bytes_per_second", link.bytes_per_second)
             if link.spread is not None:
-                _nonnegative(f"link {link.src}->{link.dst} spread", link.spread, "a fraction")
+                nonnegative(f"link {link.src}->{link.dst} spread", link.spread, "a fraction")
         for name in ("block_call", "send", "recv"):
-            _nonnegative(f"overhead.{name}", getattr(self.overhead, name))
+            nonnegative(f"overhead.{name}", getattr(self.overhead, name))
         for name in ("dp_allreduce", "tied_allreduce"):
             c = getattr(self, name)
             if c is not None:
-                _nonnegative(f"{name}.latency", c.latency)
+                nonnegative(f"{name}.latency", c.latency)
                 _positive(f"{name}.bus_bytes_per_second", c.bus_bytes_per_second)
 
     # --- lookups -----------------------------------------------------------------------------------------
@@ -307,7 +274,8 @@ class MachineProfile:
                 name=str(data["name"]), source=str(data["source"]), key=MachineKey(**key),
                 flops_per_second=float(data["flops_per_second"]),
                 rates=tuple(sorted((str(k), float(v)) for k, v in data["rates"].items())),
-                blocks=tuple(BlockCost(**{**b, "spread": None if b.get("spread") is None else tuple(b["spread"])})
+                blocks=tuple(BlockCost(**{**b, "spread": None if b.get("spread") is None else tuple(b["spread"]),
+                                          "positions": tuple(PositionCost(**p) for p in b.get("positions", ()))})
                              for b in data["blocks"]),
                 links=tuple(Link(**link) for link in data["links"]),
                 overhead=EngineOverhead(**data["overhead"]),
@@ -346,8 +314,3 @@ def load_machine(path: str | Path) -> MachineProfile:
 def _positive(name: str, value: float, *, unit: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive, finite number{' of ' + unit if unit else ''}")
-
-
-def _nonnegative(name: str, value: float, unit: str = "seconds") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"machine profile: {name}={value!r} must be a finite number >= 0 ({unit})")

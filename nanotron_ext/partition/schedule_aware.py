@@ -165,7 +165,9 @@ def _bound_and_flop_splits(
         PlanningError: no split satisfies the constraints.
     """
     n, pp = problem.n, problem.pp
-    big = (problem.n_micro_batches + pp) * (bound.F[-1] + bound.B[-1]) + bound.U[-1]
+    # Every block at its most over the stage positions: big enough that any split meets it.
+    most = max(float(np.sum(t[0]) + np.sum(t[1])) for t in (problem.at(k) for k in {0, min(1, pp - 1), pp - 1}))
+    big = (problem.n_micro_batches + pp) * most + bound.U[-1]
     big += 2 * pp * (max(max(row) for row in problem.send) if n else 0.0) + 1.0
     if bound.reach(big) is None:
         raise PlanningError("no contiguous split satisfies the constraints")
@@ -173,9 +175,10 @@ def _bound_and_flop_splits(
     # mean stage and the largest block, and their sum (when the constraints allow it); every stage's
     # fill-drain term is at least m × its forward + backward, and the FLOP split meets its own bound.
     flop_bound = Bound(problem, valid, slowest_stage=True)
-    work_per_block = np.asarray(problem.forward) + np.asarray(problem.backward)
-    floor = max((bound.F[-1] + bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
-    ceiling = (bound.F[-1] + bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
+    least_f, least_b, _, _ = problem.lowest()  # the bound's block times: each at its least over stage positions
+    work_per_block = least_f + least_b
+    floor = max((flop_bound.F[-1] + flop_bound.B[-1]) / pp, float(work_per_block.max(initial=0.0)))
+    ceiling = (flop_bound.F[-1] + flop_bound.B[-1]) / pp + float(work_per_block.max(initial=0.0))
     flop_x, flop_reach = minimise(flop_bound, feasible_bound(flop_bound, ceiling, big), floor)
     flop_splits = {tuple(reconstruct(flop_bound, flop_x, flop_reach, latest)) for latest in (True, False)}
     ceiling = min(bound.value(s) for s in flop_splits)

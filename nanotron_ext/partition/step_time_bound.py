@@ -97,15 +97,17 @@ class Bound:
     def __init__(self, problem: ScheduleProblem, valid: Validity, *, slowest_stage: bool = False) -> None:
         self.problem, self.valid = problem, valid
         n = problem.n
-        F = np.concatenate([[0.0], np.cumsum(problem.forward)])
-        B = np.concatenate([[0.0], np.cumsum(problem.backward)])
+        # Each block at its least over the stage positions it may land on (one set when nothing prices by position):
+        # a path through longer ops is never shorter, so the bound holds wherever a block goes.
+        f, b, bop, w = problem.lowest()
+        F = np.concatenate([[0.0], np.cumsum(f)])
+        B = np.concatenate([[0.0], np.cumsum(b)])
         U = problem.update_floor()  # a stage holding both ends of a tie saves: never above its update
         p2p_min = float(min(min(row[: n - 1]) for row in problem.send)) if problem.pp > 1 and n > 1 else 0.0
         self.F, self.B, self.U = F, B, U  # B: the whole backward
         Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass
         if problem.engine in ZERO_BUBBLE and not slowest_stage:
-            w = np.asarray(problem.weight, dtype=np.float64)
-            Bop = np.concatenate([[0.0], np.cumsum(np.maximum(np.asarray(problem.backward) - w, 0.0))])
+            Bop = np.concatenate([[0.0], np.cumsum(bop)])
             W = np.concatenate([[0.0], np.cumsum(w)])
         # Per stage, per term: E(e) (non-decreasing), S(s) (non-decreasing), constant; g = E(e) - S(s) + K.
         self.terms: list[list[tuple[np.ndarray, np.ndarray, float]]] = []

@@ -11,161 +11,20 @@ in ``tests/test_schedule_aware.py``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
-from nanotron_ext.errors import PlanningError
-from nanotron_ext.schedule import ENGINES, ZERO_BUBBLE, too_few_micro_batches
+from nanotron_ext.partition.schedule_problem import ScheduleProblem
+from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.schedule.programs import Action, Step, engine_program
-from nanotron_ext.schedule.simulator import StageTimes
 
-__all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]
+__all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]  # ScheduleProblem: re-exported from its module
 
 _CHUNK_FLOATS = 2e7  # most entries of one evaluation's time table (160 MB)
-
-
-@dataclass(frozen=True)
-class ScheduleProblem:
-    """Per-block times of one model under one schedule; every time in the same unit (seconds, usually).
-
-    Attributes:
-        forward / backward / update: each block's forward and backward per micro-batch, and its share of the
-            stage's update after the pipeline (optimizer step, gradient sync). ``backward`` is the whole
-            backward (input and weight gradients) under every engine.
-        send: ``send[c][i]``: p2p time of the tensors that leave block ``i`` across cut ``c`` (between stages ``c``
-            and ``c + 1``, over that cut's link), one row per cut; one row of ``n`` floats (or a flat tuple of
-            them) stands for every cut alike.
-        grad_after: ``n + 1`` flags; entry ``c``: does a gradient cross a cut placed before block ``c``
-            (is any of blocks ``0..c-1`` trainable)?
-        pp / n_micro_batches / engine: the schedule.
-        weight: each block's weight-gradient part of ``backward`` (``0 <= weight <= backward``): zb1p's
-            deferred ``W``; zb1p's ``B`` is the rest. Ignored by AFAB and 1F1B. Empty: all zero (no split).
-        tied_pair / tied_saving: a tied model's embedding and lm_head indices, and per block the update a stage
-            holding both saves (one tensor: :func:`nanotron_ext.blocks.tied_pair`); None / empty: none.
-    """
-
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    update: tuple[float, ...]
-    send: tuple[tuple[float, ...], ...] | tuple[float, ...]
-    grad_after: tuple[bool, ...]
-    pp: int
-    n_micro_batches: int
-    engine: str
-    weight: tuple[float, ...] = ()
-    tied_pair: tuple[int, int] | None = None
-    tied_saving: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        n = len(self.forward)
-        if not self.weight:
-            object.__setattr__(self, "weight", (0.0,) * n)
-        if not self.tied_saving:
-            object.__setattr__(self, "tied_saving", (0.0,) * n)
-        if self.tied_pair is not None and not 0 <= self.tied_pair[0] < self.tied_pair[1] < n:
-            raise PlanningError(f"ScheduleProblem.tied_pair = {self.tied_pair!r}; pass (embedding, lm_head) block "
-                                f"indices, embedding first, both in 0..{n - 1}")
-        object.__setattr__(self, "send", self._send_rows(n))
-        for c, row in enumerate(self.send):
-            for i, v in enumerate(row):
-                if not math.isfinite(v) or v < 0:
-                    raise PlanningError(f"ScheduleProblem.send[{c}][{i}] = {v!r}; times must be finite and >= 0")
-        for name in ("backward", "update", "weight", "tied_saving"):
-            if len(getattr(self, name)) != n:
-                raise PlanningError(f"ScheduleProblem.{name} has {len(getattr(self, name))} entries for {n} blocks")
-            for i, v in enumerate(getattr(self, name)):
-                if not math.isfinite(v) or v < 0:
-                    raise PlanningError(f"ScheduleProblem.{name}[{i}] = {v!r}; times must be finite and >= 0")
-        for i, v in enumerate(self.forward):
-            if not math.isfinite(v) or v < 0:
-                raise PlanningError(f"ScheduleProblem.forward[{i}] = {v!r}; times must be finite and >= 0")
-        for i, (saved, u) in enumerate(zip(self.tied_saving, self.update)):
-            if saved > u * (1 + 1e-12):
-                raise PlanningError(f"ScheduleProblem.tied_saving[{i}] = {saved!r} exceeds update[{i}] = {u!r}; a "
-                                    "stage holding both ends of a tie saves part of its blocks' updates")
-        for i, (w, b) in enumerate(zip(self.weight, self.backward)):
-            if w > b * (1 + 1e-12):
-                raise PlanningError(f"ScheduleProblem.weight[{i}] = {w!r} exceeds backward[{i}] = {b!r}; weight is "
-                                    "the weight-gradient part of the whole backward")
-        if len(self.grad_after) != n + 1:
-            raise PlanningError(f"grad_after has {len(self.grad_after)} entries; pass n + 1 = {n + 1}")
-        if self.engine not in ENGINES:
-            raise PlanningError(f"engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
-        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or not 1 <= self.pp <= max(n, 1):
-            raise PlanningError(f"pp={self.pp!r} with {n} blocks; pp must be an integer in 1..{n}")
-        shortfall = too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)
-        if shortfall is not None:
-            raise PlanningError(shortfall)
-
-    def _send_rows(self, n: int) -> tuple[tuple[float, ...], ...]:
-        """``send`` as one row of ``n`` per cut (``pp - 1``, at least one), a flat or single row repeated."""
-        rows = self.send
-        if len(rows) == 0 or not isinstance(rows[0], Sequence):
-            rows = (tuple(rows),)  # type: ignore[arg-type]
-        cuts = max(self.pp - 1, 1) if isinstance(self.pp, int) else 1
-        if len(rows) == 1:
-            rows = rows * cuts
-        if len(rows) != cuts or any(len(r) != n for r in rows):
-            raise PlanningError(f"ScheduleProblem.send has {len(rows)} rows of {[len(r) for r in rows]} entries; pass "
-                                f"one row of {n} per cut ({cuts}), or one row for every cut")
-        return tuple(tuple(float(v) for v in r) for r in rows)
-
-    @property
-    def n(self) -> int:
-        return len(self.forward)
-
-    def cut_times(self, bounds: Sequence[int]) -> list[float]:
-        """One transfer across each cut of a split: what the last block before the cut sends, over that cut's link
-        (an empty stage passes on what the block before it sent)."""
-        return [float(self.send[c][max(e, 1) - 1]) for c, e in enumerate(bounds[1:-1])]
-
-    @cached_property
-    def _update_prefix(self) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(self.update)])
-
-    def segment_updates(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """The update of stages holding blocks ``[lo, hi)`` (arrays of one shape): their blocks' updates summed,
-        less ``tied_saving`` where a stage holds both ends of the tie."""
-        u = self._update_prefix  # the evaluator asks for every chunk of splits: summed once
-        out = u[hi] - u[lo]
-        if self.tied_pair is not None:
-            first, last = self.tied_pair
-            both = (lo <= first) & (hi > last)
-            out = out - np.where(both, self.tied_saving[first] + self.tied_saving[last], 0.0)
-        return out
-
-    def update_floor(self) -> np.ndarray:
-        """Prefix sums ``U`` with ``U[e] - U[s] <=`` :meth:`segment_updates` of ``[s, e)`` for every segment, and
-        non-decreasing: the updates less every tie saving (a lower bound's term)."""
-        return np.concatenate([[0.0], np.cumsum(np.subtract(self.update, self.tied_saving))])
-
-    def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], list[float],
-                                                           list[bool]]:
-        """(forward, backward, update per stage, the p2p time per cut, gradient per cut) of one split."""
-        f, b = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward))
-        segs = list(zip(bounds[:-1], bounds[1:]))
-        lo, hi = np.asarray(bounds[:-1], dtype=np.int64), np.asarray(bounds[1:], dtype=np.int64)
-        return (
-            [float(f[s:e].sum()) for s, e in segs],
-            [float(b[s:e].sum()) for s, e in segs],
-            [float(x) for x in self.segment_updates(lo, hi)],
-            self.cut_times(bounds),
-            [bool(self.grad_after[e]) for _, e in segs[:-1]],
-        )
-
-    def simulator_inputs(self, bounds: Sequence[int]) -> tuple[list[StageTimes], list[float], list[bool]]:
-        """(stage times, the p2p time per cut, gradient per cut) of one split, as :func:`simulate` takes them."""
-        f, b, u, p2p, cuts = self.stage_times(bounds)
-        w = np.asarray(self.weight, dtype=np.float64)
-        weights = [float(w[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:])]
-        return [StageTimes(*t) for t in zip(f, b, u, weights)], p2p, cuts
-
-
 
 
 class _Level(NamedTuple):
@@ -323,9 +182,15 @@ class StepTimeEvaluator:
         self.problem = problem
         self.evaluated = 0
         self.work = 0.0  # program actions replayed (the graph's n_actions), summed over splits
-        self._f = np.concatenate([[0.0], np.cumsum(problem.forward)])
-        self._b = np.concatenate([[0.0], np.cumsum(problem.backward)])
-        self._w = np.concatenate([[0.0], np.cumsum(problem.weight)])
+        # Prefix sums of the blocks' forward, backward and weight part, and the stages that take them: one set for
+        # every stage, or one per stage position where the machine prices blocks by position.
+        groups: dict[int, tuple[tuple[np.ndarray, ...], list[int]]] = {}
+        for k in range(problem.pp):
+            times = problem.at(k)
+            if id(times[0]) not in groups:
+                groups[id(times[0])] = (tuple(np.concatenate([[0.0], np.cumsum(t)]) for t in times), [])
+            groups[id(times[0])][1].append(k)
+        self._stage_sums = [(sums, np.asarray(stages)) for sums, stages in groups.values()]
         self._send = np.asarray(problem.send, dtype=np.float64)  # (cuts, n)
         self._grad = np.asarray(problem.grad_after, dtype=bool)
         self._table = np.empty(0)
@@ -375,10 +240,14 @@ class StepTimeEvaluator:
         graph = schedule_graph(p.engine, pp, p.n_micro_batches, cuts)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
         add = np.zeros((4 * pp + 1, k))
-        add[:pp] = (self._f[hi] - self._f[lo]).T
-        add[pp : 2 * pp] = (self._b[hi] - self._b[lo]).T
-        if p.engine in ZERO_BUBBLE:  # B is the backward less its weight-gradient part, W that part (as simulate)
-            add[2 * pp : 3 * pp] = (self._w[hi] - self._w[lo]).T
+        zero_bubble = p.engine in ZERO_BUBBLE
+        for (f, b, w), stages in self._stage_sums:
+            end, start = hi[:, stages], lo[:, stages]
+            add[stages] = (f[end] - f[start]).T
+            add[pp + stages] = (b[end] - b[start]).T
+            if zero_bubble:
+                add[2 * pp + stages] = (w[end] - w[start]).T
+        if zero_bubble:  # B is the backward less its weight-gradient part, W that part (as simulate)
             np.maximum(add[pp : 2 * pp] - add[2 * pp : 3 * pp], 0.0, out=add[pp : 2 * pp])
         if pp > 1:  # cut c: what the last block before it sends (as ScheduleProblem.cut_times)
             last = np.maximum(hi[:, :-1], 1) - 1

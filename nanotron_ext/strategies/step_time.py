@@ -44,4 +44,6 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         weight=tuple(map(float, prices.weight)),
         tied_pair=prices.tied_pair,
         tied_saving=tuple(map(float, prices.tied_saving)),
+        positions=tuple((position, tuple(map(float, p.forward)), tuple(map(float, p.backward)),
+                         tuple(map(float, p.weight))) for position, p in prices.positions),
     )
