@@ -17,6 +17,7 @@ Rank 0 writes a JSON of everything measured; the launcher's progress bar follows
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -163,8 +164,13 @@ def _rounds(spec: dict[str, Any], cfg: Any, ctx: Any, runs: dict[str, dict[str, 
 
 
 def _gathered(run: dict[str, Any]) -> dict[str, Any]:
-    return {"names": run["names"], "engine": run["engine"], "m": run["m"], "block_ranks": list(run["block_ranks"]),
-            "clocked": run["clocked"], "records": run["records"]}
+    """A run's JSON: what it trained and every timed step; a clocked run also every rank's clocked step (kept, so
+    that the in-run profile can be priced again from them)."""
+    out = {"names": run["names"], "engine": run["engine"], "m": run["m"], "block_ranks": list(run["block_ranks"]),
+           "clocked": run["clocked"], "records": run["records"]}
+    if run["clocked"]:
+        out["steps"] = [[dataclasses.asdict(rank) for rank in step] for step in run["steps"]]
+    return out
 
 
 def scratch_folder() -> Path:

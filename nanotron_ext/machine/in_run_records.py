@@ -69,6 +69,7 @@ class RankStep:
         sends / receives: every pipeline transfer it posted or waited for, in order.
         tied_sync: when it entered and left the tied embedding's gradient all-reduce (None: it holds no end of a
             tie that crosses stages).
+        clock: seconds the rank spent inside the clock's own hooks during the step: what timing it cost.
     """
 
     pp_rank: int
@@ -79,3 +80,4 @@ class RankStep:
     sends: tuple[Send, ...] = ()
     receives: tuple[Receive, ...] = ()
     tied_sync: tuple[float, float] | None = None
+    clock: float = 0.0

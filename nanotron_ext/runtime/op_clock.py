@@ -137,6 +137,7 @@ class OpClock:
         self._open: dict[str, Any] = {}
         self._marks: list[tuple[str, str, Any]] = []
         self._weights: list[tuple[str, Any, Any]] | None = None
+        self._own = 0.0  # this step's seconds inside the clock's own hooks: what it costs the step
         self._owner: dict[str, str] = {}
         self._undo: list[Callable[[], None]] = []
         self._blocks = [(name, block) for name, block in pipeline_blocks(self.model) if block.rank == self.pp_rank]
@@ -188,10 +189,12 @@ class OpClock:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             if self._step is None:
                 return
+            t0 = time.perf_counter()
             if torch.is_grad_enabled():
                 for t in _tensors(kwargs):
                     if t.requires_grad:
                         t.register_hook(self._grad_mark(name, "end"))
+            self._own += time.perf_counter() - t0
             self._open[name] = self.clock.mark()
 
         return hook
@@ -201,11 +204,13 @@ class OpClock:
             if self._step is None or name not in self._open:
                 return
             span = (self._open.pop(name), self.clock.mark())
+            t0 = time.perf_counter()
             self._step.forward[name].append(span)
             self._step.forwards.append(span)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._grad_mark(name, "start"))
+            self._own += time.perf_counter() - t0
 
         return hook
 
@@ -226,7 +231,9 @@ class OpClock:
     def _grad_mark(self, name: str, kind: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self._step is not None:
+                t0 = time.perf_counter()
                 self._marks.append((name, kind, self.clock.mark()))
+                self._own += time.perf_counter() - t0
 
         return hook
 
@@ -243,13 +250,15 @@ class OpClock:
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    own = time.perf_counter() - t0 - (self.timer.waited() - w0)
+                    t1 = time.perf_counter()
+                    own = t1 - t0 - (self.timer.waited() - w0)
                     if kind == "F":
                         spans = step.forwards[n_forwards:]  # this op's blocks
                     else:
                         marks, self._marks[n_marks:] = self._marks[n_marks:], []
                         spans = self._backward_spans(step, marks, first, self.clock.mark())
                     step.ops.append((own, spans))
+                    self._own += time.perf_counter() - t1
 
             return op
 
@@ -348,7 +357,7 @@ class OpClock:
     @contextlib.contextmanager
     def step(self, record: bool = True) -> Iterator[None]:
         """Time one training step (collective: every rank enters it); ``record=False`` for warm-up steps."""
-        self._step, self._marks, self._open = _Step(), [], {}
+        self._step, self._marks, self._open, self._own = _Step(), [], {}, 0.0
         try:
             with self.timer.step(record=record):
                 yield
@@ -379,7 +388,7 @@ class OpClock:
         return RankStep(
             pp_rank=self.pp_rank, engine=step.engine or "1f1b", blocks=tuple(blocks), calls=calls,
             update=record.busy - (record.pipeline - record.pipeline_idle), sends=tuple(step.sends),
-            receives=tuple(step.receives), tied_sync=step.tied,
+            receives=tuple(step.receives), tied_sync=step.tied, clock=self._own,
         )
 
     def gather(self, dst: int = 0) -> list[list[RankStep]] | None:

@@ -55,6 +55,7 @@ def test_every_block_of_a_rank_is_timed_once_per_micro_batch_where_the_engine_ra
             # one engine forward and one backward per micro-batch, each with the blocks it ran
             assert sorted(n for _, n in step["calls"]) == sorted([len(STAGE[pp_rank])] * (2 * w.N_MICRO))
             assert step["update"] > 0
+            assert 0 < step["clock"] < sum(sum(b["forward"]) + sum(b["backward"]) for b in step["blocks"])
 
 
 def test_a_ranks_blocks_add_up_to_no_more_than_its_busy_time_in_the_pipeline(
