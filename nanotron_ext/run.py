@@ -134,10 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
         return report_error(exc, prefix)
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    else:
+        code = EXIT_OK
     finally:
         undo()
-    return EXIT_OK
+    if code == EXIT_OK:
+        close_process_groups()
+    return code
+
+
+def close_process_groups() -> None:
+    """Destroy torch.distributed's process groups while the interpreter is still whole.
+
+    Nanotron's scripts leave them to the interpreter's exit, where gloo's worker threads can abort a rank that
+    trained and saved without fault ("terminate called without an active exception", pytorch/pytorch#179291):
+    torchrun then reports the run failed. Only after a clean finish: a failed rank's peers may still wait on it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -182,3 +182,39 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert main([str(script), "--config-file", str(bundled_config())]) == 3
     err = capsys.readouterr().err
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
+
+
+_CLOSE_CHILD = textwrap.dedent(
+    """
+    import os
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from nanotron_ext.run import main
+
+    code = main(sys.argv[1:])
+    print("CODE", code, "LEFT-OPEN", dist.is_initialized())
+    """
+)
+
+
+@pytest.mark.parametrize(("ending", "code", "left_open"), [("", 0, False), ("raise SystemExit(4)\n", 4, True)])
+def test_a_script_that_finishes_cleanly_leaves_no_process_group_to_the_interpreters_exit(tmp_path, ending, code,
+                                                                                          left_open):
+    # Left to the interpreter's exit, gloo's worker threads can abort a rank that trained and saved cleanly
+    # (seen in CI: "terminate called without an active exception" after the last checkpoint). A failed run keeps
+    # its groups: its peers may still wait on it, and torchrun ends them.
+    script = tmp_path / "run_train.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + ending)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    out = subprocess.run([sys.executable, "-c", _CLOSE_CHILD, str(script), "--config-file", str(bundled_config())],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"CODE {code} LEFT-OPEN {left_open}" in out.stdout.splitlines(), out.stdout + out.stderr[-2000:]

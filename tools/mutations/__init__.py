@@ -1,0 +1,8 @@
+"""The mutation tables of tools/mutate.py, one module per area; MUTATIONS is every one, in order."""
+
+from __future__ import annotations
+
+from mutations import checkpoints_cli, planning, runtime
+from mutations.base import Mutation
+
+MUTATIONS: tuple[Mutation, ...] = planning.MUTATIONS + runtime.MUTATIONS + checkpoints_cli.MUTATIONS
