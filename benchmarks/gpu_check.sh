@@ -47,10 +47,12 @@ if [ "$REHEARSAL" = 1 ]; then
     DEVICE_ENV=(NANOTRON_EXT_DEVICE=cpu NANOTRON_EXT_HOST_STAGING=1)  # the CUDA path's copies, on CPU
     DEVICE=cpu
     IN_RUN_STEPS=(--steps 1 --warmup-steps 1)  # the script's check, not a profile
+    ROUNDS=(--repeats 2 --warmup 1)  # likewise: 33 rounds of the seed's blocks on a CPU take a minute a calibration
 else
     DEVICE_ENV=(NANOTRON_EXT_DEVICE=cuda)
     DEVICE=cuda
     IN_RUN_STEPS=()
+    ROUNDS=()
 fi
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -100,10 +102,10 @@ smollm() {  # smollm NAME CMD...: a SmolLM-sized step, skipped in a rehearsal (t
 
 # 2-3. calibrate: alone (compute on the GPU), then 2 ranks on the one GPU over gloo (links host-staged).
 # The one device rule: every step names its device (--device, or NANOTRON_EXT_DEVICE for train).
-step calibrate_seed_alone "${NX[@]}" calibrate "$SEED" --device "$DEVICE" --out "$P/seed_alone.json"
+step calibrate_seed_alone "${NX[@]}" calibrate "$SEED" --device "$DEVICE" "${ROUNDS[@]}" --out "$P/seed_alone.json"
 smollm calibrate_smollm_alone "${NX[@]}" calibrate "$SMOL" --device "$DEVICE" --out "$P/smollm_135m_alone.json"
 step calibrate_seed_pp2_gloo "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SEED" --backend gloo \
-    --device "$DEVICE" --out "$P/seed_pp2_gloo_host_staged.json"
+    --device "$DEVICE" "${ROUNDS[@]}" --out "$P/seed_pp2_gloo_host_staged.json"
 smollm calibrate_smollm_pp2_gloo "${TORCHRUN[@]}" -m nanotron_ext.cli calibrate "$SMOL2" --backend gloo \
     --device "$DEVICE" --out "$P/smollm_135m_pp2_gloo_host_staged.json"
 

@@ -12,15 +12,17 @@ timed this way, 4.1 ms.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FLUSH_BYTES_MIN", "flush_caches"]
+__all__ = ["FLUSH_BYTES_MIN", "FLUSH_MIB_VARIABLE", "flush_bytes", "flush_caches"]
 
 
 def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_grad: bool, gen: Any) -> dict:
@@ -85,11 +87,32 @@ def flush_caches(device: Any) -> None:
 
     key = str(device)
     if key not in _flush_buffers:
-        n_bytes = max(FLUSH_BYTES_MIN.get(device.type, FLUSH_BYTES_MIN["cpu"]),
-                      2 * _last_level_cache_bytes() if device.type == "cpu" else 0)
-        _flush_buffers[key] = torch.zeros(n_bytes // 4, dtype=torch.float32, device=device)
+        _flush_buffers[key] = torch.zeros(flush_bytes(device.type) // 4, dtype=torch.float32, device=device)
     _flush_buffers[key].add_(1.0)
     _sync(device)
+
+
+#: Overrides the flush's size, in MiB: a host whose last-level cache is shared and huge (this project's CI VM reports
+#: 480 MiB, so every timed call would first write 960 MiB) calibrates faster with less, at the price of a block's
+#: weights perhaps still partly cached when it is timed.
+FLUSH_MIB_VARIABLE = "NANOTRON_EXT_FLUSH_MIB"
+
+
+def flush_bytes(device_type: str) -> int:
+    """Bytes :func:`flush_caches` writes on ``device_type``: ``NANOTRON_EXT_FLUSH_MIB`` where set, else twice the
+    last-level cache on CPU, at least :data:`FLUSH_BYTES_MIN`.
+
+    Raises:
+        ConfigError: the variable is not a whole number of MiB >= 1.
+    """
+    value = os.environ.get(FLUSH_MIB_VARIABLE, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{FLUSH_MIB_VARIABLE}={value!r} must be a whole number of MiB >= 1 (the bytes written "
+                              f"between timed calls to evict the caches); unset it for twice the last-level cache")
+        return int(value) * 2**20
+    return max(FLUSH_BYTES_MIN.get(device_type, FLUSH_BYTES_MIN["cpu"]),
+               2 * _last_level_cache_bytes() if device_type == "cpu" else 0)
 
 
 def _last_level_cache_bytes() -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.block_inputs import flush_bytes
 from nanotron_ext.devices import device_type
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ def profile_key(block: BlockInfo, cfg: PlannerConfig, *, input_grad: bool) -> di
         "torch": torch.__version__,
         "device": _device().type,
         "threads": torch.get_num_threads(),
+        # How cold a timed call starts: a timing taken after a smaller flush is not the same figure.
+        "flush_bytes": flush_bytes(_device().type),
         "trainable": _trainable_flags(block),
         "input_grad": bool(input_grad),
     }

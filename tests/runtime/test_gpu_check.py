@@ -19,7 +19,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 
 def _run(out: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=480,
+    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **env}, cwd=REPO)
 
 

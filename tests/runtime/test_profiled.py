@@ -12,7 +12,7 @@ import torch
 
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs import block_inputs, profiled
-from nanotron_ext.errors import PlanningError
+from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import make_plan
 from nanotron_ext.strategies import available_strategies
@@ -158,11 +158,36 @@ def test_every_timed_section_starts_with_cold_caches(tmp_path: Path, monkeypatch
 @pytest.mark.parametrize(("cache_mib", "flushed_mib"), [(96, 192), (8, 64)])
 def test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib(
         monkeypatch: pytest.MonkeyPatch, cache_mib: int, flushed_mib: int) -> None:
+    monkeypatch.delenv(block_inputs.FLUSH_MIB_VARIABLE, raising=False)  # tests/conftest.py sets it for the suite
     monkeypatch.setattr(block_inputs, "_last_level_cache_bytes", lambda: cache_mib * 2**20)
     monkeypatch.setattr(block_inputs, "_flush_buffers", {})
     block_inputs.flush_caches(torch.device("cpu"))
     buffer = block_inputs._flush_buffers["cpu"]
     assert buffer.numel() * buffer.element_size() == flushed_mib * 2**20
+
+
+def test_the_flush_size_variable_overrides_the_cache_and_a_bad_value_names_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_inputs, "_last_level_cache_bytes", lambda: 480 * 2**20)
+    monkeypatch.setenv(block_inputs.FLUSH_MIB_VARIABLE, "16")
+    assert block_inputs.flush_bytes("cpu") == block_inputs.flush_bytes("cuda") == 16 * 2**20
+    monkeypatch.delenv(block_inputs.FLUSH_MIB_VARIABLE)
+    assert block_inputs.flush_bytes("cpu") == 960 * 2**20
+    for bad in ("0", "1.5", "-3", "lots"):
+        monkeypatch.setenv(block_inputs.FLUSH_MIB_VARIABLE, bad)
+        with pytest.raises(ConfigError, match=rf"NANOTRON_EXT_FLUSH_MIB={bad!r} must be a whole number of MiB >= 1 "
+                                              r".*unset it for twice the last-level cache"):
+            block_inputs.flush_bytes("cpu")
+
+
+def test_a_timing_taken_after_another_flush_is_another_cache_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(bundled_config())
+    block = inventory_from_config(cfg)[1]
+    keys = []
+    for mib in ("64", "128"):
+        monkeypatch.setenv(block_inputs.FLUSH_MIB_VARIABLE, mib)
+        keys.append(profiled.profile_key(block, cfg, input_grad=True))
+    assert keys[0]["flush_bytes"] == 64 * 2**20 and keys[0] != keys[1]
 
 
 def test_the_last_level_cache_is_read_from_linux() -> None:
