@@ -17,6 +17,7 @@ import argparse
 import os
 import runpy
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -132,30 +133,44 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runpy.run_path(str(script), run_name="__main__")
     except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
-        return report_error(exc, prefix)
+        code = report_error(exc, prefix)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     else:
         code = EXIT_OK
     finally:
         undo()
-    if code == EXIT_OK:
-        close_process_groups()
+    close_process_groups(code)
     return code
 
 
-def close_process_groups() -> None:
-    """Destroy torch.distributed's process groups while the interpreter is still whole.
+#: Seconds a rank that stops with an error gives its process groups to close before it exits without them.
+CLOSE_AFTER_ERROR_S = 5.0
 
-    Nanotron's scripts leave them to the interpreter's exit, where gloo's worker threads can abort a rank that
-    trained and saved without fault ("terminate called without an active exception", pytorch/pytorch#179291):
-    torchrun then reports the run failed. Only after a clean finish: a failed rank's peers may still wait on it.
+
+def close_process_groups(code: int) -> None:
+    """Destroy torch.distributed's process groups while the interpreter is still whole, before exiting with ``code``.
+
+    Nanotron's scripts leave them to the interpreter's exit, where gloo's worker threads can abort the rank
+    ("terminate called without an active exception", pytorch/pytorch#179291): seen in CI after a clean run's last
+    checkpoint and after a refused resume, so torchrun reported -6 instead of the run's 0 or 2. After an error a peer
+    may still hold a transfer with this rank open: if closing takes over :data:`CLOSE_AFTER_ERROR_S`, the rank exits
+    with ``code`` at once, without the interpreter's teardown.
     """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if code == EXIT_OK:
         dist.destroy_process_group()
-
+        return
+    closing = threading.Thread(target=dist.destroy_process_group, name="nanotron-ext-close", daemon=True)
+    closing.start()
+    closing.join(CLOSE_AFTER_ERROR_S)
+    if closing.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 if __name__ == "__main__":
     sys.exit(main())
