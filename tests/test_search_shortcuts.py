@@ -26,9 +26,9 @@ from nanotron_ext.partition.schedule_aware import (
     _branch_and_bound,
     _fastest,
     _score,
-    _splits_within,
     step_time_partition,
 )
+from nanotron_ext.partition.stage_ends import splits_within
 from nanotron_ext.partition.step_time_bound import RTOL, Bound, Validity, minimise
 from nanotron_ext.schedule import min_micro_batches
 from nanotron_ext.strategies.builtin import _constraints
@@ -226,4 +226,4 @@ def test_splits_within_a_bound_are_those_a_plain_enumeration_keeps(seed):
         lb, _ = minimise(bound, 1e9)
         limit = lb * rng.uniform(1.0, 1.3)
         every = [sp for sp in _splits(n, problem.pp) if bound.value(sp) <= limit]
-        assert sorted(_splits_within(bound, limit, 10**6)) == sorted(every)
+        assert sorted(splits_within(bound, limit, 10**6)) == sorted(every)

@@ -222,7 +222,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "                pushed.clear()\n", "                pass\n", (SHORTCUTS,)),
     M("branch and bound counts a split whose last stage ends nowhere", SCHEDULE_AWARE,
       "        if not ends:  # the last stage ends at n, or nowhere\n            continue\n", "", (SHORTCUTS,)),
-    M("splits within a bound reuse another stage's ends", SCHEDULE_AWARE,
+    M("splits within a bound reuse another stage's ends", "nanotron_ext/partition/stage_ends.py",
       "        pushed = within.get((k, s))\n        if pushed is None:\n            ends, values = stage_ends(k, s)\n"
       "            pushed = within[(k, s)] =",
       "        pushed = within.get(s)\n        if pushed is None:\n            ends, values = stage_ends(k, s)\n"
