@@ -15,10 +15,9 @@ training steps, with the waits on peers left out (issue 41's in-run profile).
 * the ``CPUP2P`` sends and receives (when posted, when waited for, what crossed) and the tied-gradient all-reduce
   (when entered and left): links and the tied sync are priced from their transfers in the run.
 
-It runs inside a :class:`~nanotron_ext.runtime.timing.StepTimer` of its own, which aligns the steps, counts the waits
-(``StepTimer.waited``) and gives each step's busy time after the pipeline (the update). On CPU every mark is the wall
-clock; on CUDA the blocks' marks are CUDA events, read once the step's kernels are done (the engine's overhead, a
-host-side figure, is then not measured). What it costs is stated in docs/machine.md (``calibrate --in-run``).
+It runs inside a :class:`~nanotron_ext.runtime.timing.StepTimer` of its own (aligned steps, ``StepTimer.waited``, each
+step's busy time after the pipeline: the update). On CPU every mark is the wall clock; on CUDA the blocks' marks are
+CUDA events read once the step's kernels are done (the engine's overhead, a host-side figure, is then not measured).
 
 Usage::
 
@@ -114,8 +113,7 @@ class OpClock:
     """Time every block's ops on this rank inside the engine; a context manager that installs the hooks.
 
     Args:
-        model: the built model (DDP-wrapped or not).
-        parallel_context: its context.
+        model: the built model (DDP-wrapped or not); parallel_context: its context.
 
     Raises:
         RuntimeError: another ``OpClock`` (or ``StepTimer``) is installed in this process.
@@ -250,13 +248,16 @@ class OpClock:
                 try:
                     return original(*args, **kwargs)
                 finally:
+                    # Marked before the op's time is read: a span run to the op's end stays inside the op even if the
+                    # OS suspends this process between the two (on a loaded host, by 1-7 ms: blocks outgrew their op).
+                    last = self.clock.mark()
                     t1 = time.perf_counter()
                     own = t1 - t0 - (self.timer.waited() - w0)
                     if kind == "F":
                         spans = step.forwards[n_forwards:]  # this op's blocks
                     else:
                         marks, self._marks[n_marks:] = self._marks[n_marks:], []
-                        spans = self._backward_spans(step, marks, first, self.clock.mark())
+                        spans = self._backward_spans(step, marks, first, last)
                     step.ops.append((own, spans))
                     self._own += time.perf_counter() - t1
 
