@@ -119,7 +119,8 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
     assert "RESTORED True" in lines
 
 
-_OPTIMIZER_CHILD = textwrap.dedent(
+#: What a child script starts with: the environment of a one-rank torchrun world on a free port.
+_ONE_RANK = textwrap.dedent(
     """
     import os
     import socket
@@ -130,6 +131,11 @@ _OPTIMIZER_CHILD = textwrap.dedent(
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    """
+)
+
+_OPTIMIZER_CHILD = _ONE_RANK + textwrap.dedent(
+    """
     import nanotron.trainer as trainer
     from nanotron.config import get_config_from_file
     from nanotron_ext import load_config
@@ -185,23 +191,12 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
 
 
-_CLOSE_CHILD = textwrap.dedent(
+_CLOSE_CHILD = _ONE_RANK + textwrap.dedent(
     """
-    import os
-    import socket
-    import sys
-    import time
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     import torch.distributed as dist
     import nanotron_ext.run as launcher
 
     launcher.CLOSE_AFTER_ERROR_S = 1.0
-    start = time.monotonic()
     code = launcher.main(sys.argv[1:])
     print("CODE", code, "LEFT-OPEN", dist.is_initialized(), flush=True)
     sys.exit(code)

@@ -16,6 +16,7 @@ from nanotron_ext.partition import MemoryCap, Requirement, partition
 from nanotron_ext.partition.schedule_aware import (
     ScheduleProblem,
     StepTimeEvaluator,
+    StepTimeSplit,
     lower_bound,
     slowest_stage_optimum,
     split_memory,
@@ -92,6 +93,17 @@ def test_evaluator_equals_simulate_and_bound_never_above(seed):
             assert [st.update for st in stages] == pytest.approx(_stage_updates_by_hand(problem, bounds), abs=1e-12)
 
 
+def _every_split_and_the_search(problem: ScheduleProblem) -> tuple[list[float], StepTimeSplit]:
+    """Every split's step time by the evaluator, each checked against ``simulate`` and above the lower bound, and
+    what the search finds."""
+    splits = _all_splits(problem.n, problem.pp)
+    times = StepTimeEvaluator(problem)(splits)
+    for bounds, t in zip(splits, times):
+        assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
+        assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
+    return times, step_time_partition(problem)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_prices_by_stage_position_keep_evaluator_simulate_bound_and_search_in_step(seed):
     """An in-run profile prices a block by the stage position it runs at: the evaluator still equals simulate, the
@@ -101,12 +113,7 @@ def test_prices_by_stage_position_keep_evaluator_simulate_bound_and_search_in_st
     for _ in range(20):
         problem = _random_problem(rng, ("1f1b", "afab", "zb1p", "zb2p"), ties=True, positions=True)
         by_position += bool(problem.positions) and problem.pp > 1
-        splits = _all_splits(problem.n, problem.pp)
-        times = StepTimeEvaluator(problem)(splits)
-        for bounds, t in zip(splits, times):
-            assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
-            assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
-        found = step_time_partition(problem)
+        times, found = _every_split_and_the_search(problem)
         assert found.step_time == pytest.approx(min(times), rel=1e-9, abs=1e-15)
         assert found.lower_bound <= min(times) * (1 + 1e-9) + 1e-15
     assert by_position >= 5
@@ -150,12 +157,7 @@ def test_zero_bubble_evaluator_equals_simulate_bound_below_search_is_brute_force
     rng = random.Random(300 + seed)
     for _ in range(15):
         problem = _random_problem(rng, (engine,), ties=True)
-        splits = _all_splits(problem.n, problem.pp)
-        times = StepTimeEvaluator(problem)(splits)
-        for bounds, t in zip(splits, times):
-            assert t == pytest.approx(_simulated(problem, bounds), rel=1e-12, abs=1e-15)
-            assert lower_bound(problem, bounds) <= t * (1 + 1e-9) + 1e-15
-        found = step_time_partition(problem)
+        times, found = _every_split_and_the_search(problem)
         assert found.exact and found.step_time == pytest.approx(min(times), rel=1e-9, abs=1e-15)
 
 
