@@ -232,3 +232,19 @@ def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp
     assert lines == ([printed] if printed else []), out.stdout
     if printed is None:
         assert time.monotonic() - start < 30, "a blocked close must not hold the rank (the script's close sleeps 60 s)"
+
+
+def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code(tmp_path):
+    # `python -m nanotron_ext.run` ends before C++'s static destructors (where gloo aborted ranks), but only after
+    # what the interpreter's own exit does: a running thread finishes, then the atexit handlers (wandb, logging) run.
+    script = tmp_path / "run_train.py"
+    script.write_text("import atexit, threading, time\n"
+                      "atexit.register(lambda: print('ATEXIT', flush=True))\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.5), print('THREAD', flush=True))).start()\n"
+                      "raise SystemExit(3)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    out = subprocess.run([sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 3, out.stdout + out.stderr[-3000:]
+    assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], out.stdout

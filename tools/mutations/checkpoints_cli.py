@@ -241,4 +241,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("after an error the launcher waits on a close that blocks", "nanotron_ext/run.py",
       "        os._exit(code)", "        pass",
       ("tests/test_launcher_cli.py::test_the_launcher_closes_the_process_groups_before_the_interpreters_exit",)),
+    M("the launcher's exit skips the atexit handlers", "nanotron_ext/run.py",
+      "    atexit._run_exitfuncs()\n", "", ("tests/test_launcher_cli.py::test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code",)),
+    M("the launcher's exit kills a running thread", "nanotron_ext/run.py",
+      "            thread.join()\n", "            pass\n", ("tests/test_launcher_cli.py::test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code",)),
 )
