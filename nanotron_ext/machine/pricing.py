@@ -149,7 +149,16 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
         sent.append((block_memory(b, cfg.model, cfg.run).output, output_tensors(b)))
     if tied is not None:  # one tensor on a stage holding both: stepped and synced once, no tied sync
         saving[tied[1]] = upd[tied[1]]
-    send = [[machine.p2p_time(n_bytes, n, cut=c) for n_bytes, n in sent] for c in range(max(cfg.run.pp - 1, 1))]
+    # A row per cut, shared by the cuts over the same links, each distinct transfer priced once (a large model
+    # hands on a few distinct outputs across hundreds of cuts).
+    rows: dict[tuple[object, ...], list[float]] = {}
+    send = []
+    for c in range(max(cfg.run.pp - 1, 1)):
+        links = machine.cut_links(c)
+        if links not in rows:
+            times = {s: machine.p2p_time(*s, cut=c) for s in set(sent)}
+            rows[links] = [times[s] for s in sent]
+        send.append(rows[links])
     mean = _compute(machine, blocks, cfg, None)
     by_position = any(cost.positions for cost in machine.blocks)
     positions = tuple((p, _compute(machine, blocks, cfg, p)) for p in POSITIONS) if by_position else ()
