@@ -171,7 +171,7 @@ def scaling(repeat: int = 3) -> bool:
 #: Issue 44's cases: what each times, and its goal in seconds (the median of fresh interpreters).
 ISSUE_44: dict[str, tuple[str, float]] = {
     "fits": ("make_plan, default strategy, under memory_cap_gib: 4096 (it fits)", 3.0),
-    "over": ("make_plan, default strategy, on the analytic H100 (it does not fit: every fix planned)", 3.0),
+    "over": ("make_plan, default strategy, on the analytic H100 (it does not fit: every fix priced)", 3.0),
     "fit-70b": ("nanotron-ext plan llama_3_70b.yaml --fit (every candidate planned and simulated)", 10.0),
 }
 #: The large shape of issue 44: Llama-3-70B with this many decoder layers, at this pp and number of micro-batches.

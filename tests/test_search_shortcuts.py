@@ -19,7 +19,7 @@ from nanotron_ext.costs.memory_estimate import SegmentMemory, config_stage_memor
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import MemoryCap, Requirement, partition
-from nanotron_ext.partition.feasible import any_split_fits
+from nanotron_ext.partition.feasible import any_split_fits, least_cap
 from nanotron_ext.partition.schedule_aware import (
     ScheduleProblem,
     StepTimeEvaluator,
@@ -69,6 +69,23 @@ def test_any_split_fits_is_whether_the_partitioner_finds_a_split(case):
     except PlanningError:
         found = False
     assert any_split_fits(n, pp, reqs, memory) == found
+
+
+@settings(max_examples=400, deadline=None)
+@given(_capped(), st.sampled_from([2e-3, 0.1]))
+def test_least_cap_is_within_its_tolerance_below_the_least_any_split_needs(case, rtol):
+    # Brute force: the least, over every valid split, of its largest stage's additive part plus the overhead.
+    n, pp, reqs, memory = case
+    prefixes = [memory.prefix(k) for k in range(min(pp, n))]
+    needs = [max(prefixes[k][e] - prefixes[k][s] for k, (s, e) in enumerate(zip(sp, sp[1:])))
+             for sp in (_splits(n, pp) if pp <= n else [])
+             if all(any(r.flags[s:e]) for r in reqs for s, e in zip(sp, sp[1:]))]
+    least = least_cap(n, pp, reqs, memory, rtol=rtol)
+    if not needs or any_split_fits(n, pp, reqs, memory):  # no split at all, or one fits: nothing to bound
+        assert least is None
+        return
+    room = min(needs)
+    assert least is not None and room - rtol * max(abs(room), 1.0) - 1e-9 <= least - memory.overhead <= room
 
 
 def test_requirements_that_leave_no_split_are_named_under_a_memory_cap_too():

@@ -15,13 +15,14 @@ least-memory search when none does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
 
-__all__ = ["any_split_fits", "latest_starts", "sweep"]
+__all__ = ["any_split_fits", "latest_starts", "least_cap", "sweep"]
 
 
 def latest_starts(n: int, requirements: Sequence[Requirement]) -> np.ndarray:
@@ -66,6 +67,34 @@ def any_split_fits(n: int, pp: int, requirements: Sequence[Requirement], memory:
     if not all(np.all(q[1:] >= q[:-1]) for q in prefixes):  # a negative term: the starts that fit have gaps
         return _dense(n, pp, hi, prefixes, memory.slack_room)
     return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], memory.slack_room), hi)) is not None
+
+
+def least_cap(n: int, pp: int, requirements: Sequence[Requirement], memory: MemoryCap, *,
+              rtol: float = 2e-3) -> float | None:
+    """A lower bound, within ``rtol`` of the exact value, of the least cap under which some split fits
+    ``memory``'s additive part: no split's largest stage, by its full estimate, is below it. None when some split
+    already fits ``memory.cap``, or when the requirements leave no split at all.
+
+    A bisection on the cap with :func:`sweep` (``O(pp · n)`` a test): a question the partitioner's programme
+    answers in ``pp`` tables of ``(n + 1)²``, which a large model cannot afford once per fix it prices."""
+    if any_split_fits(n, pp, requirements, memory) or not any_split_fits(n, pp, requirements, None):
+        return None
+    hi = latest_starts(n, requirements)
+    prefixes = [memory.prefix(k) for k in range(pp)]
+    if not all(np.all(q[1:] >= q[:-1]) for q in prefixes):  # a negative term: the dense test
+        def fits(room: float) -> bool:
+            return _dense(n, pp, hi, prefixes, room)
+    else:
+        def fits(room: float) -> bool:
+            return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], room), hi)) is not None
+    low = memory.room  # nothing fits this room
+    high = max(max(float(q[-1] - q.min()) for q in prefixes), low + 1.0)  # any non-empty segment fits this one
+    while not fits(high):  # rounding, or a stage's terms summing below their parts
+        high = 2 * high + 1.0
+    while high - low > rtol * max(abs(high), 1.0):
+        mid = math.sqrt(low * high) if low > 0 else (low + high) / 2  # geometric: the bracket spans magnitudes
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return low + memory.overhead
 
 
 def _earliest_fitting(q: np.ndarray, room: float) -> np.ndarray:

@@ -58,13 +58,17 @@ class Overrun:
 
 @dataclass(frozen=True)
 class MemoryFix:
-    """One change to the config, in its own terms, and the largest stage peak the plan then has."""
+    """One change to the config, in its own terms, and the largest stage peak the plan then has; or, with
+    ``any_split``, a lower bound of the largest stage of every split (none fits: no plan to price)."""
 
     change: str
     peak: float
     fits: bool
+    any_split: bool = False
 
     def __str__(self) -> str:
+        if self.any_split:
+            return f"{self.change} (still over with any split: its largest stage needs at least {human_bytes(self.peak)})"
         return f"{self.change} (largest stage {human_bytes(self.peak)}{'' if self.fits else ', still over'})"
 
 

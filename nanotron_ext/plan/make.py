@@ -12,12 +12,14 @@ from nanotron_ext.costs.memory_estimate import config_stage_memory
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
+from nanotron_ext.partition.feasible import least_cap
 from nanotron_ext.plan.fit import MemoryFix, fix_candidates
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import AUTO_UNRESOLVED, ENGINE_AUTO
 from nanotron_ext.strategies import get_strategy
+from nanotron_ext.strategies.builtin import stage_memory_terms
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 from nanotron_ext.strategies.registry import Assignment
 
@@ -112,13 +114,24 @@ def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment
 
 def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str,
                   limit: MemoryLimit) -> list[MemoryFix]:
-    """Each of :func:`~nanotron_ext.plan.fit.fix_candidates` planned, with its largest stage peak; a change that
-    cannot be planned (too few blocks for the pp, heads the tp does not divide) is left out."""
+    """Each of :func:`~nanotron_ext.plan.fit.fix_candidates` priced: planned, with its largest stage peak, when
+    some split of it may fit the limit; else the least memory any split's largest stage needs, which says so
+    without a search. A change that cannot be planned (too few blocks for the pp, heads the tp does not divide)
+    is left out."""
     fixes = []
     for change, changed, how in fix_candidates(cfg, strategy, limit):
         try:
             new_blocks = blocks if changed.run.tp == cfg.run.tp else inventory_from_config(changed)
             if len(new_blocks) < changed.run.pp:
+                continue
+            # The fix's plan would run the step-time search (seconds on a large model) only to be over the limit
+            # with whatever split it picked.
+            terms = stage_memory_terms(new_blocks, changed, cap=limit.bytes)
+            least = least_cap(len(new_blocks), changed.run.pp, [], terms)
+            if least is not None and changed.run == cfg.run:  # only the split changes: none fits, no fix
+                continue
+            if least is not None:
+                fixes.append(MemoryFix(change, least, fits=False, any_split=True))
                 continue
             with only_whether_it_fits():
                 plan = make_plan(new_blocks, changed, how, suggest_fixes=False)
