@@ -223,6 +223,7 @@ def test_fixes_that_all_stay_over_point_to_plan_fit_and_one_that_fits_does_not()
     fix = next(f.fix for f in plan.findings if f.code == "memory")
     assert fix.count("(largest stage") == fix.count(", still over)") and fix.endswith(f". {FIT_POINTER}")
     assert fix.count("(largest stage") + fix.count("(still over with any split: ") >= 3
+    assert "a split chosen under the memory" not in fix  # no split of this config fits: not a fix
     blocks = inventory_from_config(TINY)
     need = make_plan(blocks, TINY, "nanotron").stages[0].memory_bytes
     capped = TINY.with_overrides(memory_cap_gib=need * 0.997 / GIB)  # tp 2 fits, pp 4 is still over

@@ -19,6 +19,7 @@ class Mutation:
 
 M = Mutation
 VALIDATE = "nanotron_ext/plan/validate.py"
+MAKE = "nanotron_ext/plan/make.py"
 FREEZE = "nanotron_ext/inventory/freeze.py"
 CHECKS = "nanotron_ext/integration/checks.py"
 MEASURED = "nanotron_ext/costs/profiled.py"
