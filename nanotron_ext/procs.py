@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,8 +46,31 @@ PARENT_POLL_S = 0.5
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
+#: Where :func:`free_port` looks first: below Linux's default ephemeral range, above most services' ports.
+_PORTS_BELOW_EPHEMERAL = (20_000, 32_768)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the usual bind-to-0 trick)."""
+    """A TCP port on 127.0.0.1 that is free now, for a rendezvous a rank binds a moment later.
+
+    Not the usual bind-to-0 trick: that hands out a port of the kernel's ephemeral range, which every outgoing
+    connection and every gloo listener of any process also draws from, so one of them can take it before the rank
+    binds it (CI, two passes side by side: ``EADDRINUSE`` on rank 0's store, four tests lost). A random port below
+    that range (``/proc/sys/net/ipv4/ip_local_port_range``) is handed to nobody unasked; bind-to-0 only when none
+    there is free.
+    """
+    low, high = _PORTS_BELOW_EPHEMERAL
+    with contextlib.suppress(OSError, ValueError):
+        high = min(high, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    pick = random.SystemRandom()
+    for _ in range(64 if high > low else 0):
+        port = pick.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -14,6 +14,8 @@ it and are stripped before Nanotron's loader reads it. What is installed is desc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import os
 import runpy
 import sys
@@ -69,8 +71,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Seconds a rank that stops before training waits before exiting, so that its peers' messages are printed too.
+#: Seconds a rank that stops before its process groups exist waits before exiting, so that its peers' messages are
+#: printed too.
 PEER_REPORT_GRACE_S = 0.5
+#: The most seconds a rank that stops with our error waits in a barrier for its peers to report theirs.
+PEER_REPORT_BARRIER_S = 3.0
+
+
+def wait_for_peers_to_report() -> None:
+    """After our error, before exiting: let every peer print its own. Each rank stops with the same message (the
+    YAML, the plan, the collective gradient check), but torchrun ends the others as soon as one exits: a refused plan
+    was once printed by rank 1 alone, rank 0 ended before it reached its report. Where the process groups run on
+    gloo, a barrier that gives up after :data:`PEER_REPORT_BARRIER_S` (a peer that stopped otherwise never comes);
+    before they exist, or on another backend, a moment (:data:`PEER_REPORT_GRACE_S`)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):  # a peer gone or late: this rank's own message is out, exit anyway
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S), wait_all_ranks=True)
+        return
+    time.sleep(PEER_REPORT_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         undo = install_launcher(cfg, opts.cost_strategy, resume=resume)
     except NanotronExtError as exc:
         code = report_error(exc, prefix)
-        # Every rank reads the same YAML and stops here with the same message, but torchrun ends the others as
-        # soon as one exits: a moment before exiting lets each say it (a loaded machine staggers them by tens of ms).
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            time.sleep(PEER_REPORT_GRACE_S)
+        wait_for_peers_to_report()
         return code
     sys.argv = [str(script), *opts.script_args]
     sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT` would
@@ -134,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_path(str(script), run_name="__main__")
     except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
         code = report_error(exc, prefix)
+        wait_for_peers_to_report()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     else:

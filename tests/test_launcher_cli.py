@@ -123,14 +123,12 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
 _ONE_RANK = textwrap.dedent(
     """
     import os
-    import socket
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from nanotron_ext.procs import free_port
+
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_port()))
     """
 )
 
@@ -248,3 +246,20 @@ def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code
                          env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 3, out.stdout + out.stderr[-3000:]
     assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], out.stdout
+
+
+def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path):
+    # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone
+    # (CI). Here rank 0 reaches its report 1.5 s after rank 1 (past the old 0.5 s grace); both must print it.
+    script = tmp_path / "run_train.py"
+    script.write_text("import time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
+                      "dist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 0:\n    time.sleep(1.5)\n"
+                      "raise PlanningError(f'refused on rank {dist.get_rank()}')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
+                         env=env, capture_output=True, text=True, timeout=180)
+    said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in out.stderr}
+    assert out.returncode != 0 and said == {"0", "1"}, out.stdout + out.stderr[-3000:]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nanotron_ext.procs import local_env, run_local_ranks
+from nanotron_ext.procs import free_port, local_env, run_local_ranks
 
 PY = sys.executable
 
@@ -31,6 +31,19 @@ def test_each_rank_gets_torchrun_variables_and_one_port() -> None:
     fields = [r.stdout.split() for r in run.ranks]
     assert [f[0] for f in fields] == ["0", "1", "2"] and {f[1] for f in fields} == {"3"}
     assert len({f[2] for f in fields}) == 1 and {f[3] for f in fields} == {"x"}
+
+
+def test_a_free_port_is_bindable_and_outside_the_range_the_kernel_hands_out() -> None:
+    # Every outgoing connection and every bind to port 0 draws from the ephemeral range: a rendezvous port there
+    # can be taken between its choice and rank 0's bind (EADDRINUSE in CI).
+    import socket
+    from pathlib import Path
+
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < first_ephemeral for p in ports) and len(ports) > 10  # random, not one port for all
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
 
 
 def test_without_rendezvous_the_environment_is_left_alone() -> None:
