@@ -36,6 +36,10 @@ from upstream.e2e import Run, launch, tiny_config, torchrun_command, whole_weigh
 SHAPE = {"tokens__micro_batch_size": 2, "tokens__batch_accumulation_per_replica": 4,
          "model__model_config__vocab_size": 50276, "optimizer__clip_grad": None}
 LAYOUT_A = {"cost_strategy": "layout", "layout": "E,t|t,L"}
+#: The trainings and resumes below start their ranks directly (what they train and save is the test, not torchrun:
+#: tests/upstream/test_launcher*.py and test_cpu_debug.py run through it); NANOTRON_EXT_TEST_TORCHRUN=1 puts
+#: torchrun back.
+TORCHRUN = os.environ.get("NANOTRON_EXT_TEST_TORCHRUN") == "1"
 #: Where the arithmetic differs, no element of a weight may differ from the reference by more than this fraction
 #: of the largest change the two resumed steps made to that weight. The arithmetic differs only in rounding (fp32
 #: ulps of each gradient); Adam divides each moment by its own root mean square, so an element whose gradient is
@@ -51,7 +55,7 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def _train(tmp: Path, nproc: int = 2, *launcher_args: str, **config: Any) -> tuple[Run, Path]:
     tmp.mkdir(parents=True, exist_ok=True)
     run = launch(tiny_config(tmp, steps=6, checkpoints__checkpoint_interval=2, **{**SHAPE, **config}), *launcher_args,
-                 nproc=nproc)
+                 nproc=nproc, torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-4000:]
     return run, tmp
 
