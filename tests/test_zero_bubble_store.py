@@ -19,6 +19,7 @@ from nanotron_ext.zero_bubble import (
     remove_store,
     store_of,
 )
+from nanotron_ext.zero_bubble.store import accumulate_weight_gradients
 
 
 class _Opaque(nn.Linear):
@@ -114,3 +115,37 @@ def test_remove_store_restores_plain_linears() -> None:
     assert "forward" in model[0].__dict__
     remove_store(model)
     assert store_of(model) is None and "forward" not in model[0].__dict__ and store_of(model[0]) is None
+
+
+def test_a_weight_two_deferred_linears_share_gets_both_parts() -> None:
+    # One parameter behind two linears of one micro-batch, both deferring (a tied embedding does not test this: its
+    # embedding end defers nothing). W must add both products, as autograd's backward does.
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second)
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    expected = first.weight.grad.clone()
+    first.weight.grad = first.bias.grad = None
+    store = install_store(model)
+    with store.backward_of(0):
+        model(x).square().sum().backward()
+    assert first.weight.grad is None
+    products = store.pop(0)
+    assert [p.weight is first.weight for p in products] == [True, True]
+    accumulate_weight_gradients(products)
+    torch.testing.assert_close(first.weight.grad, expected, rtol=1e-6, atol=0)
+
+
+def test_a_backward_that_fails_leaves_nothing_deferred() -> None:
+    # A step that fails inside a B: the next W must not find half of that backward's products.
+    model = _model()
+    store = install_store(model)
+    with pytest.raises(ValueError, match="a failed backward"), store.backward_of(0):
+        model(torch.randn(2, 6)).sum().backward()
+        raise ValueError("a failed backward")
+    assert store.pending() == [] and not store.deferring
+    with store.backward_of(1):  # and the next B collects as usual
+        model(torch.randn(2, 6)).sum().backward()
+    assert store.pending() == [1] and [p.module for p in store.pop(1)] == ["2", "0"]

@@ -36,6 +36,9 @@ TWO_RANKS = {
     "tied_one_stage": {"pp": 2, "block_ranks": [0, 0, 0, 0, 0, 1, 1], "config": {"tie_word_embeddings": True}},
     # Tied across stages: the lm_head's deferred part must be in .grad before the tied all-reduce.
     "tied_two_stages": {"pp": 2, "block_ranks": PP2, "config": {"tie_word_embeddings": True}},
+    # A step that failed between a B and its W left that backward's products in the store: the next step starts
+    # with none of them (emulated: one stale product queued as micro-batch 0's before the first step).
+    "after_failed_step": {"pp": 2, "block_ranks": PP2, "after_failed_step": True},
     # The projector's linear is a subclass with its own forward: its W runs in B, with one warning.
     "unknown_linear": {"pp": 2, "block_ranks": [0, 0, 0, 1, 1, 1, 1, 1], "opaque": True},
 }

@@ -77,6 +77,8 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
         _make_projector_opaque(model)
     optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-2)
     recorder = _GradRecorder(optimizer, model)
+    if case.get("after_failed_step") and engine in ZERO_BUBBLE_ENGINES:
+        _leave_a_failed_steps_w(model)
     popped: list[int] = []
     pop = WeightGradStore.pop
     WeightGradStore.pop = lambda self, j: (lambda out: (popped.append(len(out)), out)[1])(pop(self, j))
@@ -92,6 +94,24 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, ZeroBubbleFallbackWarning)]
     tied = sorted(n for n, p in model.named_parameters() if getattr(p, "is_tied", False))
     return {"losses": losses, "grads": recorder.steps, "popped": popped, "fallbacks": fallbacks, "tied": tied}
+
+
+def _leave_a_failed_steps_w(model: Any) -> None:
+    """What a step that failed between micro-batch 0's B and its W leaves in the store: that backward's products,
+    still deferred. Here one product of ones on the first deferring linear's weight; if the next step popped it, that
+    weight's gradient would be off by the product's gradient (or the step would fail on the store's order)."""
+    import torch
+
+    from nanotron_ext.zero_bubble import WeightGradProduct, install_store, store_of
+
+    store = install_store(model)  # the engine keeps the model's store (one per model)
+    linear = next(m for m in getattr(model, "module", model).modules()
+                  if store_of(m) is store and getattr(m, "weight", None) is not None and m.weight.requires_grad)
+    out_features, in_features = linear.weight.shape
+    with store.backward_of(0):
+        store.push(WeightGradProduct("failed step", linear.weight, None, torch.ones(3, in_features),
+                                     torch.ones(3, out_features)))
+    assert store.pending() == [0]
 
 
 def _make_projector_opaque(model: Any) -> None:
