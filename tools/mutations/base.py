@@ -20,6 +20,8 @@ class Mutation:
 M = Mutation
 VALIDATE = "nanotron_ext/plan/validate.py"
 MAKE = "nanotron_ext/plan/make.py"
+ZBV = "nanotron_ext/schedule/zbv.py"
+ZBV_TESTS = "tests/test_zbv.py"
 FREEZE = "nanotron_ext/inventory/freeze.py"
 CHECKS = "nanotron_ext/integration/checks.py"
 MEASURED = "nanotron_ext/costs/profiled.py"

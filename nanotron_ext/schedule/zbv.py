@@ -1,0 +1,273 @@
+"""The V placement and its zero-bubble schedule (ZB-V), simulated: the planner's first look at issue 43, before an
+engine runs it.
+
+In a V, each of the ``pp`` ranks holds two chunks of the model: the ``2 pp`` virtual stages go down the ranks and
+back up, stage ``s`` on rank ``s`` for ``s < pp`` and on rank ``2 pp - 1 - s`` after (:func:`v_rank`). So rank 0
+holds the first stage and the last (the embedding and the loss), and the two stages at the V's bottom share rank
+``pp - 1``: what crosses there stays on the rank. Qi et al. ("Pipeline Parallelism with Controllable Memory",
+arXiv 2405.15362) schedule it with each backward split as zb1p's, ``B`` then a deferred ``W``.
+
+:func:`simulate_zbv` schedules it by list scheduling under the chunks' own times, as zero-bubble's V scheduler
+builds its order from profiled times: the rank that is free first runs, among its ops whose input has arrived (a
+transfer between ranks takes its cut's p2p time after the op that makes it; none at the V's bottom), a ``B`` first
+(the stage before waits for it), then an ``F`` if its activations fit (at most ``cap`` chunk-activations held from
+``F`` to ``W``; ``2 pp`` by default, what 1F1B's first rank holds: ``pp`` micro-batches of its whole stage, two
+chunks each), then its oldest deferred ``W``. Which chunk's ``B`` goes first, and whether a rank with a deferred
+``W`` stops forwards an activation early, change the step by a few percent, and no rule is best for every ratio of
+``W`` to ``B``: it keeps the fastest of :data:`POLICIES`. :func:`zbv_order` is the schedule's shape (every op one
+unit, no transfer time). No send order is modelled: the engine's program, with its sends, comes with the engine.
+
+Measured against the floor ``(pp - 1) F / 2 + m (F + B + W)`` (a V's first activation reaches the last rank after
+``pp - 1`` half-stages; ``F``, ``B``, ``W`` a rank's two chunks) and zb1p on equal stages without p2p
+(``docs/zero-bubble.md``): on the floor at ``W = B / 2`` (2.6 % over it at most for ``m >= 2 pp``), faster than zb1p
+at the same peak; with ``W`` 0.4 or 0.25 of the backward up to 11 % and 23 % over it, and up to 4.6 % and 6.1 %
+slower than zb1p in some cases (pp 2-8, ``m`` from ``pp`` to ``4 pp``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from nanotron_ext.schedule.simulator import Op, StageTimes
+
+__all__ = ["POLICIES", "Policy", "VOp", "VResult", "simulate_zbv", "v_rank", "zbv_order"]
+
+Kind = Literal["F", "B", "W"]
+
+
+def v_rank(pp: int, stage: int) -> int:
+    """The rank of virtual stage ``stage`` (``0 <= stage < 2 pp``) in a V over ``pp`` ranks.
+
+    Raises:
+        ValueError: a stage outside ``0..2 pp - 1``.
+    """
+    if not 0 <= stage < 2 * pp:
+        raise ValueError(f"virtual stage {stage} is outside 0..{2 * pp - 1}; a V over pp={pp} ranks has 2 pp stages")
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+class VOp(NamedTuple):
+    """One op of a V schedule: ``kind`` of micro-batch ``micro_batch`` on virtual stage ``stage``."""
+
+    kind: Kind
+    micro_batch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro_batch}@{self.stage}"
+
+
+class _Stalled(RuntimeError):
+    """Every rank waits and nothing is under way: the rule's memory reserve was too small for these times."""
+
+
+def _check(pp: int, m: int) -> None:
+    for name, value in (("pp", pp), ("micro-batches", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}; pass an integer >= 1")
+
+
+def _ready_after(op: VOp, pp: int) -> VOp | None:
+    """The op whose end ``op`` waits for (its input), None for a first stage's forward."""
+    kind, j, s = op
+    if kind == "F":
+        return None if s == 0 else VOp("F", j, s - 1)
+    if kind == "B":
+        return VOp("F", j, s) if s == 2 * pp - 1 else VOp("B", j, s + 1)
+    return VOp("B", j, s)
+
+
+def zbv_order(pp: int, m: int, cap: int | None = None) -> list[list[VOp]]:
+    """Each rank's order of ops in the ZB-V schedule of ``m`` micro-batches with every op taking one unit and no
+    transfer time (the schedule's shape; :func:`simulate_zbv` schedules under real times).
+
+    Raises:
+        ValueError: ``pp`` or ``m`` below 1, or a cap below 2.
+    """
+    _check(pp, m)
+    return _schedule([StageTimes(1.0, 2.0, weight=1.0)] * (2 * pp), m, [0.0] * (2 * pp - 1), cap)[0]
+
+
+class Policy(NamedTuple):
+    """A list-scheduling rule: which chunk's ready B goes first; how many activations below the cap a rank with a
+    deferred W stops starting forwards (runs its W first); and whether the way down (chunk 0) leaves the last slot
+    to the way up (a rank full of first-chunk activations can wait forever for backwards that need its own
+    second-chunk forwards: with p2p delays the rules without it can stall, and are then passed over)."""
+
+    b_chunks: tuple[int, int] = (0, 1)
+    w_reserve: int = 0
+    down_reserve: int = 1
+
+
+#: The rules :func:`simulate_zbv` tries: the earlier stage's B first (what reaches the floor when W is half the
+#: backward) or the later one's, each with and without stopping forwards one activation early for a deferred W.
+POLICIES = tuple(Policy(b, w, down) for down in (1, 0) for w in (0, 1) for b in ((0, 1), (1, 0)))
+
+
+def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: int | None,
+              policy: Policy = POLICIES[0]) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
+    """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
+
+    The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
+    a rank with none waits until the next moment anything changes (a rank frees, an input arrives).
+    """
+    pp = len(chunks) // 2
+    cap = 2 * pp if cap is None else cap
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
+        raise ValueError(f"cap = {cap!r}; a rank holds both chunks of a micro-batch at once: pass 2 or more")
+    stages = 2 * pp
+    times: dict[VOp, tuple[float, float]] = {}
+    next_op = [[[0, 0], [0, 0]] for _ in range(pp)]  # per rank, kind (F, B), chunk: the next micro-batch
+    deferred: list[list[VOp]] = [[] for _ in range(pp)]
+    held = [0] * pp
+    free = [0.0] * pp
+    order: list[list[VOp]] = [[] for _ in range(pp)]
+    total = 3 * stages * m
+
+    def arrival(op: VOp) -> float | None:
+        """When ``op``'s input is on its rank: None while the op making it is not scheduled."""
+        before = _ready_after(op, pp)
+        if before is None:
+            return 0.0
+        if before not in times:
+            return None
+        crossing = v_rank(pp, before.stage) != v_rank(pp, op.stage)
+        return times[before][1] + (cuts[min(op.stage, before.stage)] if crossing else 0.0)
+
+    waiting: set[int] = set()  # ranks that found nothing to do at their time, while another may still act then
+    while len(times) < total:
+        r = min(range(pp), key=lambda q: (free[q], q in waiting, q))
+        now = free[r]
+        chunk_of = (r, stages - 1 - r)
+        candidates = [VOp("B", next_op[r][1][c], chunk_of[c]) for c in policy.b_chunks if next_op[r][1][c] < m]
+        room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
+        # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
+        # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
+        candidates += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
+                       if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0)]
+        arrivals = [arrival(op) for op in candidates]
+        op = next((o for o, a in zip(candidates, arrivals) if a is not None and a <= now), None)
+        if op is None and deferred[r]:
+            op = deferred[r].pop(0)
+        if op is None:
+            later = [a for a in arrivals if a is not None and a > now] + [f for f in free if f > now]
+            if later:
+                free[r] = min(later)
+                waiting.discard(r)
+            elif r in waiting:  # every rank free now has nothing to do, and nothing is under way
+                raise _Stalled(f"ZB-V list scheduling stalled at t={now} (pp={pp}, m={m}, cap={cap}, {policy})")
+            else:
+                waiting.add(r)
+            continue
+        waiting.clear()
+        st = chunks[op.stage]
+        duration = {"F": st.forward, "B": st.backward - st.weight, "W": st.weight}[op.kind]
+        times[op] = (now, now + duration)
+        free[r] = now + duration
+        order[r].append(op)
+        c = 0 if op.stage < pp else 1
+        if op.kind == "W":
+            held[r] -= 1
+            continue
+        next_op[r][0 if op.kind == "F" else 1][c] += 1
+        if op.kind == "F":
+            held[r] += 1
+        else:
+            deferred[r].append(VOp("W", op.micro_batch, op.stage))
+    return order, times
+
+
+@dataclass(frozen=True)
+class VResult:
+    """A simulated ZB-V step. Times in seconds; per-rank lists indexed by rank.
+
+    Attributes:
+        pp, n_micro_batches: the pipeline.
+        ops: every op with its start and end, ``Op.stage`` the virtual stage.
+        step_time: the pipeline and the slowest rank's update after it.
+        pipeline_time: the pipeline alone.
+        busy: each rank's compute time in the pipeline.
+        pipeline_bubble_fraction: idle share of ``pp × pipeline_time``.
+        peak_in_flight: per rank, the most chunk-activations held from an ``F`` to its ``B``.
+        peak_held: per rank, the most held from an ``F`` to its ``W`` (what the schedule's cap bounds).
+    """
+
+    pp: int
+    n_micro_batches: int
+    ops: tuple[Op, ...]
+    step_time: float
+    pipeline_time: float
+    busy: tuple[float, ...]
+    pipeline_bubble_fraction: float
+    peak_in_flight: tuple[int, ...]
+    peak_held: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"zbv: pp={self.pp}, micro-batches={self.n_micro_batches}, step={self.step_time * 1e3:.3f} ms, "
+                f"pipeline bubble={self.pipeline_bubble_fraction:.1%}, peak in flight (chunks, F to B) "
+                f"{max(self.peak_in_flight)}, held to W {max(self.peak_held)}")
+
+
+def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: float | Sequence[float] = 0.0,
+                 cap: int | None = None) -> VResult:
+    """Replay :func:`zbv_order` under real times.
+
+    Args:
+        chunks: the ``2 pp`` virtual stages' times, stage 0 first (``weight``: the W part of ``backward``;
+            ``update``: a stage's share of its rank's update after the pipeline).
+        n_micro_batches: micro-batches per step.
+        p2p_time: one transfer between two ranks, per cut between virtual stages (``2 pp - 1`` figures; the cut at
+            the V's bottom stays on its rank and costs nothing whatever is given), or one figure for every cut.
+        cap: as :func:`zbv_order`'s.
+
+    Raises:
+        ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
+            ``backward``, a cut count other than ``2 pp - 1``.
+    """
+    chunks = list(chunks)
+    if not chunks or len(chunks) % 2:
+        raise ValueError(f"{len(chunks)} chunks; a V needs two per rank (2 pp), stage 0 first")
+    pp = len(chunks) // 2
+    for s, st in enumerate(chunks):
+        for name in ("forward", "backward", "weight", "update"):
+            value = getattr(st, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"chunks[{s}].{name} = {value!r}; times must be finite, non-negative seconds")
+        if st.weight > st.backward * (1 + 1e-12):
+            raise ValueError(f"chunks[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}")
+    cuts = [float(p2p_time)] * (2 * pp - 1) if isinstance(p2p_time, (int, float)) else [float(x) for x in p2p_time]
+    if len(cuts) != 2 * pp - 1 or any(not math.isfinite(x) or x < 0 for x in cuts):
+        raise ValueError(f"p2p_time {p2p_time!r}: pass one finite, non-negative figure, or one per cut (2 pp - 1)")
+    _check(pp, n_micro_batches)
+    # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
+    # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
+    found = []
+    for policy in POLICIES:
+        with contextlib.suppress(_Stalled):
+            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy)[1])
+    times = min(found, key=lambda t: max(end for _, end in t.values()))
+    ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
+    clock = [max(end for op, (_, end) in times.items() if v_rank(pp, op.stage) == r) for r in range(pp)]
+    pipeline = max(clock)
+    updates = [chunks[r].update + chunks[2 * pp - 1 - r].update for r in range(pp)]
+    busy = tuple(math.fsum(o.duration for o in ops if v_rank(pp, o.stage) == r) for r in range(pp))
+    idle = math.fsum(max(0.0, pipeline - b) for b in busy)
+    return VResult(
+        pp=pp, n_micro_batches=n_micro_batches, ops=tuple(ops), step_time=pipeline + max(updates),
+        pipeline_time=pipeline, busy=busy, pipeline_bubble_fraction=idle / (pp * pipeline) if pipeline > 0 else 0.0,
+        peak_in_flight=tuple(_peak(ops, pp, r, "B") for r in range(pp)),
+        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)),
+    )
+
+
+def _peak(ops: Sequence[Op], pp: int, rank: int, until: str) -> int:
+    """The most chunk-activations rank ``rank`` holds at once, each from its ``F`` to its ``until`` op."""
+    count = peak = 0
+    for o in sorted((o for o in ops if v_rank(pp, o.stage) == rank), key=lambda o: o.start):
+        count += 1 if o.kind == "F" else -1 if o.kind == until else 0
+        peak = max(peak, count)
+    return peak
