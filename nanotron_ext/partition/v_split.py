@@ -1,0 +1,86 @@
+"""Where to cut the blocks into a V's ``2 pp`` chunks, for the simulated ZB-V step (issue 43's third item, first
+part): a descent from a seed split, not yet the optimum under memory.
+
+The chunks are priced as the stages of a ``2 pp``-stage :class:`ScheduleProblem` (forward, backward and its W part,
+update, what each cut sends), and each split is timed by :func:`nanotron_ext.schedule.zbv.simulate_zbv`: rank
+``r`` runs chunks ``r`` and ``2 pp - 1 - r``, and the cut at the V's bottom stays on its rank. From the seed
+(the FLOP-balanced split, say), :func:`descend_v_split` moves one cut at a time by one or two blocks, keeps any
+move that shortens the step, and stops when none does, or at ``max_evals`` splits timed. On the public shapes at
+PP 4 and 8 (``benchmarks/zbv_simulated.py``) this turns the FLOP-balanced chunks' 0.975-1.309 x zb1p's step into
+0.923-1.130 x
+(``docs/zbv.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition.schedule_problem import ScheduleProblem
+from nanotron_ext.schedule.zbv import simulate_zbv
+
+__all__ = ["VSplit", "descend_v_split", "v_step"]
+
+#: The cut moves a descent tries, in blocks.
+MOVES = (-1, 1, -2, 2)
+
+
+@dataclass(frozen=True)
+class VSplit:
+    """A split of the blocks into ``2 pp`` chunks (``bounds``: ``2 pp + 1`` positions from 0 to n), its simulated
+    ZB-V step, the seed's, and how many splits were timed."""
+
+    bounds: tuple[int, ...]
+    step: float
+    seed_step: float
+    evaluated: int
+
+
+def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
+    """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``)."""
+    stages, p2p, _ = problem.simulator_inputs(bounds)
+    return simulate_zbv(stages, problem.n_micro_batches, p2p).step_time
+
+
+def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
+                    valid: Callable[[Sequence[int]], bool] | None = None, max_evals: int = 400) -> VSplit:
+    """From ``seed``, the split a descent over single cut moves (:data:`MOVES`) reaches.
+
+    Args:
+        problem: the blocks priced as ``2 pp`` stages.
+        seed: the starting split, ``2 pp + 1`` increasing positions from 0 to ``problem.n``.
+        valid: which splits may be taken (a block with weights on every chunk, say); every non-empty one if None.
+        max_evals: the most splits timed; the best found so far is returned then.
+
+    Raises:
+        PlanningError: an odd number of chunks, or a seed that is not a valid split.
+    """
+    chunks, n = problem.pp, problem.n
+    seed = tuple(int(b) for b in seed)
+    if chunks % 2:
+        raise PlanningError(f"{chunks} chunks; a V has two per rank: price the blocks as 2 pp stages")
+    ok = valid or (lambda bounds: True)
+    if (len(seed) != chunks + 1 or seed[0] != 0 or seed[-1] != n
+            or any(b <= a for a, b in zip(seed, seed[1:])) or not ok(seed)):
+        raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
+                            f"constraints accept; start from a valid split (the FLOP-balanced one)")
+    best, best_step = seed, v_step(problem, seed)
+    seed_step, evaluated, improved = best_step, 1, True
+    while improved and evaluated < max_evals:
+        improved = False
+        for cut in range(1, chunks):
+            for move in MOVES:
+                trial = list(best)
+                trial[cut] += move
+                if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
+                    continue
+                step = v_step(problem, trial)
+                evaluated += 1
+                if step < best_step * (1 - 1e-12):
+                    best, best_step, improved = tuple(trial), step, True
+                if evaluated >= max_evals:
+                    break
+            if evaluated >= max_evals:
+                break
+    return VSplit(best, best_step, seed_step, evaluated)
