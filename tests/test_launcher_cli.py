@@ -235,15 +235,11 @@ def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp
 def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code(tmp_path):
     # `python -m nanotron_ext.run` ends before C++'s static destructors (where gloo aborted ranks), but only after
     # what the interpreter's own exit does: a running thread finishes, then the atexit handlers (wandb, logging) run.
-    script = tmp_path / "run_train.py"
-    script.write_text("import atexit, threading, time\n"
-                      "atexit.register(lambda: print('ATEXIT', flush=True))\n"
-                      "threading.Thread(target=lambda: (time.sleep(0.5), print('THREAD', flush=True))).start()\n"
-                      "raise SystemExit(3)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
-    out = subprocess.run([sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
-                         env=env, capture_output=True, text=True, timeout=180)
+    out = _launch_script(tmp_path, "import atexit, threading, time\n"
+                                   "atexit.register(lambda: print('ATEXIT', flush=True))\n"
+                                   "threading.Thread(target=lambda: (time.sleep(0.5), print('THREAD', flush=True)))"
+                                   ".start()\n"
+                                   "raise SystemExit(3)\n")
     assert out.returncode == 3, out.stdout + out.stderr[-3000:]
     assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], out.stdout
 
@@ -251,15 +247,21 @@ def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code
 def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path):
     # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone
     # (CI). Here rank 0 reaches its report 1.5 s after rank 1 (past the old 0.5 s grace); both must print it.
-    script = tmp_path / "run_train.py"
-    script.write_text("import time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
-                      "dist.init_process_group('gloo')\n"
-                      "if dist.get_rank() == 0:\n    time.sleep(1.5)\n"
-                      "raise PlanningError(f'refused on rank {dist.get_rank()}')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
-                         env=env, capture_output=True, text=True, timeout=180)
+    out = _launch_script(tmp_path, "import time\nimport torch.distributed as dist\n"
+                                   "from nanotron_ext.errors import PlanningError\n"
+                                   "dist.init_process_group('gloo')\n"
+                                   "if dist.get_rank() == 0:\n    time.sleep(1.5)\n"
+                                   "raise PlanningError(f'refused on rank {dist.get_rank()}')\n",
+                         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in out.stderr}
     assert out.returncode != 0 and said == {"0", "1"}, out.stdout + out.stderr[-3000:]
+
+
+def _launch_script(tmp_path, source: str, *launcher: str) -> subprocess.CompletedProcess:
+    """``python [LAUNCHER...] -m nanotron_ext.run run_train.py --config-file CONFIG`` on a script of ``source``."""
+    script = tmp_path / "run_train.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    return subprocess.run([sys.executable, *launcher, "-m", "nanotron_ext.run", str(script), "--config-file",
+                           str(bundled_config())], env=env, capture_output=True, text=True, timeout=180)
