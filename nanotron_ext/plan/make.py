@@ -125,13 +125,13 @@ def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str
             if len(new_blocks) < changed.run.pp:
                 continue
             # The fix's plan would run the step-time search (seconds on a large model) only to be over the limit
-            # with whatever split it picked.
-            terms = stage_memory_terms(new_blocks, changed, cap=limit.bytes)
-            least = least_cap(len(new_blocks), changed.run.pp, [], terms)
-            if least is not None and changed.run == cfg.run:  # only the split changes: none fits, no fix
-                continue
+            # with whatever split it picked. No requirement: a bound over every non-empty split, whatever the
+            # strategy's constraints.
+            least = least_cap(len(new_blocks), changed.run.pp, [],
+                              stage_memory_terms(new_blocks, changed, cap=limit.bytes))
             if least is not None:
-                fixes.append(MemoryFix(change, least, fits=False, any_split=True))
+                if changed.run != cfg.run:  # a change of the split alone, when no split fits, is no fix
+                    fixes.append(MemoryFix(change, least, fits=False, any_split=True))
                 continue
             with only_whether_it_fits():
                 plan = make_plan(new_blocks, changed, how, suggest_fixes=False)
