@@ -35,6 +35,7 @@ __all__ = [
     "Step",
     "SimResult",
     "StageTimes",
+    "check_stage_times",
     "engine_order",
     "engine_program",
     "format_p2p",
@@ -323,27 +324,39 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def _validate(stages: Sequence[StageTimes], n_micro_batches: int, engine: str) -> list[StageTimes]:
-    check_engine(engine)
+def check_stage_times(stages: Sequence[StageTimes], what: str = "stages") -> list[StageTimes]:
+    """``stages`` as a list, each a :class:`StageTimes` of finite, non-negative seconds with ``weight`` within its
+    ``backward`` (``what`` names them in the message: ``stages``, a V's ``chunks``).
+
+    Raises:
+        ValueError: naming the entry, its value and what to pass.
+    """
     stages = list(stages)
-    if not stages:
-        raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")
     for s, st in enumerate(stages):
         if not isinstance(st, StageTimes):
             raise ValueError(
-                f"stages[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects"
+                f"{what}[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects"
             )
         for name in ("forward", "backward", "update", "weight"):
             value = getattr(st, name)
             if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(
-                    f"stages[{s}].{name} = {value!r}; times must be finite, non-negative seconds"
+                    f"{what}[{s}].{name} = {value!r}; times must be finite, non-negative seconds"
                 )
         if st.weight > st.backward * (1 + 1e-12):
             raise ValueError(
-                f"stages[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}; backward is the whole "
+                f"{what}[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}; backward is the whole "
                 "backward (input and weight gradients) and weight the weight-gradient part of it"
             )
+    return stages
+
+
+def _validate(stages: Sequence[StageTimes], n_micro_batches: int, engine: str) -> list[StageTimes]:
+    check_engine(engine)
+    stages = list(stages)
+    if not stages:
+        raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")
+    check_stage_times(stages)
     if (
         isinstance(n_micro_batches, bool)
         or not isinstance(n_micro_batches, numbers.Integral)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from nanotron_ext.schedule.simulator import Op, StageTimes
+from nanotron_ext.schedule.simulator import Op, StageTimes, check_stage_times, per_cut_p2p
 
 __all__ = ["POLICIES", "Policy", "VOp", "VResult", "simulate_zbv", "v_rank", "zbv_order"]
 
@@ -228,20 +228,11 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
             ``backward``, a cut count other than ``2 pp - 1``.
     """
-    chunks = list(chunks)
+    chunks = check_stage_times(chunks, "chunks")
     if not chunks or len(chunks) % 2:
         raise ValueError(f"{len(chunks)} chunks; a V needs two per rank (2 pp), stage 0 first")
     pp = len(chunks) // 2
-    for s, st in enumerate(chunks):
-        for name in ("forward", "backward", "weight", "update"):
-            value = getattr(st, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"chunks[{s}].{name} = {value!r}; times must be finite, non-negative seconds")
-        if st.weight > st.backward * (1 + 1e-12):
-            raise ValueError(f"chunks[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}")
-    cuts = [float(p2p_time)] * (2 * pp - 1) if isinstance(p2p_time, (int, float)) else [float(x) for x in p2p_time]
-    if len(cuts) != 2 * pp - 1 or any(not math.isfinite(x) or x < 0 for x in cuts):
-        raise ValueError(f"p2p_time {p2p_time!r}: pass one finite, non-negative figure, or one per cut (2 pp - 1)")
+    cuts = per_cut_p2p(p2p_time, 2 * pp)
     _check(pp, n_micro_batches)
     # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
     # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
