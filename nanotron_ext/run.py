@@ -71,25 +71,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Seconds a rank that stops before its process groups exist waits before exiting, so that its peers' messages are
-#: printed too.
+#: Seconds a rank that stops with our error waits, where it has no way to hear from its peers (neither torchrun's
+#: store nor gloo process groups), before exiting, so that their messages are printed too.
 PEER_REPORT_GRACE_S = 0.5
-#: The most seconds a rank that stops with our error waits in a barrier for its peers to report theirs.
+#: The most seconds a rank that stops with our error waits for its peers to report theirs.
 PEER_REPORT_BARRIER_S = 3.0
 
 
 def wait_for_peers_to_report() -> None:
     """After our error, before exiting: let every peer print its own. Each rank stops with the same message (the
-    YAML, the plan, the collective gradient check), but torchrun ends the others as soon as one exits: a refused plan
-    was once printed by rank 1 alone, rank 0 ended before it reached its report. Where the process groups run on
-    gloo, a barrier that gives up after :data:`PEER_REPORT_BARRIER_S` (a peer that stopped otherwise never comes);
-    before they exist, or on another backend, a moment (:data:`PEER_REPORT_GRACE_S`)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    YAML, the checkpoint, the plan, the collective gradient check), but torchrun ends the others as soon as one
+    exits: a refused plan, and in CI a refused resume, were printed by rank 1 alone, rank 0 ended before it reached
+    its report.
+
+    Under torchrun each rank counts itself in on the agent's own store and waits until all have (any backend, before
+    or after the process groups exist); elsewhere, on gloo process groups, a monitored barrier. Either gives up after
+    :data:`PEER_REPORT_BARRIER_S` (a peer that stopped otherwise never comes); with neither, a moment
+    (:data:`PEER_REPORT_GRACE_S`).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
         return
     import torch.distributed as dist
 
+    deadline = time.monotonic() + PEER_REPORT_BARRIER_S
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.is_available():
+        with contextlib.suppress(Exception):  # the agent gone or slow: this rank's own message is out, exit anyway
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S))
+            # One count per launch of the job: a torchrun restart starts a fresh one.
+            key = (f"nanotron_ext/reported/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            reported = store.add(key, 1)
+            while reported < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                reported = store.add(key, 0)
+            return
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        with contextlib.suppress(Exception):  # a peer gone or late: this rank's own message is out, exit anyway
+        with contextlib.suppress(Exception):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S), wait_all_ranks=True)
         return
     time.sleep(PEER_REPORT_GRACE_S)

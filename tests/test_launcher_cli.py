@@ -15,6 +15,7 @@ import yaml
 
 from nanotron_ext.config import bundled_config
 from nanotron_ext.integration.trainer_patches import strip_ext_keys
+from nanotron_ext.procs import run_local_ranks
 from nanotron_ext.run import config_file_of, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,8 +106,7 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
         NANOTRON = "0.2"
     path = (tiny_config(tmp_path, ext={"cost_strategy": "constrained"}) if NANOTRON == "upstream"
             else bundled_config())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    env = _script_env()
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -220,8 +220,7 @@ def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp
     # an active exception" after a clean run's last checkpoint, and after a refused resume: -6 instead of 0 or 2).
     script = tmp_path / "run_train.py"
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + _ENDINGS[ending])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    env = _script_env()
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", _CLOSE_CHILD, str(script), "--config-file", str(bundled_config())],
                          env=env, capture_output=True, text=True, timeout=180)
@@ -244,24 +243,40 @@ def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code
     assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], out.stdout
 
 
-def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path):
-    # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone
-    # (CI). Here rank 0 reaches its report 1.5 s after rank 1 (past the old 0.5 s grace); both must print it.
-    out = _launch_script(tmp_path, "import time\nimport torch.distributed as dist\n"
-                                   "from nanotron_ext.errors import PlanningError\n"
-                                   "dist.init_process_group('gloo')\n"
-                                   "if dist.get_rank() == 0:\n    time.sleep(1.5)\n"
-                                   "raise PlanningError(f'refused on rank {dist.get_rank()}')\n",
-                         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in out.stderr}
-    assert out.returncode != 0 and said == {"0", "1"}, out.stdout + out.stderr[-3000:]
+@pytest.mark.parametrize("launch", ["torchrun, before the process groups exist", "torchrun, on gloo process groups",
+                                    "ranks started directly, on gloo process groups"])
+def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, launch):
+    # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone,
+    # and in CI a refused resume (checked before any process group exists). Here rank 0 reaches its report 1.5 s
+    # after rank 1 (past the old 0.5 s grace); both must print it. Started directly, the ranks get 0.2 s after the
+    # first one exits, as a launcher that ends the rest at once would.
+    init = "" if "before" in launch else "dist.init_process_group('gloo')\n"
+    source = ("import os, time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
+              + init + "rank = os.environ['RANK']\nif rank == '0':\n    time.sleep(1.5)\n"
+              "raise PlanningError(f'refused on rank {rank}')\n")
+    if launch.startswith("torchrun"):
+        out = _launch_script(tmp_path, source, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+        codes, text = [out.returncode], out.stderr
+    else:
+        script = tmp_path / "run_train.py"
+        script.write_text(source)
+        ranks = run_local_ranks([sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file",
+                                 str(bundled_config())], 2, timeout=120, grace=0.2, env=_script_env()).ranks
+        codes, text = [r.returncode for r in ranks], "".join(r.stdout for r in ranks)
+    said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in text}
+    assert all(code not in (0, None) for code in codes) and said == {"0", "1"}, text[-3000:]
+
+
+def _script_env() -> dict[str, str]:
+    """The environment of a script run under the launcher: our stubs and the project on its import path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
+    return env
 
 
 def _launch_script(tmp_path, source: str, *launcher: str) -> subprocess.CompletedProcess:
     """``python [LAUNCHER...] -m nanotron_ext.run run_train.py --config-file CONFIG`` on a script of ``source``."""
     script = tmp_path / "run_train.py"
     script.write_text(source)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NANOTRON_EXT_CPU_TRAINER", None)
     return subprocess.run([sys.executable, *launcher, "-m", "nanotron_ext.run", str(script), "--config-file",
-                           str(bundled_config())], env=env, capture_output=True, text=True, timeout=180)
+                           str(bundled_config())], env=_script_env(), capture_output=True, text=True, timeout=180)
