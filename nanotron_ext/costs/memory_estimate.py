@@ -311,17 +311,20 @@ def _optimizer_temporaries(largest: Sequence[int], trainable: Sequence[int], sta
     return 0.0
 
 
-def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int) -> StageMemory:
+def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int, *,
+                        retain_sends: bool | None = None) -> StageMemory:
     """:func:`stage_memory` with the config's runtime, optimizer and overhead (what ``plan`` prints).
 
     Args:
         blocks: the stage's blocks.
         cfg: the config (``nanotron_ext.memory_runtime``, ``memory_overhead_gib``, ``torch_adam_is_fused``).
         stage: the stage's PP rank.
+        retain_sends: whether sent tensors are kept to the step's end (None: as the config's runtime does).
     """
-    optimizer, retain_sends = _config_runtime(cfg)
+    optimizer, retains = _config_runtime(cfg)
     return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
-                        retain_sends=retain_sends, runtime=cfg.ext.memory_runtime)
+                        retain_sends=retains if retain_sends is None else retain_sends,
+                        runtime=cfg.ext.memory_runtime)
 
 
 def estimate_key(cfg: PlannerConfig) -> tuple[object, ...]:

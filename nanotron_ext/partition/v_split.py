@@ -16,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from nanotron_ext.blocks import BlockInfo
+from nanotron_ext.config import PlannerConfig
+from nanotron_ext.costs.v_memory import VRankMemory, v_rank_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
-from nanotron_ext.schedule.zbv import simulate_zbv
+from nanotron_ext.schedule.zbv import VResult, simulate_zbv, v_moments
 
-__all__ = ["VSplit", "descend_v_split", "v_step"]
+__all__ = ["VSplit", "descend_v_split", "v_peaks", "v_simulate", "v_step"]
 
 #: The cut moves a descent tries, in blocks.
 MOVES = (-1, 1, -2, 2)
@@ -37,10 +40,30 @@ class VSplit:
     evaluated: int
 
 
-def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
+def v_simulate(problem: ScheduleProblem, bounds: Sequence[int]) -> VResult:
     """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``)."""
     stages, p2p, _ = problem.simulator_inputs(bounds)
-    return simulate_zbv(stages, problem.n_micro_batches, p2p).step_time
+    return simulate_zbv(stages, problem.n_micro_batches, p2p)
+
+
+def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
+    """:func:`v_simulate`'s step time."""
+    return v_simulate(problem, bounds).step_time
+
+
+def v_peaks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int],
+            result: VResult) -> list[VRankMemory]:
+    """Each rank's peak memory of the V that cuts ``blocks`` at ``bounds`` (``2 pp + 1`` positions), scheduled as
+    ``result`` (:func:`v_simulate` of the same bounds).
+
+    Raises:
+        PlanningError: bounds that are not ``2 pp`` chunks of the blocks for ``result``'s ``pp``.
+    """
+    pp = result.pp
+    if len(bounds) != 2 * pp + 1 or bounds[0] != 0 or bounds[-1] != len(blocks):
+        raise PlanningError(f"bounds {list(bounds)} are not {2 * pp} chunks of {len(blocks)} blocks (pp={pp})")
+    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
+    return [v_rank_memory((chunk[r], chunk[2 * pp - 1 - r]), v_moments(result, r), cfg, r) for r in range(pp)]
 
 
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
