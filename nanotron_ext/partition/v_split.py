@@ -67,28 +67,34 @@ def v_peaks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[in
 
 
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
-                    valid: Callable[[Sequence[int]], bool] | None = None, max_evals: int = 400) -> VSplit:
+                    valid: Callable[[Sequence[int]], bool] | None = None,
+                    fits: Callable[[Sequence[int], VResult], bool] | None = None, max_evals: int = 400) -> VSplit:
     """From ``seed``, the split a descent over single cut moves (:data:`MOVES`) reaches.
 
     Args:
         problem: the blocks priced as ``2 pp`` stages.
         seed: the starting split, ``2 pp + 1`` increasing positions from 0 to ``problem.n``.
         valid: which splits may be taken (a block with weights on every chunk, say); every non-empty one if None.
+        fits: whether a simulated split's memory fits (:func:`v_peaks` under a cap, say); every one if None.
         max_evals: the most splits timed; the best found so far is returned then.
 
     Raises:
-        PlanningError: an odd number of chunks, or a seed that is not a valid split.
+        PlanningError: an odd number of chunks, or a seed that is not a valid split that fits.
     """
     chunks, n = problem.pp, problem.n
     seed = tuple(int(b) for b in seed)
     if chunks % 2:
         raise PlanningError(f"{chunks} chunks; a V has two per rank: price the blocks as 2 pp stages")
     ok = valid or (lambda bounds: True)
+    fit = fits or (lambda bounds, result: True)
     if (len(seed) != chunks + 1 or seed[0] != 0 or seed[-1] != n
             or any(b <= a for a, b in zip(seed, seed[1:])) or not ok(seed)):
         raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
                             f"constraints accept; start from a valid split (the FLOP-balanced one)")
-    best, best_step = seed, v_step(problem, seed)
+    seeded = v_simulate(problem, seed)
+    if not fit(seed, seeded):
+        raise PlanningError(f"seed split {list(seed)} does not fit the memory; start from one that does")
+    best, best_step = seed, seeded.step_time
     seed_step, evaluated, improved = best_step, 1, True
     while improved and evaluated < max_evals:
         improved = False
@@ -98,9 +104,10 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
                 trial[cut] += move
                 if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
                     continue
-                step = v_step(problem, trial)
+                result = v_simulate(problem, trial)
+                step = result.step_time
                 evaluated += 1
-                if step < best_step * (1 - 1e-12):
+                if step < best_step * (1 - 1e-12) and fit(trial, result):
                     best, best_step, improved = tuple(trial), step, True
                 if evaluated >= max_evals:
                     break
