@@ -26,10 +26,12 @@ from _common import CONFIGS, SHAPES, print_command, progress
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import load_config
+from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import NanotronExtError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
-from nanotron_ext.partition.v_split import descend_v_split
+from nanotron_ext.partition.v_search import search_v_split
+from nanotron_ext.partition.v_split import descend_v_split, v_peaks, v_simulate
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.schedule.simulator import StageTimes, simulate
@@ -38,6 +40,8 @@ from nanotron_ext.simulate import plan_stage_times, simulate_plan
 from nanotron_ext.strategies.step_time import schedule_problem
 
 PPS = (4, 8)
+#: The most splits search_v_split simulates, by pp (a pp-8 step of m = 16 takes about 0.13 s to simulate).
+SEARCH_EVALS = {4: 300, 8: 60}
 ONE_F_ONE_B_FAMILY = ("1f1b", "zb1p", "zb2p")
 
 
@@ -102,6 +106,54 @@ def public_shapes() -> None:
                  "÷ zb1p", "÷ zb2p", "timed", "zbv held (chunks)"], rows, markdown=True))
 
 
+def under_memory() -> None:
+    """ZB-V split for its step under 1F1B's peak in bytes (each rank's two chunks at the moments they coincide),
+    by the branch-and-bound search from the FLOP-balanced chunks; against the FLOP chunks' own peak."""
+    rows = []
+    cases = [(name, file, pp) for name, file in SHAPES for pp in PPS]
+    for name, file, pp in progress(cases, desc="under memory"):
+        m = 2 * pp
+        peaks: dict[str, float] = {}
+        steps: dict[str, float] = {}
+        for engine in ONE_F_ONE_B_FAMILY:
+            cfg = load_config(CONFIGS / file, pp=pp).with_overrides(n_micro_batches=m, engine=engine)
+            blocks = inventory_from_config(cfg)
+            try:
+                plan = make_plan(blocks, cfg, suggest_fixes=False)
+            except NanotronExtError:
+                continue
+            peaks[engine] = max(stage.memory.peak for stage in plan.stages)
+            steps[engine] = simulate_plan(plan, blocks, cfg).step_time
+        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(n_micro_batches=m, engine="zb1p",
+                                                                         cost_strategy="flops")
+        blocks = inventory_from_config(chunked)
+        plan = make_plan(blocks, chunked, suggest_fixes=False)
+        flops = tuple(bounds_from_ranks(plan.block_ranks, 2 * pp))
+        problem = schedule_problem(blocks, chunked)
+        flops_peak = max(x.peak for x in v_peaks(blocks, chunked, flops, v_simulate(problem, flops)))
+        cap = peaks["1f1b"]
+
+        def fits(bounds, result, cap=cap, blocks=blocks, chunked=chunked):
+            return max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
+
+        found = search_v_split(problem, flops, valid=_weights_on_every_chunk(blocks), fits=fits,
+                               max_evals=SEARCH_EVALS[pp])
+        against = _against(steps)
+        if found.bounds is None:
+            rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", "none fits", "-", "-", "-", "-",
+                         found.evaluated])
+            continue
+        v_peak = max(x.peak for x in v_peaks(blocks, chunked, found.bounds, v_simulate(problem, found.bounds)))
+        rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", f"{v_peak / GIB:.1f}",
+                     f"{found.step * 1e3:.1f}", against("zb1p", found.step), against("zb2p", found.step),
+                     "proven" if found.proven else f"≤ {found.gap:.1%}", found.evaluated])
+    print("\nUnder 1F1B's peak, analytic H100 (GiB: the largest rank's estimate): ZB-V's best split found by "
+          "search_v_split from the FLOP chunks (its gap to the lower bound when the budget ran out), "
+          f"simulating at most {SEARCH_EVALS[4]} splits at pp 4 and {SEARCH_EVALS[8]} at pp 8\n")
+    print(table(["shape", "pp", "m", "1f1b GiB", "zbv flops GiB", "zbv GiB", "zbv ms", "÷ zb1p", "÷ zb2p",
+                 "best?", "timed"], rows, markdown=True))
+
+
 def _weights_on_every_chunk(blocks: Sequence[BlockInfo]) -> Callable[[Sequence[int]], bool]:
     weights = [b.params > 0 for b in blocks]
     return lambda bounds: all(any(weights[s:e]) for s, e in zip(bounds, bounds[1:]))
@@ -115,6 +167,7 @@ def main() -> None:
     print_command()
     equal_stages()
     public_shapes()
+    under_memory()
 
 
 if __name__ == "__main__":

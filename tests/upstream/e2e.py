@@ -97,6 +97,10 @@ def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2, extra_en
 
 #: Seconds the other ranks of a direct launch (``torchrun=False``) may run on after one fails.
 DIRECT_GRACE_S = 15.0
+#: Tests of what a run trains and saves start their ranks directly (``launch(..., torchrun=TORCHRUN)``); the
+#: launcher's own path through torchrun keeps tests of its own (its refusals, ``test_cpu_debug.py``, the faults, a
+#: training of the seed model). NANOTRON_EXT_TEST_TORCHRUN=1 puts torchrun back under every one.
+TORCHRUN = os.environ.get("NANOTRON_EXT_TEST_TORCHRUN") == "1"
 
 
 def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240, cpu_debug: bool = True,

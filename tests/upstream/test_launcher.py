@@ -1,12 +1,13 @@
 """End to end: upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` through
-``torchrun -m nanotron_ext.run`` on two CPU processes over gloo, on dummy data (see ``e2e.py``)."""
+``torchrun -m nanotron_ext.run`` on two CPU processes over gloo, on dummy data (see ``e2e.py``); the tests of what a
+run trains start the ranks directly (``e2e.TORCHRUN``)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from upstream.e2e import launch, tiny_config, weight_digests
+from upstream.e2e import TORCHRUN, launch, tiny_config, weight_digests
 
 #: Compute alone: on the analytic H100 the tiny seed model is latency-bound and `auto` keeps one lm_head.
 FLOPS_ONLY = str(Path(__file__).resolve().parents[1] / "data" / "machine_flops_only.json")
@@ -45,7 +46,8 @@ def test_seed_model_constrained_trains_ten_steps_and_the_loss_falls(tmp_path):
 
 
 def test_qwen2_trains_at_pp2(tmp_path):
-    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}))
+    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}),
+                 torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     assert "Qwen2" in run.out or "qwen" in run.out.lower()
     assert sorted(run.losses) == [1, 2, 3, 4, 5]
@@ -62,7 +64,7 @@ def test_frozen_first_stage_is_refused_without_allow_frozen_stages(tmp_path):
 
 def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_checkpoint(tmp_path):
     ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
-    run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True, **BF16))
+    run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True, **BF16), torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     assert "PP rank(s) [0] hold nothing trainable" in run.out
     assert sorted(run.losses) == list(range(1, 11)) and run.losses[10] < run.losses[1]
@@ -78,7 +80,7 @@ def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_che
 
     # Resume: the trainer loads weights, optimizer (empty on the frozen rank) and scheduler, trains step 11.
     resumed = launch(tiny_config(tmp_path, ext=ext, steps=11, checkpoints__resume_checkpoint_path=str(ckpt / "10"),
-                                 checkpoints__checkpoint_interval=1, **BF16))
+                                 checkpoints__checkpoint_interval=1, **BF16), torchrun=TORCHRUN)
     assert resumed.rc == 0, resumed.out[-3000:]
     assert sorted(resumed.losses) == [11]
     after = weight_digests(ckpt / "11")
@@ -90,7 +92,7 @@ def test_frozen_first_stage_at_dp2_runs_without_ddp_there_and_with_ddp_on_the_tr
     # 4 processes: dp=2 x pp=2. Upstream would stop in check_model_has_grad ("Can't use DDP because model in
     # PP=0 has no gradient"); the frozen rank runs unwrapped, stage 1's replicas sync through DDP.
     ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
-    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2, **BF16), nproc=4)
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2, **BF16), nproc=4, torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     assert "PP rank(s) [0] hold nothing trainable" in run.out
     assert sorted(run.losses) == [1, 2, 3]
@@ -101,7 +103,7 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
     # puts the chain into upstream's LlamaForTraining, broadcasts each micro-batch's labels to the shard ranks
     # and initialises the shards as the lm_head.
     run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto",
-                                            "machine": FLOPS_ONLY}))
+                                            "machine": FLOPS_ONLY}), torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
     assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
@@ -113,7 +115,7 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
 
 def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
     run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=3, ext={"cost_strategy": "constrained",
-                                                                           "vocab_shards": 3}))
+                                                                           "vocab_shards": 3}), torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
 
@@ -134,7 +136,7 @@ def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_
     # pipeline groups are {0, 2} and {1, 3}: each replica's labels are broadcast from global rank 2 or 3 (its
     # output stage), not from rank 1, the output stage's rank within the group.
     ext = {"cost_strategy": "layout", "layout": "E,t*2,N,V|V", "vocab_shards": 2}
-    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2), nproc=4)
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, parallelism__dp=2), nproc=4, torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     assert re.search(r"^ +0  embedding, decoder\.0-1, final_norm, vocab\.0 ", run.out, re.M), run.out[:3000]
     assert re.search(r"^ +1  vocab\.1 ", run.out, re.M), run.out[:3000]
@@ -147,7 +149,7 @@ def test_lm_head_in_the_freeze_spec_trains_every_vocabulary_shard_under_auto(tmp
     # `unfreeze: [lm_head]` with vocab_shards: auto: the launcher plans, builds and freezes with the chain's
     # shards standing for the lm_head; every shard's weight moves, every frozen weight is bit-identical.
     ext = {"cost_strategy": "constrained", "vocab_shards": "auto", "freeze": FREEZE, "machine": FLOPS_ONLY}
-    run = launch(tiny_config(tmp_path, steps=3, ext=ext, checkpoints__save_initial_state=True))
+    run = launch(tiny_config(tmp_path, steps=3, ext=ext, checkpoints__save_initial_state=True), torchrun=TORCHRUN)
     assert run.rc == 0, run.out[-3000:]
     chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
     assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]

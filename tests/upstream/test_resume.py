@@ -29,17 +29,13 @@ import torch
 from nanotron_cpu import PAUSE_IN_SAVE
 
 from nanotron_ext.procs import kill_process_group
-from upstream.e2e import Run, launch, tiny_config, torchrun_command, whole_weights
+from upstream.e2e import TORCHRUN, Run, launch, tiny_config, torchrun_command, whole_weights
 
 #: The shared shape: 8 samples a step as 4 micro-batches of 2 (1F1B needs pp - 1 of them at pp=4), a vocabulary
 #: that tp=2 splits without padding, no gradient clipping (see the module docstring).
 SHAPE = {"tokens__micro_batch_size": 2, "tokens__batch_accumulation_per_replica": 4,
          "model__model_config__vocab_size": 50276, "optimizer__clip_grad": None}
 LAYOUT_A = {"cost_strategy": "layout", "layout": "E,t|t,L"}
-#: The trainings and resumes below start their ranks directly (what they train and save is the test, not torchrun:
-#: tests/upstream/test_launcher*.py and test_cpu_debug.py run through it); NANOTRON_EXT_TEST_TORCHRUN=1 puts
-#: torchrun back.
-TORCHRUN = os.environ.get("NANOTRON_EXT_TEST_TORCHRUN") == "1"
 #: Where the arithmetic differs, no element of a weight may differ from the reference by more than this fraction
 #: of the largest change the two resumed steps made to that weight. The arithmetic differs only in rounding (fp32
 #: ulps of each gradient); Adam divides each moment by its own root mean square, so an element whose gradient is
