@@ -12,8 +12,11 @@ Part 2, the public shapes (``nanotron_ext/configs``) at PP 4 and 8 with ``m = 2�
 blocks into ``2·pp`` chunks (``cost_strategy: flops`` at ``pp = 2·pp``; stage ``s`` on rank ``s``, then back up),
 priced by the same machine, p2p per cut included; then on the split a descent from those chunks reaches
 (``nanotron_ext.partition.v_split``: one cut moved by one or two blocks at a time while the simulated V step falls,
-every chunk keeping a block with weights). The descent is not the optimum under memory (issue 43's third item), and
-the V's memory in bytes is not yet estimated: the rows print its peak in chunk-activations only.
+every chunk keeping a block with weights). The descent sees no memory.
+
+Part 3, the same shapes under 1F1B's peak in bytes: each rank of the V estimated with both chunks' terms at the
+moments they coincide (``nanotron_ext.costs.v_memory``), the split searched by branch and bound from the FLOP chunks
+(``nanotron_ext.partition.v_search``), with its gap to the bound where the budget ran out.
 
 Usage: ``python benchmarks/zbv_simulated.py``
 """
@@ -31,7 +34,7 @@ from nanotron_ext.errors import NanotronExtError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.v_search import search_v_split
-from nanotron_ext.partition.v_split import descend_v_split, v_peaks, v_simulate
+from nanotron_ext.partition.v_split import descend_v_split, v_floors, v_peaks, v_simulate
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.schedule.simulator import StageTimes, simulate
@@ -136,8 +139,12 @@ def under_memory() -> None:
         def fits(bounds, result, cap=cap, blocks=blocks, chunked=chunked):
             return max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
 
-        found = search_v_split(problem, flops, valid=_weights_on_every_chunk(blocks), fits=fits,
-                               max_evals=SEARCH_EVALS[pp])
+        weights = _weights_on_every_chunk(blocks)
+
+        def valid(bounds, cap=cap, blocks=blocks, chunked=chunked, weights=weights):
+            return weights(bounds) and max(v_floors(blocks, chunked, bounds)) <= cap
+
+        found = search_v_split(problem, flops, valid=valid, fits=fits, max_evals=SEARCH_EVALS[pp])
         against = _against(steps)
         if found.bounds is None:
             rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", "none fits", "-", "-", "-", "-",

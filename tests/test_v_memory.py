@@ -12,10 +12,10 @@ from nanotron_ext.blocks import held_parameters
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs.analytic import param_bytes
 from nanotron_ext.costs.memory_estimate import config_stage_memory
-from nanotron_ext.costs.v_memory import VRankMemory, v_rank_memory
+from nanotron_ext.costs.v_memory import FIRST_BACKWARD, VRankMemory, v_rank_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.partition.v_split import v_peaks, v_simulate
+from nanotron_ext.partition.v_split import v_floors, v_peaks, v_simulate
 from nanotron_ext.schedule.simulator import StageTimes
 from nanotron_ext.schedule.zbv import VMoment, simulate_zbv, v_moments, v_rank
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -124,3 +124,22 @@ def test_bad_input_names_the_value(call, match):
     cfg = load_config(bundled_config("smollm_135m.yaml"), pp=4).with_overrides(engine="zb1p")
     with pytest.raises((PlanningError, ValueError), match=match):
         call(cfg, inventory_from_config(cfg))
+
+
+def test_every_rank_passes_the_first_backwards_moment_so_the_floor_is_under_every_schedules_peak():
+    cfg, blocks, bounds, _ = _v("smollm_135m.yaml", 2)
+    problem = schedule_problem(blocks, cfg)
+    n = len(blocks)
+    for cuts, m in [((1, 2, 3), 4), ((2, 5, 8), 4), ((3, 6, 9), 4), ((1, n - 3, n - 1), 4), (bounds[1:-1], 4),
+                    (bounds[1:-1], 1)]:  # one micro-batch: one activation of each chunk at most
+        split = (0, *cuts, n)
+        stages, p2p, _ = problem.simulator_inputs(split)
+        result = simulate_zbv(stages, m, p2p)
+        floors, peaks = v_floors(blocks, cfg, split), v_peaks(blocks, cfg, split, result)
+        for rank, (floor, mem) in enumerate(zip(floors, peaks)):
+            # The moment is in every schedule: some start on the way up holds at least its counts.
+            assert any(x.running == FIRST_BACKWARD.running and x.kind == "B"
+                       and all(a >= b for a, b in zip(x.held + x.pending, FIRST_BACKWARD.held + FIRST_BACKWARD.pending))
+                       for x in v_moments(result, rank)), (split, rank)
+            assert mem.optimizer_peak <= floor <= mem.peak
+            assert floor == max(mem.pipeline_at(FIRST_BACKWARD), mem.optimizer_peak)

@@ -27,7 +27,7 @@ from nanotron_ext.costs.memory_estimate import StageMemory, config_stage_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule.zbv import VMoment
 
-__all__ = ["VRankMemory", "v_rank_memory"]
+__all__ = ["FIRST_BACKWARD", "VRankMemory", "v_rank_floor", "v_rank_memory"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,17 @@ def v_rank_memory(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], momen
         temporaries=(parts[0].pipeline_temporaries, parts[1].pipeline_temporaries), worst=moments[0],
     )
     return replace(base, worst=max(moments, key=base.pipeline_at))
+
+
+#: A moment every rank of a V reaches, whatever the schedule: micro-batch 0's B starting on the way up, with its F
+#: of the way down still held (that chunk's B comes later) and the way up's W state counted from the B's start.
+FIRST_BACKWARD = VMoment((1, 1), (0, 1), 1, "B")
+
+
+def v_rank_floor(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], cfg: PlannerConfig, rank: int) -> float:
+    """A lower bound of :func:`v_rank_memory`'s peak under any schedule (its terms at :data:`FIRST_BACKWARD`, or
+    the optimizer step): what a split search checks before simulating a split."""
+    return v_rank_memory(chunks, [FIRST_BACKWARD], cfg, rank).peak
 
 
 def _estimate(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> StageMemory:

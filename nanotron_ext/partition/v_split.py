@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.v_memory import VRankMemory, v_rank_memory
+from nanotron_ext.costs.v_memory import VRankMemory, v_rank_floor, v_rank_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule.zbv import VResult, simulate_zbv, v_moments
 
-__all__ = ["VSplit", "descend_v_split", "v_peaks", "v_simulate", "v_step"]
+__all__ = ["VSplit", "descend_v_split", "v_floors", "v_peaks", "v_simulate", "v_step"]
 
 #: The cut moves a descent tries, in blocks.
 MOVES = (-1, 1, -2, 2)
@@ -64,6 +64,14 @@ def v_peaks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[in
         raise PlanningError(f"bounds {list(bounds)} are not {2 * pp} chunks of {len(blocks)} blocks (pp={pp})")
     chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
     return [v_rank_memory((chunk[r], chunk[2 * pp - 1 - r]), v_moments(result, r), cfg, r) for r in range(pp)]
+
+
+def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int]) -> list[float]:
+    """Each rank's least peak (:func:`~nanotron_ext.costs.v_memory.v_rank_floor`) for the V that cuts ``blocks`` at
+    ``bounds``, whatever its schedule: no simulation."""
+    chunks = len(bounds) - 1
+    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
+    return [v_rank_floor((chunk[r], chunk[chunks - 1 - r]), cfg, r) for r in range(chunks // 2)]
 
 
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
