@@ -122,7 +122,24 @@ def test_the_step_adds_the_slowest_ranks_update_of_both_chunks_and_the_fastest_r
     (lambda: simulate_zbv([HALF_W] * 4, 4, [0.1, 0.2]), "one per cut"),
     (lambda: simulate_zbv([HALF_W] * 4, 0), "micro-batches = 0"),
     (lambda: zbv_order(2, 4, cap=1), "cap = 1; a rank holds both chunks"),
+    (lambda: simulate_zbv([HALF_W] * 4, 4, eager=[4]), r"eager stages \[4\] are not all virtual stages of 0\.\.3"),
 ])
 def test_bad_input_names_the_value_and_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("eager", [(7,), (0, 3, 4)])
+def test_an_eager_chunk_runs_each_w_right_after_its_b_and_defers_nothing(eager):
+    chunks = [StageTimes(1.0 + 0.1 * s, 2.0, weight=0.5 + 0.1 * s) for s in range(8)]
+    result = simulate_zbv(chunks, 8, 0.05, eager=eager)
+    lazy = simulate_zbv(chunks, 8, 0.05)
+
+    def deferred(res):
+        by = {(o.kind, o.micro_batch, o.stage): o for o in res.ops}
+        return {(j, s) for (kind, j, s), op in by.items() if kind == "W" and op.start > by[("B", j, s)].end}
+
+    assert not {s for _, s in deferred(result)} & set(eager)
+    assert {s for _, s in deferred(lazy)} & set(eager)  # left to the rule, some of them wait
+    assert sorted((o.kind, o.micro_batch, o.stage) for o in result.ops) == sorted(
+        (o.kind, o.micro_batch, o.stage) for o in lazy.ops)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,7 +125,7 @@ def _terms(times: Sequence[tuple[float, float, float]], cuts: Sequence[float], c
 
 def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Valid | None = None,
                    fits: Fits | None = None, max_evals: int = 300, max_leaves: int = 20_000,
-                   max_nodes: int = 200_000) -> VSearch:
+                   max_nodes: int = 200_000, eager: Collection[int] = ()) -> VSearch:
     """The split of the blocks into ``problem.pp`` chunks (a V over ``problem.pp / 2`` ranks) with the least
     simulated ZB-V step among those ``valid`` accepts whose schedule ``fits``.
 
@@ -139,6 +139,8 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
         max_leaves: the most splits kept to simulate (those of the least bounds).
         max_nodes: the most partial splits the walk looks at; past it, the bound falls back to the ranks' average
             work (``m`` times a rank's share of the least work of all blocks).
+        eager: chunks whose ``W`` runs right after its ``B`` (the bound holds either way: it counts work, not
+            order).
 
     Raises:
         PlanningError: an odd number of chunks, or a seed that is not a split.
@@ -154,10 +156,11 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
     fit: Fits = fits or (lambda bounds, result: True)
     best: tuple[int, ...] | None = None
     best_step, evaluated = math.inf, 0
-    seeded = v_simulate(problem, seed)
+    seeded = v_simulate(problem, seed, eager)
     evaluated += 1
     if ok(seed) and fit(seed, seeded):
-        descent = descend_v_split(problem, seed, valid=ok, fits=fit, max_evals=max(1, max_evals // 4))
+        descent = descend_v_split(problem, seed, valid=ok, fits=fit, max_evals=max(1, max_evals // 4),
+                                  eager=eager)
         best, best_step, evaluated = descent.bounds, descent.step, descent.evaluated
     threshold = best_step if best is not None else seeded.step_time
     prices = _Prices(problem)
@@ -175,7 +178,7 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
                 break
             if bounds == best or not ok(bounds):
                 continue
-            result = v_simulate(problem, bounds)
+            result = v_simulate(problem, bounds, eager)
             evaluated += 1
             if result.step_time < best_step and fit(bounds, result):
                 best, best_step = bounds, result.step_time

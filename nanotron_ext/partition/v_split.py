@@ -13,7 +13,7 @@ PP 4 and 8 (``benchmarks/zbv_simulated.py``) this turns the FLOP-balanced chunks
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo
@@ -40,10 +40,11 @@ class VSplit:
     evaluated: int
 
 
-def v_simulate(problem: ScheduleProblem, bounds: Sequence[int]) -> VResult:
-    """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``)."""
+def v_simulate(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = ()) -> VResult:
+    """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``); the
+    chunks ``eager`` run each ``W`` right after its ``B`` (:func:`~nanotron_ext.schedule.zbv.simulate_zbv`)."""
     stages, p2p, _ = problem.simulator_inputs(bounds)
-    return simulate_zbv(stages, problem.n_micro_batches, p2p)
+    return simulate_zbv(stages, problem.n_micro_batches, p2p, eager=eager)
 
 
 def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
@@ -76,7 +77,8 @@ def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[i
 
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
                     valid: Callable[[Sequence[int]], bool] | None = None,
-                    fits: Callable[[Sequence[int], VResult], bool] | None = None, max_evals: int = 400) -> VSplit:
+                    fits: Callable[[Sequence[int], VResult], bool] | None = None, max_evals: int = 400,
+                    eager: Collection[int] = ()) -> VSplit:
     """From ``seed``, the split a descent over single cut moves (:data:`MOVES`) reaches.
 
     Args:
@@ -84,6 +86,7 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
         seed: the starting split, ``2 pp + 1`` increasing positions from 0 to ``problem.n``.
         valid: which splits may be taken (a block with weights on every chunk, say); every non-empty one if None.
         fits: whether a simulated split's memory fits (:func:`v_peaks` under a cap, say); every one if None.
+        eager: chunks whose ``W`` runs right after its ``B`` (:func:`v_simulate`).
         max_evals: the most splits timed; the best found so far is returned then.
 
     Raises:
@@ -99,7 +102,7 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
             or any(b <= a for a, b in zip(seed, seed[1:])) or not ok(seed)):
         raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
                             f"constraints accept; start from a valid split (the FLOP-balanced one)")
-    seeded = v_simulate(problem, seed)
+    seeded = v_simulate(problem, seed, eager)
     if not fit(seed, seeded):
         raise PlanningError(f"seed split {list(seed)} does not fit the memory; start from one that does")
     best, best_step = seed, seeded.step_time
@@ -112,7 +115,7 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
                 trial[cut] += move
                 if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
                     continue
-                result = v_simulate(problem, trial)
+                result = v_simulate(problem, trial, eager)
                 step = result.step_time
                 evaluated += 1
                 if step < best_step * (1 - 1e-12) and fit(trial, result):

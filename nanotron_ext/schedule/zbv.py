@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -109,7 +109,8 @@ POLICIES = tuple(Policy(b, w, down) for down in (1, 0) for w in (0, 1) for b in 
 
 
 def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: int | None,
-              policy: Policy = POLICIES[0]) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
+              policy: Policy = POLICIES[0],
+              eager: frozenset[int] = frozenset()) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
     """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
 
     The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
@@ -176,6 +177,12 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         next_op[r][0 if op.kind == "F" else 1][c] += 1
         if op.kind == "F":
             held[r] += 1
+        elif op.stage in eager:  # its W runs at once: nothing of it waits in the store
+            w = VOp("W", op.micro_batch, op.stage)
+            times[w] = (free[r], free[r] + st.weight)
+            free[r] += st.weight
+            order[r].append(w)
+            held[r] -= 1
         else:
             deferred[r].append(VOp("W", op.micro_batch, op.stage))
     return order, times
@@ -213,7 +220,7 @@ class VResult:
 
 
 def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: float | Sequence[float] = 0.0,
-                 cap: int | None = None) -> VResult:
+                 cap: int | None = None, eager: Collection[int] = ()) -> VResult:
     """Replay :func:`zbv_order` under real times.
 
     Args:
@@ -223,6 +230,8 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         p2p_time: one transfer between two ranks, per cut between virtual stages (``2 pp - 1`` figures; the cut at
             the V's bottom stays on its rank and costs nothing whatever is given), or one figure for every cut.
         cap: as :func:`zbv_order`'s.
+        eager: virtual stages whose ``W`` runs right after its ``B`` instead of waiting for idle time (a chunk whose
+            deferred state is large: the loss chunk's keeps the logits' gradient).
 
     Raises:
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
@@ -234,12 +243,15 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
     pp = len(chunks) // 2
     cuts = per_cut_p2p(p2p_time, 2 * pp)
     _check(pp, n_micro_batches)
+    now = frozenset(eager)
+    if not now <= set(range(2 * pp)):
+        raise ValueError(f"eager stages {sorted(now)} are not all virtual stages of 0..{2 * pp - 1}")
     # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
     # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
     found = []
     for policy in POLICIES:
         with contextlib.suppress(_Stalled):
-            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy)[1])
+            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now)[1])
     times = min(found, key=lambda t: max(end for _, end in t.values()))
     ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
     clock = [max(end for op, (_, end) in times.items() if v_rank(pp, op.stage) == r) for r in range(pp)]
