@@ -15,7 +15,14 @@ from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.partition.v_search import search_v_split, v_lower_bound
-from nanotron_ext.partition.v_split import descend_v_split, v_peaks, v_simulate
+from nanotron_ext.partition.v_split import (
+    descend_v_split,
+    simulate_within,
+    v_budget,
+    v_floors,
+    v_peaks,
+    v_simulate,
+)
 from nanotron_ext.strategies.step_time import schedule_problem
 
 CASES = [("tiny_llama_large_vocab.yaml", 2, None), ("smollm_135m.yaml", 2, 6), ("smollm_135m.yaml", 3, 6)]
@@ -138,3 +145,29 @@ def test_an_odd_number_of_chunks_is_no_v():
     _, _, problem, _, _ = _case(*CASES[1])
     with pytest.raises(PlanningError, match=r"3 chunks; a V has two per rank"):
         search_v_split(dataclasses.replace(problem, pp=3, send=problem.send[:2]), (0, 3, 6, 11))
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"{c[0]}-pp{c[1]}")
+def test_scheduled_under_its_byte_budget_every_split_keeps_each_ranks_estimate_under_the_cap(case):
+    cfg, blocks, problem, valid, splits = _case(*case)
+    # Under the fastest split's least peak whatever its order (v_floors), where other splits' are lower: no order
+    # of it fits. Else (the fastest split has the least floor) just under its peak as it runs unbudgeted.
+    fastest = min(splits, key=splits.get)
+    floors = {bounds: max(v_floors(blocks, cfg, bounds)) for bounds in splits}
+    under = [floor for floor in floors.values() if floor < floors[fastest]]
+    cap = max(under) if under else max(peak for _, peak in splits.values() if peak < splits[fastest][1])
+
+    def budgets(bounds):
+        return v_budget(blocks, cfg, bounds, cap)
+
+    scheduled = {}
+    for bounds in splits:
+        result = simulate_within(problem, bounds, budgets=budgets)
+        if result is not None:
+            assert max(x.peak for x in v_peaks(blocks, cfg, bounds, result)) <= cap * (1 + 1e-9), bounds
+            scheduled[bounds] = result.step_time
+    assert len(scheduled) > sum(peak <= cap for _, peak in splits.values())  # the budget makes more splits fit
+    assert (fastest not in scheduled) == bool(under)
+    # The budget alone keeps the search's split under the cap (no check of the peaks after simulating).
+    got = search_v_split(problem, _even(len(blocks), 2 * case[1]), valid=valid, budgets=budgets)
+    assert got.proven and got.step == min(scheduled.values()) and scheduled[got.bounds] == got.step

@@ -3,10 +3,12 @@ that every op runs once after its input, the floor, the memory it holds, and bad
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from nanotron_ext.schedule.simulator import StageTimes, simulate
-from nanotron_ext.schedule.zbv import POLICIES, VOp, simulate_zbv, v_rank, zbv_order
+from nanotron_ext.schedule.zbv import POLICIES, VBudget, VOp, simulate_zbv, v_moments, v_rank, zbv_order
 
 HALF_W = StageTimes(1.0, 2.0, weight=1.0)  # F = B = W = 1 per chunk
 
@@ -143,3 +145,39 @@ def test_an_eager_chunk_runs_each_w_right_after_its_b_and_defers_nothing(eager):
     assert {s for _, s in deferred(lazy)} & set(eager)  # left to the rule, some of them wait
     assert sorted((o.kind, o.micro_batch, o.stage) for o in result.ops) == sorted(
         (o.kind, o.micro_batch, o.stage) for o in lazy.ops)
+
+
+def _dynamic_bytes(result, budget, rank):
+    """Bytes of activations and W state ``rank`` holds at each of its ops' starts, as v_rank_memory counts them."""
+    pp = result.pp
+    return [sum(n * budget.activation[s] for n, s in zip(x.held, (rank, 2 * pp - 1 - rank)))
+            + sum(n * budget.pending[s] for n, s in zip(x.pending, (rank, 2 * pp - 1 - rank)))
+            for x in v_moments(result, rank)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_budget_in_bytes_holds_at_every_ops_start_and_a_loose_one_changes_nothing(seed):
+    rng = random.Random(seed)
+    pp, m = rng.choice([(2, 4), (3, 6), (4, 8)])
+    chunks = [StageTimes(rng.uniform(0.5, 1.5), b := rng.uniform(1.0, 3.0), weight=b * rng.uniform(0.2, 0.6))
+              for _ in range(2 * pp)]
+    activation = tuple(rng.uniform(1.0, 10.0) for _ in range(2 * pp))
+    pending = tuple(rng.uniform(0.0, 5.0) for _ in range(2 * pp))
+    least = [activation[r] + pending[r] + activation[2 * pp - 1 - r] + pending[2 * pp - 1 - r] for r in range(pp)]
+    budget = VBudget(activation, pending, tuple(x * rng.uniform(1.0, 4.0) for x in least))
+    result = simulate_zbv(chunks, m, 0.1, budget=budget)
+    for rank in range(pp):
+        assert max(_dynamic_bytes(result, budget, rank)) <= budget.budget[rank] * (1 + 1e-9)
+    loose = VBudget(activation, pending, (1e12,) * pp)
+    assert simulate_zbv(chunks, m, 0.1, budget=loose).ops == simulate_zbv(chunks, m, 0.1).ops
+
+
+def test_a_tight_budget_holds_fewer_and_costs_time_and_one_under_a_micro_batch_is_refused():
+    chunks = [HALF_W] * 8
+    free = simulate_zbv(chunks, 8)
+    budget = VBudget((1.0,) * 8, (0.5,) * 8, (2 * 3.0,) * 4)  # two micro-batches of both chunks
+    tight = simulate_zbv(chunks, 8, budget=budget)
+    assert max(tight.peak_held) <= 4 < max(free.peak_held) and tight.step_time > free.step_time
+    with pytest.raises(ValueError, match=r"rank 0's budget of 2\.9 bytes is under one micro-batch of both its "
+                                         r"chunks \(3\): no order fits"):
+        simulate_zbv(chunks, 8, budget=VBudget((1.0,) * 8, (0.5,) * 8, (2.9,) * 4))

@@ -56,10 +56,15 @@ class VRankMemory:
     temporaries: tuple[float, float]
     worst: VMoment
 
+    @property
+    def throughout(self) -> float:
+        """Bytes held at every moment: weights, gradients, optimizer state, buffers, the overhead allowance."""
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.overhead
+
     def pipeline_at(self, moment: VMoment) -> float:
         """Bytes held at ``moment``: what the rank holds throughout, plus the moment's activations, W state and
         the running chunk's temporaries."""
-        return (self.weights + self.gradients + self.optimizer + self.buffers + self.overhead
+        return (self.throughout
                 + sum(n * a for n, a in zip(moment.held, self.activations))
                 + sum(n * w for n, w in zip(moment.pending, self.weight_pending))
                 + self.temporaries[moment.running])
@@ -70,7 +75,7 @@ class VRankMemory:
 
     @property
     def optimizer_peak(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.buffers + self.optimizer_temporaries + self.overhead
+        return self.throughout + self.optimizer_temporaries
 
     @property
     def peak(self) -> float:

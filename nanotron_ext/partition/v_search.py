@@ -24,7 +24,7 @@ import numpy as np
 
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
-from nanotron_ext.partition.v_split import descend_v_split, v_simulate
+from nanotron_ext.partition.v_split import Budgets, descend_v_split, simulate_within, v_simulate
 from nanotron_ext.schedule.zbv import VResult
 
 __all__ = ["VSearch", "search_v_split", "v_lower_bound"]
@@ -125,7 +125,7 @@ def _terms(times: Sequence[tuple[float, float, float]], cuts: Sequence[float], c
 
 def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Valid | None = None,
                    fits: Fits | None = None, max_evals: int = 300, max_leaves: int = 20_000,
-                   max_nodes: int = 200_000, eager: Collection[int] = ()) -> VSearch:
+                   max_nodes: int = 200_000, eager: Collection[int] = (), budgets: Budgets | None = None) -> VSearch:
     """The split of the blocks into ``problem.pp`` chunks (a V over ``problem.pp / 2`` ranks) with the least
     simulated ZB-V step among those ``valid`` accepts whose schedule ``fits``.
 
@@ -141,6 +141,8 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
             work (``m`` times a rank's share of the least work of all blocks).
         eager: chunks whose ``W`` runs right after its ``B`` (the bound holds either way: it counts work, not
             order).
+        budgets: each split's byte budget for the scheduler (:func:`~nanotron_ext.partition.v_split.v_budget`);
+            a split no order keeps under it does not fit.
 
     Raises:
         PlanningError: an odd number of chunks, or a seed that is not a split.
@@ -156,13 +158,14 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
     fit: Fits = fits or (lambda bounds, result: True)
     best: tuple[int, ...] | None = None
     best_step, evaluated = math.inf, 0
-    seeded = v_simulate(problem, seed, eager)
+    seeded = simulate_within(problem, seed, eager, budgets)
     evaluated += 1
-    if ok(seed) and fit(seed, seeded):
+    if seeded is not None and ok(seed) and fit(seed, seeded):
         descent = descend_v_split(problem, seed, valid=ok, fits=fit, max_evals=max(1, max_evals // 4),
-                                  eager=eager)
+                                  eager=eager, budgets=budgets)
         best, best_step, evaluated = descent.bounds, descent.step, descent.evaluated
-    threshold = best_step if best is not None else seeded.step_time
+    # Without a split that fits, the seed's step as it would run without the budget is the first threshold.
+    threshold = best_step if best is not None else v_simulate(problem, seed, eager).step_time
     prices = _Prices(problem)
     enumerated = 0
     for _ in range(THRESHOLD_TRIES):
@@ -178,9 +181,9 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
                 break
             if bounds == best or not ok(bounds):
                 continue
-            result = v_simulate(problem, bounds, eager)
+            result = simulate_within(problem, bounds, eager, budgets)
             evaluated += 1
-            if result.step_time < best_step and fit(bounds, result):
+            if result is not None and result.step_time < best_step and fit(bounds, result):
                 best, best_step = bounds, result.step_time
         bound = min(rest, dropped, threshold if best is None else math.inf)
         if best is not None or evaluated >= max_evals:

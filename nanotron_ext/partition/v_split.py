@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.v_memory import VRankMemory, v_rank_floor, v_rank_memory
+from nanotron_ext.costs.v_memory import FIRST_BACKWARD, VRankMemory, v_rank_floor, v_rank_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
-from nanotron_ext.schedule.zbv import VResult, simulate_zbv, v_moments
+from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv, v_moments
 
-__all__ = ["VSplit", "descend_v_split", "v_floors", "v_peaks", "v_simulate", "v_step"]
+__all__ = ["Budgets", "VSplit", "descend_v_split", "simulate_within", "v_budget", "v_floors", "v_peaks", "v_simulate", "v_step"]
 
 #: The cut moves a descent tries, in blocks.
 MOVES = (-1, 1, -2, 2)
@@ -40,11 +40,46 @@ class VSplit:
     evaluated: int
 
 
-def v_simulate(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = ()) -> VResult:
+def v_simulate(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (),
+               budget: VBudget | None = None) -> VResult:
     """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``); the
-    chunks ``eager`` run each ``W`` right after its ``B`` (:func:`~nanotron_ext.schedule.zbv.simulate_zbv`)."""
+    chunks ``eager`` run each ``W`` right after its ``B``, every rank under ``budget``
+    (:func:`~nanotron_ext.schedule.zbv.simulate_zbv`).
+
+    Raises:
+        ValueError: no order keeps every rank under the budget.
+    """
     stages, p2p, _ = problem.simulator_inputs(bounds)
-    return simulate_zbv(stages, problem.n_micro_batches, p2p, eager=eager)
+    return simulate_zbv(stages, problem.n_micro_batches, p2p, eager=eager, budget=budget)
+
+
+#: Each split's byte budget, for the scheduler (:func:`v_budget` of the split under a cap, say).
+Budgets = Callable[[Sequence[int]], VBudget]
+
+
+def simulate_within(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (),
+                    budgets: Budgets | None = None) -> VResult | None:
+    """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it."""
+    try:
+        return v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
+    except ValueError:
+        return None
+
+
+def v_budget(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int], cap: float) -> VBudget:
+    """The bytes each rank of the V that cuts ``blocks`` at ``bounds`` may hold in activations and W state, for its
+    estimated peak to stay under ``cap``: the cap less what the rank holds throughout and its chunks' largest
+    temporaries (:class:`~nanotron_ext.costs.v_memory.VRankMemory`'s terms; a negative budget no order fits)."""
+    chunks = len(bounds) - 1
+    pp = chunks // 2
+    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
+    mems = [v_rank_memory((chunk[r], chunk[chunks - 1 - r]), [FIRST_BACKWARD], cfg, r) for r in range(pp)]
+    activation, pending = [0.0] * chunks, [0.0] * chunks
+    for r, mem in enumerate(mems):
+        for c, stage in enumerate((r, chunks - 1 - r)):
+            activation[stage], pending[stage] = mem.activations[c], mem.weight_pending[c]
+    room = [cap - mem.throughout - max(mem.temporaries) for mem in mems]
+    return VBudget(tuple(activation), tuple(pending), tuple(room))
 
 
 def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
@@ -78,7 +113,7 @@ def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[i
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
                     valid: Callable[[Sequence[int]], bool] | None = None,
                     fits: Callable[[Sequence[int], VResult], bool] | None = None, max_evals: int = 400,
-                    eager: Collection[int] = ()) -> VSplit:
+                    eager: Collection[int] = (), budgets: Budgets | None = None) -> VSplit:
     """From ``seed``, the split a descent over single cut moves (:data:`MOVES`) reaches.
 
     Args:
@@ -87,6 +122,7 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
         valid: which splits may be taken (a block with weights on every chunk, say); every non-empty one if None.
         fits: whether a simulated split's memory fits (:func:`v_peaks` under a cap, say); every one if None.
         eager: chunks whose ``W`` runs right after its ``B`` (:func:`v_simulate`).
+        budgets: each split's byte budget for the scheduler; a split no order keeps under it is not taken.
         max_evals: the most splits timed; the best found so far is returned then.
 
     Raises:
@@ -102,8 +138,8 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
             or any(b <= a for a, b in zip(seed, seed[1:])) or not ok(seed)):
         raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
                             f"constraints accept; start from a valid split (the FLOP-balanced one)")
-    seeded = v_simulate(problem, seed, eager)
-    if not fit(seed, seeded):
+    seeded = simulate_within(problem, seed, eager, budgets)
+    if seeded is None or not fit(seed, seeded):
         raise PlanningError(f"seed split {list(seed)} does not fit the memory; start from one that does")
     best, best_step = seed, seeded.step_time
     seed_step, evaluated, improved = best_step, 1, True
@@ -115,9 +151,11 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
                 trial[cut] += move
                 if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
                     continue
-                result = v_simulate(problem, trial, eager)
-                step = result.step_time
+                result = simulate_within(problem, trial, eager, budgets)
                 evaluated += 1
+                if result is None:
+                    continue
+                step = result.step_time
                 if step < best_step * (1 - 1e-12) and fit(trial, result):
                     best, best_step, improved = tuple(trial), step, True
                 if evaluated >= max_evals:

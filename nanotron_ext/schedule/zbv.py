@@ -34,7 +34,8 @@ from typing import Literal, NamedTuple
 
 from nanotron_ext.schedule.simulator import Op, StageTimes, check_stage_times, per_cut_p2p
 
-__all__ = ["POLICIES", "Policy", "VMoment", "VOp", "VResult", "simulate_zbv", "v_moments", "v_rank", "zbv_order"]
+__all__ = ["POLICIES", "Policy", "VBudget", "VMoment", "VOp", "VResult", "simulate_zbv", "v_moments", "v_rank",
+           "zbv_order"]
 
 Kind = Literal["F", "B", "W"]
 
@@ -108,9 +109,43 @@ class Policy(NamedTuple):
 POLICIES = tuple(Policy(b, w, down) for down in (1, 0) for w in (0, 1) for b in ((0, 1), (1, 0)))
 
 
+class VBudget(NamedTuple):
+    """The bytes each rank of a V may hold in activations and deferred weight-gradient state, which the list
+    scheduler keeps it under (a cap in bytes; the count cap treats unequal chunks alike).
+
+    A forward reserves its micro-batch's activations and W state at once; its ``B`` frees the activations, its ``W``
+    the state. So at every op's start a rank holds no more than :func:`~nanotron_ext.costs.v_memory.v_rank_memory`
+    counts then.
+
+    Attributes:
+        activation: per virtual stage, one micro-batch's activations.
+        pending: per virtual stage, one deferred ``W``'s state.
+        budget: per rank, the most bytes of both at once.
+    """
+
+    activation: tuple[float, ...]
+    pending: tuple[float, ...]
+    budget: tuple[float, ...]
+
+    def need(self, stage: int) -> float:
+        """What one micro-batch of ``stage`` reserves from its F to its W."""
+        return self.activation[stage] + self.pending[stage]
+
+
+def _check_budget(budget: VBudget, pp: int) -> None:
+    if len(budget.activation) != 2 * pp or len(budget.pending) != 2 * pp or len(budget.budget) != pp:
+        raise ValueError(f"the budget has {len(budget.activation)} activations, {len(budget.pending)} W states and "
+                         f"{len(budget.budget)} ranks; a V over pp={pp} needs {2 * pp}, {2 * pp} and {pp}")
+    for r in range(pp):
+        least = budget.need(r) + budget.need(2 * pp - 1 - r)
+        if budget.budget[r] < least * (1 - 1e-9):
+            raise ValueError(f"rank {r}'s budget of {budget.budget[r]:.4g} bytes is under one micro-batch of both its "
+                             f"chunks ({least:.4g}): no order fits; give it more memory, or move blocks off its chunks")
+
+
 def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: int | None,
-              policy: Policy = POLICIES[0],
-              eager: frozenset[int] = frozenset()) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
+              policy: Policy = POLICIES[0], eager: frozenset[int] = frozenset(),
+              budget: VBudget | None = None) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
     """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
 
     The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
@@ -125,7 +160,17 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
     next_op = [[[0, 0], [0, 0]] for _ in range(pp)]  # per rank, kind (F, B), chunk: the next micro-batch
     deferred: list[list[VOp]] = [[] for _ in range(pp)]
     held = [0] * pp
+    used = [0.0] * pp  # bytes reserved under the budget
     free = [0.0] * pp
+
+    def fits(r: int, c: int) -> bool:
+        """Whether rank ``r``'s budget takes a forward of its chunk ``c`` (the way down keeps room for one of the
+        way up, as the count cap's reserve does)."""
+        if budget is None:
+            return True
+        up = stages - 1 - r
+        need = budget.need(r if c == 0 else up) + (budget.need(up) if c == 0 and policy.down_reserve else 0.0)
+        return used[r] + need <= budget.budget[r] * (1 + 1e-9)
     order: list[list[VOp]] = [[] for _ in range(pp)]
     total = 3 * stages * m
 
@@ -149,7 +194,7 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
         # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
         candidates += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
-                       if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0)]
+                       if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)]
         arrivals = [arrival(op) for op in candidates]
         op = next((o for o, a in zip(candidates, arrivals) if a is not None and a <= now), None)
         if op is None and deferred[r]:
@@ -173,16 +218,21 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         c = 0 if op.stage < pp else 1
         if op.kind == "W":
             held[r] -= 1
+            used[r] -= budget.pending[op.stage] if budget else 0.0
             continue
         next_op[r][0 if op.kind == "F" else 1][c] += 1
         if op.kind == "F":
             held[r] += 1
-        elif op.stage in eager:  # its W runs at once: nothing of it waits in the store
+            used[r] += budget.need(op.stage) if budget else 0.0
+            continue
+        used[r] -= budget.activation[op.stage] if budget else 0.0
+        if op.stage in eager:  # its W runs at once: nothing of it waits in the store
             w = VOp("W", op.micro_batch, op.stage)
             times[w] = (free[r], free[r] + st.weight)
             free[r] += st.weight
             order[r].append(w)
             held[r] -= 1
+            used[r] -= budget.pending[op.stage] if budget else 0.0
         else:
             deferred[r].append(VOp("W", op.micro_batch, op.stage))
     return order, times
@@ -220,7 +270,7 @@ class VResult:
 
 
 def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: float | Sequence[float] = 0.0,
-                 cap: int | None = None, eager: Collection[int] = ()) -> VResult:
+                 cap: int | None = None, eager: Collection[int] = (), budget: VBudget | None = None) -> VResult:
     """Replay :func:`zbv_order` under real times.
 
     Args:
@@ -232,6 +282,7 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         cap: as :func:`zbv_order`'s.
         eager: virtual stages whose ``W`` runs right after its ``B`` instead of waiting for idle time (a chunk whose
             deferred state is large: the loss chunk's keeps the logits' gradient).
+        budget: bytes each rank may hold (:class:`VBudget`), besides the count cap.
 
     Raises:
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
@@ -246,12 +297,17 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
     now = frozenset(eager)
     if not now <= set(range(2 * pp)):
         raise ValueError(f"eager stages {sorted(now)} are not all virtual stages of 0..{2 * pp - 1}")
+    if budget is not None:
+        _check_budget(budget, pp)
     # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
     # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
     found = []
     for policy in POLICIES:
         with contextlib.suppress(_Stalled):
-            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now)[1])
+            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now, budget)[1])
+    if not found:
+        raise ValueError(f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
+                         f"give the ranks more memory")
     times = min(found, key=lambda t: max(end for _, end in t.values()))
     ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
     clock = [max(end for op, (_, end) in times.items() if v_rank(pp, op.stage) == r) for r in range(pp)]
