@@ -9,10 +9,9 @@ import itertools
 import math
 
 import pytest
+from v_cases import v_case
 
-from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.errors import PlanningError
-from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.partition.v_search import search_v_split, v_lower_bound
 from nanotron_ext.partition.v_split import (
@@ -32,16 +31,7 @@ CASES = [("tiny_llama_large_vocab.yaml", 2, None), ("smollm_135m.yaml", 2, 6), (
 def _case(name: str, pp: int, layers: int | None):
     """The blocks priced as 2·pp chunks (zb1p's B and W, m = 2·pp, the GPU's memory terms), every split with weights
     on every chunk, and each one's simulated step and largest rank peak."""
-    cfg = load_config(bundled_config(name), pp=2 * pp).with_overrides(engine="zb1p", n_micro_batches=2 * pp,
-                                                                     memory_runtime="gpu")
-    if layers is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_hidden_layers=layers))
-    blocks = inventory_from_config(cfg)
-    weights = [b.params > 0 for b in blocks]
-
-    def valid(bounds):
-        return all(any(weights[s:e]) for s, e in zip(bounds, bounds[1:]))
-
+    cfg, blocks, valid = v_case(name, pp, layers, memory_runtime="gpu")
     n = len(blocks)
     problem = schedule_problem(blocks, cfg)
     splits = {}

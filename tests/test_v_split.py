@@ -3,10 +3,10 @@ descent, checked against every split by brute force on small models."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
+from v_cases import v_case
 
 from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.errors import PlanningError
@@ -17,15 +17,7 @@ from nanotron_ext.strategies.step_time import schedule_problem
 
 def _case(name: str, pp: int, layers: int | None = None):
     """The blocks of ``name`` priced as 2·pp stages under zb1p, m = 2·pp; the splits with weights on every chunk."""
-    cfg = load_config(bundled_config(name), pp=2 * pp).with_overrides(engine="zb1p", n_micro_batches=2 * pp)
-    if layers is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_hidden_layers=layers))
-    blocks = inventory_from_config(cfg)
-    weights = [b.params > 0 for b in blocks]
-
-    def valid(bounds):
-        return all(any(weights[s:e]) for s, e in zip(bounds, bounds[1:]))
-
+    cfg, blocks, valid = v_case(name, pp, layers)
     n = len(blocks)
     splits = [(0, *c, n) for c in itertools.combinations(range(1, n), 2 * pp - 1) if valid((0, *c, n))]
     return schedule_problem(blocks, cfg), valid, splits

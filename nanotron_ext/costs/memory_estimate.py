@@ -35,8 +35,8 @@ from nanotron_ext.costs.block_memory import (
 )
 from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
 
-__all__ = ["RUNTIME_TENSORS_BYTES", "SegmentMemory", "StageMemory", "config_stage_memory", "estimate_key",
-           "stage_memory"]
+__all__ = ["RUNTIME_TENSORS_BYTES", "PeakOfTwoMoments", "SegmentMemory", "StageMemory", "config_stage_memory",
+           "estimate_key", "stage_memory"]
 
 
 #: Small tensors of the engine, P2P, TP collectives and optimizer that no block owns (metadata buffers, Adam's
@@ -45,8 +45,26 @@ __all__ = ["RUNTIME_TENSORS_BYTES", "SegmentMemory", "StageMemory", "config_stag
 RUNTIME_TENSORS_BYTES = 128 * 1024
 
 
+class PeakOfTwoMoments:
+    """The rule of a peak estimate: the larger of the pipeline's worst moment and the optimizer step (a stage's
+    :class:`StageMemory`, a V rank's :class:`~nanotron_ext.costs.v_memory.VRankMemory`)."""
+
+    pipeline_peak: float
+    optimizer_peak: float
+
+    @property
+    def peak(self) -> float:
+        """The estimated peak: the larger of the pipeline and the optimizer step."""
+        return max(self.pipeline_peak, self.optimizer_peak)
+
+    @property
+    def peak_at(self) -> str:
+        """``pipeline`` or ``optimizer``: the moment of the peak."""
+        return "pipeline" if self.pipeline_peak >= self.optimizer_peak else "optimizer"
+
+
 @dataclass(frozen=True)
-class StageMemory:
+class StageMemory(PeakOfTwoMoments):
     """Estimated peak memory of one stage, by term (bytes).
 
     Attributes:
@@ -104,16 +122,6 @@ class StageMemory:
     @property
     def optimizer_peak(self) -> float:
         return self.static + self.optimizer_temporaries + self.overhead
-
-    @property
-    def peak(self) -> float:
-        """The estimated peak: the larger of the pipeline and the optimizer step."""
-        return max(self.pipeline_peak, self.optimizer_peak)
-
-    @property
-    def peak_at(self) -> str:
-        """``pipeline`` or ``optimizer``: the moment of the peak."""
-        return "pipeline" if self.pipeline_peak >= self.optimizer_peak else "optimizer"
 
     @property
     def temporaries(self) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.memory_estimate import StageMemory, config_stage_memory
+from nanotron_ext.costs.memory_estimate import PeakOfTwoMoments, StageMemory, config_stage_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule.zbv import VMoment
 
@@ -31,7 +31,7 @@ __all__ = ["FIRST_BACKWARD", "VRankMemory", "v_rank_floor", "v_rank_memory"]
 
 
 @dataclass(frozen=True)
-class VRankMemory:
+class VRankMemory(PeakOfTwoMoments):
     """Estimated peak memory of one rank of a V, by term (bytes); per-chunk pairs are (way down, way up).
 
     Attributes:
@@ -76,16 +76,6 @@ class VRankMemory:
     @property
     def optimizer_peak(self) -> float:
         return self.throughout + self.optimizer_temporaries
-
-    @property
-    def peak(self) -> float:
-        """The estimated peak: the larger of the pipeline's worst moment and the optimizer step."""
-        return max(self.pipeline_peak, self.optimizer_peak)
-
-    @property
-    def peak_at(self) -> str:
-        """``pipeline`` or ``optimizer``: the moment of the peak."""
-        return "pipeline" if self.pipeline_peak >= self.optimizer_peak else "optimizer"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "worst": self.worst._asdict(), "peak": self.peak, "peak_at": self.peak_at,
