@@ -370,7 +370,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable_and_the_c
     for sub in ("resumed", "refused"):
         (tmp_path / sub).mkdir()
     resumed = launch(tiny_config(tmp_path / "resumed", steps=6, checkpoints__checkpoint_interval=2, **SHAPE,
-                                 checkpoints__resume_checkpoint_path=str(folder), ext=LAYOUT_A))
+                                 checkpoints__resume_checkpoint_path=str(folder), ext=LAYOUT_A), torchrun=TORCHRUN)
     assert resumed.rc == 0 and sorted(resumed.losses) == [3, 4, 5, 6], resumed.out[-3000:]
     _same(plan_a, (Run(resumed.rc, resumed.out), tmp_path / "resumed"))
     # Pointed at the cut-off folder itself: refused, naming the one to use.
