@@ -1,5 +1,6 @@
 """Where to cut the blocks into a V's ``2 pp`` chunks, for the simulated ZB-V step (issue 43's third item, first
-part): a descent from a seed split, not yet the optimum under memory.
+part): a descent from a seed split, and what the split search reads of a split (its simulated step, each rank's
+memory, its byte budget). The search itself is :mod:`nanotron_ext.partition.v_search`.
 
 The chunks are priced as the stages of a ``2 pp``-stage :class:`ScheduleProblem` (forward, backward and its W part,
 update, what each cut sends), and each split is timed by :func:`nanotron_ext.schedule.zbv.simulate_zbv`: rank
@@ -7,8 +8,7 @@ update, what each cut sends), and each split is timed by :func:`nanotron_ext.sch
 (the FLOP-balanced split, say), :func:`descend_v_split` moves one cut at a time by one or two blocks, keeps any
 move that shortens the step, and stops when none does, or at ``max_evals`` splits timed. On the public shapes at
 PP 4 and 8 (``benchmarks/zbv_simulated.py``) this turns the FLOP-balanced chunks' 0.975-1.309 x zb1p's step into
-0.923-1.130 x
-(``docs/zbv.md``).
+0.923-1.130 x (``docs/zbv.md``).
 """
 
 from __future__ import annotations
@@ -71,9 +71,7 @@ def v_budget(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[i
     estimated peak to stay under ``cap``: the cap less what the rank holds throughout and its chunks' largest
     temporaries (:class:`~nanotron_ext.costs.v_memory.VRankMemory`'s terms; a negative budget no order fits)."""
     chunks = len(bounds) - 1
-    pp = chunks // 2
-    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
-    mems = [v_rank_memory((chunk[r], chunk[chunks - 1 - r]), [FIRST_BACKWARD], cfg, r) for r in range(pp)]
+    mems = [v_rank_memory(pair, [FIRST_BACKWARD], cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
     activation, pending = [0.0] * chunks, [0.0] * chunks
     for r, mem in enumerate(mems):
         for c, stage in enumerate((r, chunks - 1 - r)):
@@ -98,16 +96,21 @@ def v_peaks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[in
     pp = result.pp
     if len(bounds) != 2 * pp + 1 or bounds[0] != 0 or bounds[-1] != len(blocks):
         raise PlanningError(f"bounds {list(bounds)} are not {2 * pp} chunks of {len(blocks)} blocks (pp={pp})")
-    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
-    return [v_rank_memory((chunk[r], chunk[2 * pp - 1 - r]), v_moments(result, r), cfg, r) for r in range(pp)]
+    return [v_rank_memory(pair, v_moments(result, r), cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
 
 
 def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int]) -> list[float]:
     """Each rank's least peak (:func:`~nanotron_ext.costs.v_memory.v_rank_floor`) for the V that cuts ``blocks`` at
     ``bounds``, whatever its schedule: no simulation."""
-    chunks = len(bounds) - 1
+    return [v_rank_floor(pair, cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
+
+
+def _rank_chunks(blocks: Sequence[BlockInfo],
+                 bounds: Sequence[int]) -> list[tuple[list[BlockInfo], list[BlockInfo]]]:
+    """Each rank's two chunks of the V that cuts ``blocks`` at ``bounds``: rank ``r`` holds chunk ``r`` (the way
+    down) and chunk ``2 pp - 1 - r`` (the way up)."""
     chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
-    return [v_rank_floor((chunk[r], chunk[chunks - 1 - r]), cfg, r) for r in range(chunks // 2)]
+    return [(chunk[r], chunk[len(chunk) - 1 - r]) for r in range(len(chunk) // 2)]
 
 
 def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
