@@ -48,50 +48,13 @@ import nanotron_ext.runtime.engine as runtime_engine
 import nanotron_ext.zero_bubble.engine as zb_engine
 from nanotron_ext.integration.adapter import pipeline_blocks
 from nanotron_ext.machine.in_run_records import BlockOps, RankStep, Receive, Send
+from nanotron_ext.runtime.clock_marks import EventClock, WallClock, nbytes, tensors_in
 from nanotron_ext.runtime.device import synchronize
 from nanotron_ext.runtime.engine import engine_name_of
 from nanotron_ext.runtime.p2p import CPUP2P
 from nanotron_ext.runtime.timing import StepRecord, StepTimer
 
 __all__ = ["OpClock"]
-
-
-class _WallClock:
-    """Marks on the host's monotonic clock (one clock for every process of the host)."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return end - start
-
-
-class _EventClock:
-    """CUDA events: a mark is recorded on the current stream, read after the step's kernels are done."""
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a block's inputs or outputs (a tensor, a dict, or a sequence of them)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclasses.dataclass
@@ -127,13 +90,14 @@ class OpClock:
         self.timer = StepTimer(model, parallel_context)
         self.pp_rank = dist.get_rank(parallel_context.pp_pg)
         on_cuda = any(p.device.type == "cuda" for p in self.model.parameters())
-        self.clock: _WallClock | _EventClock = _EventClock() if on_cuda else _WallClock()
+        self.clock: WallClock | EventClock = EventClock() if on_cuda else WallClock()
         self.host_overhead = not on_cuda  # the engine's bookkeeping is host time: measured on the wall clock only
         self.records: list[RankStep] = []
         self.step_records: list[StepRecord] = []
         self._step: _Step | None = None
         self._open: dict[str, Any] = {}
         self._marks: list[tuple[str, str, Any]] = []
+        self._last_mark: tuple[torch.Tensor, Any] | None = None  # the last gradient marked, and its mark
         self._weights: list[tuple[str, Any, Any]] | None = None
         self._own = 0.0  # this step's seconds inside the clock's own hooks: what it costs the step
         self._owner: dict[str, str] = {}
@@ -189,7 +153,7 @@ class OpClock:
                 return
             t0 = time.perf_counter()
             if torch.is_grad_enabled():
-                for t in _tensors(kwargs):
+                for t in tensors_in(kwargs):
                     if t.requires_grad:
                         t.register_hook(self._grad_mark(name, "end"))
             self._own += time.perf_counter() - t0
@@ -205,7 +169,7 @@ class OpClock:
             t0 = time.perf_counter()
             self._step.forward[name].append(span)
             self._step.forwards.append(span)
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self._grad_mark(name, "start"))
             self._own += time.perf_counter() - t0
@@ -230,7 +194,12 @@ class OpClock:
         def hook(grad: torch.Tensor) -> None:
             if self._step is not None:
                 t0 = time.perf_counter()
-                self._marks.append((name, kind, self.clock.mark()))
+                # A gradient is marked once, when first seen: the hooks on one tensor (a block's output, the next one's
+                # input) share its mark. A mark each overlapped the two spans by the hooks' time, ms when the OS
+                # suspended the process (an op's own time was -2 ms); so did tensors given one gradient by a sum.
+                if self._last_mark is None or self._last_mark[0] is not grad:
+                    self._last_mark = (grad, self.clock.mark())
+                self._marks.append((name, kind, self._last_mark[1]))
                 self._own += time.perf_counter() - t0
 
         return hook
@@ -257,6 +226,7 @@ class OpClock:
                         spans = step.forwards[n_forwards:]  # this op's blocks
                     else:
                         marks, self._marks[n_marks:] = self._marks[n_marks:], []
+                        self._last_mark = None  # holds a gradient: let it go with its op
                         spans = self._backward_spans(step, marks, first, last)
                     step.ops.append((own, spans))
                     self._own += time.perf_counter() - t1
@@ -319,7 +289,7 @@ class OpClock:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def send_tensors(tensors: list[torch.Tensor], to_rank: int, tag: int = 0) -> Any:
                 if self._step is not None:
-                    self._step.sends.append(Send(self.pp_rank, int(to_rank), _nbytes(tensors), len(tensors),
+                    self._step.sends.append(Send(self.pp_rank, int(to_rank), nbytes(tensors), len(tensors),
                                                  time.perf_counter()))
                 return original(tensors, to_rank=to_rank, tag=tag)
 
@@ -333,7 +303,7 @@ class OpClock:
                 started = time.perf_counter()
                 out = original(num_tensors=num_tensors, from_rank=from_rank, tag=tag)
                 if self._step is not None:
-                    self._step.receives.append(Receive(int(from_rank), self.pp_rank, _nbytes(out), len(out), started,
+                    self._step.receives.append(Receive(int(from_rank), self.pp_rank, nbytes(out), len(out), started,
                                                        time.perf_counter()))
                 return out
 
@@ -358,7 +328,7 @@ class OpClock:
     @contextlib.contextmanager
     def step(self, record: bool = True) -> Iterator[None]:
         """Time one training step (collective: every rank enters it); ``record=False`` for warm-up steps."""
-        self._step, self._marks, self._open, self._own = _Step(), [], {}, 0.0
+        self._step, self._marks, self._open, self._own, self._last_mark = _Step(), [], {}, 0.0, None
         try:
             with self.timer.step(record=record):
                 yield

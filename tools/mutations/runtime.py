@@ -312,4 +312,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "return original(products, timed=self._timed_weight)", "return original(products, timed=None)",
       ("tests/runtime/test_op_clock.py::test_every_block_of_a_rank_is_timed_once_per_micro_batch_where_the_engine_ran_it",),
       "0.2"),
+    M("each gradient hook takes a mark of its own", "nanotron_ext/runtime/op_clock.py",
+      "if self._last_mark is None or self._last_mark[0] is not grad:", "if True:",
+      ("tests/test_op_clock_marks.py",)),
 )
