@@ -22,6 +22,7 @@ from nanotron_ext.inventory import inventory_from_model
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message, make_plan
 from nanotron_ext.report import compact_names
+from nanotron_ext.zero_bubble.v_engine import mark_v_stages
 
 __all__ = [
     "assign_blocks",
@@ -131,6 +132,7 @@ def assign_blocks(
     block_ranks: Sequence[int],
     dtype: torch.dtype = torch.float32,
     device: torch.device = _CPU,
+    v_stages: Sequence[int] | None = None,
 ) -> nn.Module:
     """Build each pipeline block on its given PP rank, exactly as ``build_model`` does after choosing ranks.
 
@@ -141,12 +143,15 @@ def assign_blocks(
             (a pipeline is a contiguous split) and within ``[0, pp_size)``.
         dtype: parameter dtype.
         device: parameter device.
+        v_stages: for ``pp_engine: zbv``, each block's virtual stage of a V: its rank goes down and back up
+            (``block_ranks`` must be those stages' ranks), and each block carries its stage (``mark_v_stages``).
 
     Returns:
         The same model, with ``input_pp_rank`` / ``output_pp_rank`` set as Nanotron sets them.
 
     Raises:
-        ValueError: wrong number of ranks, a rank out of range, or ranks that go backwards.
+        ValueError: wrong number of ranks, a rank out of range, ranks that go backwards outside a V, or a V whose
+            stages do not match the ranks.
     """
     blocks = pipeline_blocks(model)
     ranks = [int(r) for r in block_ranks]
@@ -168,7 +173,7 @@ def assign_blocks(
         for i in range(1, len(ranks))
         if ranks[i] < ranks[i - 1]
     ]
-    if backwards:
+    if backwards and v_stages is None:
         a, ra, b, rb = backwards[0]
         raise ValueError(
             f"block_ranks must be non-decreasing (contiguous pipeline stages): {a} is on rank {ra} but the "
@@ -181,6 +186,8 @@ def assign_blocks(
     # last block's rank; with an explicit contiguous assignment both are simply the ends.
     model.input_pp_rank = ranks[0]
     model.output_pp_rank = ranks[-1]
+    if v_stages is not None:
+        mark_v_stages(model, v_stages, pp_size)
     return model
 
 

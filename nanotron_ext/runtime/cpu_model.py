@@ -28,6 +28,7 @@ from nanotron_ext.integration.adapter import assign_blocks, pipeline_blocks
 from nanotron_ext.models.llama import CPULlamaForTraining
 from nanotron_ext.runtime.device import device_from_env, host_staging
 from nanotron_ext.runtime.p2p import CPUP2P
+from nanotron_ext.schedule.zbv import v_rank
 
 __all__ = [
     "build_cpu_llama",
@@ -215,6 +216,7 @@ def build_cpu_llama(
     vocab_shards: int = 1,
     device: torch.device | None = None,
     recompute_layer: bool = False,
+    v_stages: Sequence[int] | None = None,
 ) -> NanotronModel | DistributedDataParallel:
     """Everything Nanotron's trainer does to get a trainable model, on CPU (or the device of ``device``).
 
@@ -234,6 +236,8 @@ def build_cpu_llama(
         vocab_shards: K > 1 ends the model with K vocabulary-shard blocks instead of lm_head, cast and loss.
         device: where the parameters live; None: ``$NANOTRON_EXT_DEVICE`` (CPU by default).
         recompute_layer: recompute every decoder layer in its backward (``parallelism.recompute_layer``).
+        v_stages: a V for ``pp_engine: zbv``: each block's virtual stage, which sets its rank (``block_ranks``
+            is then not given).
 
     Returns:
         The model (DDP-wrapped where applicable).
@@ -244,7 +248,11 @@ def build_cpu_llama(
         return cpu_llama(config, parallel_context, parallel_config, device, projector=projector,
                          vocab_shards=vocab_shards, recompute_layer=recompute_layer)
 
-    if block_ranks is None:
+    if v_stages is not None:
+        pp = parallel_context.pp_pg.size()
+        ranks = [v_rank(pp, s) for s in v_stages]
+        model = assign_blocks(builder(), parallel_context, ranks, dtype=dtype, device=device, v_stages=v_stages)
+    elif block_ranks is None:
         model = build_model(model_builder=builder, parallel_context=parallel_context, dtype=dtype, device=device)
     else:
         model = assign_blocks(builder(), parallel_context, block_ranks, dtype=dtype, device=device)

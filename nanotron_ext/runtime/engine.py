@@ -45,6 +45,7 @@ from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.runtime.send_order import SendOrder, send_order
 from nanotron_ext.schedule import Engine, too_few_micro_batches
 from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
+from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
 __all__ = [
     "EngineName",
@@ -63,6 +64,7 @@ _ENGINES: dict[Engine, type[PipelineEngine]] = {
     "1f1b": OneForwardOneBackwardPipelineEngine,
     "afab": AllForwardAllBackwardPipelineEngine,
     **ZERO_BUBBLE_ENGINES,  # ours: Nanotron has no zero-bubble engine (nanotron_ext.zero_bubble)
+    "zbv": ZeroBubbleVPipelineEngine,  # type: ignore[dict-item]  # the runtime's only: no config value yet
 }
 
 

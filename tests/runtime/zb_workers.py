@@ -68,7 +68,7 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
     ctx = workers._context(tp, pp, dp)
     torch.manual_seed(case.get("seed", 3))
     model = build_cpu_llama(
-        workers.tiny_config(**case.get("config", {})), ctx, block_ranks=case.get("block_ranks"),
+        workers.tiny_config(**case.get("config", {})), ctx, block_ranks=case.get("block_ranks"), v_stages=case.get("v_stages"),
         parallel_config=_parallel_config(case.get("tp_mode"), case.get("tp_async", False)),
         projector=opaque, freeze=_freeze(case.get("freeze")), vocab_shards=case.get("vocab_shards", 1),
         recompute_layer=case.get("recompute", False),
@@ -77,7 +77,7 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
         _make_projector_opaque(model)
     optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-2)
     recorder = _GradRecorder(optimizer, model)
-    if case.get("after_failed_step") and engine in ZERO_BUBBLE_ENGINES:
+    if case.get("after_failed_step") and str(engine) in (*ZERO_BUBBLE_ENGINES, "zbv"):
         _leave_a_failed_steps_w(model)
     popped: list[int] = []
     pop = WeightGradStore.pop
