@@ -251,6 +251,7 @@ class VResult:
         pipeline_bubble_fraction: idle share of ``pp × pipeline_time``.
         peak_in_flight: per rank, the most chunk-activations held from an ``F`` to its ``B``.
         peak_held: per rank, the most held from an ``F`` to its ``W`` (what the schedule's cap bounds).
+        order: each rank's ops in the order it runs them: the program ``pp_engine: zbv`` runs.
     """
 
     pp: int
@@ -262,6 +263,7 @@ class VResult:
     pipeline_bubble_fraction: float
     peak_in_flight: tuple[int, ...]
     peak_held: tuple[int, ...]
+    order: tuple[tuple[VOp, ...], ...] = ()
 
     def __str__(self) -> str:
         return (f"zbv: pp={self.pp}, micro-batches={self.n_micro_batches}, step={self.step_time * 1e3:.3f} ms, "
@@ -304,11 +306,11 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
     found = []
     for policy in POLICIES:
         with contextlib.suppress(_Stalled):
-            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now, budget)[1])
+            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now, budget))
     if not found:
         raise ValueError(f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
                          f"give the ranks more memory")
-    times = min(found, key=lambda t: max(end for _, end in t.values()))
+    order, times = min(found, key=lambda found: max(end for _, end in found[1].values()))
     ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
     clock = [max(end for op, (_, end) in times.items() if v_rank(pp, op.stage) == r) for r in range(pp)]
     pipeline = max(clock)
@@ -319,7 +321,7 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         pp=pp, n_micro_batches=n_micro_batches, ops=tuple(ops), step_time=pipeline + max(updates),
         pipeline_time=pipeline, busy=busy, pipeline_bubble_fraction=idle / (pp * pipeline) if pipeline > 0 else 0.0,
         peak_in_flight=tuple(_peak(ops, pp, r, "B") for r in range(pp)),
-        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)),
+        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)), order=tuple(map(tuple, order)),
     )
 
 

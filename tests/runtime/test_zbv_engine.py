@@ -118,3 +118,9 @@ def test_every_zbv_order_runs_to_completion_and_each_receive_gets_what_its_peer_
                     recvs = [n for kind, t, frm, n in b[name]["transfers"] if (kind, t, frm) == ("recv", tag, me)]
                     assert sends == recvs, (name, me, peer, tag)
         assert any(t for res in ranks for t in res[name]["transfers"])
+
+
+def test_a_model_without_a_v_is_refused_on_every_rank_before_any_work() -> None:
+    for message in run_distributed(zbv_workers.zbv_on_a_contiguous_split, 2, timeout=120):
+        assert "pp_engine zbv runs a V: each block needs its virtual stage of a V over pp=2" in message
+        assert "Plan a V split, or use pp_engine zb1p" in message

@@ -86,3 +86,20 @@ def run_orders(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return out
     finally:
         workers._destroy_contexts()
+
+
+def zbv_on_a_contiguous_split() -> str:
+    """Train a step under zbv on a model built without a V; the error this rank raises."""
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, train_step
+
+    try:
+        ctx = workers._context(1, 2, 1)
+        model = build_cpu_llama(workers.tiny_config(), ctx, block_ranks=[0, 0, 1, 1, 1, 1, 1])
+        optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
+        try:
+            train_step(model, ctx, "zbv", workers.micro_batches(model, ctx, 0), 4, optimizer, grad_accumulator=grad_acc)
+        except ValueError as exc:
+            return str(exc)
+        return "trained"
+    finally:
+        workers._destroy_contexts()

@@ -1,0 +1,359 @@
+"""Measured on CPU (issue 43, item 6): ZB-V (``pp_engine: zbv``, two chunks per rank) against Nanotron's 1F1B and our
+zb1p and zb2p, on Nanotron's engine, next to the step the simulator predicts for each from the run's own ops.
+
+Two real processes (gloo, one thread each) at pp=2 run the CPU runtime on the SmolLM-135M shape of
+``zb_measured_cpu.py`` (fewer layers, a shorter sequence, fp32). 1F1B, zb1p and zb2p train the ``flops`` strategy's
+contiguous split; zbv trains four chunks folded into a V (rank 0 holds chunks 0 and 3, the embedding and the loss;
+rank 1 chunks 1 and 2), cut by ``search_v_split`` for the simulated V step under the profile ``calibrate`` takes in
+the same processes, and runs the order the simulator chose for them. For each micro-batch count ``m``
+one model per engine, all alive in the same processes, trained in interleaved turns (the engines' order alternates
+every round), so load from other processes slows every engine alike. Reported per engine:
+
+* measured step (slowest rank, ``StepTimer``) and gain over 1F1B within a round: median over rounds with a
+  distribution-free 95 % interval;
+* measured peak: the most heap bytes in use (glibc's ``mallinfo2``, every thread's arena; the runtime keeps freed
+  memory, so nothing is mmapped) at the end of any op of the step, above the step's start, the larger of the two
+  ranks; and its ratio to 1F1B's (issue 43: zbv's against 1F1B's and zb2p's);
+* simulated step from the run's own ops (each rank's mean F, B and W, per chunk under zbv, and its update; links and
+  the tied all-reduce as ``calibrate`` priced them in the same processes): 1F1B, zb1p and zb2p through the
+  simulator's program, zbv through :func:`~nanotron_ext.schedule.v_replay.replay_v_order` of the order the engine
+  ran. Issue 43 asks within 5 %.
+
+Exit status 1 unless every simulated step is within 5 % of the measured one.
+
+Usage: ``python benchmarks/zbv_measured_cpu.py [--rounds R] [--layers L] [--seq S] [--m 4 --m 8] [--quick]``
+(``--quick``: 4 layers, sequence 64, 3 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _in_run_ops import clear_ops, in_run_stages, step_ops, step_times, tied_sync, time_ops  # noqa: E402
+from measured_cpu import MALLOC_ENV  # noqa: E402
+from zb_measured_cpu import median_interval, raw_config  # noqa: E402
+
+from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
+from nanotron_ext.report import table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PP = 2
+ENGINES = ("1f1b", "zb1p", "zb2p", "zbv")
+STRATEGY = "flops"
+SIM_WITHIN = 0.05
+WORLD_TIMEOUT_S = 1800.0
+
+
+# --- inside the two ranks ------------------------------------------------------------------------------
+
+class _Heap:
+    """Heap bytes in use in this process (glibc ``mallinfo2``: every arena, so every thread, fibers included)."""
+
+    def __init__(self) -> None:
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = Info
+        self.peak = 0
+
+    def used(self) -> int:
+        info = self._libc.mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.used())
+
+
+HEAP: _Heap | None = None
+V_OPS: list[tuple[str, int, float]] = []  # (kind, virtual stage, own seconds) of the zbv ops of the current step
+
+
+def _instrument() -> None:
+    """Time every op (waits on peers left out) and sample the heap after each: Nanotron's F and B and the W of
+    zb1p/zb2p (``_in_run_ops.time_ops``), and each op of the V engine (its forwards pause inside Nanotron's F, so
+    they are timed here, one chunk each)."""
+    from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
+
+    from nanotron_ext.runtime.timing import StepTimer
+    from nanotron_ext.zero_bubble import engine, v_engine
+
+    time_ops()
+
+    def sampled(fn: Any) -> Any:
+        def op(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                HEAP.sample()
+        return op
+
+    PipelineEngine.forward = sampled(PipelineEngine.forward)
+    PipelineEngine.backward = sampled(PipelineEngine.backward)
+    engine.accumulate_weight_gradients = sampled(engine.accumulate_weight_gradients)
+    do = v_engine._VRun.do
+
+    def timed_do(self: Any, op: Any) -> None:
+        timer = StepTimer.installed()
+        t0, w0 = time.perf_counter(), timer.waited() if timer else 0.0
+        try:
+            do(self, op)
+        finally:
+            V_OPS.append((op.kind, op.stage, time.perf_counter() - t0 - ((timer.waited() if timer else 0.0) - w0)))
+            HEAP.sample()
+
+    v_engine._VRun.do = timed_do
+
+
+def v_split(raw: dict[str, Any], cfg: Any, blocks: Any, machine: Any, ms: Sequence[int]) -> tuple[list[int], dict]:
+    """The V's chunks, and each m's order: ``search_v_split`` from the ``flops`` strategy's 2·pp stages, the blocks
+    priced by the calibrated profile (a block with weights in every chunk); each order the one the simulator chose
+    for that split (``VResult.order``), which the engine then runs."""
+    import dataclasses
+
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.partition.split import bounds_from_ranks
+    from nanotron_ext.partition.v_search import search_v_split
+    from nanotron_ext.partition.v_split import v_simulate
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.strategies.step_time import schedule_problem
+
+    chunked = json.loads(json.dumps(raw))
+    chunked["parallelism"].update(pp=2 * PP, pp_engine="zb1p")
+    ccfg = config_from_dict(chunked, source="zbv_measured_cpu (chunks)")
+    flops = make_plan(inventory_from_config(ccfg), ccfg, STRATEGY, suggest_fixes=False).block_ranks
+    problem = dataclasses.replace(schedule_problem(blocks, cfg.with_overrides(engine="zb1p"), machine), pp=2 * PP)
+    weights = [b.params > 0 for b in blocks]
+    found = search_v_split(problem, bounds_from_ranks(flops, 2 * PP),
+                           valid=lambda bounds: all(any(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
+    bounds = found.bounds or tuple(bounds_from_ranks(flops, 2 * PP))
+    stages = [c for c in range(2 * PP) for _ in range(bounds[c + 1] - bounds[c])]
+    orders = {m: v_simulate(dataclasses.replace(problem, n_micro_batches=m), bounds).order for m in ms}
+    return stages, orders
+
+
+def _build_runs(cfg: Any, ctx: Any, ranks: list[int], stages: list[int], orders: dict,
+                ms: Sequence[int]) -> dict[str, Any]:
+    import torch
+
+    from nanotron_ext.models.profiled_blocks import llama_config_from_shape
+    from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches
+    from nanotron_ext.runtime.timing import StepTimer
+    from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
+
+    lcfg = llama_config_from_shape(cfg)
+    runs = {}
+    for m in ms:
+        for engine in ENGINES:
+            torch.manual_seed(0)
+            placed = {"v_stages": stages} if engine == "zbv" else {"block_ranks": ranks}
+            pipeline = ZeroBubbleVPipelineEngine(order=lambda pp, m, o=orders[m]: o) if engine == "zbv" else engine
+            model = build_cpu_llama(lcfg, ctx, **placed)
+            optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
+            runs[f"{engine}@{m}"] = {
+                "engine": pipeline, "name": engine, "m": m, "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
+                "batches": random_micro_batches(model, ctx, lcfg.vocab_size, 1, cfg.run.sequence_length),
+                "timer": StepTimer(model, ctx), "ops": [], "v_ops": [], "peaks": [], "losses": [],
+            }
+    return runs
+
+
+def _step(run: dict[str, Any], ctx: Any, record: bool) -> None:
+    from nanotron_ext.runtime import train_step
+
+    clear_ops()
+    V_OPS.clear()
+    HEAP.peak = start = HEAP.used()
+    with run["timer"] as timer, timer.step(record=record):
+        run["losses"].append(train_step(run["model"], ctx, run["engine"], run["batches"], run["m"],
+                                        run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
+    if record:
+        run["ops"].append(step_ops())
+        run["v_ops"].append(list(V_OPS))
+        run["peaks"].append(HEAP.peak - start)
+
+
+def _gathered(runs: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    out = {}
+    for key, run in runs.items():
+        per_rank = run["timer"].gather()
+        mine = {"ops": run["ops"], "v_ops": run["v_ops"], "peaks": run["peaks"]}
+        every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if per_rank is not None:
+            out[key] = {"engine": run["name"], "m": run["m"], "losses": run["losses"],
+                        "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
+                        **{k: [r[k] for r in every] for k in mine}}
+    return out
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """One rank: calibrate, plan both splits, train every (m, engine) model in turns; rank 0 writes the JSON."""
+    global HEAP
+    import torch
+    import torch.distributed as dist
+
+    from nanotron_ext.config import config_from_dict
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.machine.calibrate import calibrate
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.runtime import GlooParallelContext
+    from nanotron_ext.simulate import simulate_plan
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    HEAP = _Heap()
+    _instrument()
+    ms = spec["ms"]
+    with GlooParallelContext(1, PP, 1, timeout_s=900) as ctx:
+        cfg = config_from_dict(spec["raw"], source="zbv_measured_cpu")
+        blocks = inventory_from_config(cfg)
+        machine = calibrate(cfg, progress=False)
+        plan = make_plan(blocks, cfg, STRATEGY)
+        stages, orders = v_split(spec["raw"], cfg, blocks, machine, ms)
+        runs = _build_runs(cfg, ctx, list(plan.block_ranks), stages, orders, ms)
+        for run in runs.values():
+            for _ in range(spec["warmup"]):
+                _step(run, ctx, record=False)
+        t0 = time.perf_counter()
+        for r in range(spec["rounds"]):
+            for m in ms:
+                for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
+                    _step(runs[f"{engine}@{m}"], ctx, record=True)
+        train_s = time.perf_counter() - t0
+        gathered = _gathered(runs)
+        if dist.get_rank() == 0:
+            p2p = {m: list(simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=machine,
+                                         engine="1f1b").p2p_times) for m in ms}
+            Path(out_path).write_text(json.dumps({
+                "split": plan.table(), "ranks": list(plan.block_ranks), "stages": stages, "machine": machine.name,
+                "orders": {m: [[list(op) for op in ops] for ops in order] for m, order in orders.items()},
+                "tied_sync": tied_sync(cfg, machine), "p2p": p2p, "train_s": train_s, "runs": gathered,
+                "load_average": os.getloadavg()[0],
+            }))
+
+
+# --- the report ----------------------------------------------------------------------------------------
+
+def v_chunks(run: dict[str, Any]) -> list[Any]:
+    """The V's four chunks as the run timed them: mean F, B and W per virtual stage, and each rank's update (its
+    busy time after the pipeline) on its down chunk. No tied all-reduce: both ends of the tie are on rank 0."""
+    from nanotron_ext.schedule.simulator import StageTimes
+    from nanotron_ext.schedule.zbv import v_rank
+
+    out = []
+    for s in range(2 * PP):
+        rank = v_rank(PP, s)
+        mean = {k: statistics.fmean([t for step in run["v_ops"][rank] for kind, st, t in step if (kind, st) == (k, s)])
+                for k in "FBW"}
+        after = statistics.fmean(r["busy"] - (r["pipeline"] - r["pipeline_idle"]) for r in run["records"][rank])
+        out.append(StageTimes(forward=mean["F"], backward=mean["B"] + mean["W"], weight=mean["W"],
+                              update=after if s < PP else 0.0))
+    return out
+
+
+def simulated(result: dict[str, Any], key: str) -> float:
+    """The step the simulator gives the engine's own program under the run's own ops."""
+    from nanotron_ext.schedule.simulator import simulate
+    from nanotron_ext.schedule.v_replay import replay_v_order
+    from nanotron_ext.schedule.zbv import VOp
+
+    run = result["runs"][key]
+    m, engine = run["m"], run["engine"]
+    p2p = result["p2p"][str(m)][0]
+    if engine == "zbv":
+        # Every cut of the V carries one decoder layer's hidden states, as the contiguous split's one cut does.
+        order = [[VOp(k, int(j), int(st)) for k, j, st in ops] for ops in result["orders"][str(m)]]
+        return replay_v_order(order, v_chunks(run), m, [p2p] * (2 * PP - 1)).step_time
+    return simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=[p2p]).step_time
+
+
+def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], bool]:
+    rows, holds = [], True
+    for m in ms:
+        ref = result["runs"][f"1f1b@{m}"]
+        ref_peak = statistics.median(max(p) for p in zip(*ref["peaks"]))
+        for engine in ENGINES:
+            run = result["runs"][f"{engine}@{m}"]
+            measured = statistics.median(step_times(run))
+            gain = "-"
+            if engine != "1f1b":
+                med, lo, hi, _ = median_interval([a / b for a, b in zip(step_times(ref), step_times(run))])
+                gain = f"{med:.3f}× [{lo:.3f}, {hi:.3f}]"
+            sim = simulated(result, f"{engine}@{m}")
+            holds &= abs(sim / measured - 1) <= SIM_WITHIN
+            peak = statistics.median(max(p) for p in zip(*run["peaks"]))
+            rows.append([m, engine, f"{measured * 1e3:.0f}", gain, f"{sim * 1e3:.0f}", f"{sim / measured:.3f}",
+                         f"{peak / 2**20:.0f}", f"{peak / ref_peak:.2f}"])
+    return rows, holds
+
+
+def launch(spec: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="zbv_measured_cpu_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**MALLOC_ENV, **local_env(ROOT)}
+        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(out_path)], PP, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+        if not run.ok or not out_path.exists():
+            raise RuntimeError(("timed out" if run.deadline_hit else "failed") + ":\n" + run.describe())
+        return json.loads(out_path.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per model (default 9; quick 3)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; quick 4)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 64)")
+    parser.add_argument("--m", type=int, action="append", default=None, help="micro-batches (default 4 and 8)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
+    parser.add_argument("--quick", action="store_true", help="4 layers, sequence 64, 3 rounds")
+    parser.add_argument("--out", default=None, help="also write the raw JSON here")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 9)
+    layers, seq = args.layers or (4 if args.quick else 8), args.seq or (64 if args.quick else 128)
+    ms = sorted(set(args.m or [4, 8]))
+    if rounds < 1 or layers < 2 or seq < 1 or min(ms) < PP - 1:
+        parser.error(f"--rounds and --seq must be >= 1, --layers >= 2 and --m >= {PP - 1}")
+    import torch
+
+    print(f"Reproduce: `python {shlex.join(['benchmarks/zbv_measured_cpu.py', *argv])}`\n")
+    print(f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}; 2 processes × 1 thread "
+          f"(gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up + {rounds} timed step(s) "
+          f"per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n")
+    started = time.perf_counter()
+    result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup})
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"1F1B, zb1p, zb2p: {STRATEGY!r} split, block ranks {result['ranks']}; zbv: the V search_v_split cut under "
+          f"the calibrated profile, virtual stages {result['stages']} (rank 0: chunks 0 and 3)\n")
+    rows, holds = report(result, ms)
+    print(table(["m", "engine", "measured step ms", "gain over 1F1B (median, 95 % CI)", "simulated ms (run's ops)",
+                 "simulated ÷ measured", "peak MiB", "peak ÷ 1F1B's"], rows, markdown=True))
+    print(f"\nCHECK (every simulated step within {SIM_WITHIN:.0%} of measured): {'HOLDS' if holds else 'DOES NOT HOLD'}")
+    print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
+          f"end {result['load_average']:.1f}")
+    return 0 if holds else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

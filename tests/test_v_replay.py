@@ -1,0 +1,61 @@
+"""``replay_v_order`` (``nanotron_ext.schedule.v_replay``): the step of the V order the engine runs, under real times."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotron_ext.schedule.simulator import StageTimes
+from nanotron_ext.schedule.v_replay import replay_v_order
+from nanotron_ext.schedule.zbv import VOp, _schedule, zbv_order
+
+UNIT = StageTimes(1.0, 2.0, weight=1.0)
+
+
+def _ops(text: str) -> list[VOp]:
+    return [VOp(s[0], int(s[1:].split("@")[0]), int(s.split("@")[1])) for s in text.split()]
+
+
+def test_a_two_rank_micro_batch_by_hand() -> None:
+    """F 1, B 1 (of a backward of 2), W 1, every crossing 0.5; the cut at the V's bottom (stage 1 to 2) costs nothing."""
+    order = [_ops("F0@0 F0@3 B0@3 W0@3 B0@0 W0@0"), _ops("F0@1 F0@2 B0@2 W0@2 B0@1 W0@1")]
+    result = replay_v_order(order, [UNIT] * 4, 1, p2p_time=0.5)
+    starts = {(o.kind, o.stage): o.start for o in result.ops}
+    assert starts == {("F", 0): 0.0, ("F", 1): 1.5, ("F", 2): 2.5, ("F", 3): 4.0, ("B", 3): 5.0, ("W", 3): 6.0,
+                      ("B", 2): 6.5, ("W", 2): 7.5, ("B", 1): 8.5, ("W", 1): 9.5, ("B", 0): 10.0, ("W", 0): 11.0}
+    assert result.pipeline_time == 12.0
+    assert result.busy == (6.0, 6.0)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_on_equal_times_the_engines_order_takes_what_its_list_schedule_took(pp: int, m: int) -> None:
+    _, times = _schedule([UNIT] * (2 * pp), m, [0.0] * (2 * pp - 1), None)
+    result = replay_v_order(zbv_order(pp, m), [UNIT] * (2 * pp), m)
+    assert {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in result.ops} == {
+        tuple(op): span for op, span in times.items()}
+
+
+def test_the_update_follows_the_pipeline_on_the_slower_rank() -> None:
+    chunks = [StageTimes(1.0, 2.0, weight=1.0, update=u) for u in (0.5, 0.25, 0.25, 1.0)]
+    result = replay_v_order(zbv_order(2, 2), chunks, 2)
+    assert result.step_time == result.pipeline_time + 1.5  # rank 0 holds stages 0 and 3
+
+
+def test_an_order_that_waits_forever_or_misses_an_op_is_refused() -> None:
+    good = zbv_order(2, 1)
+    stuck = [_ops("F0@3 F0@0 B0@3 W0@3 B0@0 W0@0"), good[1]]  # rank 0's up chunk before the down chunk feeds it
+    with pytest.raises(ValueError, match=r"waits forever.*0: 'F0@3'"):
+        replay_v_order(stuck, [UNIT] * 4, 1)
+    with pytest.raises(ValueError, match="rank 1's order is not each F, B and W of its chunks 1 and 2 once"):
+        replay_v_order([good[0], good[1][:-1]], [UNIT] * 4, 1)
+
+
+def test_the_simulators_chosen_order_replays_to_its_own_step() -> None:
+    """simulate_zbv keeps the order of the rule it chose; replayed (what the engine runs) it takes no longer."""
+    from nanotron_ext.schedule.zbv import simulate_zbv
+
+    chunks = [StageTimes(1.0, 3.0, weight=1.0), StageTimes(2.0, 4.0, weight=2.0), StageTimes(1.5, 3.0, weight=0.5),
+              StageTimes(3.0, 6.0, weight=2.0)]
+    result = simulate_zbv(chunks, 4, 0.25)
+    assert [len(ops) for ops in result.order] == [24, 24]
+    assert replay_v_order(result.order, chunks, 4, 0.25).pipeline_time <= result.pipeline_time + 1e-12
