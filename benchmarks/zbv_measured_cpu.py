@@ -2,10 +2,10 @@
 zb1p and zb2p, on Nanotron's engine, next to the step the simulator predicts for each from the run's own ops.
 
 Two real processes (gloo, one thread each) at pp=2 run the CPU runtime on the SmolLM-135M shape of
-``zb_measured_cpu.py`` (fewer layers, a shorter sequence, fp32). 1F1B, zb1p and zb2p train the ``flops`` strategy's
-contiguous split; zbv trains four chunks folded into a V (rank 0 holds chunks 0 and 3, the embedding and the loss;
-rank 1 chunks 1 and 2), cut by ``search_v_split`` for the simulated V step under the profile ``calibrate`` takes in
-the same processes, and runs the order the simulator chose for them. For each micro-batch count ``m``
+``zb_measured_cpu.py`` (fewer layers, a shorter sequence, fp32). Every engine trains its own split under the profile
+``calibrate`` takes in the same processes: 1F1B, zb1p and zb2p the planner's default for that engine and ``m`` (as
+``plan --engine E --machine`` gives it); zbv four chunks folded into a V (rank 0 holds chunks 0 and 3, the embedding and the loss;
+rank 1 chunks 1 and 2): the plan ``make_v_plan`` makes under the same profile, whose order the engine runs. For each micro-batch count ``m``
 one model per engine, all alive in the same processes, trained in interleaved turns (the engines' order alternates
 every round), so load from other processes slows every engine alike. Reported per engine:
 
@@ -17,7 +17,7 @@ every round), so load from other processes slows every engine alike. Reported pe
 * simulated step from the run's own ops (each rank's mean F, B and W, per chunk under zbv, and its update; links and
   the tied all-reduce as ``calibrate`` priced them in the same processes): 1F1B, zb1p and zb2p through the
   simulator's program, zbv through :func:`~nanotron_ext.schedule.v_replay.replay_v_order` of the order the engine
-  ran. Issue 43 asks within 5 %.
+  ran; each cut's transfer as the plans priced it from the calibration. Issue 43 asks within 5 %.
 
 Exit status 1 unless every simulated step is within 5 % of the measured one.
 
@@ -51,7 +51,6 @@ from nanotron_ext.report import table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PP = 2
 ENGINES = ("1f1b", "zb1p", "zb2p", "zbv")
-STRATEGY = "flops"
 SIM_WITHIN = 0.05
 WORLD_TIMEOUT_S = 1800.0
 
@@ -117,35 +116,7 @@ def _instrument() -> None:
     v_engine._VRun.do = timed_do
 
 
-def v_split(raw: dict[str, Any], cfg: Any, blocks: Any, machine: Any, ms: Sequence[int]) -> tuple[list[int], dict]:
-    """The V's chunks, and each m's order: ``search_v_split`` from the ``flops`` strategy's 2·pp stages, the blocks
-    priced by the calibrated profile (a block with weights in every chunk); each order the one the simulator chose
-    for that split (``VResult.order``), which the engine then runs."""
-    import dataclasses
-
-    from nanotron_ext.config import config_from_dict
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.partition.split import bounds_from_ranks
-    from nanotron_ext.partition.v_search import search_v_split
-    from nanotron_ext.partition.v_split import v_simulate
-    from nanotron_ext.plan import make_plan
-    from nanotron_ext.strategies.step_time import schedule_problem
-
-    chunked = json.loads(json.dumps(raw))
-    chunked["parallelism"].update(pp=2 * PP, pp_engine="zb1p")
-    ccfg = config_from_dict(chunked, source="zbv_measured_cpu (chunks)")
-    flops = make_plan(inventory_from_config(ccfg), ccfg, STRATEGY, suggest_fixes=False).block_ranks
-    problem = dataclasses.replace(schedule_problem(blocks, cfg.with_overrides(engine="zb1p"), machine), pp=2 * PP)
-    weights = [b.params > 0 for b in blocks]
-    found = search_v_split(problem, bounds_from_ranks(flops, 2 * PP),
-                           valid=lambda bounds: all(any(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
-    bounds = found.bounds or tuple(bounds_from_ranks(flops, 2 * PP))
-    stages = [c for c in range(2 * PP) for _ in range(bounds[c + 1] - bounds[c])]
-    orders = {m: v_simulate(dataclasses.replace(problem, n_micro_batches=m), bounds).order for m in ms}
-    return stages, orders
-
-
-def _build_runs(cfg: Any, ctx: Any, ranks: list[int], stages: list[int], orders: dict,
+def _build_runs(cfg: Any, ctx: Any, ranks: dict[str, list[int]], v_plans: dict[int, Any],
                 ms: Sequence[int]) -> dict[str, Any]:
     import torch
 
@@ -159,8 +130,9 @@ def _build_runs(cfg: Any, ctx: Any, ranks: list[int], stages: list[int], orders:
     for m in ms:
         for engine in ENGINES:
             torch.manual_seed(0)
-            placed = {"v_stages": stages} if engine == "zbv" else {"block_ranks": ranks}
-            pipeline = ZeroBubbleVPipelineEngine(order=lambda pp, m, o=orders[m]: o) if engine == "zbv" else engine
+            placed = {"v_stages": v_plans[m].stages} if engine == "zbv" else {"block_ranks": ranks[f"{engine}@{m}"]}
+            pipeline = (ZeroBubbleVPipelineEngine(order=lambda pp, m, o=v_plans[m].order: o) if engine == "zbv"
+                        else engine)
             model = build_cpu_llama(lcfg, ctx, **placed)
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
             runs[f"{engine}@{m}"] = {
@@ -212,6 +184,7 @@ def worker(spec_path: str, out_path: str) -> None:
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.machine.calibrate import calibrate
     from nanotron_ext.plan import make_plan
+    from nanotron_ext.plan.v_plan import make_v_plan
     from nanotron_ext.runtime import GlooParallelContext
     from nanotron_ext.simulate import simulate_plan
 
@@ -224,9 +197,15 @@ def worker(spec_path: str, out_path: str) -> None:
         cfg = config_from_dict(spec["raw"], source="zbv_measured_cpu")
         blocks = inventory_from_config(cfg)
         machine = calibrate(cfg, progress=False)
-        plan = make_plan(blocks, cfg, STRATEGY)
-        stages, orders = v_split(spec["raw"], cfg, blocks, machine, ms)
-        runs = _build_runs(cfg, ctx, list(plan.block_ranks), stages, orders, ms)
+        # Each contiguous engine on the split the planner gives it under this profile (its default strategy), as
+        # `plan --engine E --machine` would: every engine on its own best split, the V on its own.
+        profile = Path(spec_path).with_name(f"machine-{dist.get_rank()}.json")
+        profile.write_text(machine.to_json())
+        plans = {f"{e}@{m}": make_plan(blocks, cfg.with_overrides(engine=e, n_micro_batches=m,
+                                                                   machine=str(profile)))
+                 for m in ms for e in ENGINES if e != "zbv"}
+        v_plans = {m: make_v_plan(blocks, cfg.with_overrides(n_micro_batches=m, machine=str(profile))) for m in ms}
+        runs = _build_runs(cfg, ctx, {k: list(p.block_ranks) for k, p in plans.items()}, v_plans, ms)
         for run in runs.values():
             for _ in range(spec["warmup"]):
                 _step(run, ctx, record=False)
@@ -238,14 +217,21 @@ def worker(spec_path: str, out_path: str) -> None:
         train_s = time.perf_counter() - t0
         gathered = _gathered(runs)
         if dist.get_rank() == 0:
-            p2p = {m: list(simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=machine,
-                                         engine="1f1b").p2p_times) for m in ms}
+            p2p = {k: list(simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=plan_m(k)),
+                                         machine=machine, engine=k.split("@")[0]).p2p_times) for k, plan in plans.items()}
             Path(out_path).write_text(json.dumps({
-                "split": plan.table(), "ranks": list(plan.block_ranks), "stages": stages, "machine": machine.name,
-                "orders": {m: [[list(op) for op in ops] for ops in order] for m, order in orders.items()},
+                "ranks": {k: list(p.block_ranks) for k, p in plans.items()}, "machine": machine.name,
+                "stages": {m: p.stages for m, p in v_plans.items()},
+                "orders": {m: [[list(op) for op in ops] for ops in p.order] for m, p in v_plans.items()},
+                "v_planned": {m: p.step_time for m, p in v_plans.items()}, "v_p2p": {m: p.p2p for m, p in v_plans.items()},
                 "tied_sync": tied_sync(cfg, machine), "p2p": p2p, "train_s": train_s, "runs": gathered,
                 "load_average": os.getloadavg()[0],
             }))
+
+
+def plan_m(key: str) -> int:
+    """The micro-batch count of a run's key (``engine@m``)."""
+    return int(key.split("@")[1])
 
 
 # --- the report ----------------------------------------------------------------------------------------
@@ -275,12 +261,10 @@ def simulated(result: dict[str, Any], key: str) -> float:
 
     run = result["runs"][key]
     m, engine = run["m"], run["engine"]
-    p2p = result["p2p"][str(m)][0]
     if engine == "zbv":
-        # Every cut of the V carries one decoder layer's hidden states, as the contiguous split's one cut does.
         order = [[VOp(k, int(j), int(st)) for k, j, st in ops] for ops in result["orders"][str(m)]]
-        return replay_v_order(order, v_chunks(run), m, [p2p] * (2 * PP - 1)).step_time
-    return simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=[p2p]).step_time
+        return replay_v_order(order, v_chunks(run), m, result["v_p2p"][str(m)]).step_time
+    return simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=result["p2p"][key]).step_time
 
 
 def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], bool]:
@@ -344,8 +328,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup})
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"1F1B, zb1p, zb2p: {STRATEGY!r} split, block ranks {result['ranks']}; zbv: the V search_v_split cut under "
-          f"the calibrated profile, virtual stages {result['stages']} (rank 0: chunks 0 and 3)\n")
+    print("Each engine on its own split under the profile calibrated in the run: 1F1B, zb1p and zb2p the planner's "
+          "default (block ranks), zbv the V make_v_plan cuts (virtual stages; rank 0 holds chunks 0 and 3):\n")
+    for key, ranks in result["ranks"].items():
+        print(f"- {key}: {ranks}")
+    for m, stages in result["stages"].items():
+        print(f"- zbv@{m}: {stages}")
+    print()
     rows, holds = report(result, ms)
     print(table(["m", "engine", "measured step ms", "gain over 1F1B (median, 95 % CI)", "simulated ms (run's ops)",
                  "simulated ÷ measured", "peak MiB", "peak ÷ 1F1B's"], rows, markdown=True))

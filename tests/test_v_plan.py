@@ -26,12 +26,15 @@ def _tiny(**ext: object):
 
 
 def _every_split(cfg, blocks) -> dict[tuple[int, ...], tuple[float, float]]:
-    """Every split into four chunks: its best simulated step (the loss chunk's W deferred or at once), its peak."""
+    """Every split into four chunks that each train something: its best simulated step (the loss chunk's W deferred or at once), its peak."""
     chunked = cfg.with_overrides(pp=4, engine="zb1p")
     problem = schedule_problem(blocks, chunked)
     out = {}
+    trains = [b.trainable > 0 for b in blocks]
     for cuts in itertools.combinations(range(1, len(blocks)), 3):
         bounds = (0, *cuts, len(blocks))
+        if not all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:])):
+            continue  # a chunk that trains nothing (the cast, the loss alone) is not a V the plan may take
         results = [v_simulate(problem, bounds, eager) for eager in ((), (3,))]
         best = min(results, key=lambda r: r.step_time)
         out[bounds] = (best.step_time, max(x.peak for x in v_peaks(blocks, chunked, bounds, best)))
@@ -51,6 +54,8 @@ def test_the_tiny_models_v_is_the_fastest_split_and_prints_two_chunks_per_rank()
         assert f"{r}: " in row and f"{3 - r}: " in row  # the rank's way down and way up
     assert "loss" in text.splitlines()[2]  # rank 0 holds the loss chunk
     assert json.loads(json.dumps(plan.to_dict()))["bounds"] == list(plan.bounds)
+    assert all(any(b.trainable for b in blocks[lo:hi]) for lo, hi in zip(plan.bounds, plan.bounds[1:]))
+    assert len(plan.p2p) == 3 and plan.p2p[0] > 0  # one figure per cut, as priced
 
 
 def test_each_rank_is_held_to_the_memory_cap() -> None:

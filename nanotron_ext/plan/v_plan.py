@@ -3,14 +3,16 @@ rank's memory, with the order the engine runs. Plain data that prints (two chunk
 
 :func:`make_v_plan` searches the split (:func:`~nanotron_ext.partition.v_search.search_v_split`, from the
 FLOP-balanced ``2 pp`` stages), every chunk priced as the config prices a stage (its machine profile, or the analytic
-model), each rank's peak in bytes (both chunks at the moments they coincide) held to the config's memory limit. A
-rank must train something (DDP refuses a rank without a gradient, as for a contiguous stage). The loss chunk's ``W``
+model), each rank's peak in bytes (both chunks at the moments they coincide) held to the config's memory limit.
+Every chunk must train something: as a contiguous stage must (DDP refuses a rank without a gradient), and a chunk
+of frozen or weightless blocks alone (the cast, the loss) only adds a crossing, one of the logits at that. The loss chunk's ``W``
 is tried deferred and at once, and the faster kept. The plan keeps the order the simulator chose: the program
 ``ZeroBubbleVPipelineEngine`` runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from nanotron_ext.blocks import BlockInfo, short_name
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
+from nanotron_ext.machine import machine_for
 from nanotron_ext.machine.memory_limit import memory_limit
 from nanotron_ext.partition.split import bounds_from_ranks
 from nanotron_ext.partition.v_search import search_v_split
@@ -44,6 +47,7 @@ class VPlan:
         step_time, bubble: the simulated ZB-V step (s) and its pipeline bubble.
         peaks: each rank's estimated peak (bytes), both chunks at the moments they coincide.
         limit: the bytes each rank was held to (None: no limit known).
+        p2p: each of the ``2 pp - 1`` cuts' transfer (s), as priced (the cut at the V's bottom stays on its rank).
         eager: the chunks whose ``W`` runs right after its ``B``.
         proven: whether the search proved the split the best under its rules (else its budget ran out).
         order: each rank's ops, in the order the engine runs them.
@@ -57,6 +61,7 @@ class VPlan:
     bubble: float
     peaks: tuple[float, ...]
     limit: float | None
+    p2p: tuple[float, ...]
     eager: tuple[int, ...]
     proven: bool
     order: tuple[tuple[VOp, ...], ...]
@@ -99,26 +104,28 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     """The V split of ``blocks`` over ``cfg.run.pp`` ranks with the least simulated step that fits each rank.
 
     Raises:
-        PlanningError: fewer blocks than ``2 pp`` chunks, or no split trains on every rank within the memory limit
+        PlanningError: fewer blocks than ``2 pp`` chunks, or no split trains in every chunk within the memory limit
             (naming the limit and the least peak a rank can have).
     """
     pp, m = cfg.run.pp, cfg.run.n_micro_batches
     if len(blocks) < 2 * pp:
         raise PlanningError(f"a V over pp={pp} ranks cuts the model into {2 * pp} chunks, but it has {len(blocks)} "
                             f"pipeline blocks; lower pp to {len(blocks) // 2} or less, or use pp_engine zb1p")
-    chunked = cfg.with_overrides(pp=2 * pp, engine="zb1p")
+    # Chunks are priced as the stages of a 2 pp pipeline, with the config's own machine (whose key is this pp's).
+    machine = machine_for(cfg, blocks)
+    chunked = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, machine=None)).with_overrides(
+        pp=2 * pp, engine="zb1p")
     # The seed need not fit (the search keeps only splits that do): planned under a cap every split meets.
     unbounded = chunked.with_overrides(memory_cap_gib=1e6)
     seed = tuple(bounds_from_ranks(make_plan(blocks, unbounded, "flops", suggest_fixes=False).block_ranks, 2 * pp))
-    problem = schedule_problem(blocks, chunked)
+    problem = schedule_problem(blocks, chunked, machine)
     limit = memory_limit(cfg)
     cap = None if limit is None else limit.bytes
     trains = [b.trainable > 0 for b in blocks]
 
     def valid(bounds: Sequence[int]) -> bool:
-        chunks = [any(trains[a:b]) for a, b in zip(bounds, bounds[1:])]
-        every_rank = all(chunks[r] or chunks[2 * pp - 1 - r] for r in range(pp))
-        return every_rank and (cap is None or max(v_floors(blocks, chunked, bounds)) <= cap)
+        every_chunk = all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:]))
+        return every_chunk and (cap is None or max(v_floors(blocks, chunked, bounds)) <= cap)
 
     def fits(bounds: Sequence[int], result: Any) -> bool:
         return cap is None or max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
@@ -129,12 +136,14 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     eager, found = min(tries.items(), key=lambda kv: kv[1].step)
     if found.bounds is None:
         floor = max(v_floors(blocks, chunked, seed))
-        where = f"under {limit}" if limit is not None else "with a trainable block on every rank"
+        where = f"under {limit}" if limit is not None else "with a trainable block in every chunk"
         raise PlanningError(f"no V split of {len(blocks)} blocks over pp={pp} ranks fits {where}: the FLOP-balanced "
                             f"chunks need at least {floor / GIB:.2f} GiB on one rank; use pp_engine zb1p, or raise "
                             f"pp, tp or the memory")
     result = v_simulate(problem, found.bounds, eager, None if budgets is None else budgets(found.bounds))
+    _, p2p, _ = problem.simulator_inputs(found.bounds)
     peaks = tuple(x.peak for x in v_peaks(blocks, chunked, found.bounds, result))
     return VPlan(pp=pp, n_micro_batches=m, blocks=tuple(b.name for b in blocks), bounds=tuple(found.bounds),
                  step_time=result.step_time, bubble=result.pipeline_bubble_fraction, peaks=peaks, limit=cap,
+                 p2p=tuple(float(t) for t in p2p),
                  eager=tuple(eager), proven=found.proven, order=result.order)
