@@ -74,6 +74,20 @@ def test_each_rank_is_held_to_the_memory_cap() -> None:
         make_v_plan(small_blocks, small)
 
 
+def test_every_chunk_trains_something_even_where_a_chunk_of_frozen_blocks_would_be_faster() -> None:
+    """The embedding frozen: the first chunk must reach decoder.0, the first block that trains; with decoder.0 frozen
+    too, three blocks train and no V of four chunks can."""
+    cfg, blocks = _tiny(freeze={"modules": ["embedding"]})
+    plan = make_v_plan(blocks, cfg)
+    assert plan.chunk(0) == ("model.token_position_embeddings", "model.decoder.0")
+    assert all(any(b.trainable for b in blocks[lo:hi]) for lo, hi in zip(plan.bounds, plan.bounds[1:]))
+    cfg, blocks = _tiny(freeze={"modules": ["embedding", "decoder.0"]})
+    with pytest.raises(PlanningError, match=r"a V over pp=2 ranks needs a trainable block in each of its 4 chunks; "
+                                            r"3 blocks train \(decoder.1, final_norm, lm_head\): unfreeze one, lower pp "
+                                            r"or use pp_engine zb1p"):
+        make_v_plan(blocks, cfg)
+
+
 def test_a_model_with_fewer_blocks_than_chunks_is_refused() -> None:
     cfg = load_config(TINY, pp=4)
     with pytest.raises(PlanningError, match=r"cuts the model into 8 chunks, but it has 7 pipeline blocks; lower pp "

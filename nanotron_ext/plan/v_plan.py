@@ -122,6 +122,10 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     limit = memory_limit(cfg)
     cap = None if limit is None else limit.bytes
     trains = [b.trainable > 0 for b in blocks]
+    if sum(trains) < 2 * pp:
+        names = compact_names([short_name(b.name) for b in blocks if b.trainable > 0])
+        raise PlanningError(f"a V over pp={pp} ranks needs a trainable block in each of its {2 * pp} chunks; "
+                            f"{sum(trains)} blocks train ({names}): unfreeze one, lower pp or use pp_engine zb1p")
 
     def valid(bounds: Sequence[int]) -> bool:
         every_chunk = all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:]))
