@@ -296,25 +296,23 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
     return lines + ["", "Where the time goes (median per step):", *notes], holds
 
 
-def launch(spec: dict[str, Any]) -> dict[str, Any]:
-    """:func:`worker` in two fresh processes; rank 0's JSON."""
-    with tempfile.TemporaryDirectory(prefix="zb_measured_cpu_") as tmp:
+def launch(spec: dict[str, Any], script: str = __file__, timeout: float = WORLD_TIMEOUT_S) -> dict[str, Any]:
+    """``script``'s ``worker`` (this one's by default) in two fresh processes; rank 0's JSON."""
+    with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = {**MALLOC_ENV, **local_env(ROOT)}
-        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(out_path)], PP, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+        run = run_local_ranks([sys.executable, str(Path(script).resolve()), "--worker", str(spec_path),
+                               str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)
         if not run.ok or not out_path.exists():
             raise RuntimeError(("timed out" if run.deadline_hit else "failed") + ":\n" + run.describe())
         return json.loads(out_path.read_text())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        worker(argv[1], argv[2])
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_args(description: str, argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments of the measured-engine benchmarks, with defaults resolved: ``rounds``, ``layers``, ``seq``,
+    ``ms`` (sorted micro-batch counts), ``warmup``, ``out``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per model (default 9; quick 3)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; quick 4)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 64)")
@@ -323,11 +321,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 layers, sequence 64, 3 rounds")
     parser.add_argument("--out", default=None, help="also write the raw JSON here")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 9)
-    layers, seq = args.layers or (4 if args.quick else 8), args.seq or (64 if args.quick else 128)
-    ms = sorted(set(args.m or [4, 8]))
-    if rounds < 1 or layers < 1 or seq < 1 or min(ms) < PP - 1:
-        parser.error(f"--rounds, --layers and --seq must be >= 1 and --m >= {PP - 1}")
+    args.rounds = args.rounds or (3 if args.quick else 9)
+    args.layers, args.seq = args.layers or (4 if args.quick else 8), args.seq or (64 if args.quick else 128)
+    args.ms = sorted(set(args.m or [4, 8]))
+    if args.rounds < 1 or args.layers < 2 or args.seq < 1 or min(args.ms) < PP - 1:
+        parser.error(f"--rounds and --seq must be >= 1, --layers >= 2 and --m >= {PP - 1}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    args = run_args(__doc__.split("\n\n")[0], argv)
+    rounds, layers, seq, ms = args.rounds, args.layers, args.seq, args.ms
     import torch
 
     print(f"Reproduce: `python {shlex.join(['benchmarks/zb_measured_cpu.py', *argv])}`\n")

@@ -27,14 +27,12 @@ Usage: ``python benchmarks/zbv_measured_cpu.py [--rounds R] [--layers L] [--seq 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,10 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _in_run_ops import clear_ops, in_run_stages, step_ops, step_times, tied_sync, time_ops  # noqa: E402
-from measured_cpu import MALLOC_ENV  # noqa: E402
-from zb_measured_cpu import median_interval, raw_config  # noqa: E402
+from zb_measured_cpu import launch, median_interval, raw_config, run_args  # noqa: E402
 
-from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 from nanotron_ext.report import table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,37 +283,13 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], 
     return rows, holds
 
 
-def launch(spec: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="zbv_measured_cpu_") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**MALLOC_ENV, **local_env(ROOT)}
-        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(out_path)], PP, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
-        if not run.ok or not out_path.exists():
-            raise RuntimeError(("timed out" if run.deadline_hit else "failed") + ":\n" + run.describe())
-        return json.loads(out_path.read_text())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         worker(argv[1], argv[2])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per model (default 9; quick 3)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; quick 4)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 64)")
-    parser.add_argument("--m", type=int, action="append", default=None, help="micro-batches (default 4 and 8)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
-    parser.add_argument("--quick", action="store_true", help="4 layers, sequence 64, 3 rounds")
-    parser.add_argument("--out", default=None, help="also write the raw JSON here")
-    args = parser.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 9)
-    layers, seq = args.layers or (4 if args.quick else 8), args.seq or (64 if args.quick else 128)
-    ms = sorted(set(args.m or [4, 8]))
-    if rounds < 1 or layers < 2 or seq < 1 or min(ms) < PP - 1:
-        parser.error(f"--rounds and --seq must be >= 1, --layers >= 2 and --m >= {PP - 1}")
+    args = run_args(__doc__.split("\n\n")[0], argv)
+    rounds, layers, seq, ms = args.rounds, args.layers, args.seq, args.ms
     import torch
 
     print(f"Reproduce: `python {shlex.join(['benchmarks/zbv_measured_cpu.py', *argv])}`\n")
@@ -325,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up + {rounds} timed step(s) "
           f"per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n")
     started = time.perf_counter()
-    result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup})
+    result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup},
+                    script=__file__, timeout=WORLD_TIMEOUT_S)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print("Each engine on its own split under the profile calibrated in the run: 1F1B, zb1p and zb2p the planner's "
