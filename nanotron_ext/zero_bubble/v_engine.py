@@ -23,6 +23,7 @@ each parameter (each chunk's ops run in micro-batch order), and reduced over dp 
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -223,10 +224,10 @@ class _VRun:
         self.outputs: list[dict[str, Any]] = []
         self.trace: list[VOp] = []
 
-    def pauses(self, stages: list[int]) -> Any:
-        """Install the pause on the block that starts this rank's up chunk (a context manager)."""
-        up = 2 * self.pp - 1 - self.rank
-        block = _blocks(self.model)[stages.index(up)]
+    @contextlib.contextmanager
+    def pauses(self, stages: list[int]) -> Iterator[None]:
+        """Install the pause on the block that starts this rank's up chunk, for the step."""
+        block = _blocks(self.model)[stages.index(2 * self.pp - 1 - self.rank)]
         original = block.forward
         bottom = self.rank == self.pp - 1
 
@@ -238,14 +239,11 @@ class _VRun:
                     kwargs = self._cut(kwargs)
             return original(**kwargs)
 
-        class _Installed:
-            def __enter__(self_) -> None:
-                block.forward = forward
-
-            def __exit__(self_, *exc: object) -> None:
-                block.__dict__.pop("forward", None)
-
-        return _Installed()
+        block.forward = forward  # an instance attribute: nn.Module's __call__ finds it first
+        try:
+            yield
+        finally:
+            block.__dict__.pop("forward", None)
 
     def _cut(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """At the V's bottom: the up chunk starts from detached copies of what the down chunk handed it."""
