@@ -9,11 +9,10 @@ crosses ranks), which is what the engine's blocking receives do.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from nanotron_ext.schedule.simulator import Op, StageTimes, check_stage_times, per_cut_p2p
-from nanotron_ext.schedule.zbv import VOp, VResult, _peak, _ready_after, v_rank
+from nanotron_ext.schedule.simulator import StageTimes, check_stage_times, per_cut_p2p
+from nanotron_ext.schedule.zbv import VOp, VResult, _ready_after, v_rank, v_result
 
 __all__ = ["replay_v_order"]
 
@@ -58,14 +57,4 @@ def replay_v_order(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes],
         if not moved:
             stuck = {r: str(order[r][nxt[r]]) for r in range(pp) if nxt[r] < len(order[r])}
             raise ValueError(f"the order waits forever: each rank's next op needs one not run yet ({stuck})")
-    ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
-    pipeline = max(free)
-    busy = tuple(math.fsum(o.duration for o in ops if v_rank(pp, o.stage) == r) for r in range(pp))
-    updates = [chunks[r].update + chunks[2 * pp - 1 - r].update for r in range(pp)]
-    idle = math.fsum(max(0.0, pipeline - b) for b in busy)
-    return VResult(
-        pp=pp, n_micro_batches=m, ops=tuple(ops), step_time=pipeline + max(updates), pipeline_time=pipeline,
-        busy=busy, pipeline_bubble_fraction=idle / (pp * pipeline) if pipeline > 0 else 0.0,
-        peak_in_flight=tuple(_peak(ops, pp, r, "B") for r in range(pp)),
-        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)),
-    )
+    return v_result(chunks, m, times, order)

@@ -34,7 +34,7 @@ from typing import Literal, NamedTuple
 
 from nanotron_ext.schedule.simulator import Op, StageTimes, check_stage_times, per_cut_p2p
 
-__all__ = ["POLICIES", "Policy", "VBudget", "VMoment", "VOp", "VResult", "simulate_zbv", "v_moments", "v_rank",
+__all__ = ["POLICIES", "Policy", "VBudget", "VMoment", "VOp", "VResult", "simulate_zbv", "v_moments", "v_rank", "v_result",
            "zbv_order"]
 
 Kind = Literal["F", "B", "W"]
@@ -311,9 +311,16 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         raise ValueError(f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
                          f"give the ranks more memory")
     order, times = min(found, key=lambda found: max(end for _, end in found[1].values()))
+    return v_result(chunks, n_micro_batches, times, order)
+
+
+def v_result(chunks: Sequence[StageTimes], n_micro_batches: int, times: dict[VOp, tuple[float, float]],
+             order: Sequence[Sequence[VOp]]) -> VResult:
+    """The :class:`VResult` of a V step whose ops ran at ``times`` (start, end) in ``order`` (one home for what a
+    simulated step and a replayed order report)."""
+    pp = len(chunks) // 2
     ops = [Op(op.stage, op.kind, op.micro_batch, start, end) for op, (start, end) in times.items()]
-    clock = [max(end for op, (_, end) in times.items() if v_rank(pp, op.stage) == r) for r in range(pp)]
-    pipeline = max(clock)
+    pipeline = max(end for _, end in times.values())
     updates = [chunks[r].update + chunks[2 * pp - 1 - r].update for r in range(pp)]
     busy = tuple(math.fsum(o.duration for o in ops if v_rank(pp, o.stage) == r) for r in range(pp))
     idle = math.fsum(max(0.0, pipeline - b) for b in busy)
