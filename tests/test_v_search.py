@@ -24,7 +24,7 @@ from nanotron_ext.partition.v_split import (
 )
 from nanotron_ext.strategies.step_time import schedule_problem
 
-CASES = [("tiny_llama_large_vocab.yaml", 2, None), ("smollm_135m.yaml", 2, 6), ("smollm_135m.yaml", 3, 6)]
+CASES = [("tiny_llama_large_vocab.yaml", 2, None), ("smollm_135m.yaml", 2, 6), ("smollm_135m.yaml", 3, 7)]
 
 
 @functools.cache

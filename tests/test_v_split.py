@@ -34,7 +34,7 @@ def test_the_descent_never_loses_stops_where_no_move_helps_and_nears_the_best_sp
     for seed in splits[:: max(1, len(splits) // 6)]:
         found = descend_v_split(problem, seed, valid=valid)
         assert found.seed_step == steps[seed] and found.step <= found.seed_step
-        assert found.step == steps[found.bounds] and found.step <= best * within
+        assert found.step == steps[found.bounds] and found.step <= best * within * (1 + 1e-12)  # ties round apart
         for cut, move in itertools.product(range(1, len(seed) - 1), MOVES):
             neighbour = list(found.bounds)
             neighbour[cut] += move

@@ -42,6 +42,7 @@ __all__ = [
     "ideal_bubble_fraction",
     "per_cut_p2p",
     "simulate",
+    "step_record",
 ]
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def simulate(
     ]
 
     per_stage, clock = _replay(programs, stages, p2p, engine)
-    return _result(engine, m, stages, per_stage, max(clock), p2p)
+    return step_record(engine, m, stages, per_stage, max(clock), p2p)
 
 
 def per_cut_p2p(p2p_time: float | Sequence[float], pp: int) -> list[float]:
@@ -239,7 +240,7 @@ def format_p2p(p2p_times: Sequence[float]) -> str:
     return "|".join(f"{t * 1e3:.3f}" for t in p2p_times) + " ms per cut"
 
 
-def _result(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[list[Op]], pipeline_time: float,
+def step_record(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[list[Op]], pipeline_time: float,
             p2p_times: list[float]) -> SimResult:
     """The step's record: the updates after the pipeline, busy and idle time per stage, bubble fractions."""
     pp = len(stages)

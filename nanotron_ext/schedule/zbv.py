@@ -32,9 +32,16 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from nanotron_ext.schedule.simulator import Op, StageTimes, check_stage_times, per_cut_p2p
+from nanotron_ext.schedule.simulator import (
+    Op,
+    SimResult,
+    StageTimes,
+    check_stage_times,
+    per_cut_p2p,
+    step_record,
+)
 
-__all__ = ["POLICIES", "Policy", "VBudget", "VMoment", "VOp", "VResult", "simulate_zbv", "v_moments", "v_rank", "v_result",
+__all__ = ["POLICIES", "Policy", "VBudget", "VMoment", "VOp", "VResult", "by_rank", "simulate_zbv", "v_moments", "v_rank", "v_result",
            "zbv_order"]
 
 Kind = Literal["F", "B", "W"]
@@ -149,7 +156,9 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
     """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
 
     The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
-    a rank with none waits until the next moment anything changes (a rank frees, an input arrives).
+    when every rank free at that moment has none, they all wait until the next moment anything changes (a rank
+    frees, an input arrives). So each op starts as soon as its rank and its input allow, and the order replays
+    (``replay_v_order``) to these very times.
     """
     pp = len(chunks) // 2
     cap = 2 * pp if cap is None else cap
@@ -184,30 +193,38 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         crossing = v_rank(pp, before.stage) != v_rank(pp, op.stage)
         return times[before][1] + (cuts[min(op.stage, before.stage)] if crossing else 0.0)
 
+    def candidates(r: int) -> list[tuple[VOp, float | None]]:
+        """Rank ``r``'s next ops in the policy's preference, each with its input's arrival."""
+        chunk_of = (r, stages - 1 - r)
+        ops = [VOp("B", next_op[r][1][c], chunk_of[c]) for c in policy.b_chunks if next_op[r][1][c] < m]
+        room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
+        # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
+        # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
+        ops += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
+                if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)]
+        return [(op, arrival(op)) for op in ops]
+
     waiting: set[int] = set()  # ranks that found nothing to do at their time, while another may still act then
     while len(times) < total:
         r = min(range(pp), key=lambda q: (free[q], q in waiting, q))
         now = free[r]
-        chunk_of = (r, stages - 1 - r)
-        candidates = [VOp("B", next_op[r][1][c], chunk_of[c]) for c in policy.b_chunks if next_op[r][1][c] < m]
-        room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
-        # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
-        # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
-        candidates += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
-                       if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)]
-        arrivals = [arrival(op) for op in candidates]
-        op = next((o for o, a in zip(candidates, arrivals) if a is not None and a <= now), None)
+        if r in waiting:
+            # Every rank free now found nothing to do: all of them move to the next moment anything changes (a
+            # rank frees, an input of theirs arrives). Moving one rank alone could skip an arrival that another,
+            # free at the same moment, was about to make.
+            idle = [q for q in range(pp) if free[q] == now]
+            later = [f for f in free if f > now] + [a for q in idle for _, a in candidates(q) if a is not None and a > now]
+            if not later:  # nothing is under way
+                raise _Stalled(f"ZB-V list scheduling stalled at t={now} (pp={pp}, m={m}, cap={cap}, {policy})")
+            for q in idle:
+                free[q] = min(later)
+            waiting.clear()
+            continue
+        op = next((o for o, a in candidates(r) if a is not None and a <= now), None)
         if op is None and deferred[r]:
             op = deferred[r].pop(0)
         if op is None:
-            later = [a for a in arrivals if a is not None and a > now] + [f for f in free if f > now]
-            if later:
-                free[r] = min(later)
-                waiting.discard(r)
-            elif r in waiting:  # every rank free now has nothing to do, and nothing is under way
-                raise _Stalled(f"ZB-V list scheduling stalled at t={now} (pp={pp}, m={m}, cap={cap}, {policy})")
-            else:
-                waiting.add(r)
+            waiting.add(r)
             continue
         waiting.clear()
         st = chunks[op.stage]
@@ -330,6 +347,20 @@ def v_result(chunks: Sequence[StageTimes], n_micro_batches: int, times: dict[VOp
         peak_in_flight=tuple(_peak(ops, pp, r, "B") for r in range(pp)),
         peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)), order=tuple(map(tuple, order)),
     )
+
+
+def by_rank(result: VResult, chunks: Sequence[StageTimes], p2p: Sequence[float] = ()) -> SimResult:
+    """The V step with one row per rank, both of its chunks' ops in it and both chunks' update after the
+    pipeline: what the timeline draws and the simulator's table prints."""
+    pp = result.pp
+    per_rank: list[list[Op]] = [[] for _ in range(pp)]
+    for op in sorted(result.ops, key=lambda o: (o.start, o.end)):
+        rank = v_rank(pp, op.stage)
+        per_rank[rank].append(Op(rank, op.kind, op.micro_batch, op.start, op.end))
+    ranks = [StageTimes(*(getattr(chunks[r], f) + getattr(chunks[2 * pp - 1 - r], f)
+                          for f in ("forward", "backward", "update", "weight"))) for r in range(pp)]
+    return step_record("zbv", result.n_micro_batches, ranks, per_rank, result.pipeline_time,  # type: ignore[arg-type]
+                   list(p2p))
 
 
 def _peak(ops: Sequence[Op], pp: int, rank: int, until: str) -> int:
