@@ -30,7 +30,7 @@ from nanotron_ext.config import load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
-from nanotron_ext.plan import resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
 from nanotron_ext.procs import exit_with_torchrun
 from nanotron_ext.strategies import get_strategy
 
@@ -117,7 +117,7 @@ def wait_for_peers_to_report() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
     exit_with_torchrun()
-    from nanotron_ext.integration.trainer_patches import install_launcher
+    from nanotron_ext.integration.trainer_patches import check_launcher_engine, install_launcher
 
     opts = _parser().parse_args(argv)
     prefix = f"nanotron_ext.run [rank {os.environ.get('RANK', '0')}]: "
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.replan:
             cfg = cfg.with_overrides(resume_plan="replan")
         get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
+        check_launcher_engine(cfg)
         # A half-written checkpoint, or one of another model, stops every rank here, before anything is built.
         resume = locate_checkpoint((cfg.nanotron.get("checkpoints") or {}).get("resume_checkpoint_path"))
         if resume is not None:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
         if kept is not None:
             cfg = cfg.with_overrides(vocab_shards=kept)
-        cfg, engine_choice = resolve_engine(cfg)
+        cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)  # the launcher runs no V yet
         if os.environ.get("RANK", "0") == "0" and engine_choice is not None:
             print("nanotron_ext: " + "\n  ".join(engine_choice.lines()), flush=True)
         cfg, choice = resolve_vocab_shards(cfg)

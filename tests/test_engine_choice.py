@@ -15,6 +15,7 @@ from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan import AUTO_ENGINES, choose_engine, make_plan, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan.v_plan import make_v_plan, v_plan_timeline
 from nanotron_ext.schedule.programs import engine_program
 from nanotron_ext.simulate import simulate_plan
 
@@ -36,6 +37,10 @@ def _by_hand(cfg) -> dict[str, tuple[float, float, bool]]:
     for engine in AUTO_ENGINES:
         trial, _ = resolve_vocab_shards(cfg.with_overrides(engine=engine))
         blocks = inventory_from_config(trial)
+        if engine == "zbv":  # a V: its own plan, step and per-rank peaks
+            v = make_v_plan(blocks, trial)
+            out[engine] = (v_plan_timeline(v, blocks, trial).step_time, max(v.peaks), True)
+            continue
         plan = make_plan(blocks, trial)
         out[engine] = (simulate_plan(plan, blocks, trial).step_time, max(s.memory_bytes for s in plan.stages),
                        plan.ok)
@@ -123,7 +128,7 @@ def test_plan_and_simulate_print_the_choice(capsys) -> None:
     assert "pp_engine: auto -> " in out and "runner-up" in out
     assert main(["plan", "--engine", "auto", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["engine_choice"]["engine"] == data["engine"] and len(data["engine_choice"]["options"]) == 3
+    assert data["engine_choice"]["engine"] == data["engine"] and len(data["engine_choice"]["options"]) == 4
     assert main(["simulate", "--engine", "auto", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["engine"] == data["engine_choice"]["engine"] != "auto"
@@ -139,3 +144,25 @@ def test_on_an_h100_the_zero_bubble_plans_that_do_not_fit_are_passed_over() -> N
     assert all("over 79.18 GiB per GPU" in o.reason for o in choice.faster_not_taken)
     with pytest.raises(ConfigError, match=r"no engine whose plan fits 79\.18 GiB per GPU \(H100 SXM \(analytic\)\)"):
         choose_engine(load_config(bundled_config("llama_3_70b.yaml"), pp=4).with_overrides(engine="auto"))
+
+
+def test_under_a_cap_that_rules_out_zb2p_auto_takes_the_v_where_it_beats_zb1p() -> None:
+    """SmolLM-135M at pp=4, 8 micro-batches, 12 GiB per GPU: zb2p is fastest but over the cap; the V fits (its
+    two chunks per rank at 1F1B-like memory) and beats zb1p, so auto takes zbv with the plan it priced."""
+    cfg = load_config(bundled_config("smollm_135m.yaml"), pp=4).with_overrides(engine="auto", memory_cap_gib=12.0)
+    choice = choose_engine(cfg)
+    zb1p = next(o for o in choice.options if o.engine == "zb1p")
+    assert choice.engine == "zbv" and choice.chosen.fits and choice.chosen.step_time < zb1p.step_time
+    assert choice.chosen.peak is not None and choice.chosen.peak <= 12.0 * GIB
+    assert [o.engine for o in choice.faster_not_taken] == ["zb2p"]
+    resolved, _ = resolve_engine(cfg)
+    v = make_v_plan(inventory_from_config(resolved), resolved)
+    assert (v.step_time, v.peaks) == (choice.chosen.step_time, choice.chosen.peaks)
+    lines = choice.lines()
+    assert lines[0] == f"pp_engine: auto -> {choice.chosen.describe()}" and lines[1].startswith("  runner-up zb1p: ")
+    assert lines[2].startswith("  faster, not taken: zb2p: ") and lines[3].startswith("  passed over 1f1b: step ")
+    assert len(lines) == 4
+    # The launcher's auto runs no V: among the contiguous engines alone, zb1p.
+    from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES
+
+    assert resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)[0].run.engine == "zb1p"

@@ -169,3 +169,23 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert main([str(script), "--config-file", str(bundled_config())]) == 3
     err = capsys.readouterr().err
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
+
+
+def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
+    """The V engine runs on the CPU runtime only: the launcher says so before it imports the trainer."""
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    config = tmp_path / "zbv.yaml"
+    config.write_text(bundled_config_text().replace("pp_engine: 1f1b", "pp_engine: zbv"))
+    assert main([str(script), "--config-file", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "pp_engine: zbv runs on the CPU runtime only for now (`nanotron-ext train`)" in err
+    assert "Use pp_engine zb1p or zb2p here" in err
+
+
+def bundled_config_text() -> str:
+    from pathlib import Path
+
+    text = Path(bundled_config()).read_text()
+    assert "pp_engine: 1f1b" in text
+    return text

@@ -17,7 +17,8 @@ from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition.v_split import v_floors, v_peaks, v_simulate
 from nanotron_ext.schedule.simulator import StageTimes
-from nanotron_ext.schedule.zbv import VMoment, simulate_zbv, v_moments, v_rank
+from nanotron_ext.schedule.v_moments import VMoment, v_moments
+from nanotron_ext.schedule.zbv import simulate_zbv, v_rank
 from nanotron_ext.strategies.step_time import schedule_problem
 
 

@@ -93,3 +93,146 @@ def test_a_model_with_fewer_blocks_than_chunks_is_refused() -> None:
     with pytest.raises(PlanningError, match=r"cuts the model into 8 chunks, but it has 7 pipeline blocks; lower pp "
                                             r"to 3 or less"):
         make_v_plan(inventory_from_config(cfg), cfg)
+
+
+# --- pp_engine: zbv in a config: plan, simulate, what refuses it -------------------------------------------------
+
+
+def _zbv_yaml(tmp_path: Path, **replace: str) -> Path:
+    text = TINY.read_text().replace("pp_engine: 1f1b", "pp_engine: zbv")
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    path = tmp_path / "zbv.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_plan_prints_the_configs_v_two_chunks_per_rank(tmp_path: Path, capsys) -> None:
+    from nanotron_ext.cli import main
+
+    path = _zbv_yaml(tmp_path)
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "engine=zbv" in out and "rank r holds chunk r on the way down and chunk 3 - r on the way up" in out
+    assert "0  0: embedding    3: lm_head, cast, loss" in out and "1  1: decoder.0-1  2: final_norm" in out
+    assert "block -> rank: [0, 1, 1, 1, 0, 0, 0]\nblock -> virtual stage: [0, 1, 1, 2, 3, 3, 3]" in out
+    assert "(chunks 1->2, the V's bottom, stay on rank 1)" in out
+    assert main(["plan", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cfg = load_config(path)
+    plan = make_v_plan(inventory_from_config(cfg), cfg)
+    assert (data["engine"], data["strategy"], data["ok"]) == ("zbv", "v-search", True)
+    assert tuple(data["bounds"]) == plan.bounds and data["simulated_step_time"] == plan.step_time
+    assert data["notes"] == []
+    assert main(["plan", str(path), "--cost-strategy", "flops", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == [
+        "cost_strategy 'flops' is not used: pp_engine zbv searches its own split, the fastest simulated V whose "
+        "every chunk trains and every rank fits"]
+
+
+def test_simulate_draws_the_v_one_row_per_rank_at_the_plans_own_step(tmp_path: Path, capsys) -> None:
+    from nanotron_ext.cli import main
+    from nanotron_ext.plan.v_plan import v_plan_timeline
+
+    path, png = _zbv_yaml(tmp_path), tmp_path / "v.png"
+    assert main(["simulate", str(path), "--out", str(png), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert png.stat().st_size > 10_000 and data["timeline"] == str(png)
+    cfg = load_config(path)
+    blocks = inventory_from_config(cfg)
+    plan = make_v_plan(blocks, cfg)
+    sim = v_plan_timeline(plan, blocks, cfg)
+    assert sim.step_time == plan.step_time == data["simulation"]["step_time"]
+    assert sim.pipeline_bubble_fraction == pytest.approx(plan.bubble, abs=1e-12)
+    # Each row holds both of its rank's chunks: every F, B and W of each micro-batch, twice.
+    for rank in range(2):
+        ops = [o for o in sim.ops if o.stage == rank and o.kind != "U"]
+        assert sorted((o.kind, o.micro_batch) for o in ops) == sorted(
+            (k, j) for k in "FBW" for j in range(4) for _ in range(2))
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(ops, ops[1:]))  # one op at a time
+    with pytest.raises(ValueError, match="not the ones the V plan was made for"):
+        v_plan_timeline(plan, blocks[:-1], cfg)
+
+
+def test_what_cannot_take_a_v_says_so(tmp_path: Path) -> None:
+    from nanotron_ext.cli import main
+    from nanotron_ext.errors import ConfigError
+    from nanotron_ext.plan import make_plan, plan_with_ranks, resolve_vocab_shards
+
+    path = _zbv_yaml(tmp_path)
+    cfg = load_config(path)
+    blocks = inventory_from_config(cfg)
+    for call in (lambda: make_plan(blocks, cfg), lambda: plan_with_ranks(blocks, cfg, [0] * 4 + [1] * 3, "x")):
+        with pytest.raises(ConfigError, match=r"pp_engine: zbv places two chunks on each rank \(a V\), not one "
+                                              r"stage: plan it with nanotron_ext.plan.plan_for"):
+            call()
+    with pytest.raises(ConfigError, match="vocab_shards: auto chooses K by the contiguous plans' simulated steps; "
+                                          "pp_engine zbv plans a V: give vocab_shards a number"):
+        resolve_vocab_shards(cfg.with_overrides(vocab_shards="auto"))
+    for command in ("plan", "simulate"):
+        assert main([command, str(path), "--compare"]) == 2
+    plan = make_v_plan(blocks, cfg)
+    assert len(plan.order_for(2, 4)) == 2
+    with pytest.raises(ValueError, match="this V plan's order is for pp=2, m=4; the step has pp=2, m=8"):
+        plan.order_for(2, 8)
+
+
+def test_the_engine_a_v_plan_trains_with_runs_the_plans_own_order() -> None:
+    pytest.importorskip("nanotron")
+    from nanotron_ext.runtime.engine import engine_for
+    from nanotron_ext.schedule.zbv import zbv_order
+
+    cfg = load_config(TINY.parent / "smollm_135m.yaml", pp=2).with_overrides(engine="zbv", n_micro_batches=4)
+    plan = make_v_plan(inventory_from_config(cfg), cfg)
+    assert plan.order_for(2, 4) != zbv_order(2, 4)  # the plan's times chose an order of their own
+    assert engine_for(plan).order(2, 4) == plan.order_for(2, 4)
+
+
+def test_a_v_that_cannot_fit_is_refused_before_any_search_by_a_bound_every_split_meets() -> None:
+    """Every rank holds its blocks' weights, gradients and optimizer state: the largest at least their pp-th part.
+    Checked against every split's least peak on the tiny model; on Llama-3-70B at pp 4 it refuses at once."""
+    from nanotron_ext.config import bundled_config
+    from nanotron_ext.costs.v_memory import v_least_largest_rank
+    from nanotron_ext.partition.v_split import v_floors
+
+    cfg, blocks = _tiny()
+    chunked = cfg.with_overrides(pp=4, engine="zb1p")
+    least = v_least_largest_rank(blocks, chunked, 2)
+    floors = [max(v_floors(blocks, chunked, bounds)) for bounds in _every_split(cfg, blocks)]
+    assert 0 < least <= min(floors)
+    big = load_config(bundled_config("llama_3_70b.yaml"), pp=4)
+    with pytest.raises(PlanningError, match=r"no V split of 85 blocks over pp=4 ranks fits under 79\.18 GiB per GPU "
+                                            r"\(H100 SXM \(analytic\)\): the weights, gradients and optimizer state "
+                                            r"alone put at least 328\.58 GiB on one rank"):
+        make_v_plan(inventory_from_config(big), big)
+
+
+def test_a_layout_writes_a_v_of_two_pp_chunks_and_nothing_else(tmp_path: Path, capsys) -> None:
+    """``cost_strategy: layout`` under zbv: the layout's 2 pp chunks, not searched, simulated under the memory;
+    another count of stages (an odd one cannot fold), a chunk that trains nothing or a V over the memory: refused."""
+    from nanotron_ext.cli import main
+    from nanotron_ext.errors import ConfigError
+
+    cfg, blocks = _tiny(engine="zbv", cost_strategy="layout", layout="E|t*2|N|H,C,X")
+    plan = make_v_plan(blocks, cfg)
+    assert (plan.bounds, plan.strategy, plan.proven) == ((0, 1, 3, 4, 7), "layout", True)
+    best = make_v_plan(blocks, _tiny(engine="zbv")[0])
+    assert best.strategy == "v-search" and best.bounds == plan.bounds and plan.step_time == best.step_time
+    other = make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E,t|t|N|H,C,X")[0])
+    assert other.bounds == (0, 2, 3, 4, 7) and other.step_time == _every_split(cfg, blocks)[(0, 2, 3, 4, 7)][0]
+    for layout, match in (("E,t*2|N|H,C,X", r"writes 3 stages; a V over pp=2 ranks takes 4 chunks, rank r holding chunk "
+                                        r"r and chunk 3 - r: write 4 '\|'-separated chunks, an odd number cannot fold"),
+                          ("E|t|t|N|H|C,X", r"writes 6 stages; .* write 4 '\|'-separated chunks, or set pp to 3")):
+        with pytest.raises(ConfigError, match=match):
+            make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout=layout)[0])
+    with pytest.raises(PlanningError, match=r"layout 'E,t\*2\|N\|H\|C,X': chunk 3 \(cast, loss\) trains nothing"):
+        make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E,t*2|N|H|C,X")[0])
+    with pytest.raises(PlanningError, match=r"the V of layout 'E\|t\*2\|N\|H,C,X' does not fit memory_cap_gib=0\.5: one "
+                                            r"of its ranks needs at least 1\.\d\d GiB whatever the order"):
+        make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E|t*2|N|H,C,X", memory_cap_gib=0.5)[0])
+    path = tmp_path / "v.yaml"
+    path.write_text(TINY.read_text().replace("pp_engine: 1f1b", "pp_engine: zbv").replace(
+        "cost_strategy: constrained", "cost_strategy: layout").replace("nanotron_ext:\n", "nanotron_ext:\n  layout: E,t|t|N|H,C,X\n"))
+    assert main(["plan", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["strategy"], tuple(data["bounds"]), data["notes"]) == ("layout", (0, 2, 3, 4, 7), [])

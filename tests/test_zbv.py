@@ -8,7 +8,8 @@ import random
 import pytest
 
 from nanotron_ext.schedule.simulator import StageTimes, simulate
-from nanotron_ext.schedule.zbv import POLICIES, VBudget, VOp, simulate_zbv, v_moments, v_rank, zbv_order
+from nanotron_ext.schedule.v_moments import v_moments
+from nanotron_ext.schedule.zbv import POLICIES, VBudget, VOp, simulate_zbv, v_rank, zbv_order
 
 HALF_W = StageTimes(1.0, 2.0, weight=1.0)  # F = B = W = 1 per chunk
 

@@ -37,14 +37,14 @@ from nanotron_ext.errors import (
 from nanotron_ext.plan import Plan
 from nanotron_ext.plan.compare import why_invalid
 from nanotron_ext.report import table
-from nanotron_ext.schedule import ENGINE_AUTO, ENGINES
+from nanotron_ext.schedule import ENGINE_AUTO, ENGINES, V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.strategies import available_strategies
 
 __all__ = [
     "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "against", "best_valid_cell", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
     "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
-    "exit_code_for", "legend", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
+    "exit_code_for", "legend", "model_name", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
     "speed_cell", "stage_cell", "verdict_cell", "verdict_line", "version_line", "warn_memory",
 ]
 
@@ -287,10 +287,10 @@ def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micr
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
                    help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
     p.add_argument("--pp", type=positive_int, metavar="N", help="overrides parallelism.pp")
-    p.add_argument("--engine", choices=(*ENGINES, ENGINE_AUTO), default=None,
+    p.add_argument("--engine", choices=(*ENGINES, V_ENGINE, ENGINE_AUTO), default=None,
                    help="overrides parallelism.pp_engine: afab, 1f1b, zb1p or zb2p (zero-bubble ZB-H1 and ZB-H2: "
-                        "1F1B with deferred weight gradients; see docs/zero-bubble.md), or auto (the fastest of "
-                        "1f1b, zb1p and zb2p whose plan fits the memory)")
+                        "1F1B with deferred weight gradients; see docs/zero-bubble.md), zbv (ZB-V, two chunks per "
+                        "rank; docs/zbv.md), or auto (the fastest of 1f1b, zb1p, zb2p and zbv whose plan fits the memory)")
     if micro_batches:
         p.add_argument("--micro-batches", dest="micro_batches", type=positive_int, metavar="N",
                        help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
@@ -336,3 +336,8 @@ def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfi
         flags = " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
                          for flag, (_, value) in given.items())
         raise ConfigError(f"{flags}: {exc}") from exc
+
+
+def model_name(cfg: PlannerConfig) -> str:
+    """The config file's name without ``.yaml``: what a picture's title calls the model."""
+    return cfg.source.rsplit("/", 1)[-1].removesuffix(".yaml")

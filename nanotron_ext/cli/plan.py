@@ -26,6 +26,7 @@ from nanotron_ext.cli.common import (
     verdict_line,
     warn_memory,
 )
+from nanotron_ext.cli.v_plan import print_v_plan
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
@@ -45,7 +46,9 @@ from nanotron_ext.plan import (
     resolve_vocab_shards,
 )
 from nanotron_ext.plan.compare import best_valid_split
+from nanotron_ext.plan.v_plan import VPlan, v_plan_timeline
 from nanotron_ext.report import compact_names, human_bytes, human_count
+from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 from nanotron_ext.simulate.fit_search import FitRow
 
@@ -100,6 +103,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg, engine_choice = resolve_engine(config_from_args(args, args.config))
     cfg, choice = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
+    if cfg.run.engine == V_ENGINE:
+        if args.compare:
+            raise ConfigError("--compare sets the strategies' contiguous splits side by side; pp_engine zbv searches "
+                              "a V of its own: drop --compare, or compare engines with --compare-engines")
+        return print_v_plan(cfg, blocks, as_json=args.json, engine_choice=engine_choice)
     if args.compare:
         return _compare(cfg, blocks, as_json=args.json)
     try:
@@ -298,7 +306,9 @@ def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> li
     rows = []
     for option in (engine_option(cfg, engine) for engine in engines):
         result = None
-        if option.plan is not None and option.config is not None:
+        if isinstance(option.plan, VPlan) and option.config is not None:
+            result = v_plan_timeline(option.plan, inventory_from_config(option.config), option.config)
+        elif option.plan is not None and option.config is not None:
             result = simulated(option.plan, inventory_from_config(option.config), option.config)
         rows.append((option, result))
     return rows

@@ -20,7 +20,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import CheckpointError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
-from nanotron_ext.plan import make_plan, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, make_plan, resolve_engine, resolve_vocab_shards
 
 __all__ = ["plan_against_checkpoint"]
 
@@ -46,7 +46,7 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
     kept = kept_vocab_shards(source, cfg, cfg.ext.resume_plan)
     if kept is not None:
         cfg = cfg.with_overrides(vocab_shards=kept)
-    cfg, _ = resolve_engine(cfg)
+    cfg, _ = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)  # a resume runs through the launcher
     cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
     machine = machine_for(cfg)

@@ -32,6 +32,7 @@ from nanotron_ext.cli.common import (
     config_from_args,
     error_cell,
     legend,
+    model_name,
     speed_cell,
     stage_cell,
     titled_table,
@@ -39,14 +40,15 @@ from nanotron_ext.cli.common import (
     verdict_line,
     warn_memory,
 )
+from nanotron_ext.cli.v_plan import simulate_v_plan
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.errors import PlanningError
+from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_engine, resolve_vocab_shards
 from nanotron_ext.report import table
-from nanotron_ext.schedule import ZERO_BUBBLE
+from nanotron_ext.schedule import V_ENGINE, ZERO_BUBBLE
 from nanotron_ext.simulate import (
     SimResult,
     format_seconds,
@@ -105,6 +107,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg, engine_choice = resolve_engine(cfg)
     cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
+    if cfg.run.engine == V_ENGINE:
+        if args.compare:
+            raise ConfigError("--compare simulates the strategies' contiguous splits; pp_engine zbv searches a V of "
+                              "its own: drop --compare")
+        return simulate_v_plan(cfg, blocks, out=args.out, as_json=args.json, engine_choice=engine_choice)
     machine = machine_for(cfg, blocks)
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
     out: dict[str, Any] = {
@@ -155,7 +162,7 @@ def _simulate_chosen(
         result,
         args.out,
         stage_labels=stage_labels(plan),
-        title=f"{_model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
+        title=f"{model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
         f"pp={plan.pp}, {cfg.run.n_micro_batches} micro-batches",
         verdict=None if plan.ok else f"INVALID, cannot train: {plan.verdict.partition(' (')[2].rstrip(')')}",
     )
@@ -218,7 +225,7 @@ def _simulate_every_strategy(
             [f"stage {k}" for k in range(n)],
             loads,
             args.loads_out,
-            title=f"{_model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per micro-batch ({model_text})",
+            title=f"{model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per micro-batch ({model_text})",
             ylabel="ms per micro-batch (F + B)",
         )
         out["stage_loads"] = str(png)
@@ -286,6 +293,3 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 
-
-def _model_name(cfg: PlannerConfig) -> str:
-    return cfg.source.rsplit("/", 1)[-1].removesuffix(".yaml")

@@ -25,9 +25,9 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.memory_estimate import PeakOfTwoMoments, StageMemory, config_stage_memory
 from nanotron_ext.errors import PlanningError
-from nanotron_ext.schedule.zbv import VMoment
+from nanotron_ext.schedule.v_moments import VMoment
 
-__all__ = ["FIRST_BACKWARD", "VRankMemory", "v_rank_floor", "v_rank_memory"]
+__all__ = ["FIRST_BACKWARD", "VRankMemory", "v_least_largest_rank", "v_rank_floor", "v_rank_memory"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,14 @@ def v_rank_floor(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], cfg: P
     """A lower bound of :func:`v_rank_memory`'s peak under any schedule (its terms at :data:`FIRST_BACKWARD`, or
     the optimizer step): what a split search checks before simulating a split."""
     return v_rank_memory(chunks, [FIRST_BACKWARD], cfg, rank).peak
+
+
+def v_least_largest_rank(blocks: Sequence[BlockInfo], cfg: PlannerConfig, pp: int) -> float:
+    """A lower bound of the largest rank's peak in any V of ``blocks`` over ``pp`` ranks, with no split: every
+    block's weights, gradients, optimizer state and buffers sit on some rank, so the largest holds at least their
+    ``pp``-th part (a search that cannot succeed stops on it at once)."""
+    whole = _estimate(blocks, cfg)
+    return (whole.weights + whole.gradients + whole.optimizer + whole.buffers) / pp
 
 
 def _estimate(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> StageMemory:

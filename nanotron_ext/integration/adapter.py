@@ -21,7 +21,9 @@ from nanotron_ext.errors import ConfigError, NanotronExtError, PlanningError
 from nanotron_ext.inventory import inventory_from_model
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message, make_plan
+from nanotron_ext.plan.v_plan import VPlan, make_v_plan
 from nanotron_ext.report import compact_names
+from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.zero_bubble.v_engine import mark_v_stages
 
 __all__ = [
@@ -90,7 +92,8 @@ def build_model(
     if _ACTIVE.get("choose_plan") is not None:  # a resume: the checkpoint's recorded split, by default
         plan = _ACTIVE["choose_plan"](plan, blocks, cfg)
     assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,
-                  device=device if device is not None else _CPU)
+                  device=device if device is not None else _CPU,
+                  v_stages=plan.stages if isinstance(plan, VPlan) else None)
     model.nanotron_ext_plan = plan
     model.nanotron_ext_blocks = blocks
     if _ACTIVE.get("after_build") is not None:
@@ -100,12 +103,16 @@ def build_model(
 
 def plan_for_model(
     model: Any, cfg: PlannerConfig, strategy: str | None = None, *, blocks: list[BlockInfo] | None = None
-) -> Plan:
+) -> Plan | VPlan:
     """Plan and statically validate a model's split; raise with every finding if it cannot train.
 
-    ``blocks``: the model's inventory when the caller has it already (default: taken from the model).
+    ``blocks``: the model's inventory when the caller has it already (default: taken from the model). Under
+    ``pp_engine: zbv`` the plan is a V (:func:`~nanotron_ext.plan.v_plan.make_v_plan`), which ``strategy`` does not
+    choose.
     """
     blocks = blocks if blocks is not None else inventory_from_model(model, cfg)
+    if cfg.run.engine == V_ENGINE:
+        return make_v_plan(blocks, cfg)
     plan = make_plan(blocks, cfg, strategy)
     if not plan.ok:
         raise PlanningError(cannot_train_message(plan))

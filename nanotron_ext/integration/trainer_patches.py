@@ -31,7 +31,7 @@ import torch
 
 from nanotron_ext.checkpoint import ResumeSource
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
-from nanotron_ext.errors import RunFailure
+from nanotron_ext.errors import ConfigError, RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checkpoints import ResumeState, install_checkpoints
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
@@ -39,10 +39,10 @@ from nanotron_ext.integration.clipping import install_split_independent_clipping
 from nanotron_ext.integration.dummy_data import install_dummy_data
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
-from nanotron_ext.schedule import ENGINE_AUTO
+from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE
 from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
 
-__all__ = ["install_launcher", "strip_ext_keys"]
+__all__ = ["check_launcher_engine", "install_launcher", "strip_ext_keys"]
 
 def strip_ext_keys(config_dict: Any) -> Any:
     """The dict Nanotron's strict loader accepts: ``config_dict`` without our keys (unchanged if it has none)."""
@@ -73,6 +73,7 @@ def install_launcher(
     Raises:
         RunFailure: Nanotron's trainer cannot be imported (flash-attn missing, say); nothing is installed.
     """
+    check_launcher_engine(cfg)
     try:
         import nanotron.config.config as nanotron_config
         import nanotron.trainer as trainer
@@ -123,6 +124,18 @@ def install_launcher(
         undo_build()
 
     return undo
+
+
+def check_launcher_engine(cfg: PlannerConfig) -> None:
+    """Refuse an engine the launcher cannot run through Nanotron's trainer: ``zbv`` for now.
+
+    Raises:
+        ConfigError: ``pp_engine: zbv``.
+    """
+    if cfg.run.engine == V_ENGINE:
+        raise ConfigError(f"{cfg.source}: parallelism.pp_engine: zbv runs on the CPU runtime only for now "
+                          f"(`nanotron-ext train`); the launcher does not run a V through Nanotron's trainer yet. "
+                          f"Use pp_engine zb1p or zb2p here, or `nanotron-ext plan` to see the V")
 
 
 def _one_config_file(patches: Patches, nanotron_config: Any, engine: str) -> None:

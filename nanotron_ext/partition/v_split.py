@@ -21,7 +21,8 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.v_memory import FIRST_BACKWARD, VRankMemory, v_rank_floor, v_rank_memory
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
-from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv, v_moments
+from nanotron_ext.schedule.v_moments import v_moments
+from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv
 
 __all__ = ["Budgets", "VSplit", "descend_v_split", "simulate_within", "v_budget", "v_floors", "v_peaks", "v_simulate", "v_step"]
 

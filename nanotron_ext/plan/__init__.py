@@ -4,6 +4,7 @@ findings (what cannot train, why, and what to change)."""
 from nanotron_ext.plan.compare import Attempt, plan_every_strategy
 from nanotron_ext.plan.engine_choice import (
     AUTO_ENGINES,
+    CONTIGUOUS_AUTO_ENGINES,
     EngineChoice,
     EngineOption,
     choose_engine,
@@ -17,6 +18,7 @@ from nanotron_ext.plan.vocab import VocabChoice, resolve_vocab_shards
 
 __all__ = [
     "AUTO_ENGINES",
+    "CONTIGUOUS_AUTO_ENGINES",
     "Attempt",
     "EngineChoice",
     "EngineOption",

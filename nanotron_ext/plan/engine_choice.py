@@ -2,7 +2,8 @@
 
 Each candidate engine (:data:`AUTO_ENGINES`) gets its own plan from the config's strategy (the default one is
 schedule-aware, so each engine gets the split that is fastest under it, ``vocab_shards: auto`` resolved per
-engine) and that plan's simulated step on the config's machine (the step-time objective, equal to
+engine; ``zbv`` its V plan, :func:`~nanotron_ext.plan.v_plan.make_v_plan`) and that plan's simulated step on the
+config's machine (the step-time objective, equal to
 ``simulate_plan``; under ``recompute_layer`` every backward pays its forward again, as the machine prices it).
 The fastest engine whose plan has no error (a stage over ``memory_cap_gib`` or the device's memory is one) wins,
 on a tie the one with the smaller peak; with none, the fastest whose every stage fits, its other findings left on
@@ -18,26 +19,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanotron_ext.config import PlannerConfig
+from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.memory_limit import memory_limit
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
-from nanotron_ext.plan.make import make_plan
 from nanotron_ext.plan.types import Plan
+from nanotron_ext.plan.v_plan import VPlan, plan_for
 from nanotron_ext.plan.vocab import resolve_vocab_shards
 from nanotron_ext.report import format_seconds, human_bytes
-from nanotron_ext.schedule import ENGINE_AUTO, too_few_micro_batches
+from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE, too_few_micro_batches
 from nanotron_ext.strategies.step_time import schedule_problem
 
-__all__ = ["AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "resolve_engine"]
+__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "resolve_engine"]
 
 #: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
 TIE_DIGITS = 9
-#: The engines ``auto`` chooses from (AFAB is left out: it holds all m micro-batches in flight for 1F1B's ideal
-#: bubble).
-AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
+#: The engines the launcher's ``auto`` chooses from: those that run one contiguous stage per rank (AFAB is left
+#: out: it holds all m micro-batches in flight for 1F1B's ideal bubble).
+CONTIGUOUS_AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
+#: The engines ``auto`` chooses from where the V runs (plan, simulate, ``nanotron-ext train``).
+AUTO_ENGINES: tuple[str, ...] = (*CONTIGUOUS_AUTO_ENGINES, V_ENGINE)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class EngineOption:
     fits: bool = False  # every stage within the memory limit
     ok: bool = False  # no error finding at all
     reason: str = ""  # why there is no plan, or the first error of the plan
-    plan: Plan | None = field(default=None, compare=False, repr=False)
+    plan: Plan | VPlan | None = field(default=None, compare=False, repr=False)
     config: PlannerConfig | None = field(default=None, compare=False, repr=False)  # the config it was planned under
 
     @property
@@ -98,11 +101,15 @@ class EngineChoice:
                             key=lambda o: _rounded(o.step_time)))
 
     def lines(self) -> list[str]:
-        """``pp_engine: auto -> zb1p: step ..., peak ...``, the runner-up, and any faster engine passed over."""
+        """``pp_engine: auto -> zb1p: step ..., peak ...``, the runner-up, any faster engine not taken, then every
+        other engine by the same rule, each with its step and peak or why it has none."""
         out = [f"pp_engine: auto -> {self.chosen.describe()}"]
         if self.runner_up is not None:
             out.append(f"  runner-up {self.runner_up.describe()}")
         out += [f"  faster, not taken: {o.describe()}" for o in self.faster_not_taken if o is not self.runner_up]
+        said = {self.engine, *(o.engine for o in self.faster_not_taken)} | (
+            set() if self.runner_up is None else {self.runner_up.engine})
+        out += [f"  passed over {o.describe()}" for o in sorted(self.options, key=_rank) if o.engine not in said]
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,16 +158,20 @@ def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
     shortfall = too_few_micro_batches(engine, trial.run.pp, trial.run.n_micro_batches)
     if shortfall is not None:
         return EngineOption(engine, reason=shortfall)
+    if engine == V_ENGINE and trial.ext.vocab_shards == VOCAB_SHARDS_AUTO:
+        return EngineOption(engine, reason="vocab_shards: auto is chosen for contiguous plans only")
     try:
         trial, _ = resolve_vocab_shards(trial)
         blocks = inventory_from_config(trial)
-        plan = make_plan(blocks, trial)
+        plan = plan_for(blocks, trial)
     except PlanningError as exc:  # no split fits the cap under this engine: what it would need without the cap
         if trial.ext.memory_cap_gib is None:
             return EngineOption(engine, reason=str(exc))
         uncapped = engine_option(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, memory_cap_gib=None)),
                                  engine)
         return dataclasses.replace(uncapped, fits=False, ok=False, reason=str(exc), plan=None, config=None)
+    if isinstance(plan, VPlan):  # it exists only where every chunk trains and every rank fits
+        return EngineOption(engine, plan.step_time, plan.peaks, True, True, "", plan, trial)
     problem = schedule_problem(blocks, trial)
     step = float(StepTimeEvaluator(problem)([bounds_from_ranks(plan.block_ranks, plan.pp)])[0])
     errors = [f for f in plan.findings if f.severity == "error"]
@@ -170,8 +181,9 @@ def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
                         trial)
 
 
-def resolve_engine(cfg: PlannerConfig) -> tuple[PlannerConfig, EngineChoice | None]:
-    """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes.
+def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES,
+                   ) -> tuple[PlannerConfig, EngineChoice | None]:
+    """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes among ``engines``.
 
     Returns:
         ``(cfg with that engine, the choice)``; the config unchanged and None when it names an engine.
@@ -181,5 +193,5 @@ def resolve_engine(cfg: PlannerConfig) -> tuple[PlannerConfig, EngineChoice | No
     """
     if cfg.run.engine != ENGINE_AUTO:
         return cfg, None
-    choice = choose_engine(cfg)
+    choice = choose_engine(cfg, engines)
     return cfg.with_overrides(engine=choice.engine), choice

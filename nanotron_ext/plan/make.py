@@ -17,7 +17,7 @@ from nanotron_ext.plan.fit import MemoryFix, fix_candidates
 from nanotron_ext.plan.types import Plan, StagePlan
 from nanotron_ext.plan.validate import validate_plan
 from nanotron_ext.report import compact_names
-from nanotron_ext.schedule import AUTO_UNRESOLVED, ENGINE_AUTO
+from nanotron_ext.schedule import AUTO_UNRESOLVED, ENGINE_AUTO, V_ENGINE, V_NOT_CONTIGUOUS
 from nanotron_ext.strategies import get_strategy
 from nanotron_ext.strategies.builtin import stage_memory_terms
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
@@ -41,11 +41,10 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
 
     Raises:
         ConfigError: unknown strategy or bad option; ``pp_engine: auto`` not yet resolved
-            (:func:`nanotron_ext.plan.resolve_engine`).
+            (:func:`nanotron_ext.plan.resolve_engine`); ``pp_engine: zbv`` (a V: :func:`nanotron_ext.plan.plan_for`).
         PlanningError: no split satisfies the strategy's constraints.
     """
-    if cfg.run.engine == ENGINE_AUTO:
-        raise ConfigError(AUTO_UNRESOLVED)
+    _check_contiguous_engine(cfg)
     name = strategy or cfg.ext.cost_strategy
     return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg), suggest_fixes)
 
@@ -58,7 +57,16 @@ def plan_with_ranks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequ
     Raises:
         PlanningError: the ranks do not fit the blocks and ``cfg.run.pp``, or go backwards.
     """
+    _check_contiguous_engine(cfg)
     return _plan(blocks, cfg, strategy, Assignment(list(ranks), training_flops(blocks), "FLOPs"), suggest_fixes)
+
+
+def _check_contiguous_engine(cfg: PlannerConfig) -> None:
+    """Refuse an engine this module cannot plan: ``auto`` (not yet chosen) and ``zbv`` (a V, not pp stages)."""
+    if cfg.run.engine == ENGINE_AUTO:
+        raise ConfigError(AUTO_UNRESOLVED)
+    if cfg.run.engine == V_ENGINE:
+        raise ConfigError(V_NOT_CONTIGUOUS)
 
 
 def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment,

@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, vocab_shard_candidates
-from nanotron_ext.errors import PlanningError
+from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
 from nanotron_ext.plan.make import make_plan
+from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.strategies.step_time import schedule_problem
 
 __all__ = ["VocabChoice", "resolve_vocab_shards", "vocab_shard_candidates"]
@@ -46,6 +47,9 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
     """
     if cfg.ext.vocab_shards != VOCAB_SHARDS_AUTO:
         return cfg, None
+    if cfg.run.engine == V_ENGINE:
+        raise ConfigError("vocab_shards: auto chooses K by the contiguous plans' simulated steps; pp_engine zbv plans "
+                          "a V: give vocab_shards a number (1 keeps Nanotron's lm_head)")
     times: dict[int, float] = {}
     best: int | None = None
     first_error: PlanningError | None = None

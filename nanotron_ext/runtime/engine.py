@@ -39,7 +39,10 @@ from nanotron.parallel.pipeline_parallel.engine import (
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_ext.integration.clipping import split_independent_clip_grad_norm
 from nanotron_ext.models.vocab_chain import label_pp_ranks
+from nanotron_ext.plan import Plan
+from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.runtime.device import device_from_env, sync_tied_gradients
 from nanotron_ext.runtime.p2p import wait_pending_sends
 from nanotron_ext.runtime.send_order import SendOrder, send_order
@@ -51,6 +54,7 @@ __all__ = [
     "EngineName",
     "MicroBatch",
     "build_optimizer",
+    "engine_for",
     "make_engine",
     "make_micro_batch",
     "train_step",
@@ -64,7 +68,7 @@ _ENGINES: dict[Engine, type[PipelineEngine]] = {
     "1f1b": OneForwardOneBackwardPipelineEngine,
     "afab": AllForwardAllBackwardPipelineEngine,
     **ZERO_BUBBLE_ENGINES,  # ours: Nanotron has no zero-bubble engine (nanotron_ext.zero_bubble)
-    "zbv": ZeroBubbleVPipelineEngine,  # type: ignore[dict-item]  # the runtime's only: no config value yet
+    "zbv": ZeroBubbleVPipelineEngine,  # type: ignore[dict-item]  # by name: the order on equal times (engine_for)
 }
 
 
@@ -87,6 +91,13 @@ def make_engine(engine: EngineName | PipelineEngine) -> PipelineEngine:
     if key not in _ENGINES:
         raise ValueError(f"Unknown pipeline engine {engine!r}; use one of {sorted(_ENGINES)}.")
     return _ENGINES[key]()
+
+
+def engine_for(plan: Plan | VPlan) -> PipelineEngine:
+    """The engine that runs ``plan``: its engine by name, and for a V the order its plan chose."""
+    if isinstance(plan, VPlan):
+        return ZeroBubbleVPipelineEngine(order=plan.order_for)
+    return make_engine(plan.engine)
 
 
 def engine_name_of(engine: PipelineEngine) -> Engine:
@@ -227,27 +238,13 @@ def _sync_dp_gradients_manually(model: NanotronModel, parallel_context: Parallel
 
 
 def _clip_gradients(model: NanotronModel, parallel_context: ParallelContext, max_norm: float) -> torch.Tensor:
+    """Nanotron's clipping, its total norm added in one order whatever the split (the launcher's clipping: two
+    splits, a V among them, train to the same bits)."""
     named_parameters = [(n, p) for n, p in model.get_named_params_with_correct_tied() if p.requires_grad]
-    world_rank = dist.get_rank()
-    # clip_grad_norm counts a tied weight only on the first rank of its tie; a rank whose trainable weights are
-    # all tied copies owned elsewhere (a tied lm_head alone on the last stage) has no gradient of its own there
-    # and would allocate torch.zeros(device="cuda").
-    if any(not p.is_tied or p.get_tied_info().global_ranks[0] == world_rank for _, p in named_parameters):
-        return clip_grad_norm(
-            mp_pg=parallel_context.mp_pg,
-            named_parameters=named_parameters,
-            max_norm=max_norm,
-            grad_accumulator=None,
-        )
-    # Join clip_grad_norm's all-reduce with a zero, then scale this rank's gradients as it does.
-    total_norm = torch.zeros([], dtype=torch.float, device=device_from_env())
-    dist.all_reduce(total_norm, group=parallel_context.mp_pg, op=dist.ReduceOp.SUM)
-    total_norm.pow_(0.5)
-    clip_coef = torch.clamp(max_norm / (total_norm + 1.0e-6), max=1.0)
-    for _, param in named_parameters:
-        if param.grad is not None:
-            param.grad.detach().mul_(clip_coef)
-    return total_norm
+    # Made per step: it gathers the parameters' names once per process group, and tests reuse group ids.
+    clip = split_independent_clip_grad_norm(clip_grad_norm)
+    return clip(mp_pg=parallel_context.mp_pg, named_parameters=named_parameters, max_norm=max_norm,
+                grad_accumulator=None)
 
 
 def train_step(

@@ -27,7 +27,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import MachineProfile, key_for, load_machine
 from nanotron_ext.machine.calibrate import calibrate, profile_source, share_profile
 from nanotron_ext.machine.in_run import IN_RUN_STEPS, IN_RUN_WARMUP_STEPS, InRunSplit, in_run_profile
-from nanotron_ext.plan import make_plan, resolve_engine
+from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, make_plan, resolve_engine
 from nanotron_ext.plan.probes import Probe, probe_splits
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 
@@ -76,7 +76,7 @@ def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = I
                           f"torchrun with pp*dp*tp = {cfg.run.pp * cfg.run.dp * cfg.run.tp} ranks, e.g. "
                           f"`torchrun --nproc_per_node={cfg.run.pp * cfg.run.dp * cfg.run.tp} -m nanotron_ext.cli "
                           f"calibrate CONFIG --in-run --out FILE`")
-    cfg, _ = resolve_engine(cfg)
+    cfg, _ = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)  # it times contiguous splits
     splits = in_run_splits(cfg, probes=probes)
     from nanotron_ext.runtime.context import GlooParallelContext, timeout_from_env
     from nanotron_ext.runtime.device import device_from_env

@@ -29,6 +29,7 @@ from typing import Any
 
 from nanotron_ext.errors import NanotronExtError, PlanningError
 from nanotron_ext.plan import Plan
+from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.runtime.data import (
     PackedTextData,
 )
@@ -142,7 +143,7 @@ def _train(
     return metrics
 
 
-def _metrics(s: TrainSettings, plan: Plan, model: Any, per_rank: list[dict[str, Any]], losses: list[float],
+def _metrics(s: TrainSettings, plan: Plan | VPlan, model: Any, per_rank: list[dict[str, Any]], losses: list[float],
              grad_norms: list[float], times: list[float], lrs: list[float]) -> dict[str, Any]:
     """The run's record (``--metrics-out``): the setup, per-step losses, norms, times and rates, the split."""
     from nanotron_ext.runtime import pipeline_blocks
@@ -194,8 +195,10 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
                           vocab_shards=cfg.vocab_shards, recompute_layer=cfg.run.recompute_layer),
         ctx, dtype=torch.float32, device=device, config=cfg,
     )
-    plan: Plan = model.nanotron_ext_plan
-    if plan.block_ranks != s.plan.block_ranks:  # the config inventory and the model must agree exactly
+    plan: Plan | VPlan = model.nanotron_ext_plan
+    # The config inventory and the model must agree exactly (a V on its chunks too: two Vs may share ranks).
+    if (list(plan.block_ranks), getattr(plan, "bounds", None)) != (list(s.plan.block_ranks),
+                                                                    getattr(s.plan, "bounds", None)):
         raise PlanningError(f"the built model's plan {list(plan.block_ranks)} differs from the config's "
                             f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree")
     mark_tied_parameters(model, ctx, s.parallel_config)
@@ -235,7 +238,7 @@ def _optimise(
     for step in range(1, s.steps + 1):
         lr = lr_at(step - 1)
         start = time.perf_counter()
-        loss = train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer,
+        loss = train_step(model, ctx, s.parallel_config.pp_engine, stream, run.n_micro_batches, optimizer,
                           grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
                           grad_norms=grad_norms)
         synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do

@@ -10,6 +10,7 @@ from typing import Any
 from nanotron_ext.blocks import short_name
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan import Plan
+from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.report import compact_names, human_count, table
 from nanotron_ext.runtime.train_settings import TrainSettings
 
@@ -45,7 +46,7 @@ def _device_label(device: str) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
 
 
-def print_header(s: TrainSettings, plan: Plan) -> None:
+def print_header(s: TrainSettings, plan: Plan | VPlan) -> None:
     r = s.cfg.run
     files = ", ".join(f.name for f in s.data_files)
     print(
@@ -58,7 +59,10 @@ def print_header(s: TrainSettings, plan: Plan) -> None:
         flush=True,
     )
     print(plan.table())
-    print(f"\nblock -> stage: {list(plan.block_ranks)}")
+    if isinstance(plan, VPlan):
+        print(f"\nblock -> rank: {plan.block_ranks}; virtual stage: {plan.stages}")
+    else:
+        print(f"\nblock -> stage: {list(plan.block_ranks)}")
     for finding in plan.findings:
         print(finding)
     for note in s.notes:

@@ -16,6 +16,7 @@ from nanotron_ext.config_keys import get_dotted, installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, PlanningError, check_positive_int
 from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import Plan, cannot_train_message
+from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, free_port, rendezvous_env
 from nanotron_ext.runtime.data import (
     ByteTokenizer,
@@ -34,7 +35,8 @@ class TrainSettings:
 
     Attributes:
         cfg: the planner config (command-line overrides applied).
-        plan: the static plan computed from the config alone (the built model re-plans identically).
+        plan: the static plan computed from the config alone (the built model re-plans identically); a V under
+            ``pp_engine: zbv``.
         steps: optimisation steps.
         seed: weight-init seed; ``data_seed``: data-order seed.
         world_size / rank: from the torchrun environment.
@@ -50,7 +52,7 @@ class TrainSettings:
     """
 
     cfg: PlannerConfig
-    plan: Plan
+    plan: Plan | VPlan
     steps: int
     seed: int
     data_seed: int
@@ -91,7 +93,8 @@ def preflight(
         PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
     """
     from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan, resolve_engine, resolve_vocab_shards
+    from nanotron_ext.plan import resolve_engine, resolve_vocab_shards
+    from nanotron_ext.plan.v_plan import plan_for, strategy_note
 
     # The installed Nanotron's keys count as known: where its loader reads a key, it has the final word.
     cfg = load_config(config_file, cost_strategy=cost_strategy, nanotron_keys=installed_nanotron_keys())
@@ -114,13 +117,16 @@ def preflight(
 
     # The static plan, from the config alone: a plan that cannot train stops every rank here, before a
     # process group or a weight exists. build_model() re-plans from the real model and must agree.
-    plan = make_plan(inventory_from_config(cfg), cfg)
+    plan = plan_for(inventory_from_config(cfg), cfg)
     if not plan.ok:
         raise PlanningError(cannot_train_message(plan))
 
-    nanotron = _nanotron_settings(cfg)
+    nanotron = _nanotron_settings(cfg, plan)
     if engine_choice is not None:  # said first: the engine that trains, and the runner-up
         nanotron["notes"] = [*engine_choice.lines(), *nanotron["notes"]]
+    unused = strategy_note(cfg)
+    if unused is not None:
+        nanotron["notes"].append(unused)
     windows = load_packed_windows(files, run.sequence_length)
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(
@@ -180,13 +186,13 @@ def _optimizer_settings(cfg: PlannerConfig) -> tuple[dict[str, Any], Any, list[s
     return opt, lr_schedule, unused_lr, clip
 
 
-def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
+def _nanotron_settings(cfg: PlannerConfig, plan: Plan | VPlan) -> dict[str, Any]:
     """Model, parallelism, optimizer and schedule settings through Nanotron's own config classes (which
     validate them), plus notes on the settings the CPU runtime changes."""
     # Importing nanotron pulls in torch: a second or two, so only after the cheap checks.
     from nanotron.config import LlamaConfig, ParallelismArgs
 
-    from nanotron_ext.runtime.engine import make_engine
+    from nanotron_ext.runtime.engine import engine_for
 
     raw, run = cfg.nanotron, cfg.run
     if cfg.model.family != "llama":
@@ -206,7 +212,7 @@ def _nanotron_settings(cfg: PlannerConfig) -> dict[str, Any]:
     try:
         parallel_config = ParallelismArgs(
             # An engine instance: Nanotron's loader knows only "1f1b" and "afab" by name, not our "zb1p".
-            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=make_engine(run.engine),
+            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=engine_for(plan),
             # Asynchronous TP communication overlaps CUDA streams (Nanotron asserts CUDA_DEVICE_MAX_CONNECTIONS=1).
             tp_mode=run.tp_mode, tp_linear_async_communication=False,
         )

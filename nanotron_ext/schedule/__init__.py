@@ -24,6 +24,8 @@ __all__ = [
     "ENGINES",
     "AUTO_UNRESOLVED",
     "ENGINE_AUTO",
+    "V_ENGINE",
+    "V_NOT_CONTIGUOUS",
     "ONE_F_ONE_B_FAMILY",
     "ZERO_BUBBLE",
     "Engine",
@@ -40,7 +42,13 @@ Engine = Literal["1f1b", "afab", "zb1p", "zb2p"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 #: ``parallelism.pp_engine: auto``: the planner chooses the engine with the split (``nanotron_ext.plan.engine_choice``).
 ENGINE_AUTO = "auto"
-EngineSetting = Literal["1f1b", "afab", "zb1p", "zb2p", "auto"]
+#: ``parallelism.pp_engine: zbv``: the V (two chunks per rank, ``nanotron_ext.schedule.zbv``), planned by
+#: ``nanotron_ext.plan.v_plan.make_v_plan`` rather than as ``pp`` contiguous stages; the CPU runtime runs it.
+V_ENGINE = "zbv"
+EngineSetting = Literal["1f1b", "afab", "zb1p", "zb2p", "zbv", "auto"]
+#: What code that plans ``pp`` contiguous stages says when it is given ``zbv``.
+V_NOT_CONTIGUOUS = ("parallelism.pp_engine: zbv places two chunks on each rank (a V), not one stage: plan it with "
+                    "nanotron_ext.plan.plan_for(blocks, cfg) (plan, simulate and train do)")
 #: What code that needs one engine says when it is given ``auto``.
 AUTO_UNRESOLVED = ("parallelism.pp_engine: auto is chosen by the planner together with the split; resolve it first "
                    "with nanotron_ext.plan.resolve_engine(cfg) (plan, simulate, train and the launcher do)")
@@ -49,7 +57,8 @@ ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
 #: Engines that split each backward into B (input gradient) and a deferred W (weight gradient).
 ZERO_BUBBLE: tuple[str, ...] = ("zb1p", "zb2p")
 _NAMES = {"1f1b": "1F1B", "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)",
-          "zb2p": "zb2p (ZB-H2, zb1p with twice 1F1B's warm-up forwards)"}
+          "zb2p": "zb2p (ZB-H2, zb1p with twice 1F1B's warm-up forwards)",
+          "zbv": "zbv (ZB-V, two chunks per rank down and back up the ranks)"}
 
 
 def ideal_bubble_fraction(pp: int, m: int) -> float:

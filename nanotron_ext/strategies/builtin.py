@@ -52,6 +52,7 @@ __all__ = [
     "NanotronRule",
     "Profiled",
     "Uniform",
+    "layout_of",
     "optimal_assignment",
     "require_trainable_per_stage",
     "step_time_assignment",
@@ -305,6 +306,17 @@ class Constrained:
         return within_device_memory(split, blocks, cfg)
 
 
+def layout_of(cfg: PlannerConfig) -> str:
+    """The config's ``layout`` string.
+
+    Raises:
+        ConfigError: ``cost_strategy: layout`` without one.
+    """
+    if not cfg.ext.layout:
+        raise ConfigError("cost_strategy 'layout' needs `layout:` under `nanotron_ext:`, e.g. 'E,t*5|t*6,L'")
+    return cfg.ext.layout
+
+
 @register_strategy("layout")
 class Layout:
     """An explicit layout string (``nanotron_ext.partition.layout_string``, Megatron-style)."""
@@ -312,9 +324,7 @@ class Layout:
     name = "layout"
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
-        if not cfg.ext.layout:
-            raise ConfigError("cost_strategy 'layout' needs `layout:` under `nanotron_ext:`, e.g. 'E,t*5|t*6,L'")
-        ranks = layout_ranks(cfg.ext.layout, [b.role for b in blocks])
+        ranks = layout_ranks(layout_of(cfg), [b.role for b in blocks])
         if max(ranks) + 1 != cfg.run.pp:
             raise ConfigError(
                 f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}; give one '|'-separated "

@@ -52,6 +52,7 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "1f1b_dp2": tw.write_config(d / "dp2.yaml", {"parallelism": {"dp": 2}}),
         "afab_dp2": tw.write_config(d / "afab_dp2.yaml", {"parallelism": {"dp": 2, "pp_engine": "afab"}}),
         "pp1": tw.write_config(d / "pp1.yaml", {"parallelism": {"pp": 1}}),
+        "zbv": tw.write_config(d / "zbv.yaml", {"parallelism": {"pp_engine": "zbv"}}),
     }
 
 
@@ -70,6 +71,7 @@ def runs(configs: dict[str, Path]) -> dict[str, tw.Launch]:
         # the LR schedule's decay spans the whole run.
         "pp1": tw.launch_ranks(["--config-file", str(configs["pp1"]), "--steps", str(STEPS)], 1, timeout=90,
                                torchrun_env=False),
+        "zbv": tw.launch_ranks(["--config-file", str(configs["zbv"]), "--steps", str(STEPS)], 2, timeout=120),
     }
     for name, launch in out.items():
         assert launch.ok and launch.metrics is not None, f"{name}:\n{launch.describe()}"
@@ -136,6 +138,24 @@ def test_engines_agree(runs: dict[str, tw.Launch]) -> None:
     for dp in ("", "_dp2"):
         a, b = runs["1f1b" + dp].metrics["losses"], runs["afab" + dp].metrics["losses"]
         assert all(_rel(x, y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+
+def test_zbv_trains_its_v_plan_to_1f1bs_losses_and_weights_bit_for_bit(runs: dict[str, tw.Launch]) -> None:
+    """``pp_engine: zbv``: the V plan's two chunks per rank, run in the plan's order, give 1F1B's run (on its own
+    contiguous split) exactly: every loss, and every parameter after 20 steps."""
+    v, ref = runs["zbv"].metrics, runs["1f1b"].metrics
+    assert (v["engine"], v["strategy"], v["block_ranks"]) == ("zbv", "v-search", [0, 1, 1, 1, 0, 0, 0])
+    assert ref["block_ranks"] != v["block_ranks"]
+    assert v["losses"] == ref["losses"]
+
+    def after(m: dict) -> dict[str, str]:
+        return {name: c["sha256_after"] for r in m["ranks"] for name, c in r["checksums"].items()}
+
+    assert after(v) == after(ref) and len(after(v)) == 15
+    assert {name: c["sha256"] for r in v["ranks"] for name, c in r["checksums"].items()} != after(v)  # it trained
+    out = runs["zbv"].ranks[0].stdout
+    assert re.search(r"0  0: embedding\s+3: lm_head, cast, loss", out), out
+    assert "block -> rank: [0, 1, 1, 1, 0, 0, 0]; virtual stage: [0, 1, 1, 2, 3, 3, 3]" in out
 
 
 def test_rank0_prints_progress_and_summary(runs: dict[str, tw.Launch]) -> None:
