@@ -236,3 +236,13 @@ def test_a_layout_writes_a_v_of_two_pp_chunks_and_nothing_else(tmp_path: Path, c
     assert main(["plan", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["strategy"], tuple(data["bounds"]), data["notes"]) == ("layout", (0, 2, 3, 4, 7), [])
+
+
+def test_calibrate_in_run_refuses_a_v_at_once_saying_what_to_calibrate_instead(tmp_path: Path) -> None:
+    pytest.importorskip("nanotron")
+    from nanotron_ext.errors import ConfigError
+    from nanotron_ext.runtime.in_run_calibrate import calibrate_in_run
+
+    with pytest.raises(ConfigError, match=r"calibrate --in-run times contiguous splits, not a V yet: calibrate the "
+                                          r"config under pp_engine zb1p"):
+        calibrate_in_run(load_config(_zbv_yaml(tmp_path)))

@@ -30,6 +30,7 @@ from nanotron_ext.machine.in_run import IN_RUN_STEPS, IN_RUN_WARMUP_STEPS, InRun
 from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, make_plan, resolve_engine
 from nanotron_ext.plan.probes import Probe, probe_splits
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
+from nanotron_ext.schedule import V_ENGINE
 
 __all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context"]
 
@@ -64,13 +65,17 @@ def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = I
         progress: a progress bar on rank 0.
 
     Raises:
-        ConfigError: not under torchrun, the world is not ``pp × dp × tp``, bad counts, a base for another setup.
+        ConfigError: ``pp_engine: zbv``, not under torchrun, the world is not ``pp × dp × tp``, bad counts, a base for another setup.
         PlanningError: the config's plan cannot train.
         RunFailure: a rank failed (every rank raises).
     """
     for name, value, least in (("--steps", steps, 1), ("--warmup-steps", warmup_steps, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"calibrate --in-run: {name}={value!r} must be an integer >= {least}")
+    if cfg.run.engine == V_ENGINE:
+        raise ConfigError("calibrate --in-run times contiguous splits, not a V yet: calibrate the config under "
+                          "pp_engine zb1p (its blocks' B and W, at this pp, price the V's chunks) and give that "
+                          "profile as `machine:` to the zbv config")
     if not all(v in os.environ for v in RENDEZVOUS_VARIABLES):
         raise ConfigError("calibrate --in-run trains the config's split through Nanotron's engine: run it under "
                           f"torchrun with pp*dp*tp = {cfg.run.pp * cfg.run.dp * cfg.run.tp} ranks, e.g. "
