@@ -169,4 +169,8 @@ def test_the_cpu_trainer_takes_tp_mode_from_the_parsed_config():
     cfg = load_config(bundled_config())
     assert "tp_mode" not in cfg.nanotron["parallelism"] or cfg.nanotron["parallelism"]["tp_mode"] != "REDUCE_SCATTER"
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, tp_mode="REDUCE_SCATTER"))
-    assert _nanotron_settings(cfg)["parallel_config"].tp_mode is TensorParallelLinearMode.REDUCE_SCATTER
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+
+    plan = make_plan(inventory_from_config(cfg), cfg)
+    assert _nanotron_settings(cfg, plan)["parallel_config"].tp_mode is TensorParallelLinearMode.REDUCE_SCATTER

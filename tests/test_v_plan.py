@@ -127,7 +127,7 @@ def test_plan_prints_the_configs_v_two_chunks_per_rank(tmp_path: Path, capsys) -
     assert main(["plan", str(path), "--cost-strategy", "flops", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["notes"] == [
         "cost_strategy 'flops' is not used: pp_engine zbv searches its own split, the fastest simulated V whose "
-        "every chunk trains and every rank fits"]
+        "every chunk trains and every rank fits (or takes a layout's 2 pp chunks)"]
 
 
 def test_simulate_draws_the_v_one_row_per_rank_at_the_plans_own_step(tmp_path: Path, capsys) -> None:
@@ -171,6 +171,13 @@ def test_what_cannot_take_a_v_says_so(tmp_path: Path) -> None:
         resolve_vocab_shards(cfg.with_overrides(vocab_shards="auto"))
     for command in ("plan", "simulate"):
         assert main([command, str(path), "--compare"]) == 2
+    assert main(["plan", str(path), "--fit"]) == 2
+    assert main(["plan", str(path), "--compare-engines"]) == 0  # zbv's row beside the others'
+    from nanotron_ext.simulate.fit_search import fit_search
+
+    with pytest.raises(ConfigError, match=r"plan --fit plans the changes' contiguous splits; pp_engine zbv searches a "
+                                          r"V under the memory itself"):
+        fit_search(cfg)
     plan = make_v_plan(blocks, cfg)
     assert len(plan.order_for(2, 4)) == 2
     with pytest.raises(ValueError, match="this V plan's order is for pp=2, m=4; the step has pp=2, m=8"):
@@ -246,3 +253,20 @@ def test_calibrate_in_run_refuses_a_v_at_once_saying_what_to_calibrate_instead(t
     with pytest.raises(ConfigError, match=r"calibrate --in-run times contiguous splits, not a V yet: calibrate the "
                                           r"config under pp_engine zb1p"):
         calibrate_in_run(load_config(_zbv_yaml(tmp_path)))
+
+
+def test_compare_engines_sets_the_v_beside_the_contiguous_engines(tmp_path: Path, capsys) -> None:
+    from nanotron_ext.cli import main
+
+    path = _zbv_yaml(tmp_path)
+    assert main(["plan", str(path), "--compare-engines", "--json"]) == 0
+    rows = {row["engine"]: row for row in json.loads(capsys.readouterr().out)}
+    assert list(rows) == ["1f1b", "zb1p", "zb2p", "zbv"]
+    cfg = load_config(path)
+    plan = make_v_plan(inventory_from_config(cfg), cfg)
+    v = rows["zbv"]
+    assert (v["stages"], v["block_ranks"], v["simulated_step_time"]) == ("0+4-6|1-2+3", plan.block_ranks, plan.step_time)
+    from nanotron_ext.plan.v_plan import v_plan_timeline
+
+    sim = v_plan_timeline(plan, inventory_from_config(cfg), cfg)  # the column is the step's bubble, as the others'
+    assert v["memory_peak_bytes"] == list(plan.peaks) and v["bubble_fraction"] == sim.bubble_fraction

@@ -24,7 +24,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
 from nanotron_ext.plan.fit import heads_split
 from nanotron_ext.plan.make import make_plan
-from nanotron_ext.schedule import too_few_micro_batches
+from nanotron_ext.schedule import V_ENGINE, too_few_micro_batches
 from nanotron_ext.simulate.stage_times import simulate_plan
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 
@@ -62,8 +62,12 @@ def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
     it is among them (``change`` "as configured"). ``progress(done, total)`` after each candidate.
 
     Raises:
-        ConfigError: the config's machine profile cannot be read.
+        ConfigError: the config's machine profile cannot be read; ``pp_engine: zbv``.
     """
+    if cfg.run.engine == V_ENGINE:
+        raise ConfigError("plan --fit plans the changes' contiguous splits; pp_engine zbv searches a V under the "
+                          "memory itself (`nanotron-ext plan CONFIG` says whether one fits): drop --fit, or pass "
+                          "--engine zb1p to see the contiguous fixes")
     limit = memory_limit(cfg)
     run, name = cfg.run, strategy or cfg.ext.cost_strategy
     zeros = sorted({run.zero_stage, 1}) if run.dp > 1 else [run.zero_stage]
