@@ -1,5 +1,5 @@
-"""ZB-V (issue 43, first part: the schedule, simulated) against 1F1B, zb1p and zb2p, on equal stages and on the public
-shapes. No engine runs ZB-V yet: these are the simulator's figures (``nanotron_ext.schedule.zbv``).
+"""ZB-V (issue 43) against 1F1B, zb1p and zb2p, on equal stages and on the public shapes: the simulator's figures
+(``nanotron_ext.schedule.zbv``); ``benchmarks/zbv_measured_cpu.py`` runs the engines.
 
 Part 1, equal stages (no p2p, no update): a rank's work per micro-batch ``F = 2``, ``B + W = 4`` (two chunks of
 1 and 2), ``W`` half, 0.4 or a quarter of the backward; each engine's pipeline step against the floor of a
@@ -18,7 +18,11 @@ Part 3, the same shapes under 1F1B's peak in bytes: each rank of the V estimated
 moments they coincide (``nanotron_ext.costs.v_memory``), the split searched by branch and bound from the FLOP chunks
 (``nanotron_ext.partition.v_search``), with its gap to the bound where the budget ran out.
 
-Usage: ``python benchmarks/zbv_simulated.py``
+Part 4, ``pp_engine: auto`` on the same shapes and the analytic H100 (79.18 GiB a GPU): the engine it takes, and
+each engine's step and peak (its plan as ``nanotron-ext plan --engine auto`` makes it; the V with
+``make_v_plan``'s budget).
+
+Usage: ``python benchmarks/zbv_simulated.py [--auto-only]``
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.v_search import search_v_split
 from nanotron_ext.partition.v_split import descend_v_split, v_budget, v_floors, v_peaks, v_simulate
-from nanotron_ext.plan import make_plan
+from nanotron_ext.plan import AUTO_ENGINES, choose_engine, make_plan
 from nanotron_ext.report import table
 from nanotron_ext.schedule.simulator import StageTimes, simulate
 from nanotron_ext.schedule.zbv import simulate_zbv
@@ -179,11 +183,33 @@ def _against(steps: dict[str, float]) -> Callable[[str, float], str]:
     return lambda engine, step: f"{step / steps[engine]:.3f}" if engine in steps else "-"
 
 
+def auto_picks() -> None:
+    """What ``pp_engine: auto`` takes on each public shape at PP 4 and 8, ``m = 2·pp``, on the analytic H100."""
+    rows = []
+    for name, file, pp in progress([(n, f, pp) for n, f in SHAPES for pp in PPS], desc="auto"):
+        cfg = load_config(CONFIGS / file, pp=pp).with_overrides(n_micro_batches=2 * pp, engine="auto")
+        try:
+            choice = choose_engine(cfg)
+        except NanotronExtError:
+            rows.append([name, pp, 2 * pp, "none fits", *["-"] * len(AUTO_ENGINES)])
+            continue
+        cells = {o.engine: "-" if o.step_time is None or o.peak is None else
+                 f"{o.step_time * 1e3:.1f} / {o.peak / GIB:.1f}{'' if o.fits else ' over'}" for o in choice.options}
+        rows.append([name, pp, 2 * pp, choice.engine, *(cells[e] for e in AUTO_ENGINES)])
+    print("\npp_engine: auto on the analytic H100 (79.18 GiB a GPU), m = 2·pp: the engine taken; each engine's "
+          "simulated step (ms) / largest rank's peak (GiB), 'over' where it does not fit\n")
+    print(table(["shape", "pp", "m", "auto", *AUTO_ENGINES], rows, markdown=True))
+
+
 def main() -> None:
+    import sys
+
     print_command()
-    equal_stages()
-    public_shapes()
-    under_memory()
+    if "--auto-only" not in sys.argv[1:]:
+        equal_stages()
+        public_shapes()
+        under_memory()
+    auto_picks()
 
 
 if __name__ == "__main__":

@@ -529,8 +529,10 @@ def test_plan_compare_engines_table_and_json(capsys) -> None:
     config = str(bundled_config("llama_3_8b.yaml"))
     assert main(["plan", config, "--pp", "4", "--compare-engines", "--json"]) == 0
     rows = {r["engine"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(rows) == {"1f1b", "zb1p", "zb2p"}
+    assert set(rows) == {"1f1b", "zb1p", "zb2p", "zbv"}  # zbv's row: tests/test_v_plan.py
     for engine, row in rows.items():  # each engine's default plan, planned and simulated under that engine
+        if engine == "zbv":
+            continue
         cfg = load_config(config, pp=4).with_overrides(engine=engine)
         blocks = inventory_from_config(cfg)
         plan = make_plan(blocks, cfg)
