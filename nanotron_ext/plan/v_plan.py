@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from nanotron_ext.blocks import BlockInfo, short_name
 from nanotron_ext.config import DEFAULT_STRATEGY, PlannerConfig
@@ -86,7 +86,7 @@ class VPlan:
     engine = V_ENGINE
     #: A V plan that exists trains: :func:`make_v_plan` raises where no split puts a trainable block on every
     #: chunk within the memory, so it carries no findings.
-    findings: tuple[()] = ()
+    findings: ClassVar[tuple[()]] = ()
     ok = True
 
     @property
