@@ -43,7 +43,8 @@ __all__ = ["V_SEARCH_EVALS", "V_STRATEGY", "VPlan", "make_v_plan", "plan_for", "
 GIB = 2**30
 #: The most splits :func:`make_v_plan` simulates per search (two searches: the loss chunk's ``W`` deferred, and at
 #: once). Each costs a simulated V step (0.1-0.2 s at pp 4, m 16): 40 keeps a plan of Llama-3-8B at pp 4 near 7 s,
-#: where 300 took 109 s for a step 0.7 % shorter. A plan is a function of its config: the same budget everywhere.
+#: where 300 (walk unbounded) took 109 s for a step 3.5 % shorter. A plan is a function of its config: the same
+#: budget everywhere.
 V_SEARCH_EVALS = 40
 #: What chose a V's split (a V plan's ``strategy``): the config's ``cost_strategy`` prices contiguous stages only.
 V_STRATEGY = "v-search"
