@@ -31,7 +31,7 @@ from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
 from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
-from nanotron_ext.procs import exit_with_torchrun
+from nanotron_ext.procs import exit_with_torchrun, exit_without_teardown
 from nanotron_ext.strategies import get_strategy
 
 __all__ = ["config_file_of", "main"]
@@ -211,21 +211,6 @@ def close_process_groups(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def exit_without_teardown(code: int) -> None:
-    """End the rank as the interpreter would (its threads joined, its atexit handlers run, its output flushed), then
-    with ``code`` before C++'s static destructors: with its groups destroyed a rank was still aborted there once in
-    about three CI runs ("terminate called without an active exception", a gloo or store thread still joinable)."""
-    import atexit
-
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
