@@ -34,7 +34,7 @@ from nanotron_ext.errors import (
     RunFailure,
     suggest,
 )
-from nanotron_ext.plan import Plan
+from nanotron_ext.plan import EngineChoice, Plan
 from nanotron_ext.plan.compare import why_invalid
 from nanotron_ext.report import table
 from nanotron_ext.schedule import ENGINE_AUTO, ENGINES, V_ENGINE
@@ -44,7 +44,7 @@ from nanotron_ext.strategies import available_strategies
 __all__ = [
     "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "against", "best_valid_cell", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
     "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
-    "exit_code_for", "legend", "model_name", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
+    "exit_code_for", "choice_lines", "legend", "model_name", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
     "speed_cell", "stage_cell", "verdict_cell", "verdict_line", "version_line", "warn_memory",
 ]
 
@@ -341,3 +341,9 @@ def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfi
 def model_name(cfg: PlannerConfig) -> str:
     """The config file's name without ``.yaml``: what a picture's title calls the model."""
     return cfg.source.rsplit("/", 1)[-1].removesuffix(".yaml")
+
+
+def choice_lines(choice: EngineChoice | None) -> str:
+    """``pp_engine: auto -> zb1p: ...``, the runner-up and the engines passed over, each on a line of its own after a
+    newline and two spaces (nothing without ``auto``): what a header says of ``auto``'s choice."""
+    return "" if choice is None else "".join(f"\n  {line}" for line in choice.lines())

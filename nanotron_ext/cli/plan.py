@@ -16,6 +16,7 @@ from nanotron_ext.cli.common import (
     add_config_args,
     against,
     best_valid_cell,
+    choice_lines,
     config_from_args,
     error_cell,
     legend,
@@ -141,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None,
             engine_choice: EngineChoice | None = None) -> str:
     m, r = cfg.model, cfg.run
-    shards = "" if engine_choice is None else "".join(f"\n  {line}" for line in engine_choice.lines())
+    shards = choice_lines(engine_choice)
     if choice is not None:
         tried = ", ".join(f"K={k}: {format_seconds(t)}" for k, t in choice.step_times.items())
         shards += f"\n  vocab_shards: auto -> {choice.shards} (simulated step {tried})"

@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 
 from nanotron_ext.blocks import BlockInfo, short_name
-from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, model_name
+from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, choice_lines, model_name
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.machine import machine_for
@@ -19,17 +19,17 @@ from nanotron_ext.report import compact_names, format_seconds
 __all__ = ["print_v_plan", "simulate_v_plan"]
 
 
-def _choice_lines(choice: EngineChoice | None) -> str:
-    """``pp_engine: auto -> zbv: ...`` and the runner-up, each on a line of its own (nothing without auto)."""
-    return "" if choice is None else "".join(f"\n  {line}" for line in choice.lines())
-
-
 def _choice_fields(choice: EngineChoice | None) -> dict[str, object]:
     return {} if choice is None else {"engine_choice": choice.to_dict()}
 
 
-def _v_plan_or_say_why(cfg: PlannerConfig, blocks: Sequence[BlockInfo], as_json: bool) -> VPlan | None:
-    """The V plan, or None once why there is none is printed."""
+def _v_plan_or_say_why(cfg: PlannerConfig, blocks: Sequence[BlockInfo], as_json: bool,
+                       engine_choice: EngineChoice | None) -> VPlan | None:
+    """The V plan (the one ``auto`` made when it chose the V: a search is seconds), or None once why there is none
+    is printed."""
+    chosen = None if engine_choice is None else engine_choice.chosen.plan
+    if isinstance(chosen, VPlan):
+        return chosen
     try:
         return make_v_plan(blocks, cfg)
     except PlanningError as exc:
@@ -43,7 +43,7 @@ def _v_plan_or_say_why(cfg: PlannerConfig, blocks: Sequence[BlockInfo], as_json:
 def print_v_plan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool,
                  engine_choice: EngineChoice | None = None) -> int:
     """Print the V plan of ``cfg``; returns 0, or 1 when no V can train (the reason printed)."""
-    plan = _v_plan_or_say_why(cfg, blocks, as_json)
+    plan = _v_plan_or_say_why(cfg, blocks, as_json, engine_choice)
     if plan is None:
         return EXIT_INVALID
     note = strategy_note(cfg)
@@ -56,7 +56,7 @@ def print_v_plan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bo
     print(f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size} | "
           f"pp={r.pp} dp={r.dp} tp={r.tp} engine=zbv micro-batches={r.n_micro_batches} | two chunks per rank: "
           f"rank r holds chunk r on the way down and chunk {2 * r.pp - 1} - r on the way up"
-          + _choice_lines(engine_choice) + "\n")
+          + choice_lines(engine_choice) + "\n")
     print(plan.table())
     print(f"\nblock -> rank: {plan.block_ranks}\nblock -> virtual stage: {plan.stages}")
     crossings = ", ".join(f"{i}->{i + 1} {format_seconds(t)}" for i, t in enumerate(plan.p2p) if i != r.pp - 1)
@@ -73,7 +73,7 @@ def simulate_v_plan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, out: str
     no V can train."""
     from nanotron_ext.simulate.timeline import plot_timeline
 
-    plan = _v_plan_or_say_why(cfg, blocks, as_json)
+    plan = _v_plan_or_say_why(cfg, blocks, as_json, engine_choice)
     if plan is None:
         return EXIT_INVALID
     result = v_plan_timeline(plan, blocks, cfg)
@@ -87,7 +87,7 @@ def simulate_v_plan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, out: str
                           "machine": machine_for(cfg, blocks).describe(), **_choice_fields(engine_choice)},
                          indent=2, default=str))
         return EXIT_OK
-    print(f"{cfg.source}: pp={pp}, zbv, {m} micro-batches{_choice_lines(engine_choice)}\n"
+    print(f"{cfg.source}: pp={pp}, zbv, {m} micro-batches{choice_lines(engine_choice)}\n"
           f"machine: {machine_for(cfg, blocks).describe()}\n")
     print(plan.table())
     print(f"\n{result}\n\ntimeline: {png}")
