@@ -226,3 +226,26 @@ def test_state_from_another_optimizer_kind_is_refused(model, saved):
                                             for g in live.param_groups), False)
     with pytest.raises(CheckpointError, match=r"the optimizer changed kind: its groups hold \['lr', 'momentum'\]"):
         optimizer_state_dict(SavedCheckpoint.scan(saved["pp1"]), sgd)
+
+
+def test_a_fused_weights_shape_as_nanotron_0_2_writes_it_under_numpy_2_is_read_as_its_shape(model, saved, tmp_path):
+    """Nanotron 0.2 writes a fused qkv's ``unsharded_shape`` from NumPy integers: ``(np.int64(12), 4)`` under NumPy
+    2, whose ``64`` is no dimension (the in-process move of ``nanotron-ext train`` saves through 0.2's serializer)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights, _ = model
+    folder = tmp_path / "tp2"
+    shutil.copytree(saved["tp2"], folder)  # the fused qkv in two tp shards: each file's header names its shape
+    fused = [p for p in folder.rglob("*.safetensors") if "qkv_proj" in str(p)]
+    assert fused
+    for path in fused:
+        with safe_open(str(path), "pt") as f:
+            meta, data = f.metadata(), f.get_tensor("data")
+        assert meta["unsharded_shape"] == "(12, 4)"
+        save_file({"data": data}, str(path), metadata={**meta, "unsharded_shape": "(np.int64(12), 4)"})
+    scanned = SavedCheckpoint.scan(folder)
+    name = "model.decoder.0.pp_block.attn.qkv_proj.weight"
+    assert scanned.parameters[name].whole_shape == tuple(weights[name].shape) == (12, 4)

@@ -260,7 +260,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text))
+    """A header's ``unsharded_shape``: ``(48, 16)``, or ``(np.int64(48), 16)`` as Nanotron 0.2 writes a fused
+    weight's under NumPy 2 (the ``64`` of ``int64`` is not a dimension)."""
+    return tuple(int(x) for x in re.findall(r"\d+", re.sub(r"np\.\w+\((\d+)\)", r"\1", text)))
 
 
 def _parameters(weights: list[WeightFile]) -> dict[str, SavedParameter]:
