@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from nanotron_ext import __version__
-from nanotron_ext.blocks import role_of, short_name, vocab_slices
+from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.checkpoint.digest import SavedFile
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import CheckpointError
 from nanotron_ext.machine import MachineProfile
 from nanotron_ext.outputs import atomic_write_text
-from nanotron_ext.partition.layout_string import layout_string
+from nanotron_ext.partition.layout_string import split_text
 from nanotron_ext.plan import Plan
-from nanotron_ext.report import compact_names, table
+from nanotron_ext.report import table
 
 __all__ = ["RECORD_FILE", "RECORD_FORMAT", "Difference", "ModelKey", "PlanRecord", "read_record", "record_for"]
 
@@ -115,13 +115,7 @@ class PlanRecord:
     @property
     def layout(self) -> str:
         """The split as a layout string (``E,t|t,L``), or as stage labels where a block has no layout symbol."""
-        roles = [role_of(name) for name in self.blocks]
-        text = layout_string(roles, self.stages)
-        if text is not None:
-            return text
-        return " | ".join(
-            compact_names([short_name(n) for n, s in zip(self.blocks, self.stages) if s == k]) for k in range(self.pp)
-        )
+        return split_text(self.blocks, self.stages, self.pp)
 
     def differences(self, now: PlanRecord) -> list[Difference]:
         """What differs between this (recorded) plan and ``now``, in the order a user would check it."""

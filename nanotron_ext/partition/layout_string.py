@@ -16,8 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from nanotron_ext.blocks import compact_roles
+from nanotron_ext.blocks import compact_roles, role_of, short_name
 from nanotron_ext.errors import LayoutError
+from nanotron_ext.report import compact_names
 
 __all__ = ["SYMBOLS", "layout_ranks", "layout_string", "parse_layout"]
 
@@ -141,6 +142,15 @@ def layout_string(roles: Sequence[str], ranks: Sequence[int]) -> str | None:
                 parts.append(item)
         stages.append(",".join(parts))
     return "|".join(stages)
+
+
+def split_text(names: Sequence[str], ranks: Sequence[int], pp: int) -> str:
+    """A split as a person reads it: its layout string (``E,t|t,L``), or each stage's block labels where a block
+    has no layout symbol (``embed,d0 | d1,head``)."""
+    text = layout_string([role_of(n) for n in names], ranks)
+    if text is not None:
+        return text
+    return " | ".join(compact_names([short_name(n) for n, s in zip(names, ranks) if s == k]) for k in range(pp))
 
 
 def _first_bad(item: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from nanotron_ext.blocks import role_of
 from nanotron_ext.costs.memory_estimate import StageMemory
 from nanotron_ext.machine.memory_limit import MemoryLimit
+from nanotron_ext.partition.layout_string import split_text
 from nanotron_ext.report import human_bytes, human_count, int_ranges, table
 
 __all__ = ["Finding", "Plan", "Severity", "StagePlan"]
@@ -139,6 +140,11 @@ class Plan:
             stages.setdefault(f.code, []).extend([] if f.stage is None else [f.stage])
         codes = ", ".join(f"{code}@{int_ranges(ks)}" if ks else code for code, ks in stages.items())
         return ("OK" if self.ok else "INVALID") + (f" ({codes})" if codes else "")
+
+    @property
+    def split_text(self) -> str:
+        """The split as a layout string (``E,t|t,L``), or stage labels where a block has no layout symbol."""
+        return split_text(self.block_names, self.block_ranks, self.pp)
 
     def stage_map(self) -> str:
         """``0-4|5-6``: the block index range of each stage (``-`` for an empty one)."""
