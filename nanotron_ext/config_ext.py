@@ -13,7 +13,8 @@ from nanotron_ext.errors import ConfigError, suggest
 
 __all__ = [
     "BlockTimes", "DEFAULT_MEMORY_OVERHEAD_GIB", "DEFAULT_STRATEGY", "EXT_KEYS", "EXT_SECTION", "ExtConfig",
-    "MemoryRuntime", "OBJECTIVES", "ResumePlan", "VOCAB_SHARDS_AUTO", "check_choice",
+    "MemoryRuntime", "OBJECTIVES", "REPLAN_KEYS", "ReplanConfig", "ReplanEngine", "ResumePlan", "VOCAB_SHARDS_AUTO",
+    "check_choice",
 ]
 
 #: Where the memory estimate's plan runs: Nanotron's trainer on CUDA, or this package's CPU runtime.
@@ -22,6 +23,9 @@ MemoryRuntime = Literal["gpu", "cpu"]
 BlockTimes = Literal["machine", "flops", "profiled"]
 #: What a resume trains (``nanotron_ext.resume_plan``; ``--replan``): the checkpoint's recorded split, or a new plan.
 ResumePlan = Literal["keep", "replan"]
+#: Which engines a re-plan after K steps may move to (``nanotron_ext.replan.engine``): the run's own, or any
+#: contiguous one ``pp_engine: auto`` would consider.
+ReplanEngine = Literal["keep", "auto"]
 #: ``memory_overhead_gib`` when not given, per runtime: on a GPU the CUDA context (~0.5 GiB), NCCL's
 #: communicator buffers and the caching allocator's fragmentation are not tensors; on CPU the measured
 #: quantity is torch's live tensor bytes, so nothing is added.
@@ -34,6 +38,59 @@ VOCAB_SHARDS_AUTO = "auto"
 
 #: What the optimal strategies minimise (``nanotron_ext.objective``).
 OBJECTIVES: tuple[str, ...] = ("step_time", "slowest_stage")
+
+
+@dataclass(frozen=True)
+class ReplanConfig:
+    """``nanotron_ext.replan``: after ``after_steps`` steps a run prices itself from its own steps, plans again and
+    moves to the faster plan (``docs/replan.md``).
+
+    Attributes:
+        after_steps: the step after which the run re-plans; None: never (the default).
+        min_gain: the least predicted gain (a fraction of the step) worth a move.
+        engine: ``keep`` the run's engine, or let the re-plan pick among the contiguous engines (``auto``);
+            None: ``auto`` where the config's ``pp_engine`` is ``auto``, else ``keep``.
+    """
+
+    after_steps: int | None = None
+    min_gain: float = 0.03
+    engine: ReplanEngine | None = None
+
+    def __post_init__(self) -> None:
+        k = self.after_steps
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
+            raise ConfigError(f"{EXT_SECTION}.replan.after_steps={k!r} must be an integer >= 2 (step 1 pays one-off "
+                              f"costs and is not timed; the steps after it price the run), or null to never re-plan")
+        g = self.min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and 0 <= g < 1):
+            raise ConfigError(f"{EXT_SECTION}.replan.min_gain={g!r} must be a fraction of the step in [0, 1), "
+                              f"e.g. 0.03 to move only for a predicted gain of 3 % or more")
+        if self.engine is not None:
+            check_choice(f"{EXT_SECTION}.replan.engine", self.engine, ReplanEngine)
+
+    @classmethod
+    def from_yaml(cls, value: Any) -> ReplanConfig:
+        """The ``replan:`` mapping of a YAML (or an instance, unchanged).
+
+        Raises:
+            ConfigError: not a mapping; a key it does not know (with the closest one); a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise not_a_mapping(f"{EXT_SECTION}.replan", value, "replan: {after_steps: 20, min_gain: 0.03}",
+                                see="docs/replan.md")
+        for key in value:
+            if key not in REPLAN_KEYS:
+                raise ConfigError(f"{EXT_SECTION}.replan.{key} is not a key of replan; {suggest(key, REPLAN_KEYS)}"
+                                  f"its keys are {', '.join(sorted(REPLAN_KEYS))}")
+        return cls(**value)
+
+
+#: Keys of ``nanotron_ext.replan``.
+REPLAN_KEYS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(ReplanConfig))
 
 
 @dataclass(frozen=True)
@@ -68,6 +125,7 @@ class ExtConfig:
         resume_plan: on a resume, ``keep`` trains the split the checkpoint was trained with wherever the config
             allows it (same pp and vocabulary shards), even if pricing would choose another today; ``replan``
             plans anew and moves the saved state onto the new plan (:mod:`nanotron_ext.checkpoint`).
+        replan: re-plan after K steps of a run (:class:`ReplanConfig`; a mapping in the YAML).
     """
 
     cost_strategy: str = DEFAULT_STRATEGY
@@ -87,6 +145,7 @@ class ExtConfig:
     memory_overhead_gib: float | None = None
     vocab_shards: int | str = 1
     resume_plan: ResumePlan = "keep"
+    replan: ReplanConfig = dataclasses.field(default_factory=ReplanConfig)
 
     @property
     def overhead_gib(self) -> float:
@@ -96,6 +155,7 @@ class ExtConfig:
         return DEFAULT_MEMORY_OVERHEAD_GIB[self.memory_runtime]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "replan", ReplanConfig.from_yaml(self.replan))  # frozen: the YAML's mapping, typed
         k = self.vocab_shards
         if k != VOCAB_SHARDS_AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(

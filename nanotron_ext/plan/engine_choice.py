@@ -32,7 +32,8 @@ from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE, too_few_micro_batches
 from nanotron_ext.strategies.step_time import schedule_problem
 
-__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "resolve_engine"]
+__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "predicted_step",
+           "resolve_engine"]
 
 #: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
 TIE_DIGITS = 9
@@ -172,13 +173,18 @@ def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
         return dataclasses.replace(uncapped, fits=False, ok=False, reason=str(exc), plan=None, config=None)
     if isinstance(plan, VPlan):  # it exists only where every chunk trains and every rank fits
         return EngineOption(engine, plan.step_time, plan.peaks, True, True, "", plan, trial)
-    problem = schedule_problem(blocks, trial)
-    step = float(StepTimeEvaluator(problem)([bounds_from_ranks(plan.block_ranks, plan.pp)])[0])
+    step = predicted_step(trial, blocks, plan.block_ranks)
     errors = [f for f in plan.findings if f.severity == "error"]
     fits = not any(f.code == "memory" for f in errors)
     reason = errors[0].message if errors else ""
     return EngineOption(engine, step, tuple(s.memory_bytes for s in plan.stages), fits, not errors, reason, plan,
                         trial)
+
+
+def predicted_step(cfg: PlannerConfig, blocks: Sequence[Any], ranks: Sequence[int]) -> float:
+    """The simulated step (seconds) of the contiguous split ``ranks`` under ``cfg``'s engine and machine: the
+    step-time objective, equal to ``simulate_plan``'s."""
+    return float(StepTimeEvaluator(schedule_problem(blocks, cfg))([bounds_from_ranks(ranks, cfg.run.pp)])[0])
 
 
 def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES,
