@@ -183,6 +183,19 @@ def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
     assert "Use pp_engine zb1p or zb2p here" in err
 
 
+def test_a_replan_key_is_refused_by_the_launcher_with_the_way_between_runs(tmp_path, capsys):
+    """The re-plan after K steps runs in nanotron-ext train only: the launcher says so, and how to re-plan between
+    runs, instead of training without it."""
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    config = tmp_path / "replan.yaml"
+    config.write_text(bundled_config_text().replace("\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n"))
+    assert main([str(script), "--config-file", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now" in err
+    assert "resume with --replan" in err
+
+
 def bundled_config_text() -> str:
     from pathlib import Path
 

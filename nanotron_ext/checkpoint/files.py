@@ -102,6 +102,12 @@ def weight_name(name: str, pp: int | None = None, pp_size: int | None = None, tp
     return Path(*parts, f"model_{leaf}{suffix}.safetensors")
 
 
+def rank_file_name(kind: str, pp: int, pp_size: int, tp: int, tp_size: int) -> str:
+    """The name upstream main gives a pp/tp rank's ``optimizer`` or ``lr_scheduler`` file (ZeRO-0, no experts):
+    the inverse of :func:`parse_rank_file`."""
+    return f"{kind}_pp-{pp}-of-{pp_size}_tp-{tp}-of-{tp_size}_exp-0-of-1.pt"
+
+
 def parse_rank_file(path: Path) -> RankFile | None:
     """The :class:`RankFile` an optimizer or scheduler file name is, or None."""
     match = _RANK_FILE.match(path.name)

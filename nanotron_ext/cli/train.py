@@ -50,6 +50,9 @@ def add_subcommand(subparsers: Any) -> None:
                    help="overrides general.seed (weights) and data.seed (data order)")
     p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
     p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
+    p.add_argument("--replan-after", dest="replan_after", type=positive_int, metavar="K",
+                   help="after step K, price the run from its own steps, plan again under the same memory and move "
+                   "to the faster plan (nanotron_ext.replan.after_steps; docs/replan.md)")
     p.add_argument("--device", choices=DEVICE_TYPES, default=None,
                    help=f"where to train (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu; the rule "
                    "calibrate follows too)")
@@ -88,6 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
             metrics_out=args.metrics_out,
             plan_out=args.plan_out,
+            replan_after=args.replan_after,
         )
     except Exception as exc:  # every failure must end this rank with one message, never a hang
         return report_error(exc, f"nanotron-ext train: error on rank {rank}: ", tag=False)

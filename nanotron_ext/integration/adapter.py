@@ -49,6 +49,7 @@ def build_model(
     *,
     config: PlannerConfig | None = None,
     strategy: str | None = None,
+    plan: Plan | None = None,
 ) -> Any:
     """Nanotron's ``build_model`` with the split chosen by a nanotron_ext strategy.
 
@@ -65,6 +66,8 @@ def build_model(
         device: parameter device (Nanotron's default is CUDA).
         config: the planner config; defaults to the one given to :func:`patch_nanotron`.
         strategy: overrides ``config.ext.cost_strategy``.
+        plan: build this plan instead of planning (a run's re-plan chose it, under prices the config does not
+            hold); it must be a plan of this model's blocks.
 
     Returns:
         The model with its blocks built on their ranks.
@@ -88,7 +91,11 @@ def build_model(
     if _ACTIVE.get("model_transform") is not None:
         model = _ACTIVE["model_transform"](model)
     blocks = inventory_from_model(model, cfg)
-    plan = plan_for_model(model, cfg, strategy, blocks=blocks)
+    if plan is None:
+        plan = plan_for_model(model, cfg, strategy, blocks=blocks)
+    elif list(plan.block_names) != [b.name for b in blocks]:
+        raise PlanningError(f"the plan to build names blocks {list(plan.block_names)}, the model has "
+                            f"{[b.name for b in blocks]}")
     if _ACTIVE.get("choose_plan") is not None:  # a resume: the checkpoint's recorded split, by default
         plan = _ACTIVE["choose_plan"](plan, blocks, cfg)
     assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,

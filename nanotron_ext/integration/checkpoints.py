@@ -28,6 +28,7 @@ Resuming:
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -164,16 +165,27 @@ class ResumeState:
         assert self.saved is not None
         live = live_optimizer(optimizer, self.needs, self.context)
         if live.entries:
-            optimizer.load_state_dict(optimizer_state_dict(self.saved, live), map_location="cpu")
+            state = optimizer_state_dict(self.saved, live)
+            if "map_location" in inspect.signature(optimizer.load_state_dict).parameters:
+                optimizer.load_state_dict(state, map_location="cpu")
+            else:  # Nanotron 0.2's (the CPU runtime's move to a re-planned split): the state is on the CPU already
+                optimizer.load_state_dict(state)
 
-    def load_lr_scheduler(self, lr_scheduler: Any) -> None:
-        """Give the scheduler the saved step and each group its saved rates, as Nanotron's loader then does."""
+    def load_lr_scheduler(self, lr_scheduler: Any, *, initial_step: bool = True) -> None:
+        """Give the scheduler the saved step and each group its saved rates, then (``initial_step``) step it once
+        as Nanotron's loader does; a run that moves in-process continues the schedule where it was
+        (``initial_step=False``: Nanotron's extra step would skip one learning rate)."""
         assert self.saved is not None and self.optimizer is not None
         live = live_optimizer(self.optimizer, self.needs, self.context)
         by_index = {e.index: e.need for e in live.entries}
         groups = [[by_index[i] for i in g["params"]] for g in live.param_groups]
-        lr_scheduler.load_state_dict(scheduler_state_dict(self.saved, lr_scheduler.state_dict(), groups))
-        lr_scheduler._initial_step()  # as nanotron.serialize.optimizer.load_lr_scheduler does
+        state = scheduler_state_dict(self.saved, lr_scheduler.state_dict(), groups)
+        lr_scheduler.load_state_dict(state)
+        if initial_step:
+            lr_scheduler._initial_step()  # as nanotron.serialize.optimizer.load_lr_scheduler does
+        else:  # load_state_dict leaves the groups' rates as they were built: give them the saved ones
+            for group, lr in zip(self.optimizer.param_groups, lr_scheduler.get_last_lr()):
+                group["lr"] = lr
 
     # --- saving ---------------------------------------------------------------------------------------------
 

@@ -127,15 +127,21 @@ def install_launcher(
 
 
 def check_launcher_engine(cfg: PlannerConfig) -> None:
-    """Refuse an engine the launcher cannot run through Nanotron's trainer: ``zbv`` for now.
+    """Refuse what the launcher cannot run through Nanotron's trainer yet: ``zbv``, and a re-plan after K steps.
 
     Raises:
-        ConfigError: ``pp_engine: zbv``.
+        ConfigError: ``pp_engine: zbv``; ``nanotron_ext.replan.after_steps`` set.
     """
     if cfg.run.engine == V_ENGINE:
         raise ConfigError(f"{cfg.source}: parallelism.pp_engine: zbv runs on the CPU runtime only for now "
                           f"(`nanotron-ext train`); the launcher does not run a V through Nanotron's trainer yet. "
                           f"Use pp_engine zb1p or zb2p here, or `nanotron-ext plan` to see the V")
+    if cfg.ext.replan.after_steps is not None:
+        raise ConfigError(
+            f"{cfg.source}: nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now: the "
+            f"engine's clock that prices a run from its own steps is not installed in Nanotron's trainer yet. "
+            f"Drop replan here and re-plan between runs: `nanotron-ext calibrate CONFIG --in-run --out "
+            f"machine.json`, set nanotron_ext.machine: machine.json, and resume with --replan (docs/replan.md)")
 
 
 def _one_config_file(patches: Patches, nanotron_config: Any, engine: str) -> None:

@@ -19,6 +19,7 @@ is the command line.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import sys
@@ -33,6 +34,7 @@ from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.runtime.data import (
     PackedTextData,
 )
+from nanotron_ext.runtime.replan import Replanner, Trainee
 from nanotron_ext.runtime.train_report import print_header, summary, transport, write_json
 from nanotron_ext.runtime.train_settings import TrainSettings, lr_function, preflight
 
@@ -59,6 +61,7 @@ def run_training(
     metrics_out: str | Path | None = None,
     plan_out: str | Path | None = None,
     progress: bool | None = None,
+    replan_after: int | None = None,
 ) -> dict[str, Any]:
     """Train on this rank; collective, so every rank of the world must call it.
 
@@ -70,6 +73,7 @@ def run_training(
         metrics_out: JSON file rank 0 writes (see module docstring).
         plan_out: JSON file rank 0 writes with the plan the model was built with.
         progress: show a tqdm bar on rank 0; default: when stderr is a terminal.
+        replan_after: overrides ``nanotron_ext.replan.after_steps`` (:mod:`nanotron_ext.runtime.replan`).
 
     Returns:
         The metrics dict: losses, gradient norms and the per-rank table are the same on every rank; step
@@ -79,7 +83,7 @@ def run_training(
         ConfigError / PlanningError: from :func:`preflight` (before any process group).
         PipelineValidationError: some rank would have no gradient (raised on every rank).
     """
-    settings = preflight(config_file, cost_strategy=cost_strategy, steps=steps, seed=seed)
+    settings = preflight(config_file, cost_strategy=cost_strategy, steps=steps, seed=seed, replan_after=replan_after)
     import torch
 
     from nanotron_ext.runtime import GlooParallelContext
@@ -104,43 +108,85 @@ def _train(
     """Build, freeze, validate, wrap and train on an existing context; rank 0 prints and writes files."""
     from nanotron import distributed as dist
 
-    from nanotron_ext.runtime import build_optimizer, make_micro_batch, wrap_ddp
-
     run = s.cfg.run
-    model, plan, rank_rows = _build_checked_model(s, ctx)
-    before = _checksums(model) if metrics_out else {}
-
-    model = wrap_ddp(model, ctx)
-    unwrapped = getattr(model, "module", model)
-    optimizer, grad_accumulator = build_optimizer(model, ctx, **s.optimizer)
     data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dist.get_rank(ctx.dp_pg), dp_size=run.dp,
                           seed=s.data_seed)
-    stream = (make_micro_batch(model, ctx, input_ids=i, label_ids=lab) for i, lab in data)
+    pairs = iter(data)  # one data stream, continued by a model built after a move
+    trainee = _trainee(s, ctx, pairs)
+    before = _checksums(trainee.unwrapped) if metrics_out else {}
     if s.rank == 0:
-        print_header(s, plan)
-    losses, grad_norms, times, lrs = _optimise(s, model, ctx, stream, optimizer, grad_accumulator, progress)
+        print_header(s, s.plan)
+    replanner = _replanner(s, ctx, pairs)
+    losses, grad_norms, times, lrs, trainee = _optimise(s, trainee, ctx, progress, replanner)
 
-    after = _checksums(unwrapped) if metrics_out else {}
+    s = trainee.settings
+    after = _checksums(trainee.unwrapped) if metrics_out else {}
     local = {
         "world_rank": s.rank,
         "losses": losses,
         "grad_norms": grad_norms,
         "step_times_s": times,
-        "has_optimizer": optimizer is not None,
-        "is_ddp": model is not unwrapped,
-        "checksums": {n: {**before[n], "sha256_after": after[n]["sha256"]} for n in before},
+        "has_optimizer": trainee.optimizer is not None,
+        "is_ddp": trainee.model is not trainee.unwrapped,
+        # After a move a rank holds other parameters than it started with: each with what this rank saw of it.
+        "checksums": {n: {**before.get(n, after.get(n, {})), **({"sha256_after": after[n]["sha256"]} if n in after
+                                                                  else {})} for n in {**before, **after}},
     }
     gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
     dist.all_gather_object(gathered, local, group=ctx.world_pg)
-    per_rank = [{**row, **{k: v for k, v in g.items() if k != "world_rank"}} for row, g in zip(rank_rows, gathered)]
-    metrics = _metrics(s, plan, unwrapped, per_rank, losses, grad_norms, times, lrs)
+    per_rank = [{**row, **{k: v for k, v in g.items() if k != "world_rank"}}
+                for row, g in zip(trainee.rank_rows, gathered)]
+    metrics = _metrics(s, s.plan, trainee.unwrapped, per_rank, losses, grad_norms, times, lrs)
+    if replanner is not None and replanner.outcome is not None:
+        metrics["replan"] = replanner.report(times)
     if s.rank == 0:
         print(summary(metrics), flush=True)
+        if replanner is not None and replanner.outcome is not None:
+            for line in replanner.measured_lines(times):
+                print(line, flush=True)
         if metrics_out:
             write_json(metrics_out, metrics)
         if plan_out:
-            write_json(plan_out, plan.to_dict())
+            write_json(plan_out, s.plan.to_dict())
     return metrics
+
+
+def _trainee(s: TrainSettings, ctx: Any, pairs: Iterator[Any], moved: Any = None) -> Trainee:
+    """The model on ``s.plan``, checked, wrapped, with its optimizer, schedule and micro-batch stream; ``moved``:
+    the ``ResumeState`` of a move's checkpoint, loaded onto it (:mod:`nanotron_ext.runtime.replan`)."""
+    from nanotron.helpers import lr_scheduler_builder
+
+    from nanotron_ext.runtime import build_optimizer, make_micro_batch, wrap_ddp
+    from nanotron_ext.runtime.replan import load_optimizer, load_weights
+
+    model, _, rank_rows = _build_checked_model(s, ctx, plan=s.plan if moved is not None else None)
+    if moved is not None:
+        load_weights(moved, model, ctx)
+    model = wrap_ddp(model, ctx)
+    optimizer, grad_accumulator = build_optimizer(model, ctx, **s.optimizer)
+    scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
+    if moved is not None:
+        load_optimizer(moved, optimizer, scheduler)
+    stream = (make_micro_batch(model, ctx, input_ids=i, label_ids=lab) for i, lab in pairs)
+    return Trainee(s, model, optimizer, grad_accumulator, scheduler, stream, rank_rows)
+
+
+def _replanner(s: TrainSettings, ctx: Any, pairs: Iterator[Any]) -> Replanner | None:
+    """The run's re-plan after K steps, or None where it has none (or is too short for one: rank 0 says so)."""
+    k = s.cfg.ext.replan.after_steps
+    if k is None:
+        return None
+    if s.steps <= k:
+        if s.rank == 0:
+            print(f"nanotron_ext: replan after step {k}: the run has {s.steps} steps, so it trains its plan to the "
+                  f"end without re-planning", flush=True)
+        return None
+    return Replanner(s, ctx, lambda settings, c, state: _trainee(settings, c, pairs, state),
+                     engine_was_auto=s.engine_was_auto, say=_on_rank0(s.rank))
+
+
+def _on_rank0(rank: int) -> Any:
+    return (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
 
 def _metrics(s: TrainSettings, plan: Plan | VPlan, model: Any, per_rank: list[dict[str, Any]], losses: list[float],
@@ -180,8 +226,9 @@ def _metrics(s: TrainSettings, plan: Plan | VPlan, model: Any, per_rank: list[di
     return metrics
 
 
-def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[dict]]:
-    """Build with the planned split, tie, initialise and freeze; then the collective every-rank-trains check."""
+def _build_checked_model(s: TrainSettings, ctx: Any, *, plan: Plan | None = None) -> tuple[Any, Plan, list[dict]]:
+    """Build with the planned split (``plan``: this one, a re-plan's), tie, initialise and freeze; then the
+    collective every-rank-trains check."""
     import torch
     from nanotron.parallel.parameters import sanity_check
 
@@ -193,9 +240,9 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
     model = integration.build_model(
         lambda: cpu_llama(s.model_config, ctx, s.parallel_config, device, projector=cfg.ext.projector,
                           vocab_shards=cfg.vocab_shards, recompute_layer=cfg.run.recompute_layer),
-        ctx, dtype=torch.float32, device=device, config=cfg,
+        ctx, dtype=torch.float32, device=device, config=cfg, plan=plan,
     )
-    plan: Plan | VPlan = model.nanotron_ext_plan
+    plan = model.nanotron_ext_plan
     # The config inventory and the model must agree exactly (a V on its chunks too: two Vs may share ranks).
     if (list(plan.block_ranks), getattr(plan, "bounds", None)) != (list(s.plan.block_ranks),
                                                                     getattr(s.plan, "bounds", None)):
@@ -210,21 +257,18 @@ def _build_checked_model(s: TrainSettings, ctx: Any) -> tuple[Any, Plan, list[di
 
 
 def _optimise(
-    s: TrainSettings, model: Any, ctx: Any, stream: Iterator[Any], optimizer: Any, grad_accumulator: Any,
-    progress: bool | None,
-) -> tuple[list[float], list[float], list[float], list[float]]:
+    s: TrainSettings, trainee: Trainee, ctx: Any, progress: bool | None, replanner: Replanner | None,
+) -> tuple[list[float], list[float], list[float], list[float], Trainee]:
     """Run the training steps; rank 0 prints a line per step (under a progress bar on a terminal).
 
     Returns:
-        Per step: losses, gradient norms, seconds, learning rates.
+        Per step: losses, gradient norms, seconds, learning rates; and what the last step trained with (another
+        trainee after a move).
     """
-    from nanotron.helpers import lr_scheduler_builder
-
     from nanotron_ext.runtime import train_step
     from nanotron_ext.runtime.device import synchronize
 
     run = s.cfg.run
-    scheduler = lr_scheduler_builder(optimizer, s.lr_schedule, s.steps) if optimizer is not None else None
     lr_at = lr_function(s.lr_schedule, s.steps)
     bar = None
     if s.rank == 0 and (progress if progress is not None else sys.stderr.isatty()):
@@ -237,11 +281,13 @@ def _optimise(
     lrs: list[float] = []
     for step in range(1, s.steps + 1):
         lr = lr_at(step - 1)
+        t = trainee
         start = time.perf_counter()
-        loss = train_step(model, ctx, s.parallel_config.pp_engine, stream, run.n_micro_batches, optimizer,
-                          grad_accumulator=grad_accumulator, clip_grad=s.clip_grad, lr_scheduler=scheduler,
-                          grad_norms=grad_norms)
-        synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do
+        with replanner.step(step, t) if replanner is not None else contextlib.nullcontext():
+            loss = train_step(t.model, ctx, t.settings.parallel_config.pp_engine, t.stream, run.n_micro_batches,
+                              t.optimizer, grad_accumulator=t.accumulator, clip_grad=s.clip_grad,
+                              lr_scheduler=t.scheduler, grad_norms=grad_norms)
+            synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do
         elapsed = time.perf_counter() - start
         losses.append(loss)
         times.append(elapsed)
@@ -257,6 +303,8 @@ def _optimise(
                 bar.write(line, file=sys.stdout)
             else:
                 print(line, flush=True)
+        if replanner is not None:
+            trainee = replanner.after(step, trainee)
     if bar is not None:
         bar.close()
-    return losses, grad_norms, times, lrs
+    return losses, grad_norms, times, lrs, trainee

@@ -24,7 +24,7 @@ from nanotron_ext.runtime.data import (
     data_files_from_config,
     load_packed_windows,
 )
-from nanotron_ext.schedule import too_few_micro_batches
+from nanotron_ext.schedule import V_ENGINE, too_few_micro_batches
 
 __all__ = ["TrainSettings", "lr_function", "preflight"]
 
@@ -49,6 +49,7 @@ class TrainSettings:
         notes: things rank 0 prints before training (settings the CPU runtime changes).
         timeout_s: how long a rank waits for a silent peer (``$NANOTRON_EXT_TIMEOUT_S``, default 60).
         device: where this rank trains (``$NANOTRON_EXT_DEVICE``: ``cpu``, or ``cuda:N``).
+        engine_was_auto: the YAML said ``pp_engine: auto`` (``auto`` is resolved in ``cfg``).
     """
 
     cfg: PlannerConfig
@@ -69,6 +70,7 @@ class TrainSettings:
     notes: list[str] = field(default_factory=list)
     timeout_s: float = 60.0
     device: str = "cpu"
+    engine_was_auto: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -82,6 +84,7 @@ def preflight(
     cost_strategy: str | None = None,
     steps: int | None = None,
     seed: int | None = None,
+    replan_after: int | None = None,
 ) -> TrainSettings:
     """Every check that needs no process group, in the order a user would fix them.
 
@@ -93,12 +96,19 @@ def preflight(
         PlanningError: the strategy's plan cannot train (e.g. a stage without parameters).
     """
     from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import resolve_engine, resolve_vocab_shards
+    from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
     from nanotron_ext.plan.v_plan import plan_for, strategy_note
 
     # The installed Nanotron's keys count as known: where its loader reads a key, it has the final word.
     cfg = load_config(config_file, cost_strategy=cost_strategy, nanotron_keys=installed_nanotron_keys())
-    cfg, engine_choice = resolve_engine(cfg)
+    if replan_after is not None:  # --replan-after K: the YAML's other replan keys stay
+        cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=replan_after))
+    replans = cfg.ext.replan.after_steps is not None
+    if replans and cfg.run.engine == V_ENGINE:
+        raise ConfigError("nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
+                          "pp_engine 1f1b, zb1p, zb2p or auto")
+    # A re-plan moves between contiguous splits, so auto starts on one.
+    cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES if replans else AUTO_ENGINES)
     cfg, _ = resolve_vocab_shards(cfg)
     raw, run = cfg.nanotron, cfg.run
     steps, seed, data_seed = _steps_and_seeds(raw, steps, seed)
@@ -131,7 +141,8 @@ def preflight(
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(
         cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
-        data_files=files, windows=windows, timeout_s=timeout_s, device=device, **nanotron,
+        data_files=files, windows=windows, timeout_s=timeout_s, device=device, engine_was_auto=engine_choice is not None,
+        **nanotron,
     )
 
 
