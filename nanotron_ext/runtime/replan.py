@@ -40,7 +40,7 @@ __all__ = ["REPLAN_CALIBRATE_REPEATS", "ReplanOutcome", "Replanner", "Trainee", 
 
 #: Repeats of the standalone calibration a re-plan takes where the config names no machine profile: it prices only
 #: the links, the all-reduces and what the run's own steps did not time.
-REPLAN_CALIBRATE_REPEATS = 3
+REPLAN_CALIBRATE_REPEATS = 1
 
 
 @dataclasses.dataclass

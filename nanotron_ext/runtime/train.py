@@ -52,6 +52,16 @@ def _checksums(model: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _before_and_after(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each parameter this rank held at the start (its ``sha256`` then) or holds at the end (its ``sha256_after``):
+    after a move to another split a rank ends with other parameters than it started with."""
+    out = {}
+    for name in {**before, **after}:
+        info = before.get(name) or {k: v for k, v in after[name].items() if k != "sha256"}
+        out[name] = {**info, **({"sha256_after": after[name]["sha256"]} if name in after else {})}
+    return out
+
+
 def run_training(
     config_file: str | Path,
     *,
@@ -128,9 +138,7 @@ def _train(
         "step_times_s": times,
         "has_optimizer": trainee.optimizer is not None,
         "is_ddp": trainee.model is not trainee.unwrapped,
-        # After a move a rank holds other parameters than it started with: each with what this rank saw of it.
-        "checksums": {n: {**before.get(n, after.get(n, {})), **({"sha256_after": after[n]["sha256"]} if n in after
-                                                                  else {})} for n in {**before, **after}},
+        "checksums": _before_and_after(before, after),
     }
     gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
     dist.all_gather_object(gathered, local, group=ctx.world_pg)

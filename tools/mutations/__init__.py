@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mutations import checkpoints_cli, planning, runtime
+from mutations import checkpoints_cli, planning, replan, runtime
 from mutations.base import Mutation
 
-MUTATIONS: tuple[Mutation, ...] = planning.MUTATIONS + runtime.MUTATIONS + checkpoints_cli.MUTATIONS
+MUTATIONS: tuple[Mutation, ...] = (planning.MUTATIONS + runtime.MUTATIONS + checkpoints_cli.MUTATIONS
+                                   + replan.MUTATIONS)

@@ -196,9 +196,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("auto ignores the memory limit", "nanotron_ext/plan/engine_choice.py",
       "    fits = not any(f.code == \"memory\" for f in errors)", "    fits = True", ("tests/test_engine_choice.py",)),
     M("auto does not price the recompute", "nanotron_ext/plan/engine_choice.py",
-      "    problem = schedule_problem(blocks, trial)",
-      "    problem = schedule_problem(blocks, dataclasses.replace(trial, run=dataclasses.replace(trial.run, "
-      "recompute_layer=False)))",
+      "StepTimeEvaluator(schedule_problem(blocks, cfg))",
+      "StepTimeEvaluator(schedule_problem(blocks, dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, "
+      "recompute_layer=False))))",
       ("tests/test_engine_choice.py",)),
     M("the launcher hands Nanotron pp_engine: auto", "nanotron_ext/integration/trainer_patches.py",
       "str(parallelism.get(\"pp_engine\")).lower() == ENGINE_AUTO", "False",
