@@ -38,6 +38,17 @@ def test_a_bad_split_moves_to_the_fastest_split_with_both_steps_predicted_by_the
     assert "now:  E|t*2,L  1f1b" in lines and "best: E,t*2,N|H,C,X  1f1b" in lines and "moving to the new plan" in lines
 
 
+@pytest.mark.parametrize("strategy", ["layout", "nanotron"])
+def test_a_run_on_a_fixed_rule_re_plans_with_the_step_time_strategy(strategy):
+    """A run started on a fixed rule (its config says `layout` or `nanotron`) is re-planned by `constrained`: its own
+    rule would return the split it has."""
+    cfg, blocks, bad = _setup()
+    started = cfg.with_overrides(cost_strategy=strategy, layout=BAD)
+    choice = choose_replan(started, blocks, bad, step=5, spread=0.0, engines=("1f1b",))
+    assert choice.moves and choice.new.block_ranks == make_plan(blocks, cfg).block_ranks
+    assert choice.new.strategy == "constrained"
+
+
 def test_a_run_on_the_fastest_plan_stays():
     cfg, blocks, _ = _setup()
     choice = choose_replan(cfg, blocks, make_plan(blocks, cfg), step=5, spread=0.0, engines=("1f1b",))

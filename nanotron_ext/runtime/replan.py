@@ -66,6 +66,7 @@ class ReplanOutcome:
 
     choice: ReplanChoice
     seconds: dict[str, float]
+    timed_steps: int | None = None  # the steps the clock recorded (rank 0; None elsewhere)
     checkpoint_bytes: int | None = None  # the move's checkpoint, every rank's files
     peak_rss_mib: tuple[float, float] | None = None  # this process's peak resident memory before and after the move
 
@@ -75,7 +76,7 @@ class ReplanOutcome:
                 "old": {"split": c.old.split_text, "engine": c.old.engine, "predicted_step_s": c.old_step},
                 "new": {"split": c.new.split_text, "engine": c.new.engine, "predicted_step_s": c.new_step},
                 "predicted_gain": c.gain, "noise": c.spread, "min_gain": c.min_gain, "cap_bytes": c.cap_bytes,
-                "seconds": self.seconds, "checkpoint_bytes": self.checkpoint_bytes,
+                "seconds": self.seconds, "timed_steps": self.timed_steps, "checkpoint_bytes": self.checkpoint_bytes,
                 "peak_rss_mib": None if self.peak_rss_mib is None else list(self.peak_rss_mib)}
 
 
@@ -135,7 +136,8 @@ class Replanner:
             seconds["plan"] = time.perf_counter() - start
         for line in choice.lines():
             self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
-        self.outcome = ReplanOutcome(choice, seconds)
+        timed = None if gathered is None else len(gathered[0])
+        self.outcome = ReplanOutcome(choice, seconds, timed)
         if not choice.moves:
             return trainee
         new_settings = _settings_for(s, choice)
@@ -144,7 +146,7 @@ class Replanner:
             return dataclasses.replace(trainee, settings=new_settings)
         before = _peak_rss_mib()
         trainee, size = self._move(trainee, new_settings, step, seconds)
-        self.outcome = ReplanOutcome(choice, seconds, size, (before, _peak_rss_mib()))
+        self.outcome = ReplanOutcome(choice, seconds, timed, size, (before, _peak_rss_mib()))
         self.say(f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
                  f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
                  f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "

@@ -47,10 +47,13 @@ def _same_training(moved: dict[str, Any], reference: dict[str, Any]) -> None:
     assert len(weights) == len(_final_weights(reference)) >= 14 and weights == _final_weights(reference)
 
 
-def test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start(tmp_path, reference):
+def test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start(tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the ranks make the move's checkpoint
     launch = _run(tmp_path, "bad", BAD, "--replan-after", str(K))
     m, out = launch.metrics, launch.ranks[0].stdout
     assert m["replan"]["verdict"] == "move" and m["replan"]["after_step"] == K
+    assert m["replan"]["timed_steps"] == K - 1  # step 1 pays one-off costs: not in the run's prices
+    assert not list(tmp_path.glob("nanotron-ext-replan-*"))  # the move's checkpoint is removed
     assert m["block_ranks"] == reference["block_ranks"] != [0, 1, 1, 1, 1, 1, 1]
     assert m["replan"]["old"]["split"] == "E|t*2,L" and m["replan"]["new"]["split"] == "E,t*2,N|H,C,X"
     assert m["replan"]["predicted_gain"] > 0.03 and m["replan"]["measured_step_s_after"] > 0

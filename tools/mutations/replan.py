@@ -25,7 +25,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a fixed rule re-plans to its own split", CHOICE,
       'cfg.ext.cost_strategy if cfg.ext.cost_strategy in PRICED_STRATEGIES else "constrained"',
       "cfg.ext.cost_strategy",
-      (f"{CHOICE_TESTS}::test_a_bad_split_moves_to_the_fastest_split_with_both_steps_predicted_by_the_simulator",)),
+      (f"{CHOICE_TESTS}::test_a_run_on_a_fixed_rule_re_plans_with_the_step_time_strategy",)),
     M("the re-plan may change the engine when told to keep it", CHOICE,
       'return CONTIGUOUS_AUTO_ENGINES if wanted == "auto" else (cfg.run.engine,)', "return CONTIGUOUS_AUTO_ENGINES",
       (f"{CHOICE_TESTS}::test_the_engines_a_replan_may_pick",)),
