@@ -171,14 +171,20 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
 
 
-def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
-    """The V engine runs on the CPU runtime only: the launcher says so before it imports the trainer."""
+def _refused(tmp_path, capsys, old: str, new: str) -> str:
+    """The launcher's stderr on the bundled config with ``old`` replaced by ``new``, refused (exit 2) before the
+    script (which would exit 0) runs."""
     script = tmp_path / "run_train.py"
     script.write_text("raise SystemExit(0)\n")
-    config = tmp_path / "zbv.yaml"
-    config.write_text(bundled_config_text().replace("pp_engine: 1f1b", "pp_engine: zbv"))
+    config = tmp_path / "config.yaml"
+    config.write_text(bundled_config_text().replace(old, new))
     assert main([str(script), "--config-file", str(config)]) == 2
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
+    """The V engine runs on the CPU runtime only: the launcher says so before it imports the trainer."""
+    err = _refused(tmp_path, capsys, "pp_engine: 1f1b", "pp_engine: zbv")
     assert "pp_engine: zbv runs on the CPU runtime only for now (`nanotron-ext train`)" in err
     assert "Use pp_engine zb1p or zb2p here" in err
 
@@ -186,12 +192,7 @@ def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
 def test_a_replan_key_is_refused_by_the_launcher_with_the_way_between_runs(tmp_path, capsys):
     """The re-plan after K steps runs in nanotron-ext train only: the launcher says so, and how to re-plan between
     runs, instead of training without it."""
-    script = tmp_path / "run_train.py"
-    script.write_text("raise SystemExit(0)\n")
-    config = tmp_path / "replan.yaml"
-    config.write_text(bundled_config_text().replace("\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n"))
-    assert main([str(script), "--config-file", str(config)]) == 2
-    err = capsys.readouterr().err
+    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n")
     assert "nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now" in err
     assert "resume with --replan" in err
 

@@ -85,8 +85,9 @@ class Replanner:
 
     Args:
         settings: the run's settings (``cfg.ext.replan.after_steps`` set).
-        ctx: its parallel context; rebuild: ``(settings, ctx, plan) -> Trainee`` on another plan, the run's own
-            build (model, check, DDP, optimizer, schedule, its data stream continued).
+        ctx: its parallel context; rebuild: ``(settings, ctx, state) -> Trainee``, the run's own build on
+            ``settings.plan`` (model, check, DDP, optimizer, schedule, its data stream continued) with the state of
+            the move's checkpoint (``state``: its ``ResumeState``) loaded.
         engine_was_auto: the config asked ``pp_engine: auto`` (the re-plan may then change the engine).
         say: prints on rank 0.
     """
@@ -136,21 +137,19 @@ class Replanner:
             seconds["plan"] = time.perf_counter() - start
         for line in choice.lines():
             self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
-        timed = None if gathered is None else len(gathered[0])
-        self.outcome = ReplanOutcome(choice, seconds, timed)
-        if not choice.moves:
-            return trainee
-        new_settings = _settings_for(s, choice)
-        if list(choice.new.block_ranks) == list(s.plan.block_ranks):  # the engine only: nothing moves
+        outcome = ReplanOutcome(choice, seconds, None if gathered is None else len(gathered[0]))
+        if choice.moves and list(choice.new.block_ranks) == list(s.plan.block_ranks):  # the engine only
             self.say(f"  the engine changes to {choice.new.engine} on the same split: no state moves")
-            return dataclasses.replace(trainee, settings=new_settings)
-        before = _peak_rss_mib()
-        trainee, size = self._move(trainee, new_settings, step, seconds)
-        self.outcome = ReplanOutcome(choice, seconds, timed, size, (before, _peak_rss_mib()))
-        self.say(f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
-                 f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
-                 f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
-                 f"{self.outcome.peak_rss_mib[1]:.0f} MiB")
+            trainee = dataclasses.replace(trainee, settings=_settings_for(s, choice))
+        elif choice.moves:
+            before = _peak_rss_mib()
+            trainee, size = self._move(trainee, _settings_for(s, choice), step, seconds)
+            outcome = dataclasses.replace(outcome, checkpoint_bytes=size, peak_rss_mib=(before, _peak_rss_mib()))
+            self.say(f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
+                     f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
+                     f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
+                     f"{outcome.peak_rss_mib[1]:.0f} MiB")
+        self.outcome = outcome
         return trainee
 
     def measured(self, times: list[float]) -> tuple[float, float | None]:
