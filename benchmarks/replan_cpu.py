@@ -45,7 +45,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 import yaml  # noqa: E402
 from _common import RESULTS, print_command  # noqa: E402
 from in_run.scenarios import SCENARIOS  # noqa: E402
-from runtime.train_workers import launch_ranks  # noqa: E402
+from runtime.train_workers import final_weights, launch_ranks  # noqa: E402
 
 from nanotron_ext.report import table  # noqa: E402
 
@@ -99,12 +99,8 @@ def _trains(start: Start, folder: Path) -> bool:
     return make_plan(inventory_from_config(cfg), cfg).ok
 
 
-def _weights(metrics: dict[str, Any]) -> dict[str, str]:
-    return {n: c["sha256_after"] for r in metrics["ranks"] for n, c in r["checksums"].items() if "sha256_after" in c}
-
-
 def _same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (a["losses"], a["grad_norms"], _weights(a)) == (b["losses"], b["grad_norms"], _weights(b))
+    return (a["losses"], a["grad_norms"], final_weights(a)) == (b["losses"], b["grad_norms"], final_weights(b))
 
 
 def _row(label: str, m: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:

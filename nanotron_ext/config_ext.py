@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from nanotron_ext.config_keys import not_a_mapping
+from nanotron_ext.config_keys import not_a_mapping, unknown_key
 from nanotron_ext.errors import ConfigError, suggest
 
 __all__ = [
@@ -84,8 +84,8 @@ class ReplanConfig:
                                 see="docs/replan.md")
         for key in value:
             if key not in REPLAN_KEYS:
-                raise ConfigError(f"{EXT_SECTION}.replan.{key} is not a key of replan; {suggest(key, REPLAN_KEYS)}"
-                                  f"its keys are {', '.join(sorted(REPLAN_KEYS))}")
+                raise unknown_key(None, f"'{EXT_SECTION}.replan:'", key, REPLAN_KEYS, "replan has no such option",
+                                  spell_out=True)
         return cls(**value)
 
 

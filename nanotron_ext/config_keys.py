@@ -60,6 +60,7 @@ __all__ = [
     "not_a_mapping",
     "parse_yaml",
     "read_config_text",
+    "unknown_key",
 ]
 
 #: Keys of ``nanotron_ext.freeze:``.
@@ -167,10 +168,10 @@ class UnreadKeyWarning(UserWarning):
     """Keys that no Nanotron we know reads (a fork's or an example's own): the plan goes on without them."""
 
 
-def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str], why: str,
-             suggestion: str | None = None, spell_out: bool = False) -> ConfigError:
-    """The one message of an unknown key: what it is, where, why it is refused, "did you mean" for a near miss,
-    and (for short lists and our own section) the known keys on a line of their own."""
+def unknown_key(source: str | None, where: str, key: Any, known: set[str] | frozenset[str], why: str,
+                suggestion: str | None = None, spell_out: bool = False) -> ConfigError:
+    """The one message of an unknown key: what it is, where (in ``source``, where known), why it is refused, "did
+    you mean" for a near miss, and (for short lists and our own section) the known keys on a line of their own."""
     close = suggestion or did_you_mean(key, known)
     # Short lists and our own section are spelled out; Nanotron's sections run to dozens of keys.
     listed = f"known keys are {', '.join(sorted(known))}" if spell_out or len(known) <= 10 else ""
@@ -178,7 +179,7 @@ def _unknown(source: str, where: str, key: Any, known: set[str] | frozenset[str]
         hint = f"did you mean {close!r}?" + (f"\n  {listed}" if listed else "")
     else:
         hint = listed or "remove it or check the spelling against Nanotron's config"
-    return ConfigError(f"{source}: unknown key(s) {key!r} in {where}: {why}; {hint}")
+    return ConfigError(f"{source + ': ' if source else ''}unknown key(s) {key!r} in {where}: {why}; {hint}")
 
 
 def check_ext_section(section: Any, source: str, *, ext_keys: frozenset[str], ext_section: str) -> None:
@@ -191,13 +192,13 @@ def check_ext_section(section: Any, source: str, *, ext_keys: frozenset[str], ex
         return
     for key in section:
         if key not in ext_keys:
-            raise _unknown(source, f"'{ext_section}:'", key, ext_keys, "nanotron_ext has no such option",
+            raise unknown_key(source, f"'{ext_section}:'", key, ext_keys, "nanotron_ext has no such option",
                            spell_out=True)
     freeze = section.get("freeze")
     if isinstance(freeze, dict):
         for key in freeze:
             if key not in FREEZE_KEYS:
-                raise _unknown(source, f"'{ext_section}.freeze:'", key, FREEZE_KEYS, "freezing has no such option")
+                raise unknown_key(source, f"'{ext_section}.freeze:'", key, FREEZE_KEYS, "freezing has no such option")
 
 
 def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext",
@@ -246,7 +247,7 @@ def _unread_keys(node: Any, schema: dict[str, Any], where: str, source: str,
         close = near_miss(key, known)
         if close is not None:
             where_ = f"'{where}:'" if where else "the top level"
-            raise _unknown(source, where_, key, known, "Nanotron's config loader rejects it (0.2's and main's alike)",
+            raise unknown_key(source, where_, key, known, "Nanotron's config loader rejects it (0.2's and main's alike)",
                            suggestion=close)
         unread.append(f"{where}.{key}" if where else str(key))
     return unread

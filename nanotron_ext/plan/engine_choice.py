@@ -101,10 +101,10 @@ class EngineChoice:
         return tuple(sorted((o for o in self.options if _rounded(o.step_time) < step),
                             key=lambda o: _rounded(o.step_time)))
 
-    def lines(self) -> list[str]:
-        """``pp_engine: auto -> zb1p: step ..., peak ...``, the runner-up, any faster engine not taken, then every
-        other engine by the same rule, each with its step and peak or why it has none."""
-        out = [f"pp_engine: auto -> {self.chosen.describe()}"]
+    def lines(self, head: str = "pp_engine: auto -> ") -> list[str]:
+        """``pp_engine: auto -> zb1p: step ..., peak ...`` (``head`` first), the runner-up, any faster engine not
+        taken, then every other engine by the same rule, each with its step and peak or why it has none."""
+        out = [f"{head}{self.chosen.describe()}"]
         if self.runner_up is not None:
             out.append(f"  runner-up {self.runner_up.describe()}")
         out += [f"  faster, not taken: {o.describe()}" for o in self.faster_not_taken if o is not self.runner_up]

@@ -69,7 +69,7 @@ class ReplanChoice:
     @property
     def gain(self) -> float:
         """The predicted gain of the new plan, a fraction of the old step."""
-        return 1.0 - self.new_step / self.old_step if self.old_step > 0 else 0.0
+        return _gain(self.old_step, self.new_step)
 
     @property
     def moves(self) -> bool:
@@ -94,8 +94,7 @@ class ReplanChoice:
             Verdict.SMALL: f"{gain}: below min_gain, staying",
             Verdict.NOISY: f"{gain}: the gain is within the noise of the run's own steps, staying",
         }[self.verdict]
-        engines = [f"  {line.replace('pp_engine: auto -> ', 'engines: ', 1)}" for line in self.engine_lines]
-        return [head, *body, *engines, f"  {what}"]
+        return [head, *body, *(f"  {line}" for line in self.engine_lines), f"  {what}"]
 
 
 def replan_engines(cfg: PlannerConfig, *, engine_was_auto: bool) -> tuple[str, ...]:
@@ -130,7 +129,7 @@ def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan
     try:
         choice = choose_engine(capped, engines)
         best = choice.chosen
-        engine_lines = tuple(choice.lines()) if len(engines) > 1 else ()
+        engine_lines = tuple(choice.lines(head="engines: ")) if len(engines) > 1 else ()
     except ConfigError:
         if trained.engine not in engines:
             raise
@@ -140,7 +139,13 @@ def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan
             and best.step_time < old_step
             and (best.plan.block_ranks != old.block_ranks or best.engine != old.engine)):
         new, new_step = best.plan, best.step_time
-    verdict = (Verdict.BEST if new is old else Verdict.SMALL if 1 - new_step / old_step < cfg.ext.replan.min_gain
-               else Verdict.NOISY if spread >= 1 - new_step / old_step else Verdict.MOVE)
+    gain = _gain(old_step, new_step)
+    verdict = (Verdict.BEST if new is old else Verdict.SMALL if gain < cfg.ext.replan.min_gain
+               else Verdict.NOISY if spread >= gain else Verdict.MOVE)
     return ReplanChoice(step, old, new, old_step, new_step, spread, cfg.ext.replan.min_gain, cap, verdict,
                         engine_lines)
+
+
+def _gain(old_step: float, new_step: float) -> float:
+    """The gain of a step of ``new_step`` over ``old_step``: a fraction of the old step."""
+    return 1.0 - new_step / old_step if old_step > 0 else 0.0

@@ -32,7 +32,8 @@ from nanotron_ext.plan.probes import Probe, probe_splits
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 from nanotron_ext.schedule import V_ENGINE
 
-__all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context"]
+__all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context", "shared_in_run_profile",
+           "split_steps"]
 
 
 def in_run_splits(cfg: PlannerConfig, *, probes: bool) -> list[Probe]:
@@ -106,11 +107,23 @@ def profile_in_context(cfg: PlannerConfig, ctx: Any, base: MachineProfile, split
     """The in-run profile of ``splits`` on top of ``base``, in an existing gloo context (collective; every rank
     returns the same profile). What :func:`calibrate_in_run` does once its context and base exist; a benchmark that
     trains in the same processes calls it directly."""
-    rank = int(os.environ["RANK"])
     with _bar(len(splits) * (steps + warmup_steps), enabled=progress) as bar:
         runs = [_time_split(cfg, split, ctx, steps, warmup_steps, bar) for split in splits]
+    return shared_in_run_profile(cfg, runs, base, int(os.environ["RANK"]), what="calibrate --in-run")
+
+
+def shared_in_run_profile(cfg: PlannerConfig, runs: Sequence[InRunSplit], base: MachineProfile, rank: int, *,
+                          what: str) -> MachineProfile:
+    """:func:`~nanotron_ext.machine.in_run.in_run_profile` of ``runs`` on ``base``, built on global rank 0 and the
+    same on every rank (collective; ``what`` names the command in an error)."""
     return share_profile(lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, base,
-                                                source=profile_source(cfg)), rank, what="calibrate --in-run")
+                                                source=profile_source(cfg)), rank, what=what)
+
+
+def split_steps(block_ranks: Sequence[int], gathered: Any) -> InRunSplit:
+    """A split's timed steps as the in-run profile takes them, from ``OpClock.gather()`` (None off rank 0: an
+    empty split there)."""
+    return InRunSplit(tuple(block_ranks), () if gathered is None else tuple(zip(*gathered)))
 
 
 def build_split(cfg: PlannerConfig, block_ranks: Sequence[int], ctx: Any, *, seed: int = 0) -> SplitRun:
@@ -165,8 +178,7 @@ def _time_split(cfg: PlannerConfig, split: Probe, ctx: Any, steps: int, warmup_s
         gathered = clock.gather()
     del run, clock
     gc.collect()
-    steps_by_rank = () if gathered is None else tuple(zip(*gathered))
-    return InRunSplit(split.block_ranks, steps_by_rank)
+    return split_steps(split.block_ranks, gathered)
 
 
 @contextlib.contextmanager

@@ -185,14 +185,13 @@ class Replanner:
     def _profile(self, s: TrainSettings, gathered: Any, folder: Path) -> Path:
         """The in-run profile of the timed steps, written to ``folder`` on every rank (the same on each)."""
         from nanotron_ext.machine import load_machine
-        from nanotron_ext.machine.calibrate import calibrate, profile_source, share_profile
-        from nanotron_ext.machine.in_run import InRunSplit, in_run_profile
+        from nanotron_ext.machine.calibrate import calibrate
+        from nanotron_ext.runtime.in_run_calibrate import shared_in_run_profile, split_steps
 
         base = (load_machine(s.cfg.ext.machine) if s.cfg.ext.machine is not None
                 else calibrate(s.cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False))
-        runs = [InRunSplit(tuple(s.plan.block_ranks), () if gathered is None else tuple(zip(*gathered)))]
-        profile = share_profile(lambda: in_run_profile(s.cfg, inventory_from_config(s.cfg), runs, base,
-                                                       source=profile_source(s.cfg)), s.rank, what="replan")
+        profile = shared_in_run_profile(s.cfg, [split_steps(s.plan.block_ranks, gathered)], base, s.rank,
+                                        what="replan")
         path = folder / "in_run_profile.json"
         path.write_text(profile.to_json())
         return path

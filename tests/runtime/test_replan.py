@@ -13,7 +13,7 @@ import pytest
 
 from .replan_workers import killed_during_the_move
 from .spawn import run_ranks
-from .train_workers import launch_ranks, write_config
+from .train_workers import final_weights, launch_ranks, write_config
 
 STEPS, K = 8, 4
 BAD = {"parallelism": {"cost_strategy": "layout"}, "nanotron_ext": {"layout": "E|t*2,L"}}
@@ -27,12 +27,6 @@ def _run(tmp: Path, name: str, changes: dict[str, Any], *extra: str) -> Any:
     return launch
 
 
-def _final_weights(metrics: dict[str, Any]) -> dict[str, str]:
-    """Every parameter's hash after training, from whichever rank holds it at the end."""
-    return {name: c["sha256_after"] for rank in metrics["ranks"] for name, c in rank["checksums"].items()
-            if "sha256_after" in c}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The good split (constrained) trained from step 1 without a re-plan."""
@@ -43,8 +37,8 @@ def _same_training(moved: dict[str, Any], reference: dict[str, Any]) -> None:
     assert moved["losses"] == reference["losses"]
     assert moved["grad_norms"] == reference["grad_norms"]
     assert moved["learning_rates"] == reference["learning_rates"]
-    weights = _final_weights(moved)
-    assert len(weights) == len(_final_weights(reference)) >= 14 and weights == _final_weights(reference)
+    weights = final_weights(moved)
+    assert len(weights) == len(final_weights(reference)) >= 14 and weights == final_weights(reference)
 
 
 def test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start(tmp_path, reference, monkeypatch):

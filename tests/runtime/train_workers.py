@@ -146,6 +146,13 @@ def write_config(path: Path, changes: dict[str, Any] | None = None) -> Path:
     return path
 
 
+def final_weights(metrics: dict[str, Any]) -> dict[str, str]:
+    """Every parameter's hash after training (``--metrics-out``), from whichever rank holds it at the end (after a
+    re-plan's move that may be another rank than at the start)."""
+    return {name: c["sha256_after"] for rank in metrics["ranks"] for name, c in rank["checksums"].items()
+            if "sha256_after" in c}
+
+
 def constant_lr(lr: float) -> dict[str, Any]:
     """YAML changes for a constant learning rate (no warm-up, no decay)."""
     return {"optimizer": {"learning_rate_scheduler": {

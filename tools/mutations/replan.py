@@ -11,13 +11,13 @@ MOVE_TESTS = "tests/runtime/test_replan.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     M("a gain below min_gain moves", CHOICE,
-      "Verdict.SMALL if 1 - new_step / old_step < cfg.ext.replan.min_gain", "Verdict.SMALL if False",
+      "Verdict.SMALL if gain < cfg.ext.replan.min_gain", "Verdict.SMALL if False",
       (f"{CHOICE_TESTS}::test_min_gain_and_the_runs_noise_decide",)),
     M("a gain within the run's noise moves", CHOICE,
-      "Verdict.NOISY if spread >= 1 - new_step / old_step", "Verdict.NOISY if spread > 1 - new_step / old_step",
+      "Verdict.NOISY if spread >= gain", "Verdict.NOISY if spread > gain",
       (f"{CHOICE_TESTS}::test_noise_equal_to_the_gain_stays",)),
     M("the noise is not looked at", CHOICE,
-      "Verdict.NOISY if spread >= 1 - new_step / old_step", "Verdict.NOISY if False",
+      "Verdict.NOISY if spread >= gain", "Verdict.NOISY if False",
       (f"{CHOICE_TESTS}::test_min_gain_and_the_runs_noise_decide",)),
     M("without a cap a move may raise the largest stage", CHOICE,
       "    capped = priced.with_overrides(memory_cap_gib=cap / GIB)\n", "    capped = priced\n",
