@@ -4,6 +4,9 @@ steps it compares, when it moves and when it stays; and its YAML key. The move i
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from nanotron_ext.config import bundled_config, load_config
@@ -11,12 +14,13 @@ from nanotron_ext.config_ext import ExtConfig, ReplanConfig
 from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan import make_plan
+from nanotron_ext.plan import make_plan, replan
 from nanotron_ext.plan.engine_choice import predicted_step
 from nanotron_ext.plan.replan import Verdict, choose_replan, replan_engines
 
 BAD = "E|t*2,L"  # the lm_head beside both decoder layers: stage 1 does nearly all the work
 CONTIGUOUS = ("1f1b", "zb1p", "zb2p")
+DATA = Path(__file__).parent / "data"
 
 
 def _setup(**ext):
@@ -27,7 +31,7 @@ def _setup(**ext):
 
 def test_a_bad_split_moves_to_the_fastest_split_with_both_steps_predicted_by_the_simulator():
     cfg, blocks, bad = _setup()
-    choice = choose_replan(cfg, blocks, bad, step=5, spread=0.01, engines=("1f1b",))
+    choice = choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",))
     best = make_plan(blocks, cfg)  # constrained: the fastest simulated step
     assert choice.verdict is Verdict.MOVE and choice.moves
     assert choice.new.block_ranks == best.block_ranks != bad.block_ranks and choice.new.engine == "1f1b"
@@ -44,35 +48,70 @@ def test_a_run_on_a_fixed_rule_re_plans_with_the_step_time_strategy(strategy):
     rule would return the split it has."""
     cfg, blocks, bad = _setup()
     started = cfg.with_overrides(cost_strategy=strategy, layout=BAD)
-    choice = choose_replan(started, blocks, bad, step=5, spread=0.0, engines=("1f1b",))
+    choice = choose_replan(started, blocks, bad, step=5, engines=("1f1b",))
     assert choice.moves and choice.new.block_ranks == make_plan(blocks, cfg).block_ranks
     assert choice.new.strategy == "constrained"
 
 
 def test_a_run_on_the_fastest_plan_stays():
     cfg, blocks, _ = _setup()
-    choice = choose_replan(cfg, blocks, make_plan(blocks, cfg), step=5, spread=0.0, engines=("1f1b",))
+    choice = choose_replan(cfg, blocks, make_plan(blocks, cfg), step=5, engines=("1f1b",))
     assert choice.verdict is Verdict.BEST and choice.new is choice.old and not choice.moves
     assert "the run is on the fastest plan under its memory" in choice.lines()[-1]
 
 
-@pytest.mark.parametrize(("min_gain", "spread", "verdict"), [
-    (0.03, 0.01, Verdict.MOVE),
-    (0.9, 0.01, Verdict.SMALL),  # the gain is about 47 %: below 90 %
-    (0.03, 0.6, Verdict.NOISY),  # the run's own steps moved more than the gain
-    (0.03, 0.47, Verdict.MOVE),
+HALVES = (1.0, 400.0)  # TFLOP/s: at 1, the analytic p2p is small beside compute and both splits are near alike
+
+
+def _halves(cfg):
+    return [cfg.with_overrides(tflops=tflops) for tflops in HALVES]
+
+
+@pytest.mark.parametrize(("min_gain", "tflops", "verdict"), [
+    (0.03, None, Verdict.MOVE),  # the gain is about 47 %, the noise about 22 %
+    (0.9, None, Verdict.SMALL),  # 47 % is below 90 %
+    (0.03, 1.0, Verdict.NOISY),  # priced at 1 TFLOP/s the gain is about 4 %: within the noise
+    (0.05, 1.0, Verdict.SMALL),  # min_gain is checked first
 ])
-def test_min_gain_and_the_runs_noise_decide(min_gain, spread, verdict):
+def test_min_gain_and_the_noise_of_the_gain_decide(min_gain, tflops, verdict):
     cfg, blocks, bad = _setup(replan=ReplanConfig(after_steps=5, min_gain=min_gain))
-    choice = choose_replan(cfg, blocks, bad, step=5, spread=spread, engines=("1f1b",))
-    assert choice.gain == pytest.approx(0.4736, abs=1e-3)  # the analytic H100's prices
+    choice = choose_replan(cfg.with_overrides(tflops=tflops), blocks, bad, step=5, engines=("1f1b",),
+                           halves=_halves(cfg))
+    gains = [1 - predicted_step(h, blocks, choice.new.block_ranks) / predicted_step(h, blocks, bad.block_ranks)
+             for h in _halves(cfg)]
+    assert choice.noise == pytest.approx(abs(gains[0] - gains[1]) / 2) == pytest.approx(0.2157, abs=1e-3)
+    assert choice.gain == pytest.approx(0.4730 if tflops is None else 0.0417, abs=1e-3)
     assert choice.verdict is verdict
+    assert f"run's noise {choice.noise:.1%}" in choice.lines()[-1]
 
 
-def test_noise_equal_to_the_gain_stays():
+def test_without_two_halves_or_a_move_there_is_no_noise():
     cfg, blocks, bad = _setup()
-    gain = choose_replan(cfg, blocks, bad, step=5, spread=0.0, engines=("1f1b",)).gain
-    assert choose_replan(cfg, blocks, bad, step=5, spread=gain, engines=("1f1b",)).verdict is Verdict.NOISY
+    assert choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",), halves=_halves(cfg)[:1]).noise == 0.0
+    best = make_plan(blocks, cfg)
+    assert choose_replan(cfg, blocks, best, step=5, engines=("1f1b",), halves=_halves(cfg)).noise == 0.0
+
+
+def test_a_half_that_ran_uniformly_slower_is_no_noise(tmp_path):
+    """Every op of one half twice as slow (another job on the node) moves both predicted steps alike: the gain, and
+    so the decision, stays; the steps' own spread would have called it noise."""
+    profile = json.loads((DATA / "machine_flops_only.json").read_text())
+    profile["flops_per_second"] /= 2
+    (tmp_path / "slow.json").write_text(json.dumps(profile))
+    cfg, blocks, bad = _setup(machine=str(DATA / "machine_flops_only.json"),
+                              replan=ReplanConfig(after_steps=5, min_gain=0.0))  # a FLOPs-only gain is under 1 %
+    halves = [cfg, cfg.with_overrides(machine=str(tmp_path / "slow.json"))]
+    assert predicted_step(halves[1], blocks, bad.block_ranks) == pytest.approx(
+        2 * predicted_step(halves[0], blocks, bad.block_ranks))
+    choice = choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",), halves=halves)
+    assert choice.moves and choice.noise == pytest.approx(0.0, abs=1e-12)
+
+
+def test_noise_equal_to_the_gain_stays(monkeypatch):
+    cfg, blocks, bad = _setup()
+    gain = choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",)).gain
+    monkeypatch.setattr(replan, "gain_noise", lambda *_: gain)
+    assert choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",), halves=_halves(cfg)).verdict is Verdict.NOISY
 
 
 def test_without_a_cap_a_move_never_raises_the_largest_stage_above_the_runs():
@@ -80,22 +119,22 @@ def test_without_a_cap_a_move_never_raises_the_largest_stage_above_the_runs():
     keeps 1F1B; with a cap between zb1p's need and zb2p's it takes zb1p."""
     cfg, blocks, bad = _setup()
     old_peak = max(s.memory_bytes for s in bad.stages)
-    kept = choose_replan(cfg, blocks, bad, step=5, spread=0.0, engines=CONTIGUOUS)
+    kept = choose_replan(cfg, blocks, bad, step=5, engines=CONTIGUOUS)
     assert kept.new.engine == "1f1b" and kept.cap_bytes == old_peak
     assert max(s.memory_bytes for s in kept.new.stages) <= old_peak
     assert any("zb1p" in line and "without the cap" in line for line in kept.engine_lines)
     cfg, blocks, bad = _setup(memory_cap_gib=1.055)
-    moved = choose_replan(cfg, blocks, bad, step=5, spread=0.0, engines=CONTIGUOUS)
+    moved = choose_replan(cfg, blocks, bad, step=5, engines=CONTIGUOUS)
     assert moved.new.engine == "zb1p" and moved.cap_bytes == 1.055 * GIB and moved.moves
     assert "engines: zb1p" in "\n".join(moved.lines())
 
 
 def test_no_engine_fits_the_cap_the_run_stays_on_its_own():
     cfg, blocks, bad = _setup(memory_cap_gib=0.5)
-    choice = choose_replan(cfg, blocks, bad, step=5, spread=0.0, engines=("1f1b",))
+    choice = choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",))
     assert choice.verdict is Verdict.BEST and choice.new is choice.old
     with pytest.raises(ConfigError, match="found no engine whose plan fits"):
-        choose_replan(cfg, blocks, bad, step=5, spread=0.0, engines=("zb1p",))
+        choose_replan(cfg, blocks, bad, step=5, engines=("zb1p",))
 
 
 def test_the_engines_a_replan_may_pick():

@@ -25,7 +25,7 @@ from nanotron_ext.plan.make import plan_with_ranks
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import format_seconds, human_bytes
 
-__all__ = ["PRICED_STRATEGIES", "ReplanChoice", "Verdict", "choose_replan", "replan_engines"]
+__all__ = ["PRICED_STRATEGIES", "ReplanChoice", "Verdict", "choose_replan", "gain_noise", "replan_engines"]
 
 #: Strategies whose split is the fastest simulated step on the config's machine: a re-plan keeps them.
 PRICED_STRATEGIES: tuple[str, ...] = ("constrained", "profiled")
@@ -48,7 +48,7 @@ class ReplanChoice:
         step: the step after which the run re-planned.
         old / new: the two plans (``new`` is ``old`` when nothing is faster).
         old_step / new_step: their simulated steps under the in-run profile.
-        spread: how far the run's own step times moved over the timed steps (:func:`nanotron_ext.stats.mean_spread`).
+        noise: how far the predicted gain moves between the halves of the run's timed steps (:func:`gain_noise`).
         min_gain: ``replan.min_gain``.
         cap_bytes: the memory every stage of the new plan fits in.
         verdict: what the run does.
@@ -60,7 +60,7 @@ class ReplanChoice:
     new: Plan
     old_step: float
     new_step: float
-    spread: float
+    noise: float
     min_gain: float
     cap_bytes: float
     verdict: Verdict
@@ -87,7 +87,7 @@ class ReplanChoice:
         if self.new is not self.old:
             body.append(plan_line("best:", self.new, self.new_step))
         cap = f"every stage within {human_bytes(self.cap_bytes)}"
-        gain = f"predicted gain {self.gain:.1%} ({cap}), min_gain {self.min_gain:.1%}, run's noise {self.spread:.1%}"
+        gain = f"predicted gain {self.gain:.1%} ({cap}), min_gain {self.min_gain:.1%}, run's noise {self.noise:.1%}"
         what = {
             Verdict.MOVE: f"{gain}: moving to the new plan",
             Verdict.BEST: f"the run is on the fastest plan under its memory ({cap}): staying",
@@ -104,16 +104,18 @@ def replan_engines(cfg: PlannerConfig, *, engine_was_auto: bool) -> tuple[str, .
     return CONTIGUOUS_AUTO_ENGINES if wanted == "auto" else (cfg.run.engine,)
 
 
-def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan, *, step: int, spread: float,
-                  engines: Sequence[str]) -> ReplanChoice:
+def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan, *, step: int,
+                  engines: Sequence[str], halves: Sequence[PlannerConfig] = ()) -> ReplanChoice:
     """Price ``trained`` and the fastest plan among ``engines`` on ``cfg``'s machine (the in-run profile), under
     the run's memory, and decide.
 
     Args:
         cfg: the run's config with ``machine`` set to the in-run profile.
         blocks: its inventory; trained: the plan the run trains.
-        step: the step after which it re-plans; spread: the noise of its timed steps.
+        step: the step after which it re-plans.
         engines: the engines the new plan may use.
+        halves: ``cfg`` priced by the first and by the second half of the timed steps, for the gain's noise
+            (:func:`gain_noise`); none where the run timed fewer than two steps.
 
     Raises:
         ConfigError: the run's engine is not among ``engines`` and none of them fits (it then stays).
@@ -140,10 +142,25 @@ def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan
             and (best.plan.block_ranks != old.block_ranks or best.engine != old.engine)):
         new, new_step = best.plan, best.step_time
     gain = _gain(old_step, new_step)
+    noise = gain_noise([h.with_overrides(cost_strategy=strategy) for h in halves], blocks, old, new)
     verdict = (Verdict.BEST if new is old else Verdict.SMALL if gain < cfg.ext.replan.min_gain
-               else Verdict.NOISY if spread >= gain else Verdict.MOVE)
-    return ReplanChoice(step, old, new, old_step, new_step, spread, cfg.ext.replan.min_gain, cap, verdict,
+               else Verdict.NOISY if noise >= gain else Verdict.MOVE)
+    return ReplanChoice(step, old, new, old_step, new_step, noise, cfg.ext.replan.min_gain, cap, verdict,
                         engine_lines)
+
+
+def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old: Plan, new: Plan) -> float:
+    """Half the gap between the gain of ``new`` over ``old`` priced by each half of the run's timed steps; 0 without
+    two halves.
+
+    The noise of the decision, not of the steps: a half that ran uniformly slower (another job on the node, a
+    throttled clock) moves both predicted steps alike and leaves the gain where it was, so it is no reason to stay.
+    """
+    if len(halves) != 2:
+        return 0.0
+    gains = [_gain(predicted_step(h.with_overrides(engine=old.engine), blocks, old.block_ranks),
+                   predicted_step(h.with_overrides(engine=new.engine), blocks, new.block_ranks)) for h in halves]
+    return abs(gains[0] - gains[1]) / 2
 
 
 def _gain(old_step: float, new_step: float) -> float:

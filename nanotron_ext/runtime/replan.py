@@ -33,7 +33,6 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.plan.replan import ReplanChoice, choose_replan, replan_engines
 from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.runtime.train_settings import TrainSettings
-from nanotron_ext.stats import mean_spread
 
 __all__ = ["REPLAN_CALIBRATE_REPEATS", "ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights",
            "save_for_move"]
@@ -75,7 +74,7 @@ class ReplanOutcome:
         return {"after_step": c.step, "verdict": c.verdict.value, "moved": c.moves,
                 "old": {"split": c.old.split_text, "engine": c.old.engine, "predicted_step_s": c.old_step},
                 "new": {"split": c.new.split_text, "engine": c.new.engine, "predicted_step_s": c.new_step},
-                "predicted_gain": c.gain, "noise": c.spread, "min_gain": c.min_gain, "cap_bytes": c.cap_bytes,
+                "predicted_gain": c.gain, "noise": c.noise, "min_gain": c.min_gain, "cap_bytes": c.cap_bytes,
                 "seconds": self.seconds, "timed_steps": self.timed_steps, "checkpoint_bytes": self.checkpoint_bytes,
                 "peak_rss_mib": None if self.peak_rss_mib is None else list(self.peak_rss_mib)}
 
@@ -129,11 +128,12 @@ class Replanner:
         self.clock = None
         s = trainee.settings
         with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            priced = s.cfg.with_overrides(machine=str(self._profile(s, gathered, Path(tmp))))
+            whole, *halves = [s.cfg.with_overrides(machine=str(path))
+                              for path in self._profiles(s, gathered, Path(tmp))]
             seconds["profile"] = time.perf_counter() - start
             start = time.perf_counter()
-            choice = choose_replan(priced, inventory_from_config(priced), s.plan, step=step,
-                                   spread=self._shared_noise(), engines=self.engines)
+            choice = choose_replan(whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines,
+                                   halves=halves)
             seconds["plan"] = time.perf_counter() - start
         for line in choice.lines():
             self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
@@ -182,27 +182,25 @@ class Replanner:
                          f"{after / before:.3f}x of the steps before)")
         return lines
 
-    def _profile(self, s: TrainSettings, gathered: Any, folder: Path) -> Path:
-        """The in-run profile of the timed steps, written to ``folder`` on every rank (the same on each)."""
+    def _profiles(self, s: TrainSettings, gathered: Any, folder: Path) -> list[Path]:
+        """The in-run profile of the timed steps, then (from two timed steps) those of their first and second
+        halves, for the gain's noise; written to ``folder`` on every rank, the same on each (collective)."""
         from nanotron_ext.machine import load_machine
         from nanotron_ext.machine.calibrate import calibrate
         from nanotron_ext.runtime.in_run_calibrate import shared_in_run_profile, split_steps
 
         base = (load_machine(s.cfg.ext.machine) if s.cfg.ext.machine is not None
                 else calibrate(s.cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False))
-        profile = shared_in_run_profile(s.cfg, [split_steps(s.plan.block_ranks, gathered)], base, s.rank,
-                                        what="replan")
-        path = folder / "in_run_profile.json"
-        path.write_text(profile.to_json())
-        return path
-
-    def _shared_noise(self) -> float:
-        """Rank 0's noise of its timed steps, the same on every rank (each rank's own clock differs a little)."""
-        import torch.distributed as dist
-
-        noise = [mean_spread(self.timed)]
-        dist.broadcast_object_list(noise, src=0, group=self.ctx.world_pg)
-        return float(noise[0])
+        n, half = len(self.timed), len(self.timed) // 2  # every rank timed the same steps: the same calls on each
+        parts = [slice(None)] + ([slice(None, half), slice(half, None)] if n >= 2 else [])
+        paths = []
+        for i, part in enumerate(parts):
+            steps = None if gathered is None else [rank_steps[part] for rank_steps in gathered]
+            profile = shared_in_run_profile(s.cfg, [split_steps(s.plan.block_ranks, steps)], base, s.rank,
+                                            what="replan")
+            paths.append(folder / f"in_run_profile_{i}.json")
+            paths[-1].write_text(profile.to_json())
+        return paths
 
     def _move(self, old: Trainee, settings: TrainSettings, step: int,
               seconds: dict[str, float]) -> tuple[Trainee, int]:
