@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nanotron_ext.schedule.simulator import StageTimes
-from nanotron_ext.schedule.v_replay import replay_v_order
-from nanotron_ext.schedule.zbv import VOp, _schedule, zbv_order
+from nanotron_ext.schedule.v_replay import Transfer, replay_v_order, stuck_when_sends_wait, transfer_order
+from nanotron_ext.schedule.zbv import VOp, VResult, _schedule, zbv_order
 
 UNIT = StageTimes(1.0, 2.0, weight=1.0)
 
@@ -85,3 +85,62 @@ def test_the_list_schedules_own_times_are_what_its_order_replays_to() -> None:
             got = {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in replayed.ops}
             for op, (start, end) in times.items():
                 assert got[tuple(op)] == pytest.approx((start, end), abs=1e-9), (pp, m, cap, policy, op)
+
+
+def test_the_transfers_order_two_ranks_two_micro_batches_by_hand() -> None:
+    """Keys are the taker's start with every op one unit: F0@1 1; F1@1 and F0@3 3 (stage 1 first); B0@2 and F1@3 5
+    (stage 2 first); B0@0 and B1@2 7 (stage 0 first); B1@0 9."""
+    order = zbv_order(2, 2)
+    assert [[str(op) for op in ops] for ops in order] == [
+        "F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W1@3 W0@0 W1@0".split(),
+        "F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1".split()]
+    assert [[str(t) for t in ts] for ts in transfer_order(order)] == [
+        ["send F0@0 to rank 1", "send F1@0 to rank 1", "recv F0@3 from rank 1", "send B0@3 to rank 1",
+         "recv F1@3 from rank 1", "recv B0@0 from rank 1", "send B1@3 to rank 1", "recv B1@0 from rank 1"],
+        ["recv F0@1 from rank 0", "recv F1@1 from rank 0", "send F0@2 to rank 0", "recv B0@2 from rank 0",
+         "send F1@2 to rank 0", "send B0@1 to rank 0", "recv B1@2 from rank 0", "send B1@1 to rank 0"]]
+
+
+def _as_made(order: list[list[VOp]]) -> list[list[Transfer]]:
+    """Each rank's transfers as its ops make them: an op's receive before it, its send after it."""
+    transfers = transfer_order(order)
+    place = [{op: i for i, op in enumerate(ops)} for ops in order]
+    return [sorted(ts, key=lambda t, r=r: (place[r][t.op], t.kind == "send")) for r, ts in enumerate(transfers)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5, 6])
+def test_where_sends_wait_the_transfers_order_never_deadlocks_and_posting_as_made_does(pp: int) -> None:
+    import random
+
+    from nanotron_ext.schedule.zbv import simulate_zbv
+
+    rng = random.Random(pp)
+    for m in range(1, 3 * pp + 1):
+        orders = [zbv_order(pp, m)]
+        chunks = [StageTimes(rng.uniform(0.5, 2.0), b, weight=b * rng.uniform(0.2, 0.6))
+                  for b in (rng.uniform(1.0, 4.0) for _ in range(2 * pp))]
+        orders.append([list(ops) for ops in simulate_zbv(chunks, m, rng.uniform(0.0, 0.5)).order])
+        for order in orders:
+            transfers = transfer_order(order)
+            assert stuck_when_sends_wait(transfers) is None, (pp, m)
+            for r, ts in enumerate(transfers):  # a rank's receives come in the order its ops take them
+                takers = [t.op for t in ts if t.kind == "recv"]
+                assert takers == [op for op in order[r] if op in takers], (pp, m, r)
+        assert (stuck_when_sends_wait(_as_made(orders[0])) is None) == (m == 1), (pp, m)
+
+
+def test_a_held_send_costs_the_time_it_waits_for_the_receive_before_it() -> None:
+    """Rank 1 makes F1@2's activation at 5.1, but its order takes B0@3's gradient first: that arrives at 5.8 (B0@3
+    ends at 5.7, the crossing takes 0.1), so F1@3 on rank 0 starts at 5.9, not 5.7."""
+    order = zbv_order(2, 2)
+    chunks = [StageTimes(1.0, 2.3, weight=0.8)] * 4
+    free = {(o.kind, o.micro_batch, o.stage): o.start for o in replay_v_order(order, chunks, 2, 0.1).ops}
+    held = {(o.kind, o.micro_batch, o.stage): o.start
+            for o in replay_v_order(order, chunks, 2, 0.1, sends_wait=True).ops}
+    assert (free[("F", 1, 2)], free[("B", 0, 2)], free[("F", 1, 3)]) == pytest.approx((4.1, 5.8, 5.7))
+    assert (held[("F", 1, 2)], held[("B", 0, 2)], held[("F", 1, 3)]) == pytest.approx((4.1, 5.8, 5.9))
+    def spans(result: VResult) -> dict:
+        return {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in result.ops}
+
+    on_unit = replay_v_order(order, [UNIT] * 4, 2, sends_wait=True)
+    assert spans(on_unit) == spans(replay_v_order(order, [UNIT] * 4, 2))  # the keys' own times: nothing held

@@ -13,9 +13,11 @@ In a V over ``pp`` ranks the model is cut into ``2 pp`` virtual stages; stage ``
 * ``B`` is Nanotron's ``PipelineEngine.backward`` of that chunk's roots (its sends' dummies, the loss, or the carried
   gradients) while the model's :class:`WeightGradStore` defers the linears' weight gradients; ``W`` pops them, as
   in zb1p (oldest first: the order's ``W``s follow its ``B``s);
-* every send is posted right after the op that makes it. Activations and gradients travel on two tags: between
-  two ranks each kind crosses one cut, in micro-batch order on both ends, so each side's order matches the other's
-  whatever order the two ranks' ops interleave in.
+* a receive happens when its op needs it; a send is posted as soon as made, or, where the P2P's send waits for its
+  receive (``sends_wait``: Nanotron's on a GPU), once every transfer before it in the rank's one order of transfers
+  is done (:func:`~nanotron_ext.schedule.v_replay.transfer_order`), so that no two ranks wait on each other's.
+  Activations and gradients travel on two tags: between two ranks each kind crosses one cut, in micro-batch order
+  on both ends.
 
 Gradients end as in zb1p: added into Nanotron's fp32 buffers after every ``B`` and ``W``, in micro-batch order for
 each parameter (each chunk's ops run in micro-batch order), and reduced over dp once after the last ``W``.
@@ -39,6 +41,7 @@ from nanotron.utils import ContextManagers
 from torch import nn
 
 from nanotron_ext.schedule import Engine
+from nanotron_ext.schedule.v_replay import Transfer, transfer_order
 from nanotron_ext.schedule.zbv import VOp, v_rank, zbv_order
 from nanotron_ext.zero_bubble.engine import _check_accumulator, accumulate_into_fp32, sync_data_parallel
 from nanotron_ext.zero_bubble.fiber import Fiber, current_fiber
@@ -103,9 +106,12 @@ class _Carry(torch.autograd.Function):
 
 
 class _VState(PipelineTrainBatchState):
-    """Nanotron's pipeline state with each chunk's roots kept apart, every send posted at once, on its kind's tag."""
+    """Nanotron's pipeline state with each chunk's roots kept apart, and its transfers in ``transfers``' order
+    (:func:`~nanotron_ext.schedule.v_replay.transfer_order`; empty: sends go at once): receives as the ops need them,
+    each send held until every transfer before it there is done. Activations and gradients travel on their own
+    tags."""
 
-    def __init__(self) -> None:
+    def __init__(self, transfers: Sequence[Transfer], pp: int, rank: int) -> None:
         # Nanotron declares its queues on the class (one deque shared by every state); these are this step's own.
         self.microbatches_activations_to_send: deque = deque()
         self.microbatches_activations_to_recv: deque = deque()
@@ -118,6 +124,16 @@ class _VState(PipelineTrainBatchState):
         self.roots: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
         self.forward_of: tuple[int, int] = (0, 0)  # (chunk: 0 down, 1 up; micro-batch) whose forward runs
         self.backward_of: tuple[int, int] = (0, 0)
+        self.pp, self.rank = pp, rank
+        self.turn = {t: i for i, t in enumerate(transfers)}  # each transfer's place in this rank's order
+        self.done = [False] * len(transfers)
+        self.open = 0  # the first transfer not done: those up to it may go
+        self.outbox: list[tuple[Transfer, int, Any, torch.Tensor]] = []  # sends made and held, in the order made
+
+    def op(self, kind: str) -> VOp:
+        """The op running now: the forward (``F``) or backward (``B``) this state is in."""
+        half, j = self.forward_of if kind == "F" else self.backward_of
+        return VOp(kind, j, self.rank if half == 0 else 2 * self.pp - 1 - self.rank)  # type: ignore[arg-type]
 
     def register_activation_requiring_backward(self, activation: torch.Tensor) -> None:
         self.roots[self.forward_of].append(activation)
@@ -132,26 +148,60 @@ class _VState(PipelineTrainBatchState):
         self.flush()
         if send_only_activation:
             return
-        while self.microbatches_activations_to_recv:
-            recv = self.microbatches_activations_to_recv.popleft()
-            self.activations_buffer.append(recv.p2p.recv_tensors(1, from_rank=recv.from_rank, tag=ACTIVATION_TAG)[0])
-        while self.microbatches_grads_to_recv:
-            recv = self.microbatches_grads_to_recv.popleft()
-            self.grads_buffer.append(recv.p2p.recv_tensors(1, from_rank=recv.from_rank, tag=GRADIENT_TAG)[0])
+        for queue, buffer, tag in ((self.microbatches_activations_to_recv, self.activations_buffer, ACTIVATION_TAG),
+                                   (self.microbatches_grads_to_recv, self.grads_buffer, GRADIENT_TAG)):
+            while queue:
+                recv = queue.popleft()
+                buffer.append(recv.p2p.recv_tensors(1, from_rank=recv.from_rank, tag=tag)[0])
+
+    def inputs_received(self) -> None:
+        """A block of the running forward starts: its inputs are in (Nanotron receives a block's inputs one call
+        each), so the forward's receives are done and the sends after them may go. A backward's are done when it
+        ends: which of its receives is the last is not known before."""
+        for t in [t for t in self.turn if t.kind == "recv" and t.op == self.op("F")]:
+            self._finish(t)
+        self._post()
 
     def flush(self) -> None:
-        """Post every queued send (asynchronous on our P2P), activations and gradients on their own tags."""
+        """Take the sends Nanotron queued (made by the op running now), and post those whose turn has come."""
         while self.microbatches_activations_to_send:
             send = self.microbatches_activations_to_send.popleft()
-            send.p2p.send_tensors([send.activation], to_rank=send.to_rank, tag=ACTIVATION_TAG)
+            self.outbox.append((Transfer("send", self.op("F"), send.to_rank), ACTIVATION_TAG, send.p2p,
+                                send.activation))
         while self.microbatches_grads_to_send:
             send = self.microbatches_grads_to_send.popleft()
-            send.p2p.send_tensors([send.grad], to_rank=send.to_rank, tag=GRADIENT_TAG)
+            self.outbox.append((Transfer("send", self.op("B"), send.to_rank), GRADIENT_TAG, send.p2p, send.grad))
+        self._post()
+
+    def end_op(self, op: VOp) -> None:
+        """After ``op``: its transfers are done (a frozen chunk's, which never happen, included), then post."""
+        for t in [t for t in self.turn if t.op == op]:
+            self._finish(t)
+        self.flush()
+
+    def _post(self) -> None:
+        """Post the held sends whose turn has come, in the rank's order (one op's, in the order made)."""
+        place = [self.turn.get(t, -1) for t, *_ in self.outbox]  # a send outside the order goes at once
+        due = sorted((i for i, at in enumerate(place) if at <= self.open), key=lambda i: place[i])
+        for i in due:
+            t, tag, p2p, tensor = self.outbox[i]
+            p2p.send_tensors([tensor], to_rank=t.peer, tag=tag)
+        self.outbox = [send for i, send in enumerate(self.outbox) if place[i] > self.open]
+
+    def _finish(self, t: Transfer) -> None:
+        i = self.turn.get(t)
+        if i is None:
+            return
+        self.done[i] = True
+        while self.open < len(self.done) and self.done[self.open]:
+            self.open += 1
 
     def check_buffers_empty(self) -> None:
         super().check_buffers_empty()
         if self.roots:
             raise RuntimeError(f"zbv left the backward of (chunk, micro-batch) {sorted(self.roots)} undone")
+        if self.outbox:
+            raise RuntimeError(f"zbv held sends it never posted: {[str(t) for t, *_ in self.outbox]}")
 
 
 class ZeroBubbleVPipelineEngine(PipelineEngine):
@@ -159,6 +209,9 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
 
     Args:
         order: each rank's ops for ``(pp, m)`` (default :func:`zbv_order`, the simulator's order on equal times).
+        sends_wait: the P2P's send waits for its receive (Nanotron's on a GPU): hold each send until its turn in
+            the rank's order of transfers (:func:`~nanotron_ext.schedule.v_replay.transfer_order`). The CPU
+            runtime's sends do not wait, and are posted as soon as made.
 
     Attributes:
         trace: the ops of the last ``train_batch_iter`` on this rank, in the order they ran.
@@ -166,9 +219,10 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
 
     schedule: Engine = "zbv"  # type: ignore[assignment]
 
-    def __init__(self, order: Callable[[int, int], list[list[VOp]]] = zbv_order) -> None:
+    def __init__(self, order: Callable[[int, int], list[list[VOp]]] = zbv_order, *, sends_wait: bool = False) -> None:
         super().__init__()
         self.order = order
+        self.sends_wait = sends_wait
         self.trace: list[VOp] = []
 
     def __str__(self) -> str:
@@ -197,10 +251,12 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
         self.nb_microbatches = nb_microbatches
         store = store_of(model) or install_store(model)
         store.clear()  # a step that failed half-way leaves nothing behind
-        run = _VRun(self, model, _VState(), store, grad_accumulator, iter(batch), pp, rank)
-        with attach_pipeline_state_to_model(model=model, pipeline_state=run.state), run.pauses(stages):
+        order = self.order(pp, nb_microbatches)
+        transfers = transfer_order(order)[rank] if self.sends_wait else []  # none in the order: each goes at once
+        run = _VRun(self, model, _VState(transfers, pp, rank), store, grad_accumulator, iter(batch), pp, rank)
+        with attach_pipeline_state_to_model(model=model, pipeline_state=run.state), run.pauses(stages), run.marks():
             try:
-                for op in self.order(pp, nb_microbatches)[rank]:
+                for op in order[rank]:
                     run.do(op)
             finally:
                 run.close()
@@ -223,6 +279,18 @@ class _VRun:
         self.carried: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # micro-batch: (down's out, up's in)
         self.outputs: list[dict[str, Any]] = []
         self.trace: list[VOp] = []
+
+    @contextlib.contextmanager
+    def marks(self) -> Iterator[None]:
+        """Where sends are held: tell the state when a block of this rank starts its forward (its inputs are in)."""
+        hooks = [] if not self.state.turn else [
+            b.pp_block.register_forward_pre_hook(lambda *_: self.state.inputs_received())
+            for b in _blocks(self.model) if isinstance(getattr(b, "pp_block", None), nn.Module)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     @contextlib.contextmanager
     def pauses(self, stages: list[int]) -> Iterator[None]:
@@ -261,7 +329,7 @@ class _VRun:
     def do(self, op: VOp) -> None:
         half = 0 if op.stage < self.pp else 1
         {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind](half, op.micro_batch)
-        self.state.flush()
+        self.state.end_op(op)
         self.trace.append(op)
 
     def forward(self, half: int, j: int) -> None:

@@ -23,6 +23,10 @@ TWO_RANKS = {
     # The first chunk wholly frozen, the V's bottom half frozen: frozen weights get no W and no gradient.
     "frozen": {"pp": 2, "v_stages": V2, "ref_ranks": PP2,
                "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
+    # As "frozen", the sends held to their order (sends_wait): the gradients a frozen chunk never sends or takes
+    # must not hold the sends after them.
+    "frozen_held": {"pp": 2, "v_stages": V2, "ref_ranks": PP2, "sends_wait": True,
+                    "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
     # Tied embeddings: in a V both ends are on rank 0, one tensor used by its two chunks.
     "tied": {"pp": 2, "v_stages": V2, "ref_ranks": PP2, "config": {"tie_word_embeddings": True},
              "aliases": {"model.lm_head.pp_block.weight": "model.token_position_embeddings.pp_block.token_embedding.weight"}},
@@ -97,11 +101,16 @@ FAMILY = {2: ({}, V2), 3: ({"num_hidden_layers": 4}, [0, 1, 2, 3, 4, 5, 5, 5, 5]
 @pytest.mark.parametrize("pp", sorted(FAMILY))
 def test_every_zbv_order_runs_to_completion_and_each_receive_gets_what_its_peer_sent(pp: int) -> None:
     """The V's order at every m from 1 to 2·pp + 1 runs on Nanotron's machinery over gloo without a deadlock, op by
-    op as ``zbv_order`` says; between two ranks the k-th receive of a tag gets the k-th send of that tag (its size)."""
+    op as ``zbv_order`` says; between two ranks the k-th receive of a tag gets the k-th send of that tag (its size).
+    Also where each send waits until its receive is done, as Nanotron's does on a GPU (``sends_wait``): the engine
+    then holds its sends to their order (``transfer_order``). Posted as soon as made instead, the same transfers,
+    replayed under that rule, deadlock at every m from 2."""
     from nanotron_ext.schedule.zbv import zbv_order
 
     config, stages = FAMILY[pp]
-    cases = {f"m{m}": {"pp": pp, "config": config, "v_stages": stages, "n_micro": m} for m in range(1, 2 * pp + 2)}
+    cases = {f"m{m}{'_wait' * wait}": {"pp": pp, "config": config, "v_stages": stages, "n_micro": m,
+                                        "sends_wait": wait}
+             for m in range(1, 2 * pp + 2) for wait in (False, True)}
     ranks = sorted(run_distributed(zbv_workers.run_orders, pp, args=(cases,), timeout=240), key=lambda r: r["rank"])
     for name, case in cases.items():
         order = zbv_order(pp, case["n_micro"])
@@ -118,15 +127,14 @@ def test_every_zbv_order_runs_to_completion_and_each_receive_gets_what_its_peer_
                     recvs = [n for kind, t, frm, n in b[name]["transfers"] if (kind, t, frm) == ("recv", tag, me)]
                     assert sends == recvs, (name, me, peer, tag)
         assert any(t for res in ranks for t in res[name]["transfers"])
-        # Why the launcher refuses zbv for now: on a GPU Nanotron's send waits for its receive (it syncs the host
-        # after its metadata send), and replayed that way every order of two or more micro-batches deadlocks, where
-        # a rank's activation on the way down and its neighbour's on the way up cross on one pair of ranks. Once
-        # the engine orders its sends so that none does (as zb2p holds one), this fails: let the launcher take zbv.
         by_rank = [r[name]["transfers"] for r in sorted(ranks, key=lambda r: r[name]["pp_rank"])]
         stuck = _stuck_when_sends_wait(by_rank)
-        assert (stuck is None) == (case["n_micro"] == 1), (name, stuck)
-        if stuck is not None:
-            assert any(kind == "send" and tag == 1 for kind, tag, _ in stuck), (name, stuck)
+        if case["sends_wait"]:
+            assert stuck is None, (name, stuck)  # and it ran so: each send waited for its receipt
+        else:  # why the engine holds its sends where they wait
+            assert (stuck is None) == (case["n_micro"] == 1), (name, stuck)
+            if stuck is not None:
+                assert any(kind == "send" and tag == 1 for kind, tag, _ in stuck), (name, stuck)
 
 
 def _stuck_when_sends_wait(transfers: list[list[tuple[str, int, int, int]]]) -> list[tuple[str, int, int]] | None:

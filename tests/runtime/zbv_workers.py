@@ -31,13 +31,13 @@ def _gathered(run: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
 def compare_v(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each case under 1F1B (on ``ref_ranks``) and zbv (on ``v_stages``): the worst gradient difference over the
     whole model, both engines' losses, how many products each W applied, and the V's order on this rank."""
-    from nanotron_ext.runtime.engine import make_engine
+    from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
     try:
         out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
         for name, case in cases.items():
             ref = zb_workers._train("1f1b", {**case, "v_stages": None, "block_ranks": case["ref_ranks"]}, False)
-            engine = make_engine("zbv")
+            engine = ZeroBubbleVPipelineEngine(sends_wait=case.get("sends_wait", False))
             v = zb_workers._train(engine, case, False)
             out[name] = {**zb_workers._against(_gathered(ref, case), _gathered(v, case)),
                          "trace": [str(op) for op in engine.trace]}
@@ -46,13 +46,20 @@ def compare_v(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         workers._destroy_contexts()
 
 
+#: The tag of the receipt a waiting send expects back (activations and gradients use 1 and 2).
+RECEIPT_TAG = 3
+
+
 def run_orders(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One training step of each case's V at its ``n_micro`` under zbv: the ops this rank ran, in order, and the
-    transfers it made (kind by tag, peer, bytes), each receive with what its peer sent."""
+    transfers it made (kind by tag, peer, bytes), each receive with what its peer sent. With ``sends_wait`` the
+    engine holds its sends to their order, and each send waits until its receive is done, as Nanotron's does on a
+    GPU (the receiver sends a receipt back)."""
     import torch
     from nanotron import distributed as dist
 
-    from nanotron_ext.runtime import CPUP2P, build_cpu_llama, build_optimizer, make_engine, train_step
+    from nanotron_ext.runtime import CPUP2P, build_cpu_llama, build_optimizer, train_step
+    from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     send, recv = CPUP2P.send_tensors, CPUP2P.recv_tensors
@@ -60,21 +67,28 @@ def run_orders(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for name, case in cases.items():
             ctx = workers._context(1, case["pp"], 1)
             transfers: list[tuple[str, int, int, int]] = []
+            wait = case.get("sends_wait", False)
 
-            def sent(self: Any, tensors: list[Any], to_rank: int, tag: int = 0, transfers: list = transfers) -> Any:
+            def sent(self: Any, tensors: list[Any], to_rank: int, tag: int = 0, transfers: list = transfers,
+                     wait: bool = wait) -> Any:
                 transfers.append(("send", tag, to_rank, tensors[0].numel()))
-                return send(self, tensors, to_rank=to_rank, tag=tag)
+                result = send(self, tensors, to_rank=to_rank, tag=tag)
+                if wait:
+                    recv(self, num_tensors=1, from_rank=to_rank, tag=RECEIPT_TAG)
+                return result
 
-            def received(self: Any, num_tensors: int, from_rank: int, tag: int = 0,
-                         transfers: list = transfers) -> Any:
+            def received(self: Any, num_tensors: int, from_rank: int, tag: int = 0, transfers: list = transfers,
+                         wait: bool = wait) -> Any:
                 result = recv(self, num_tensors=num_tensors, from_rank=from_rank, tag=tag)
                 transfers.append(("recv", tag, from_rank, result[0].numel()))
+                if wait:
+                    send(self, [torch.ones(1)], to_rank=from_rank, tag=RECEIPT_TAG)
                 return result
 
             torch.manual_seed(0)
             model = build_cpu_llama(workers.tiny_config(**case.get("config", {})), ctx, v_stages=case["v_stages"])
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
-            engine = make_engine("zbv")
+            engine = ZeroBubbleVPipelineEngine(sends_wait=wait)
             CPUP2P.send_tensors, CPUP2P.recv_tensors = sent, received
             try:
                 train_step(model, ctx, engine, workers.micro_batches(model, ctx, 0), case["n_micro"], optimizer,

@@ -324,7 +324,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "        if self._cancelled:\n            raise FiberCancelled()", "        if self._cancelled:\n            pass",
       ("tests/test_fiber.py",)),
     M("a V's crossing between ranks costs nothing", "nanotron_ext/schedule/v_replay.py",
-      "cuts[min(op.stage, before.stage)] if v_rank(pp, before.stage) != r else 0.0)", "0.0)",
+      "ready = gone + cuts[min(op.stage, before.stage)]", "ready = gone",
       ("tests/test_v_replay.py",)),
     M("the CPU runtime clips with Nanotron's split-dependent norm", "nanotron_ext/runtime/engine.py",
       "    clip = split_independent_clip_grad_norm(clip_grad_norm)", "    clip = clip_grad_norm",
