@@ -58,6 +58,18 @@ def test_the_tiny_models_v_is_the_fastest_split_and_prints_two_chunks_per_rank()
     assert len(plan.p2p) == 3 and plan.p2p[0] > 0  # one figure per cut, as priced
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_v_plans_micro_batch_counts_1f1b_would_refuse_on_as_many_stages(m: int) -> None:
+    """The engine runs a V at any m; its chunks are priced as 2 pp zb1p stages, whose rule (m >= 2 pp - 1) is not
+    the V's: pp=2 plans at m = 1 and 2. The rule stays where the stages are a pipeline's."""
+    cfg, blocks = _tiny(n_micro_batches=None)
+    cfg = cfg.with_overrides(engine="zbv", n_micro_batches=m)
+    plan = make_v_plan(blocks, cfg)
+    assert plan.n_micro_batches == m and [len(ops) for ops in plan.order] == [6 * m] * 2
+    with pytest.raises(PlanningError, match="zb1p .* needs at least pp - 1 = 3 micro-batches"):
+        schedule_problem(blocks, cfg.with_overrides(pp=4, engine="zb1p"))
+
+
 def test_each_rank_is_held_to_the_memory_cap() -> None:
     cfg, blocks = _tiny()
     splits = _every_split(cfg, blocks)

@@ -41,6 +41,8 @@ class ScheduleProblem:
             ``last``: :func:`~nanotron_ext.machine.stage_position`) where the machine prices blocks by the position
             they run at (an in-run profile): a stage of that position takes them instead of ``forward``,
             ``backward`` and ``weight``, which every stage takes otherwise (and the one stage of pp = 1).
+        v_chunks: the ``pp`` stages are a V's chunks, run by zbv on ``pp / 2`` ranks, which takes any micro-batch
+            count: the 1F1B family's rule on ``n_micro_batches`` (checked otherwise) does not apply.
     """
 
     forward: tuple[float, ...]
@@ -55,6 +57,7 @@ class ScheduleProblem:
     tied_pair: tuple[int, int] | None = None
     tied_saving: tuple[float, ...] = ()
     positions: tuple[tuple[str, tuple[float, ...], tuple[float, ...], tuple[float, ...]], ...] = ()
+    v_chunks: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -102,7 +105,7 @@ class ScheduleProblem:
             raise PlanningError(f"engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or not 1 <= self.pp <= max(n, 1):
             raise PlanningError(f"pp={self.pp!r} with {n} blocks; pp must be an integer in 1..{n}")
-        shortfall = too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)
+        shortfall = None if self.v_chunks else too_few_micro_batches(self.engine, self.pp, self.n_micro_batches)
         if shortfall is not None:
             raise PlanningError(shortfall)
 

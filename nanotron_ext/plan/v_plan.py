@@ -258,7 +258,7 @@ def _chunk_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[Pla
     machine = machine_for(cfg, blocks)
     chunked = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, machine=None)).with_overrides(
         pp=2 * cfg.run.pp, engine="zb1p")
-    return chunked, schedule_problem(blocks, chunked, machine)
+    return chunked, schedule_problem(blocks, chunked, machine, v_chunks=True)
 
 
 def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> SimResult:

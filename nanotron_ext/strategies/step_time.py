@@ -22,7 +22,7 @@ __all__ = ["schedule_problem"]
 
 
 def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
-                     machine: MachineProfile | None = None) -> ScheduleProblem:
+                     machine: MachineProfile | None = None, *, v_chunks: bool = False) -> ScheduleProblem:
     """Per-block forward, backward, update and send times of ``blocks`` under ``cfg``'s engine and micro-batches,
     with the weight-gradient part of each backward (zb1p's ``W``).
 
@@ -30,6 +30,7 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         blocks, cfg: the inventory and the config.
         machine: the machine; default :func:`~nanotron_ext.machine.machine_for` of ``cfg`` (pass it to price many
             candidates without reading the profile again).
+        v_chunks: ``cfg``'s stages are a V's chunks (``ScheduleProblem.v_chunks``).
     """
     prices = price_blocks(machine or machine_for(cfg, blocks), blocks, cfg)
     return ScheduleProblem(
@@ -46,4 +47,5 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         tied_saving=tuple(map(float, prices.tied_saving)),
         positions=tuple((position, tuple(map(float, p.forward)), tuple(map(float, p.backward)),
                          tuple(map(float, p.weight))) for position, p in prices.positions),
+        v_chunks=v_chunks,
     )

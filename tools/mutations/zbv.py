@@ -1,4 +1,5 @@
-"""Mutations of the V's one order of transfers (issue 43): its keys, the held sends in the engine and the replay."""
+"""Mutations of the V (issue 43): its one order of transfers (keys, the held sends in the engine and the replay), and
+its plan at any micro-batch count."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ ORDER = "nanotron_ext/schedule/v_replay.py"
 ENGINE = "nanotron_ext/zero_bubble/v_engine.py"
 ORDER_TESTS = "tests/test_v_replay.py"
 ENGINE_TESTS = "tests/runtime/test_zbv_engine.py"
+PROBLEM = "nanotron_ext/partition/schedule_problem.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     M("a transfer is keyed by when it is made, not taken", ORDER,
@@ -24,4 +26,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a transfer that never happens holds the sends after it", ENGINE,
       "        for t in [t for t in self.turn if t.op == op]:\n            self._finish(t)\n", "",
       (f"{ENGINE_TESTS}::test_zbv_equals_1f1b_two_ranks",), "0.2"),
+    M("a V's chunks take the 1F1B family's micro-batch rule", PROBLEM,
+      "None if self.v_chunks else too_few_micro_batches(", "None if False else too_few_micro_batches(",
+      ("tests/test_v_plan.py::test_a_v_plans_micro_batch_counts_1f1b_would_refuse_on_as_many_stages",)),
 )
