@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
         if kept is not None:
             cfg = cfg.with_overrides(vocab_shards=kept)
-        cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)  # the launcher runs no V yet
+        # auto picks among the contiguous engines here: a V in Nanotron's trainer holds its sends to one order (a
+        # GPU's sends wait), which auto's simulation of the V does not price yet; pp_engine: zbv runs it.
+        cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)
         if os.environ.get("RANK", "0") == "0" and engine_choice is not None:
             print("nanotron_ext: " + "\n  ".join(engine_choice.lines()), flush=True)
         cfg, choice = resolve_vocab_shards(cfg)

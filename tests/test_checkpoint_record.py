@@ -28,6 +28,7 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.partition.layout_string import layout_ranks, layout_string
 from nanotron_ext.plan import make_plan
+from nanotron_ext.plan.v_plan import make_v_plan
 
 ROLES = ["embedding", "decoder", "decoder", "final_norm", "lm_head", "cast", "loss"]
 
@@ -65,6 +66,39 @@ def test_a_record_round_trips_through_json_and_says_its_split(tiny, tmp_path):
     assert back == record and back.layout == "E,t|t,L" and back.vocab_shards == 1
     assert json.loads((tmp_path / RECORD_FILE).read_text())["stages"] == [0, 0, 1, 1, 1, 1, 1]
     assert back.model.vocab_size == 50277 and len(back.machine_digest) == 64
+
+
+def test_a_v_records_its_ranks_and_chunks_and_a_contiguous_record_reads_as_before(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    v_cfg = cfg.with_overrides(engine="zbv")
+    v = make_v_plan(blocks, v_cfg)
+    record = record_for(v, v_cfg, machine_for(v_cfg))
+    assert (record.engine, record.stages, record.v_stages) == ("zbv", tuple(v.block_ranks), tuple(v.stages))
+    assert record.layout == "E|t*2|N|H,C,X"  # the V's 2 pp chunks, as a layout string writes them
+    record.write(tmp_path)
+    assert read_record(tmp_path) == record
+    assert "v_stages" not in record_for(today, cfg, machine_for(cfg)).to_dict()
+
+
+def test_a_v_checkpoint_keeps_its_chunks_under_zbv_and_moves_off_them_under_another_engine(tiny, tmp_path):
+    cfg, blocks, today = tiny
+    v_cfg = cfg.with_overrides(engine="zbv")
+    v = make_v_plan(blocks, v_cfg)  # E|t*2|N|H,C,X
+    other = make_v_plan(blocks, v_cfg.with_overrides(cost_strategy="layout", layout="E,t|t|N|H,C,X"))
+    kept = choose_plan(v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(other, v_cfg, machine_for(v_cfg))),
+                       machine_for(v_cfg))
+    assert kept.kept and (kept.plan.bounds, kept.plan.order, kept.plan.strategy) == (other.bounds, other.order,
+                                                                                     "layout")
+    assert kept.note == ("resuming checkpoint 4 on its recorded split E,t|t|N|H,C,X (layout, pp=2); today 'v-search' "
+                         "would choose E|t*2|N|H,C,X: set nanotron_ext.resume_plan: replan (or --replan) to move to it")
+    source = ResumeSource(tmp_path, 4, record_for(v, v_cfg, machine_for(v_cfg)))
+    moved = choose_plan(today, blocks, cfg, source, machine_for(cfg))
+    assert not moved.kept and moved.plan is today
+    assert moved.note.startswith("the config asks pp_engine 1f1b, the checkpoint was trained on a V (pp_engine zbv)")
+    back = choose_plan(v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(today, cfg, machine_for(cfg))),
+                       machine_for(v_cfg))
+    assert not back.kept and back.plan is v
+    assert back.note.startswith("the config asks pp_engine zbv, the checkpoint was trained on a contiguous split (1f1b)")
 
 
 def test_differences_name_each_field_as_the_user_writes_it(tiny):

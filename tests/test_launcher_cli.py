@@ -182,13 +182,6 @@ def _refused(tmp_path, capsys, old: str, new: str) -> str:
     return capsys.readouterr().err
 
 
-def test_zbv_is_refused_by_the_launcher_before_anything_runs(tmp_path, capsys):
-    """The V engine runs on the CPU runtime only: the launcher says so before it imports the trainer."""
-    err = _refused(tmp_path, capsys, "pp_engine: 1f1b", "pp_engine: zbv")
-    assert "pp_engine: zbv runs on the CPU runtime only for now (`nanotron-ext train`)" in err
-    assert "Use pp_engine zb1p or zb2p here" in err
-
-
 def test_a_replan_key_is_refused_by_the_launcher_with_the_way_between_runs(tmp_path, capsys):
     """The re-plan after K steps runs in nanotron-ext train only: the launcher says so, and how to re-plan between
     runs, instead of training without it."""

@@ -27,6 +27,7 @@ from nanotron_ext.machine import MachineProfile
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.partition.layout_string import split_text
 from nanotron_ext.plan import Plan
+from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.report import table
 
 __all__ = ["RECORD_FILE", "RECORD_FORMAT", "Difference", "ModelKey", "PlanRecord", "read_record", "record_for"]
@@ -74,7 +75,8 @@ class PlanRecord:
         engine: the pipeline engine (``1f1b``, ``afab``, ``zb1p``).
         pp, tp, dp, zero_stage: Nanotron's parallelism and ZeRO stage.
         blocks: the pipeline blocks' module paths, in forward order.
-        stages: the stage of each block.
+        stages: the PP rank of each block.
+        v_stages: under ``pp_engine: zbv``, the virtual stage of each block (its chunk of the V; empty otherwise).
         vocab_bounds: rows ``[lo, hi)`` of the lm_head each vocabulary shard holds (empty: Nanotron's lm_head).
         machine: the name of the machine model that priced the split.
         machine_digest: SHA-256 of that machine model's JSON, to tell a re-measured profile from the same one.
@@ -102,10 +104,12 @@ class PlanRecord:
     written_by: str = ""
     format: int = RECORD_FORMAT
     files: tuple[SavedFile, ...] | None = None
+    v_stages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.blocks) != len(self.stages):
-            raise CheckpointError(f"a plan record names {len(self.blocks)} blocks but {len(self.stages)} stages")
+        if len(self.blocks) != len(self.stages) or self.v_stages and len(self.v_stages) != len(self.blocks):
+            raise CheckpointError(f"a plan record names {len(self.blocks)} blocks but {len(self.stages)} stages "
+                                  f"({len(self.v_stages)} virtual stages)")
 
     @property
     def vocab_shards(self) -> int:
@@ -114,7 +118,10 @@ class PlanRecord:
 
     @property
     def layout(self) -> str:
-        """The split as a layout string (``E,t|t,L``), or as stage labels where a block has no layout symbol."""
+        """The split as a layout string (``E,t|t,L``; a V's ``2 pp`` chunks), or as stage labels where a block has no
+        layout symbol."""
+        if self.v_stages:
+            return split_text(self.blocks, self.v_stages, 2 * self.pp)
         return split_text(self.blocks, self.stages, self.pp)
 
     def differences(self, now: PlanRecord) -> list[Difference]:
@@ -162,7 +169,10 @@ class PlanRecord:
         return table(["", "checkpoint", now_title, ""], rows)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.v_stages:  # a contiguous split's record reads as before, in versions without V records too
+            del out["v_stages"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -188,6 +198,7 @@ class PlanRecord:
             values = dict(d)
             values["blocks"] = tuple(values["blocks"])
             values["stages"] = tuple(int(s) for s in values["stages"])
+            values["v_stages"] = tuple(int(s) for s in values.get("v_stages", ()))
             values["vocab_bounds"] = tuple((int(a), int(b)) for a, b in values.get("vocab_bounds", ()))
             if values.get("model") is not None:
                 values["model"] = ModelKey(**values["model"])
@@ -203,7 +214,7 @@ class PlanRecord:
         return atomic_write_text(Path(folder) / RECORD_FILE, self.to_json() + "\n")
 
 
-def record_for(plan: Plan, cfg: PlannerConfig, machine: MachineProfile, *, step: int | None = None,
+def record_for(plan: Plan | VPlan, cfg: PlannerConfig, machine: MachineProfile, *, step: int | None = None,
                complete: bool = False, tp: int | None = None, dp: int | None = None,
                vocab_bounds: tuple[tuple[int, int], ...] | None = None) -> PlanRecord:
     """The record of ``plan``, made under ``cfg`` and priced on ``machine``.
@@ -211,14 +222,15 @@ def record_for(plan: Plan, cfg: PlannerConfig, machine: MachineProfile, *, step:
     ``tp`` and ``dp`` default to the config's, ``vocab_bounds`` to the shards of the config's vocabulary (a built
     model's own bounds differ when Nanotron padded its vocabulary).
     """
-    shards = plan.vocab_shards
+    v = isinstance(plan, VPlan)
+    shards = cfg.vocab_shards if v else plan.vocab_shards
     if vocab_bounds is None:
         vocab_bounds = tuple(vocab_slices(cfg.model.vocab_size, shards)) if shards > 1 else ()
     return PlanRecord(
         step=step, complete=complete, strategy=plan.strategy, engine=plan.engine, pp=plan.pp,
         tp=cfg.run.tp if tp is None else tp, dp=cfg.run.dp if dp is None else dp, zero_stage=cfg.run.zero_stage,
-        blocks=plan.block_names, stages=plan.block_ranks,
-        vocab_bounds=tuple(vocab_bounds),
+        blocks=plan.blocks if v else plan.block_names, stages=tuple(plan.block_ranks),
+        v_stages=tuple(plan.stages) if v else (), vocab_bounds=tuple(vocab_bounds),
         machine=machine.name, machine_digest=hashlib.sha256(machine.to_json().encode()).hexdigest(),
         model=ModelKey(cfg.model.family, cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size,
                        cfg.model.tie_word_embeddings),

@@ -14,9 +14,10 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.checkpoint.locate import ResumeSource
 from nanotron_ext.checkpoint.record import ModelKey, PlanRecord, record_for
 from nanotron_ext.config import PlannerConfig, ResumePlan
-from nanotron_ext.errors import CheckpointError
+from nanotron_ext.errors import CheckpointError, PlanningError
 from nanotron_ext.machine import MachineProfile
 from nanotron_ext.plan import Plan, plan_with_ranks
+from nanotron_ext.plan.v_plan import VPlan, make_v_plan
 
 __all__ = ["RESUME_PLANS", "ResumeChoice", "ResumePlan", "check_same_model", "choose_plan", "kept_vocab_shards"]
 
@@ -27,7 +28,7 @@ RESUME_PLANS: tuple[str, ...] = get_args(ResumePlan)
 class ResumeChoice:
     """The plan a resume trains, whether it is the recorded one, and the line that says why."""
 
-    plan: Plan
+    plan: Plan | VPlan
     kept: bool
     note: str
 
@@ -57,20 +58,35 @@ def kept_vocab_shards(source: ResumeSource | None, cfg: PlannerConfig, mode: Res
     return source.record.vocab_shards
 
 
-def _why_not_kept(record: PlanRecord, today: Plan, cfg: PlannerConfig) -> str | None:
+def _why_not_kept(record: PlanRecord, now: PlanRecord, cfg: PlannerConfig) -> str | None:
+    """Why the recorded split cannot be kept under ``cfg`` (``now``: the record of today's plan); None if it can."""
     if record.pp != cfg.run.pp:
         return f"the config asks pp={cfg.run.pp}, the checkpoint was trained at pp={record.pp}"
-    if record.vocab_shards != today.vocab_shards:
-        return (f"the config asks {today.vocab_shards} vocabulary shard(s), the checkpoint has "
+    if record.vocab_shards != now.vocab_shards:
+        return (f"the config asks {now.vocab_shards} vocabulary shard(s), the checkpoint has "
                 f"{record.vocab_shards}")
-    if tuple(today.block_names) != record.blocks:
+    if now.blocks != record.blocks:
         return "the model's pipeline blocks differ from the recorded ones"
-    if cfg.ext.cost_strategy == "layout" and tuple(today.block_ranks) != record.stages:
+    if bool(record.v_stages) != bool(now.v_stages):
+        return (f"the config asks pp_engine {now.engine}, the checkpoint was trained on "
+                f"{'a V (pp_engine zbv)' if record.v_stages else f'a contiguous split ({record.engine})'}")
+    if cfg.ext.cost_strategy == "layout" and (now.stages, now.v_stages) != (record.stages, record.v_stages):
         return f"the config's layout {cfg.ext.layout!r} asks for another split"
     return None
 
 
-def choose_plan(today: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, source: ResumeSource,
+def _recorded_plan(record: PlanRecord, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Plan | VPlan | str:
+    """The recorded split planned under ``cfg``, or why it cannot train there."""
+    if record.v_stages:
+        try:
+            return make_v_plan(blocks, cfg, v_stages=record.v_stages, strategy=record.strategy)
+        except PlanningError as exc:
+            return str(exc)
+    kept = plan_with_ranks(blocks, cfg, record.stages, record.strategy)
+    return kept if kept.ok else next(f.message for f in kept.findings if f.severity == "error")
+
+
+def choose_plan(today: Plan | VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, source: ResumeSource,
                 machine: MachineProfile, *, mode: ResumePlan = "keep") -> ResumeChoice:
     """The plan a resume of ``source`` trains, given the plan made ``today`` for the same blocks.
 
@@ -91,21 +107,21 @@ def choose_plan(today: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, so
         return ResumeChoice(today, False, f"{source.label} has no nanotron_ext plan record (Nanotron saved it alone): its "
                                           f"state is placed by name onto today's split {now.layout}")
     if mode == "replan":
-        same = "the same split" if record.stages == now.stages and record.blocks == now.blocks else now.layout
+        same = ("the same split" if (record.stages, record.v_stages, record.blocks) == (now.stages, now.v_stages,
+                                                                                        now.blocks) else now.layout)
         return ResumeChoice(today, False, f"re-planning as asked (resume_plan: replan): {source.label} was trained on "
                                           f"{record.layout} ({record.strategy}, pp={record.pp}); today: {same}")
-    why = _why_not_kept(record, today, cfg)
+    why = _why_not_kept(record, now, cfg)
     if why is None:
-        kept = plan_with_ranks(blocks, cfg, record.stages, record.strategy)
-        if kept.ok:
-            if kept.block_ranks == today.block_ranks:
+        kept = _recorded_plan(record, blocks, cfg)
+        if not isinstance(kept, str):
+            if (kept.block_ranks, kept.engine) == (today.block_ranks, today.engine):
                 tail = ", which is today's plan too"
             else:
                 tail = (f"; today {today.strategy!r} would choose {now.layout}: set nanotron_ext.resume_plan: replan "
                         f"(or --replan) to move to it")
             return ResumeChoice(kept, True, f"resuming {source.label} on its recorded split {record.layout} "
                                             f"({record.strategy}, pp={record.pp}){tail}")
-        error = next(f for f in kept.findings if f.severity == "error")
-        why = f"the recorded split cannot train under today's config ({error.message})"
+        why = f"the recorded split cannot train under today's config ({kept})"
     return ResumeChoice(today, False, f"{why}: {source.label} ({record.layout}) moves onto the new plan {now.layout}; "
                                       f"its weights, optimizer states and learning-rate schedule go to their new owners")

@@ -13,7 +13,9 @@ the user's unchanged training script (upstream's ``run_train.py`` or one like it
   as it is. DP replicas of a stage are frozen alike, so DDP's collectives stay within matching ranks.
 * ``pp_engine: zb1p``: Nanotron's config casts know the name, so its trainer runs
   :class:`nanotron_ext.zero_bubble.ZeroBubblePipelineEngine` (Nanotron has no zero-bubble engine) and a checkpoint's
-  saved config names it.
+  saved config names it. ``pp_engine: zbv`` likewise runs
+  :class:`~nanotron_ext.zero_bubble.v_engine.ZeroBubbleVPipelineEngine` with the order of the V the model was built
+  on, its sends held to their one order (Nanotron's send waits for its receive on a GPU).
 * Gradient clipping adds its norm in one order at every split (:mod:`nanotron_ext.integration.clipping`), so that a
   resume under another split or pp is bit-identical with ``clip_grad`` set.
 * Upstream bugs that stop any run, on GPUs too, are fixed while they are present in the installed Nanotron
@@ -41,6 +43,7 @@ from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fi
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE
 from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
+from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
 __all__ = ["check_launcher_engine", "install_launcher", "strip_ext_keys"]
 
@@ -90,7 +93,10 @@ def install_launcher(
     shards = cfg.vocab_shards  # raises while still 'auto'
     checkpoints = ResumeState(cfg, resume, mode=cfg.ext.resume_plan, say=say)
 
+    built: dict[str, Any] = {}
+
     def after_build(model: Any, ctx: Any) -> None:
+        built["plan"] = model.nanotron_ext_plan
         _after_build(model, ctx, say)
         checkpoints.after_build(model, ctx)
 
@@ -106,8 +112,8 @@ def install_launcher(
         return model
 
     _one_config_file(patches, nanotron_config, cfg.run.engine)
-    if cfg.run.engine in ZERO_BUBBLE_ENGINES:
-        _zero_bubble_engine(patches, say)
+    if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
+        _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m))
     _freeze_and_check_before_ddp(patches, trainer, ready)
     _optimize_trainable_only(patches, NanotronModel)
     _frozen_ranks(patches, trainer)
@@ -127,15 +133,11 @@ def install_launcher(
 
 
 def check_launcher_engine(cfg: PlannerConfig) -> None:
-    """Refuse what the launcher cannot run through Nanotron's trainer yet: ``zbv``, and a re-plan after K steps.
+    """Refuse what the launcher cannot run through Nanotron's trainer yet: a re-plan after K steps.
 
     Raises:
-        ConfigError: ``pp_engine: zbv``; ``nanotron_ext.replan.after_steps`` set.
+        ConfigError: ``nanotron_ext.replan.after_steps`` set.
     """
-    if cfg.run.engine == V_ENGINE:
-        raise ConfigError(f"{cfg.source}: parallelism.pp_engine: zbv runs on the CPU runtime only for now "
-                          f"(`nanotron-ext train`); the launcher does not run a V through Nanotron's trainer yet. "
-                          f"Use pp_engine zb1p or zb2p here, or `nanotron-ext plan` to see the V")
     if cfg.ext.replan.after_steps is not None:
         raise ConfigError(
             f"{cfg.source}: nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now: the "
@@ -159,15 +161,19 @@ def _one_config_file(patches: Patches, nanotron_config: Any, engine: str) -> Non
     patches.set(nanotron_config, "get_config_from_dict", load)
 
 
-def _zero_bubble_engine(patches: Patches, say: Callable[[str], None]) -> None:
-    """``pp_engine: zb1p`` or ``zb2p``: Nanotron's string <-> engine casts (its loader's, ``ParallelismArgs``', and
-    the serializer that writes a checkpoint's config) know our engines by name; every other name is theirs. Each PP
-    rank says once how many linears defer their weight gradient."""
+def _zero_bubble_engine(patches: Patches, say: Callable[[str], None],
+                        v_order: Callable[[int, int], list[list[Any]]]) -> None:
+    """``pp_engine: zb1p``, ``zb2p`` or ``zbv``: Nanotron's string <-> engine casts (its loader's,
+    ``ParallelismArgs``', and the serializer that writes a checkpoint's config) know our engines by name; every other
+    name is theirs. Each PP rank says once how many linears defer their weight gradient (zb1p, zb2p); zbv runs
+    ``v_order``, the built V's order."""
     import nanotron.config.utils_config as utils_config
 
     to_engine, to_name = utils_config.cast_str_to_pipeline_engine, utils_config.cast_pipeline_engine_to_str
 
     def cast_str_to_pipeline_engine(name: Any) -> Any:
+        if str(name).lower() == V_ENGINE:  # the order of the V the model is built on; Nanotron's sends wait
+            return ZeroBubbleVPipelineEngine(order=v_order, sends_wait=True)
         engine = ZERO_BUBBLE_ENGINES.get(str(name).lower())
         return engine(say=say) if engine is not None else to_engine(name)
 
@@ -176,7 +182,8 @@ def _zero_bubble_engine(patches: Patches, say: Callable[[str], None]) -> None:
         if hasattr(module, "cast_str_to_pipeline_engine"):
             patches.set(module, "cast_str_to_pipeline_engine", cast_str_to_pipeline_engine)
     patches.set(utils_config, "cast_pipeline_engine_to_str",
-                lambda engine: engine.schedule if isinstance(engine, ZeroBubblePipelineEngine) else to_name(engine))
+                lambda engine: engine.schedule if isinstance(engine, (ZeroBubblePipelineEngine,
+                                                                      ZeroBubbleVPipelineEngine)) else to_name(engine))
 
 
 def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable[[Any], Any]) -> None:

@@ -148,10 +148,12 @@ class VPlan:
         return out
 
 
-def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: int = V_SEARCH_EVALS) -> VPlan:
+def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: int = V_SEARCH_EVALS,
+                v_stages: Sequence[int] | None = None, strategy: str | None = None) -> VPlan:
     """The V split of ``blocks`` over ``cfg.run.pp`` ranks with the least simulated step that fits each rank.
 
-    Under ``cost_strategy: layout`` the split is the config's ``layout`` string of ``2 pp`` chunks, not searched.
+    Under ``cost_strategy: layout`` the split is the config's ``layout`` string of ``2 pp`` chunks, not searched;
+    given ``v_stages`` (each block's chunk: a resumed V's), those chunks, recorded as ``strategy``.
 
     Raises:
         ConfigError: a layout that does not write ``2 pp`` chunks.
@@ -181,17 +183,19 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
         return cap is None or max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
 
     budgets = None if cap is None else (lambda bounds: v_budget(blocks, chunked, bounds, cap))
-    if cfg.ext.cost_strategy == "layout":
-        bounds = _layout_bounds(blocks, cfg, trains)
+    if cfg.ext.cost_strategy == "layout" or v_stages is not None:
+        what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
+        bounds = _chunk_bounds(blocks, cfg, trains, v_stages)
         ways = [(e, r) for e in ((), (2 * pp - 1,)) for r in [simulate_within(problem, bounds, e, budgets)]
                 if r is not None and fits(bounds, r)]
         if not ways:
             floor = max(v_floors(blocks, chunked, bounds))
-            raise PlanningError(f"the V of layout {cfg.ext.layout!r} does not fit {limit}: one of its ranks needs at "
-                                f"least {floor / GIB:.2f} GiB whatever the order; move blocks off rank 0's chunks (the "
+            raise PlanningError(f"the V of {what} does not fit {limit}: one of its ranks needs at least "
+                                f"{floor / GIB:.2f} GiB whatever the order; move blocks off rank 0's chunks (the "
                                 f"first and the last), or drop the layout to let zbv search a split")
         eager, _ = min(ways, key=lambda way: way[1].step_time)
-        return _v_plan(blocks, chunked, problem, bounds, eager, budgets, cap, proven=True, strategy="layout")
+        return _v_plan(blocks, chunked, problem, bounds, eager, budgets, cap, proven=True,
+                       strategy=strategy or "layout")
     # The seed need not fit (the search keeps only splits that do): planned under a cap every split meets.
     unbounded = chunked.with_overrides(memory_cap_gib=1e6)
     seed = tuple(bounds_from_ranks(make_plan(blocks, unbounded, "flops", suggest_fixes=False).block_ranks, 2 * pp))
@@ -227,15 +231,17 @@ def _v_plan(blocks: Sequence[BlockInfo], chunked: PlannerConfig, problem: Schedu
                  eager=tuple(eager), proven=proven, order=result.order, strategy=strategy)
 
 
-def _layout_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool]) -> tuple[int, ...]:
-    """The chunks a ``layout`` string writes for a V: ``2 pp`` stages, the way down then the way up, each training.
+def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool],
+                  v_stages: Sequence[int] | None) -> tuple[int, ...]:
+    """The chunks ``v_stages`` (else the config's ``layout`` string) write for a V: ``2 pp`` stages, the way down
+    then the way up, each training.
 
     Raises:
         ConfigError: no layout, or one of another number of stages (an odd number cannot fold).
         PlanningError: a chunk that trains nothing.
     """
     pp = cfg.run.pp
-    stages = layout_ranks(layout_of(cfg), [b.role for b in blocks])
+    stages = list(v_stages) if v_stages is not None else layout_ranks(layout_of(cfg), [b.role for b in blocks])
     n = max(stages) + 1
     if n != 2 * pp:
         fold = "an odd number cannot fold into two per rank" if n % 2 else f"or set pp to {n // 2}"
@@ -246,7 +252,8 @@ def _layout_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequ
     for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if not any(trains[a:b]):
             names = compact_names([short_name(x.name) for x in blocks[a:b]])
-            raise PlanningError(f"layout {cfg.ext.layout!r}: chunk {k} ({names}) trains nothing, and every chunk of "
+            what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
+            raise PlanningError(f"{what}: chunk {k} ({names}) trains nothing, and every chunk of "
                                 f"a V must (its rank's DDP and optimizer need a gradient of each); give it a block "
                                 f"that trains")
     return bounds

@@ -1,5 +1,5 @@
-"""Mutations of the V (issue 43): its one order of transfers (keys, the held sends in the engine and the replay), and
-its plan at any micro-batch count."""
+"""Mutations of the V (issue 43): its one order of transfers (keys, the held sends in the engine and the replay),
+its plan at any micro-batch count, and its checkpoints (the record, a resume into, out of and on a V)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ ENGINE = "nanotron_ext/zero_bubble/v_engine.py"
 ORDER_TESTS = "tests/test_v_replay.py"
 ENGINE_TESTS = "tests/runtime/test_zbv_engine.py"
 PROBLEM = "nanotron_ext/partition/schedule_problem.py"
+RECORD = "nanotron_ext/checkpoint/record.py"
+RESUME = "nanotron_ext/checkpoint/resume.py"
+RECORD_TESTS = "tests/test_checkpoint_record.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     M("a transfer is keyed by when it is made, not taken", ORDER,
@@ -29,4 +32,20 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a V's chunks take the 1F1B family's micro-batch rule", PROBLEM,
       "None if self.v_chunks else too_few_micro_batches(", "None if False else too_few_micro_batches(",
       ("tests/test_v_plan.py::test_a_v_plans_micro_batch_counts_1f1b_would_refuse_on_as_many_stages",)),
+    M("a V's record keeps no chunks", RECORD,
+      "v_stages=tuple(plan.stages) if v else ()", "v_stages=()",
+      (f"{RECORD_TESTS}::test_a_v_records_its_ranks_and_chunks_and_a_contiguous_record_reads_as_before",)),
+    M("a contiguous record writes an empty v_stages", RECORD,
+      '            del out["v_stages"]', "            pass",
+      (f"{RECORD_TESTS}::test_a_v_records_its_ranks_and_chunks_and_a_contiguous_record_reads_as_before",)),
+    M("a resume keeps a V under a contiguous engine", RESUME,
+      "    if bool(record.v_stages) != bool(now.v_stages):", "    if False:",
+      (f"{RECORD_TESTS}::test_a_v_checkpoint_keeps_its_chunks_under_zbv_and_moves_off_them_under_another_engine",)),
+    M("a kept V is searched again", RESUME,
+      "make_v_plan(blocks, cfg, v_stages=record.v_stages, strategy=record.strategy)", "make_v_plan(blocks, cfg)",
+      (f"{RECORD_TESTS}::test_a_v_checkpoint_keeps_its_chunks_under_zbv_and_moves_off_them_under_another_engine",)),
+    M("the launcher leaves zbv to Nanotron's casts", "nanotron_ext/integration/trainer_patches.py",
+      "if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:",
+      "if cfg.run.engine in ZERO_BUBBLE_ENGINES:",
+      ("tests/upstream/test_zbv_launcher.py",), "upstream"),
 )
