@@ -14,7 +14,14 @@ from nanotron_ext.config import bundled_config, config_from_dict, load_config
 from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan import AUTO_ENGINES, choose_engine, make_plan, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import (
+    AUTO_ENGINES,
+    CONTIGUOUS_AUTO_ENGINES,
+    choose_engine,
+    make_plan,
+    resolve_engine,
+    resolve_vocab_shards,
+)
 from nanotron_ext.plan.v_plan import make_v_plan, v_plan_timeline
 from nanotron_ext.schedule.programs import engine_program
 from nanotron_ext.simulate import simulate_plan
@@ -87,13 +94,18 @@ def test_a_cap_nothing_fits_is_refused_naming_each_engine_and_the_limit() -> Non
         resolve_engine(_seed(cost_strategy="flops", memory_cap_gib=0.001))
 
 
-def test_too_few_micro_batches_for_every_engine_is_refused_with_each_reason() -> None:
+def test_too_few_micro_batches_for_the_1f1b_family_leaves_the_v_and_says_each_reason() -> None:
     cfg = _seed().with_overrides(pp=2, n_micro_batches=1)
     choice = choose_engine(cfg)  # pp = 2: one micro-batch is pp - 1, which every engine of the family runs
     assert choice.engine in AUTO_ENGINES
     big = load_config("nanotron_ext/configs/smollm_135m.yaml").with_overrides(engine="auto", pp=4, n_micro_batches=2)
+    choice = choose_engine(big)  # m = 2 at pp = 4: below the family's pp - 1; a V runs any m
+    assert choice.engine == "zbv"
+    lines = "\n".join(choice.lines())
+    for engine in CONTIGUOUS_AUTO_ENGINES:
+        assert f"{engine}: cannot be planned (" in lines and "needs at least pp - 1 = 3 micro-batches, got 2" in lines
     with pytest.raises(ConfigError, match=r"1f1b: cannot be planned \(1F1B needs at least pp - 1 = 3"):
-        choose_engine(big)
+        choose_engine(big, CONTIGUOUS_AUTO_ENGINES)
 
 
 def test_recompute_is_priced_in_every_option() -> None:
