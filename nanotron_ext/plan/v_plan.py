@@ -185,7 +185,7 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     budgets = None if cap is None else (lambda bounds: v_budget(blocks, chunked, bounds, cap))
     if cfg.ext.cost_strategy == "layout" or v_stages is not None:
         what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
-        bounds = _chunk_bounds(blocks, cfg, trains, v_stages)
+        bounds = _chunk_bounds(blocks, cfg, trains, v_stages, what)
         ways = [(e, r) for e in ((), (2 * pp - 1,)) for r in [simulate_within(problem, bounds, e, budgets)]
                 if r is not None and fits(bounds, r)]
         if not ways:
@@ -232,9 +232,9 @@ def _v_plan(blocks: Sequence[BlockInfo], chunked: PlannerConfig, problem: Schedu
 
 
 def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool],
-                  v_stages: Sequence[int] | None) -> tuple[int, ...]:
+                  v_stages: Sequence[int] | None, what: str) -> tuple[int, ...]:
     """The chunks ``v_stages`` (else the config's ``layout`` string) write for a V: ``2 pp`` stages, the way down
-    then the way up, each training.
+    then the way up, each training; ``what`` names them in an error.
 
     Raises:
         ConfigError: no layout, or one of another number of stages (an odd number cannot fold).
@@ -252,7 +252,6 @@ def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Seque
     for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if not any(trains[a:b]):
             names = compact_names([short_name(x.name) for x in blocks[a:b]])
-            what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
             raise PlanningError(f"{what}: chunk {k} ({names}) trains nothing, and every chunk of "
                                 f"a V must (its rank's DDP and optimizer need a gradient of each); give it a block "
                                 f"that trains")
