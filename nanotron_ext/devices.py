@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 from nanotron_ext.errors import ConfigError
 
-__all__ = ["DEVICE_ENV", "DEVICE_TYPES", "DeviceType", "device_type", "use_device"]
+__all__ = ["DEVICE_ENV", "DEVICE_TYPES", "DeviceType", "device_type", "synchronize", "use_device"]
 
 DeviceType = Literal["cpu", "cuda"]
 #: The device types a ``--device`` flag and ``$NANOTRON_EXT_DEVICE`` take.
@@ -69,3 +69,12 @@ def use_device(requested: str | None) -> DeviceType:
     if requested is not None:
         os.environ[DEVICE_ENV] = chosen
     return chosen
+
+
+def synchronize() -> None:
+    """Wait for this process's queued CUDA work, if it ever used CUDA (nothing on CPU): a step timed on a GPU
+    ends when its kernels do."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -31,7 +31,7 @@ from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.tied_parameters import get_tied_id_to_param, sync_tied_weights_gradients
 from torch import nn
 
-from nanotron_ext.devices import DEVICE_ENV, device_type
+from nanotron_ext.devices import DEVICE_ENV, device_type, synchronize
 from nanotron_ext.errors import ConfigError
 
 __all__ = [
@@ -84,13 +84,6 @@ def host_staging(device: torch.device) -> bool:
 def describe_transport(device: torch.device) -> str:
     """``gloo`` or ``gloo, host-staged``: how the runtime's pipeline tensors travel from ``device``."""
     return f"gloo, {HOST_STAGED}" if host_staging(device) else "gloo"
-
-
-def synchronize() -> None:
-    """Wait for this process's queued CUDA work, if it ever used CUDA (nothing on CPU): a step timed on a GPU
-    ends when its kernels do."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

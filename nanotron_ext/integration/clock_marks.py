@@ -1,4 +1,4 @@
-"""The marks the engine's clock (:mod:`nanotron_ext.runtime.op_clock`) takes, and the tensors it marks: a wall clock on
+"""The marks the engine's clock (:mod:`nanotron_ext.integration.op_clock`) takes, and the tensors it marks: a wall clock on
 CPU, CUDA events on a GPU."""
 
 from __future__ import annotations
