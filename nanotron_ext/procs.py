@@ -36,6 +36,7 @@ __all__ = [
     "free_port",
     "kill_process_group",
     "local_env",
+    "peak_rss_mib",
     "rendezvous_env",
     "run_local_ranks",
 ]
@@ -335,3 +336,10 @@ def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (MiB; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import os
 import runpy
 import sys
@@ -23,16 +24,21 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from nanotron_ext.checkpoint import check_same_model, kept_vocab_shards, locate_checkpoint
-from nanotron_ext.cli.common import EXIT_OK, report_error
-from nanotron_ext.config import load_config
+from nanotron_ext.checkpoint import ResumeSource, check_same_model, kept_vocab_shards, locate_checkpoint
+from nanotron_ext.cli.common import EXIT_OK, positive_int, report_error
+from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
 from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan.replan import with_replan_after
 from nanotron_ext.procs import exit_with_torchrun, exit_without_teardown
 from nanotron_ext.strategies import get_strategy
+
+if TYPE_CHECKING:
+    from nanotron_ext.integration.replan import LauncherReplan
 
 __all__ = ["config_file_of", "main"]
 
@@ -66,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--replan", action="store_true",
                         help="on a resume, plan anew and move the checkpoint's state onto the new plan, instead of "
                              "keeping the split it was trained with (nanotron_ext.resume_plan: replan)")
+    parser.add_argument("--replan-after", dest="replan_after", type=positive_int, metavar="K", default=None,
+                        help="after K steps, price the run from its own steps, plan split and engine again under the "
+                             "same memory and move to the faster plan by a re-launch in the same processes "
+                             "(nanotron_ext.replan.after_steps; docs/replan.md)")
     parser.add_argument("script", help="the training script, e.g. run_train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
@@ -117,73 +127,106 @@ def wait_for_peers_to_report() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
     exit_with_torchrun()
-    from nanotron_ext.integration.trainer_patches import check_launcher_engine, install_launcher
+    from nanotron_ext.integration.replan import MoveTo
+    from nanotron_ext.integration.trainer_patches import install_launcher
 
     opts = _parser().parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
     prefix = f"nanotron_ext.run [rank {os.environ.get('RANK', '0')}]: "
+    say = (lambda line: print(line, flush=True)) if rank0 else (lambda line: None)
     try:
-        if opts.cpu_debug:  # before anything imports Nanotron's models, which import flash_attn
-            from nanotron_ext.integration.cpu_standins import enable
-
-            enable(say=(lambda line: print(f"nanotron_ext: {line}", flush=True))
-                   if os.environ.get("RANK", "0") == "0" else None)
-        script = Path(opts.script)
-        if not script.is_file():
-            raise ConfigError(f"training script {opts.script!r} not found; give the path of e.g. Nanotron's run_train.py")
-        config_file = opts.config_file or config_file_of(opts.script_args)
-        if config_file is None:
-            raise ConfigError(
-                f"no config file in the script's arguments {opts.script_args}; pass the script's --config-file "
-                f"CONFIG.yaml (or --config-file before the script name)"
-            )
-        # Keys the installed Nanotron reads are known (a fork's own); any other key no Nanotron reads is a
-        # warning, and the script's own loader has the final word on it. Said once, by rank 0, on one line.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cfg = load_config(config_file, cost_strategy=opts.cost_strategy, nanotron_keys=installed_nanotron_keys())
-        if os.environ.get("RANK", "0") == "0":
-            for w in caught:
-                print(f"{prefix}warning: {w.message}", file=sys.stderr, flush=True)
-        if opts.replan:
-            cfg = cfg.with_overrides(resume_plan="replan")
-        get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
-        check_launcher_engine(cfg)
-        # A half-written checkpoint, or one of another model, stops every rank here, before anything is built.
-        resume = locate_checkpoint((cfg.nanotron.get("checkpoints") or {}).get("resume_checkpoint_path"))
-        if resume is not None:
-            check_same_model(resume, cfg)
-        kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
-        if kept is not None:
-            cfg = cfg.with_overrides(vocab_shards=kept)
-        # auto picks among the contiguous engines here: a V in Nanotron's trainer holds its sends to one order (a
-        # GPU's sends wait), which auto's simulation of the V does not price yet; pp_engine: zbv runs it.
-        cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)
-        if os.environ.get("RANK", "0") == "0" and engine_choice is not None:
-            print("nanotron_ext: " + "\n  ".join(engine_choice.lines()), flush=True)
-        cfg, choice = resolve_vocab_shards(cfg)
-        if os.environ.get("RANK", "0") == "0" and (choice is not None or kept is not None):
-            how = f"kept from {resume.label}" if kept is not None and resume is not None else "chosen now"
-            print(f"nanotron_ext: vocab_shards: auto -> {cfg.vocab_shards} ({how})", flush=True)
-        undo = install_launcher(cfg, opts.cost_strategy, resume=resume)
+        cfg, resume, replan = _prepare(opts, rank0, prefix, say)
+        undo = install_launcher(cfg, opts.cost_strategy, resume=resume, replan=replan)
     except NanotronExtError as exc:
         code = report_error(exc, prefix)
         wait_for_peers_to_report()
         return code
+    script = Path(opts.script)
     sys.argv = [str(script), *opts.script_args]
     sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT` would
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
-        code = report_error(exc, prefix)
-        wait_for_peers_to_report()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    else:
-        code = EXIT_OK
-    finally:
-        undo()
+    while True:
+        move = None
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except MoveTo as exc:  # a re-plan's move: run the script again on the new plan, resuming its checkpoint
+            move = exc.checkpoint
+        except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
+            code = report_error(exc, prefix)
+            wait_for_peers_to_report()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        else:
+            code = EXIT_OK
+        finally:
+            undo()
+        if move is None:
+            break
+        gc.collect()  # the first trainer's model, optimizer and buffers, before the new split is built
+        try:
+            cfg = replan.relaunch_config(cfg)
+            undo = install_launcher(cfg, opts.cost_strategy, resume=locate_checkpoint(move), replan=replan, moved=True)
+        except NanotronExtError as exc:
+            code = report_error(exc, prefix)
+            wait_for_peers_to_report()
+            break
+    if code == EXIT_OK and replan is not None:
+        for line in replan.measured_lines():
+            say(line)
     close_process_groups(code)
     return code
+
+
+def _prepare(opts: argparse.Namespace, rank0: bool, prefix: str,
+             say: Any) -> tuple[PlannerConfig, ResumeSource | None, LauncherReplan | None]:
+    """The launch's config (engine and vocabulary shards resolved), the checkpoint it resumes and its re-plan,
+    checked before anything is built."""
+    from nanotron_ext.integration.replan import LauncherReplan
+
+    if opts.cpu_debug:  # before anything imports Nanotron's models, which import flash_attn
+        from nanotron_ext.integration.cpu_standins import enable
+
+        enable(say=(lambda line: say(f"nanotron_ext: {line}")) if rank0 else None)
+    script = Path(opts.script)
+    if not script.is_file():
+        raise ConfigError(f"training script {opts.script!r} not found; give the path of e.g. Nanotron's run_train.py")
+    config_file = opts.config_file or config_file_of(opts.script_args)
+    if config_file is None:
+        raise ConfigError(
+            f"no config file in the script's arguments {opts.script_args}; pass the script's --config-file "
+            f"CONFIG.yaml (or --config-file before the script name)"
+        )
+    # Keys the installed Nanotron reads are known (a fork's own); any other key no Nanotron reads is a
+    # warning, and the script's own loader has the final word on it. Said once, by rank 0, on one line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(config_file, cost_strategy=opts.cost_strategy, nanotron_keys=installed_nanotron_keys())
+    if rank0:
+        for w in caught:
+            print(f"{prefix}warning: {w.message}", file=sys.stderr, flush=True)
+    if opts.replan:
+        cfg = cfg.with_overrides(resume_plan="replan")
+    cfg = with_replan_after(cfg, opts.replan_after)
+    get_strategy(cfg.ext.cost_strategy)  # an unknown name fails here, listing the known ones
+    # A half-written checkpoint, or one of another model, stops every rank here, before anything is built.
+    resume = locate_checkpoint((cfg.nanotron.get("checkpoints") or {}).get("resume_checkpoint_path"))
+    if resume is not None:
+        check_same_model(resume, cfg)
+    kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
+    if kept is not None:
+        cfg = cfg.with_overrides(vocab_shards=kept)
+    # auto picks among the contiguous engines here: a V in Nanotron's trainer holds its sends to one order (a
+    # GPU's sends wait), which auto's simulation of the V does not price yet; pp_engine: zbv runs it.
+    cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)
+    if engine_choice is not None:
+        say("nanotron_ext: " + "\n  ".join(engine_choice.lines()))
+    cfg, choice = resolve_vocab_shards(cfg)
+    if choice is not None or kept is not None:
+        how = f"kept from {resume.label}" if kept is not None and resume is not None else "chosen now"
+        say(f"nanotron_ext: vocab_shards: auto -> {cfg.vocab_shards} ({how})")
+    replan = None
+    if cfg.ext.replan.after_steps is not None:
+        replan = LauncherReplan(cfg, engine_was_auto=engine_choice is not None, say=say)
+    return cfg, resume, replan
 
 
 #: Seconds a rank that stops with an error gives its process groups to close before it exits without them.

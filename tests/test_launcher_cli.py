@@ -171,23 +171,25 @@ def test_a_trainer_that_cannot_be_imported_is_one_line_with_the_fix(tmp_path, ca
     assert "flash-attn" in err and "nanotron-ext train" in err and "Traceback" not in err
 
 
-def _refused(tmp_path, capsys, old: str, new: str) -> str:
-    """The launcher's stderr on the bundled config with ``old`` replaced by ``new``, refused (exit 2) before the
-    script (which would exit 0) runs."""
+def _refused(tmp_path, capsys, old: str, new: str, *flags: str, text: str | None = None) -> str:
+    """The launcher's stderr on the bundled config (or ``text``) with ``old`` replaced by ``new``, run with the
+    launcher's ``flags``, refused (exit 2) before the script (which would exit 0) runs."""
     script = tmp_path / "run_train.py"
     script.write_text("raise SystemExit(0)\n")
     config = tmp_path / "config.yaml"
-    config.write_text(bundled_config_text().replace(old, new))
-    assert main([str(script), "--config-file", str(config)]) == 2
+    config.write_text((text or bundled_config_text()).replace(old, new))
+    assert main([*flags, str(script), "--config-file", str(config)]) == 2
     return capsys.readouterr().err
 
 
-def test_a_replan_key_is_refused_by_the_launcher_with_the_way_between_runs(tmp_path, capsys):
-    """The re-plan after K steps runs in nanotron-ext train only: the launcher says so, and how to re-plan between
-    runs, instead of training without it."""
-    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n")
-    assert "nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now" in err
-    assert "resume with --replan" in err
+def test_a_replan_of_a_v_or_after_one_step_is_refused_by_the_launcher_before_the_script_runs(tmp_path, capsys):
+    """The launcher re-plans contiguous splits after K >= 2 steps (its YAML key or --replan-after): a V, or K = 1,
+    stops every rank before anything is built, saying what to do."""
+    text = bundled_config_text().replace("pp_engine: 1f1b", "pp_engine: zbv")
+    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n", text=text)
+    assert "nanotron_ext.replan re-plans contiguous splits, not a V yet" in err and "1f1b, zb1p, zb2p or auto" in err
+    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n", "--replan-after", "1")
+    assert "nanotron_ext.replan.after_steps=1 must be an integer >= 2" in err
 
 
 def bundled_config_text() -> str:

@@ -33,19 +33,20 @@ import torch
 
 from nanotron_ext.checkpoint import ResumeSource
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
-from nanotron_ext.errors import ConfigError, RunFailure
+from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
 from nanotron_ext.integration.checkpoints import ResumeState, install_checkpoints
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
 from nanotron_ext.integration.clipping import install_split_independent_clipping
 from nanotron_ext.integration.dummy_data import install_dummy_data
+from nanotron_ext.integration.replan import LauncherReplan
 from nanotron_ext.integration.upstream_fixes import Patches, present_upstream_fixes
 from nanotron_ext.models.vocab_chain import VocabShard, label_pp_ranks, replace_lm_head_with_vocab_chain
 from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE
 from nanotron_ext.zero_bubble import ZERO_BUBBLE_ENGINES, ZeroBubblePipelineEngine
 from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
-__all__ = ["check_launcher_engine", "install_launcher", "strip_ext_keys"]
+__all__ = ["install_launcher", "strip_ext_keys"]
 
 def strip_ext_keys(config_dict: Any) -> Any:
     """The dict Nanotron's strict loader accepts: ``config_dict`` without our keys (unchanged if it has none)."""
@@ -59,7 +60,7 @@ def strip_ext_keys(config_dict: Any) -> Any:
 
 def install_launcher(
     cfg: PlannerConfig, strategy: str | None = None, *, say: Callable[[str], None] = print,
-    resume: ResumeSource | None = None,
+    resume: ResumeSource | None = None, replan: LauncherReplan | None = None, moved: bool = False,
 ) -> Callable[[], None]:
     """Make Nanotron's own trainer build, freeze, check and train with ``cfg``'s plan; see the module docstring.
 
@@ -69,6 +70,9 @@ def install_launcher(
         say: where rank 0 prints the plan and notes (one call per message).
         resume: the checkpoint the run resumes (:func:`nanotron_ext.checkpoint.locate_checkpoint`), if any;
             ``cfg.ext.resume_plan`` says whether its recorded split is kept.
+        replan: the run's re-plan after K steps (:mod:`nanotron_ext.integration.replan`), if it has one.
+        moved: this launch is a re-plan's move: Nanotron's loader resumes ``resume`` under ``cfg``'s engine,
+            whatever the YAML says.
 
     Returns:
         A function that undoes everything installed.
@@ -76,7 +80,6 @@ def install_launcher(
     Raises:
         RunFailure: Nanotron's trainer cannot be imported (flash-attn missing, say); nothing is installed.
     """
-    check_launcher_engine(cfg)
     try:
         import nanotron.config.config as nanotron_config
         import nanotron.trainer as trainer
@@ -111,7 +114,9 @@ def install_launcher(
         _freeze_and_check(model, cfg, say)
         return model
 
-    _one_config_file(patches, nanotron_config, cfg.run.engine)
+    moved_to = {"parallelism": {"pp_engine": cfg.run.engine},
+                "checkpoints": {"resume_checkpoint_path": str(resume.folder)}} if moved and resume else {}
+    _one_config_file(patches, nanotron_config, cfg.run.engine, moved_to)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
         _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m))
     _freeze_and_check_before_ddp(patches, trainer, ready)
@@ -122,6 +127,8 @@ def install_launcher(
     install_checkpoints(patches, trainer, checkpoints)
     install_dummy_data(patches, trainer)
     install_split_independent_clipping(patches, trainer)
+    if replan is not None:
+        replan.install(patches, trainer, lambda: built["plan"], cfg)
     for fix, target in present_upstream_fixes(trainer):
         fix.apply(patches, target)
 
@@ -132,27 +139,17 @@ def install_launcher(
     return undo
 
 
-def check_launcher_engine(cfg: PlannerConfig) -> None:
-    """Refuse what the launcher cannot run through Nanotron's trainer yet: a re-plan after K steps.
-
-    Raises:
-        ConfigError: ``nanotron_ext.replan.after_steps`` set.
-    """
-    if cfg.ext.replan.after_steps is not None:
-        raise ConfigError(
-            f"{cfg.source}: nanotron_ext.replan runs in `nanotron-ext train` (the CPU runtime) only for now: the "
-            f"engine's clock that prices a run from its own steps is not installed in Nanotron's trainer yet. "
-            f"Drop replan here and re-plan between runs: `nanotron-ext calibrate CONFIG --in-run --out "
-            f"machine.json`, set nanotron_ext.machine: machine.json, and resume with --replan (docs/replan.md)")
-
-
-def _one_config_file(patches: Patches, nanotron_config: Any, engine: str) -> None:
+def _one_config_file(patches: Patches, nanotron_config: Any, engine: str,
+                     overrides: dict[str, dict[str, Any]]) -> None:
     """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file; a
-    ``pp_engine: auto`` there reads as ``engine``, the one the planner chose (and the checkpoint's config names)."""
+    ``pp_engine: auto`` there reads as ``engine``, the one the planner chose (and the checkpoint's config names);
+    ``overrides`` (section: keys) win over the YAML (a re-plan's move: its engine and checkpoint)."""
     load_dict = nanotron_config.get_config_from_dict
 
     def load(d: Any, *args: Any, **kwargs: Any) -> Any:
         d = strip_ext_keys(d)
+        if isinstance(d, dict):
+            d = {**d, **{section: {**(d.get(section) or {}), **keys} for section, keys in overrides.items()}}
         parallelism = d.get("parallelism") if isinstance(d, dict) else None
         if isinstance(parallelism, dict) and str(parallelism.get("pp_engine")).lower() == ENGINE_AUTO:
             d = {**d, "parallelism": {**parallelism, "pp_engine": engine}}

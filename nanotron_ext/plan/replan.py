@@ -12,9 +12,13 @@ Entry point: :func:`choose_replan`; the CPU runtime (:mod:`nanotron_ext.runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB
@@ -24,9 +28,15 @@ from nanotron_ext.plan.engine_choice import CONTIGUOUS_AUTO_ENGINES, choose_engi
 from nanotron_ext.plan.make import plan_with_ranks
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import format_seconds, human_bytes
+from nanotron_ext.schedule import V_ENGINE
 
-__all__ = ["PRICED_STRATEGIES", "ReplanChoice", "Verdict", "choose_replan", "gain_noise", "replan_engines"]
+__all__ = ["PRICED_STRATEGIES", "REPLAN_CALIBRATE_REPEATS", "ReplanChoice", "Verdict", "choose_replan", "gain_noise",
+           "measured_lines", "replan_engines", "replan_profiles", "short_run_note",
+           "with_replan_after"]
 
+#: Repeats of the standalone calibration a re-plan takes where the config names no machine profile: it prices only
+#: the links, the all-reduces and what the run's own steps did not time.
+REPLAN_CALIBRATE_REPEATS = 1
 #: Strategies whose split is the fastest simulated step on the config's machine: a re-plan keeps them.
 PRICED_STRATEGIES: tuple[str, ...] = ("constrained", "profiled")
 
@@ -95,6 +105,26 @@ class ReplanChoice:
             Verdict.NOISY: f"{gain}: the gain is within the noise of the run's own steps, staying",
         }[self.verdict]
         return [head, *body, *(f"  {line}" for line in self.engine_lines), f"  {what}"]
+
+
+def with_replan_after(cfg: PlannerConfig, after_steps: int | None) -> PlannerConfig:
+    """``cfg`` with ``--replan-after K`` applied (the YAML's other replan keys stay); a V with a re-plan refused.
+
+    Raises:
+        ConfigError: the run re-plans and trains a V.
+    """
+    if after_steps is not None:
+        cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=after_steps))
+    if cfg.ext.replan.after_steps is not None and cfg.run.engine == V_ENGINE:
+        raise ConfigError("nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
+                          "pp_engine 1f1b, zb1p, zb2p or auto")
+    return cfg
+
+
+def short_run_note(after_steps: int, steps: int) -> str:
+    """What rank 0 says of a run of ``steps`` steps, at most ``after_steps``: no re-plan."""
+    return (f"replan after step {after_steps}: the run has {steps} steps, so it trains its plan to the end without "
+            f"re-planning")
 
 
 def replan_engines(cfg: PlannerConfig, *, engine_was_auto: bool) -> tuple[str, ...]:
@@ -166,3 +196,55 @@ def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old
 def _gain(old_step: float, new_step: float) -> float:
     """The gain of a step of ``new_step`` over ``old_step``: a fraction of the old step."""
     return 1.0 - new_step / old_step if old_step > 0 else 0.0
+
+
+def measured_lines(choice: ReplanChoice, before: Sequence[float], after: Sequence[float], *,
+                   first_timed: int) -> list[str]:
+    """Rank 0's measured steps against what the re-plan predicted.
+
+    Args:
+        choice: the re-plan's decision (``choice.step``: the last step before it).
+        before: the wall time of each timed step before the re-plan, from step ``first_timed`` to ``choice.step``.
+        after: each step from ``choice.step + 2`` on (step ``choice.step + 1`` is the first of a new build, as the
+            run's first step was; not timed).
+    """
+    k, mean_before = choice.step, statistics.fmean(before)
+    lines = [f"replan: steps {first_timed}-{k} on {choice.old.split_text} ({choice.old.engine}) measured "
+             f"{format_seconds(mean_before)} a step, predicted {format_seconds(choice.old_step)} "
+             f"({mean_before / choice.old_step:.3f}x of predicted)"]
+    if after:
+        mean_after = statistics.fmean(after)
+        plan, predicted = (choice.new, choice.new_step) if choice.moves else (choice.old, choice.old_step)
+        what = "after the move" if choice.moves else "after the re-plan"
+        lines.append(f"replan: steps {k + 2}-{k + 1 + len(after)} {what}, on {plan.split_text} ({plan.engine}), "
+                     f"measured {format_seconds(mean_after)} a step, predicted {format_seconds(predicted)} "
+                     f"({mean_after / predicted:.3f}x of predicted; {mean_after / mean_before:.3f}x of the steps "
+                     f"before)")
+    return lines
+
+
+def replan_profiles(cfg: PlannerConfig, block_ranks: Sequence[int], gathered: Any, n_timed: int, rank: int,
+                    folder: Path) -> list[Path]:
+    """The in-run profile of a run's timed steps, then (from two timed steps) those of their first and second halves,
+    for the gain's noise; written to ``folder`` on every rank, the same on each (collective).
+
+    Args:
+        cfg: the run's config; its ``machine`` profile is the base, else a standalone calibration taken now.
+        block_ranks: the split the steps ran on; gathered: the clock's ``gather()`` (None off rank 0).
+        n_timed: the steps every rank timed; rank: this process's global rank.
+    """
+    from nanotron_ext.machine import load_machine
+    from nanotron_ext.machine.calibrate import calibrate
+    from nanotron_ext.machine.in_run_shared import shared_in_run_profile, split_steps
+
+    base = (load_machine(cfg.ext.machine) if cfg.ext.machine is not None
+            else calibrate(cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False))
+    half = n_timed // 2  # every rank timed the same steps: the same calls on each
+    parts = [slice(None)] + ([slice(None, half), slice(half, None)] if n_timed >= 2 else [])
+    paths = []
+    for i, part in enumerate(parts):
+        steps = None if gathered is None else [rank_steps[part] for rank_steps in gathered]
+        profile = shared_in_run_profile(cfg, [split_steps(block_ranks, steps)], base, rank, what="replan")
+        paths.append(folder / f"in_run_profile_{i}.json")
+        paths[-1].write_text(profile.to_json())
+    return paths

@@ -25,15 +25,15 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import MachineProfile, key_for, load_machine
-from nanotron_ext.machine.calibrate import calibrate, profile_source, share_profile
-from nanotron_ext.machine.in_run import IN_RUN_STEPS, IN_RUN_WARMUP_STEPS, InRunSplit, in_run_profile
+from nanotron_ext.machine.calibrate import calibrate
+from nanotron_ext.machine.in_run import IN_RUN_STEPS, IN_RUN_WARMUP_STEPS, InRunSplit
+from nanotron_ext.machine.in_run_shared import shared_in_run_profile, split_steps
 from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, make_plan, resolve_engine
 from nanotron_ext.plan.probes import Probe, probe_splits
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES
 from nanotron_ext.schedule import V_ENGINE
 
-__all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context", "shared_in_run_profile",
-           "split_steps"]
+__all__ = ["SplitRun", "build_split", "calibrate_in_run", "in_run_splits", "profile_in_context"]
 
 
 def in_run_splits(cfg: PlannerConfig, *, probes: bool) -> list[Probe]:
@@ -110,20 +110,6 @@ def profile_in_context(cfg: PlannerConfig, ctx: Any, base: MachineProfile, split
     with _bar(len(splits) * (steps + warmup_steps), enabled=progress) as bar:
         runs = [_time_split(cfg, split, ctx, steps, warmup_steps, bar) for split in splits]
     return shared_in_run_profile(cfg, runs, base, int(os.environ["RANK"]), what="calibrate --in-run")
-
-
-def shared_in_run_profile(cfg: PlannerConfig, runs: Sequence[InRunSplit], base: MachineProfile, rank: int, *,
-                          what: str) -> MachineProfile:
-    """:func:`~nanotron_ext.machine.in_run.in_run_profile` of ``runs`` on ``base``, built on global rank 0 and the
-    same on every rank (collective; ``what`` names the command in an error)."""
-    return share_profile(lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, base,
-                                                source=profile_source(cfg)), rank, what=what)
-
-
-def split_steps(block_ranks: Sequence[int], gathered: Any) -> InRunSplit:
-    """A split's timed steps as the in-run profile takes them, from ``OpClock.gather()`` (None off rank 0: an
-    empty split there)."""
-    return InRunSplit(tuple(block_ranks), () if gathered is None else tuple(zip(*gathered)))
 
 
 def build_split(cfg: PlannerConfig, block_ranks: Sequence[int], ctx: Any, *, seed: int = 0) -> SplitRun:

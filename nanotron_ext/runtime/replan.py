@@ -30,17 +30,19 @@ from typing import Any
 
 from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan.replan import ReplanChoice, choose_replan, replan_engines
-from nanotron_ext.report import format_seconds, human_bytes
+from nanotron_ext.plan.replan import (
+    ReplanChoice,
+    choose_replan,
+    measured_lines,
+    replan_engines,
+    replan_profiles,
+)
+from nanotron_ext.procs import peak_rss_mib
+from nanotron_ext.report import human_bytes
 from nanotron_ext.runtime.train_settings import TrainSettings
 
-__all__ = ["REPLAN_CALIBRATE_REPEATS", "ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights",
+__all__ = ["ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights",
            "save_for_move"]
-
-#: Repeats of the standalone calibration a re-plan takes where the config names no machine profile: it prices only
-#: the links, the all-reduces and what the run's own steps did not time.
-REPLAN_CALIBRATE_REPEATS = 1
-
 
 @dataclasses.dataclass
 class Trainee:
@@ -128,8 +130,8 @@ class Replanner:
         self.clock = None
         s = trainee.settings
         with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            whole, *halves = [s.cfg.with_overrides(machine=str(path))
-                              for path in self._profiles(s, gathered, Path(tmp))]
+            whole, *halves = [s.cfg.with_overrides(machine=str(path)) for path in replan_profiles(
+                s.cfg, s.plan.block_ranks, gathered, len(self.timed), s.rank, Path(tmp))]
             seconds["profile"] = time.perf_counter() - start
             start = time.perf_counter()
             choice = choose_replan(whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines,
@@ -142,9 +144,9 @@ class Replanner:
             self.say(f"  the engine changes to {choice.new.engine} on the same split: no state moves")
             trainee = dataclasses.replace(trainee, settings=_settings_for(s, choice))
         elif choice.moves:
-            before = _peak_rss_mib()
+            before = peak_rss_mib()
             trainee, size = self._move(trainee, _settings_for(s, choice), step, seconds)
-            outcome = dataclasses.replace(outcome, checkpoint_bytes=size, peak_rss_mib=(before, _peak_rss_mib()))
+            outcome = dataclasses.replace(outcome, checkpoint_bytes=size, peak_rss_mib=(before, peak_rss_mib()))
             self.say(f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
                      f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
                      f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
@@ -152,55 +154,23 @@ class Replanner:
         self.outcome = outcome
         return trainee
 
-    def measured(self, times: list[float]) -> tuple[float, float | None]:
-        """This rank's mean step before the re-plan (its timed steps) and after it (the steps from K + 2 on: step
-        K + 1 is the first on a new build, as step 1 was); None where the run has no such step."""
-        k = self.after_steps or 0
-        later = times[k + 1:]
-        return statistics.fmean(self.timed), statistics.fmean(later) if later else None
+    def measured(self, times: list[float]) -> tuple[list[float], list[float]]:
+        """This rank's timed steps before the re-plan, and its steps after it from K + 2 on (step K + 1 is the first
+        on a new build, as step 1 was)."""
+        return self.timed, times[(self.after_steps or 0) + 1:]
 
     def report(self, times: list[float]) -> dict[str, Any]:
         """The metrics' ``replan`` entry: the decision, what each part took, and the measured steps."""
         assert self.outcome is not None
         before, after = self.measured(times)
-        return {**self.outcome.to_dict(), "measured_step_s_before": before, "measured_step_s_after": after}
+        return {**self.outcome.to_dict(), "measured_step_s_before": statistics.fmean(before),
+                "measured_step_s_after": statistics.fmean(after) if after else None}
 
     def measured_lines(self, times: list[float]) -> list[str]:
         """Rank 0's measured steps against what the re-plan predicted."""
         assert self.outcome is not None
-        c, (before, after) = self.outcome.choice, self.measured(times)
-        k = c.step
-        lines = [f"nanotron_ext: replan: steps 2-{k} on {c.old.split_text} ({c.old.engine}) measured "
-                 f"{format_seconds(before)} a step, predicted {format_seconds(c.old_step)} "
-                 f"({before / c.old_step:.3f}x of predicted)"]
-        if after is not None:
-            plan, predicted = (c.new, c.new_step) if c.moves else (c.old, c.old_step)
-            what = "after the move" if c.moves else "after the re-plan"
-            lines.append(f"nanotron_ext: replan: steps {k + 2}-{len(times)} {what}, on {plan.split_text} "
-                         f"({plan.engine}), measured {format_seconds(after)} a step, predicted "
-                         f"{format_seconds(predicted)} ({after / predicted:.3f}x of predicted; "
-                         f"{after / before:.3f}x of the steps before)")
-        return lines
-
-    def _profiles(self, s: TrainSettings, gathered: Any, folder: Path) -> list[Path]:
-        """The in-run profile of the timed steps, then (from two timed steps) those of their first and second
-        halves, for the gain's noise; written to ``folder`` on every rank, the same on each (collective)."""
-        from nanotron_ext.machine import load_machine
-        from nanotron_ext.machine.calibrate import calibrate
-        from nanotron_ext.runtime.in_run_calibrate import shared_in_run_profile, split_steps
-
-        base = (load_machine(s.cfg.ext.machine) if s.cfg.ext.machine is not None
-                else calibrate(s.cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False))
-        n, half = len(self.timed), len(self.timed) // 2  # every rank timed the same steps: the same calls on each
-        parts = [slice(None)] + ([slice(None, half), slice(half, None)] if n >= 2 else [])
-        paths = []
-        for i, part in enumerate(parts):
-            steps = None if gathered is None else [rank_steps[part] for rank_steps in gathered]
-            profile = shared_in_run_profile(s.cfg, [split_steps(s.plan.block_ranks, steps)], base, s.rank,
-                                            what="replan")
-            paths.append(folder / f"in_run_profile_{i}.json")
-            paths[-1].write_text(profile.to_json())
-        return paths
+        return [f"nanotron_ext: {line}" for line in measured_lines(self.outcome.choice, *self.measured(times),
+                                                                    first_timed=2)]
 
     def _move(self, old: Trainee, settings: TrainSettings, step: int,
               seconds: dict[str, float]) -> tuple[Trainee, int]:
@@ -289,13 +259,6 @@ def _release(trainee: Trainee) -> None:
     trainee.model = trainee.optimizer = trainee.accumulator = trainee.scheduler = None
     trainee.stream = iter(())  # its generator holds the model
     gc.collect()
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory so far (MiB; Linux reports KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _settings_for(s: TrainSettings, choice: ReplanChoice) -> TrainSettings:

@@ -30,6 +30,7 @@ from typing import Any
 
 from nanotron_ext.errors import NanotronExtError, PlanningError
 from nanotron_ext.plan import Plan
+from nanotron_ext.plan.replan import short_run_note
 from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.runtime.data import (
     PackedTextData,
@@ -186,8 +187,7 @@ def _replanner(s: TrainSettings, ctx: Any, pairs: Iterator[Any]) -> Replanner | 
         return None
     if s.steps <= k:
         if s.rank == 0:
-            print(f"nanotron_ext: replan after step {k}: the run has {s.steps} steps, so it trains its plan to the "
-                  f"end without re-planning", flush=True)
+            print(f"nanotron_ext: {short_run_note(k, s.steps)}", flush=True)
         return None
     return Replanner(s, ctx, lambda settings, c, state: _trainee(settings, c, pairs, state),
                      engine_was_auto=s.engine_was_auto, say=_on_rank0(s.rank))

@@ -24,7 +24,7 @@ from nanotron_ext.runtime.data import (
     data_files_from_config,
     load_packed_windows,
 )
-from nanotron_ext.schedule import V_ENGINE, too_few_micro_batches
+from nanotron_ext.schedule import too_few_micro_batches
 
 __all__ = ["TrainSettings", "lr_function", "preflight"]
 
@@ -97,16 +97,13 @@ def preflight(
     """
     from nanotron_ext.inventory import inventory_from_config
     from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
+    from nanotron_ext.plan.replan import with_replan_after
     from nanotron_ext.plan.v_plan import plan_for, strategy_note
 
     # The installed Nanotron's keys count as known: where its loader reads a key, it has the final word.
     cfg = load_config(config_file, cost_strategy=cost_strategy, nanotron_keys=installed_nanotron_keys())
-    if replan_after is not None:  # --replan-after K: the YAML's other replan keys stay
-        cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=replan_after))
+    cfg = with_replan_after(cfg, replan_after)
     replans = cfg.ext.replan.after_steps is not None
-    if replans and cfg.run.engine == V_ENGINE:
-        raise ConfigError("nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
-                          "pp_engine 1f1b, zb1p, zb2p or auto")
     # A re-plan moves between contiguous splits, so auto starts on one.
     cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES if replans else AUTO_ENGINES)
     cfg, _ = resolve_vocab_shards(cfg)

@@ -8,6 +8,8 @@ CHOICE = "nanotron_ext/plan/replan.py"
 MOVE = "nanotron_ext/runtime/replan.py"
 CHOICE_TESTS = "tests/test_replan.py"
 MOVE_TESTS = "tests/runtime/test_replan.py"
+LAUNCHER = "nanotron_ext/integration/replan.py"
+LAUNCHER_TESTS = "tests/upstream/test_launcher_replan.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     M("a gain below min_gain moves", CHOICE,
@@ -64,4 +66,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("a short run re-plans anyway", "nanotron_ext/runtime/train.py",
       "    if s.steps <= k:", "    if False:",
       (f"{MOVE_TESTS}::test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why",), "0.2"),
+    M("the launcher counts a new build's first step after the re-plan", LAUNCHER,
+      "        self._skip = 1  # step K + 1", "        self._skip = 0  # step K + 1",
+      (f"{LAUNCHER_TESTS}::test_a_run_that_stays_says_why_and_trains_its_plan_to_the_end",), "upstream"),
+    M("the launcher's move keeps the recorded split", LAUNCHER,
+      'resume_plan="replan", replan=', 'resume_plan="keep", replan=',
+      (f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",),
+      "upstream"),
+    M("the launcher's move saves no checkpoint off the interval", LAUNCHER,
+      "if step % checkpoints.checkpoint_interval != 0:", "if False:",
+      (f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",),
+      "upstream"),
+    M("the re-launch does not resume the move's checkpoint", "nanotron_ext/integration/trainer_patches.py",
+      '"checkpoints": {"resume_checkpoint_path": str(resume.folder)}} if moved and resume else {}',
+      '} if moved and resume else {}',
+      (f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",),
+      "upstream"),
+    M("the launcher re-plans a run of at most K steps", LAUNCHER,
+      "        if steps <= self.after_steps:", "        if False:",
+      (f"{LAUNCHER_TESTS}::test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why",), "upstream"),
 )
