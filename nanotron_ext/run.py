@@ -185,7 +185,7 @@ def _prepare(opts: argparse.Namespace, rank0: bool, prefix: str,
     if opts.cpu_debug:  # before anything imports Nanotron's models, which import flash_attn
         from nanotron_ext.integration.cpu_standins import enable
 
-        enable(say=(lambda line: say(f"nanotron_ext: {line}")) if rank0 else None)
+        enable(say=lambda line: say(f"nanotron_ext: {line}"))
     script = Path(opts.script)
     if not script.is_file():
         raise ConfigError(f"training script {opts.script!r} not found; give the path of e.g. Nanotron's run_train.py")

@@ -87,6 +87,11 @@ _CHILD = textwrap.dedent(
     print("SWAPPED", sorted(n for n in names if getattr(trainer, n) is not before[n]))
     undo()
     print("RESTORED", all(getattr(trainer, n) is before[n] for n in names))
+    # A re-plan's move re-launches on its new engine whatever the YAML's pp_engine says.
+    for moved in (False, True):
+        undo = install_launcher(load_config(path).with_overrides(engine="zb1p"), say=lambda s: None, moved=moved)
+        print("MOVED" if moved else "YAML", type(get_config_from_file(path).parallelism.pp_engine).__name__)
+        undo()
     """
 )
 
@@ -112,6 +117,7 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
            "'init_optimizer_and_grad_accumulator', 'load_optimizer', 'mark_tied_parameters', " \
            "'sync_gradients_across_dp']" in lines
     assert "RESTORED True" in lines
+    assert ("YAML OneForwardOneBackwardPipelineEngine" in lines and "MOVED ZeroBubblePipelineEngine" in lines), lines
 
 
 _OPTIMIZER_CHILD = ONE_RANK + textwrap.dedent(

@@ -71,8 +71,7 @@ def install_launcher(
         resume: the checkpoint the run resumes (:func:`nanotron_ext.checkpoint.locate_checkpoint`), if any;
             ``cfg.ext.resume_plan`` says whether its recorded split is kept.
         replan: the run's re-plan after K steps (:mod:`nanotron_ext.integration.replan`), if it has one.
-        moved: this launch is a re-plan's move: Nanotron's loader resumes ``resume`` under ``cfg``'s engine,
-            whatever the YAML says.
+        moved: this launch is a re-plan's move: Nanotron's loader reads ``cfg``'s engine, whatever the YAML says.
 
     Returns:
         A function that undoes everything installed.
@@ -114,8 +113,8 @@ def install_launcher(
         _freeze_and_check(model, cfg, say)
         return model
 
-    moved_to = {"parallelism": {"pp_engine": cfg.run.engine},
-                "checkpoints": {"resume_checkpoint_path": str(resume.folder)}} if moved and resume else {}
+    # The resume's folder reaches Nanotron through parse_ckpt_path (install_checkpoints); its engine through here.
+    moved_to = {"parallelism": {"pp_engine": cfg.run.engine}} if moved else {}
     _one_config_file(patches, nanotron_config, cfg.run.engine, moved_to)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
         _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m))
