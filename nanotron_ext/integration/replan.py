@@ -56,25 +56,29 @@ class MoveTo(Exception):  # noqa: N818 (a signal to the launcher, not an error)
 
 @dataclasses.dataclass(frozen=True)
 class TrainerStep:
-    """One rank's timed step in Nanotron's trainer (seconds); its waits on peers are not measured there."""
+    """One rank's timed step in Nanotron's trainer (seconds)."""
 
     step: float
     pipeline: float  # from the aligned start until the engine's train_batch_iter returned
-    pipeline_idle: float = 0.0
+    aligned: float  # the wait after it, until every rank's pipeline had ended
+    pipeline_idle: float = 0.0  # the waits inside the pipeline: not measured (the blocks' spans leave them out)
 
     @property
     def busy(self) -> float:
-        return self.step
+        return self.step - self.aligned
 
 
 class TrainerStepTimer:
     """The clock's step timer in Nanotron's trainer: steps start together (a barrier), end when the rank's kernels
-    do, and mark when the engine finished (:meth:`pipeline_done`); no wait is measured (``waited`` is 0)."""
+    do; when the engine has finished (:meth:`pipeline_done`) the ranks wait for each other once more, so that the
+    update after the pipeline (the tied and loss all-reduces, the optimizer) is timed without waiting on a rank whose
+    pipeline ends later. The waits inside the pipeline are not measured (``waited`` is 0)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.records: list[TrainerStep] = []
         self._pipeline_end: float | None = None
+        self._aligned = 0.0
 
     def __enter__(self) -> TrainerStepTimer:
         return self
@@ -86,18 +90,21 @@ class TrainerStepTimer:
     def step(self, record: bool = True) -> Iterator[None]:
         synchronize()
         torch_dist.barrier(group=self.group)  # untimed: every rank starts the step together
-        self._pipeline_end = None
+        self._pipeline_end, self._aligned = None, 0.0
         start = time.perf_counter()
         yield
         synchronize()
         end = time.perf_counter()
         if record:
             pipeline_end = self._pipeline_end if self._pipeline_end is not None else end
-            self.records.append(TrainerStep(end - start, pipeline_end - start))
+            self.records.append(TrainerStep(end - start, pipeline_end - start, self._aligned))
 
     def pipeline_done(self) -> None:
+        """The engine has finished this rank's pipeline: mark it, then wait for every rank's (timed as idle)."""
         synchronize()
         self._pipeline_end = time.perf_counter()
+        torch_dist.barrier(group=self.group)
+        self._aligned = time.perf_counter() - self._pipeline_end
 
     def waited(self) -> float:
         return 0.0
