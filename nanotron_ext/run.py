@@ -32,7 +32,7 @@ from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
-from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
 from nanotron_ext.plan.replan import with_replan_after
 from nanotron_ext.procs import exit_with_torchrun, exit_without_teardown
 from nanotron_ext.strategies import get_strategy
@@ -214,9 +214,10 @@ def _prepare(opts: argparse.Namespace, rank0: bool, prefix: str,
     kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
     if kept is not None:
         cfg = cfg.with_overrides(vocab_shards=kept)
-    # auto picks among the contiguous engines here: a V in Nanotron's trainer holds its sends to one order (a
-    # GPU's sends wait), which auto's simulation of the V does not price yet; pp_engine: zbv runs it.
-    cfg, engine_choice = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)
+    # A V in Nanotron's trainer holds its sends to one order (a GPU's send waits for its receive): auto prices it so.
+    # A re-plan moves between contiguous splits, so under one auto starts on one.
+    engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES
+    cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=True)
     if engine_choice is not None:
         say("nanotron_ext: " + "\n  ".join(engine_choice.lines()))
     cfg, choice = resolve_vocab_shards(cfg)

@@ -4,6 +4,7 @@ upstream main; the trainer module is imported with the test stand-ins for flash-
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -204,3 +205,19 @@ def bundled_config_text() -> str:
     text = Path(bundled_config()).read_text()
     assert "pp_engine: 1f1b" in text
     return text
+
+
+def test_the_launchers_auto_prices_the_v_with_its_sends_held_and_a_replan_starts_contiguous(tmp_path, capsys):
+    """Nanotron's trainer holds a V's sends to one order (a GPU's send waits for its receive): the launcher's auto
+    prices the V so and says it on the V's line; under --replan-after it chooses among the contiguous engines."""
+    script = tmp_path / "run_train.py"
+    script.write_text("raise SystemExit(0)\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(bundled_config_text().replace("pp_engine: 1f1b", "pp_engine: auto"))
+    main([str(script), "--config-file", str(config)])  # the trainer may not import here (0.2 without flash-attn)
+    out = capsys.readouterr().out
+    assert "nanotron_ext: pp_engine: auto -> " in out
+    assert re.search(r"zbv: step \S+ \S+ \(its sends held as Nanotron's trainer runs them\), peak ", out), out
+    main(["--replan-after", "4", str(script), "--config-file", str(config)])
+    out = capsys.readouterr().out
+    assert "nanotron_ext: pp_engine: auto -> " in out and "zbv" not in out, out

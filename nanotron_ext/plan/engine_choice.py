@@ -9,6 +9,9 @@ The fastest engine whose plan has no error (a stage over ``memory_cap_gib`` or t
 on a tie the one with the smaller peak; with none, the fastest whose every stage fits, its other findings left on
 its plan for the validator to report; with no engine whose plan fits, a :class:`~nanotron_ext.errors.ConfigError`
 that names each engine's peak and the limit.
+
+Nanotron's trainer (the launcher) runs a V with its sends held to one order of transfers, because a GPU's send waits
+for its receive: there auto prices the V so (``sends_wait``), on the split searched with sends posted as made.
 """
 
 from __future__ import annotations
@@ -26,22 +29,24 @@ from nanotron_ext.machine.memory_limit import memory_limit
 from nanotron_ext.partition import bounds_from_ranks
 from nanotron_ext.partition.schedule_aware import StepTimeEvaluator
 from nanotron_ext.plan.types import Plan
-from nanotron_ext.plan.v_plan import VPlan, plan_for
+from nanotron_ext.plan.v_plan import VPlan, plan_for, v_plan_timeline
 from nanotron_ext.plan.vocab import resolve_vocab_shards
 from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE, too_few_micro_batches
 from nanotron_ext.strategies.step_time import schedule_problem
 
-__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "EngineChoice", "EngineOption", "choose_engine", "engine_option", "predicted_step",
-           "resolve_engine"]
+__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "HELD_SENDS", "EngineChoice", "EngineOption", "choose_engine",
+           "engine_option", "predicted_step", "resolve_engine"]
 
 #: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
 TIE_DIGITS = 9
-#: The engines the launcher's ``auto`` chooses from: those that run one contiguous stage per rank (AFAB is left
-#: out: it holds all m micro-batches in flight for 1F1B's ideal bubble).
+#: The engines that run one contiguous stage per rank (AFAB is left out: it holds all m micro-batches in flight for
+#: 1F1B's ideal bubble): a re-plan after K steps chooses among them.
 CONTIGUOUS_AUTO_ENGINES: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
-#: The engines ``auto`` chooses from where the V runs (plan, simulate, ``nanotron-ext train``).
+#: The engines ``auto`` chooses from.
 AUTO_ENGINES: tuple[str, ...] = (*CONTIGUOUS_AUTO_ENGINES, V_ENGINE)
+#: How a V's step is priced where its sends wait (:func:`choose_engine`'s ``sends_wait``).
+HELD_SENDS = "its sends held as Nanotron's trainer runs them"
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class EngineOption:
     reason: str = ""  # why there is no plan, or the first error of the plan
     plan: Plan | VPlan | None = field(default=None, compare=False, repr=False)
     config: PlannerConfig | None = field(default=None, compare=False, repr=False)  # the config it was planned under
+    note: str = ""  # how its step was priced, where that is not the plan's own simulation
 
     @property
     def peak(self) -> float | None:
@@ -69,7 +75,8 @@ class EngineOption:
             return f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)} without " \
                    f"the cap ({self.reason})"
         why = "" if self.ok else f" ({self.reason})"
-        return f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)}{why}"
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.engine}: step {format_seconds(self.step_time)}{note}, peak {human_bytes(self.peak)}{why}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, "simulated_step_time": self.step_time, "memory_peak_bytes": list(self.peaks),
@@ -130,14 +137,16 @@ def _rounded(step: float | None) -> float:
     return float(f"{step:.{TIE_DIGITS}e}") if step is not None and math.isfinite(step) else math.inf
 
 
-def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> EngineChoice:
-    """Plan ``cfg`` under each of ``engines`` and take the fastest whose plan fits (see the module docstring).
+def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *,
+                  sends_wait: bool = False) -> EngineChoice:
+    """Plan ``cfg`` under each of ``engines`` and take the fastest whose plan fits (see the module docstring);
+    ``sends_wait``: the V is priced with its sends held, as Nanotron's trainer runs it (:data:`HELD_SENDS`).
 
     Raises:
         ConfigError: no engine has a plan whose every stage fits the memory (each engine's peak, the limit and
             the fixes named), or none can run at all (each one's reason).
     """
-    options = tuple(engine_option(cfg, engine) for engine in engines)
+    options = tuple(engine_option(cfg, engine, sends_wait=sends_wait) for engine in engines)
     best = min(options, key=_rank)
     if not best.fits:
         limit = memory_limit(cfg)
@@ -151,7 +160,7 @@ def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> 
     return EngineChoice(best.engine, options)
 
 
-def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
+def engine_option(cfg: PlannerConfig, engine: str, *, sends_wait: bool = False) -> EngineOption:
     """``cfg``'s default plan under ``engine`` (``vocab_shards: auto`` resolved for it), its simulated step and
     per-stage peaks; an option without a plan, and why, where the engine cannot run or no split satisfies the
     strategy (under ``memory_cap_gib``: with the step and peaks of its plan without the cap, what the cap costs)."""
@@ -169,9 +178,12 @@ def engine_option(cfg: PlannerConfig, engine: str) -> EngineOption:
         if trial.ext.memory_cap_gib is None:
             return EngineOption(engine, reason=str(exc))
         uncapped = engine_option(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, memory_cap_gib=None)),
-                                 engine)
+                                 engine, sends_wait=sends_wait)
         return dataclasses.replace(uncapped, fits=False, ok=False, reason=str(exc), plan=None, config=None)
     if isinstance(plan, VPlan):  # it exists only where every chunk trains and every rank fits
+        if sends_wait:  # the split searched with sends posted as made, priced as the trainer runs it
+            held = v_plan_timeline(plan, blocks, trial, sends_wait=True).step_time
+            return EngineOption(engine, held, plan.peaks, True, True, "", plan, trial, note=HELD_SENDS)
         return EngineOption(engine, plan.step_time, plan.peaks, True, True, "", plan, trial)
     step = predicted_step(trial, blocks, plan.block_ranks)
     errors = [f for f in plan.findings if f.severity == "error"]
@@ -187,9 +199,10 @@ def predicted_step(cfg: PlannerConfig, blocks: Sequence[Any], ranks: Sequence[in
     return float(StepTimeEvaluator(schedule_problem(blocks, cfg))([bounds_from_ranks(ranks, cfg.run.pp)])[0])
 
 
-def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES,
+def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *, sends_wait: bool = False,
                    ) -> tuple[PlannerConfig, EngineChoice | None]:
-    """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes among ``engines``.
+    """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes among ``engines`` (``sends_wait`` as
+    there).
 
     Returns:
         ``(cfg with that engine, the choice)``; the config unchanged and None when it names an engine.
@@ -199,5 +212,5 @@ def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES,
     """
     if cfg.run.engine != ENGINE_AUTO:
         return cfg, None
-    choice = choose_engine(cfg, engines)
+    choice = choose_engine(cfg, engines, sends_wait=sends_wait)
     return cfg.with_overrides(engine=choice.engine), choice

@@ -267,8 +267,11 @@ def _chunk_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[Pla
     return chunked, schedule_problem(blocks, chunked, machine, v_chunks=True)
 
 
-def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> SimResult:
-    """The plan's order replayed under its chunks' prices, one row per rank (what ``simulate`` prints and draws).
+def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
+                    sends_wait: bool = False) -> SimResult:
+    """The plan's order replayed under its chunks' prices, one row per rank (what ``simulate`` prints and draws);
+    with ``sends_wait``, its sends held to their one order of transfers, as Nanotron's trainer runs the V (a GPU's
+    send waits for its receive).
 
     Raises:
         ValueError: ``blocks`` are not the plan's.
@@ -277,7 +280,8 @@ def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
         raise ValueError("these blocks are not the ones the V plan was made for; plan them again")
     _, problem = _chunk_problem(blocks, cfg)
     chunks, p2p, _ = problem.simulator_inputs(plan.bounds)
-    return by_rank(replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p), chunks, p2p)
+    return by_rank(replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p, sends_wait=sends_wait), chunks,
+                   p2p)
 
 
 def plan_for(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Plan | VPlan:

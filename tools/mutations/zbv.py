@@ -1,5 +1,6 @@
 """Mutations of the V (issue 43): its one order of transfers (keys, the held sends in the engine and the replay),
-its plan at any micro-batch count, and its checkpoints (the record, a resume into, out of and on a V)."""
+its plan at any micro-batch count, its checkpoints (the record, a resume into, out of and on a V), and auto's price of
+it where its sends wait."""
 
 from __future__ import annotations
 
@@ -48,4 +49,18 @@ MUTATIONS: tuple[Mutation, ...] = (
       "if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:",
       "if cfg.run.engine in ZERO_BUBBLE_ENGINES:",
       ("tests/upstream/test_zbv_launcher.py",), "upstream"),
+    M("auto prices the launcher's V with its sends posted as made", "nanotron_ext/plan/engine_choice.py",
+      "        if sends_wait:  # the split searched", "        if False:  # the split searched",
+      ("tests/test_engine_choice.py::test_held_sends_cost_the_v_where_a_send_is_ready_before_its_turn",)),
+    M("the V's timeline never holds its sends", "nanotron_ext/plan/v_plan.py",
+      "p2p, sends_wait=sends_wait), chunks", "p2p, sends_wait=False), chunks",
+      ("tests/test_engine_choice.py::test_held_sends_cost_the_v_where_a_send_is_ready_before_its_turn",)),
+    M("the launcher's auto prices the V with its sends posted as made", "nanotron_ext/run.py",
+      "cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=True)",
+      "cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=False)",
+      ("tests/test_launcher_cli.py::test_the_launchers_auto_prices_the_v_with_its_sends_held_and_a_replan_starts_contiguous",)),
+    M("the launcher's auto starts a re-planning run on a V", "nanotron_ext/run.py",
+      "engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES",
+      "engines = AUTO_ENGINES",
+      ("tests/test_launcher_cli.py::test_the_launchers_auto_prices_the_v_with_its_sends_held_and_a_replan_starts_contiguous",)),
 )
