@@ -67,6 +67,7 @@ def test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run
     assert record["stages"] != [0, 1, 1, 1, 1, 1, 1]  # the next resume keeps the new split
     assert any(re.fullmatch(r"replan: the move took .* s \(save .* s, re-launch, build and load .* s\); re-plan .* s; "
                             r"rank 0's peak memory \d+ -> \d+ MiB", n) for n in notes), notes
+    assert any(n.startswith("replan: steps 2-3 on E|t*2,L (1f1b) measured") for n in notes), notes
     assert any(n.startswith(f"replan: steps 5-6 after the move, on {best[1]} (1f1b), measured") for n in notes), notes
 
 

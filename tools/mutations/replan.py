@@ -83,4 +83,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("the launcher re-plans a run of at most K steps", LAUNCHER,
       "        if steps <= self.after_steps:", "        if False:",
       (f"{LAUNCHER_TESTS}::test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why",), "upstream"),
+    M("the re-launch's first step is taken for the run's", LAUNCHER,
+      "        if self.first_step is None:\n", "        if True:\n",
+      (f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",),
+      "upstream"),
 )
