@@ -2,7 +2,7 @@
 
 ``calibrate`` times each block alone and keeps its fastest round; inside the engine the same block runs beside the
 other stages' work, and a step adds up its ops, slow ones included: the standalone profile priced the SmolLM shape's
-steps 2.5-15 % fast, the seed model's 13-35 %. This module turns what :mod:`nanotron_ext.runtime.op_clock` records
+steps 2.5-15 % fast, the seed model's 13-35 %. This module turns what :mod:`nanotron_ext.integration.op_clock` records
 during training steps (:mod:`~nanotron_ext.machine.in_run_records`) into the same profile, marked ``in-run``:
 
 * **blocks**: each signature's mean forward, backward (``B + W`` under zb1p and zb2p, where its ``W`` is measured too)

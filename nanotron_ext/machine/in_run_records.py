@@ -1,5 +1,5 @@
 """What a rank's clock records of one training step inside Nanotron's engine (plain data; the CPU runtime's
-:mod:`nanotron_ext.runtime.op_clock` fills it, :mod:`nanotron_ext.machine.in_run` prices from it).
+:mod:`nanotron_ext.integration.op_clock` fills it, :mod:`nanotron_ext.machine.in_run` prices from it).
 
 Every figure is the op's own work: a block's forward is the time inside its module (the receive before it is
 Nanotron's ``PipelineBlock`` around it), its backward runs from the gradient reaching its output to the gradient

@@ -199,7 +199,7 @@ def accumulate_weight_gradients(products: list[WeightGradProduct],
     micro-batch gets the sum of its parts in one accumulation, as in autograd.
 
     ``timed``: a clock's context per parameter, given the name of the linear that deferred it first (the in-run
-    profile puts each W on its block: :mod:`nanotron_ext.runtime.op_clock`); the arithmetic is the same with it."""
+    profile puts each W on its block: :mod:`nanotron_ext.integration.op_clock`); the arithmetic is the same with it."""
     groups: dict[int, tuple[nn.Parameter, str, list[Callable[[], torch.Tensor]]]] = {}
     for product in products:
         for param, part in product.parts():
