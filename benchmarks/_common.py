@@ -254,3 +254,32 @@ def transcriptions() -> dict[str, Callable[[Sequence[float], int], list[int]]]:
 
 def fmt_ratio(x: float) -> str:
     return "-" if x != x else f"{x:.3f}x"  # NaN → "-"
+
+
+def check_moves(label: str, ratios: Sequence[float], gains: Sequence[float], tolerance: float) -> list[str]:
+    """A re-plan benchmark's verdict on its moved runs (issue 42), printed: the median of measured ÷ predicted after
+    the move within 1 ± ``tolerance``, and the median step after the move at or under the step before. Returns the
+    failed checks."""
+    import statistics
+
+    med, gain = statistics.median(ratios), statistics.median(gains)
+    print(f"{label}: after the move, measured / predicted median {med:.3f} (range {min(ratios):.3f}-"
+          f"{max(ratios):.3f}); after / before median {gain:.3f} (range {min(gains):.3f}-{max(gains):.3f})")
+    failures = []
+    if abs(med - 1) > tolerance:
+        failures.append(f"{label}: measured after the move is {med:.3f}x the prediction (tolerance {tolerance})")
+    if gain > 1:
+        failures.append(f"{label}: the step after the move ({gain:.3f}x) is slower than before it")
+    return failures
+
+
+def finish(out: Path, results: object, failures: Sequence[str]) -> int:
+    """Write a benchmark's results and failed checks as JSON to ``out``, print the failures; the exit code."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": results, "failures": list(failures)}, indent=1))
+    print(f"\nwrote {out}")
+    for line in failures:
+        print(f"CHECK FAILED: {line}")
+    return 1 if failures else 0

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 
 import yaml  # noqa: E402
-from _common import RESULTS, print_command  # noqa: E402
+from _common import RESULTS, check_moves, finish, print_command  # noqa: E402
 from in_run.scenarios import SCENARIOS  # noqa: E402
 from runtime.train_workers import final_weights, launch_ranks  # noqa: E402
 
@@ -183,22 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault(f"pp{pp}", []).extend(rows)
     moved_rows = [r for r in results.get("pp2", []) if r.get("moved")]
     for label in sorted({r["run"] for r in moved_rows}):
-        ratios = [r["after_vs_predicted"] for r in moved_rows if r["run"] == label]
-        gains = [r["after_vs_before"] for r in moved_rows if r["run"] == label]
-        med, gain = statistics.median(ratios), statistics.median(gains)
-        print(f"{label}: after the move, measured / predicted median {med:.3f} (range {min(ratios):.3f}-"
-              f"{max(ratios):.3f}); after / before median {gain:.3f} (range {min(gains):.3f}-{max(gains):.3f})")
-        if abs(med - 1) > TOLERANCE:
-            failures.append(f"{label}: measured after the move is {med:.3f}x the prediction (tolerance {TOLERANCE})")
-        if gain > 1:
-            failures.append(f"{label}: the step after the move ({gain:.3f}x) is slower than before it")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": results, "failures": failures}, indent=1))
-    print(f"\nwrote {args.out}")
-    for line in failures:
-        print(f"CHECK FAILED: {line}")
-    return 1 if failures else 0
-
+        failures += check_moves(label, [r["after_vs_predicted"] for r in moved_rows if r["run"] == label],
+                                [r["after_vs_before"] for r in moved_rows if r["run"] == label], TOLERANCE)
+    return finish(args.out, results, failures)
 
 if __name__ == "__main__":
     raise SystemExit(main())

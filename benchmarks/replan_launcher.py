@@ -22,9 +22,7 @@ Usage (upstream Nanotron installed, ``../shared`` beside the project for its ``r
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 
 import torch  # noqa: E402
-from _common import RESULTS, print_command  # noqa: E402
+from _common import RESULTS, check_moves, finish, print_command  # noqa: E402
 from upstream.e2e import launch, tiny_config, whole_weights  # noqa: E402
 
 from nanotron_ext.report import table  # noqa: E402
@@ -133,23 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                          for r in rows[-3:]]), flush=True)
     moved = [r for r in rows if r["moved"] and r["run"] == "bad layout"]
     if moved:
-        ratios = [r["after_s"] / r["predicted_to_s"] for r in moved]
-        gains = [r["after_s"] / r["before_s"] for r in moved]
-        med, gain = statistics.median(ratios), statistics.median(gains)
-        print(f"\nafter the move, measured / predicted median {med:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
-              f"after / before median {gain:.3f} (range {min(gains):.3f}-{max(gains):.3f}) "
-              f"(milliseconds; units: the launcher's lines)")
-        if abs(med - 1) > TOLERANCE:
-            failures.append(f"measured after the move is {med:.3f}x the prediction (tolerance {TOLERANCE})")
-        if gain > 1:
-            failures.append(f"the step after the move ({gain:.3f}x) is slower than before it")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
-    print(f"\nwrote {args.out}")
-    for line in failures:
-        print(f"CHECK FAILED: {line}")
-    return 1 if failures else 0
-
+        print()
+        failures += check_moves("bad layout", [r["after_s"] / r["predicted_to_s"] for r in moved],
+                                [r["after_s"] / r["before_s"] for r in moved], TOLERANCE)
+    return finish(args.out, rows, failures)
 
 if __name__ == "__main__":
     raise SystemExit(main())

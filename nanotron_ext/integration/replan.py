@@ -129,7 +129,8 @@ class LauncherReplan:
         self.timed: list[float] = []  # this rank's wall time of each timed step before the re-plan
         self.after: list[float] = []  # and of each step after it
         self.first_step: int | None = None  # the launch's first step (global)
-        self.peak_rss: tuple[float, float] | None = None
+        self.peak_rss: tuple[float, float] | None = None  # rank 0's peak resident MiB before and after the move
+        self._rss_before = 0.0
         self._clock: Any = None
         self._timer: TrainerStepTimer | None = None
         self._trained = 0  # steps this launch trained
@@ -180,7 +181,7 @@ class LauncherReplan:
             self.first_step = trainer.metadata.last_train_step + 1
         if self._moved_at is not None:
             self.seconds["restart"] = time.perf_counter() - self._moved_at
-            self.peak_rss = (self.peak_rss[0] if self.peak_rss else peak_rss_mib(), peak_rss_mib())
+            self.peak_rss = (self._rss_before, peak_rss_mib())
             self._moved_at = None
         if self.choice is not None or self.after_steps is None:
             return
@@ -236,7 +237,7 @@ class LauncherReplan:
             finally:
                 trainer.iteration_step = iteration
         self.seconds["save"] = time.perf_counter() - start
-        self.peak_rss = (peak_rss_mib(), peak_rss_mib())
+        self._rss_before = peak_rss_mib()
         self._moved_at = time.perf_counter()
         raise MoveTo(self.choice, folder)
 

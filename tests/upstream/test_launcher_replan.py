@@ -9,20 +9,14 @@ throughout (:func:`upstream.test_resume._same`)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 
 import pytest
-from nanotron_cpu import PAUSE_IN_SAVE
 
 from nanotron_ext.checkpoint import RECORD_FILE, locate_checkpoint
 from nanotron_ext.errors import ConfigError
-from nanotron_ext.procs import kill_process_group
-from upstream.e2e import launch, tiny_config, torchrun_command
-from upstream.test_resume import SHAPE, _gone, _notes, _placed, _same, _train
+from upstream.e2e import launch, tiny_config
+from upstream.test_resume import SHAPE, _notes, _placed, _same, _train, kill_inside_save
 
 #: Stage 0 holds the embedding alone: the tiny model's slowest split at pp = 2 (docs/replan.md).
 BAD = {"cost_strategy": "layout", "layout": "E|t*2,L"}
@@ -76,21 +70,8 @@ def test_a_kill_during_the_move_leaves_the_last_complete_checkpoint_the_one_a_re
     not): step 2's checkpoint stays the latest and valid, step 3's is refused, nothing trained on the new split."""
     config = tiny_config(tmp_path, steps=6, checkpoints__checkpoint_interval=2, **SHAPE,
                          ext={**BAD, "replan": {"min_gain": 0.0}})
-    cmd, env = torchrun_command(config, "--replan-after", "3", extra_env={PAUSE_IN_SAVE: "3"})
+    log = kill_inside_save(config, 3, "--replan-after", "3")
     folder = tmp_path / "checkpoints"
-    with (tmp_path / "killed.log").open("w") as log:
-        torchrun = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not all((folder / "3" / f"PAUSED-{r}").exists() for r in (0, 1)):
-            assert torchrun.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-            time.sleep(0.1)
-        os.kill(torchrun.pid, signal.SIGKILL)
-        _gone(str(config))
-    finally:
-        kill_process_group(torchrun)
-    log = (tmp_path / "killed.log").read_text()
     assert "moving to the new plan" in log and "re-planning as asked" not in log
     assert (folder / "latest.txt").read_text() == "2"
     assert json.loads((folder / "3" / RECORD_FILE).read_text())["complete"] is False

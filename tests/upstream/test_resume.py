@@ -345,24 +345,31 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable_and_the_cut_one_refused(plan_a, tmp_path):
-    # torchrun is SIGKILLed while every rank is inside step 4's save (weights written, optimizer not: the CPU
-    # stand-ins' fault injection holds them there).
-    config = tiny_config(tmp_path, steps=6, checkpoints__checkpoint_interval=2, **SHAPE, ext=LAYOUT_A)
-    cmd, env = torchrun_command(config, extra_env={PAUSE_IN_SAVE: "4"})
-    folder = tmp_path / "checkpoints"
-    with (tmp_path / "killed.log").open("w") as log:
-        torchrun = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+def kill_inside_save(config: Path, step: int, *launcher_args: str) -> str:
+    """Launch ``config`` through torchrun and SIGKILL it while every rank is inside step ``step``'s save (weights
+    written, optimizer not: the CPU stand-ins' fault injection holds them there); its output."""
+    cmd, env = torchrun_command(config, *launcher_args, extra_env={PAUSE_IN_SAVE: str(step)})
+    folder, log_path = config.parent / "checkpoints" / str(step), config.parent / "killed.log"
+    with log_path.open("w") as log:
+        torchrun = subprocess.Popen(cmd, env=env, cwd=config.parent, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not all((folder / "4" / f"PAUSED-{r}").exists() for r in (0, 1)):
-            assert torchrun.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        while not all((folder / f"PAUSED-{r}").exists() for r in (0, 1)):
+            assert torchrun.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
         os.kill(torchrun.pid, signal.SIGKILL)
         _gone(str(config))
     finally:
         kill_process_group(torchrun)
+    return log_path.read_text()
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable_and_the_cut_one_refused(plan_a, tmp_path):
+    # torchrun is SIGKILLed while every rank is inside step 4's save.
+    config = tiny_config(tmp_path, steps=6, checkpoints__checkpoint_interval=2, **SHAPE, ext=LAYOUT_A)
+    kill_inside_save(config, 4)
+    folder = tmp_path / "checkpoints"
     assert (folder / "latest.txt").read_text() == "2"
     assert json.loads((folder / "4" / "nanotron_ext_plan.json").read_text())["complete"] is False
     assert not (folder / "4" / "optimizer").exists() and (folder / "4" / "model").is_dir()
