@@ -183,22 +183,26 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
     order: list[list[VOp]] = [[] for _ in range(pp)]
     total = 3 * stages * m
 
-    def arrival(kind: str, j: int, s: int) -> float | None:
-        """When the input of ``kind`` of micro-batch ``j`` on stage ``s`` (an F or a B) is on its rank: None while
-        the op making it (:func:`_ready_after`) is not scheduled. Inlined: the list scheduler asks this most."""
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            made = times.get(("F", j, s - 1))  # a VOp is a tuple: the plain one finds it
-            return None if made is None else made[1] + (cuts[s - 1] if s != pp else 0.0)  # stage pp: same rank
-        if s == stages - 1:
-            made = times.get(("F", j, s))
-            return None if made is None else made[1]
-        made = times.get(("B", j, s + 1))
-        return None if made is None else made[1] + (cuts[s] if s != pp - 1 else 0.0)
+    def arrival(op: VOp) -> float | None:
+        """When ``op``'s input is on its rank: None while the op making it is not scheduled."""
+        before = _ready_after(op, pp)
+        if before is None:
+            return 0.0
+        if before not in times:
+            return None
+        crossing = v_rank(pp, before.stage) != v_rank(pp, op.stage)
+        return times[before][1] + (cuts[min(op.stage, before.stage)] if crossing else 0.0)
+
+    known: dict[int, list[tuple[VOp, float | None]]] = {}  # each rank's candidates since the last op scheduled
 
     def candidates(r: int) -> list[tuple[VOp, float | None]]:
-        """Rank ``r``'s next ops in the policy's preference, each with its input's arrival."""
+        """Rank ``r``'s next ops in the policy's preference, each with its input's arrival (what they depend on
+        changes only when an op is scheduled: kept until then)."""
+        if r not in known:
+            known[r] = _candidates(r)
+        return known[r]
+
+    def _candidates(r: int) -> list[tuple[VOp, float | None]]:
         chunk_of = (r, stages - 1 - r)
         ops = [VOp("B", next_op[r][1][c], chunk_of[c]) for c in policy.b_chunks if next_op[r][1][c] < m]
         room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
@@ -206,7 +210,7 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
         ops += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
                 if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)]
-        return [(op, arrival(*op)) for op in ops]
+        return [(op, arrival(op)) for op in ops]
 
     waiting: set[int] = set()  # ranks that found nothing to do at their time, while another may still act then
     while len(times) < total:
@@ -231,6 +235,7 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
             waiting.add(r)
             continue
         waiting.clear()
+        known.clear()
         st = chunks[op.stage]
         duration = {"F": st.forward, "B": st.backward - st.weight, "W": st.weight}[op.kind]
         times[op] = (now, now + duration)
