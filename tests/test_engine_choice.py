@@ -26,6 +26,7 @@ from nanotron_ext.plan.engine_choice import HELD_SENDS
 from nanotron_ext.plan.v_plan import make_v_plan, v_plan_timeline
 from nanotron_ext.report import format_seconds
 from nanotron_ext.schedule.programs import engine_program
+from nanotron_ext.schedule.v_replay import stuck_when_sends_wait, transfer_order
 from nanotron_ext.simulate import simulate_plan
 
 
@@ -187,6 +188,9 @@ def test_held_sends_cost_the_v_where_a_send_is_ready_before_its_turn() -> None:
     v = make_v_plan(blocks, cfg)
     free, held = v_plan_timeline(v, blocks, cfg).step_time, v_plan_timeline(v, blocks, cfg, sends_wait=True).step_time
     assert free == pytest.approx(v.step_time, rel=1e-12) and held > free * 1.01, (free, held)
+    # The plan keeps the transfers keyed by its own times, which the engine holds its sends to: not the unit keys.
+    unit = transfer_order(v.order_for(2, 4))
+    assert v.transfers_for(2, 4) != unit and stuck_when_sends_wait(v.transfers_for(2, 4)) is None
     auto = cfg.with_overrides(engine="auto")
     posted, waiting = choose_engine(auto), choose_engine(auto, sends_wait=True)
     v_held = next(o for o in waiting.options if o.engine == "zbv")

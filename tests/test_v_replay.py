@@ -144,3 +144,56 @@ def test_a_held_send_costs_the_time_it_waits_for_the_receive_before_it() -> None
 
     on_unit = replay_v_order(order, [UNIT] * 4, 2, sends_wait=True)
     assert spans(on_unit) == spans(replay_v_order(order, [UNIT] * 4, 2))  # the keys' own times: nothing held
+
+
+def _random_v(rng, pp: int, m: int) -> tuple[list[StageTimes], float, list[list[VOp]]]:
+    """Chunks of random times (W up to 0.6 of the backward), a random crossing, and the list schedule's order."""
+    from nanotron_ext.schedule.zbv import simulate_zbv
+
+    chunks = []
+    for _ in range(2 * pp):
+        backward = rng.uniform(1.0, 4.0)
+        chunks.append(StageTimes(rng.uniform(0.5, 2.0), backward, weight=rng.uniform(0.0, 0.6 * backward)))
+    p2p = rng.uniform(0.0, 0.5)
+    return chunks, p2p, [list(ops) for ops in simulate_zbv(chunks, m, p2p).order]
+
+
+def test_keyed_by_the_plans_own_times_the_held_sends_cost_a_fraction_of_the_unit_keys() -> None:
+    """60 random Vs (pp 2-5, m 1-3 pp): keyed by the times the order was scheduled under, every order gets through
+    where sends wait, no held step is longer than under unit keys, and holding costs under a tenth of what it costs
+    under unit keys, on average (measured over 300: 0.32 % of the step against 6.86 %)."""
+    import random
+
+    rng = random.Random(0)
+    unit_cost, plan_cost = [], []
+    for _ in range(60):
+        pp = rng.randint(2, 5)
+        m = rng.randint(1, 3 * pp)
+        chunks, p2p, order = _random_v(rng, pp, m)
+        planned = transfer_order(order, chunks, p2p)
+        assert stuck_when_sends_wait(planned) is None
+        free = replay_v_order(order, chunks, m, p2p).step_time
+        unit = replay_v_order(order, chunks, m, p2p, sends_wait=True).step_time
+        plan = replay_v_order(order, chunks, m, p2p, sends_wait=True, keys_from=chunks).step_time
+        assert free <= plan <= unit * (1 + 1e-12)
+        unit_cost.append(unit / free - 1)
+        plan_cost.append(plan / free - 1)
+    assert sum(plan_cost) < sum(unit_cost) / 10, (sum(plan_cost), sum(unit_cost))
+
+
+def test_where_ops_of_no_length_tie_the_plans_keys_into_an_order_that_stops_the_unit_keys_serve() -> None:
+    """A forward of 2 on chunk 0 and of 1 on chunk 2, every other op of no length: keyed by those times the
+    transfers cannot all be made (the replay stops), so the order keeps the unit keys, which get through."""
+    from nanotron_ext.schedule.simulator import per_cut_p2p
+    from nanotron_ext.schedule.v_replay import _keyed, _op_times, _starts
+    from nanotron_ext.schedule.zbv import simulate_zbv
+
+    zero = StageTimes(0.0, 0.0, weight=0.0)
+    chunks, m = [StageTimes(2.0, 0.0, weight=0.0), zero, StageTimes(1.0, 0.0, weight=0.0), zero], 4
+    order = [list(ops) for ops in simulate_zbv(chunks, m, 0.0).order]
+    cuts = per_cut_p2p(0.0, 4)
+    tied = _keyed(order, _starts(order, chunks, m, cuts))
+    with pytest.raises(ValueError, match="waits forever"):
+        _op_times(order, chunks, m, cuts, tied)
+    assert transfer_order(order, chunks, 0.0) == transfer_order(order) != tied
+    replay_v_order(order, chunks, m, sends_wait=True, keys_from=chunks)  # gets through

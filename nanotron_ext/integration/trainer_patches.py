@@ -117,7 +117,8 @@ def install_launcher(
     moved_to = {"parallelism": {"pp_engine": cfg.run.engine}} if moved else {}
     _one_config_file(patches, nanotron_config, cfg.run.engine, moved_to)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
-        _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m))
+        _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m),
+                            lambda pp, m: built["plan"].transfers_for(pp, m))
     _freeze_and_check_before_ddp(patches, trainer, ready)
     _optimize_trainable_only(patches, NanotronModel)
     _frozen_ranks(patches, trainer)
@@ -157,19 +158,19 @@ def _one_config_file(patches: Patches, nanotron_config: Any, engine: str,
     patches.set(nanotron_config, "get_config_from_dict", load)
 
 
-def _zero_bubble_engine(patches: Patches, say: Callable[[str], None],
-                        v_order: Callable[[int, int], list[list[Any]]]) -> None:
+def _zero_bubble_engine(patches: Patches, say: Callable[[str], None], v_order: Callable[[int, int], list[list[Any]]],
+                        v_transfers: Callable[[int, int], list[list[Any]]]) -> None:
     """``pp_engine: zb1p``, ``zb2p`` or ``zbv``: Nanotron's string <-> engine casts (its loader's,
     ``ParallelismArgs``', and the serializer that writes a checkpoint's config) know our engines by name; every other
     name is theirs. Each PP rank says once how many linears defer their weight gradient (zb1p, zb2p); zbv runs
-    ``v_order``, the built V's order."""
+    ``v_order``, the built V's order, its sends held to ``v_transfers``, the V's transfers keyed by its own times."""
     import nanotron.config.utils_config as utils_config
 
     to_engine, to_name = utils_config.cast_str_to_pipeline_engine, utils_config.cast_pipeline_engine_to_str
 
     def cast_str_to_pipeline_engine(name: Any) -> Any:
         if str(name).lower() == V_ENGINE:  # the order of the V the model is built on; Nanotron's sends wait
-            return ZeroBubbleVPipelineEngine(order=v_order, sends_wait=True)
+            return ZeroBubbleVPipelineEngine(order=v_order, sends_wait=True, transfers=v_transfers)
         engine = ZERO_BUBBLE_ENGINES.get(str(name).lower())
         return engine(say=say) if engine is not None else to_engine(name)
 

@@ -33,7 +33,7 @@ from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import compact_names, table
 from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult
-from nanotron_ext.schedule.v_replay import replay_v_order
+from nanotron_ext.schedule.v_replay import Transfer, replay_v_order, transfer_order
 from nanotron_ext.schedule.zbv import VOp, by_rank, v_rank
 from nanotron_ext.strategies.builtin import layout_of
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -68,6 +68,8 @@ class VPlan:
             layout's split, which is not searched.
         order: each rank's ops, in the order the engine runs them.
         strategy: what chose the split: :data:`V_STRATEGY`, or ``layout`` (the config's ``layout`` string).
+        transfers: each rank's transfers in the order its sends are held to where they wait for their receive,
+            keyed by the plan's own times (:func:`~nanotron_ext.schedule.v_replay.transfer_order`).
     """
 
     pp: int
@@ -83,6 +85,7 @@ class VPlan:
     proven: bool
     order: tuple[tuple[VOp, ...], ...]
     strategy: str = V_STRATEGY
+    transfers: tuple[tuple[Transfer, ...], ...] = ()
 
     engine = V_ENGINE
     #: A V plan that exists trains: :func:`make_v_plan` raises where no split puts a trainable block on every
@@ -124,6 +127,15 @@ class VPlan:
                              f"pp={pp}, m={n_micro_batches}: plan the V for the step's own pipeline")
         return [list(ops) for ops in self.order]
 
+    def transfers_for(self, pp: int, n_micro_batches: int) -> list[list[Transfer]]:
+        """Each rank's transfers in their held order, for ``ZeroBubbleVPipelineEngine(transfers=plan.transfers_for)``.
+
+        Raises:
+            ValueError: as :meth:`order_for`.
+        """
+        order = self.order_for(pp, n_micro_batches)
+        return [list(t) for t in self.transfers] if self.transfers else transfer_order(order)
+
     def chunk(self, stage: int) -> tuple[str, ...]:
         """The blocks of virtual stage ``stage``."""
         return self.blocks[self.bounds[stage]:self.bounds[stage + 1]]
@@ -145,6 +157,7 @@ class VPlan:
     def to_dict(self) -> dict[str, Any]:
         out = {"engine": self.engine, **asdict(self)}
         out["order"] = [[str(op) for op in ops] for ops in self.order]
+        out["transfers"] = [[str(t) for t in ts] for ts in self.transfers]
         return out
 
 
@@ -223,12 +236,13 @@ def _v_plan(blocks: Sequence[BlockInfo], chunked: PlannerConfig, problem: Schedu
             strategy: str = V_STRATEGY) -> VPlan:
     """The :class:`VPlan` of one split: simulated under its budget, with each rank's peak and each cut's p2p."""
     result = v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
-    _, p2p, _ = problem.simulator_inputs(bounds)
+    chunks, p2p, _ = problem.simulator_inputs(bounds)
     peaks = tuple(x.peak for x in v_peaks(blocks, chunked, bounds, result))
     return VPlan(pp=chunked.run.pp // 2, n_micro_batches=chunked.run.n_micro_batches,
                  blocks=tuple(b.name for b in blocks), bounds=tuple(bounds), step_time=result.step_time,
                  bubble=result.pipeline_bubble_fraction, peaks=peaks, limit=cap, p2p=tuple(float(t) for t in p2p),
-                 eager=tuple(eager), proven=proven, order=result.order, strategy=strategy)
+                 eager=tuple(eager), proven=proven, order=result.order, strategy=strategy,
+                 transfers=tuple(tuple(t) for t in transfer_order(result.order, chunks, p2p)))
 
 
 def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool],
@@ -270,8 +284,8 @@ def _chunk_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[Pla
 def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
                     sends_wait: bool = False) -> SimResult:
     """The plan's order replayed under its chunks' prices, one row per rank (what ``simulate`` prints and draws);
-    with ``sends_wait``, its sends held to their one order of transfers, as Nanotron's trainer runs the V (a GPU's
-    send waits for its receive).
+    with ``sends_wait``, its sends held to their one order of transfers keyed by those prices, as Nanotron's trainer
+    runs the V (a GPU's send waits for its receive).
 
     Raises:
         ValueError: ``blocks`` are not the plan's.
@@ -280,8 +294,8 @@ def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
         raise ValueError("these blocks are not the ones the V plan was made for; plan them again")
     _, problem = _chunk_problem(blocks, cfg)
     chunks, p2p, _ = problem.simulator_inputs(plan.bounds)
-    return by_rank(replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p, sends_wait=sends_wait), chunks,
-                   p2p)
+    return by_rank(replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p, sends_wait=sends_wait,
+                                  keys_from=chunks), chunks, p2p)
 
 
 def plan_for(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Plan | VPlan:

@@ -212,6 +212,8 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
         sends_wait: the P2P's send waits for its receive (Nanotron's on a GPU): hold each send until its turn in
             the rank's order of transfers (:func:`~nanotron_ext.schedule.v_replay.transfer_order`). The CPU
             runtime's sends do not wait, and are posted as soon as made.
+        transfers: each rank's transfers in that order for ``(pp, m)`` (a plan's, keyed by its own times:
+            ``VPlan.transfers_for``); default, keyed by unit times.
 
     Attributes:
         trace: the ops of the last ``train_batch_iter`` on this rank, in the order they ran.
@@ -219,10 +221,12 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
 
     schedule: Engine = "zbv"  # type: ignore[assignment]
 
-    def __init__(self, order: Callable[[int, int], list[list[VOp]]] = zbv_order, *, sends_wait: bool = False) -> None:
+    def __init__(self, order: Callable[[int, int], list[list[VOp]]] = zbv_order, *, sends_wait: bool = False,
+                 transfers: Callable[[int, int], list[list[Transfer]]] | None = None) -> None:
         super().__init__()
         self.order = order
         self.sends_wait = sends_wait
+        self.transfers = transfers
         self.trace: list[VOp] = []
 
     def __str__(self) -> str:
@@ -252,8 +256,9 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
         store = store_of(model) or install_store(model)
         store.clear()  # a step that failed half-way leaves nothing behind
         order = self.order(pp, nb_microbatches)
-        transfers = transfer_order(order)[rank] if self.sends_wait else []  # none in the order: each goes at once
-        run = _VRun(self, model, _VState(transfers, pp, rank), store, grad_accumulator, iter(batch), pp, rank)
+        held = [] if not self.sends_wait else (  # none in the order: each goes at once
+            self.transfers(pp, nb_microbatches) if self.transfers is not None else transfer_order(order))[rank]
+        run = _VRun(self, model, _VState(held, pp, rank), store, grad_accumulator, iter(batch), pp, rank)
         with attach_pipeline_state_to_model(model=model, pipeline_state=run.state), run.pauses(stages), run.marks():
             try:
                 for op in order[rank]:
