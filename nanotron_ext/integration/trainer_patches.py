@@ -113,9 +113,8 @@ def install_launcher(
         _freeze_and_check(model, cfg, say)
         return model
 
-    # The resume's folder reaches Nanotron through parse_ckpt_path (install_checkpoints); its engine through here.
-    moved_to = {"parallelism": {"pp_engine": cfg.run.engine}} if moved else {}
-    _one_config_file(patches, nanotron_config, cfg.run.engine, moved_to)
+    # A move's checkpoint reaches Nanotron through parse_ckpt_path (install_checkpoints); its engine through here.
+    _one_config_file(patches, nanotron_config, cfg.run.engine, always=moved)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
         _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m),
                             lambda pp, m: built["plan"].transfers_for(pp, m))
@@ -139,19 +138,16 @@ def install_launcher(
     return undo
 
 
-def _one_config_file(patches: Patches, nanotron_config: Any, engine: str,
-                     overrides: dict[str, dict[str, Any]]) -> None:
+def _one_config_file(patches: Patches, nanotron_config: Any, engine: str, *, always: bool = False) -> None:
     """Nanotron's strict loader reads the user's YAML without our keys, so the user keeps one file; a
-    ``pp_engine: auto`` there reads as ``engine``, the one the planner chose (and the checkpoint's config names);
-    ``overrides`` (section: keys) win over the YAML (a re-plan's move: its engine and checkpoint)."""
+    ``pp_engine: auto`` there reads as ``engine``, the one the planner chose (and the checkpoint's config names), and
+    so does any ``pp_engine`` with ``always`` (a re-plan's move, onto the new plan's engine)."""
     load_dict = nanotron_config.get_config_from_dict
 
     def load(d: Any, *args: Any, **kwargs: Any) -> Any:
         d = strip_ext_keys(d)
-        if isinstance(d, dict):
-            d = {**d, **{section: {**(d.get(section) or {}), **keys} for section, keys in overrides.items()}}
         parallelism = d.get("parallelism") if isinstance(d, dict) else None
-        if isinstance(parallelism, dict) and str(parallelism.get("pp_engine")).lower() == ENGINE_AUTO:
+        if isinstance(parallelism, dict) and (always or str(parallelism.get("pp_engine")).lower() == ENGINE_AUTO):
             d = {**d, "parallelism": {**parallelism, "pp_engine": engine}}
         return load_dict(d, *args, **kwargs)
 

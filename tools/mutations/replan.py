@@ -78,7 +78,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       (f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",),
       "upstream"),
     M("the re-launch trains the YAML's engine, not the new plan's", "nanotron_ext/integration/trainer_patches.py",
-      'moved_to = {"parallelism": {"pp_engine": cfg.run.engine}} if moved else {}', "moved_to = {}",
+      "cfg.run.engine, always=moved)", "cfg.run.engine, always=False)",
       ("tests/test_launcher_cli.py::test_launcher_installs_into_nanotrons_own_trainer_and_loader",)),
     M("the launcher re-plans a run of at most K steps", LAUNCHER,
       "        if steps <= self.after_steps:", "        if False:",
