@@ -37,7 +37,7 @@ from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import NanotronExtError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import bounds_from_ranks
-from nanotron_ext.partition.v_search import search_v_split
+from nanotron_ext.partition.v_search import search_v_split, v_lower_bound
 from nanotron_ext.partition.v_split import descend_v_split, v_budget, v_floors, v_peaks, v_simulate
 from nanotron_ext.plan import AUTO_ENGINES, choose_engine, make_plan
 from nanotron_ext.report import table
@@ -158,20 +158,24 @@ def under_memory() -> None:
         against = _against(steps)
         if found.bounds is None:
             rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", "none fits", "-", "-", "-", "-",
-                         "-", sum(t.evaluated for t in tries.values())])
+                         "-", "-", "-", "-", sum(t.evaluated for t in tries.values())])
             continue
         result = v_simulate(problem, found.bounds, eager, budgets(found.bounds))
         v_peak = max(x.peak for x in v_peaks(blocks, chunked, found.bounds, result))
         rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", f"{v_peak / GIB:.1f}",
                      f"{found.step * 1e3:.1f}", against("zb1p", found.step), against("zb2p", found.step),
+                     f"{found.step / v_lower_bound(problem, found.bounds):.3f}",
+                     f"{result.pipeline_bubble_fraction:.1%}", max(result.peak_held),
                      "at once" if eager else "deferred", "proven" if found.proven else f"≤ {found.gap:.1%}",
                      sum(t.evaluated for t in tries.values())])
     print("\nUnder 1F1B's peak, analytic H100 (GiB: the largest rank's estimate): ZB-V's best split found by "
           "search_v_split from the FLOP chunks, each rank scheduled under its budget in bytes (v_budget), the loss "
           "chunk's W deferred or run at once, whichever is faster (its gap to the lower bound when the search's "
-          f"budget ran out); at most {SEARCH_EVALS[4]} splits simulated per search at pp 4, {SEARCH_EVALS[8]} at pp 8\n")
+          f"budget ran out); at most {SEARCH_EVALS[4]} splits simulated per search at pp 4, {SEARCH_EVALS[8]} at pp 8; "
+          "÷ bound: the step over the split's floor (v_lower_bound: no order of those chunks is faster); held: the "
+          "most chunk-activations a rank holds from F to W (1F1B's count: 2·pp)\n")
     print(table(["shape", "pp", "m", "1f1b GiB", "zbv flops GiB", "zbv GiB", "zbv ms", "÷ zb1p", "÷ zb2p",
-                 "loss W", "best?", "timed"], rows, markdown=True))
+                 "÷ bound", "bubble", "held", "loss W", "best?", "timed"], rows, markdown=True))
 
 
 def _weights_on_every_chunk(blocks: Sequence[BlockInfo]) -> Callable[[Sequence[int]], bool]:
