@@ -308,3 +308,22 @@ def test_compare_engines_sets_the_v_beside_the_contiguous_engines(tmp_path: Path
 
     sim = v_plan_timeline(plan, inventory_from_config(cfg), cfg)  # the column is the step's bubble, as the others'
     assert v["memory_peak_bytes"] == list(plan.peaks) and v["bubble_fraction"] == sim.bubble_fraction
+
+
+def test_at_1f1bs_peak_the_v_of_a_public_shape_beats_zb1p() -> None:
+    """Llama-3.2-1B at PP 4, 8 micro-batches, analytic H100: held to the 1F1B plan's peak in bytes, the V is faster
+    than zb1p's plan (0.937x when written; 1.055x where a forward reserves both of its micro-batch's states, 1.086x
+    where the count cap binds under the budget)."""
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.simulate import simulate_plan
+
+    shape = Path(TINY).parent / "llama_3_2_1b.yaml"
+    steps, peaks = {}, {}
+    for engine in ("1f1b", "zb1p"):
+        cfg = load_config(shape, pp=4).with_overrides(n_micro_batches=8, engine=engine)
+        blocks = inventory_from_config(cfg)
+        plan = make_plan(blocks, cfg, suggest_fixes=False)
+        steps[engine], peaks[engine] = simulate_plan(plan, blocks, cfg).step_time, max(s.memory.peak for s in plan.stages)
+    cfg = load_config(shape, pp=4).with_overrides(n_micro_batches=8, engine="zbv", memory_cap_gib=peaks["1f1b"] / 2**30)
+    v = make_v_plan(inventory_from_config(cfg), cfg)
+    assert max(v.peaks) <= peaks["1f1b"] and v.step_time < 0.97 * steps["zb1p"], (v.step_time / steps["zb1p"])
