@@ -12,7 +12,7 @@ import pytest
 from nanotron_ext.config import load_config
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.partition.v_split import v_budget, v_peaks, v_simulate
+from nanotron_ext.partition.v_split import simulate_within, v_budget, v_peaks, v_simulate
 from nanotron_ext.plan.v_plan import make_v_plan
 from nanotron_ext.schedule.zbv import v_rank
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -36,20 +36,13 @@ def _every_split(cfg, blocks, cap: float | None = None) -> dict[tuple[int, ...],
         bounds = (0, *cuts, len(blocks))
         if not all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:])):
             continue  # a chunk that trains nothing (the cast, the loss alone) is not a V the plan may take
-        budget = None if cap is None else v_budget(blocks, chunked, bounds, cap)
-        results = [r for eager in ((), (3,)) for r in [_within(problem, bounds, eager, budget)] if r is not None]
+        budgets = None if cap is None else (lambda b: v_budget(blocks, chunked, b, cap))
+        results = [r for eager in ((), (3,)) if (r := simulate_within(problem, bounds, eager, budgets)) is not None]
         if not results:
             continue
         best = min(results, key=lambda r: r.step_time)
         out[bounds] = (best.step_time, max(x.peak for x in v_peaks(blocks, chunked, bounds, best)))
     return out
-
-
-def _within(problem, bounds, eager, budget):
-    try:
-        return v_simulate(problem, bounds, eager, budget)
-    except ValueError:  # no order keeps a rank under its budget
-        return None
 
 
 def test_the_v_holds_what_its_memory_takes_not_1f1bs_count() -> None:
