@@ -70,6 +70,20 @@ def step_times(run: dict[str, Any]) -> list[float]:
     return _slowest_rank(run, "step")
 
 
+def one_step(run: dict[str, Any], i: int) -> dict[str, Any]:
+    """``run`` cut down to its ``i``-th timed step: the same fields, each per-step list holding only that step."""
+    per_step = ("records", "ops", "v_ops", "peaks")
+    return {**run, **{k: [rank[i:i + 1] for rank in run[k]] for k in per_step if k in run}}
+
+
+def per_step_ratios(run: dict[str, Any], simulated: Callable[[dict[str, Any]], float]) -> list[float]:
+    """Each timed step's simulated ÷ measured step, the step replayed under its own ops (``simulated`` of
+    :func:`one_step`). The run's mean ops against its median step mix two statistics: on a host whose speed drifts
+    between rounds, one slow round moves the mean ops but not the median step (a first round at 1.6× the median
+    put a whole-run replay 6 % slow, 2026-11-28), which is the host and not the schedule."""
+    return [simulated(one_step(run, i)) / step_times(one_step(run, i))[0] for i in range(len(run["records"][0]))]
+
+
 def _per_kind(run: dict[str, Any], rank: int, statistic: Callable[[list[float]], float]) -> dict[str, float]:
     """``statistic`` of every F, every B and every W on ``rank`` over the run's timed steps (0 for a kind the engine
     never ran there)."""

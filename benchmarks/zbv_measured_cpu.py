@@ -17,9 +17,13 @@ every round), so load from other processes slows every engine alike. Reported pe
 * simulated step from the run's own ops (each rank's mean F, B and W, per chunk under zbv, and its update; links and
   the tied all-reduce as ``calibrate`` priced them in the same processes): 1F1B, zb1p and zb2p through the
   simulator's program, zbv through :func:`~nanotron_ext.schedule.v_replay.replay_v_order` of the order the engine
-  ran; each cut's transfer as the plans priced it from the calibration. Issue 43 asks within 5 %.
+  ran; each cut's transfer as the plans priced it from the calibration. Printed twice: the run's mean ops against
+  its median step, and each timed step replayed under its own ops against itself (median [min, max] over the steps).
+  Issue 43 asks within 5 %; the check takes the second, since this host's speed drifts between rounds and one slow
+  round moves the mean ops but not the median step (``_in_run_ops.per_step_ratios``).
 
-Exit status 1 unless every simulated step is within 5 % of the measured one.
+Exit status 1 unless every engine's step, replayed under its own ops, is within 5 % of the measured one at the median
+over the steps.
 
 Usage: ``python benchmarks/zbv_measured_cpu.py [--rounds R] [--layers L] [--seq S] [--m 4 --m 8] [--quick]``
 (``--quick``: 4 layers, sequence 64, 3 rounds).
@@ -39,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _in_run_ops import clear_ops, in_run_stages, step_ops, step_times, tied_sync, time_ops  # noqa: E402
+from _in_run_ops import (  # noqa: E402
+    clear_ops,
+    in_run_stages,
+    per_step_ratios,
+    step_ops,
+    step_times,
+    tied_sync,
+    time_ops,
+)
 from zb_measured_cpu import launch, median_interval, raw_config, run_args  # noqa: E402
 
 from nanotron_ext.report import table  # noqa: E402
@@ -249,21 +261,23 @@ def v_chunks(run: dict[str, Any]) -> list[Any]:
     return out
 
 
-def simulated(result: dict[str, Any], key: str) -> float:
-    """The step the simulator gives the engine's own program under the run's own ops."""
+def simulated(result: dict[str, Any], run: dict[str, Any]) -> float:
+    """The step the simulator gives ``run``'s engine (its own program) under ``run``'s own ops."""
     from nanotron_ext.schedule.simulator import simulate
     from nanotron_ext.schedule.v_replay import replay_v_order
     from nanotron_ext.schedule.zbv import VOp
 
-    run = result["runs"][key]
     m, engine = run["m"], run["engine"]
     if engine == "zbv":
         order = [[VOp(k, int(j), int(st)) for k, j, st in ops] for ops in result["orders"][str(m)]]
         return replay_v_order(order, v_chunks(run), m, result["v_p2p"][str(m)]).step_time
-    return simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=result["p2p"][key]).step_time
+    return simulate(in_run_stages(run, result["tied_sync"]), m, engine,
+                    p2p_time=result["p2p"][f"{engine}@{m}"]).step_time
 
 
 def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], bool]:
+    """The table's rows, and whether every engine's step replayed under its own ops is within ``SIM_WITHIN`` of the
+    measured one (the median over the timed steps of :func:`per_step_ratios`)."""
     rows, holds = [], True
     for m in ms:
         ref = result["runs"][f"1f1b@{m}"]
@@ -275,10 +289,12 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], 
             if engine != "1f1b":
                 med, lo, hi, _ = median_interval([a / b for a, b in zip(step_times(ref), step_times(run))])
                 gain = f"{med:.3f}× [{lo:.3f}, {hi:.3f}]"
-            sim = simulated(result, f"{engine}@{m}")
-            holds &= abs(sim / measured - 1) <= SIM_WITHIN
+            sim = simulated(result, run)
+            each = per_step_ratios(run, lambda one: simulated(result, one))
+            holds &= abs(statistics.median(each) - 1) <= SIM_WITHIN
             peak = statistics.median(max(p) for p in zip(*run["peaks"]))
             rows.append([m, engine, f"{measured * 1e3:.0f}", gain, f"{sim * 1e3:.0f}", f"{sim / measured:.3f}",
+                         f"{statistics.median(each):.3f} [{min(each):.3f}, {max(each):.3f}]",
                          f"{peak / 2**20:.0f}", f"{peak / ref_peak:.2f}"])
     return rows, holds
 
@@ -309,9 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"- zbv@{m}: {stages}")
     print()
     rows, holds = report(result, ms)
-    print(table(["m", "engine", "measured step ms", "gain over 1F1B (median, 95 % CI)", "simulated ms (run's ops)",
-                 "simulated ÷ measured", "peak MiB", "peak ÷ 1F1B's"], rows, markdown=True))
-    print(f"\nCHECK (every simulated step within {SIM_WITHIN:.0%} of measured): {'HOLDS' if holds else 'DOES NOT HOLD'}")
+    print(table(["m", "engine", "measured step ms", "gain over 1F1B (median, 95 % CI)", "simulated ms (run's mean ops)",
+                 "÷ measured", "each step under its own ops: sim ÷ meas (median [min, max])", "peak MiB",
+                 "peak ÷ 1F1B's"], rows, markdown=True))
+    print(f"\nCHECK (every engine's step, replayed under its own ops, within {SIM_WITHIN:.0%} of measured at the median "
+          f"over steps): {'HOLDS' if holds else 'DOES NOT HOLD'}")
     print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
           f"end {result['load_average']:.1f}")
     return 0 if holds else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,8 +14,10 @@ from _in_run_ops import (  # noqa: E402
     calibrated_ops,
     in_run_stages,
     measured_pipeline,
+    one_step,
     op_fastest,
     op_means,
+    per_step_ratios,
     step_times,
 )
 
@@ -74,3 +77,19 @@ def test_the_in_run_profile_replays_through_the_simulator_by_hand() -> None:
     result = simulate(in_run_stages(RUN, synced=0.25), 2, "1f1b")
     assert result.pipeline_time == pytest.approx(20.6)
     assert result.step_time == pytest.approx(20.6 + 2.75)
+
+
+def test_one_step_keeps_only_that_steps_ops_and_records_on_every_rank() -> None:
+    one = one_step({**RUN, "peaks": [[1, 2, 3], [4, 5, 6]]}, 1)
+    assert one["ops"] == [[RUN["ops"][0][1]], [RUN["ops"][1][1]]]
+    assert one["records"] == [[RUN["records"][0][1]], [RUN["records"][1][1]]]
+    assert one["peaks"] == [[2], [5]]
+    assert op_means(one, 0) == pytest.approx({"F": 2.0, "B": 5.0, "W": 0.7})
+
+
+def test_each_step_is_replayed_under_its_own_ops_against_its_own_slowest_rank() -> None:
+    # a stand-in simulator: rank 0's summed ops of the one step it is given; steps 10.5, 12, 13 (the slowest rank)
+    def ops_of_rank_0(one: dict[str, Any]) -> float:
+        return sum(t for step in one["ops"][0] for times in step.values() for t in times)
+
+    assert per_step_ratios(RUN, ops_of_rank_0) == pytest.approx([6.5 / 10.5, 12.7 / 12.0, 14.6 / 13.0])
