@@ -81,7 +81,8 @@ def per_step_ratios(run: dict[str, Any], simulated: Callable[[dict[str, Any]], f
     :func:`one_step`). The run's mean ops against its median step mix two statistics: on a host whose speed drifts
     between rounds, one slow round moves the mean ops but not the median step (a first round at 1.6× the median
     put a whole-run replay 6 % slow, 2026-11-28), which is the host and not the schedule."""
-    return [simulated(one_step(run, i)) / step_times(one_step(run, i))[0] for i in range(len(run["records"][0]))]
+    steps = (one_step(run, i) for i in range(len(run["records"][0])))
+    return [simulated(one) / step_times(one)[0] for one in steps]
 
 
 def _per_kind(run: dict[str, Any], rank: int, statistic: Callable[[list[float]], float]) -> dict[str, float]:

@@ -234,7 +234,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "[rank[i:i + 1] for rank in run[k]]", "[rank[i + 1:i + 2] or rank[i:i + 1] for rank in run[k]]",
       (IN_RUN_TESTS,)),
     M("a step is replayed against the median step", IN_RUN,
-      "/ step_times(one_step(run, i))[0]", "/ statistics.median(step_times(run))", (IN_RUN_TESTS,)),
+      "simulated(one) / step_times(one)[0]", "simulated(one) / statistics.median(step_times(run))", (IN_RUN_TESTS,)),
     M("zero-bubble B is the whole backward", IN_RUN,
       'out.append({"F": st["forward"], "B": st["backward"] - w, "W": w})',
       'out.append({"F": st["forward"], "B": st["backward"], "W": w})', (IN_RUN_TESTS,)),
