@@ -263,8 +263,10 @@ def check_moves(label: str, ratios: Sequence[float], gains: Sequence[float], tol
     import statistics
 
     med, gain = statistics.median(ratios), statistics.median(gains)
-    print(f"{label}: after the move, measured / predicted median {med:.3f} (range {min(ratios):.3f}-"
-          f"{max(ratios):.3f}); after / before median {gain:.3f} (range {min(gains):.3f}-{max(gains):.3f})")
+    print(
+        f"{label}: after the move, measured / predicted median {med:.3f} (range {min(ratios):.3f}-"
+        f"{max(ratios):.3f}); after / before median {gain:.3f} (range {min(gains):.3f}-{max(gains):.3f})"
+    )
     failures = []
     if abs(med - 1) > tolerance:
         failures.append(f"{label}: measured after the move is {med:.3f}x the prediction (tolerance {tolerance})")

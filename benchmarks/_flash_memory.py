@@ -40,9 +40,9 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         w = weight.float()
         for i in range(0, rows.shape[0], _CHUNK):
-            xf = rows[i:i + _CHUNK].float()
-            rstd[i:i + _CHUNK] = torch.rsqrt(xf.square().mean(-1) + eps)
-            y[i:i + _CHUNK] = (xf * rstd[i:i + _CHUNK, None] * w).to(y.dtype)
+            xf = rows[i : i + _CHUNK].float()
+            rstd[i : i + _CHUNK] = torch.rsqrt(xf.square().mean(-1) + eps)
+            y[i : i + _CHUNK] = (xf * rstd[i : i + _CHUNK, None] * w).to(y.dtype)
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(x.shape)
 
@@ -54,17 +54,29 @@ class _RMSNorm(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         w = weight.float()
         for i in range(0, rows.shape[0], _CHUNK):
-            xhat = rows[i:i + _CHUNK].float() * rstd[i:i + _CHUNK, None]
-            gf = g[i:i + _CHUNK].float()
+            xhat = rows[i : i + _CHUNK].float() * rstd[i : i + _CHUNK, None]
+            gf = g[i : i + _CHUNK].float()
             dw += (gf * xhat).sum(0)
             wg = gf * w
-            dx[i:i + _CHUNK] = (rstd[i:i + _CHUNK, None] * (wg - xhat * (wg * xhat).mean(-1, keepdim=True))).to(dx.dtype)
+            dx[i : i + _CHUNK] = (rstd[i : i + _CHUNK, None] * (wg - xhat * (wg * xhat).mean(-1, keepdim=True))).to(
+                dx.dtype
+            )
         return dx.view(dy.shape), dw.to(weight.dtype), None
 
 
-def layer_norm_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: Any = None,
-                  eps: float = 1e-6, dropout_p: float = 0.0, prenorm: bool = False, residual_in_fp32: bool = False,
-                  is_rms_norm: bool = False, return_dropout_mask: bool = False, **_: Any) -> torch.Tensor:
+def layer_norm_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: Any = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    is_rms_norm: bool = False,
+    return_dropout_mask: bool = False,
+    **_: Any,
+) -> torch.Tensor:
     """flash-attn's ``layer_norm_fn`` for what ``TritonRMSNorm`` asks of it: RMSNorm, no residual, no dropout."""
     if not is_rms_norm or bias is not None or residual is not None or dropout_p or prenorm or return_dropout_mask:
         raise NotImplementedError("the memory stand-in of layer_norm_fn does RMSNorm only (TritonRMSNorm's call)")
@@ -75,9 +87,9 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     """Rotate ``x`` (batch, seqlen, heads, dim) in place by position, a chunk of positions at a time."""
     half = cos.shape[-1]
     for i in range(0, x.shape[1], _CHUNK):
-        part = x[:, i:i + _CHUNK, :, : 2 * half]
-        c = cos[i:i + part.shape[1]].float()[None, :, None, :]
-        s = sin[i:i + part.shape[1]].float()[None, :, None, :]
+        part = x[:, i : i + _CHUNK, :, : 2 * half]
+        c = cos[i : i + part.shape[1]].float()[None, :, None, :]
+        s = sin[i : i + part.shape[1]].float()[None, :, None, :]
         if conjugate:
             s = -s
         a, b = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
@@ -90,8 +102,9 @@ class _RotaryInPlace(torch.autograd.Function):
     """Rotates ``x[:, :, 0]`` when ``kv`` (the k half of a (b, s, 2, heads, d) tensor), else ``x``; in place."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                kv: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, kv: bool
+    ) -> torch.Tensor:
         # Written behind autograd's back (through .data: no version bump), as flash's Triton kernel writes: q may
         # be an output of unbind (Llama's multi-head path) and q and k|v views of one qkv tensor (Qwen2), which
         # autograd refuses to see modified in place.
@@ -108,23 +121,36 @@ class _RotaryInPlace(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _rotary_forward(self: Any, qkv: torch.Tensor, kv: torch.Tensor | None = None, seqlen_offset: int = 0,
-                    max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_forward(
+    self: Any, qkv: torch.Tensor, kv: torch.Tensor | None = None, seqlen_offset: int = 0, max_seqlen: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if kv is None or not isinstance(seqlen_offset, int):
         raise NotImplementedError("the memory stand-in of RotaryEmbedding takes q and kv (Llama's training call)")
     self._update_cos_sin_cache(qkv.shape[1] + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
     cos, sin = self._cos_cached[seqlen_offset:], self._sin_cached[seqlen_offset:]
-    return (_RotaryInPlace.apply(qkv, cos, sin, self.interleaved, False),
-            _RotaryInPlace.apply(kv, cos, sin, self.interleaved, True))
+    return (
+        _RotaryInPlace.apply(qkv, cos, sin, self.interleaved, False),
+        _RotaryInPlace.apply(kv, cos, sin, self.interleaved, True),
+    )
 
 
 #: Which SDPA kernel ran the attention (the flash kernel keeps flash-attn's tensors; set on the first call).
 ATTENTION_KERNEL: dict[str, str] = {}
 
 
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
-                           softmax_scale: float | None = None, causal: bool = False, **kwargs: Any) -> torch.Tensor:
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
     """flash-attn 2's varlen attention for sequences of one length (q, k, v: (tokens, heads, dim))."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -137,8 +163,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):  # both keep q, k, v, out, lse
         try:
             with sdpa_kernel([backend]):
-                out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal,
-                                                     scale=softmax_scale, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(
+                    qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale, enable_gqa=gqa
+                )
             break
         except RuntimeError as err:  # this torch has no such kernel for these inputs: the next, and say so
             ATTENTION_KERNEL.setdefault("refused", f"{backend.name}: {str(err).splitlines()[0][:200]}")
@@ -146,17 +173,27 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise RuntimeError(f"no SDPA kernel that keeps flash-attn's tensors takes these inputs: {ATTENTION_KERNEL}")
     flat = out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[-1])
     if "kernel" not in ATTENTION_KERNEL:  # the output it keeps must be the one handed on, not a copy of it
-        ATTENTION_KERNEL.update(kernel=out.grad_fn.name() if out.grad_fn is not None else "no grad",
-                                output_copied=str(flat.data_ptr() != out.data_ptr()))
+        ATTENTION_KERNEL.update(
+            kernel=out.grad_fn.name() if out.grad_fn is not None else "no grad",
+            output_copied=str(flat.data_ptr() != out.data_ptr()),
+        )
     return flat
 
 
-def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                                    dropout_p: float = 0.0, **kwargs: Any) -> torch.Tensor:
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    **kwargs: Any,
+) -> torch.Tensor:
     """The packed form Qwen2 calls (``models/qwen.py:309``): kv is (tokens, 2, kv_heads, dim); k and v stay views."""
-    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  dropout_p, **kwargs)
+    return flash_attn_varlen_func(
+        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, **kwargs
+    )
 
 
 def install() -> None:

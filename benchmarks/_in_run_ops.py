@@ -42,6 +42,7 @@ def time_ops() -> None:
                 return fn(*args, **kwargs)
             finally:
                 _OPS[kind].append(time.perf_counter() - t0 - (waited() - w0))
+
         return op
 
     PipelineEngine.forward = timed(PipelineEngine.forward, "F")
@@ -73,7 +74,7 @@ def step_times(run: dict[str, Any]) -> list[float]:
 def one_step(run: dict[str, Any], i: int) -> dict[str, Any]:
     """``run`` cut down to its ``i``-th timed step: the same fields, each per-step list holding only that step."""
     per_step = ("records", "ops", "v_ops", "peaks")
-    return {**run, **{k: [rank[i:i + 1] for rank in run[k]] for k in per_step if k in run}}
+    return {**run, **{k: [rank[i : i + 1] for rank in run[k]] for k in per_step if k in run}}
 
 
 def per_step_ratios(run: dict[str, Any], simulated: Callable[[dict[str, Any]], float]) -> list[float]:
@@ -116,8 +117,9 @@ def in_run_stages(run: dict[str, Any], synced: float) -> list[StageTimes]:
     for rank, recs in enumerate(run["records"]):
         mean = op_means(run, rank)
         after = statistics.fmean(r["busy"] - (r["pipeline"] - r["pipeline_idle"]) for r in recs)
-        stages.append(StageTimes(forward=mean["F"], backward=mean["B"] + mean["W"], weight=mean["W"],
-                                 update=after + synced))
+        stages.append(
+            StageTimes(forward=mean["F"], backward=mean["B"] + mean["W"], weight=mean["W"], update=after + synced)
+        )
     return stages
 
 

@@ -110,8 +110,9 @@ def layout_steps(cfg: Any, profile: Any, folder: Path) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrations", type=int, default=6, help="calibrations in a row (default 6)")
-    parser.add_argument("--repeats", type=int, default=11,
-                        help="calibrate's --repeats (default 11, its own): three block rounds each")
+    parser.add_argument(
+        "--repeats", type=int, default=11, help="calibrate's --repeats (default 11, its own): three block rounds each"
+    )
     args = parser.parse_args(argv)
     if args.calibrations < 2 or args.repeats < 1:
         parser.error(f"--calibrations {args.calibrations} must be at least 2 and --repeats {args.repeats} at least 1")
@@ -132,26 +133,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile, kept = calibrate_keeping_rounds(cfg, args.repeats)
             for name, stat in priced.items():
                 steps[name].append(layout_steps(cfg, with_statistic(profile, kept, stat), Path(tmp)))
-    print(f"{args.calibrations} compute-only calibrations in a row, {rounds} block rounds each (--repeats "
-          f"{args.repeats}), one process, one "
-          f"thread; {cfg.source}: each layout's simulated step (ms) per calibration, priced by each statistic of "
-          f"the same rounds (calibrate keeps the {USED})\n")
+    print(
+        f"{args.calibrations} compute-only calibrations in a row, {rounds} block rounds each (--repeats "
+        f"{args.repeats}), one process, one "
+        f"thread; {cfg.source}: each layout's simulated step (ms) per calibration, priced by each statistic of "
+        f"the same rounds (calibrate keeps the {USED})\n"
+    )
     rows, spread = [], {}
     for name, per_cal in steps.items():
         for layout, _ in LAYOUTS[:3]:
             values = [s[layout] for s in per_cal]
             spread[(name, layout)] = max(values) / min(values)
             rows.append([name, layout, *(f"{v * 1e3:.1f}" for v in values), f"{spread[(name, layout)]:.4f}"])
-    print(table(["statistic", "layout", *(f"cal. {i + 1}" for i in range(args.calibrations)), "max ÷ min"], rows,
-                markdown=True))
+    print(
+        table(
+            ["statistic", "layout", *(f"cal. {i + 1}" for i in range(args.calibrations)), "max ÷ min"],
+            rows,
+            markdown=True,
+        )
+    )
     worst = max(v for (name, _), v in spread.items() if name == USED)
     holds = worst <= REPEATABLE
-    print(f"\n{'HOLDS' if holds else 'FAILS'}: the {USED} round's predictions within {REPEATABLE} (max ÷ min) on "
-          f"every layout: worst {worst:.4f}")
+    print(
+        f"\n{'HOLDS' if holds else 'FAILS'}: the {USED} round's predictions within {REPEATABLE} (max ÷ min) on "
+        f"every layout: worst {worst:.4f}"
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "calibration_statistics.json"
-    out.write_text(json.dumps({"argv": list(sys.argv[1:] if argv is None else argv), "holds": holds,
-                               "steps": steps}, indent=1))
+    out.write_text(
+        json.dumps({"argv": list(sys.argv[1:] if argv is None else argv), "holds": holds, "steps": steps}, indent=1)
+    )
     print(f"Results: {out.relative_to(RESULTS.parents[1])}")
     return 0 if holds else 1
 

@@ -49,18 +49,22 @@ def _throughputs(total: int) -> list[list[str]]:
         def run() -> None:
             h = new()
             for i in range(0, total, CHUNK):
-                h.update(view[i:i + CHUNK])  # type: ignore[attr-defined]
+                h.update(view[i : i + CHUNK])  # type: ignore[attr-defined]
+
         return run
 
     def crc32() -> None:
         c = 0
         for i in range(0, total, CHUNK):
-            c = zlib.crc32(view[i:i + CHUNK], c)
+            c = zlib.crc32(view[i : i + CHUNK], c)
 
     candidates = {
-        "sha256 (hashlib)": running(hashlib.sha256), "blake2b (hashlib)": running(hashlib.blake2b),
-        "md5 (hashlib)": running(hashlib.md5), "crc32 (zlib)": crc32,
-        "xxh3_128 (xxhash)": running(xxhash.xxh3_128), "xxh3_64 (xxhash)": running(xxhash.xxh3_64),
+        "sha256 (hashlib)": running(hashlib.sha256),
+        "blake2b (hashlib)": running(hashlib.blake2b),
+        "md5 (hashlib)": running(hashlib.md5),
+        "crc32 (zlib)": crc32,
+        "xxh3_128 (xxhash)": running(xxhash.xxh3_128),
+        "xxh3_64 (xxhash)": running(xxhash.xxh3_64),
     }
     rows = []
     for name, run in candidates.items():
@@ -76,7 +80,7 @@ def _timed(run: Callable[[], None]) -> float:
 
 
 #: One variant, run in a fresh process: prints {"seconds": ..., "extra_rss_mib": ...}.
-CHILD = r'''
+CHILD = r"""
 import json, resource, sys, time, io
 from pathlib import Path
 import torch
@@ -110,14 +114,15 @@ file_checksum(path, "xxh3_64:")
 verify = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "extra_rss_mib": extra / 1024, "size": path.stat().st_size,
                   "verify": verify}))
-'''
+"""
 
 
 def _variant(kind: str, how: str, folder: Path, mib: int) -> dict[str, float]:
     path = folder / ("w.safetensors" if kind == "weight" else "o.pt")
     path.unlink(missing_ok=True)
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, how, str(path), str(mib)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, kind, how, str(path), str(mib)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout)
 
 
@@ -143,9 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [_variant(kind, how, Path(tmp), args.mib) for _ in range(args.repeats)]
                 seconds = statistics.median(r["seconds"] for r in runs)
                 base = seconds if base is None else base
-                rows.append([writer, how, f"{seconds:.3f}", f"{seconds / base:.2f}",
-                             f"{statistics.median(r['extra_rss_mib'] for r in runs):.0f}",
-                             f"{runs[0]['size'] / 2**20 / statistics.median(r['verify'] for r in runs):.0f}"])
+                rows.append(
+                    [
+                        writer,
+                        how,
+                        f"{seconds:.3f}",
+                        f"{seconds / base:.2f}",
+                        f"{statistics.median(r['extra_rss_mib'] for r in runs):.0f}",
+                        f"{runs[0]['size'] / 2**20 / statistics.median(r['verify'] for r in runs):.0f}",
+                    ]
+                )
     print(table(["writer", "how", "seconds", "÷ alone", "extra peak RSS (MiB)", "verify (MiB/s)"], rows))
     return 0
 

@@ -39,21 +39,32 @@ def environment(out: Path, rehearsal: str = "0") -> int:
 
     flash = importlib.util.find_spec("flash_attn") is not None
     env: dict[str, Any] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        if torch.cuda.is_available()
+        else [],
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "flash_attn": flash, "rehearsal": rehearsal == "1",
+        "flash_attn": flash,
+        "rehearsal": rehearsal == "1",
     }
-    print(f"torch {env['torch']}, built for CUDA {env['cuda']}; CUDA available: {env['cuda_available']}; "
-          f"devices: {', '.join(env['devices']) or 'none'}; NCCL {env['nccl']}")
-    print("flash-attn: " + ("installed, and unused: " if flash else "not installed: ")
-          + "the runtime's Llama uses torch SDPA attention (nanotron_ext/models/llama.py never imports flash-attn)")
+    print(
+        f"torch {env['torch']}, built for CUDA {env['cuda']}; CUDA available: {env['cuda_available']}; "
+        f"devices: {', '.join(env['devices']) or 'none'}; NCCL {env['nccl']}"
+    )
+    print(
+        "flash-attn: "
+        + ("installed, and unused: " if flash else "not installed: ")
+        + "the runtime's Llama uses torch SDPA attention (nanotron_ext/models/llama.py never imports flash-attn)"
+    )
     if not env["cuda_available"] and not env["rehearsal"]:
-        print(f"gpu_check: no CUDA device: torch {env['torch']} (built for CUDA {env['cuda']}) sees none, so nothing "
-              "can be measured on a GPU here. Run it on a machine with an NVIDIA GPU, its driver and a CUDA build "
-              "of torch; on CPU, `nanotron-ext calibrate` and `nanotron-ext train` run as they are",
-              file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA device: torch {env['torch']} (built for CUDA {env['cuda']}) sees none, so nothing "
+            "can be measured on a GPU here. Run it on a machine with an NVIDIA GPU, its driver and a CUDA build "
+            "of torch; on CPU, `nanotron-ext calibrate` and `nanotron-ext train` run as they are",
+            file=sys.stderr,
+        )
         return EXIT_NO_CUDA
     out.mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
@@ -75,7 +86,8 @@ def write_configs(out: Path) -> int:
     raw["parallelism"]["pp_engine"] = "zb2p"
     raw["general"]["run"] = "smollm_135m_pp2_zb2p_gpu_check"
     path.with_name("smollm_135m_pp2_zb2p.yaml").write_text(
-        "# SmolLM-135M's shape at pp=2, fp32, zb2p (written by benchmarks/gpu_check.py)\n" + yaml.safe_dump(raw))
+        "# SmolLM-135M's shape at pp=2, fp32, zb2p (written by benchmarks/gpu_check.py)\n" + yaml.safe_dump(raw)
+    )
     print(path)
     return 0
 
@@ -92,11 +104,20 @@ def compare(out: Path, run: str = "seed_cuda", reference: str = "seed_cpu") -> i
         print("compare: a training run wrote no metrics (see its log)", file=sys.stderr)
         return 1
     rel = [abs(g - c) / abs(c) for g, c in zip(got["losses"], ref["losses"])]
-    record = {"run": run, "reference": reference, "run_losses": got["losses"], "reference_losses": ref["losses"],
-              "max_rel_diff": max(rel), "rtol": LOSS_RTOL, "same": len(rel) == len(ref["losses"]) and max(rel) <= LOSS_RTOL}
+    record = {
+        "run": run,
+        "reference": reference,
+        "run_losses": got["losses"],
+        "reference_losses": ref["losses"],
+        "max_rel_diff": max(rel),
+        "rtol": LOSS_RTOL,
+        "same": len(rel) == len(ref["losses"]) and max(rel) <= LOSS_RTOL,
+    }
     (out / "train" / f"{run}_vs_{reference}.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{run} against {reference}, {len(rel)} steps: largest relative loss difference {max(rel):.2e} "
-          f"(tolerance {LOSS_RTOL:g}): {'same run' if record['same'] else 'DIFFERENT'}")
+    print(
+        f"{run} against {reference}, {len(rel)} steps: largest relative loss difference {max(rel):.2e} "
+        f"(tolerance {LOSS_RTOL:g}): {'same run' if record['same'] else 'DIFFERENT'}"
+    )
     return 0 if record["same"] else 1
 
 
@@ -121,8 +142,10 @@ def _profile_lines(out: Path) -> list[str]:
     for path in sorted((out / "profiles").glob("*.json")):
         p = load_machine(path)
         links = "; ".join(f"{k.src}->{k.dst}: {k.latency * 1e6:.1f}, {k.bytes_per_second / 1e9:.2f}" for k in p.links)
-        lines.append(f"| {path.relative_to(out)} | {p.describe()} | {p.key.device}, {p.key.backend or '-'} | "
-                     f"{links or 'not measured (alone)'} |")
+        lines.append(
+            f"| {path.relative_to(out)} | {p.describe()} | {p.key.device}, {p.key.backend or '-'} | "
+            f"{links or 'not measured (alone)'} |"
+        )
     return lines
 
 
@@ -137,9 +160,12 @@ def _train_lines(out: Path) -> list[str]:
     for path in sorted((out / "train").glob("*_vs_*.json")):
         diff = _metrics(path)
         if diff is not None and "reference" in diff:
-            lines += ["", f"{diff['run']} against {diff['reference']}: largest relative loss difference "
-                          f"{diff['max_rel_diff']:.2e} (tolerance {diff['rtol']:g}): "
-                          f"{'the same run' if diff['same'] else 'DIFFERENT'}."]
+            lines += [
+                "",
+                f"{diff['run']} against {diff['reference']}: largest relative loss difference "
+                f"{diff['max_rel_diff']:.2e} (tolerance {diff['rtol']:g}): "
+                f"{'the same run' if diff['same'] else 'DIFFERENT'}.",
+            ]
     return lines
 
 
@@ -162,19 +188,41 @@ def summary(out: Path) -> int:
     steps = _steps(out)
     failed = [s["name"] for s in steps if s["rc"] not in ("0", "skipped")]
     devices = ", ".join(env.get("devices", [])) or "no GPU"
-    rehearsal = ["**REHEARSAL on CPU (GPU_CHECK_REHEARSAL=1)**: the script's steps ran on CPU, `cuda` replaced by "
-                 "the CPU with host staging forced on; this checks the script, not a GPU.", ""] if env.get("rehearsal") else []
-    text = "\n".join([
-        f"# GPU check on {devices}", "", *rehearsal,
-        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}; flash-attn "
-        f"{'installed (unused)' if env.get('flash_attn') else 'not installed'}: attention is torch SDPA. "
-        f"Every 2-rank step: gloo, P2P host-staged.", "",
-        f"Result: {'every step ok' if not failed else 'FAILED: ' + ', '.join(failed)}", "",
-        "## Steps", "", *_step_table(steps), "",
-        "## Machine profiles", "", *_profile_lines(out), "",
-        "## Training on the GPU (the CPU runtime, NANOTRON_EXT_DEVICE=cuda; the seed model on CPU too)", "", *_train_lines(out), "",
-        HOST_STAGED_NOTE,
-    ])
+    rehearsal = (
+        [
+            "**REHEARSAL on CPU (GPU_CHECK_REHEARSAL=1)**: the script's steps ran on CPU, `cuda` replaced by "
+            "the CPU with host staging forced on; this checks the script, not a GPU.",
+            "",
+        ]
+        if env.get("rehearsal")
+        else []
+    )
+    text = "\n".join(
+        [
+            f"# GPU check on {devices}",
+            "",
+            *rehearsal,
+            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}; flash-attn "
+            f"{'installed (unused)' if env.get('flash_attn') else 'not installed'}: attention is torch SDPA. "
+            f"Every 2-rank step: gloo, P2P host-staged.",
+            "",
+            f"Result: {'every step ok' if not failed else 'FAILED: ' + ', '.join(failed)}",
+            "",
+            "## Steps",
+            "",
+            *_step_table(steps),
+            "",
+            "## Machine profiles",
+            "",
+            *_profile_lines(out),
+            "",
+            "## Training on the GPU (the CPU runtime, NANOTRON_EXT_DEVICE=cuda; the seed model on CPU too)",
+            "",
+            *_train_lines(out),
+            "",
+            HOST_STAGED_NOTE,
+        ]
+    )
     (out / "summary.md").write_text(text)
     print(text)
     return 1 if failed or not steps else 0
@@ -184,9 +232,11 @@ def main(argv: list[str]) -> int:
     commands = {"env": environment, "configs": write_configs, "compare": compare, "summary": summary}
     extra = {"env": (0, 1), "compare": (0, 2)}.get(argv[0] if argv else "", (0,))
     if len(argv) < 2 or argv[0] not in commands or len(argv) - 2 not in extra:
-        print(f"usage: python benchmarks/gpu_check.py {{{','.join(commands)}}} OUTDIR [REHEARSAL | RUN REFERENCE] "
-              "(run benchmarks/gpu_check.sh)",
-              file=sys.stderr)
+        print(
+            f"usage: python benchmarks/gpu_check.py {{{','.join(commands)}}} OUTDIR [REHEARSAL | RUN REFERENCE] "
+            "(run benchmarks/gpu_check.sh)",
+            file=sys.stderr,
+        )
         return 2
     return commands[argv[0]](Path(argv[1]), *argv[2:])
 

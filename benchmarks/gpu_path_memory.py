@@ -85,13 +85,17 @@ def shapes(quick: bool) -> list[Shape]:
     SmolLM-135M's shape as a Qwen2 with fused and unfused norms."""
     layers, seq = (3, 128) if quick else (30, 2048)
     smol = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, layers=layers, sequence=seq)
-    mha = dict(hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, layers=3 if quick else 8,
-               sequence=seq)
-    every = [Shape("smollm-135m mb4", micro_batch=4, **smol), Shape("smollm-135m mb1", micro_batch=1, **smol),
-             Shape("smollm-135m mb4 recompute", micro_batch=4, recompute=True, **smol),
-             Shape("multi-head mb2", micro_batch=2, **mha),
-             Shape("qwen2 mb4", micro_batch=4, family="qwen2", **smol),
-             Shape("qwen2 mb4 unfused norms", micro_batch=4, family="qwen2", fused_norms=False, **smol)]
+    mha = dict(
+        hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, layers=3 if quick else 8, sequence=seq
+    )
+    every = [
+        Shape("smollm-135m mb4", micro_batch=4, **smol),
+        Shape("smollm-135m mb1", micro_batch=1, **smol),
+        Shape("smollm-135m mb4 recompute", micro_batch=4, recompute=True, **smol),
+        Shape("multi-head mb2", micro_batch=2, **mha),
+        Shape("qwen2 mb4", micro_batch=4, family="qwen2", **smol),
+        Shape("qwen2 mb4 unfused norms", micro_batch=4, family="qwen2", fused_norms=False, **smol),
+    ]
     # --quick: one shape per branch of the count (GQA with the o_proj copy, recompute, multi-head, Qwen2 with both
     # norms); one sequence and Qwen2's fused norms only drop terms, which tests/test_gpu_path_memory.py counts.
     return [x for x in every if x.label not in ("smollm-135m mb1", "qwen2 mb4")] if quick else every
@@ -105,14 +109,22 @@ def planner_config(shape: Shape) -> Any:
     mc = raw["model"]["model_config"]
     if shape.family == "qwen2":
         mc["_fused_rms_norm"] = shape.fused_norms
-    mc.update(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-              intermediate_size=shape.intermediate, vocab_size=shape.vocab, num_hidden_layers=shape.layers,
-              tie_word_embeddings=False, max_position_embeddings=max(shape.sequence, mc["max_position_embeddings"]))
+    mc.update(
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        num_hidden_layers=shape.layers,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(shape.sequence, mc["max_position_embeddings"]),
+    )
     raw["model"]["dtype"] = "bfloat16"
     raw["optimizer"]["accumulate_grad_in_fp32"] = False  # build_model alone: gradients in the weights' dtype
     raw["parallelism"].update(dp=1, pp=1, tp=1, pp_engine="1f1b", recompute_layer=shape.recompute)
-    raw["tokens"].update(sequence_length=shape.sequence, micro_batch_size=shape.micro_batch,
-                         batch_accumulation_per_replica=1)
+    raw["tokens"].update(
+        sequence_length=shape.sequence, micro_batch_size=shape.micro_batch, batch_accumulation_per_replica=1
+    )
     raw.setdefault("nanotron_ext", {})["memory_runtime"] = "gpu"
     return config_from_dict(raw, source=f"{shape.label} (from {base})")
 
@@ -122,8 +134,11 @@ def estimate(shape: Shape) -> dict[str, float]:
     blocks = inventory_from_config(cfg)
     mem = stage_memory(blocks, cfg.model, cfg.run, 0, optimizer="fused", runtime="gpu")
     layer = block_memory(next(b for b in blocks if b.role == "decoder"), cfg.model, cfg.run, "gpu")
-    return {"layer": layer.saved - layer.input + layer.output, "activations": mem.activations,
-            "peak": mem.pipeline_activations + mem.pipeline_gradients + mem.pipeline_temporaries}
+    return {
+        "layer": layer.saved - layer.input + layer.output,
+        "activations": mem.activations,
+        "peak": mem.pipeline_activations + mem.pipeline_gradients + mem.pipeline_temporaries,
+    }
 
 
 def _context(device: str) -> Any:
@@ -146,22 +161,39 @@ def _model(shape: Shape, ctx: Any, device: str) -> Any:
     from nanotron.models.qwen import Qwen2ForTraining
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-    common = dict(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                  intermediate_size=shape.intermediate, vocab_size=shape.vocab, num_hidden_layers=shape.layers,
-                  tie_word_embeddings=False, max_position_embeddings=max(shape.sequence, 2048), rms_norm_eps=1e-5)
+    common = dict(
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        num_hidden_layers=shape.layers,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(shape.sequence, 2048),
+        rms_norm_eps=1e-5,
+    )
     if shape.family == "qwen2":
         # log_attn_probs off: with it (upstream's default) each layer's lse is also kept in a log list, by
         # reference, until the trainer clears it; the stand-in kernel does not return it.
-        config = Qwen2Config(**common, _fused_rms_norm=shape.fused_norms, _use_qkv_packed=True,
-                             log_attn_probs=False)
+        config = Qwen2Config(**common, _fused_rms_norm=shape.fused_norms, _use_qkv_packed=True, log_attn_probs=False)
         model_class = Qwen2ForTraining
     else:
         config, model_class = LlamaConfig(**common), LlamaForTraining
-    par = ParallelismArgs(dp=1, pp=1, tp=1, pp_engine="1f1b", tp_mode=TensorParallelLinearMode.ALL_REDUCE,
-                          tp_linear_async_communication=False, recompute_layer=shape.recompute)
-    model = build_model(model_builder=lambda: model_class(config=config, parallel_context=ctx,
-                                                          parallel_config=par, random_states=None),
-                        parallel_context=ctx, dtype=torch.bfloat16, device=torch.device(device))
+    par = ParallelismArgs(
+        dp=1,
+        pp=1,
+        tp=1,
+        pp_engine="1f1b",
+        tp_mode=TensorParallelLinearMode.ALL_REDUCE,
+        tp_linear_async_communication=False,
+        recompute_layer=shape.recompute,
+    )
+    model = build_model(
+        model_builder=lambda: model_class(config=config, parallel_context=ctx, parallel_config=par, random_states=None),
+        parallel_context=ctx,
+        dtype=torch.bfloat16,
+        device=torch.device(device),
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)  # norms' weights at 1
@@ -204,15 +236,20 @@ def measure(shape: Shape, ctx: Any, device: str) -> dict[str, float]:
         h.remove()
     base = trace.live_at("start")
     steps = [trace.live_at(f"layer{i + 1}") - trace.live_at(f"layer{i}") for i in range(1, len(layers) - 1)]
-    out = {"layer": float(statistics.median(steps)), "activations": float(trace.live_at("forward") - base),
-           "peak": float(trace.peak_between("start", "backward") - base)}
+    out = {
+        "layer": float(statistics.median(steps)),
+        "activations": float(trace.live_at("forward") - base),
+        "peak": float(trace.peak_between("start", "backward") - base),
+    }
     if requested:
         now = {k: v[0] for k, v in requested.items()}
         asked = [now[f"layer{i + 1}"] - now[f"layer{i}"] for i in range(1, len(layers) - 1)]
         after_start = [v[1] for k, v in list(requested.items())[1:]]
-        out.update(requested_layer=float(statistics.median(asked)),
-                   requested_activations=float(now["forward"] - now["start"]),
-                   requested_peak=float(max(after_start) - now["start"]))
+        out.update(
+            requested_layer=float(statistics.median(asked)),
+            requested_activations=float(now["forward"] - now["start"]),
+            requested_peak=float(max(after_start) - now["start"]),
+        )
     del model, loss, batch
     gc.collect()
     if device == "cuda":
@@ -243,17 +280,32 @@ def main(argv: list[str] | None = None) -> int:
             ratio = est[what] / meas[what] if meas[what] else float("nan")
             asked = meas.get(f"requested_{what}")
             tail = "" if asked is None else f" {asked / MIB:>10.1f} MiB {est[what] / asked:>10.3f}"
-            print(f"{shape.label:<26} {what:<12} {est[what] / MIB:>8.1f} MiB {meas[what] / MIB:>8.1f} MiB "
-                  f"{ratio:>10.3f}{tail}")
-            rows.append({"shape": shape.__dict__, "what": what, "estimated_bytes": est[what],
-                         "measured_bytes": meas[what], "ratio": ratio, "requested_bytes": asked})
+            print(
+                f"{shape.label:<26} {what:<12} {est[what] / MIB:>8.1f} MiB {meas[what] / MIB:>8.1f} MiB "
+                f"{ratio:>10.3f}{tail}"
+            )
+            rows.append(
+                {
+                    "shape": shape.__dict__,
+                    "what": what,
+                    "estimated_bytes": est[what],
+                    "measured_bytes": meas[what],
+                    "ratio": ratio,
+                    "requested_bytes": asked,
+                }
+            )
     kernel = dict(_flash_memory.ATTENTION_KERNEL)
     print(f"attention: {kernel}")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu_path_memory_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "quick": args.quick,
-                               "attention": kernel, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {"device": device_name, "torch": torch.__version__, "quick": args.quick, "attention": kernel, "rows": rows},
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

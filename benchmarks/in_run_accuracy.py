@@ -44,11 +44,24 @@ def spec_of(sc: Scenario, args: argparse.Namespace, folder: Path) -> dict[str, A
     """What the ranks read: the scenario, its config written to ``folder``, the counts."""
     config = folder / f"{sc.label}.yaml"
     config.write_text(yaml.safe_dump(sc.raw_config()))
-    return {"label": sc.label, "notes": sc.notes, "config": str(config), "folder": str(folder),
-            "splits": [{"name": s.name, "layout": s.layout} for s in sc.splits], "engines": list(sc.engines),
-            "micro_batches": [sc.micro_batches, *sc.micro_batches_also], "tolerance": sc.tolerance,
-            "rounds": sc.rounds, "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": 2,
-            "repeats": args.repeats, "in_run_steps": args.in_run_steps, "pp": sc.pp, "device": args.device}
+    return {
+        "label": sc.label,
+        "notes": sc.notes,
+        "config": str(config),
+        "folder": str(folder),
+        "splits": [{"name": s.name, "layout": s.layout} for s in sc.splits],
+        "engines": list(sc.engines),
+        "micro_batches": [sc.micro_batches, *sc.micro_batches_also],
+        "tolerance": sc.tolerance,
+        "rounds": sc.rounds,
+        "steps_per_turn": sc.steps_per_turn,
+        "rewarm": sc.rewarm,
+        "warmup": 2,
+        "repeats": args.repeats,
+        "in_run_steps": args.in_run_steps,
+        "pp": sc.pp,
+        "device": args.device,
+    }
 
 
 def launch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -78,29 +91,40 @@ def launch(spec: dict[str, Any]) -> dict[str, Any]:
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
     try:
-        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(out_path)], spec["pp"], timeout=WORLD_TIMEOUT_S, grace=0,
-                              env={**MALLOC_ENV, **local_env(ROOT, NANOTRON_EXT_DEVICE=spec["device"])}, cwd=ROOT)
+        run = run_local_ranks(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+            spec["pp"],
+            timeout=WORLD_TIMEOUT_S,
+            grace=0,
+            env={**MALLOC_ENV, **local_env(ROOT, NANOTRON_EXT_DEVICE=spec["device"])},
+            cwd=ROOT,
+        )
     finally:
         stop.set()
         follower.join()
         bar.close()
     if not run.ok or not out_path.exists():
-        raise RuntimeError(f"scenario {spec['label']!r} {'timed out' if run.deadline_hit else 'failed'}:\n"
-                           + run.describe())
+        raise RuntimeError(
+            f"scenario {spec['label']!r} {'timed out' if run.deadline_hit else 'failed'}:\n" + run.describe()
+        )
     return json.loads(out_path.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", action="append", choices=[s.label for s in SCENARIOS],
-                        help="run only these (default: all)")
+    parser.add_argument(
+        "--scenario", action="append", choices=[s.label for s in SCENARIOS], help="run only these (default: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a rehearsal, its verdicts not counted")
     parser.add_argument("--repeats", type=int, default=11, help="calibrate's --repeats for the standalone profile")
     parser.add_argument("--in-run-steps", type=int, default=5, help="timed steps of the profile's run")
-    parser.add_argument("--device", choices=DEVICE_TYPES, default=None,
-                        help="where the ranks train and calibrate (default: the one device rule: $NANOTRON_EXT_DEVICE, "
-                        "else cuda when torch sees a GPU, else cpu); on one GPU the ranks share it, host-staged")
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_TYPES,
+        default=None,
+        help="where the ranks train and calibrate (default: the one device rule: $NANOTRON_EXT_DEVICE, "
+        "else cuda when torch sees a GPU, else cpu); on one GPU the ranks share it, host-staged",
+    )
     parser.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/in_run_accuracy.json)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -121,8 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdicts = report.checks(result, found, clock)
         failed += [f"{sc.label}: {name}" for name, ok in verdicts.items() if not ok]
         profiles = {name: json.loads(Path(path).read_text()) for name, path in result["profiles"].items()}
-        results[sc.label] = {"rows": [r.__dict__ for r in found], "clock": clock, "checks": verdicts,
-                             "profiles": profiles, "seconds": time.perf_counter() - start}
+        results[sc.label] = {
+            "rows": [r.__dict__ for r in found],
+            "clock": clock,
+            "checks": verdicts,
+            "profiles": profiles,
+            "seconds": time.perf_counter() - start,
+        }
         print(f"({time.perf_counter() - start:.0f} s)")
     stem = "in_run_accuracy" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
     out = Path(args.out) if args.out else RESULTS / f"{stem}.json"

@@ -148,8 +148,17 @@ def scenarios(quick: bool) -> list[Scenario]:
     return [
         # Its blocks are memory-bound, millisecond ops on a working set near the 32 MiB L3: a turn re-warms the
         # caches with one untimed step after the other plans' models ran, as a real run (one model) has them.
-        Scenario("tiny-large-vocab", "tiny_llama_large_vocab.yaml", 32, 2, 4, notes="as shipped",
-                 rounds=5, steps_per_turn=3, rewarm=1),
+        Scenario(
+            "tiny-large-vocab",
+            "tiny_llama_large_vocab.yaml",
+            32,
+            2,
+            4,
+            notes="as shipped",
+            rounds=5,
+            steps_per_turn=3,
+            rewarm=1,
+        ),
         Scenario(
             "SmolLM-135M-shaped",
             "smollm_135m.yaml",
@@ -305,8 +314,9 @@ def worker(spec_path: str, out_path: str) -> None:
                 "model": model,
                 "optimizer": optimizer,
                 "grad_acc": grad_acc,
-                "batches": random_micro_batches(model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size,
-                                                cfg.run.sequence_length),
+                "batches": random_micro_batches(
+                    model, ctx, lcfg.vocab_size, cfg.run.micro_batch_size, cfg.run.sequence_length
+                ),
                 "timer": StepTimer(model, ctx),
                 "losses": [],
             }
@@ -314,8 +324,9 @@ def worker(spec_path: str, out_path: str) -> None:
         # and links are measured again before each round (blocks into a fresh cache), and the simulator gets
         # the median over rounds: this VM's speed drifts by 10-20 % over tens of seconds, and timings taken only
         # before training would compare one moment's speed with another's.
-        turns = [[False] * spec["warmup"]] + [[False] * spec["rewarm"] + [True] * spec["steps_per_turn"]
-                                              for _ in range(spec["rounds"])]
+        turns = [[False] * spec["warmup"]] + [
+            [False] * spec["rewarm"] + [True] * spec["steps_per_turn"] for _ in range(spec["rounds"])
+        ]
         profiles, links, loads = [], [], []
         for i, turn in enumerate(turns):
             loads.append(os.getloadavg()[0])
@@ -329,13 +340,20 @@ def worker(spec_path: str, out_path: str) -> None:
             for run in runs.values():
                 for record in turn:
                     with run["timer"] as timer, timer.step(record=record):
-                        run["losses"].append(train_step(
-                            run["model"], ctx, ENGINE, run["batches"], cfg.run.n_micro_batches, run["optimizer"],
-                            grad_accumulator=run["grad_acc"],
-                            # No clipping: the runtime's clip crashes on a rank whose only weights are tied
-                            # copies owned by another rank (SmolLM's lm_head alone on PP1); see the report.
-                            clip_grad=None,
-                        ))
+                        run["losses"].append(
+                            train_step(
+                                run["model"],
+                                ctx,
+                                ENGINE,
+                                run["batches"],
+                                cfg.run.n_micro_batches,
+                                run["optimizer"],
+                                grad_accumulator=run["grad_acc"],
+                                # No clipping: the runtime's clip crashes on a rank whose only weights are tied
+                                # copies owned by another rank (SmolLM's lm_head alone on PP1); see the report.
+                                clip_grad=None,
+                            )
+                        )
         summaries = {}
         for key, run in runs.items():
             per_rank = run["timer"].gather()
@@ -354,13 +372,25 @@ def worker(spec_path: str, out_path: str) -> None:
                 "profile_s": profile_s,
                 # Per block, the median over the rounds' profiles of forward, backward and optimizer step
                 # apart; the first profile, before training, is the one the profiled strategy planned with.
-                "timings": [[statistics.median(getattr(p[k], f) for p in profiles)
-                             for f in ("forward", "backward", "optimizer")] for k in range(len(blocks))],
+                "timings": [
+                    [
+                        statistics.median(getattr(p[k], f) for p in profiles)
+                        for f in ("forward", "backward", "optimizer")
+                    ]
+                    for k in range(len(blocks))
+                ],
                 "planning_timings": [[t.forward, t.backward, t.optimizer] for t in timings],
                 "round_timings": [[[t.forward, t.backward, t.optimizer] for t in p] for p in profiles],
                 # What a block sends when a cut follows it: the memory model's output, as the planner prices it.
-                "blocks": [{"name": b.name, "short": b.short, "role": b.role,
-                            "output_bytes": block_memory(b, cfg.model, cfg.run).output} for b in blocks],
+                "blocks": [
+                    {
+                        "name": b.name,
+                        "short": b.short,
+                        "role": b.role,
+                        "output_bytes": block_memory(b, cfg.model, cfg.run).output,
+                    }
+                    for b in blocks
+                ],
                 "p2p": {key: statistics.median(r[key] for r in links) for key in links[0]},
                 "round_p2p": links,
                 "tied": cfg.model.tie_word_embeddings,
@@ -376,8 +406,9 @@ def worker(spec_path: str, out_path: str) -> None:
                 },
                 "runs": summaries,
                 # The planner's own prediction: each plan simulated with the FLOP-rate model (p2p ignored).
-                "flop_rate_sim": {name: simulate_plan(p, blocks, cfg, machine=FLOP_RATE).step_time
-                                  for name, p in plans.items()},
+                "flop_rate_sim": {
+                    name: simulate_plan(p, blocks, cfg, machine=FLOP_RATE).step_time for name, p in plans.items()
+                },
                 "load_average": loads,
                 "steps_per_turn": spec["steps_per_turn"],
             }
@@ -387,8 +418,9 @@ def worker(spec_path: str, out_path: str) -> None:
 # --- launching -----------------------------------------------------------------------------------------
 
 
-def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: bool = True,
-           script: Path | None = None) -> dict[str, Any]:
+def launch(
+    spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: bool = True, script: Path | None = None
+) -> dict[str, Any]:
     """Run :func:`worker` in ``PP`` fresh processes with torchrun's environment; return rank 0's JSON.
 
     Args:
@@ -406,8 +438,14 @@ def launch(spec: dict[str, Any], timeout: float = WORLD_TIMEOUT_S, malloc_env: b
         env = local_env(ROOT)
         env = {**MALLOC_ENV, **env} if malloc_env else {**env, **SYSTEM_MALLOC_ENV}
         # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
-        run = run_local_ranks([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)
+        run = run_local_ranks(
+            [sys.executable, str(script or Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+            PP,
+            timeout=timeout,
+            grace=0,
+            env=env,
+            cwd=ROOT,
+        )
         if not run.ok or not out_path.exists():
             reason = "timed out" if run.deadline_hit else "failed"
             raise RuntimeError(f"scenario {spec['label']!r} {reason}:\n" + run.describe())
@@ -478,14 +516,30 @@ def analyse(result: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         # Separates the two sources of error: per-block timings measured alone (busy ratio ≠ 1) versus the
         # schedule model (the simulator fed with in-pipeline stage times, scaled from the profiled split of
         # forward and backward, still misses the measured pipeline).
-        ratio = [s["pipeline_busy"][k] / (m * (fwd[k] + bwd[k])) if fwd[k] + bwd[k] else float("nan")
-                 for k in range(PP)]
-        in_situ = simulate([StageTimes(fwd[k] * ratio[k], bwd[k] * ratio[k]) for k in range(PP)], m, ENGINE,
-                           transfer)
-        rows.append(Row(name, _split(plan["ranks"], blocks), plan["ok"], plan["findings"],
-                        run["first"] if run["first"] != name else None, s["step"], s["pipeline"], s["bubble"],
-                        s["pipeline_bubble"], sim.step_time, sim.pipeline_time, sim.bubble_fraction, transfer,
-                        update, ratio, in_situ.pipeline_time))
+        ratio = [
+            s["pipeline_busy"][k] / (m * (fwd[k] + bwd[k])) if fwd[k] + bwd[k] else float("nan") for k in range(PP)
+        ]
+        in_situ = simulate([StageTimes(fwd[k] * ratio[k], bwd[k] * ratio[k]) for k in range(PP)], m, ENGINE, transfer)
+        rows.append(
+            Row(
+                name,
+                _split(plan["ranks"], blocks),
+                plan["ok"],
+                plan["findings"],
+                run["first"] if run["first"] != name else None,
+                s["step"],
+                s["pipeline"],
+                s["bubble"],
+                s["pipeline_bubble"],
+                sim.step_time,
+                sim.pipeline_time,
+                sim.bubble_fraction,
+                transfer,
+                update,
+                ratio,
+                in_situ.pipeline_time,
+            )
+        )
     return rows, sims
 
 
@@ -503,21 +557,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(argv[1], argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds in which every plan takes a turn (default: 5 for both scenarios)")
-    parser.add_argument("--scenario", action="append", default=None, metavar="LABEL",
-                        help="run only this scenario (repeatable): tiny-large-vocab, SmolLM-135M-shaped, "
-                             "SmolLM-135M-shaped-m2 (the objective comparison; not run by default)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds in which every plan takes a turn (default: 5 for both scenarios)",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        metavar="LABEL",
+        help="run only this scenario (repeatable): tiny-large-vocab, SmolLM-135M-shaped, "
+        "SmolLM-135M-shaped-m2 (the objective comparison; not run by default)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--profile-cache", default=None,
-                        help="reuse this timing cache (default: a fresh one, so timings are of this run)")
+    parser.add_argument(
+        "--profile-cache",
+        default=None,
+        help="reuse this timing cache (default: a fresh one, so timings are of this run)",
+    )
     parser.add_argument("--quick", action="store_true", help="SmolLM-shaped with 8 layers and sequence 64")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc malloc's defaults (default: keep freed memory, see MALLOC_ENV)")
+    parser.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave glibc malloc's defaults (default: keep freed memory, see MALLOC_ENV)",
+    )
     args = parser.parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
-    chosen = [sc for sc in scenarios(args.quick) if (sc.default if args.scenario is None else sc.label in args.scenario)]
+    chosen = [
+        sc for sc in scenarios(args.quick) if (sc.default if args.scenario is None else sc.label in args.scenario)
+    ]
     if args.scenario is not None and len(chosen) != len(set(args.scenario)):
         known = ", ".join(sc.label for sc in scenarios(args.quick))
         parser.error(f"--scenario {args.scenario}: unknown label; known: {known}")
@@ -527,22 +598,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Reproduce: `python {shlex.join(['benchmarks/measured_cpu.py', *argv])}` (from the repository root)\n")
     import torch
 
-    turns = "; ".join(f"{sc.label}: {sc.rounds} round(s) × ({sc.rewarm} untimed + {sc.steps_per_turn} timed)"
-                      for sc in chosen)
-    print(f"Nanotron 0.2 1F1B engine on CPU (gloo), pp={PP}, 2 processes × 1 thread, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs; per distinct plan {args.warmup} warm-up step(s), then rounds in which each plan "
-          f"takes a turn ({turns}), medians of the timed steps; "
-          f"glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept (' + ', '.join(MALLOC_ENV) + ')'}.\n")
+    turns = "; ".join(
+        f"{sc.label}: {sc.rounds} round(s) × ({sc.rewarm} untimed + {sc.steps_per_turn} timed)" for sc in chosen
+    )
+    print(
+        f"Nanotron 0.2 1F1B engine on CPU (gloo), pp={PP}, 2 processes × 1 thread, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs; per distinct plan {args.warmup} warm-up step(s), then rounds in which each plan "
+        f"takes a turn ({turns}), medians of the timed steps; "
+        f"glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept (' + ', '.join(MALLOC_ENV) + ')'}.\n"
+    )
     started = time.perf_counter()
     all_rows: dict[str, list[Row]] = {}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_profile_") as fresh_cache:
         for sc in chosen:
             t0, load_before = time.perf_counter(), os.getloadavg()[0]
-            spec = {"label": sc.label, "raw": sc.raw_config(), "rounds": sc.rounds,
-                    "steps_per_turn": sc.steps_per_turn, "rewarm": sc.rewarm, "warmup": args.warmup,
-                    "strategies": list(sc.strategies), "profile_rounds": sc.profile_rounds,
-                    "cache": args.profile_cache or fresh_cache}
+            spec = {
+                "label": sc.label,
+                "raw": sc.raw_config(),
+                "rounds": sc.rounds,
+                "steps_per_turn": sc.steps_per_turn,
+                "rewarm": sc.rewarm,
+                "warmup": args.warmup,
+                "strategies": list(sc.strategies),
+                "profile_rounds": sc.profile_rounds,
+                "cache": args.profile_cache or fresh_cache,
+            }
             result = launch(spec, malloc_env=not args.system_malloc)
             results[sc.label] = result
             RESULTS.mkdir(parents=True, exist_ok=True)
@@ -551,15 +632,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, sims = analyse(result)
             all_rows[sc.label] = rows
             cuts = {k: v for k, v in result["p2p"].items() if k != "tied"}
-            links = ", ".join(f"before {result['blocks'][int(k.split(':')[0])]['short']} {v * 1e3:.2f} ms"
-                              for k, v in sorted(cuts.items(), key=lambda kv: int(kv[0].split(":")[0])))
+            links = ", ".join(
+                f"before {result['blocks'][int(k.split(':')[0])]['short']} {v * 1e3:.2f} ms"
+                for k, v in sorted(cuts.items(), key=lambda kv: int(kv[0].split(":")[0]))
+            )
             if result["tied"]:
                 links += f"; tied-gradient all-reduce {result['p2p']['tied'] * 1e3:.1f} ms"
-            print(f"- {sc.label} ({sc.notes}): {len(result['blocks'])} blocks, {result['n_micro_batches']} "
-                  f"micro-batches; profiled timings in {result['profile_s']:.1f} s; one p2p transfer (median over "
-                  f"rounds): {links}; "
-                  f"scenario wall {time.perf_counter() - t0:.0f} s; load average before/after "
-                  f"{load_before:.2f}/{os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"- {sc.label} ({sc.notes}): {len(result['blocks'])} blocks, {result['n_micro_batches']} "
+                f"micro-batches; profiled timings in {result['profile_s']:.1f} s; one p2p transfer (median over "
+                f"rounds): {links}; "
+                f"scenario wall {time.perf_counter() - t0:.0f} s; load average before/after "
+                f"{load_before:.2f}/{os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
             _timeline(sc, sims, rows, result["blocks"])
 
     print()
@@ -586,45 +672,85 @@ def _timeline(sc: Scenario, sims: dict[str, Any], rows: list[Row], blocks: Seque
         labels.append(text if len(text) <= 34 else text[:33] + "…")
     stem = sc.label.lower().replace("-", "_").replace(" ", "_")
     path = RESULTS / f"measured_cpu_{stem}_{shown}_timeline.png"
-    plot_timeline(sim, path, stage_labels=labels,
-                  title=f"{sc.label}: {shown} split, 1F1B, pp={PP}, simulated from CPU block timings\n"
-                        f"measured step {row.step * 1e3:.0f} ms")
+    plot_timeline(
+        sim,
+        path,
+        stage_labels=labels,
+        title=f"{sc.label}: {shown} split, 1F1B, pp={PP}, simulated from CPU block timings\n"
+        f"measured step {row.step * 1e3:.0f} ms",
+    )
     print(f"  timeline: {path.relative_to(ROOT)}")
 
 
 def _print_table(all_rows: dict[str, list[Row]], results: dict[str, dict[str, Any]]) -> None:
     from nanotron_ext.report import table
 
-    head = ["scenario", "strategy", "split (PP0 / PP1)", "plan valid?", "step ms", "sim step ms", "sim ÷ step",
-            "pipeline ms", "sim pipeline ms", "sim ÷ pipeline", "bubble", "sim bubble", "sim p2p ms",
-            "sim update ms (PP0, PP1)", "in-pipeline busy ÷ profiled (PP0, PP1)",
-            "sim from in-pipeline stage times ÷ pipeline", "speed vs Nanotron"]
+    head = [
+        "scenario",
+        "strategy",
+        "split (PP0 / PP1)",
+        "plan valid?",
+        "step ms",
+        "sim step ms",
+        "sim ÷ step",
+        "pipeline ms",
+        "sim pipeline ms",
+        "sim ÷ pipeline",
+        "bubble",
+        "sim bubble",
+        "sim p2p ms",
+        "sim update ms (PP0, PP1)",
+        "in-pipeline busy ÷ profiled (PP0, PP1)",
+        "sim from in-pipeline stage times ÷ pipeline",
+        "speed vs Nanotron",
+    ]
     cells = []
     for label, rows in all_rows.items():
         nanotron = next(r for r in rows if r.strategy == "nanotron")
         for r in rows:
             trainable = results[label]["plans"][r.strategy]["trainable"]
             name = r.strategy + (f" (= {r.same_as})" if r.same_as else "")
-            cells.append([label, name, r.split, _valid_label(r, trainable), f"{r.step * 1e3:.1f}",
-                          f"{r.sim_step * 1e3:.1f}", f"{r.sim_step / r.step:.2f}", f"{r.pipeline * 1e3:.1f}",
-                          f"{r.sim_pipeline * 1e3:.1f}", f"{r.sim_pipeline / r.pipeline:.2f}", f"{r.bubble:.1%}",
-                          f"{r.sim_bubble:.1%}", f"{r.p2p * 1e3:.2f}", ", ".join(f"{x * 1e3:.1f}" for x in r.update),
-                          ", ".join(f"{x:.2f}" for x in r.busy_ratio), f"{r.sim_in_situ / r.pipeline:.2f}",
-                          f"{nanotron.step / r.step:.2f}x"])
+            cells.append(
+                [
+                    label,
+                    name,
+                    r.split,
+                    _valid_label(r, trainable),
+                    f"{r.step * 1e3:.1f}",
+                    f"{r.sim_step * 1e3:.1f}",
+                    f"{r.sim_step / r.step:.2f}",
+                    f"{r.pipeline * 1e3:.1f}",
+                    f"{r.sim_pipeline * 1e3:.1f}",
+                    f"{r.sim_pipeline / r.pipeline:.2f}",
+                    f"{r.bubble:.1%}",
+                    f"{r.sim_bubble:.1%}",
+                    f"{r.p2p * 1e3:.2f}",
+                    ", ".join(f"{x * 1e3:.1f}" for x in r.update),
+                    ", ".join(f"{x:.2f}" for x in r.busy_ratio),
+                    f"{r.sim_in_situ / r.pipeline:.2f}",
+                    f"{nanotron.step / r.step:.2f}x",
+                ]
+            )
     print(table(head, cells, markdown=True))
-    print("\n(= X): same split as X, trained once. step: the full train_step (engine, tied-gradient sync, optimizer;"
-          " no clipping); sim step: the simulated pipeline plus each stage's update (its blocks' profiled optimizer"
-          " steps, plus the measured tied-gradient all-reduce where embedding and lm_head sit on different ranks)."
-          " pipeline: the engine's part alone. bubble: Σ idle ÷ (pp × step).\nin-pipeline busy ÷ profiled: each"
-          " stage's compute inside the pipeline ÷ m × its blocks' profiled forward + backward (1.00: the blocks timed"
-          " alone predict the stage). sim from in-pipeline stage times: the simulator fed with those measured stage"
-          " times instead (tests the schedule model alone).")
+    print(
+        "\n(= X): same split as X, trained once. step: the full train_step (engine, tied-gradient sync, optimizer;"
+        " no clipping); sim step: the simulated pipeline plus each stage's update (its blocks' profiled optimizer"
+        " steps, plus the measured tied-gradient all-reduce where embedding and lm_head sit on different ranks)."
+        " pipeline: the engine's part alone. bubble: Σ idle ÷ (pp × step).\nin-pipeline busy ÷ profiled: each"
+        " stage's compute inside the pipeline ÷ m × its blocks' profiled forward + backward (1.00: the blocks timed"
+        " alone predict the stage). sim from in-pipeline stage times: the simulator fed with those measured stage"
+        " times instead (tests the schedule model alone)."
+    )
 
 
 def _out_of_range(all_rows: dict[str, list[Row]], ratio: Callable[[Row], float]) -> list[str]:
     lo, hi = SIM_RANGE
-    return [f"{label}/{r.strategy} {ratio(r):.2f}" for label, rows in all_rows.items() for r in rows
-            if not lo <= ratio(r) <= hi]
+    return [
+        f"{label}/{r.strategy} {ratio(r):.2f}"
+        for label, rows in all_rows.items()
+        for r in rows
+        if not lo <= ratio(r) <= hi
+    ]
 
 
 def _print_checks(all_rows: dict[str, list[Row]]) -> bool:
@@ -635,9 +761,11 @@ def _print_checks(all_rows: dict[str, list[Row]]) -> bool:
         best = min((r for r in rows if r.strategy.split("@")[0] in OURS and r.ok), key=lambda r: r.step)
         holds = best.step <= nanotron.step * (1 + NOISE)
         fast_ok &= holds
-        print(f"{'HOLDS' if holds else 'FAILS'}: {label}: best of ours ({best.strategy}, {best.step * 1e3:.1f} ms) vs "
-              f"Nanotron's rule ({nanotron.step * 1e3:.1f} ms{'' if nanotron.ok else ', a plan Nanotron cannot train'}"
-              f"): {nanotron.step / best.step:.3f}x")
+        print(
+            f"{'HOLDS' if holds else 'FAILS'}: {label}: best of ours ({best.strategy}, {best.step * 1e3:.1f} ms) vs "
+            f"Nanotron's rule ({nanotron.step * 1e3:.1f} ms{'' if nanotron.ok else ', a plan Nanotron cannot train'}"
+            f"): {nanotron.step / best.step:.3f}x"
+        )
     lo, hi = SIM_RANGE
     step_ratios = [r.sim_step / r.step for rows in all_rows.values() for r in rows]
     bad_step = _out_of_range(all_rows, lambda r: r.sim_step / r.step)
@@ -645,16 +773,24 @@ def _print_checks(all_rows: dict[str, list[Row]]) -> bool:
     bad_situ = _out_of_range(all_rows, lambda r: r.sim_in_situ / r.pipeline)
     banner = "=" * 100
     print(banner)
-    print(f"CHECK 'best of ours is at least as fast as Nanotron's rule' (within {NOISE:.0%} noise) on every scenario: "
-          f"{'YES' if fast_ok else 'NO'}")
-    print(f"CHECK 'simulated ÷ measured step time within {lo}–{hi}' on every row: {'YES' if not bad_step else 'NO'}"
-          f" (range {min(step_ratios):.2f}–{max(step_ratios):.2f})"
-          + ("" if not bad_step else " — out of range: " + ", ".join(bad_step)))
-    print(f"      the engine's part alone, 'simulated ÷ measured pipeline within {lo}–{hi}': "
-          f"{'YES' if not bad_pipe else 'NO'}" + ("" if not bad_pipe else " — out of range: " + ", ".join(bad_pipe)))
-    print(f"      the schedule model alone, 'simulated from in-pipeline stage times ÷ measured pipeline within "
-          f"{lo}–{hi}': {'YES' if not bad_situ else 'NO'}"
-          + ("" if not bad_situ else " — out of range: " + ", ".join(bad_situ)))
+    print(
+        f"CHECK 'best of ours is at least as fast as Nanotron's rule' (within {NOISE:.0%} noise) on every scenario: "
+        f"{'YES' if fast_ok else 'NO'}"
+    )
+    print(
+        f"CHECK 'simulated ÷ measured step time within {lo}–{hi}' on every row: {'YES' if not bad_step else 'NO'}"
+        f" (range {min(step_ratios):.2f}–{max(step_ratios):.2f})"
+        + ("" if not bad_step else " — out of range: " + ", ".join(bad_step))
+    )
+    print(
+        f"      the engine's part alone, 'simulated ÷ measured pipeline within {lo}–{hi}': "
+        f"{'YES' if not bad_pipe else 'NO'}" + ("" if not bad_pipe else " — out of range: " + ", ".join(bad_pipe))
+    )
+    print(
+        f"      the schedule model alone, 'simulated from in-pipeline stage times ÷ measured pipeline within "
+        f"{lo}–{hi}': {'YES' if not bad_situ else 'NO'}"
+        + ("" if not bad_situ else " — out of range: " + ", ".join(bad_situ))
+    )
     print(banner)
     return fast_ok and not bad_step
 
@@ -670,23 +806,33 @@ def _print_objectives(label: str, result: dict[str, Any], rows: list[Row]) -> No
         return
     runs = {name: result["runs"][",".join(map(str, result["plans"][name]["ranks"]))] for name in OBJECTIVE_PAIR}
     per = result["steps_per_turn"]
-    rounds = [[statistics.median(runs[name]["steps"][i : i + per]) for i in range(0, len(runs[name]["steps"]), per)]
-              for name in OBJECTIVE_PAIR]
+    rounds = [
+        [statistics.median(runs[name]["steps"][i : i + per]) for i in range(0, len(runs[name]["steps"]), per)]
+        for name in OBJECTIVE_PAIR
+    ]
     paired = [f / d for d, f in zip(*rounds)]  # FLOP split's step ÷ the default's, per round
     faster = sum(x > 1 for x in paired)
     flop_rate = result["flop_rate_sim"]
     print(f"  splits: {default}: {a.split}; {flop}: {b.split}")
-    print(f"  predicted, FLOP-rate model (what the planner optimises): {flop} ÷ {default} = "
-          f"{flop_rate[flop] / flop_rate[default]:.4f}")
-    print(f"  predicted, simulator fed with this run's measured block and link times: {b.sim_step * 1e3:.1f} ÷ "
-          f"{a.sim_step * 1e3:.1f} ms = {b.sim_step / a.sim_step:.4f}")
-    print(f"  measured step (median of {len(runs[default]['steps'])} timed steps each): {b.step * 1e3:.1f} ÷ "
-          f"{a.step * 1e3:.1f} ms = {b.step / a.step:.4f} ({(b.step - a.step) * 1e3:+.1f} ms for the FLOP split)")
-    print(f"  per round (median of the round's steps), {flop} ÷ {default}: "
-          + ", ".join(f"{x:.3f}" for x in paired)
-          + f"; median {statistics.median(paired):.4f}, range {min(paired):.3f}–{max(paired):.3f}; "
-          f"the default faster in {faster} of {len(paired)} rounds (two-sided sign test p = "
-          f"{_sign_test(faster, len(paired)):.3f})")
+    print(
+        f"  predicted, FLOP-rate model (what the planner optimises): {flop} ÷ {default} = "
+        f"{flop_rate[flop] / flop_rate[default]:.4f}"
+    )
+    print(
+        f"  predicted, simulator fed with this run's measured block and link times: {b.sim_step * 1e3:.1f} ÷ "
+        f"{a.sim_step * 1e3:.1f} ms = {b.sim_step / a.sim_step:.4f}"
+    )
+    print(
+        f"  measured step (median of {len(runs[default]['steps'])} timed steps each): {b.step * 1e3:.1f} ÷ "
+        f"{a.step * 1e3:.1f} ms = {b.step / a.step:.4f} ({(b.step - a.step) * 1e3:+.1f} ms for the FLOP split)"
+    )
+    print(
+        f"  per round (median of the round's steps), {flop} ÷ {default}: "
+        + ", ".join(f"{x:.3f}" for x in paired)
+        + f"; median {statistics.median(paired):.4f}, range {min(paired):.3f}–{max(paired):.3f}; "
+        f"the default faster in {faster} of {len(paired)} rounds (two-sided sign test p = "
+        f"{_sign_test(faster, len(paired)):.3f})"
+    )
     loads = result["load_average"]
     print(f"  1-minute load average inside the run: {min(loads):.2f}–{max(loads):.2f} on {os.cpu_count()} CPUs")
 

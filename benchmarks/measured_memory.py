@@ -78,15 +78,24 @@ class Scenario:
     def raw_config(self) -> dict[str, Any]:
         raw = yaml.safe_load((CONFIGS / self.yaml_name).read_text())
         raw["model"]["dtype"] = self.dtype
-        raw["parallelism"].update(pp=self.pp, tp=self.tp, dp=1, pp_engine=self.engine, tp_mode="ALL_REDUCE",
-                                  tp_linear_async_communication=False)
+        raw["parallelism"].update(
+            pp=self.pp,
+            tp=self.tp,
+            dp=1,
+            pp_engine=self.engine,
+            tp_mode="ALL_REDUCE",
+            tp_linear_async_communication=False,
+        )
         raw["optimizer"]["accumulate_grad_in_fp32"] = False
         raw["parallelism"]["recompute_layer"] = self.recompute
         raw["optimizer"]["zero_stage"] = 0
         if self.num_hidden_layers is not None:
             raw["model"]["model_config"]["num_hidden_layers"] = self.num_hidden_layers
-        for key, value in (("sequence_length", self.sequence_length), ("micro_batch_size", self.micro_batch_size),
-                           ("batch_accumulation_per_replica", self.n_micro_batches)):
+        for key, value in (
+            ("sequence_length", self.sequence_length),
+            ("micro_batch_size", self.micro_batch_size),
+            ("batch_accumulation_per_replica", self.n_micro_batches),
+        ):
             if value is not None:
                 raw["tokens"][key] = value
         raw.setdefault("nanotron_ext", {})
@@ -96,8 +105,11 @@ class Scenario:
 
 def scenarios(device: str = "cpu") -> list[Scenario]:
     if device == "cuda":
-        return [Scenario(f"SmolLM-135M {dtype} {engine} (CUDA)", "smollm_135m.yaml", dtype, engine, device="cuda")
-                for dtype in ("bfloat16", "float32") for engine in ("1f1b", "zb1p", "zb2p")]
+        return [
+            Scenario(f"SmolLM-135M {dtype} {engine} (CUDA)", "smollm_135m.yaml", dtype, engine, device="cuda")
+            for dtype in ("bfloat16", "float32")
+            for engine in ("1f1b", "zb1p", "zb2p")
+        ]
     out = []
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab"):
@@ -109,23 +121,54 @@ def scenarios(device: str = "cpu") -> list[Scenario]:
         out.append(Scenario(f"tiny float32 {engine}", "tiny_llama_large_vocab.yaml", "float32", engine))
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab", "zb1p", "zb2p"):
-            out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine}", "smollm_135m.yaml", dtype, engine,
-                                num_hidden_layers=6, sequence_length=128, micro_batch_size=2, n_micro_batches=4))
+            out.append(
+                Scenario(
+                    f"SmolLM-135M-shaped {dtype} {engine}",
+                    "smollm_135m.yaml",
+                    dtype,
+                    engine,
+                    num_hidden_layers=6,
+                    sequence_length=128,
+                    micro_batch_size=2,
+                    n_micro_batches=4,
+                )
+            )
     # pp_engine: auto under a cap between zb1p's and zb2p's estimated peaks, issue 31's shape: zb2p is faster and
     # does not fit, auto takes zb1p, whose measured peak must stay under the cap.
     # With the split free, flops plans zb2p under the cap too and may find a split of it that fits.
     for fixed in (True, False):
-        out.append(Scenario(f"SmolLM-135M-shaped 8 layers float32 auto, cap between zb1p and zb2p, split "
-                            f"{'fixed' if fixed else 'free'}", "smollm_135m.yaml", "float32", "auto",
-                            num_hidden_layers=8, sequence_length=128, micro_batch_size=1, n_micro_batches=4,
-                            cap_between=("zb1p", "zb2p"), fixed_split=fixed))
+        out.append(
+            Scenario(
+                f"SmolLM-135M-shaped 8 layers float32 auto, cap between zb1p and zb2p, split "
+                f"{'fixed' if fixed else 'free'}",
+                "smollm_135m.yaml",
+                "float32",
+                "auto",
+                num_hidden_layers=8,
+                sequence_length=128,
+                micro_batch_size=1,
+                n_micro_batches=4,
+                cap_between=("zb1p", "zb2p"),
+                fixed_split=fixed,
+            )
+        )
     # parallelism.recompute_layer: each decoder layer keeps its input; its backward runs the forward again.
     for dtype in ("float32", "bfloat16"):
         for engine in ("1f1b", "afab"):
             # A longer sequence than above, so that the activations, not the optimizer step, set the peak.
-            out.append(Scenario(f"SmolLM-135M-shaped {dtype} {engine} recompute", "smollm_135m.yaml", dtype, engine,
-                                num_hidden_layers=6, sequence_length=512, micro_batch_size=2, n_micro_batches=4,
-                                recompute=True))
+            out.append(
+                Scenario(
+                    f"SmolLM-135M-shaped {dtype} {engine} recompute",
+                    "smollm_135m.yaml",
+                    dtype,
+                    engine,
+                    num_hidden_layers=6,
+                    sequence_length=512,
+                    micro_batch_size=2,
+                    n_micro_batches=4,
+                    recompute=True,
+                )
+            )
     return out
 
 
@@ -157,9 +200,14 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="measured_memory_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps({"raw": raw, "label": sc.label, "block_ranks": list(plan.block_ranks)}))
-        run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(out_path)], world, timeout=TIMEOUT_S, grace=0,
-                               env=local_env(ROOT, NANOTRON_EXT_DEVICE=sc.device), cwd=ROOT)
+        run = run_local_ranks(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+            world,
+            timeout=TIMEOUT_S,
+            grace=0,
+            env=local_env(ROOT, NANOTRON_EXT_DEVICE=sc.device),
+            cwd=ROOT,
+        )
         if not run.ok:
             raise RuntimeError(f"scenario {sc.label!r} failed:\n{run.describe(tail=60)}")
         measured = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(world)]
@@ -167,17 +215,26 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     for m in measured:
         est = plan.stages[m["pp_rank"]].memory
         assert est is not None
-        rows.append({
-            "scenario": sc.label, "pp_rank": m["pp_rank"], "tp_rank": m["tp_rank"],
-            "blocks": plan.stages[m["pp_rank"]].label, "estimate": est.to_dict(), "measured": m,
-            "est_pipeline": est.pipeline_peak, "est_optimizer": est.optimizer_peak, "est_peak": est.peak,
-            "ratio": est.peak / m["peak"],
-        })
+        rows.append(
+            {
+                "scenario": sc.label,
+                "pp_rank": m["pp_rank"],
+                "tp_rank": m["tp_rank"],
+                "blocks": plan.stages[m["pp_rank"]].label,
+                "estimate": est.to_dict(),
+                "measured": m,
+                "est_pipeline": est.pipeline_peak,
+                "est_optimizer": est.optimizer_peak,
+                "est_peak": est.peak,
+                "ratio": est.peak / m["peak"],
+            }
+        )
     return {"label": sc.label, "block_ranks": list(plan.block_ranks), "rows": rows, "cap": cap, "auto": chosen}
 
 
-def _auto_under_a_cap(raw: dict[str, Any], engines: tuple[str, str], *,
-                      fixed_split: bool) -> tuple[dict[str, Any], float, Any]:
+def _auto_under_a_cap(
+    raw: dict[str, Any], engines: tuple[str, str], *, fixed_split: bool
+) -> tuple[dict[str, Any], float, Any]:
     """``raw`` under ``memory_cap_gib`` halfway between ``engines``' estimated peaks on ``flops``'s split, with the
     engine ``auto`` takes there (``fixed_split``: on that split, written as a ``layout``); the cap (bytes) and
     ``auto``'s choice (as a dict)."""
@@ -197,14 +254,23 @@ def _auto_under_a_cap(raw: dict[str, Any], engines: tuple[str, str], *,
         layout = layout_string([b.role for b in blocks], plan.block_ranks)
     cap = sum(peaks) / 2
     if fixed_split:
-        raw = {**raw, "parallelism": {**raw["parallelism"], "cost_strategy": "layout"},
-               "nanotron_ext": {**raw["nanotron_ext"], "layout": layout}}
-    raw = {**raw, "parallelism": {**raw["parallelism"], "pp_engine": "auto"},
-           "nanotron_ext": {**raw["nanotron_ext"], "memory_cap_gib": cap / GIB}}
+        raw = {
+            **raw,
+            "parallelism": {**raw["parallelism"], "cost_strategy": "layout"},
+            "nanotron_ext": {**raw["nanotron_ext"], "layout": layout},
+        }
+    raw = {
+        **raw,
+        "parallelism": {**raw["parallelism"], "pp_engine": "auto"},
+        "nanotron_ext": {**raw["nanotron_ext"], "memory_cap_gib": cap / GIB},
+    }
     cfg, choice = resolve_engine(config_from_dict(raw))
     print("\n".join(choice.lines()) if choice is not None else "", file=sys.stderr, flush=True)
-    return ({**raw, "parallelism": {**raw["parallelism"], "pp_engine": cfg.run.engine}}, cap,
-            None if choice is None else choice.to_dict())
+    return (
+        {**raw, "parallelism": {**raw["parallelism"], "pp_engine": cfg.run.engine}},
+        cap,
+        None if choice is None else choice.to_dict(),
+    )
 
 
 def _mib(x: float) -> str:
@@ -212,29 +278,50 @@ def _mib(x: float) -> str:
 
 
 def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    head = ["scenario", "stage", "tp", "weights MiB est/meas", "grads", "adam", "pipeline peak", "optimizer peak",
-            "peak est", "peak meas", "est ÷ meas"]
+    head = [
+        "scenario",
+        "stage",
+        "tp",
+        "weights MiB est/meas",
+        "grads",
+        "adam",
+        "pipeline peak",
+        "optimizer peak",
+        "peak est",
+        "peak meas",
+        "est ÷ meas",
+    ]
     rows = []
     for res in results:
         for r in res["rows"]:
             e, m = r["estimate"], r["measured"]
-            rows.append([
-                r["scenario"], str(r["pp_rank"]), str(r["tp_rank"]),
-                f"{_mib(e['weights'])} / {_mib(m['weights'])}",
-                f"{_mib(e['gradients'])} / {_mib(m['gradients'])}",
-                f"{_mib(e['optimizer'])} / {_mib(m['optimizer'])}",
-                f"{_mib(r['est_pipeline'])} / {_mib(m['pipeline_peak'])}",
-                f"{_mib(r['est_optimizer'])} / {_mib(m['optimizer_peak'])}",
-                _mib(r["est_peak"]), _mib(m["peak"]), f"{r['ratio']:.3f}",
-            ])
+            rows.append(
+                [
+                    r["scenario"],
+                    str(r["pp_rank"]),
+                    str(r["tp_rank"]),
+                    f"{_mib(e['weights'])} / {_mib(m['weights'])}",
+                    f"{_mib(e['gradients'])} / {_mib(m['gradients'])}",
+                    f"{_mib(e['optimizer'])} / {_mib(m['optimizer'])}",
+                    f"{_mib(r['est_pipeline'])} / {_mib(m['pipeline_peak'])}",
+                    f"{_mib(r['est_optimizer'])} / {_mib(m['optimizer_peak'])}",
+                    _mib(r["est_peak"]),
+                    _mib(m["peak"]),
+                    f"{r['ratio']:.3f}",
+                ]
+            )
     return head, rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenario", help="run only this scenario (its label)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: SmolLM-135M on one GPU, measured with CUDA's allocator (a finding, no check)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: SmolLM-135M on one GPU, measured with CUDA's allocator (a finding, no check)",
+    )
     parser.add_argument("--out", type=Path, help="where the JSON goes (default benchmarks/results/...)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -263,26 +350,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(head, rows))
     print()
     print(table(head, rows, markdown=True))
-    bad = [f"{r['scenario']} stage {r['pp_rank']} tp {r['tp_rank']}: {r['ratio']:.4f} "
-           f"({r['est_peak'] - r['measured']['peak']:+.0f} B)"
-           for res in results for r in res["rows"] if not 1.0 <= r["ratio"] <= BOUND]
+    bad = [
+        f"{r['scenario']} stage {r['pp_rank']} tp {r['tp_rank']}: {r['ratio']:.4f} "
+        f"({r['est_peak'] - r['measured']['peak']:+.0f} B)"
+        for res in results
+        for r in res["rows"]
+        if not 1.0 <= r["ratio"] <= BOUND
+    ]
     for res in results:
         if res.get("cap") is not None:
             worst = max(r["measured"]["peak"] for r in res["rows"])
-            print(f"\n{res['label']}: auto took {res['auto']['engine']} under a cap of {_mib(res['cap'])} MiB "
-                  f"(faster, not taken: {', '.join(res['auto']['faster_not_taken']) or 'none'}); the largest "
-                  f"measured peak is {_mib(worst)} MiB, {worst / res['cap']:.3f} of the cap")
+            print(
+                f"\n{res['label']}: auto took {res['auto']['engine']} under a cap of {_mib(res['cap'])} MiB "
+                f"(faster, not taken: {', '.join(res['auto']['faster_not_taken']) or 'none'}); the largest "
+                f"measured peak is {_mib(worst)} MiB, {worst / res['cap']:.3f} of the cap"
+            )
             if worst >= res["cap"]:
                 bad.append(f"{res['label']}: measured peak {_mib(worst)} MiB over the cap")
     if args.device == "cuda":
-        print(f"\non CUDA (finding, not a check): est ÷ meas from {min(r['ratio'] for res in results for r in res['rows']):.3f} "
-              f"to {max(r['ratio'] for res in results for r in res['rows']):.3f}; the estimate is the CPU path's")
+        print(
+            f"\non CUDA (finding, not a check): est ÷ meas from {min(r['ratio'] for res in results for r in res['rows']):.3f} "
+            f"to {max(r['ratio'] for res in results for r in res['rows']):.3f}; the estimate is the CPU path's"
+        )
         bad = []
     else:
-        print(f"\ncheck: estimated peak >= measured and <= {BOUND:.2f}x on every row: "
-              + ("OK" if not bad else "FAILED: " + "; ".join(bad)))
-    out = args.out or (RESULTS / ("measured_memory_cuda.json" if args.device == "cuda" else "measured_memory.json")
-                       if args.scenario is None else None)
+        print(
+            f"\ncheck: estimated peak >= measured and <= {BOUND:.2f}x on every row: "
+            + ("OK" if not bad else "FAILED: " + "; ".join(bad))
+        )
+    out = args.out or (
+        RESULTS / ("measured_memory_cuda.json" if args.device == "cuda" else "measured_memory.json")
+        if args.scenario is None
+        else None
+    )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))

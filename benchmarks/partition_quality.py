@@ -197,9 +197,7 @@ def run_random(seed: int, per_pp: int, partitioners: Sequence[Partitioner]) -> t
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="seed of the random instances (default 0)")
-    parser.add_argument(
-        "--per-pp", type=int, default=40, help="random instances per family and pp (default 40)"
-    )
+    parser.add_argument("--per-pp", type=int, default=40, help="random instances per family and pp (default 40)")
     parser.add_argument(
         "--limit-s",
         type=float,

@@ -46,14 +46,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=155, help="decoder layers (blocks = layers + 5)")
     parser.add_argument("--pp", type=int, default=64, help="pipeline stages (default 64)")
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per strategy (default 7)")
-    parser.add_argument("--no-scaling", dest="scaling", action="store_false",
-                        help="skip the 1000- and 2000-block cases")
-    parser.add_argument("--scaling-repeat", type=int, default=3,
-                        help="cold runs of each larger case (default 3; the median is compared with the goal)")
-    parser.add_argument("--no-issue-44", dest="issue_44", action="store_false",
-                        help="skip issue 44's cases (the 1000-layer Llama-3-70B shape, plan --fit)")
-    parser.add_argument("--issue-44-repeat", type=int, default=3,
-                        help="fresh interpreters per issue-44 case (default 3; the median is compared with the goal)")
+    parser.add_argument(
+        "--no-scaling", dest="scaling", action="store_false", help="skip the 1000- and 2000-block cases"
+    )
+    parser.add_argument(
+        "--scaling-repeat",
+        type=int,
+        default=3,
+        help="cold runs of each larger case (default 3; the median is compared with the goal)",
+    )
+    parser.add_argument(
+        "--no-issue-44",
+        dest="issue_44",
+        action="store_false",
+        help="skip issue 44's cases (the 1000-layer Llama-3-70B shape, plan --fit)",
+    )
+    parser.add_argument(
+        "--issue-44-repeat",
+        type=int,
+        default=3,
+        help="fresh interpreters per issue-44 case (default 3; the median is compared with the goal)",
+    )
     parser.add_argument("--one", choices=sorted(ISSUE_44), help=argparse.SUPPRESS)  # a child: time one case
     args = parser.parse_args(argv)
     if args.one:
@@ -97,14 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "OK" if plan.ok else "INVALID",
             ]
         )
-    print(
-        table(["strategy", "median ms", "min ms", "max ms", "median ÷ 1 s goal", "plan"], rows, markdown=True)
-    )
+    print(table(["strategy", "median ms", "min ms", "max ms", "median ÷ 1 s goal", "plan"], rows, markdown=True))
     verdict = "meets" if worst < GOAL_S else "MISSES"
-    print(
-        f"\nSlowest strategy: {worst * 1e3:.1f} ms = {worst / GOAL_S:.3f} × the 1 s goal — "
-        f"{verdict} the goal."
-    )
+    print(f"\nSlowest strategy: {worst * 1e3:.1f} ms = {worst / GOAL_S:.3f} × the 1 s goal — {verdict} the goal.")
     scaling_ok = scaling(args.scaling_repeat) if args.scaling else True
     issue_ok = issue_44(args.issue_44_repeat) if args.issue_44 else True
     return 0 if worst < GOAL_S and scaling_ok and issue_ok else 1
@@ -158,13 +166,42 @@ def scaling(repeat: int = 3) -> bool:
             quality = f"≤ {1 + found.gap:.4f} × optimum (pp·m too large to search: the bound's split, simulated once)"
         else:
             quality = f"≤ {1 + found.gap:.4f} × optimum (search stopped by its work budget)"
-        rows.append([f"{len(blocks)}", str(pp), str(2 * pp), f"{rule_s * 1e3:.1f}", f"{default_s:.2f}",
-                     f"{min(walls):.2f}–{max(walls):.2f}", f"{statistics.median(cpus):.2f}", f"{goal:g}", quality,
-                     "OK" if plan.ok else "INVALID"])
-    print(f"\nLarger models, default = constrained with the step-time objective; each run cold, median of {repeat} "
-          f"(load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs):\n")
-    print(table(["blocks", "pp", "m", "nanotron rule ms", "default s", "range s", "CPU s", "goal s",
-                 "default's step time", "plan"], rows, markdown=True))
+        rows.append(
+            [
+                f"{len(blocks)}",
+                str(pp),
+                str(2 * pp),
+                f"{rule_s * 1e3:.1f}",
+                f"{default_s:.2f}",
+                f"{min(walls):.2f}–{max(walls):.2f}",
+                f"{statistics.median(cpus):.2f}",
+                f"{goal:g}",
+                quality,
+                "OK" if plan.ok else "INVALID",
+            ]
+        )
+    print(
+        f"\nLarger models, default = constrained with the step-time objective; each run cold, median of {repeat} "
+        f"(load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs):\n"
+    )
+    print(
+        table(
+            [
+                "blocks",
+                "pp",
+                "m",
+                "nanotron rule ms",
+                "default s",
+                "range s",
+                "CPU s",
+                "goal s",
+                "default's step time",
+                "plan",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
     return ok
 
 
@@ -190,8 +227,12 @@ def _time_one(case: str) -> dict[str, object]:
         with contextlib.redirect_stdout(io.StringIO()):
             t0, c0 = time.perf_counter(), time.process_time()
             code = cli(argv)
-        return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "blocks": 85,
-                "verdict": "a change fits" if code == 0 else f"exit {code}"}
+        return {
+            "wall": time.perf_counter() - t0,
+            "cpu": time.process_time() - c0,
+            "blocks": 85,
+            "verdict": "a change fits" if code == 0 else f"exit {code}",
+        }
     raw = yaml.safe_load((CONFIGS / "llama_3_70b.yaml").read_text())
     raw["model"]["model_config"]["num_hidden_layers"] = LAYERS_44
     raw["parallelism"]["pp"] = PP_44
@@ -204,8 +245,12 @@ def _time_one(case: str) -> dict[str, object]:
     plan = make_plan(blocks, cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     fixes = sum(f.code == "memory" for f in plan.findings)
-    return {"wall": wall, "cpu": cpu, "blocks": len(blocks),
-            "verdict": "VALID" if plan.ok else f"INVALID ({fixes} stages over, fixes priced)"}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "blocks": len(blocks),
+        "verdict": "VALID" if plan.ok else f"INVALID ({fixes} stages over, fixes priced)",
+    }
 
 
 def issue_44(repeat: int = 3) -> bool:
@@ -214,19 +259,42 @@ def issue_44(repeat: int = 3) -> bool:
     load_before = os.getloadavg()[0]
     for case in progress(ISSUE_44, desc="issue 44"):
         what, goal = ISSUE_44[case]
-        runs = [json.loads(subprocess.run([sys.executable, __file__, "--one", case], check=True, capture_output=True,
-                                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout)
-                for _ in range(repeat)]
+        runs = [
+            json.loads(
+                subprocess.run(
+                    [sys.executable, __file__, "--one", case],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                ).stdout
+            )
+            for _ in range(repeat)
+        ]
         walls = [r["wall"] for r in runs]
         median = statistics.median(walls)
         ok &= median < goal
-        shape = (f"{LAYERS_44} layers ({runs[0]['blocks']} blocks), pp {PP_44}, m {M_44}" if case != "fit-70b"
-                 else "Llama-3-70B, pp 8, m 32")
-        rows.append([what, shape, runs[0]["verdict"], f"{median:.2f}", f"{min(walls):.2f}–{max(walls):.2f}",
-                     f"{statistics.median(r['cpu'] for r in runs):.2f}", f"{goal:g}",
-                     "meets" if median < goal else "MISSES"])
-    print(f"\nIssue 44, planning in seconds: each case in a fresh interpreter, median of {repeat} (load average "
-          f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs):\n")
+        shape = (
+            f"{LAYERS_44} layers ({runs[0]['blocks']} blocks), pp {PP_44}, m {M_44}"
+            if case != "fit-70b"
+            else "Llama-3-70B, pp 8, m 32"
+        )
+        rows.append(
+            [
+                what,
+                shape,
+                runs[0]["verdict"],
+                f"{median:.2f}",
+                f"{min(walls):.2f}–{max(walls):.2f}",
+                f"{statistics.median(r['cpu'] for r in runs):.2f}",
+                f"{goal:g}",
+                "meets" if median < goal else "MISSES",
+            ]
+        )
+    print(
+        f"\nIssue 44, planning in seconds: each case in a fresh interpreter, median of {repeat} (load average "
+        f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs):\n"
+    )
     print(table(["case", "shape", "verdict", "median s", "range s", "CPU s", "goal s", "goal"], rows, markdown=True))
     return ok
 

@@ -110,15 +110,22 @@ def launch(spec: RankSpec, *, malloc_env: bool) -> dict[str, Any]:
         follower.start()
         try:
             # grace=0: once a rank fails the scenario is lost, and its peers would only wait in a collective.
-            run = run_local_ranks([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                                   str(out_path)], spec.pp, timeout=WORLD_TIMEOUT_S, grace=0, env=env, cwd=ROOT)
+            run = run_local_ranks(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+                spec.pp,
+                timeout=WORLD_TIMEOUT_S,
+                grace=0,
+                env=env,
+                cwd=ROOT,
+            )
         finally:
             stop.set()
             follower.join()
             bar.close()
         if not run.ok or not out_path.exists():
-            raise RuntimeError(f"scenario {spec.label!r} {'timed out' if run.deadline_hit else 'failed'}:\n"
-                               + run.describe())
+            raise RuntimeError(
+                f"scenario {spec.label!r} {'timed out' if run.deadline_hit else 'failed'}:\n" + run.describe()
+            )
         return json.loads(out_path.read_text())
 
 
@@ -146,16 +153,22 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = launch(spec, malloc_env=not args.system_malloc)
     oversubscribed = sc.pp > (os.cpu_count() or 1)
-    print(f"\n## {sc.label}: {sc.notes}; {sc.rounds} rounds × ({sc.rewarm} untimed + {sc.steps_per_turn} timed) "
-          f"per split, calibrate {spec.n_calibrations}× (first: {result['calibrate_s']:.1f} s); wall "
-          f"{time.perf_counter() - t0:.0f} s; load average {load0:.2f} before, {min(result['load_average']):.2f}–"
-          f"{max(result['load_average']):.2f} during")
+    print(
+        f"\n## {sc.label}: {sc.notes}; {sc.rounds} rounds × ({sc.rewarm} untimed + {sc.steps_per_turn} timed) "
+        f"per split, calibrate {spec.n_calibrations}× (first: {result['calibrate_s']:.1f} s); wall "
+        f"{time.perf_counter() - t0:.0f} s; load average {load0:.2f} before, {min(result['load_average']):.2f}–"
+        f"{max(result['load_average']):.2f} during"
+    )
     if oversubscribed:
-        print(f"OVERSUBSCRIBED: {sc.pp} processes on {os.cpu_count()} CPUs: ranks take turns on the cores, so "
-              f"measured steps include time a rank was runnable but not running; the checks below are printed "
-              f"but do not decide the exit status.")
-    print(f"profile (median of the run's calibrations): {load_machine(paths['median']).describe()}; files: "
-          f"{', '.join(str(Path(p).relative_to(ROOT)) for p in paths.values())}\n")
+        print(
+            f"OVERSUBSCRIBED: {sc.pp} processes on {os.cpu_count()} CPUs: ranks take turns on the cores, so "
+            f"measured steps include time a rank was runnable but not running; the checks below are printed "
+            f"but do not decide the exit status."
+        )
+    print(
+        f"profile (median of the run's calibrations): {load_machine(paths['median']).describe()}; files: "
+        f"{', '.join(str(Path(p).relative_to(ROOT)) for p in paths.values())}\n"
+    )
     rows = analyse(result)
     print_splits(rows)
     order = order_checks(rows)
@@ -166,10 +179,17 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, stem: str) -> dict[str,
     parts = print_parts(result, sc)
     checks["send_order"] = print_send_order(result, rows)
     if sc.calibrations_first > 1:
-        checks["repeatability"] = repeatability.report(result, spec.raw, rows, dict(sc.layouts), layout_of,
-                                                        sc.repeatable)
-    return {"scenario": dataclasses.asdict(sc), "result": result, "rows": [dataclasses.asdict(r) for r in rows],
-            "checks": checks, "parts": parts, "checks_count": not oversubscribed}
+        checks["repeatability"] = repeatability.report(
+            result, spec.raw, rows, dict(sc.layouts), layout_of, sc.repeatable
+        )
+    return {
+        "scenario": dataclasses.asdict(sc),
+        "result": result,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "checks": checks,
+        "parts": parts,
+        "checks_count": not oversubscribed,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,17 +201,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds (a minute or two)")
-    parser.add_argument("--scenario", action="append", default=None, metavar="LABEL",
-                        help="run only this scenario (repeatable): seed-pp2, smollm-m2, smollm-m4, smollm-pp3, "
-                        "smollm-layouts, seed-pp4")
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        metavar="LABEL",
+        help="run only this scenario (repeatable): seed-pp2, smollm-m2, smollm-m4, smollm-pp3, "
+        "smollm-layouts, seed-pp4",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds in which every split takes a turn")
-    parser.add_argument("--calibrate-every", type=int, default=None, metavar="N",
-                        help="calibrate again after every N rounds (pairs each calibration with the steps measured "
-                        "beside it in time)")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc malloc's defaults (default: keep freed memory, see measured_cpu.MALLOC_ENV)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the ranks compute (NANOTRON_EXT_DEVICE; cuda: one GPU, P2P host-staged over gloo)")
+    parser.add_argument(
+        "--calibrate-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="calibrate again after every N rounds (pairs each calibration with the steps measured beside it in time)",
+    )
+    parser.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave glibc malloc's defaults (default: keep freed memory, see measured_cpu.MALLOC_ENV)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the ranks compute (NANOTRON_EXT_DEVICE; cuda: one GPU, P2P host-staged over gloo)",
+    )
     args = parser.parse_args(argv)
     os.environ["NANOTRON_EXT_DEVICE"] = args.device  # every rank inherits it (nanotron_ext.runtime.device)
     known = {sc.label: sc for sc in scenarios(args.quick)}
@@ -199,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or (args.rounds is not None and args.rounds < 1):
         parser.error(f"unknown scenario {sorted(unknown)} (known: {', '.join(known)}) or --rounds < 1")
     if args.calibrate_every is not None and args.calibrate_every < 0:
-        parser.error(f"--calibrate-every {args.calibrate_every}: a number of rounds, 0 (calibrate only before "
-                     f"training) or more")
+        parser.error(
+            f"--calibrate-every {args.calibrate_every}: a number of rounds, 0 (calibrate only before training) or more"
+        )
     chosen = [sc for label, sc in known.items() if args.scenario is None or label in args.scenario]
     if args.rounds is not None:
         chosen = [dataclasses.replace(sc, rounds=args.rounds) for sc in chosen]
@@ -210,12 +247,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     where = "CPU (gloo)" if args.device == "cpu" else "one CUDA GPU (P2P host-staged over gloo)"
-    print(f"Nanotron 0.2 {ENGINE} engine on {where}, one thread per process, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs; glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept'}; "
-          f"per split 1 warm-up step first; steps: the slowest rank's full train_step (no clipping)")
+    print(
+        f"Nanotron 0.2 {ENGINE} engine on {where}, one thread per process, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs; glibc malloc: {'defaults' if args.system_malloc else 'freed memory kept'}; "
+        f"per split 1 warm-up step first; steps: the slowest rank's full train_step (no clipping)"
+    )
     # A run of some scenarios only (--scenario) does not overwrite the full run's files.
-    stem = ("predict_vs_measure" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
-            + ("_partial" if args.scenario else ""))
+    stem = (
+        "predict_vs_measure"
+        + ("_cuda" if args.device == "cuda" else "")
+        + ("_quick" if args.quick else "")
+        + ("_partial" if args.scenario else "")
+    )
     started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     records = {sc.label: run_scenario(sc, args, stem) for sc in chosen}

@@ -45,11 +45,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratio = by_name["lm_head"].total / by_name["decoder.0"].total
         ratios.append(ratio)
         print(f"\nround {round_}: lm_head ÷ decoder.0 (forward + backward) = {ratio:.2f}")
-        print(table(["block", "forward ms", "backward ms", "optimizer ms"],
-                    [[name, f"{t.forward * 1e3:.3f}", f"{t.backward * 1e3:.3f}", f"{t.optimizer * 1e3:.3f}"]
-                     for name, t in by_name.items()]))
-    print(f"\nmedian lm_head ÷ decoder.0 over {len(ratios)} rounds: {statistics.median(ratios):.2f} "
-          f"(min {min(ratios):.2f}, max {max(ratios):.2f}); lm_head dominates: {min(ratios) > 1}")
+        print(
+            table(
+                ["block", "forward ms", "backward ms", "optimizer ms"],
+                [
+                    [name, f"{t.forward * 1e3:.3f}", f"{t.backward * 1e3:.3f}", f"{t.optimizer * 1e3:.3f}"]
+                    for name, t in by_name.items()
+                ],
+            )
+        )
+    print(
+        f"\nmedian lm_head ÷ decoder.0 over {len(ratios)} rounds: {statistics.median(ratios):.2f} "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f}); lm_head dominates: {min(ratios) > 1}"
+    )
     print(f"profiled plan (last round): {list(plan.block_ranks)}  {plan.verdict}")
     return 0
 

@@ -79,8 +79,11 @@ class Start:
 
 
 def _train(start: Start, folder: Path, steps: int, after: int) -> dict[str, Any]:
-    launch = launch_ranks(["--config-file", str(start.config(folder)), "--steps", str(steps), "--replan-after",
-                           str(after)], start.pp, timeout=900.0)
+    launch = launch_ranks(
+        ["--config-file", str(start.config(folder)), "--steps", str(steps), "--replan-after", str(after)],
+        start.pp,
+        timeout=900.0,
+    )
     if not launch.ok:
         raise SystemExit("\n".join(f"rank {r.rank}: {r.stderr[-2000:]}" for r in launch.ranks))
     return launch.metrics
@@ -106,31 +109,76 @@ def _row(label: str, m: dict[str, Any], ref: dict[str, Any] | None) -> dict[str,
     moved = r["moved"]
     predicted = r["new"]["predicted_step_s"] if moved else r["old"]["predicted_step_s"]
     after = r["measured_step_s_after"]
-    return {"run": label, "verdict": r["verdict"], "from": f'{r["old"]["split"]} {r["old"]["engine"]}',
-            "to": f'{r["new"]["split"]} {r["new"]["engine"]}' if moved else "-",
-            "predicted_from_ms": r["old"]["predicted_step_s"] * 1e3, "predicted_to_ms": r["new"]["predicted_step_s"] * 1e3,
-            "before_ms": r["measured_step_s_before"] * 1e3, "after_ms": after * 1e3,
-            "after_vs_predicted": after / predicted, "after_vs_before": after / r["measured_step_s_before"],
-            "bits_equal_reference": None if ref is None else _same_bits(m, ref),
-            "replan_s": r["seconds"]["profile"] + r["seconds"]["plan"], "save_s": r["seconds"].get("save"),
-            "build_load_s": r["seconds"].get("build_and_load"), "checkpoint_mib": (r["checkpoint_bytes"] or 0) / 2**20,
-            "rss_mib": r["peak_rss_mib"], "moved": moved, "reference_split": m["block_ranks"]}
+    return {
+        "run": label,
+        "verdict": r["verdict"],
+        "from": f"{r['old']['split']} {r['old']['engine']}",
+        "to": f"{r['new']['split']} {r['new']['engine']}" if moved else "-",
+        "predicted_from_ms": r["old"]["predicted_step_s"] * 1e3,
+        "predicted_to_ms": r["new"]["predicted_step_s"] * 1e3,
+        "before_ms": r["measured_step_s_before"] * 1e3,
+        "after_ms": after * 1e3,
+        "after_vs_predicted": after / predicted,
+        "after_vs_before": after / r["measured_step_s_before"],
+        "bits_equal_reference": None if ref is None else _same_bits(m, ref),
+        "replan_s": r["seconds"]["profile"] + r["seconds"]["plan"],
+        "save_s": r["seconds"].get("save"),
+        "build_load_s": r["seconds"].get("build_and_load"),
+        "checkpoint_mib": (r["checkpoint_bytes"] or 0) / 2**20,
+        "rss_mib": r["peak_rss_mib"],
+        "moved": moved,
+        "reference_split": m["block_ranks"],
+    }
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
     def f(x: Any, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    print(table(["run", "verdict", "from", "to", "pred. from", "pred. to", "before", "after", "after/pred",
-                 "after/before", "bits = ref", "re-plan", "save", "build+load", "ckpt", "peak RSS"],
-                [[r["run"], r["verdict"], r["from"], r["to"], f(r["predicted_from_ms"], ".0f"),
-                  f(r["predicted_to_ms"], ".0f"), f(r["before_ms"], ".0f"), f(r["after_ms"], ".0f"),
-                  f(r["after_vs_predicted"], ".3f"), f(r["after_vs_before"], ".3f"),
-                  "-" if r["bits_equal_reference"] is None else ("yes" if r["bits_equal_reference"] else "NO"),
-                  f(r["replan_s"], ".1f"), f(r["save_s"], ".2f"), f(r["build_load_s"], ".2f"),
-                  f(r["checkpoint_mib"], ".0f") if r["moved"] else "-",
-                  "-" if r["rss_mib"] is None else f"{r['rss_mib'][0]:.0f}->{r['rss_mib'][1]:.0f}"] for r in rows]),
-          flush=True)
+    print(
+        table(
+            [
+                "run",
+                "verdict",
+                "from",
+                "to",
+                "pred. from",
+                "pred. to",
+                "before",
+                "after",
+                "after/pred",
+                "after/before",
+                "bits = ref",
+                "re-plan",
+                "save",
+                "build+load",
+                "ckpt",
+                "peak RSS",
+            ],
+            [
+                [
+                    r["run"],
+                    r["verdict"],
+                    r["from"],
+                    r["to"],
+                    f(r["predicted_from_ms"], ".0f"),
+                    f(r["predicted_to_ms"], ".0f"),
+                    f(r["before_ms"], ".0f"),
+                    f(r["after_ms"], ".0f"),
+                    f(r["after_vs_predicted"], ".3f"),
+                    f(r["after_vs_before"], ".3f"),
+                    "-" if r["bits_equal_reference"] is None else ("yes" if r["bits_equal_reference"] else "NO"),
+                    f(r["replan_s"], ".1f"),
+                    f(r["save_s"], ".2f"),
+                    f(r["build_load_s"], ".2f"),
+                    f(r["checkpoint_mib"], ".0f") if r["moved"] else "-",
+                    "-" if r["rss_mib"] is None else f"{r['rss_mib'][0]:.0f}->{r['rss_mib'][1]:.0f}",
+                ]
+                for r in rows
+            ],
+        ),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--after", type=int, default=6)
     parser.add_argument("--pp", default="2,3")
-    parser.add_argument("--starts", type=lambda text: text.split(","),
-                        default=["nanotron", "bad layout", "nanotron at min_gain 2%"],
-                        help="comma-separated: nanotron, bad layout, and nanotron with min_gain 2 %% (Nanotron's rule is "
-                        "2.9 %% from the best on this shape, below the default 3 %%)")
+    parser.add_argument(
+        "--starts",
+        type=lambda text: text.split(","),
+        default=["nanotron", "bad layout", "nanotron at min_gain 2%"],
+        help="comma-separated: nanotron, bad layout, and nanotron with min_gain 2 %% (Nanotron's rule is "
+        "2.9 %% from the best on this shape, below the default 3 %%)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "replan_cpu.json")
     args = parser.parse_args(argv)
     print_command(argv)
@@ -153,12 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="replan_cpu_") as tmp:
         folder = Path(tmp)
         for pp in (int(p) for p in args.pp.split(",")):
-            starts = [start for start in (Start("nanotron", pp, "nanotron"), Start("bad layout", pp, "layout", BAD[pp]),
-                                          Start("nanotron at min_gain 2%", pp, "nanotron", min_gain=0.02))
-                      if start.label in args.starts]
+            starts = [
+                start
+                for start in (
+                    Start("nanotron", pp, "nanotron"),
+                    Start("bad layout", pp, "layout", BAD[pp]),
+                    Start("nanotron at min_gain 2%", pp, "nanotron", min_gain=0.02),
+                )
+                if start.label in args.starts
+            ]
             for start in [s for s in starts if not _trains(s, folder)]:
-                print(f"\npp={pp}: {start.label}'s plan cannot train (a stage without parameters): the run stops "
-                      f"before a weight exists, so it has nothing to re-plan", flush=True)
+                print(
+                    f"\npp={pp}: {start.label}'s plan cannot train (a stage without parameters): the run stops "
+                    f"before a weight exists, so it has nothing to re-plan",
+                    flush=True,
+                )
                 results.setdefault(f"pp{pp}", []).append({"run": start.label, "verdict": "cannot train"})
             starts = [s for s in starts if _trains(s, folder)]
             rounds = args.rounds if pp == 2 else 1
@@ -166,24 +226,37 @@ def main(argv: list[str] | None = None) -> int:
                 rows = []
                 for start in starts:  # each start, then the run started on where it ended
                     m = _train(start, folder, args.steps, args.after)
-                    ref_start = Start(f"{start.label}: its end", pp, "layout", m["replan"]["new"]["split"]
-                                      if m["replan"]["moved"] else m["replan"]["old"]["split"])
+                    ref_start = Start(
+                        f"{start.label}: its end",
+                        pp,
+                        "layout",
+                        m["replan"]["new"]["split"] if m["replan"]["moved"] else m["replan"]["old"]["split"],
+                    )
                     ref = _train(ref_start, folder, args.steps, args.after)
                     rows += [_row(f"{start.label} (pp={pp})", m, ref), _row("  started on its end", ref, None)]
                     if m["replan"]["moved"] and not _same_bits(m, ref):
-                        failures.append(f"pp={pp} round {k + 1}: {start.label} moved but did not train its "
-                                        f"reference's bits")
+                        failures.append(
+                            f"pp={pp} round {k + 1}: {start.label} moved but did not train its reference's bits"
+                        )
                     if ref["replan"]["moved"]:
                         failures.append(f"pp={pp} round {k + 1}: the run started on {start.label}'s end moved again")
-                print(f"\npp={pp}, round {k + 1} of {rounds}" + (" (3 processes on 2 cores: times not a claim)"
-                                                                 if pp > 2 else ""), flush=True)
+                print(
+                    f"\npp={pp}, round {k + 1} of {rounds}"
+                    + (" (3 processes on 2 cores: times not a claim)" if pp > 2 else ""),
+                    flush=True,
+                )
                 _print(rows)
                 results.setdefault(f"pp{pp}", []).extend(rows)
     moved_rows = [r for r in results.get("pp2", []) if r.get("moved")]
     for label in sorted({r["run"] for r in moved_rows}):
-        failures += check_moves(label, [r["after_vs_predicted"] for r in moved_rows if r["run"] == label],
-                                [r["after_vs_before"] for r in moved_rows if r["run"] == label], TOLERANCE)
+        failures += check_moves(
+            label,
+            [r["after_vs_predicted"] for r in moved_rows if r["run"] == label],
+            [r["after_vs_before"] for r in moved_rows if r["run"] == label],
+            TOLERANCE,
+        )
     return finish(args.out, results, failures)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

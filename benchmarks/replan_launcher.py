@@ -43,12 +43,21 @@ TOLERANCE = 0.05
 BAD = "E,t*2|t*6,N,H,C,X"
 #: The SmolLM-135M shape, shrunk as replan_cpu.py's (nanotron_ext/configs/smollm_135m.yaml: hidden 576, 9 heads,
 #: 3 KV heads, vocabulary 49152, tied), on upstream's example config.
-SMOLLM = {"model__model_config__hidden_size": 576, "model__model_config__intermediate_size": 1536,
-          "model__model_config__num_hidden_layers": 8, "model__model_config__num_attention_heads": 9,
-          "model__model_config__num_key_value_heads": 3, "model__model_config__vocab_size": 49152,
-          "model__model_config__tie_word_embeddings": True, "model__model_config__max_position_embeddings": 2048,
-          "model__init_method": {"std": 0.02}, "tokens__sequence_length": 128, "tokens__micro_batch_size": 1,
-          "tokens__batch_accumulation_per_replica": 4, "optimizer__clip_grad": None}
+SMOLLM = {
+    "model__model_config__hidden_size": 576,
+    "model__model_config__intermediate_size": 1536,
+    "model__model_config__num_hidden_layers": 8,
+    "model__model_config__num_attention_heads": 9,
+    "model__model_config__num_key_value_heads": 3,
+    "model__model_config__vocab_size": 49152,
+    "model__model_config__tie_word_embeddings": True,
+    "model__model_config__max_position_embeddings": 2048,
+    "model__init_method": {"std": 0.02},
+    "tokens__sequence_length": 128,
+    "tokens__micro_batch_size": 1,
+    "tokens__batch_accumulation_per_replica": 4,
+    "optimizer__clip_grad": None,
+}
 _TIME = r"([0-9.]+) (ms|s)"
 
 
@@ -58,8 +67,12 @@ def _seconds(value: str, unit: str) -> float:
 
 def _train(folder: Path, layout: str, steps: int, after: int, min_gain: float) -> dict[str, Any]:
     folder.mkdir(parents=True)
-    config = tiny_config(folder, steps=steps, **SMOLLM,
-                         ext={"cost_strategy": "layout", "layout": layout, "replan": {"min_gain": min_gain}})
+    config = tiny_config(
+        folder,
+        steps=steps,
+        **SMOLLM,
+        ext={"cost_strategy": "layout", "layout": layout, "replan": {"min_gain": min_gain}},
+    )
     run = launch(config, "--replan-after", str(after), timeout=1800)
     if run.rc != 0:
         raise SystemExit(run.out[-4000:])
@@ -68,22 +81,32 @@ def _train(folder: Path, layout: str, steps: int, after: int, min_gain: float) -
     best = re.search(rf"^  best: (\S+)  (\S+)  predicted {_TIME}", out, re.M)
     before = re.search(rf"replan: steps \d+-\d+ on .* measured {_TIME} a step", out)
     later = re.search(rf"replan: steps \d+-\d+ after the (?:move|re-plan), on (\S+) .*measured {_TIME} a step", out)
-    cost = re.search(r"replan: the move took ([0-9.]+) s \(save ([0-9.]+) s, re-launch, build and load ([0-9.]+) s\); "
-                     r"re-plan ([0-9.]+) s; rank 0's peak memory (\d+) -> (\d+) MiB", out)
+    cost = re.search(
+        r"replan: the move took ([0-9.]+) s \(save ([0-9.]+) s, re-launch, build and load ([0-9.]+) s\); "
+        r"re-plan ([0-9.]+) s; rank 0's peak memory (\d+) -> (\d+) MiB",
+        out,
+    )
     replan = re.search(r"replan: .*re-plan ([0-9.]+) s", out)
     if now is None or before is None or later is None:
         raise SystemExit(f"the launcher's re-plan lines are missing:\n{out[-4000:]}")
     moved = "moving to the new plan" in out
     verdict = "move" if moved else next(v for v in ("fastest plan", "below min_gain", "within the noise") if v in out)
-    return {"layout": layout, "verdict": verdict, "moved": moved, "split": later[1],
-            "predicted_from_s": _seconds(now[3], now[4]),
-            "predicted_to_s": _seconds(best[3], best[4]) if best else _seconds(now[3], now[4]),
-            "before_s": _seconds(before[1], before[2]), "after_s": _seconds(later[2], later[3]),
-            "move_s": float(cost[1]) if cost else None, "save_s": float(cost[2]) if cost else None,
-            "restart_s": float(cost[3]) if cost else None, "replan_s": float(cost[4]) if cost else (
-                float(replan[1]) if replan else None),
-            "rss_mib": [int(cost[5]), int(cost[6])] if cost else None,
-            "weights": str(folder / "checkpoints" / str(steps))}
+    return {
+        "layout": layout,
+        "verdict": verdict,
+        "moved": moved,
+        "split": later[1],
+        "predicted_from_s": _seconds(now[3], now[4]),
+        "predicted_to_s": _seconds(best[3], best[4]) if best else _seconds(now[3], now[4]),
+        "before_s": _seconds(before[1], before[2]),
+        "after_s": _seconds(later[2], later[3]),
+        "move_s": float(cost[1]) if cost else None,
+        "save_s": float(cost[2]) if cost else None,
+        "restart_s": float(cost[3]) if cost else None,
+        "replan_s": float(cost[4]) if cost else (float(replan[1]) if replan else None),
+        "rss_mib": [int(cost[5]), int(cost[6])] if cost else None,
+        "weights": str(folder / "checkpoints" / str(steps)),
+    }
 
 
 def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -107,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             stays = _train(Path(tmp) / f"stays{k}", BAD, args.steps, args.after, 0.99)
             ref = _train(Path(tmp) / f"ref{k}", start["split"], args.steps, args.after, 0.03)
             start["bits_equal_reference"] = _same_weights(start, stays)
-            rows += [{"run": "bad layout", **start}, {"run": "  at min_gain 0.99", **stays},
-                     {"run": "  started on its end", **ref}]
+            rows += [
+                {"run": "bad layout", **start},
+                {"run": "  at min_gain 0.99", **stays},
+                {"run": "  started on its end", **ref},
+            ]
             if not start["moved"] or not start["bits_equal_reference"]:
-                failures.append(f"round {k + 1}: the start {'did not move' if not start['moved'] else 'moved'}"
-                                f"{'' if start['bits_equal_reference'] else ' without its reference weights'}")
+                failures.append(
+                    f"round {k + 1}: the start {'did not move' if not start['moved'] else 'moved'}"
+                    f"{'' if start['bits_equal_reference'] else ' without its reference weights'}"
+                )
             if ref["moved"]:
                 failures.append(f"round {k + 1}: the run started on the start's end moved again")
 
@@ -119,22 +147,57 @@ def main(argv: list[str] | None = None) -> int:
                 return "-" if x is None else format(x * scale, spec)
 
             print(f"\nround {k + 1} of {args.rounds}", flush=True)
-            print(table(["run", "verdict", "trains", "pred. from", "pred. to", "before", "after", "after/pred",
-                         "after/before", "weights = stays", "re-plan", "save", "re-launch", "peak RSS"],
-                        [[r["run"], r["verdict"], r["split"], f(r["predicted_from_s"], ".0f", 1e3),
-                          f(r["predicted_to_s"], ".0f", 1e3), f(r["before_s"], ".0f", 1e3), f(r["after_s"], ".0f", 1e3),
-                          f(r["after_s"] / (r["predicted_to_s"] if r["moved"] else r["predicted_from_s"]), ".3f"),
-                          f(r["after_s"] / r["before_s"], ".3f"),
-                          {None: "-", True: "yes", False: "NO"}[r.get("bits_equal_reference")],
-                          f(r["replan_s"], ".1f"), f(r["save_s"], ".2f"), f(r["restart_s"], ".2f"),
-                          "-" if r["rss_mib"] is None else f"{r['rss_mib'][0]}->{r['rss_mib'][1]}"]
-                         for r in rows[-3:]]), flush=True)
+            print(
+                table(
+                    [
+                        "run",
+                        "verdict",
+                        "trains",
+                        "pred. from",
+                        "pred. to",
+                        "before",
+                        "after",
+                        "after/pred",
+                        "after/before",
+                        "weights = stays",
+                        "re-plan",
+                        "save",
+                        "re-launch",
+                        "peak RSS",
+                    ],
+                    [
+                        [
+                            r["run"],
+                            r["verdict"],
+                            r["split"],
+                            f(r["predicted_from_s"], ".0f", 1e3),
+                            f(r["predicted_to_s"], ".0f", 1e3),
+                            f(r["before_s"], ".0f", 1e3),
+                            f(r["after_s"], ".0f", 1e3),
+                            f(r["after_s"] / (r["predicted_to_s"] if r["moved"] else r["predicted_from_s"]), ".3f"),
+                            f(r["after_s"] / r["before_s"], ".3f"),
+                            {None: "-", True: "yes", False: "NO"}[r.get("bits_equal_reference")],
+                            f(r["replan_s"], ".1f"),
+                            f(r["save_s"], ".2f"),
+                            f(r["restart_s"], ".2f"),
+                            "-" if r["rss_mib"] is None else f"{r['rss_mib'][0]}->{r['rss_mib'][1]}",
+                        ]
+                        for r in rows[-3:]
+                    ],
+                ),
+                flush=True,
+            )
     moved = [r for r in rows if r["moved"] and r["run"] == "bad layout"]
     if moved:
         print()
-        failures += check_moves("bad layout", [r["after_s"] / r["predicted_to_s"] for r in moved],
-                                [r["after_s"] / r["before_s"] for r in moved], TOLERANCE)
+        failures += check_moves(
+            "bad layout",
+            [r["after_s"] / r["predicted_to_s"] for r in moved],
+            [r["after_s"] / r["before_s"] for r in moved],
+            TOLERANCE,
+        )
     return finish(args.out, rows, failures)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -41,8 +41,11 @@ from nanotron_ext.report import table  # noqa: E402
 
 #: The shape of test_resume.py: 4 micro-batches of 2 (1F1B needs pp - 1 of them at pp=4), a vocabulary tp=2 splits
 #: without padding.
-SHAPE = {"tokens__micro_batch_size": 2, "tokens__batch_accumulation_per_replica": 4,
-         "model__model_config__vocab_size": 50276}
+SHAPE = {
+    "tokens__micro_batch_size": 2,
+    "tokens__batch_accumulation_per_replica": 4,
+    "model__model_config__vocab_size": 50276,
+}
 #: A share of a step above this fails test_resume.py (MOVE_TOLERANCE there).
 TOLERANCE = 0.01
 
@@ -69,8 +72,12 @@ def _chain(layout: str, shards: int) -> Plan:
 
 TP2 = Plan("pp=1 tp=2", 2, {"pp": 1, "parallelism__tp": 2}, {"cost_strategy": "constrained"})
 #: ZeRO-1 over two replicas, with the same 8 samples a step (2 micro-batches of 2 on each).
-ZERO1 = Plan("pp=1 dp=2 ZeRO-1", 2, {"pp": 1, "parallelism__dp": 2, "optimizer__zero_stage": 1,
-                                    "tokens__batch_accumulation_per_replica": 2}, {"cost_strategy": "constrained"})
+ZERO1 = Plan(
+    "pp=1 dp=2 ZeRO-1",
+    2,
+    {"pp": 1, "parallelism__dp": 2, "optimizer__zero_stage": 1, "tokens__batch_accumulation_per_replica": 2},
+    {"cost_strategy": "constrained"},
+)
 
 
 def _zb1p(plan: Plan) -> Plan:
@@ -82,14 +89,34 @@ A1, A2 = _layout("E,t|t,L", 2), _layout("E,t*2,N|H,C,X", 2)
 A3, A4 = _layout("E|t|t|L", 4), _layout("E,t*2,L", 1)
 A5 = _chain("E,t*2,N,V|V", 2)
 BASES: dict[str, tuple[Plan, list[tuple[str, Plan]]]] = {
-    "A1": (A1, [("split", A2), ("split", _layout("E|t,t,L", 2)), ("pp", A4), ("pp", A3), ("tp", TP2),
-                ("ZeRO-1 dp", ZERO1), ("engine", _zb1p(A1)), ("vocabulary shards", A5)]),
-    "A2": (A2, [("split", A1), ("pp", A4), ("pp", A3), ("tp", TP2), ("ZeRO-1 dp", ZERO1), ("engine", _zb1p(A2)),
-                ("vocabulary shards", _chain("E,t*2,N,V|V*2", 3))]),
+    "A1": (
+        A1,
+        [
+            ("split", A2),
+            ("split", _layout("E|t,t,L", 2)),
+            ("pp", A4),
+            ("pp", A3),
+            ("tp", TP2),
+            ("ZeRO-1 dp", ZERO1),
+            ("engine", _zb1p(A1)),
+            ("vocabulary shards", A5),
+        ],
+    ),
+    "A2": (
+        A2,
+        [
+            ("split", A1),
+            ("pp", A4),
+            ("pp", A3),
+            ("tp", TP2),
+            ("ZeRO-1 dp", ZERO1),
+            ("engine", _zb1p(A2)),
+            ("vocabulary shards", _chain("E,t*2,N,V|V*2", 3)),
+        ],
+    ),
     "A3": (A3, [("split", _layout("E|t|t,N|H,C,X", 4)), ("pp", A1), ("engine", _zb1p(A3))]),
     "A4": (A4, [("pp", A1), ("pp", A2), ("tp", TP2), ("ZeRO-1 dp", ZERO1)]),
-    "A5": (A5, [("vocabulary shards", A2), ("vocabulary shards", _chain("E,t*2,N,V|V*2", 3)),
-                ("engine", _zb1p(A5))]),
+    "A5": (A5, [("vocabulary shards", A2), ("vocabulary shards", _chain("E,t*2,N,V|V*2", 3)), ("engine", _zb1p(A5))]),
 }
 
 
@@ -119,8 +146,13 @@ class Row:
 def _run(folder: Path, plan: Plan, clip: float | None, resume: Path | None = None) -> tuple[dict[int, float], Path]:
     folder.mkdir(parents=True)
     extra = {"checkpoints__resume_checkpoint_path": str(resume)} if resume is not None else {}
-    config = tiny_config(folder, steps=6, checkpoints__checkpoint_interval=2, ext=plan.ext,
-                         **{**SHAPE, "optimizer__clip_grad": clip, **plan.overrides, **extra})
+    config = tiny_config(
+        folder,
+        steps=6,
+        checkpoints__checkpoint_interval=2,
+        ext=plan.ext,
+        **{**SHAPE, "optimizer__clip_grad": clip, **plan.overrides, **extra},
+    )
     run = launch(config, nproc=plan.nproc)
     if run.rc != 0:
         errors = [line for line in run.out.splitlines() if "Error" in line or "error:" in line]
@@ -128,8 +160,9 @@ def _run(folder: Path, plan: Plan, clip: float | None, resume: Path | None = Non
     return run.losses, folder / "checkpoints"
 
 
-def _compare(ref: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
-             new: dict[str, torch.Tensor]) -> tuple[float, float]:
+def _compare(
+    ref: dict[str, torch.Tensor], start: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> tuple[float, float]:
     """(largest |w - w_ref|, largest share of a step) over the weights both hold."""
     if ref.keys() != new.keys():
         raise SystemExit(f"the weights differ in name: {sorted(ref.keys() ^ new.keys())}")
@@ -163,8 +196,14 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
             start, ref6 = whole_weights(a / "4"), whole_weights(ref / "6")
             same = all(torch.equal(ref6[k], v) for k, v in whole_weights(a / "6").items())
-            reference_rows.append([name, base.label, "identical" if same else "DIFFERS",
-                                   str({s: losses[s] for s in (5, 6)} == ref_losses)])
+            reference_rows.append(
+                [
+                    name,
+                    base.label,
+                    "identical" if same else "DIFFERS",
+                    str({s: losses[s] for s in (5, 6)} == ref_losses),
+                ]
+            )
             for i, (kind, plan) in enumerate(changes):
                 bar.set_description(f"{name} -> {plan.label}")
                 try:
@@ -179,13 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nclip_grad: {clip}; reference: the base plan's checkpoint 4 resumed on that plan for steps 5-6\n")
     print(table(["base", "plan A", "resume under A vs A's uninterrupted weights", "losses equal"], reference_rows))
     print()
-    print(table(["base", "change", "plan B", "max |w - w_ref|", "share of a step", "losses equal", "verdict"],
-                [[r.base, r.change, r.plan, f"{r.max_abs:.3g}", f"{100 * r.share:.3g} %", str(r.losses_equal),
-                  r.verdict] for r in rows]))
+    print(
+        table(
+            ["base", "change", "plan B", "max |w - w_ref|", "share of a step", "losses equal", "verdict"],
+            [
+                [r.base, r.change, r.plan, f"{r.max_abs:.3g}", f"{100 * r.share:.3g} %", str(r.losses_equal), r.verdict]
+                for r in rows
+            ],
+        )
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"clip_grad": clip, "bases": {b: BASES[b][0].label for b in bases},
-                                    "reference": reference_rows,
-                                    "rows": [{**asdict(r), "verdict": r.verdict} for r in rows]}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "clip_grad": clip,
+                "bases": {b: BASES[b][0].label for b in bases},
+                "reference": reference_rows,
+                "rows": [{**asdict(r), "verdict": r.verdict} for r in rows],
+            },
+            indent=1,
+        )
+    )
     print(f"\nwritten: {args.out}")
     return 0
 

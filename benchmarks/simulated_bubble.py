@@ -64,9 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = {}
         for name in STRATEGIES:
             plan = make_plan(blocks, cfg, name)
-            result = simulate_plan(
-                plan, blocks, cfg, engine=ENGINE
-            )
+            result = simulate_plan(plan, blocks, cfg, engine=ENGINE)
             results[name] = (plan, result)
             if (label, pp) == PICTURE[:2] and name in PICTURE[2]:
                 stem = f"{yaml_name.removesuffix('.yaml')}_pp{pp}_{name}_timeline.png"
@@ -81,9 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in STRATEGIES:
             plan, result = results[name]
             bubbles[name].append(result.bubble_fraction)
-            cells.append(
-                f"{result.step_time / best:.3f}x · {result.bubble_fraction:.1%}" + ("" if plan.ok else " ✗")
-            )
+            cells.append(f"{result.step_time / best:.3f}x · {result.bubble_fraction:.1%}" + ("" if plan.ok else " ✗"))
         speedup = results["nanotron"][1].step_time / results["constrained"][1].step_time
         speedups.append(speedup)
         rows.append([label, pp, m, f"{ideal_bubble_fraction(pp, m):.1%}", *cells, f"{speedup:.3f}x"])

@@ -126,10 +126,12 @@ def random_instances(count: int) -> tuple[str, int]:
         exact += found.exact
         gaps.append(brute / found.lower_bound - 1)
         assert found.lower_bound <= brute * (1 + TOL), "lower bound above the brute-force optimum"
-    line = (f"{count} instances (n 3–11, pp 2–6, 1F1B and AFAB, m from the minimum to 3·pp, updates and p2p "
-            f"included; {splits_total} splits simulated by brute force): default worse than the brute-force best in "
-            f"{worse}; search proved optimal (exact) in {exact}/{count}; lower bound ≤ optimum in all, mean "
-            f"optimum ÷ bound − 1 = {sum(gaps) / len(gaps):.2%}, max {max(gaps):.2%}")
+    line = (
+        f"{count} instances (n 3–11, pp 2–6, 1F1B and AFAB, m from the minimum to 3·pp, updates and p2p "
+        f"included; {splits_total} splits simulated by brute force): default worse than the brute-force best in "
+        f"{worse}; search proved optimal (exact) in {exact}/{count}; lower bound ≤ optimum in all, mean "
+        f"optimum ÷ bound − 1 = {sum(gaps) / len(gaps):.2%}, max {max(gaps):.2%}"
+    )
     return line, worse
 
 
@@ -143,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{machine}, the configs' engine (1F1B). External splits: {sources}.\n")
     rows, violations, _ = public_cases()
     print("## Peer step ÷ default step (≥ 1.0000x: the default is at least as fast; ✗: plan cannot train)\n")
-    print(table(["model", "pp", "m", "case", *PEERS, "best valid peer ÷ default", "default plan ms"], rows,
-                markdown=True))
+    print(
+        table(["model", "pp", "m", "case", *PEERS, "best valid peer ÷ default", "default plan ms"], rows, markdown=True)
+    )
     print(f"\nDefault slower than a valid peer: {violations} of {len(rows)} cases × {len(PEERS)} peers")
     line, worse = random_instances(args.instances)
     print(f"\n## Random instances against brute force (seed 0)\n\n{line}")

@@ -82,32 +82,51 @@ def worker(spec_path: str, out_path: str) -> None:
             blocks = inventory_from_config(cfg)
             plan = make_plan(blocks, cfg)
             torch.manual_seed(0)
-            model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks),
-                                    vocab_shards=cfg.vocab_shards)
+            model = build_cpu_llama(
+                llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks), vocab_shards=cfg.vocab_shards
+            )
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
             runs[label] = {
-                "model": model, "optimizer": optimizer, "grad_acc": grad_acc, "cfg": cfg, "plan": plan,
-                "batches": random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                                cfg.run.sequence_length),
-                "timer": StepTimer(model, ctx), "losses": [], "labels": [s.label for s in plan.stages],
+                "model": model,
+                "optimizer": optimizer,
+                "grad_acc": grad_acc,
+                "cfg": cfg,
+                "plan": plan,
+                "batches": random_micro_batches(
+                    model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size, cfg.run.sequence_length
+                ),
+                "timer": StepTimer(model, ctx),
+                "losses": [],
+                "labels": [s.label for s in plan.stages],
             }
         loads = []
         for r in range(spec["rounds"]):
             loads.append(os.getloadavg()[0])
-            order = SPLITS[r % len(SPLITS):] + SPLITS[:r % len(SPLITS)]  # each goes first in turn
+            order = SPLITS[r % len(SPLITS) :] + SPLITS[: r % len(SPLITS)]  # each goes first in turn
             for label in order:
                 run = runs[label]
                 for record in [False] * spec["rewarm"] + [True] * spec["steps"]:
                     with run["timer"] as timer, timer.step(record=record):
-                        run["losses"].append(train_step(
-                            run["model"], ctx, ENGINE, run["batches"], run["cfg"].run.n_micro_batches,
-                            run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
+                        run["losses"].append(
+                            train_step(
+                                run["model"],
+                                ctx,
+                                ENGINE,
+                                run["batches"],
+                                run["cfg"].run.n_micro_batches,
+                                run["optimizer"],
+                                grad_accumulator=run["grad_acc"],
+                                clip_grad=None,
+                            )
+                        )
         out = {}
         for label, run in runs.items():
             per_rank = run["timer"].gather()
             if per_rank is not None:
                 out[label] = {
-                    "ranks": list(run["plan"].block_ranks), "stages": run["labels"], "losses": run["losses"],
+                    "ranks": list(run["plan"].block_ranks),
+                    "stages": run["labels"],
+                    "losses": run["losses"],
                     "vocab_shards": run["cfg"].vocab_shards,
                     "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
                 }
@@ -141,7 +160,8 @@ def report(result: dict[str, Any]) -> str:
     keys = ("busy", "cpu", "recv_wait", "send_wait", "collective_wait", "end_wait")
     widths = (9, 9, 11, 11, 12, 10)
     head = f"{'split':<17}{'stage':>6}" + "".join(
-        f"{h:>{w}}" for h, w in zip(("busy ms", "CPU ms", "recv wait", "send wait", "collective", "end wait"), widths))
+        f"{h:>{w}}" for h, w in zip(("busy ms", "CPU ms", "recv wait", "send wait", "collective", "end wait"), widths)
+    )
     lines += [head, "-" * len(head)]
     for label in SPLITS:
         for stage, recs in enumerate(result["runs"][label]["records"]):
@@ -152,10 +172,14 @@ def report(result: dict[str, Any]) -> str:
     for label in SPLITS[1:]:
         chain = summary[label]
         k = result["runs"][label]["vocab_shards"]
-        lines.append(f"{label} (K={k}): step {chain[0] * 1e3:.1f} ms vs whole blocks {whole[0] * 1e3:.1f} ms -> "
-                     f"{whole[0] / chain[0]:.2f}x as fast (pipeline part {whole[1] / chain[1]:.2f}x)")
-    lines.append(f"losses agree over {len(result['runs']['whole blocks']['losses'])} steps: worst relative "
-                 f"difference {_worst_loss_gap(result):.1e}")
+        lines.append(
+            f"{label} (K={k}): step {chain[0] * 1e3:.1f} ms vs whole blocks {whole[0] * 1e3:.1f} ms -> "
+            f"{whole[0] / chain[0]:.2f}x as fast (pipeline part {whole[1] / chain[1]:.2f}x)"
+        )
+    lines.append(
+        f"losses agree over {len(result['runs']['whole blocks']['losses'])} steps: worst relative "
+        f"difference {_worst_loss_gap(result):.1e}"
+    )
     loads = result["load_average"]
     lines.append(f"load average (1 min) during the rounds: {min(loads):.1f} to {max(loads):.1f}")
     return "\n".join(lines)
@@ -175,8 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw.pop("nanotron_ext", None)
     print("$ python benchmarks/vocab_chain_cpu.py " + " ".join(argv))
     with tempfile.TemporaryDirectory(prefix="vocab_chain_profile_") as cache:  # measured afresh in this run
-        spec = {"label": "vocab chain", "raw": raw, "rounds": args.rounds, "steps": args.steps,
-                "rewarm": args.rewarm, "cache": cache}
+        spec = {
+            "label": "vocab chain",
+            "raw": raw,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "rewarm": args.rewarm,
+            "cache": cache,
+        }
         result = launch(spec, script=Path(__file__).resolve())
     print(report(result))
     return 0 if _worst_loss_gap(result) < 1e-4 else 1

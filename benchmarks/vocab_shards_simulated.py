@@ -63,9 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print_command()
     machine = machine_overrides(args)
-    print(f"1F1B, micro-batches max(config's, pp), on "
-          f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}; "
-          f"both plans by the default planner under that machine.\n")
+    print(
+        f"1F1B, micro-batches max(config's, pp), on "
+        f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}; "
+        f"both plans by the default planner under that machine.\n"
+    )
     rows = []
     for label, yaml_name in SHAPES:
         base = load_config(CONFIGS / yaml_name)
@@ -76,21 +78,54 @@ def main(argv: Sequence[str] | None = None) -> int:
                 whole_blocks = inventory_from_config(whole_cfg)
                 whole = make_plan(whole_blocks, whole_cfg)
             except PlanningError:
-                rows.append([label, pp, chain_cfg.vocab_shards, "-", "-", "-",
-                             "whole blocks cannot be planned: fewer blocks with parameters than stages"])
+                rows.append(
+                    [
+                        label,
+                        pp,
+                        chain_cfg.vocab_shards,
+                        "-",
+                        "-",
+                        "-",
+                        "whole blocks cannot be planned: fewer blocks with parameters than stages",
+                    ]
+                )
                 continue
             chain_blocks = inventory_from_config(chain_cfg)
             chain = make_plan(chain_blocks, chain_cfg)
-            steps = [simulate_plan(p, b, c).step_time
-                     for p, b, c in ((whole, whole_blocks, whole_cfg), (chain, chain_blocks, chain_cfg))]
+            steps = [
+                simulate_plan(p, b, c).step_time
+                for p, b, c in ((whole, whole_blocks, whole_cfg), (chain, chain_blocks, chain_cfg))
+            ]
             fine_cfg = _with(whole_cfg, FINE)
             fine_blocks = inventory_from_config(fine_cfg)
             floor = _slowest(make_plan(fine_blocks, fine_cfg, "flops"), fine_blocks)
             slow_w, slow_c = _slowest(whole, whole_blocks), _slowest(chain, chain_blocks)
-            rows.append([label, pp, chain_cfg.vocab_shards, f"{steps[0] / steps[1]:.3f}x", f"{slow_w / slow_c:.3f}x",
-                         f"{slow_w / floor:.3f}x", ""])
-    print(table(["model", "pp", "K (auto)", "step gain (simulated)", "slowest-stage gain", "FLOP bound on the gain",
-                 "note"], rows, markdown=True))
+            rows.append(
+                [
+                    label,
+                    pp,
+                    chain_cfg.vocab_shards,
+                    f"{steps[0] / steps[1]:.3f}x",
+                    f"{slow_w / slow_c:.3f}x",
+                    f"{slow_w / floor:.3f}x",
+                    "",
+                ]
+            )
+    print(
+        table(
+            [
+                "model",
+                "pp",
+                "K (auto)",
+                "step gain (simulated)",
+                "slowest-stage gain",
+                "FLOP bound on the gain",
+                "note",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
     return 0
 
 

@@ -93,6 +93,7 @@ def raw_config(layers: int, seq: int, m: int) -> dict[str, Any]:
 
 # --- inside the two ranks ------------------------------------------------------------------------------
 
+
 def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict[str, dict[str, Any]]:
     """One model per (m, engine), same init and split, each with its optimizer, data and timer."""
     import torch
@@ -109,9 +110,15 @@ def _build_runs(cfg: Any, ctx: Any, ranks: list[int], ms: Sequence[int]) -> dict
             model = build_cpu_llama(lcfg, ctx, block_ranks=ranks)
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
             runs[f"{engine}@{m}"] = {
-                "engine": engine, "m": m, "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
+                "engine": engine,
+                "m": m,
+                "model": model,
+                "optimizer": optimizer,
+                "grad_acc": grad_acc,
                 "batches": random_micro_batches(model, ctx, lcfg.vocab_size, 1, cfg.run.sequence_length),
-                "timer": StepTimer(model, ctx), "ops": [], "losses": [],
+                "timer": StepTimer(model, ctx),
+                "ops": [],
+                "losses": [],
             }
     return runs
 
@@ -122,8 +129,18 @@ def _step(run: dict[str, Any], ctx: Any, record: bool) -> None:
     clear_ops()
     with run["timer"] as timer, timer.step(record=record):
         # No clipping: the runtime's clip cannot run on a rank whose only weights are tied copies (measured_cpu.py).
-        run["losses"].append(train_step(run["model"], ctx, run["engine"], run["batches"], run["m"],
-                                        run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
+        run["losses"].append(
+            train_step(
+                run["model"],
+                ctx,
+                run["engine"],
+                run["batches"],
+                run["m"],
+                run["optimizer"],
+                grad_accumulator=run["grad_acc"],
+                clip_grad=None,
+            )
+        )
     if record:
         run["ops"].append(step_ops())
 
@@ -152,8 +169,13 @@ def _gathered(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ops_all: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(run["ops"], ops_all, dst=0)
         if per_rank is not None:
-            out[key] = {"engine": run["engine"], "m": run["m"], "losses": run["losses"], "ops": ops_all,
-                        "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
+            out[key] = {
+                "engine": run["engine"],
+                "m": run["m"],
+                "losses": run["losses"],
+                "ops": ops_all,
+                "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
+            }
     return out
 
 
@@ -190,20 +212,48 @@ def worker(spec_path: str, out_path: str) -> None:
         train_s = time.perf_counter() - t0
         gathered = _gathered(runs)
         if dist.get_rank() == 0:
-            sims = {f"{e}@{m}": simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=machine,
-                                              engine=e) for m in ms for e in ENGINES}
-            late_sims = {f"{e}@{m}": simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=m),
-                                                   machine=late, engine=e).step_time for m in ms for e in ENGINES}
-            Path(out_path).write_text(json.dumps({
-                "split": plan.table(), "ranks": list(plan.block_ranks), "machine": machine.name,
-                "profile": json.loads(machine.to_json()),  # to re-simulate the run's plan by hand
-                "late_profile": json.loads(late.to_json()), "late_sim": late_sims,
-                "calibrate_s": calibrate_s, "train_s": train_s, "runs": gathered, "tied_sync": tied_sync(cfg, machine),
-                "sim": {k: {"step": s.step_time, "busy": list(s.busy), "bubble": s.bubble_fraction,
-                            "pipeline": s.pipeline_time, "p2p": list(s.p2p_times),
-                            "stages": [dataclasses.asdict(st) for st in s.stages]} for k, s in sims.items()},
-                "load_average": os.getloadavg()[0],
-            }))
+            sims = {
+                f"{e}@{m}": simulate_plan(
+                    plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=machine, engine=e
+                )
+                for m in ms
+                for e in ENGINES
+            }
+            late_sims = {
+                f"{e}@{m}": simulate_plan(
+                    plan, blocks, cfg.with_overrides(n_micro_batches=m), machine=late, engine=e
+                ).step_time
+                for m in ms
+                for e in ENGINES
+            }
+            Path(out_path).write_text(
+                json.dumps(
+                    {
+                        "split": plan.table(),
+                        "ranks": list(plan.block_ranks),
+                        "machine": machine.name,
+                        "profile": json.loads(machine.to_json()),  # to re-simulate the run's plan by hand
+                        "late_profile": json.loads(late.to_json()),
+                        "late_sim": late_sims,
+                        "calibrate_s": calibrate_s,
+                        "train_s": train_s,
+                        "runs": gathered,
+                        "tied_sync": tied_sync(cfg, machine),
+                        "sim": {
+                            k: {
+                                "step": s.step_time,
+                                "busy": list(s.busy),
+                                "bubble": s.bubble_fraction,
+                                "pipeline": s.pipeline_time,
+                                "p2p": list(s.p2p_times),
+                                "stages": [dataclasses.asdict(st) for st in s.stages],
+                            }
+                            for k, s in sims.items()
+                        },
+                        "load_average": os.getloadavg()[0],
+                    }
+                )
+            )
 
 
 # --- the report ----------------------------------------------------------------------------------------
@@ -219,20 +269,27 @@ def _where(run: dict[str, Any]) -> str:
     """Per PP rank, median per step: busy, receive/send/collective/end waits, W."""
     parts = []
     for rank, recs in enumerate(run["records"]):
-        med = {k: statistics.median(r[k] for r in recs) for k in
-               ("step", "busy", "recv_wait", "send_wait", "collective_wait", "end_wait")}
+        med = {
+            k: statistics.median(r[k] for r in recs)
+            for k in ("step", "busy", "recv_wait", "send_wait", "collective_wait", "end_wait")
+        }
         w = statistics.median(math.fsum(step["W"]) for step in run["ops"][rank])
-        parts.append(f"rank {rank}: busy {med['busy'] * 1e3:.0f}, recv {med['recv_wait'] * 1e3:.0f}, send "
-                     f"{med['send_wait'] * 1e3:.0f}, coll {med['collective_wait'] * 1e3:.0f}, end "
-                     f"{med['end_wait'] * 1e3:.0f}" + (f", W {w * 1e3:.0f}" if run["engine"] in ZERO_BUBBLE else ""))
+        parts.append(
+            f"rank {rank}: busy {med['busy'] * 1e3:.0f}, recv {med['recv_wait'] * 1e3:.0f}, send "
+            f"{med['send_wait'] * 1e3:.0f}, coll {med['collective_wait'] * 1e3:.0f}, end "
+            f"{med['end_wait'] * 1e3:.0f}" + (f", W {w * 1e3:.0f}" if run["engine"] in ZERO_BUBBLE else "")
+        )
     return "; ".join(parts) + " (ms)"
 
 
 def schedule_check(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
     """The simulator under the profile the run's own ops make (:func:`in_run_stages`; links as calibrated) against
     the engine: pipeline makespan and step. Holds when every engine's step is within :data:`SIM_WITHIN`."""
-    lines = ["| m | engine | measured pipeline | simulated pipeline | simulated ÷ measured | measured step | "
-             "simulated step | simulated ÷ measured |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| m | engine | measured pipeline | simulated pipeline | simulated ÷ measured | measured step | "
+        "simulated step | simulated ÷ measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     holds = True
     for m in ms:
         for engine in ENGINES:
@@ -241,16 +298,20 @@ def schedule_check(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str]
             sim = simulate(in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=result["sim"][key]["p2p"])
             pipeline, step = measured_pipeline(run), statistics.median(step_times(run))
             holds &= abs(sim.step_time / step - 1) <= SIM_WITHIN
-            lines.append(f"| {m} | {engine} | {pipeline * 1e3:.0f} ms | {sim.pipeline_time * 1e3:.0f} ms | "
-                         f"{sim.pipeline_time / pipeline:.3f} | {step * 1e3:.0f} ms | {sim.step_time * 1e3:.0f} ms | "
-                         f"{sim.step_time / step:.3f} |")
+            lines.append(
+                f"| {m} | {engine} | {pipeline * 1e3:.0f} ms | {sim.pipeline_time * 1e3:.0f} ms | "
+                f"{sim.pipeline_time / pipeline:.3f} | {step * 1e3:.0f} ms | {sim.step_time * 1e3:.0f} ms | "
+                f"{sim.step_time / step:.3f} |"
+            )
     return lines, holds
 
 
 def op_table(result: dict[str, Any], m: int) -> list[str]:
     """Per engine, rank and op kind at ``m``: the op in the run (mean and fastest) against the calibrated price."""
-    lines = ["| engine | rank | op | in the run: mean | fastest | calibrated | mean ÷ calibrated | fastest ÷ calibrated |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| engine | rank | op | in the run: mean | fastest | calibrated | mean ÷ calibrated | fastest ÷ calibrated |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for engine in ENGINES:
         key = f"{engine}@{m}"
         run, priced = result["runs"][key], calibrated_ops(result["sim"][key], engine)
@@ -259,9 +320,11 @@ def op_table(result: dict[str, Any], m: int) -> list[str]:
             for kind in OP_KINDS:
                 cal = priced[rank][kind]
                 if cal > 0 or mean[kind] > 0:
-                    ratios = (f"{mean[kind] / cal:.3f} | {best[kind] / cal:.3f}" if cal > 0 else "- | -")
-                    lines.append(f"| {engine} | {rank} | {kind} | {mean[kind] * 1e3:.1f} ms | {best[kind] * 1e3:.1f} ms | "
-                                 f"{cal * 1e3:.1f} ms | {ratios} |")
+                    ratios = f"{mean[kind] / cal:.3f} | {best[kind] / cal:.3f}" if cal > 0 else "- | -"
+                    lines.append(
+                        f"| {engine} | {rank} | {kind} | {mean[kind] * 1e3:.1f} ms | {best[kind] * 1e3:.1f} ms | "
+                        f"{cal * 1e3:.1f} ms | {ratios} |"
+                    )
     return lines
 
 
@@ -269,9 +332,11 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
     """The table of measured and simulated steps and gains, where the time goes, and whether issue 31's checks
     hold (zb2p at least :data:`GAIN_FLOOR` × 1F1B at the smallest m; every simulated step within
     :data:`SIM_WITHIN` of the measured one)."""
-    lines = ["| m | engine | measured step | gain over 1F1B (median, 95 % CI) | simulated step | simulated gain "
-             "| simulated ÷ measured | profile taken among the models: simulated ÷ measured |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| m | engine | measured step | gain over 1F1B (median, 95 % CI) | simulated step | simulated gain "
+        "| simulated ÷ measured | profile taken among the models: simulated ÷ measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     notes, holds = [], True
     for m in ms:
         ref = result["runs"][f"1f1b@{m}"]
@@ -289,8 +354,10 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[str], bool]:
                         notes += [f"- m={m}, {e}: {_where(result['runs'][f'{e}@{m}'])}" for e in ("1f1b", engine)]
             holds &= abs(sim / measured - 1) <= SIM_WITHIN
             late = result["late_sim"][f"{engine}@{m}"]
-            lines.append(f"| {m} | {engine} | {measured * 1e3:.0f} ms | {gain} | {sim * 1e3:.0f} ms | "
-                         f"{s_ref / sim:.3f}× | {sim / measured:.3f} | {late / measured:.3f} |")
+            lines.append(
+                f"| {m} | {engine} | {measured * 1e3:.0f} ms | {gain} | {sim * 1e3:.0f} ms | "
+                f"{s_ref / sim:.3f}× | {sim / measured:.3f} | {late / measured:.3f} |"
+            )
     if not notes:
         notes = [f"- m={min(ms)}, {e}: {_where(result['runs'][f'{e}@{min(ms)}'])}" for e in ENGINES]
     return lines + ["", "Where the time goes (median per step):", *notes], holds
@@ -302,8 +369,14 @@ def launch(spec: dict[str, Any], script: str = __file__, timeout: float = WORLD_
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = {**MALLOC_ENV, **local_env(ROOT)}
-        run = run_local_ranks([sys.executable, str(Path(script).resolve()), "--worker", str(spec_path),
-                               str(out_path)], PP, timeout=timeout, grace=0, env=env, cwd=ROOT)
+        run = run_local_ranks(
+            [sys.executable, str(Path(script).resolve()), "--worker", str(spec_path), str(out_path)],
+            PP,
+            timeout=timeout,
+            grace=0,
+            env=env,
+            cwd=ROOT,
+        )
         if not run.ok or not out_path.exists():
             raise RuntimeError(("timed out" if run.deadline_hit else "failed") + ":\n" + run.describe())
         return json.loads(out_path.read_text())
@@ -339,9 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     print(f"Reproduce: `python {shlex.join(['benchmarks/zb_measured_cpu.py', *argv])}`\n")
-    print(f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}, split by {STRATEGY!r}; "
-          f"2 processes × 1 thread (gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up "
-          f"+ {rounds} timed step(s) per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}, split by {STRATEGY!r}; "
+        f"2 processes × 1 thread (gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up "
+        f"+ {rounds} timed step(s) per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n"
+    )
     started = time.perf_counter()
     result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup})
     if args.out:
@@ -350,20 +425,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"machine profile: {result['machine']} (calibrated in the run, {result['calibrate_s']:.0f} s)\n")
     lines, holds = report(result, ms)
     print("\n".join(lines))
-    print(f"\nOne op of each kind at m={min(ms)}, its own work in the run (waits on a peer left out) against what "
-          f"the calibrated profile prices:\n")
+    print(
+        f"\nOne op of each kind at m={min(ms)}, its own work in the run (waits on a peer left out) against what "
+        f"the calibrated profile prices:\n"
+    )
     print("\n".join(op_table(result, min(ms))))
     schedule_lines, schedule_holds = schedule_check(result, ms)
-    print("\nThe profile the run's own ops make: the simulator given each rank's mean F, B, W and update in the run "
-          "(links and the tied all-reduce as calibrated), against the engine's median pipeline and step:\n")
+    print(
+        "\nThe profile the run's own ops make: the simulator given each rank's mean F, B, W and update in the run "
+        "(links and the tied all-reduce as calibrated), against the engine's median pipeline and step:\n"
+    )
     print("\n".join(schedule_lines))
-    print(f"\nCHECKS (issue 31: zb2p >= {GAIN_FLOOR}x 1F1B at m={min(ms)}, every simulated step within "
-          f"{SIM_WITHIN:.0%} of measured): {'HOLD' if holds else 'DO NOT HOLD'}")
-    print(f"IN-RUN PROFILE (every engine's step simulated from the run's own ops within {SIM_WITHIN:.0%} of "
-          f"measured): {'HOLDS' if schedule_holds else 'DOES NOT HOLD'}")
+    print(
+        f"\nCHECKS (issue 31: zb2p >= {GAIN_FLOOR}x 1F1B at m={min(ms)}, every simulated step within "
+        f"{SIM_WITHIN:.0%} of measured): {'HOLD' if holds else 'DO NOT HOLD'}"
+    )
+    print(
+        f"IN-RUN PROFILE (every engine's step simulated from the run's own ops within {SIM_WITHIN:.0%} of "
+        f"measured): {'HOLDS' if schedule_holds else 'DOES NOT HOLD'}"
+    )
     holds &= schedule_holds
-    print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
-          f"end {result['load_average']:.1f}")
+    print(
+        f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
+        f"end {result['load_average']:.1f}"
+    )
     return 0 if holds else 1
 
 

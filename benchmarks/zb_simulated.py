@@ -63,8 +63,13 @@ def outcome(cfg: PlannerConfig, engine: str) -> Outcome:
         return Outcome(None, error=str(exc).split(":")[0])
     bound = lower_bound(schedule_problem(blocks, cfg), bounds_from_ranks(plan.block_ranks, plan.pp))
     floor = 1.0 - sum(result.busy) / (plan.pp * bound)
-    return Outcome(tuple(plan.block_ranks), result.step_time, result.bubble_fraction,
-                   max(s.memory_bytes for s in plan.stages), floor)
+    return Outcome(
+        tuple(plan.block_ranks),
+        result.step_time,
+        result.bubble_fraction,
+        max(s.memory_bytes for s in plan.stages),
+        floor,
+    )
 
 
 def auto_pick(cfg: PlannerConfig) -> str:
@@ -82,9 +87,15 @@ def row(label: str, pp: int, m: int, m_source: str, out: dict[str, Outcome], pic
         return head + ["-"] * 9 + [f"cannot run: {next(o.error for o in out.values() if o.error)}"]
     one, zb1, zb2 = (out[e] for e in ENGINES)
     return head + [
-        f"{one.step * 1e3:.1f}", f"{one.bubble:.1%}", f"{zb1.bubble:.1%}", f"{zb2.bubble:.1%}", f"{zb2.floor:.1%}",
-        f"{one.step / zb1.step:.3f}x", f"{one.step / zb2.step:.3f}x",
-        " / ".join(human_bytes(out[e].peak) for e in ENGINES), pick,
+        f"{one.step * 1e3:.1f}",
+        f"{one.bubble:.1%}",
+        f"{zb1.bubble:.1%}",
+        f"{zb2.bubble:.1%}",
+        f"{zb2.floor:.1%}",
+        f"{one.step / zb1.step:.3f}x",
+        f"{one.step / zb2.step:.3f}x",
+        " / ".join(human_bytes(out[e].peak) for e in ENGINES),
+        pick,
     ]
 
 
@@ -95,11 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_command()
     machine = machine_overrides(args)
     first = load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)
-    print(f"{machine_for(first).describe()}; default strategy ({first.ext.cost_strategy}) planned under each engine. "
-          "1f1b step in ms; bubble: simulated idle share of the step; zb2p floor: the bubble of a step as long as "
-          "its split's slowest 'first activation in, then all of the stage's work' path; speedup: 1F1B step ÷ "
-          "the engine's; max peak: the largest per-stage memory estimate of each engine's plan; auto: what "
-          "pp_engine: auto takes under the memory limit.\n")
+    print(
+        f"{machine_for(first).describe()}; default strategy ({first.ext.cost_strategy}) planned under each engine. "
+        "1f1b step in ms; bubble: simulated idle share of the step; zb2p floor: the bubble of a step as long as "
+        "its split's slowest 'first activation in, then all of the stage's work' path; speedup: 1F1B step ÷ "
+        "the engine's; max peak: the largest per-stage memory estimate of each engine's plan; auto: what "
+        "pp_engine: auto takes under the memory limit.\n"
+    )
     rows: list[list[str]] = []
     gains: dict[str, list[float]] = {"zb1p": [], "zb2p": []}
     gaps: list[float] = []
@@ -114,16 +127,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             for e in gains:
                 gains[e].append(out["1f1b"].step / out[e].step)
             gaps.append(out["zb2p"].bubble - out["zb2p"].floor)
-    print(table(["model", "pp", "m", "1f1b step", "1f1b bubble", "zb1p bubble", "zb2p bubble", "zb2p floor",
-                 "zb1p speedup", "zb2p speedup", "max peak 1f1b / zb1p / zb2p", "auto"], rows))
+    print(
+        table(
+            [
+                "model",
+                "pp",
+                "m",
+                "1f1b step",
+                "1f1b bubble",
+                "zb1p bubble",
+                "zb2p bubble",
+                "zb2p floor",
+                "zb1p speedup",
+                "zb2p speedup",
+                "max peak 1f1b / zb1p / zb2p",
+                "auto",
+            ],
+            rows,
+        )
+    )
     for engine, values in gains.items():
         if values:
-            print(f"\n{engine} speedup over 1F1B: min {min(values):.3f}x, max {max(values):.3f}x over {len(values)} "
-                  f"cases", end="")
+            print(
+                f"\n{engine} speedup over 1F1B: min {min(values):.3f}x, max {max(values):.3f}x over {len(values)} "
+                f"cases",
+                end="",
+            )
     if gaps:
         within = sum(g <= 0.01 for g in gaps)
-        print(f"\nzb2p bubble above its split's floor: {within} of {len(gaps)} cases within one point "
-              f"(largest {max(gaps):.1%})")
+        print(
+            f"\nzb2p bubble above its split's floor: {within} of {len(gaps)} cases within one point "
+            f"(largest {max(gaps):.1%})"
+        )
     return 0
 
 

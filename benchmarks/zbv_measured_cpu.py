@@ -65,13 +65,28 @@ WORLD_TIMEOUT_S = 1800.0
 
 # --- inside the two ranks ------------------------------------------------------------------------------
 
+
 class _Heap:
     """Heap bytes in use in this process (glibc ``mallinfo2``: every arena, so every thread, fibers included)."""
 
     def __init__(self) -> None:
         class Info(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
+
         self._libc = ctypes.CDLL("libc.so.6")
         self._libc.mallinfo2.restype = Info
         self.peak = 0
@@ -105,6 +120,7 @@ def _instrument() -> None:
                 return fn(*args, **kwargs)
             finally:
                 HEAP.sample()
+
         return op
 
     PipelineEngine.forward = sampled(PipelineEngine.forward)
@@ -124,8 +140,9 @@ def _instrument() -> None:
     v_engine._VRun.do = timed_do
 
 
-def _build_runs(cfg: Any, ctx: Any, ranks: dict[str, list[int]], v_plans: dict[int, Any],
-                ms: Sequence[int]) -> dict[str, Any]:
+def _build_runs(
+    cfg: Any, ctx: Any, ranks: dict[str, list[int]], v_plans: dict[int, Any], ms: Sequence[int]
+) -> dict[str, Any]:
     import torch
 
     from nanotron_ext.models.profiled_blocks import llama_config_from_shape
@@ -139,14 +156,24 @@ def _build_runs(cfg: Any, ctx: Any, ranks: dict[str, list[int]], v_plans: dict[i
         for engine in ENGINES:
             torch.manual_seed(0)
             placed = {"v_stages": v_plans[m].stages} if engine == "zbv" else {"block_ranks": ranks[f"{engine}@{m}"]}
-            pipeline = (ZeroBubbleVPipelineEngine(order=lambda pp, m, o=v_plans[m].order: o) if engine == "zbv"
-                        else engine)
+            pipeline = (
+                ZeroBubbleVPipelineEngine(order=lambda pp, m, o=v_plans[m].order: o) if engine == "zbv" else engine
+            )
             model = build_cpu_llama(lcfg, ctx, **placed)
             optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
             runs[f"{engine}@{m}"] = {
-                "engine": pipeline, "name": engine, "m": m, "model": model, "optimizer": optimizer, "grad_acc": grad_acc,
+                "engine": pipeline,
+                "name": engine,
+                "m": m,
+                "model": model,
+                "optimizer": optimizer,
+                "grad_acc": grad_acc,
                 "batches": random_micro_batches(model, ctx, lcfg.vocab_size, 1, cfg.run.sequence_length),
-                "timer": StepTimer(model, ctx), "ops": [], "v_ops": [], "peaks": [], "losses": [],
+                "timer": StepTimer(model, ctx),
+                "ops": [],
+                "v_ops": [],
+                "peaks": [],
+                "losses": [],
             }
     return runs
 
@@ -158,8 +185,18 @@ def _step(run: dict[str, Any], ctx: Any, record: bool) -> None:
     V_OPS.clear()
     HEAP.peak = start = HEAP.used()
     with run["timer"] as timer, timer.step(record=record):
-        run["losses"].append(train_step(run["model"], ctx, run["engine"], run["batches"], run["m"],
-                                        run["optimizer"], grad_accumulator=run["grad_acc"], clip_grad=None))
+        run["losses"].append(
+            train_step(
+                run["model"],
+                ctx,
+                run["engine"],
+                run["batches"],
+                run["m"],
+                run["optimizer"],
+                grad_accumulator=run["grad_acc"],
+                clip_grad=None,
+            )
+        )
     if record:
         run["ops"].append(step_ops())
         run["v_ops"].append(list(V_OPS))
@@ -176,9 +213,13 @@ def _gathered(runs: dict[str, Any]) -> dict[str, Any]:
         every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if per_rank is not None:
-            out[key] = {"engine": run["name"], "m": run["m"], "losses": run["losses"],
-                        "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
-                        **{k: [r[k] for r in every] for k in mine}}
+            out[key] = {
+                "engine": run["name"],
+                "m": run["m"],
+                "losses": run["losses"],
+                "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
+                **{k: [r[k] for r in every] for k in mine},
+            }
     return out
 
 
@@ -209,9 +250,12 @@ def worker(spec_path: str, out_path: str) -> None:
         # `plan --engine E --machine` would: every engine on its own best split, the V on its own.
         profile = Path(spec_path).with_name(f"machine-{dist.get_rank()}.json")
         profile.write_text(machine.to_json())
-        plans = {f"{e}@{m}": make_plan(blocks, cfg.with_overrides(engine=e, n_micro_batches=m,
-                                                                   machine=str(profile)))
-                 for m in ms for e in ENGINES if e != "zbv"}
+        plans = {
+            f"{e}@{m}": make_plan(blocks, cfg.with_overrides(engine=e, n_micro_batches=m, machine=str(profile)))
+            for m in ms
+            for e in ENGINES
+            if e != "zbv"
+        }
         v_plans = {m: make_v_plan(blocks, cfg.with_overrides(n_micro_batches=m, machine=str(profile))) for m in ms}
         runs = _build_runs(cfg, ctx, {k: list(p.block_ranks) for k, p in plans.items()}, v_plans, ms)
         for run in runs.values():
@@ -225,16 +269,35 @@ def worker(spec_path: str, out_path: str) -> None:
         train_s = time.perf_counter() - t0
         gathered = _gathered(runs)
         if dist.get_rank() == 0:
-            p2p = {k: list(simulate_plan(plan, blocks, cfg.with_overrides(n_micro_batches=plan_m(k)),
-                                         machine=machine, engine=k.split("@")[0]).p2p_times) for k, plan in plans.items()}
-            Path(out_path).write_text(json.dumps({
-                "ranks": {k: list(p.block_ranks) for k, p in plans.items()}, "machine": machine.name,
-                "stages": {m: p.stages for m, p in v_plans.items()},
-                "orders": {m: [[list(op) for op in ops] for ops in p.order] for m, p in v_plans.items()},
-                "v_planned": {m: p.step_time for m, p in v_plans.items()}, "v_p2p": {m: p.p2p for m, p in v_plans.items()},
-                "tied_sync": tied_sync(cfg, machine), "p2p": p2p, "train_s": train_s, "runs": gathered,
-                "load_average": os.getloadavg()[0],
-            }))
+            p2p = {
+                k: list(
+                    simulate_plan(
+                        plan,
+                        blocks,
+                        cfg.with_overrides(n_micro_batches=plan_m(k)),
+                        machine=machine,
+                        engine=k.split("@")[0],
+                    ).p2p_times
+                )
+                for k, plan in plans.items()
+            }
+            Path(out_path).write_text(
+                json.dumps(
+                    {
+                        "ranks": {k: list(p.block_ranks) for k, p in plans.items()},
+                        "machine": machine.name,
+                        "stages": {m: p.stages for m, p in v_plans.items()},
+                        "orders": {m: [[list(op) for op in ops] for ops in p.order] for m, p in v_plans.items()},
+                        "v_planned": {m: p.step_time for m, p in v_plans.items()},
+                        "v_p2p": {m: p.p2p for m, p in v_plans.items()},
+                        "tied_sync": tied_sync(cfg, machine),
+                        "p2p": p2p,
+                        "train_s": train_s,
+                        "runs": gathered,
+                        "load_average": os.getloadavg()[0],
+                    }
+                )
+            )
 
 
 def plan_m(key: str) -> int:
@@ -243,6 +306,7 @@ def plan_m(key: str) -> int:
 
 
 # --- the report ----------------------------------------------------------------------------------------
+
 
 def v_chunks(run: dict[str, Any]) -> list[Any]:
     """The V's four chunks as the run timed them: mean F, B and W per virtual stage, and each rank's update (its
@@ -253,11 +317,16 @@ def v_chunks(run: dict[str, Any]) -> list[Any]:
     out = []
     for s in range(2 * PP):
         rank = v_rank(PP, s)
-        mean = {k: statistics.fmean([t for step in run["v_ops"][rank] for kind, st, t in step if (kind, st) == (k, s)])
-                for k in "FBW"}
+        mean = {
+            k: statistics.fmean([t for step in run["v_ops"][rank] for kind, st, t in step if (kind, st) == (k, s)])
+            for k in "FBW"
+        }
         after = statistics.fmean(r["busy"] - (r["pipeline"] - r["pipeline_idle"]) for r in run["records"][rank])
-        out.append(StageTimes(forward=mean["F"], backward=mean["B"] + mean["W"], weight=mean["W"],
-                              update=after if s < PP else 0.0))
+        out.append(
+            StageTimes(
+                forward=mean["F"], backward=mean["B"] + mean["W"], weight=mean["W"], update=after if s < PP else 0.0
+            )
+        )
     return out
 
 
@@ -271,8 +340,9 @@ def simulated(result: dict[str, Any], run: dict[str, Any]) -> float:
     if engine == "zbv":
         order = [[VOp(k, int(j), int(st)) for k, j, st in ops] for ops in result["orders"][str(m)]]
         return replay_v_order(order, v_chunks(run), m, result["v_p2p"][str(m)]).step_time
-    return simulate(in_run_stages(run, result["tied_sync"]), m, engine,
-                    p2p_time=result["p2p"][f"{engine}@{m}"]).step_time
+    return simulate(
+        in_run_stages(run, result["tied_sync"]), m, engine, p2p_time=result["p2p"][f"{engine}@{m}"]
+    ).step_time
 
 
 def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], bool]:
@@ -293,9 +363,19 @@ def report(result: dict[str, Any], ms: Sequence[int]) -> tuple[list[list[Any]], 
             each = per_step_ratios(run, lambda one: simulated(result, one))
             holds &= abs(statistics.median(each) - 1) <= SIM_WITHIN
             peak = statistics.median(max(p) for p in zip(*run["peaks"]))
-            rows.append([m, engine, f"{measured * 1e3:.0f}", gain, f"{sim * 1e3:.0f}", f"{sim / measured:.3f}",
-                         f"{statistics.median(each):.3f} [{min(each):.3f}, {max(each):.3f}]",
-                         f"{peak / 2**20:.0f}", f"{peak / ref_peak:.2f}"])
+            rows.append(
+                [
+                    m,
+                    engine,
+                    f"{measured * 1e3:.0f}",
+                    gain,
+                    f"{sim * 1e3:.0f}",
+                    f"{sim / measured:.3f}",
+                    f"{statistics.median(each):.3f} [{min(each):.3f}, {max(each):.3f}]",
+                    f"{peak / 2**20:.0f}",
+                    f"{peak / ref_peak:.2f}",
+                ]
+            )
     return rows, holds
 
 
@@ -309,29 +389,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     print(f"Reproduce: `python {shlex.join(['benchmarks/zbv_measured_cpu.py', *argv])}`\n")
-    print(f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}; 2 processes × 1 thread "
-          f"(gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up + {rounds} timed step(s) "
-          f"per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"SmolLM-135M-shaped, {layers} layers, seq {seq}, micro-batch 1, fp32, pp={PP}; 2 processes × 1 thread "
+        f"(gloo), torch {torch.__version__}, {os.cpu_count()} CPUs; {args.warmup} warm-up + {rounds} timed step(s) "
+        f"per model, engines alternating; load average {os.getloadavg()[0]:.1f}\n"
+    )
     started = time.perf_counter()
-    result = launch({"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup},
-                    script=__file__, timeout=WORLD_TIMEOUT_S)
+    result = launch(
+        {"raw": raw_config(layers, seq, ms[0]), "ms": ms, "rounds": rounds, "warmup": args.warmup},
+        script=__file__,
+        timeout=WORLD_TIMEOUT_S,
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print("Each engine on its own split under the profile calibrated in the run: 1F1B, zb1p and zb2p the planner's "
-          "default (block ranks), zbv the V make_v_plan cuts (virtual stages; rank 0 holds chunks 0 and 3):\n")
+    print(
+        "Each engine on its own split under the profile calibrated in the run: 1F1B, zb1p and zb2p the planner's "
+        "default (block ranks), zbv the V make_v_plan cuts (virtual stages; rank 0 holds chunks 0 and 3):\n"
+    )
     for key, ranks in result["ranks"].items():
         print(f"- {key}: {ranks}")
     for m, stages in result["stages"].items():
         print(f"- zbv@{m}: {stages}")
     print()
     rows, holds = report(result, ms)
-    print(table(["m", "engine", "measured step ms", "gain over 1F1B (median, 95 % CI)", "simulated ms (run's mean ops)",
-                 "÷ measured", "each step under its own ops: sim ÷ meas (median [min, max])", "peak MiB",
-                 "peak ÷ 1F1B's"], rows, markdown=True))
-    print(f"\nCHECK (every engine's step, replayed under its own ops, within {SIM_WITHIN:.0%} of measured at the median "
-          f"over steps): {'HOLDS' if holds else 'DOES NOT HOLD'}")
-    print(f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
-          f"end {result['load_average']:.1f}")
+    print(
+        table(
+            [
+                "m",
+                "engine",
+                "measured step ms",
+                "gain over 1F1B (median, 95 % CI)",
+                "simulated ms (run's mean ops)",
+                "÷ measured",
+                "each step under its own ops: sim ÷ meas (median [min, max])",
+                "peak MiB",
+                "peak ÷ 1F1B's",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
+    print(
+        f"\nCHECK (every engine's step, replayed under its own ops, within {SIM_WITHIN:.0%} of measured at the median "
+        f"over steps): {'HOLDS' if holds else 'DOES NOT HOLD'}"
+    )
+    print(
+        f"\n{time.perf_counter() - started:.0f} s in all ({result['train_s']:.0f} s training); load average at the "
+        f"end {result['load_average']:.1f}"
+    )
     return 0 if holds else 1
 
 

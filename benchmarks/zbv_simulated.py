@@ -61,17 +61,41 @@ def equal_stages() -> None:
                 family = {e: simulate([whole] * pp, m, e) for e in ONE_F_ONE_B_FAMILY}
                 v = simulate_zbv([StageTimes(1.0, 2.0, weight=2.0 * share)] * (2 * pp), m)
                 floor_1f1b, floor_v = (pp - 1) * 2.0 + m * 6.0, (pp - 1) * 1.0 + m * 6.0
-                rows.append([f"{share:g}", pp, m,
-                             *(f"{family[e].pipeline_time / floor_1f1b:.3f}" for e in ONE_F_ONE_B_FAMILY),
-                             f"{v.pipeline_time / floor_v:.3f}",
-                             f"{v.pipeline_time / family['zb1p'].pipeline_time:.3f}",
-                             f"{v.pipeline_time / family['zb2p'].pipeline_time:.3f}",
-                             f"{2 * max(family['1f1b'].peak_in_flight)} / {2 * max(family['zb2p'].peak_in_flight)}"
-                             f" / {max(v.peak_held)}"])
-    print("Equal stages, no p2p: each engine's step ÷ its floor; zbv ÷ zb1p and ÷ zb2p; the most activations a rank "
-          "holds (chunks: 1F1B and zb2p from F to B, zbv from F to W)\n")
-    print(table(["W ÷ backward", "pp", "m", "1f1b", "zb1p", "zb2p", "zbv", "zbv ÷ zb1p", "zbv ÷ zb2p",
-                 "held 1f1b / zb2p / zbv"], rows, markdown=True))
+                rows.append(
+                    [
+                        f"{share:g}",
+                        pp,
+                        m,
+                        *(f"{family[e].pipeline_time / floor_1f1b:.3f}" for e in ONE_F_ONE_B_FAMILY),
+                        f"{v.pipeline_time / floor_v:.3f}",
+                        f"{v.pipeline_time / family['zb1p'].pipeline_time:.3f}",
+                        f"{v.pipeline_time / family['zb2p'].pipeline_time:.3f}",
+                        f"{2 * max(family['1f1b'].peak_in_flight)} / {2 * max(family['zb2p'].peak_in_flight)}"
+                        f" / {max(v.peak_held)}",
+                    ]
+                )
+    print(
+        "Equal stages, no p2p: each engine's step ÷ its floor; zbv ÷ zb1p and ÷ zb2p; the most activations a rank "
+        "holds (chunks: 1F1B and zb2p from F to B, zbv from F to W)\n"
+    )
+    print(
+        table(
+            [
+                "W ÷ backward",
+                "pp",
+                "m",
+                "1f1b",
+                "zb1p",
+                "zb2p",
+                "zbv",
+                "zbv ÷ zb1p",
+                "zbv ÷ zb2p",
+                "held 1f1b / zb2p / zbv",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
 
 
 def public_shapes() -> None:
@@ -88,8 +112,9 @@ def public_shapes() -> None:
                 steps[engine] = simulate_plan(make_plan(blocks, cfg), blocks, cfg).step_time
             except NanotronExtError:
                 continue
-        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(n_micro_batches=m, engine="zb1p",
-                                                                         cost_strategy="flops")
+        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(
+            n_micro_batches=m, engine="zb1p", cost_strategy="flops"
+        )
         blocks = inventory_from_config(chunked)
         try:
             plan = make_plan(blocks, chunked, suggest_fixes=False)
@@ -103,14 +128,50 @@ def public_shapes() -> None:
         ms = {e: f"{steps[e] * 1e3:.1f}" if e in steps else "-" for e in ONE_F_ONE_B_FAMILY}
         against = _against(steps)
 
-        rows.append([name, pp, m, ms["1f1b"], ms["zb1p"], ms["zb2p"], f"{v.step_time * 1e3:.1f}",
-                     against("zb1p", v.step_time), f"{v.pipeline_bubble_fraction:.1%}", f"{moved.step * 1e3:.1f}",
-                     against("zb1p", moved.step), against("zb2p", moved.step), moved.evaluated,
-                     f"{max(v.peak_held)} of {2 * pp}"])
-    print("\nPublic shapes, m = 2·pp, analytic H100: simulated step (ms) of each engine's default plan; ZB-V on the "
-          "FLOP-balanced 2·pp chunks, then on the chunks a descent from them reaches (descend_v_split: splits timed)\n")
-    print(table(["shape", "pp", "m", "1f1b", "zb1p", "zb2p", "zbv flops", "÷ zb1p", "its bubble", "zbv descent",
-                 "÷ zb1p", "÷ zb2p", "timed", "zbv held (chunks)"], rows, markdown=True))
+        rows.append(
+            [
+                name,
+                pp,
+                m,
+                ms["1f1b"],
+                ms["zb1p"],
+                ms["zb2p"],
+                f"{v.step_time * 1e3:.1f}",
+                against("zb1p", v.step_time),
+                f"{v.pipeline_bubble_fraction:.1%}",
+                f"{moved.step * 1e3:.1f}",
+                against("zb1p", moved.step),
+                against("zb2p", moved.step),
+                moved.evaluated,
+                f"{max(v.peak_held)} of {2 * pp}",
+            ]
+        )
+    print(
+        "\nPublic shapes, m = 2·pp, analytic H100: simulated step (ms) of each engine's default plan; ZB-V on the "
+        "FLOP-balanced 2·pp chunks, then on the chunks a descent from them reaches (descend_v_split: splits timed)\n"
+    )
+    print(
+        table(
+            [
+                "shape",
+                "pp",
+                "m",
+                "1f1b",
+                "zb1p",
+                "zb2p",
+                "zbv flops",
+                "÷ zb1p",
+                "its bubble",
+                "zbv descent",
+                "÷ zb1p",
+                "÷ zb2p",
+                "timed",
+                "zbv held (chunks)",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
 
 
 def under_memory() -> None:
@@ -131,8 +192,9 @@ def under_memory() -> None:
                 continue
             peaks[engine] = max(stage.memory.peak for stage in plan.stages)
             steps[engine] = simulate_plan(plan, blocks, cfg).step_time
-        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(n_micro_batches=m, engine="zb1p",
-                                                                         cost_strategy="flops")
+        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(
+            n_micro_batches=m, engine="zb1p", cost_strategy="flops"
+        )
         blocks = inventory_from_config(chunked)
         plan = make_plan(blocks, chunked, suggest_fixes=False)
         flops = tuple(bounds_from_ranks(plan.block_ranks, 2 * pp))
@@ -152,30 +214,87 @@ def under_memory() -> None:
             return v_budget(blocks, chunked, bounds, cap)
 
         # The scheduler under each rank's budget in bytes, the loss chunk's W deferred or run at once.
-        tries = {eager: search_v_split(problem, flops, valid=valid, fits=fits, max_evals=SEARCH_EVALS[pp],
-                                       eager=eager, budgets=budgets) for eager in ((), (2 * pp - 1,))}
+        tries = {
+            eager: search_v_split(
+                problem, flops, valid=valid, fits=fits, max_evals=SEARCH_EVALS[pp], eager=eager, budgets=budgets
+            )
+            for eager in ((), (2 * pp - 1,))
+        }
         eager, found = min(tries.items(), key=lambda kv: kv[1].step)
         against = _against(steps)
         if found.bounds is None:
-            rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", "none fits", "-", "-", "-", "-",
-                         "-", "-", "-", "-", sum(t.evaluated for t in tries.values())])
+            rows.append(
+                [
+                    name,
+                    pp,
+                    m,
+                    f"{cap / GIB:.1f}",
+                    f"{flops_peak / GIB:.1f}",
+                    "none fits",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    sum(t.evaluated for t in tries.values()),
+                ]
+            )
             continue
         result = v_simulate(problem, found.bounds, eager, budgets(found.bounds))
         v_peak = max(x.peak for x in v_peaks(blocks, chunked, found.bounds, result))
-        rows.append([name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}", f"{v_peak / GIB:.1f}",
-                     f"{found.step * 1e3:.1f}", against("zb1p", found.step), against("zb2p", found.step),
-                     f"{found.step / v_lower_bound(problem, found.bounds):.3f}",
-                     f"{result.pipeline_bubble_fraction:.1%}", max(result.peak_held),
-                     "at once" if eager else "deferred", "proven" if found.proven else f"≤ {found.gap:.1%}",
-                     sum(t.evaluated for t in tries.values())])
-    print("\nUnder 1F1B's peak, analytic H100 (GiB: the largest rank's estimate): ZB-V's best split found by "
-          "search_v_split from the FLOP chunks, each rank scheduled under its budget in bytes (v_budget), the loss "
-          "chunk's W deferred or run at once, whichever is faster (its gap to the lower bound when the search's "
-          f"budget ran out); at most {SEARCH_EVALS[4]} splits simulated per search at pp 4, {SEARCH_EVALS[8]} at pp 8; "
-          "÷ bound: the step over the split's floor (v_lower_bound: no order of those chunks is faster); held: the "
-          "most chunk-activations a rank holds from F to W (1F1B's count: 2·pp)\n")
-    print(table(["shape", "pp", "m", "1f1b GiB", "zbv flops GiB", "zbv GiB", "zbv ms", "÷ zb1p", "÷ zb2p",
-                 "÷ bound", "bubble", "held", "loss W", "best?", "timed"], rows, markdown=True))
+        rows.append(
+            [
+                name,
+                pp,
+                m,
+                f"{cap / GIB:.1f}",
+                f"{flops_peak / GIB:.1f}",
+                f"{v_peak / GIB:.1f}",
+                f"{found.step * 1e3:.1f}",
+                against("zb1p", found.step),
+                against("zb2p", found.step),
+                f"{found.step / v_lower_bound(problem, found.bounds):.3f}",
+                f"{result.pipeline_bubble_fraction:.1%}",
+                max(result.peak_held),
+                "at once" if eager else "deferred",
+                "proven" if found.proven else f"≤ {found.gap:.1%}",
+                sum(t.evaluated for t in tries.values()),
+            ]
+        )
+    print(
+        "\nUnder 1F1B's peak, analytic H100 (GiB: the largest rank's estimate): ZB-V's best split found by "
+        "search_v_split from the FLOP chunks, each rank scheduled under its budget in bytes (v_budget), the loss "
+        "chunk's W deferred or run at once, whichever is faster (its gap to the lower bound when the search's "
+        f"budget ran out); at most {SEARCH_EVALS[4]} splits simulated per search at pp 4, {SEARCH_EVALS[8]} at pp 8; "
+        "÷ bound: the step over the split's floor (v_lower_bound: no order of those chunks is faster); held: the "
+        "most chunk-activations a rank holds from F to W (1F1B's count: 2·pp)\n"
+    )
+    print(
+        table(
+            [
+                "shape",
+                "pp",
+                "m",
+                "1f1b GiB",
+                "zbv flops GiB",
+                "zbv GiB",
+                "zbv ms",
+                "÷ zb1p",
+                "÷ zb2p",
+                "÷ bound",
+                "bubble",
+                "held",
+                "loss W",
+                "best?",
+                "timed",
+            ],
+            rows,
+            markdown=True,
+        )
+    )
 
 
 def _weights_on_every_chunk(blocks: Sequence[BlockInfo]) -> Callable[[Sequence[int]], bool]:
@@ -197,11 +316,17 @@ def auto_picks() -> None:
         except NanotronExtError:
             rows.append([name, pp, 2 * pp, "none fits", *["-"] * len(AUTO_ENGINES)])
             continue
-        cells = {o.engine: "-" if o.step_time is None or o.peak is None else
-                 f"{o.step_time * 1e3:.1f} / {o.peak / GIB:.1f}{'' if o.fits else ' over'}" for o in choice.options}
+        cells = {
+            o.engine: "-"
+            if o.step_time is None or o.peak is None
+            else f"{o.step_time * 1e3:.1f} / {o.peak / GIB:.1f}{'' if o.fits else ' over'}"
+            for o in choice.options
+        }
         rows.append([name, pp, 2 * pp, choice.engine, *(cells[e] for e in AUTO_ENGINES)])
-    print("\npp_engine: auto on the analytic H100 (79.18 GiB a GPU), m = 2·pp: the engine taken; each engine's "
-          "simulated step (ms) / largest rank's peak (GiB), 'over' where it does not fit\n")
+    print(
+        "\npp_engine: auto on the analytic H100 (79.18 GiB a GPU), m = 2·pp: the engine taken; each engine's "
+        "simulated step (ms) / largest rank's peak (GiB), 'over' where it does not fit\n"
+    )
     print(table(["shape", "pp", "m", "auto", *AUTO_ENGINES], rows, markdown=True))
 
 

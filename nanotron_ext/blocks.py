@@ -14,12 +14,22 @@ from typing import Any, Literal
 
 from nanotron_ext.report import compact_names
 
-__all__ = ["DEFERS_WEIGHT_GRADIENT", "VOCAB_SHARDS_PATH", "BlockInfo", "ParamInfo", "Role", "compact_roles",
-           "held_parameters", "role_of", "short_name", "tied_copy", "tied_pair", "vocab_slices"]
-
-Role = Literal[
-    "embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"
+__all__ = [
+    "DEFERS_WEIGHT_GRADIENT",
+    "VOCAB_SHARDS_PATH",
+    "BlockInfo",
+    "ParamInfo",
+    "Role",
+    "compact_roles",
+    "held_parameters",
+    "role_of",
+    "short_name",
+    "tied_copy",
+    "tied_pair",
+    "vocab_slices",
 ]
+
+Role = Literal["embedding", "projector", "decoder", "final_norm", "lm_head", "cast", "loss", "vocab_shard", "other"]
 #: Roles whose weight gradient zb1p defers to its W pass: the blocks made of linears (the weight-gradient store
 #: of :mod:`nanotron_ext.zero_bubble` covers Nanotron's linears, the lm_head, the projector and the vocabulary
 #: shards). An embedding's or a norm's weight gradient is made in B.

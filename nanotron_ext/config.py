@@ -202,8 +202,13 @@ class PlannerConfig:
         return int(k)
 
     def with_overrides(
-        self, *, cost_strategy: str | None = None, pp: int | None = None, n_micro_batches: int | None = None,
-        engine: str | None = None, **ext: Any,
+        self,
+        *,
+        cost_strategy: str | None = None,
+        pp: int | None = None,
+        n_micro_batches: int | None = None,
+        engine: str | None = None,
+        **ext: Any,
     ) -> PlannerConfig:
         """A copy with command-line overrides applied (they win over the YAML); ``n_micro_batches`` replaces
         ``tokens.batch_accumulation_per_replica``, ``engine`` ``parallelism.pp_engine``.
@@ -245,8 +250,13 @@ def bundled_config(name: str = "tiny_llama_large_vocab.yaml") -> Path:
     return Path(str(resources.files("nanotron_ext") / "configs" / name))
 
 
-def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int | None = None,
-                nanotron_keys: dict[str, Any] | None = None) -> PlannerConfig:
+def load_config(
+    path: str | Path,
+    *,
+    cost_strategy: str | None = None,
+    pp: int | None = None,
+    nanotron_keys: dict[str, Any] | None = None,
+) -> PlannerConfig:
     """Load a Nanotron YAML with our keys.
 
     Args:
@@ -276,11 +286,14 @@ def load_config(path: str | Path, *, cost_strategy: str | None = None, pp: int |
 def config_from_dict(raw: Any, *, source: str = "<dict>", nanotron_keys: dict[str, Any] | None = None) -> PlannerConfig:
     """Parse an already-loaded YAML dict; see :func:`load_config`."""
     if raw is None:
-        raise ConfigError(f"{source} is empty (no YAML in it); start from a Nanotron YAML such as "
-                          f"examples/configs/tiny_llama_large_vocab.yaml")
+        raise ConfigError(
+            f"{source} is empty (no YAML in it); start from a Nanotron YAML such as "
+            f"examples/configs/tiny_llama_large_vocab.yaml"
+        )
     if not isinstance(raw, dict):
-        raise config_keys.not_a_mapping("the top level", raw, "model: {...}, parallelism: {...}, tokens: {...}",
-                                        source=source)
+        raise config_keys.not_a_mapping(
+            "the top level", raw, "model: {...}, parallelism: {...}, tokens: {...}", source=source
+        )
     model_config = (raw.get("model") or {}).get("model_config") if isinstance(raw.get("model"), dict) else None
     if isinstance(model_config, dict):
         model_family(model_config, source=source)  # a family we cannot price says so before its keys are checked
@@ -334,8 +347,9 @@ def split_ext_keys(raw: dict[str, Any], *, source: str = "<dict>") -> tuple[dict
     nanotron = copy.deepcopy(raw)
     section = nanotron.pop(EXT_SECTION, None) or {}
     if not isinstance(section, dict):
-        raise config_keys.not_a_mapping(EXT_SECTION, section, f"{EXT_SECTION}: {{allow_frozen_stages: true}}",
-                                        source=source)
+        raise config_keys.not_a_mapping(
+            EXT_SECTION, section, f"{EXT_SECTION}: {{allow_frozen_stages: true}}", source=source
+        )
     config_keys.check_ext_section(section, source, ext_keys=EXT_KEYS, ext_section=EXT_SECTION)
     parallelism = nanotron.get("parallelism")
     if isinstance(parallelism, dict) and "cost_strategy" in parallelism:
@@ -354,8 +368,12 @@ def _model_shape(get: Callable[..., Any], source: str) -> ModelShape:
     ``get(dotted, default)`` reads the YAML."""
     model_cfg = get("model.model_config")
     if not isinstance(model_cfg, dict):
-        raise config_keys.not_a_mapping("model.model_config", model_cfg,
-                                        "model_config: {hidden_size: 576, num_hidden_layers: 30, ...}", source=source)
+        raise config_keys.not_a_mapping(
+            "model.model_config",
+            model_cfg,
+            "model_config: {hidden_size: 576, num_hidden_layers: 30, ...}",
+            source=source,
+        )
     family = model_family(model_cfg, source=source)
     hidden = get("model.model_config.hidden_size")
     layers = get("model.model_config.num_hidden_layers")

@@ -12,8 +12,19 @@ from nanotron_ext.config_keys import not_a_mapping, unknown_key
 from nanotron_ext.errors import ConfigError, suggest
 
 __all__ = [
-    "BlockTimes", "DEFAULT_MEMORY_OVERHEAD_GIB", "DEFAULT_STRATEGY", "EXT_KEYS", "EXT_SECTION", "ExtConfig",
-    "MemoryRuntime", "OBJECTIVES", "REPLAN_KEYS", "ReplanConfig", "ReplanEngine", "ResumePlan", "VOCAB_SHARDS_AUTO",
+    "BlockTimes",
+    "DEFAULT_MEMORY_OVERHEAD_GIB",
+    "DEFAULT_STRATEGY",
+    "EXT_KEYS",
+    "EXT_SECTION",
+    "ExtConfig",
+    "MemoryRuntime",
+    "OBJECTIVES",
+    "REPLAN_KEYS",
+    "ReplanConfig",
+    "ReplanEngine",
+    "ResumePlan",
+    "VOCAB_SHARDS_AUTO",
     "check_choice",
 ]
 
@@ -59,12 +70,16 @@ class ReplanConfig:
     def __post_init__(self) -> None:
         k = self.after_steps
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
-            raise ConfigError(f"{EXT_SECTION}.replan.after_steps={k!r} must be an integer >= 2 (step 1 pays one-off "
-                              f"costs and is not timed; the steps after it price the run), or null to never re-plan")
+            raise ConfigError(
+                f"{EXT_SECTION}.replan.after_steps={k!r} must be an integer >= 2 (step 1 pays one-off "
+                f"costs and is not timed; the steps after it price the run), or null to never re-plan"
+            )
         g = self.min_gain
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and 0 <= g < 1):
-            raise ConfigError(f"{EXT_SECTION}.replan.min_gain={g!r} must be a fraction of the step in [0, 1), "
-                              f"e.g. 0.03 to move only for a predicted gain of 3 % or more")
+            raise ConfigError(
+                f"{EXT_SECTION}.replan.min_gain={g!r} must be a fraction of the step in [0, 1), "
+                f"e.g. 0.03 to move only for a predicted gain of 3 % or more"
+            )
         if self.engine is not None:
             check_choice(f"{EXT_SECTION}.replan.engine", self.engine, ReplanEngine)
 
@@ -80,12 +95,14 @@ class ReplanConfig:
         if value is None:
             return cls()
         if not isinstance(value, dict):
-            raise not_a_mapping(f"{EXT_SECTION}.replan", value, "replan: {after_steps: 20, min_gain: 0.03}",
-                                see="docs/replan.md")
+            raise not_a_mapping(
+                f"{EXT_SECTION}.replan", value, "replan: {after_steps: 20, min_gain: 0.03}", see="docs/replan.md"
+            )
         for key in value:
             if key not in REPLAN_KEYS:
-                raise unknown_key(None, f"'{EXT_SECTION}.replan:'", key, REPLAN_KEYS, "replan has no such option",
-                                  spell_out=True)
+                raise unknown_key(
+                    None, f"'{EXT_SECTION}.replan:'", key, REPLAN_KEYS, "replan has no such option", spell_out=True
+                )
         return cls(**value)
 
 
@@ -170,8 +187,10 @@ class ExtConfig:
                 f"(nanotron-ext train)"
             )
         if self.memory_overhead_gib is not None and not (
-            isinstance(self.memory_overhead_gib, (int, float)) and not isinstance(self.memory_overhead_gib, bool)
-            and math.isfinite(self.memory_overhead_gib) and self.memory_overhead_gib >= 0
+            isinstance(self.memory_overhead_gib, (int, float))
+            and not isinstance(self.memory_overhead_gib, bool)
+            and math.isfinite(self.memory_overhead_gib)
+            and self.memory_overhead_gib >= 0
         ):
             raise ConfigError(
                 f"nanotron_ext.memory_overhead_gib={self.memory_overhead_gib!r} must be a number of GiB >= 0, or null "
@@ -183,24 +202,32 @@ class ExtConfig:
         ):
             raise ConfigError(f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, or null")
         if self.tflops is not None and not (
-            isinstance(self.tflops, (int, float)) and not isinstance(self.tflops, bool)
-            and math.isfinite(self.tflops) and self.tflops > 0
+            isinstance(self.tflops, (int, float))
+            and not isinstance(self.tflops, bool)
+            and math.isfinite(self.tflops)
+            and self.tflops > 0
         ):
             raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
         check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
         check_choice(f"{EXT_SECTION}.resume_plan", self.resume_plan, ResumePlan)
         if self.times == "profiled" and self.tflops is not None:
-            raise ConfigError("nanotron_ext.times=profiled measures block times; tflops would replace them with a "
-                              "FLOP rate. Drop one of the two")
+            raise ConfigError(
+                "nanotron_ext.times=profiled measures block times; tflops would replace them with a "
+                "FLOP rate. Drop one of the two"
+            )
         if self.machine is not None and (not isinstance(self.machine, str) or not self.machine):
-            raise ConfigError(f"{EXT_SECTION}.machine={self.machine!r} must be the path of a machine profile "
-                              f"(JSON from `nanotron-ext calibrate`), or null")
+            raise ConfigError(
+                f"{EXT_SECTION}.machine={self.machine!r} must be the path of a machine profile "
+                f"(JSON from `nanotron-ext calibrate`), or null"
+            )
         if not isinstance(self.cost_strategy, str) or not self.cost_strategy:
             raise ConfigError(f"cost_strategy={self.cost_strategy!r} must be a non-empty strategy name")
         if self.base_strategy == "constrained":
             raise ConfigError("nanotron_ext.base_strategy='constrained' would recurse; use flops, memory or uniform")
         if self.memory_cap_gib is not None and not (
-            isinstance(self.memory_cap_gib, (int, float)) and math.isfinite(self.memory_cap_gib) and self.memory_cap_gib > 0
+            isinstance(self.memory_cap_gib, (int, float))
+            and math.isfinite(self.memory_cap_gib)
+            and self.memory_cap_gib > 0
         ):
             raise ConfigError(f"nanotron_ext.memory_cap_gib={self.memory_cap_gib!r} must be a positive number of GiB")
         for name in ("allow_frozen_stages", "projector"):
@@ -209,8 +236,12 @@ class ExtConfig:
         if self.freeze is not None and not isinstance(self.freeze, dict):
             # The user's own word as the pattern: `freeze: decoder` most likely means freeze the decoder.
             word = self.freeze if isinstance(self.freeze, str) else "decoder"
-            raise not_a_mapping(f"{EXT_SECTION}.freeze", self.freeze,
-                                f"freeze: {{modules: [{word}], unfreeze: [lm_head]}}", see="docs/freezing.md")
+            raise not_a_mapping(
+                f"{EXT_SECTION}.freeze",
+                self.freeze,
+                f"freeze: {{modules: [{word}], unfreeze: [lm_head]}}",
+                see="docs/freezing.md",
+            )
 
 
 #: Keys of our ``nanotron_ext:`` section: the fields of :class:`ExtConfig`, so a new option is a new field only.
@@ -225,5 +256,6 @@ def check_choice(name: str, value: Any, choices: Any) -> None:
     """
     allowed = get_args(choices) or tuple(choices)
     if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}; {suggest(value, allowed)}"
-                          f"write one of them")
+        raise ConfigError(
+            f"{name}={value!r} is not one of {', '.join(allowed)}; {suggest(value, allowed)}write one of them"
+        )

@@ -113,7 +113,7 @@ def read_config_text(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
             f"save it as UTF-8 YAML"
         ) from None
 
@@ -139,7 +139,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
             warnings.warn(
                 f"{loader.name}: key {key!r} appears twice in one mapping (line {seen[key] + 1} and line "
                 f"{key_node.start_mark.line + 1}); YAML keeps the last one, and so does Nanotron. Delete one of them",
-                DuplicateKeyWarning, stacklevel=2,
+                DuplicateKeyWarning,
+                stacklevel=2,
             )
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
@@ -168,8 +169,15 @@ class UnreadKeyWarning(UserWarning):
     """Keys that no Nanotron we know reads (a fork's or an example's own): the plan goes on without them."""
 
 
-def unknown_key(source: str | None, where: str, key: Any, known: set[str] | frozenset[str], why: str,
-                suggestion: str | None = None, spell_out: bool = False) -> ConfigError:
+def unknown_key(
+    source: str | None,
+    where: str,
+    key: Any,
+    known: set[str] | frozenset[str],
+    why: str,
+    suggestion: str | None = None,
+    spell_out: bool = False,
+) -> ConfigError:
     """The one message of an unknown key: what it is, where (in ``source``, where known), why it is refused, "did
     you mean" for a near miss, and (for short lists and our own section) the known keys on a line of their own."""
     close = suggestion or did_you_mean(key, known)
@@ -192,8 +200,9 @@ def check_ext_section(section: Any, source: str, *, ext_keys: frozenset[str], ex
         return
     for key in section:
         if key not in ext_keys:
-            raise unknown_key(source, f"'{ext_section}:'", key, ext_keys, "nanotron_ext has no such option",
-                           spell_out=True)
+            raise unknown_key(
+                source, f"'{ext_section}:'", key, ext_keys, "nanotron_ext has no such option", spell_out=True
+            )
     freeze = section.get("freeze")
     if isinstance(freeze, dict):
         for key in freeze:
@@ -201,8 +210,9 @@ def check_ext_section(section: Any, source: str, *, ext_keys: frozenset[str], ex
                 raise unknown_key(source, f"'{ext_section}.freeze:'", key, FREEZE_KEYS, "freezing has no such option")
 
 
-def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext",
-               installed: dict[str, Any] | None = None) -> None:
+def check_keys(
+    raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext", installed: dict[str, Any] | None = None
+) -> None:
     """Check the keys outside our section against every Nanotron we know (and ``installed``, the keys of the
     Nanotron that will load the file, where it is imported anyway).
 
@@ -224,12 +234,14 @@ def check_keys(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron
         f"reject{'' if len(rejecting) > 1 else 's'} {'it' if len(unread) == 1 else 'them'} (a fork or the "
         f"example's own config class may read {'it' if len(unread) == 1 else 'them'}); the plan goes on without "
         f"{'it' if len(unread) == 1 else 'them'}",
-        UnreadKeyWarning, stacklevel=3,
+        UnreadKeyWarning,
+        stacklevel=3,
     )
 
 
-def _unread_keys(node: Any, schema: dict[str, Any], where: str, source: str,
-                 top: frozenset[str] | set[str] = frozenset()) -> list[str]:
+def _unread_keys(
+    node: Any, schema: dict[str, Any], where: str, source: str, top: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
     """Dotted names of the keys under ``node`` that ``schema`` lacks (not looking inside them).
 
     Raises:
@@ -247,8 +259,14 @@ def _unread_keys(node: Any, schema: dict[str, Any], where: str, source: str,
         close = near_miss(key, known)
         if close is not None:
             where_ = f"'{where}:'" if where else "the top level"
-            raise unknown_key(source, where_, key, known, "Nanotron's config loader rejects it (0.2's and main's alike)",
-                           suggestion=close)
+            raise unknown_key(
+                source,
+                where_,
+                key,
+                known,
+                "Nanotron's config loader rejects it (0.2's and main's alike)",
+                suggestion=close,
+            )
         unread.append(f"{where}.{key}" if where else str(key))
     return unread
 
@@ -273,24 +291,40 @@ def installed_nanotron_keys() -> dict[str, Any] | None:
 
 
 _POSITIVE_INTS = (
-    "parallelism.dp", "parallelism.pp", "parallelism.tp",
-    "tokens.sequence_length", "tokens.micro_batch_size", "tokens.batch_accumulation_per_replica",
-    "tokens.train_steps", "model.make_vocab_size_divisible_by",
-    "model.model_config.hidden_size", "model.model_config.intermediate_size",
-    "model.model_config.num_hidden_layers", "model.model_config.num_attention_heads",
-    "model.model_config.num_key_value_heads", "model.model_config.vocab_size",
+    "parallelism.dp",
+    "parallelism.pp",
+    "parallelism.tp",
+    "tokens.sequence_length",
+    "tokens.micro_batch_size",
+    "tokens.batch_accumulation_per_replica",
+    "tokens.train_steps",
+    "model.make_vocab_size_divisible_by",
+    "model.model_config.hidden_size",
+    "model.model_config.intermediate_size",
+    "model.model_config.num_hidden_layers",
+    "model.model_config.num_attention_heads",
+    "model.model_config.num_key_value_heads",
+    "model.model_config.vocab_size",
     "model.model_config.max_position_embeddings",
 )
 _POSITIVE_NUMBERS = ("model.model_config.rms_norm_eps",)
 _EXT_STRINGS = ("cost_strategy", "base_strategy", "layout", "profile_cache")
 
 #: YAML's names of the types a value parses to (the words a user reads in the file, not Python's).
-_YAML_TYPES: dict[type, str] = {str: "text", bool: "true/false", int: "a number", float: "a number", list: "a list",
-                                dict: "a mapping", type(None): "null (empty)"}
+_YAML_TYPES: dict[type, str] = {
+    str: "text",
+    bool: "true/false",
+    int: "a number",
+    float: "a number",
+    list: "a list",
+    dict: "a mapping",
+    type(None): "null (empty)",
+}
 
 
-def not_a_mapping(where: str, value: Any, example: str, *, source: str | None = None,
-                  see: str | None = None) -> ConfigError:
+def not_a_mapping(
+    where: str, value: Any, example: str, *, source: str | None = None, see: str | None = None
+) -> ConfigError:
     """The one message of a value that must be a mapping and is not: what it is, and an example of the right form.
 
     Example:
@@ -298,8 +332,10 @@ def not_a_mapping(where: str, value: Any, example: str, *, source: str | None = 
         "nanotron_ext.freeze is text ('decoder'), but it must be a mapping; write it like `freeze: {modules: [decoder]}`"
     """
     kind = _YAML_TYPES.get(type(value), type(value).__name__)
-    return ConfigError(f"{source + ': ' if source else ''}{where} is {kind} ({value!r}), but it must be a mapping; "
-                       f"write it like `{example}`" + (f" (see {see})" if see else ""))
+    return ConfigError(
+        f"{source + ': ' if source else ''}{where} is {kind} ({value!r}), but it must be a mapping; "
+        f"write it like `{example}`" + (f" (see {see})" if see else "")
+    )
 
 
 #: ``get_dotted``'s default: the key must be there.
@@ -335,8 +371,12 @@ def dataclass_keys(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        subs = [b for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
-                for b in (typing.get_args(a) or (a,)) if dataclasses.is_dataclass(b)]
+        subs = [
+            b
+            for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
+            for b in (typing.get_args(a) or (a,))
+            if dataclasses.is_dataclass(b)
+        ]
         if subs:
             merged: dict[str, Any] = {}
             for sub in subs:
@@ -378,9 +418,16 @@ def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotr
         for key in _EXT_STRINGS:
             value = section.get(key)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
-                                  + (" such as \"E,t*5|t*6,L\"" if key == "layout" else
-                                     ", a folder path" if key == "profile_cache" else ""))
+                raise ConfigError(
+                    f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
+                    + (
+                        ' such as "E,t*5|t*6,L"'
+                        if key == "layout"
+                        else ", a folder path"
+                        if key == "profile_cache"
+                        else ""
+                    )
+                )
     tp = get_dotted(raw, "parallelism.tp", None, source=source)
     for heads_key in ("num_attention_heads", "num_key_value_heads"):
         heads = get_dotted(raw, f"model.model_config.{heads_key}", None, source=source)

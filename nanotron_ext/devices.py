@@ -47,15 +47,19 @@ def device_type(requested: str | None = None) -> DeviceType:
     flag = origin == "--device"
     if value not in DEVICE_TYPES:
         choices = "--device cpu or --device cuda" if flag else f"{DEVICE_ENV}=cpu or {DEVICE_ENV}=cuda"
-        raise ConfigError(f"{origin}={raw!r} is not a device nanotron_ext runs on; use {choices} (unset, it is "
-                          f"cuda when torch sees a GPU, else cpu)")
+        raise ConfigError(
+            f"{origin}={raw!r} is not a device nanotron_ext runs on; use {choices} (unset, it is "
+            f"cuda when torch sees a GPU, else cpu)"
+        )
     if value == "cuda" and not _cuda_visible():
         import torch
 
         to_cpu = "use --device cpu" if flag else f"unset {DEVICE_ENV} to run on the CPU"
-        raise ConfigError(f"{origin}={raw!r} asks for CUDA, but torch sees no CUDA device here (torch "
-                          f"{torch.__version__}, built for CUDA {torch.version.cuda}); run on a machine with an NVIDIA "
-                          f"GPU and a CUDA build of torch, or {to_cpu}")
+        raise ConfigError(
+            f"{origin}={raw!r} asks for CUDA, but torch sees no CUDA device here (torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda}); run on a machine with an NVIDIA "
+            f"GPU and a CUDA build of torch, or {to_cpu}"
+        )
     return value  # type: ignore[return-value]
 
 

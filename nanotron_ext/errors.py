@@ -9,8 +9,17 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
-    "CheckpointError", "ConfigError", "LayoutError", "NanotronExtError", "PipelineValidationError", "PlanningError", "RunFailure",
-    "check_positive_int", "did_you_mean", "near_miss", "suggest",
+    "CheckpointError",
+    "ConfigError",
+    "LayoutError",
+    "NanotronExtError",
+    "PipelineValidationError",
+    "PlanningError",
+    "RunFailure",
+    "check_positive_int",
+    "did_you_mean",
+    "near_miss",
+    "suggest",
 ]
 
 
@@ -49,8 +58,9 @@ def check_positive_int(name: str, value: Any, *, source: str | None = None, fix:
         ConfigError: ``{source}: {name}={value!r} must be a positive integer; {fix}``.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source + ': ' if source else ''}{name}={value!r} must be a positive integer"
-                          f"{'; ' + fix if fix else ''}")
+        raise ConfigError(
+            f"{source + ': ' if source else ''}{name}={value!r} must be a positive integer{'; ' + fix if fix else ''}"
+        )
     return value
 
 
@@ -89,7 +99,8 @@ def did_you_mean(word: Any, known: Iterable[str]) -> str | None:
     0.6 or more); None when nothing is close."""
     names = sorted(str(k) for k in known)
     return near_miss(word, names) or next(
-        iter(difflib.get_close_matches(str(word).replace("-", "_"), names, n=1, cutoff=0.6)), None)
+        iter(difflib.get_close_matches(str(word).replace("-", "_"), names, n=1, cutoff=0.6)), None
+    )
 
 
 def suggest(word: Any, known: Iterable[str]) -> str:

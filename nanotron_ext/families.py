@@ -29,11 +29,34 @@ _MARKERS: dict[str, str] = {
 _ONLY: dict[str, frozenset[str]] = {
     "mamba": frozenset({"d_model", "ssm_cfg", "fused_add_norm", "residual_in_fp32", "pad_vocab_size_multiple"}),
     "llamoe": frozenset({"moe_num_experts", "num_experts_per_tok", "moe_capacity_factor"}),
-    "starcoder2": frozenset({"num_kv_heads", "multi_query", "grouped_query", "global_attn_layers",
-                             "activation_function", "layer_norm_epsilon", "embd_pdrop", "attn_pdrop", "resid_pdrop"}),
-    "qwen2": frozenset({"moe_config", "sliding_window_size", "flex_attention_mask", "no_rope_layer",
-                        "rope_seq_len_interpolation_factor", "_fused_rotary_emb", "_fused_rms_norm",
-                        "_use_qkv_packed", "_use_doc_masking", "log_attn_probs", "ring_attn_heads_k_stride"}),
+    "starcoder2": frozenset(
+        {
+            "num_kv_heads",
+            "multi_query",
+            "grouped_query",
+            "global_attn_layers",
+            "activation_function",
+            "layer_norm_epsilon",
+            "embd_pdrop",
+            "attn_pdrop",
+            "resid_pdrop",
+        }
+    ),
+    "qwen2": frozenset(
+        {
+            "moe_config",
+            "sliding_window_size",
+            "flex_attention_mask",
+            "no_rope_layer",
+            "rope_seq_len_interpolation_factor",
+            "_fused_rotary_emb",
+            "_fused_rms_norm",
+            "_use_qkv_packed",
+            "_use_doc_masking",
+            "log_attn_probs",
+            "ring_attn_heads_k_stride",
+        }
+    ),
 }
 
 
@@ -116,6 +139,8 @@ def moe_shape(family: str, model_config: dict[str, Any], num_layers: int, *, sou
         raise ConfigError(f"{source}: MoE top_k={shape.top_k} is above num_experts={shape.num_experts}; lower top_k")
     bad = [i for i in shape.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
     if bad:
-        raise ConfigError(f"{source}: moe_config.layers {bad} are not layers of a {num_layers}-layer model; use "
-                          f"indices 0..{num_layers - 1} or [-1] for all")
+        raise ConfigError(
+            f"{source}: moe_config.layers {bad} are not layers of a {num_layers}-layer model; use "
+            f"indices 0..{num_layers - 1} or [-1] for all"
+        )
     return shape

@@ -58,16 +58,21 @@ def check_output_path(
         allowed = list(suffixes)
         if out.suffix.lower() not in allowed:
             shown = ", ".join(s for s in allowed if s)
-            raise ConfigError(f"{flag} {str(out)!r}: cannot write a {out.suffix or 'suffix-less'} file; "
-                              f"name it with one of {shown}")
+            raise ConfigError(
+                f"{flag} {str(out)!r}: cannot write a {out.suffix or 'suffix-less'} file; name it with one of {shown}"
+            )
     if out.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path in it, e.g. "
-                          f"{str(out / ('out' + (out.suffix or default_suffix)))!r}")
+        raise ConfigError(
+            f"{flag} {str(out)!r} is a directory; give a file path in it, e.g. "
+            f"{str(out / ('out' + (out.suffix or default_suffix)))!r}"
+        )
     parent = out.parent
     blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r} cannot be written: {str(blocker)!r} is a file, not a folder; "
-                          f"choose a path in a folder you can write")
+        raise ConfigError(
+            f"{flag} {str(out)!r} cannot be written: {str(blocker)!r} is a file, not a folder; "
+            f"choose a path in a folder you can write"
+        )
     try:
         parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".probe")

@@ -143,8 +143,9 @@ def exit_with_parent(poll_s: float = PARENT_POLL_S) -> bool:
 # --- launching local ranks ---------------------------------------------------------------------------------
 
 
-def local_env(pythonpath_first: str | Path | None = None, base: Mapping[str, str] | None = None,
-              **extra: str) -> dict[str, str]:
+def local_env(
+    pythonpath_first: str | Path | None = None, base: Mapping[str, str] | None = None, **extra: str
+) -> dict[str, str]:
     """The environment a local rank gets: ``base`` (default ``os.environ``) with one thread per rank and
     unbuffered output, ``pythonpath_first`` put first on ``PYTHONPATH``, then ``extra``.
 
@@ -171,8 +172,15 @@ def exit_with_torchrun() -> None:
 
 def rendezvous_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun gives rank ``rank`` of a one-machine world (``MASTER_*`` on 127.0.0.1:``port``)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @dataclass
@@ -278,27 +286,38 @@ def run_local_ranks(
             for proc in procs:  # also on an exception here (KeyboardInterrupt): no rank outlives the launch
                 kill_process_group(proc)
         elapsed = time.monotonic() - start
-        ranks = [RankExit(rank, None if rank in killed else proc.returncode, _read(out),
-                          "" if err is None else _read(err))
-                 for rank, (proc, (out, err)) in enumerate(zip(procs, logs))]
+        ranks = [
+            RankExit(rank, None if rank in killed else proc.returncode, _read(out), "" if err is None else _read(err))
+            for rank, (proc, (out, err)) in enumerate(zip(procs, logs))
+        ]
     return LocalRun(ranks, elapsed, deadline_hit)
 
 
-def _log_files(files: contextlib.ExitStack, folder: Path, world_size: int,
-               merge_output: bool) -> list[tuple[IO[bytes], IO[bytes] | None]]:
+def _log_files(
+    files: contextlib.ExitStack, folder: Path, world_size: int, merge_output: bool
+) -> list[tuple[IO[bytes], IO[bytes] | None]]:
     """(stdout, stderr or None when merged) file of every rank. Files, not pipes: a rank that writes more than a
     pipe holds would block until read."""
-    return [(files.enter_context(open(folder / f"rank{r}.out", "w+b")),
-             None if merge_output else files.enter_context(open(folder / f"rank{r}.err", "w+b")))
-            for r in range(world_size)]
+    return [
+        (
+            files.enter_context(open(folder / f"rank{r}.out", "w+b")),
+            None if merge_output else files.enter_context(open(folder / f"rank{r}.err", "w+b")),
+        )
+        for r in range(world_size)
+    ]
 
 
-def _start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, out: IO[bytes],
-           err: IO[bytes] | None) -> subprocess.Popen:
+def _start(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, out: IO[bytes], err: IO[bytes] | None
+) -> subprocess.Popen:
     """One rank, leading its own session (so that its group can be killed whole), its output in files."""
     return subprocess.Popen(
-        [str(a) for a in argv], env=env, cwd=None if cwd is None else str(cwd),
-        stdout=out, stderr=subprocess.STDOUT if err is None else err, stdin=subprocess.DEVNULL,
+        [str(a) for a in argv],
+        env=env,
+        cwd=None if cwd is None else str(cwd),
+        stdout=out,
+        stderr=subprocess.STDOUT if err is None else err,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
 

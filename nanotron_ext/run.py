@@ -63,19 +63,36 @@ def _parser() -> argparse.ArgumentParser:
         "gradient check. Start it with torchrun where the script would go.",
     )
     parser.add_argument("--cost-strategy", default=None, help="overrides the YAML's cost_strategy")
-    parser.add_argument("--config-file", dest="config_file", default=None,
-                        help="the YAML to plan from (default: the script's own --config-file)")
-    parser.add_argument(CPU_DEBUG_FLAG, dest="cpu_debug", action="store_true",
-                        help="debugging only, not for speed: run upstream Nanotron's own trainer on CPU over gloo, with "
-                             "plain-torch stand-ins for flash-attn, Triton, grouped_gemm and the trainer's CUDA calls "
-                             "(docs/stand-ins.md); without it none of them is on the import path")
-    parser.add_argument("--replan", action="store_true",
-                        help="on a resume, plan anew and move the checkpoint's state onto the new plan, instead of "
-                             "keeping the split it was trained with (nanotron_ext.resume_plan: replan)")
-    parser.add_argument("--replan-after", dest="replan_after", type=positive_int, metavar="K", default=None,
-                        help="after K steps, price the run from its own steps, plan split and engine again under the "
-                             "same memory and move to the faster plan by a re-launch in the same processes "
-                             "(nanotron_ext.replan.after_steps; docs/replan.md)")
+    parser.add_argument(
+        "--config-file",
+        dest="config_file",
+        default=None,
+        help="the YAML to plan from (default: the script's own --config-file)",
+    )
+    parser.add_argument(
+        CPU_DEBUG_FLAG,
+        dest="cpu_debug",
+        action="store_true",
+        help="debugging only, not for speed: run upstream Nanotron's own trainer on CPU over gloo, with "
+        "plain-torch stand-ins for flash-attn, Triton, grouped_gemm and the trainer's CUDA calls "
+        "(docs/stand-ins.md); without it none of them is on the import path",
+    )
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="on a resume, plan anew and move the checkpoint's state onto the new plan, instead of "
+        "keeping the split it was trained with (nanotron_ext.resume_plan: replan)",
+    )
+    parser.add_argument(
+        "--replan-after",
+        dest="replan_after",
+        type=positive_int,
+        metavar="K",
+        default=None,
+        help="after K steps, price the run from its own steps, plan split and engine again under the "
+        "same memory and move to the faster plan by a re-launch in the same processes "
+        "(nanotron_ext.replan.after_steps; docs/replan.md)",
+    )
     parser.add_argument("script", help="the training script, e.g. run_train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
@@ -107,11 +124,17 @@ def wait_for_peers_to_report() -> None:
     deadline = time.monotonic() + PEER_REPORT_BARRIER_S
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.is_available():
         with contextlib.suppress(Exception):  # the agent gone or slow: this rank's own message is out, exit anyway
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S))
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S),
+            )
             # One count per launch of the job: a torchrun restart starts a fresh one.
-            key = (f"nanotron_ext/reported/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            key = (
+                f"nanotron_ext/reported/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            )
             reported = store.add(key, 1)
             while reported < world and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -176,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _prepare(opts: argparse.Namespace, rank0: bool, prefix: str,
-             say: Any) -> tuple[PlannerConfig, ResumeSource | None, LauncherReplan | None]:
+def _prepare(
+    opts: argparse.Namespace, rank0: bool, prefix: str, say: Any
+) -> tuple[PlannerConfig, ResumeSource | None, LauncherReplan | None]:
     """The launch's config (engine and vocabulary shards resolved), the checkpoint it resumes and its re-plan,
     checked before anything is built."""
     from nanotron_ext.integration.replan import LauncherReplan

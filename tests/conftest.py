@@ -36,7 +36,9 @@ collect_ignore = ["runtime"] if NANOTRON == "upstream" else ["upstream"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "nanotron02: needs Nanotron 0.2 (the CPU runtime's engines, 0.2's config classes)")
+    config.addinivalue_line(
+        "markers", "nanotron02: needs Nanotron 0.2 (the CPU runtime's engines, 0.2's config classes)"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -19,8 +19,10 @@ def installed_nanotron() -> str:
     # find_spec of a top-level name locates the package without executing its __init__.
     spec = importlib.util.find_spec("nanotron")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("no 'nanotron' package is installed; the tests need nanotron==0.2 or upstream "
-                                  "main (pip install -e '.[cpu,test]')")
+        raise ModuleNotFoundError(
+            "no 'nanotron' package is installed; the tests need nanotron==0.2 or upstream "
+            "main (pip install -e '.[cpu,test]')"
+        )
     package = Path(next(iter(spec.submodule_search_locations)))
     return "upstream" if (package / "models" / "qwen.py").is_file() else "0.2"
 

@@ -74,20 +74,26 @@ def _parts(name: str, shape: tuple[int, ...], layout: Layout) -> list[Part]:
         return [([(0, n) for n in local], box)], local
 
     if name == LM_HEAD and layout.shards > 1:
-        return [(layout.stage[f"shard{i}"], i, f"model.vocab_shards.{i}.pp_block.weight", *one([(lo, hi), *full[1:]]))
-                for i, (lo, hi) in enumerate(rows_of(shape[0], layout.shards))]
+        return [
+            (layout.stage[f"shard{i}"], i, f"model.vocab_shards.{i}.pp_block.weight", *one([(lo, hi), *full[1:]]))
+            for i, (lo, hi) in enumerate(rows_of(shape[0], layout.shards))
+        ]
     if name in layout.split:
         d, stacked = layout.split[name], layout.fused.get(name, 1)
         out = []
         for t in range(layout.tp):
             if stacked == 1:
                 a, b = _chunks(shape[d], layout.tp)[t]
-                out.append((layout.stage[name], t, name, *one([(a, b) if k == d else (0, n) for k, n in enumerate(shape)])))
+                out.append(
+                    (layout.stage[name], t, name, *one([(a, b) if k == d else (0, n) for k, n in enumerate(shape)]))
+                )
                 continue
             size = shape[0] // stacked  # dim 0: chunk t of each stacked matrix, one after the other locally
             a, b = _chunks(size, layout.tp)[t]
-            pieces = [([(j * (b - a), (j + 1) * (b - a)), *full[1:]], [(j * size + a, j * size + b), *full[1:]])
-                      for j in range(stacked)]
+            pieces = [
+                ([(j * (b - a), (j + 1) * (b - a)), *full[1:]], [(j * size + a, j * size + b), *full[1:]])
+                for j in range(stacked)
+            ]
             out.append((layout.stage[name], t, name, pieces, (stacked * (b - a), *shape[1:])))
         return out
     return [(layout.stage[name], -1, name, *one(full))]
@@ -110,8 +116,15 @@ def _zero_offsets(numel: int, dp: int) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tensor]],
-                     layout: Layout, *, step: float = 4.0, lr: float = 0.01) -> None:
+def write_checkpoint(
+    folder: Path,
+    weights: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+    layout: Layout,
+    *,
+    step: float = 4.0,
+    lr: float = 0.01,
+) -> None:
     """Save ``weights`` and their optimizer ``states`` under ``layout`` as Nanotron's trainer would."""
     model = folder / "model"
     files: dict[tuple[int, int, int | None], dict] = {}
@@ -122,10 +135,14 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dic
             sharded = slot >= 0 or name in layout.split
             if sharded:
                 size = layout.shards if name == LM_HEAD and layout.shards > 1 else layout.tp
-                path = model.joinpath(*dirs, f"model_{leaf}_pp-rank-{pp_rank}-of-{layout.pp}_tp-rank-{slot}-of-{size}"
-                                             f".safetensors")
-                meta = {"version": "1.5", "unsharded_shape": str(tuple(whole.shape)),
-                        "local_global_slices_pairs": ";".join(f"{_slices(a)}#{_slices(b)}" for a, b in pieces)}
+                path = model.joinpath(
+                    *dirs, f"model_{leaf}_pp-rank-{pp_rank}-of-{layout.pp}_tp-rank-{slot}-of-{size}.safetensors"
+                )
+                meta = {
+                    "version": "1.5",
+                    "unsharded_shape": str(tuple(whole.shape)),
+                    "local_global_slices_pairs": ";".join(f"{_slices(a)}#{_slices(b)}" for a, b in pieces),
+                }
             else:
                 path, meta = model.joinpath(*dirs, f"model_{leaf}.safetensors"), {}
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,9 +173,16 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], states: dic
         ranks = f"pp-{pp}-of-{layout.pp}{dp_part}_tp-{tp}-of-{layout.tp}_exp-0-of-1"
         torch.save(sd, folder / "optimizer" / f"optimizer_{ranks}.pt")
         n = len(sd["param_groups"])
-        torch.save({"base_lrs": [lr] * n, "last_epoch": int(step), "_step_count": int(step) + 1,
-                    "_last_lr": [lr / 2] * n, "lr_lambdas": [{}] * n},
-                   folder / "lr_scheduler" / f"lr_scheduler_{ranks}.pt")
+        torch.save(
+            {
+                "base_lrs": [lr] * n,
+                "last_epoch": int(step),
+                "_step_count": int(step) + 1,
+                "_last_lr": [lr / 2] * n,
+                "lr_lambdas": [{}] * n,
+            },
+            folder / "lr_scheduler" / f"lr_scheduler_{ranks}.pt",
+        )
     (folder / "model_config.json").write_text(json.dumps({"hidden_size": 4}))
 
 
@@ -173,9 +197,19 @@ def needs_of(weights: dict[str, torch.Tensor], layout: Layout) -> list[Need]:
                 for tp in tps:
                     rank = (pp_rank * layout.dp + dp) * layout.tp + tp
                     tied = name not in layout.split and layout.tp > 1 and not (name == LM_HEAD and layout.shards > 1)
-                    out.append(Need(name, local_name, rank, dp, local, shape,
-                                    tuple(Piece(tuple(a), tuple(b)) for a, b in pieces), name not in layout.frozen,
-                                    tied))
+                    out.append(
+                        Need(
+                            name,
+                            local_name,
+                            rank,
+                            dp,
+                            local,
+                            shape,
+                            tuple(Piece(tuple(a), tuple(b)) for a, b in pieces),
+                            name not in layout.frozen,
+                            tied,
+                        )
+                    )
     return out
 
 

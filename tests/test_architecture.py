@@ -22,10 +22,34 @@ ROOT = "nanotron_ext"
 
 #: The parts of the package, bottom up; a module may import its own part and the ones before it.
 ORDER = (
-    "errors", "report", "outputs", "procs", "stats", "allocator", "devices", "blocks", "schedule", "families", "config_keys", "config_ext", "config",
-    "inventory", "zero_bubble", "models", "costs", "machine", "partition", "strategies", "plan", "__init__", "simulate",
-    "checkpoint", "integration",
-    "runtime", "cli", "run",
+    "errors",
+    "report",
+    "outputs",
+    "procs",
+    "stats",
+    "allocator",
+    "devices",
+    "blocks",
+    "schedule",
+    "families",
+    "config_keys",
+    "config_ext",
+    "config",
+    "inventory",
+    "zero_bubble",
+    "models",
+    "costs",
+    "machine",
+    "partition",
+    "strategies",
+    "plan",
+    "__init__",
+    "simulate",
+    "checkpoint",
+    "integration",
+    "runtime",
+    "cli",
+    "run",
 )
 LAYERS: dict[str, int] = {part: i for i, part in enumerate(ORDER)}
 # The package's own ``__init__`` is the planner's public API: it sits right above the parts it re-exports.
@@ -68,7 +92,9 @@ def _edges(module: str, path: Path) -> tuple[set[str], set[str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             # `from pkg import submodule` imports the submodule (pkg's own __init__ is an ancestor, counted below).
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
@@ -76,13 +102,20 @@ def _edges(module: str, path: Path) -> tuple[set[str], set[str]]:
         for target in targets:
             if target.split(".")[0] == ROOT and (resolved := _resolve(target)):
                 imported.add(resolved)
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     named = {
         _resolve(node.value.partition(":")[0])
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
         and _NAMED.fullmatch(node.value)
     }
     named.discard(None)
@@ -172,8 +205,10 @@ def test_planner_simulator_and_adapter_never_import_the_runtime():
 def test_the_launcher_never_loads_the_runtime():
     # `python -m nanotron_ext.run` drives the Nanotron at hand (upstream main too); the CPU runtime is built on
     # Nanotron 0.2's engines. Checked in a fresh interpreter, so lazy imports in what main() loads count too.
-    code = ("import sys, nanotron_ext.run, nanotron_ext.integration.trainer_patches; "
-            "print(sorted(m for m in sys.modules if m.startswith('nanotron_ext.runtime')))")
+    code = (
+        "import sys, nanotron_ext.run, nanotron_ext.integration.trainer_patches; "
+        "print(sorted(m for m in sys.modules if m.startswith('nanotron_ext.runtime')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
     assert "nanotron_ext.procs" in GRAPH["nanotron_ext.run"][0]  # the parent-death hook comes from the leaf

@@ -88,144 +88,366 @@ class Case:
 
 CASES = [
     # --- the config file itself
-    Case("config-is-a-directory", lambda t: ["plan", str(t)], EXIT_USAGE,
-         ("is a directory", "pass the path of a Nanotron YAML file")),
-    Case("config-missing", lambda t: ["plan", str(t / "nope.yaml")], EXIT_USAGE,
-         ("nope.yaml' does not exist", "pass the path")),
-    Case("config-not-utf8", lambda t: ["plan", _not_utf8(t)], EXIT_USAGE,
-         ("is not UTF-8 text", "save it as UTF-8")),
-    Case("config-unreadable", lambda t: ["plan", "/proc/self/mem"], EXIT_USAGE,
-         ("'/proc/self/mem' cannot be read", "check its permissions")),
-    Case("config-empty", lambda t: ["plan", _yaml(t, "# only a comment\n")], EXIT_USAGE,
-         ("c.yaml is empty (no YAML in it)", "start from a Nanotron YAML such as")),
-    Case("config-a-list", lambda t: ["plan", _yaml(t, "- model\n")], EXIT_USAGE,
-         ("the top level is a list (['model']), but it must be a mapping", "write it like `model: {...}")),
+    Case(
+        "config-is-a-directory",
+        lambda t: ["plan", str(t)],
+        EXIT_USAGE,
+        ("is a directory", "pass the path of a Nanotron YAML file"),
+    ),
+    Case(
+        "config-missing",
+        lambda t: ["plan", str(t / "nope.yaml")],
+        EXIT_USAGE,
+        ("nope.yaml' does not exist", "pass the path"),
+    ),
+    Case("config-not-utf8", lambda t: ["plan", _not_utf8(t)], EXIT_USAGE, ("is not UTF-8 text", "save it as UTF-8")),
+    Case(
+        "config-unreadable",
+        lambda t: ["plan", "/proc/self/mem"],
+        EXIT_USAGE,
+        ("'/proc/self/mem' cannot be read", "check its permissions"),
+    ),
+    Case(
+        "config-empty",
+        lambda t: ["plan", _yaml(t, "# only a comment\n")],
+        EXIT_USAGE,
+        ("c.yaml is empty (no YAML in it)", "start from a Nanotron YAML such as"),
+    ),
+    Case(
+        "config-a-list",
+        lambda t: ["plan", _yaml(t, "- model\n")],
+        EXIT_USAGE,
+        ("the top level is a list (['model']), but it must be a mapping", "write it like `model: {...}"),
+    ),
     # --- unknown and misspelt keys
-    Case("hyphen-section", lambda t: ["plan", _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
-         EXIT_USAGE, ("unknown key(s) 'nanotron-ext' in the top level", "did you mean 'nanotron_ext'?")),
-    Case("misspelt-ext-key", lambda t: ["plan", _edit(t, _set("nanotron_ext.memory_cap", 1))], EXIT_USAGE,
-         ("unknown key(s) 'memory_cap' in 'nanotron_ext:'", "did you mean 'memory_cap_gib'?")),
-    Case("misspelt-freeze-key", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"module": ["*"]}))],
-         EXIT_USAGE, ("unknown key(s) 'module' in 'nanotron_ext.freeze:'", "did you mean 'modules'?")),
-    Case("parallelism.cost_stratgy", lambda t: ["plan", _edit(t, _set("parallelism.cost_stratgy", "nanotron"))],
-         EXIT_USAGE, ("unknown key(s) 'cost_stratgy' in 'parallelism:'", "did you mean 'cost_strategy'?")),
-    Case("parallelism.costStrategy", lambda t: ["plan", _edit(t, _set("parallelism.costStrategy", "nanotron"))],
-         EXIT_USAGE, ("unknown key(s) 'costStrategy' in 'parallelism:'", "did you mean 'cost_strategy'?")),
-    Case("unknown key in our section, no near miss", lambda t: ["plan", _edit(t, _set("nanotron_ext.doremi", 1))],
-         EXIT_USAGE, ("unknown key(s) 'doremi' in 'nanotron_ext:'", "nanotron_ext has no such option")),
-    Case("parallelism.ppp (Nanotron rejects it)", lambda t: ["plan", _edit(t, _set("parallelism.ppp", 4))],
-         EXIT_USAGE, ("unknown key(s) 'ppp' in 'parallelism:'", "Nanotron's config loader rejects it",
-                      "did you mean 'pp'?")),
-    Case("nanotron-nested-key", lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_esp", 1e-5))],
-         EXIT_USAGE, ("unknown key(s) 'rms_norm_esp' in 'model.model_config:'", "did you mean 'rms_norm_eps'?")),
+    Case(
+        "hyphen-section",
+        lambda t: ["plan", _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
+        EXIT_USAGE,
+        ("unknown key(s) 'nanotron-ext' in the top level", "did you mean 'nanotron_ext'?"),
+    ),
+    Case(
+        "misspelt-ext-key",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.memory_cap", 1))],
+        EXIT_USAGE,
+        ("unknown key(s) 'memory_cap' in 'nanotron_ext:'", "did you mean 'memory_cap_gib'?"),
+    ),
+    Case(
+        "misspelt-freeze-key",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"module": ["*"]}))],
+        EXIT_USAGE,
+        ("unknown key(s) 'module' in 'nanotron_ext.freeze:'", "did you mean 'modules'?"),
+    ),
+    Case(
+        "parallelism.cost_stratgy",
+        lambda t: ["plan", _edit(t, _set("parallelism.cost_stratgy", "nanotron"))],
+        EXIT_USAGE,
+        ("unknown key(s) 'cost_stratgy' in 'parallelism:'", "did you mean 'cost_strategy'?"),
+    ),
+    Case(
+        "parallelism.costStrategy",
+        lambda t: ["plan", _edit(t, _set("parallelism.costStrategy", "nanotron"))],
+        EXIT_USAGE,
+        ("unknown key(s) 'costStrategy' in 'parallelism:'", "did you mean 'cost_strategy'?"),
+    ),
+    Case(
+        "unknown key in our section, no near miss",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.doremi", 1))],
+        EXIT_USAGE,
+        ("unknown key(s) 'doremi' in 'nanotron_ext:'", "nanotron_ext has no such option"),
+    ),
+    Case(
+        "parallelism.ppp (Nanotron rejects it)",
+        lambda t: ["plan", _edit(t, _set("parallelism.ppp", 4))],
+        EXIT_USAGE,
+        ("unknown key(s) 'ppp' in 'parallelism:'", "Nanotron's config loader rejects it", "did you mean 'pp'?"),
+    ),
+    Case(
+        "nanotron-nested-key",
+        lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_esp", 1e-5))],
+        EXIT_USAGE,
+        ("unknown key(s) 'rms_norm_esp' in 'model.model_config:'", "did you mean 'rms_norm_eps'?"),
+    ),
     # --- a value of the wrong type gets an example of the right form
-    Case("freeze: decoder", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", "decoder"))], EXIT_USAGE,
-         ("nanotron_ext.freeze is text ('decoder'), but it must be a mapping",
-          "write it like `freeze: {modules: [decoder], unfreeze: [lm_head]}`", "docs/freezing.md")),
-    Case("freeze.modules: [1]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": [1]}))],
-         EXIT_USAGE, ("freeze.modules=[1] must be a list of non-empty patterns", "`modules: [decoder, lm_head]`")),
-    Case("nanotron_ext: [a]", lambda t: ["plan", _edit(t, _set("nanotron_ext", ["a"]))], EXIT_USAGE,
-         ("nanotron_ext is a list (['a']), but it must be a mapping", "`nanotron_ext: {allow_frozen_stages: true}`")),
-    Case("parallelism: 2", lambda t: ["plan", _edit(t, _set("parallelism", 2))], EXIT_USAGE,
-         ("c.yaml: parallelism is a number (2), but it must be a mapping", "write it like `parallelism: {")),
-    Case("model_config: x", lambda t: ["plan", _edit(t, _set("model.model_config", "x"))], EXIT_USAGE,
-         ("model.model_config is text ('x'), but it must be a mapping", "write it like `model_config: {")),
+    Case(
+        "freeze: decoder",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", "decoder"))],
+        EXIT_USAGE,
+        (
+            "nanotron_ext.freeze is text ('decoder'), but it must be a mapping",
+            "write it like `freeze: {modules: [decoder], unfreeze: [lm_head]}`",
+            "docs/freezing.md",
+        ),
+    ),
+    Case(
+        "freeze.modules: [1]",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": [1]}))],
+        EXIT_USAGE,
+        ("freeze.modules=[1] must be a list of non-empty patterns", "`modules: [decoder, lm_head]`"),
+    ),
+    Case(
+        "nanotron_ext: [a]",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext", ["a"]))],
+        EXIT_USAGE,
+        ("nanotron_ext is a list (['a']), but it must be a mapping", "`nanotron_ext: {allow_frozen_stages: true}`"),
+    ),
+    Case(
+        "parallelism: 2",
+        lambda t: ["plan", _edit(t, _set("parallelism", 2))],
+        EXIT_USAGE,
+        ("c.yaml: parallelism is a number (2), but it must be a mapping", "write it like `parallelism: {"),
+    ),
+    Case(
+        "model_config: x",
+        lambda t: ["plan", _edit(t, _set("model.model_config", "x"))],
+        EXIT_USAGE,
+        ("model.model_config is text ('x'), but it must be a mapping", "write it like `model_config: {"),
+    ),
     # --- every name a user types gets "did you mean"
-    Case("--cost-strategy constraned", lambda t: ["plan", "--cost-strategy", "constraned"], EXIT_USAGE,
-         ("unknown cost strategy 'constraned'", "did you mean 'constrained'?", "known strategies: nanotron")),
-    Case("pp_engine: 1fb1", lambda t: ["plan", _edit(t, _set("parallelism.pp_engine", "1fb1"))], EXIT_USAGE,
-         ("parallelism.pp_engine='1fb1' is not one of", "did you mean '1f1b'?")),
-    Case("base_strategy: flop", lambda t: ["plan", _edit(t, _set("nanotron_ext.base_strategy", "flop"))],
-         EXIT_USAGE, ("base_strategy='flop' cannot be constrained", "did you mean 'flops'?", "use one of")),
-    Case("objective: step", lambda t: ["plan", _edit(t, _set("nanotron_ext.objective", "step"))], EXIT_USAGE,
-         ("objective='step' is not one of step_time, slowest_stage", "did you mean 'step_time'?")),
-    Case("freeze.modules: [decodr]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": ["decodr"]}))],
-         EXIT_USAGE, ("freeze pattern 'decodr' matches no module", "did you mean 'decoder'?", "modules are: embedding")),
-    Case("freeze.unfreeze: [lm_haed]", lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {
-        "modules": ["*"], "unfreeze": ["lm_haed"]}))], EXIT_USAGE,
-         ("unfreeze pattern 'lm_haed' matches no module", "did you mean 'lm_head'?")),
-    Case("vocab_shards: atuo", lambda t: ["plan", _edit(t, _set("nanotron_ext.vocab_shards", "atuo"))], EXIT_USAGE,
-         ("vocab_shards='atuo' is neither a positive integer nor 'auto'", "did you mean 'auto'?")),
-    Case("times: flop", lambda t: ["plan", _edit(t, _set("nanotron_ext.times", "flop"))], EXIT_USAGE,
-         ("times='flop' is not one of", "did you mean 'flops'?")),
+    Case(
+        "--cost-strategy constraned",
+        lambda t: ["plan", "--cost-strategy", "constraned"],
+        EXIT_USAGE,
+        ("unknown cost strategy 'constraned'", "did you mean 'constrained'?", "known strategies: nanotron"),
+    ),
+    Case(
+        "pp_engine: 1fb1",
+        lambda t: ["plan", _edit(t, _set("parallelism.pp_engine", "1fb1"))],
+        EXIT_USAGE,
+        ("parallelism.pp_engine='1fb1' is not one of", "did you mean '1f1b'?"),
+    ),
+    Case(
+        "base_strategy: flop",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.base_strategy", "flop"))],
+        EXIT_USAGE,
+        ("base_strategy='flop' cannot be constrained", "did you mean 'flops'?", "use one of"),
+    ),
+    Case(
+        "objective: step",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.objective", "step"))],
+        EXIT_USAGE,
+        ("objective='step' is not one of step_time, slowest_stage", "did you mean 'step_time'?"),
+    ),
+    Case(
+        "freeze.modules: [decodr]",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": ["decodr"]}))],
+        EXIT_USAGE,
+        ("freeze pattern 'decodr' matches no module", "did you mean 'decoder'?", "modules are: embedding"),
+    ),
+    Case(
+        "freeze.unfreeze: [lm_haed]",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.freeze", {"modules": ["*"], "unfreeze": ["lm_haed"]}))],
+        EXIT_USAGE,
+        ("unfreeze pattern 'lm_haed' matches no module", "did you mean 'lm_head'?"),
+    ),
+    Case(
+        "vocab_shards: atuo",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.vocab_shards", "atuo"))],
+        EXIT_USAGE,
+        ("vocab_shards='atuo' is neither a positive integer nor 'auto'", "did you mean 'auto'?"),
+    ),
+    Case(
+        "times: flop",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.times", "flop"))],
+        EXIT_USAGE,
+        ("times='flop' is not one of", "did you mean 'flops'?"),
+    ),
     # --- values
-    Case("make_vocab_size_divisible_by: abc",
-         lambda t: ["plan", _edit(t, _set("model.make_vocab_size_divisible_by", "abc"))], EXIT_USAGE,
-         ("model.make_vocab_size_divisible_by='abc' must be a positive integer", "make_vocab_size_divisible_by: 1")),
-    Case("rms_norm_eps: abc", lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_eps", "abc"))],
-         EXIT_USAGE, ("rms_norm_eps='abc' must be a positive number", "e.g. 1.0e-5")),
-    Case("batch_accumulation_per_replica: 0",
-         lambda t: ["plan", _edit(t, _set("tokens.batch_accumulation_per_replica", 0))], EXIT_USAGE,
-         ("tokens.batch_accumulation_per_replica=0 must be a positive integer",)),
-    Case("layout: 5", lambda t: ["plan", _edit(t, _set("nanotron_ext.layout", 5))], EXIT_USAGE,
-         ("nanotron_ext.layout=5 must be a non-empty string", "E,t*5|t*6,L")),
-    Case("profile_cache: 5", lambda t: ["plan", _edit(t, _set("nanotron_ext.profile_cache", 5))], EXIT_USAGE,
-         ("nanotron_ext.profile_cache=5 must be a non-empty string", "a folder path")),
-    Case("tp: 3 with 4 heads", lambda t: ["plan", _edit(t, _set("parallelism.tp", 3))], EXIT_USAGE,
-         ("parallelism.tp=3 does not divide model_config.num_attention_heads=4", "Use tp in {1, 2, 4}")),
+    Case(
+        "make_vocab_size_divisible_by: abc",
+        lambda t: ["plan", _edit(t, _set("model.make_vocab_size_divisible_by", "abc"))],
+        EXIT_USAGE,
+        ("model.make_vocab_size_divisible_by='abc' must be a positive integer", "make_vocab_size_divisible_by: 1"),
+    ),
+    Case(
+        "rms_norm_eps: abc",
+        lambda t: ["plan", _edit(t, _set("model.model_config.rms_norm_eps", "abc"))],
+        EXIT_USAGE,
+        ("rms_norm_eps='abc' must be a positive number", "e.g. 1.0e-5"),
+    ),
+    Case(
+        "batch_accumulation_per_replica: 0",
+        lambda t: ["plan", _edit(t, _set("tokens.batch_accumulation_per_replica", 0))],
+        EXIT_USAGE,
+        ("tokens.batch_accumulation_per_replica=0 must be a positive integer",),
+    ),
+    Case(
+        "layout: 5",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.layout", 5))],
+        EXIT_USAGE,
+        ("nanotron_ext.layout=5 must be a non-empty string", "E,t*5|t*6,L"),
+    ),
+    Case(
+        "profile_cache: 5",
+        lambda t: ["plan", _edit(t, _set("nanotron_ext.profile_cache", 5))],
+        EXIT_USAGE,
+        ("nanotron_ext.profile_cache=5 must be a non-empty string", "a folder path"),
+    ),
+    Case(
+        "tp: 3 with 4 heads",
+        lambda t: ["plan", _edit(t, _set("parallelism.tp", 3))],
+        EXIT_USAGE,
+        ("parallelism.tp=3 does not divide model_config.num_attention_heads=4", "Use tp in {1, 2, 4}"),
+    ),
     # 4 heads divide by tp=4, the 2 KV heads do not: each rank would hold half a KV head.
-    Case("tp: 4 with 2 KV heads",
-         lambda t: ["plan", _edit(t, lambda raw: (_set("parallelism.tp", 4)(raw),
-                                                  _set("model.model_config.num_key_value_heads", 2)(raw)))],
-         EXIT_USAGE, ("parallelism.tp=4 does not divide model_config.num_key_value_heads=2", "Use tp in {1, 2}")),
+    Case(
+        "tp: 4 with 2 KV heads",
+        lambda t: [
+            "plan",
+            _edit(
+                t, lambda raw: (_set("parallelism.tp", 4)(raw), _set("model.model_config.num_key_value_heads", 2)(raw))
+            ),
+        ],
+        EXIT_USAGE,
+        ("parallelism.tp=4 does not divide model_config.num_key_value_heads=2", "Use tp in {1, 2}"),
+    ),
     # --- strategies
-    Case("--cost-strategy :", lambda t: ["plan", "--cost-strategy", ":"], EXIT_USAGE,
-         ("cost_strategy ':' is not an import path", "give 'package.module:ClassName'")),
-    Case("--cost-strategy :system", lambda t: ["plan", "--cost-strategy", ":system"], EXIT_USAGE,
-         ("cost_strategy ':system' is not an import path", "give 'package.module:ClassName'")),
-    Case("--cost-strategy .strategies:X", lambda t: ["plan", "--cost-strategy", ".strategies:X"], EXIT_USAGE,
-         ("cost_strategy '.strategies:X' is not an import path", "give 'package.module:ClassName'")),
-    Case("--cost-strategy subprocess:Popen", lambda t: ["plan", "--cost-strategy", "subprocess:Popen"], EXIT_USAGE,
-         ("is the class subprocess.Popen, which is not a strategy", "so it was not constructed",
-          "give 'package.module:ClassName'")),
-    Case("malformed layout", lambda t: ["plan", "--cost-strategy", "layout",
-                                        _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))], EXIT_USAGE,
-         ("malformed layout at character 7: empty item or stage", "separate items with ','", "'E,t*5|t*6,L'")),
-    Case("layout with the wrong stage count", lambda t: ["plan", "--cost-strategy", "layout",
-                                                         _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
-         EXIT_USAGE, ("layout 'E,t*2,L' has 1 stages but pp=2", "give one '|'-separated stage per pipeline rank",
-                      "set pp to 1")),
+    Case(
+        "--cost-strategy :",
+        lambda t: ["plan", "--cost-strategy", ":"],
+        EXIT_USAGE,
+        ("cost_strategy ':' is not an import path", "give 'package.module:ClassName'"),
+    ),
+    Case(
+        "--cost-strategy :system",
+        lambda t: ["plan", "--cost-strategy", ":system"],
+        EXIT_USAGE,
+        ("cost_strategy ':system' is not an import path", "give 'package.module:ClassName'"),
+    ),
+    Case(
+        "--cost-strategy .strategies:X",
+        lambda t: ["plan", "--cost-strategy", ".strategies:X"],
+        EXIT_USAGE,
+        ("cost_strategy '.strategies:X' is not an import path", "give 'package.module:ClassName'"),
+    ),
+    Case(
+        "--cost-strategy subprocess:Popen",
+        lambda t: ["plan", "--cost-strategy", "subprocess:Popen"],
+        EXIT_USAGE,
+        (
+            "is the class subprocess.Popen, which is not a strategy",
+            "so it was not constructed",
+            "give 'package.module:ClassName'",
+        ),
+    ),
+    Case(
+        "malformed layout",
+        lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))],
+        EXIT_USAGE,
+        ("malformed layout at character 7: empty item or stage", "separate items with ','", "'E,t*5|t*6,L'"),
+    ),
+    Case(
+        "layout with the wrong stage count",
+        lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
+        EXIT_USAGE,
+        ("layout 'E,t*2,L' has 1 stages but pp=2", "give one '|'-separated stage per pipeline rank", "set pp to 1"),
+    ),
     # --- plans that cannot train, and misleading messages
-    Case("pp above the blocks with parameters (nothing frozen)", lambda t: ["plan", "--pp", "6"], EXIT_INVALID,
-         ("pp=6 but only 5 blocks have parameters (embedding, decoder.0-1, final_norm, lm_head)",
-          "cast, loss have none", "Lower pp to 5")),
-    Case("--pp 100 --compare", lambda t: ["plan", "--pp", "100", "--compare"], EXIT_INVALID,
-         ("nanotron", "-×96", "INVALID (few-micro-batches, no-params@2-3, empty-stage@4-99)")),
-    Case("plan needing 3.7e5 TiB per stage", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size",
-                                                                                 10**12))], EXIT_INVALID,
-         ("warning: stage", "TiB, more than any accelerator holds", "check model_config's sizes")),
-    Case("plan over the GPU's memory", lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size", 10**12))],
-         EXIT_INVALID, ("ERROR [stage 0] stage 0 needs about", "TiB, over 79.18 GiB per GPU (H100 SXM (analytic))")),
+    Case(
+        "pp above the blocks with parameters (nothing frozen)",
+        lambda t: ["plan", "--pp", "6"],
+        EXIT_INVALID,
+        (
+            "pp=6 but only 5 blocks have parameters (embedding, decoder.0-1, final_norm, lm_head)",
+            "cast, loss have none",
+            "Lower pp to 5",
+        ),
+    ),
+    Case(
+        "--pp 100 --compare",
+        lambda t: ["plan", "--pp", "100", "--compare"],
+        EXIT_INVALID,
+        ("nanotron", "-×96", "INVALID (few-micro-batches, no-params@2-3, empty-stage@4-99)"),
+    ),
+    Case(
+        "plan needing 3.7e5 TiB per stage",
+        lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size", 10**12))],
+        EXIT_INVALID,
+        ("warning: stage", "TiB, more than any accelerator holds", "check model_config's sizes"),
+    ),
+    Case(
+        "plan over the GPU's memory",
+        lambda t: ["plan", _edit(t, _set("model.model_config.vocab_size", 10**12))],
+        EXIT_INVALID,
+        ("ERROR [stage 0] stage 0 needs about", "TiB, over 79.18 GiB per GPU (H100 SXM (analytic))"),
+    ),
     # --- output paths (checked before any work)
-    Case("simulate --out is a directory", lambda t: ["simulate", "--out", str(t)], EXIT_USAGE,
-         ("--out", "is a directory", "give a file path")),
-    Case("simulate --out under a file", lambda t: ["simulate", "--out", _under_a_file(t, "t.png")], EXIT_USAGE,
-         ("--out", "cannot be written", "a_file' is a file, not a folder", "choose a path in a folder you can write")),
-    Case("simulate --loads-out under a file", lambda t: ["simulate", "--compare", "--out", str(t / "t.png"),
-                                                         "--loads-out", _under_a_file(t, "l.png")], EXIT_USAGE,
-         ("--loads-out", "cannot be written", "choose a path")),
-    Case("simulate --out x.bmp", lambda t: ["simulate", "--out", str(t / "x.bmp")], EXIT_USAGE,
-         ("cannot write a .bmp file", "name it with one of .png, .pdf, .svg")),
+    Case(
+        "simulate --out is a directory",
+        lambda t: ["simulate", "--out", str(t)],
+        EXIT_USAGE,
+        ("--out", "is a directory", "give a file path"),
+    ),
+    Case(
+        "simulate --out under a file",
+        lambda t: ["simulate", "--out", _under_a_file(t, "t.png")],
+        EXIT_USAGE,
+        ("--out", "cannot be written", "a_file' is a file, not a folder", "choose a path in a folder you can write"),
+    ),
+    Case(
+        "simulate --loads-out under a file",
+        lambda t: ["simulate", "--compare", "--out", str(t / "t.png"), "--loads-out", _under_a_file(t, "l.png")],
+        EXIT_USAGE,
+        ("--loads-out", "cannot be written", "choose a path"),
+    ),
+    Case(
+        "simulate --out x.bmp",
+        lambda t: ["simulate", "--out", str(t / "x.bmp")],
+        EXIT_USAGE,
+        ("cannot write a .bmp file", "name it with one of .png, .pdf, .svg"),
+    ),
     # --- train: checked before any process group, every rank the same message
-    Case("train --metrics-out is a directory", lambda t: ["train", "--metrics-out", str(t)], EXIT_USAGE,
-         ("error on rank 0: --metrics-out", "is a directory", "give a file path")),
-    Case("train --plan-out under a file", lambda t: ["train", "--plan-out", _under_a_file(t, "p.json")], EXIT_USAGE,
-         ("error on rank 0: --plan-out", "cannot be written", "choose a path")),
-    Case("train hyphen section", lambda t: ["train", "--config-file",
-                                            _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
-         EXIT_USAGE, ("'nanotron-ext'", "did you mean 'nanotron_ext'?")),
-    Case("train parallelism.ppp", lambda t: ["train", "--config-file", _edit(t, _set("parallelism.ppp", 4))],
-         EXIT_USAGE, ("unknown key(s) 'ppp' in 'parallelism:'", "did you mean 'pp'?")),
-    Case("train binary data file", lambda t: ["train", "--config-file", _data_config(t, b"\x00\x01\x02" * 500)],
-         EXIT_USAGE, ("corpus.txt' is binary", "point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files")),
-    Case("train non-UTF-8 data file", lambda t: ["train", "--config-file", _data_config(t, b"caf\xe9 " * 500)],
-         EXIT_USAGE, ("corpus.txt' is not UTF-8 text", "convert it to UTF-8")),
-    Case("train empty data file", lambda t: ["train", "--config-file", _data_config(t, b"")], EXIT_USAGE,
-         ("corpus.txt",)),
-    Case("train data shorter than one sequence", lambda t: ["train", "--config-file", _data_config(t, b"hi\n")],
-         EXIT_USAGE, ("corpus.txt",)),
-    Case("train NANOTRON_EXT_TIMEOUT_S=abc", lambda t: ["train", "env:NANOTRON_EXT_TIMEOUT_S=abc"], EXIT_USAGE,
-         ("NANOTRON_EXT_TIMEOUT_S='abc' must be a positive number of seconds", "NANOTRON_EXT_TIMEOUT_S=60")),
+    Case(
+        "train --metrics-out is a directory",
+        lambda t: ["train", "--metrics-out", str(t)],
+        EXIT_USAGE,
+        ("error on rank 0: --metrics-out", "is a directory", "give a file path"),
+    ),
+    Case(
+        "train --plan-out under a file",
+        lambda t: ["train", "--plan-out", _under_a_file(t, "p.json")],
+        EXIT_USAGE,
+        ("error on rank 0: --plan-out", "cannot be written", "choose a path"),
+    ),
+    Case(
+        "train hyphen section",
+        lambda t: ["train", "--config-file", _edit(t, _set("nanotron-ext", {"memory_cap_gib": 0.001}))],
+        EXIT_USAGE,
+        ("'nanotron-ext'", "did you mean 'nanotron_ext'?"),
+    ),
+    Case(
+        "train parallelism.ppp",
+        lambda t: ["train", "--config-file", _edit(t, _set("parallelism.ppp", 4))],
+        EXIT_USAGE,
+        ("unknown key(s) 'ppp' in 'parallelism:'", "did you mean 'pp'?"),
+    ),
+    Case(
+        "train binary data file",
+        lambda t: ["train", "--config-file", _data_config(t, b"\x00\x01\x02" * 500)],
+        EXIT_USAGE,
+        ("corpus.txt' is binary", "point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files"),
+    ),
+    Case(
+        "train non-UTF-8 data file",
+        lambda t: ["train", "--config-file", _data_config(t, b"caf\xe9 " * 500)],
+        EXIT_USAGE,
+        ("corpus.txt' is not UTF-8 text", "convert it to UTF-8"),
+    ),
+    Case(
+        "train empty data file", lambda t: ["train", "--config-file", _data_config(t, b"")], EXIT_USAGE, ("corpus.txt",)
+    ),
+    Case(
+        "train data shorter than one sequence",
+        lambda t: ["train", "--config-file", _data_config(t, b"hi\n")],
+        EXIT_USAGE,
+        ("corpus.txt",),
+    ),
+    Case(
+        "train NANOTRON_EXT_TIMEOUT_S=abc",
+        lambda t: ["train", "env:NANOTRON_EXT_TIMEOUT_S=abc"],
+        EXIT_USAGE,
+        ("NANOTRON_EXT_TIMEOUT_S='abc' must be a positive number of seconds", "NANOTRON_EXT_TIMEOUT_S=60"),
+    ),
 ]
 
 
@@ -274,19 +496,22 @@ def test_simulate_pdf_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
 
 
-def test_strategy_class_is_checked_before_it_is_constructed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_strategy_class_is_checked_before_it_is_constructed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "constructed"
     (tmp_path / "side_effect_mod.py").write_text(
-        f"class Writer:\n    def __init__(self):\n        open({str(marker)!r}, 'w').close()\n")
+        f"class Writer:\n    def __init__(self):\n        open({str(marker)!r}, 'w').close()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["plan", "--cost-strategy", "side_effect_mod:Writer"]) == EXIT_USAGE
     assert "not a strategy" in capsys.readouterr().err
     assert not marker.exists()
 
 
-def test_unexpected_errors_are_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_unexpected_errors_are_one_line_and_exit_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import nanotron_ext.cli.plan as plan_cli
 
     def boom(*_: object, **__: object) -> None:
@@ -319,8 +544,9 @@ def _cache_config(tmp: Path) -> str:
 
 
 @pytest.mark.parametrize("bad", ["NaN", "Infinity", "1e308", "-1", '"fast"', "0"])
-def test_profiled_cache_bad_entry_is_measured_again(bad: str, tmp_path: Path, fake_measure: list[str],
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_profiled_cache_bad_entry_is_measured_again(
+    bad: str, tmp_path: Path, fake_measure: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     config = _cache_config(tmp_path)
     argv = ["simulate", config, "--times", "profiled", "--out", str(tmp_path / "t.png")]
     assert main(argv) == EXIT_OK
@@ -364,15 +590,21 @@ def test_nanotron_schema_matches_the_installed_nanotron() -> None:
 
 def _plan_json(path: str | Path) -> subprocess.CompletedProcess:
     """``nanotron-ext plan PATH --json`` in a fresh interpreter: its warnings on stderr, the plan on stdout."""
-    return subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "plan", str(path), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "nanotron_ext.cli", "plan", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_key_no_nanotron_reads_is_one_warning_and_the_plan_goes_on(tmp_path: Path) -> None:
     # SmolLM3's configs carry parallelism.moe_layer_recompute (the Nanotron branch that trained it reads it);
     # upstream's DoReMi example a top-level doremi: section (its own config class reads it). No near miss.
-    path = _edit(tmp_path, lambda raw: (raw["parallelism"].update(moe_layer_recompute=False),
-                                        raw.update(doremi={"domain_names": "a, b"})))
+    path = _edit(
+        tmp_path,
+        lambda raw: (raw["parallelism"].update(moe_layer_recompute=False), raw.update(doremi={"domain_names": "a, b"})),
+    )
     proc = _plan_json(path)
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stderr.splitlines() == [

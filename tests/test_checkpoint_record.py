@@ -46,8 +46,10 @@ def _record(cfg, blocks, layout: str, **changes) -> PlanRecord:
     return replace(record_for(plan, cfg_layout, machine_for(cfg)), step=4, complete=True, **changes)
 
 
-@pytest.mark.parametrize("ranks", [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2],
-                                   [0, 0, 0, 0, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6]])
+@pytest.mark.parametrize(
+    "ranks",
+    [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6]],
+)
 def test_layout_string_is_the_inverse_of_layout_ranks(ranks):
     assert layout_ranks(layout_string(ROLES, ranks), ROLES) == ranks
 
@@ -85,20 +87,29 @@ def test_a_v_checkpoint_keeps_its_chunks_under_zbv_and_moves_off_them_under_anot
     v_cfg = cfg.with_overrides(engine="zbv")
     v = make_v_plan(blocks, v_cfg)  # E|t*2|N|H,C,X
     other = make_v_plan(blocks, v_cfg.with_overrides(cost_strategy="layout", layout="E,t|t|N|H,C,X"))
-    kept = choose_plan(v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(other, v_cfg, machine_for(v_cfg))),
-                       machine_for(v_cfg))
-    assert kept.kept and (kept.plan.bounds, kept.plan.order, kept.plan.strategy) == (other.bounds, other.order,
-                                                                                     "layout")
-    assert kept.note == ("resuming checkpoint 4 on its recorded split E,t|t|N|H,C,X (layout, pp=2); today 'v-search' "
-                         "would choose E|t*2|N|H,C,X: set nanotron_ext.resume_plan: replan (or --replan) to move to it")
+    kept = choose_plan(
+        v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(other, v_cfg, machine_for(v_cfg))), machine_for(v_cfg)
+    )
+    assert kept.kept and (kept.plan.bounds, kept.plan.order, kept.plan.strategy) == (
+        other.bounds,
+        other.order,
+        "layout",
+    )
+    assert kept.note == (
+        "resuming checkpoint 4 on its recorded split E,t|t|N|H,C,X (layout, pp=2); today 'v-search' "
+        "would choose E|t*2|N|H,C,X: set nanotron_ext.resume_plan: replan (or --replan) to move to it"
+    )
     source = ResumeSource(tmp_path, 4, record_for(v, v_cfg, machine_for(v_cfg)))
     moved = choose_plan(today, blocks, cfg, source, machine_for(cfg))
     assert not moved.kept and moved.plan is today
     assert moved.note.startswith("the config asks pp_engine 1f1b, the checkpoint was trained on a V (pp_engine zbv)")
-    back = choose_plan(v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(today, cfg, machine_for(cfg))),
-                       machine_for(v_cfg))
+    back = choose_plan(
+        v, blocks, v_cfg, ResumeSource(tmp_path, 4, record_for(today, cfg, machine_for(cfg))), machine_for(v_cfg)
+    )
     assert not back.kept and back.plan is v
-    assert back.note.startswith("the config asks pp_engine zbv, the checkpoint was trained on a contiguous split (1f1b)")
+    assert back.note.startswith(
+        "the config asks pp_engine zbv, the checkpoint was trained on a contiguous split (1f1b)"
+    )
 
 
 def test_differences_name_each_field_as_the_user_writes_it(tiny):
@@ -122,11 +133,14 @@ def test_the_state_layout_is_the_same_only_where_every_file_sits_where_it_was_sa
     assert not chain.same_state_layout(chain)  # a chain's shards are saved as lm_head rows: never by position
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"format": 99}, "not a nanotron_ext plan record of format 1"),
-    ({"format": 1, "colour": "red"}, r"unknown plan-record field\(s\) \['colour'\]"),
-    ({"format": 1, "step": 4}, "the plan record is malformed"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"format": 99}, "not a nanotron_ext plan record of format 1"),
+        ({"format": 1, "colour": "red"}, r"unknown plan-record field\(s\) \['colour'\]"),
+        ({"format": 1, "step": 4}, "the plan record is malformed"),
+    ],
+)
 def test_a_record_that_cannot_be_read_says_why(data, match):
     with pytest.raises(ConfigError, match=match):
         PlanRecord.from_dict(data, origin="x.json")
@@ -162,8 +176,11 @@ def test_an_empty_latest_txt_is_refused_naming_the_last_whole_checkpoint(tiny, t
     cfg, blocks, _ = tiny
     _checkpoint(tmp_path, 2, record=_record(cfg, blocks, "E,t|t,L"))
     (tmp_path / "latest.txt").write_text("")
-    with pytest.raises(CheckpointError, match=rf"latest.txt holds '', not a step: a save was cut off while writing it"
-                                              rf".*resume_checkpoint_path: {tmp_path / '2'}$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"latest.txt holds '', not a step: a save was cut off while writing it"
+        rf".*resume_checkpoint_path: {tmp_path / '2'}$",
+    ):
         locate_checkpoint(tmp_path)
 
 
@@ -173,17 +190,23 @@ def test_a_checkpoint_cut_off_while_written_is_refused_naming_the_one_before(tin
     _checkpoint(tmp_path, 2, record=record)
     _checkpoint(tmp_path, 4, record=replace(record, complete=False), model_config=False)
     _checkpoint(tmp_path, 6, record=replace(record, complete=False))
-    with pytest.raises(CheckpointError, match=rf"says complete: false\), so it is not loaded; resume from the last "
-                                              rf"complete one instead: checkpoints.resume_checkpoint_path: "
-                                              rf"{tmp_path / '2'}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"says complete: false\), so it is not loaded; resume from the last "
+        rf"complete one instead: checkpoints.resume_checkpoint_path: "
+        rf"{tmp_path / '2'}",
+    ):
         locate_checkpoint(tmp_path / "6")
     assert last_complete(tmp_path) == tmp_path / "2"
 
 
 def test_a_folder_with_weights_but_no_model_config_is_refused_where_nanotron_would_start_afresh(tmp_path):
     _checkpoint(tmp_path, 3, record=None, model_config=False)
-    with pytest.raises(CheckpointError, match="has weights but no model_config.json: it was cut off while being "
-                                              "written .* no complete checkpoint is left beside it"):
+    with pytest.raises(
+        CheckpointError,
+        match="has weights but no model_config.json: it was cut off while being "
+        "written .* no complete checkpoint is left beside it",
+    ):
         locate_checkpoint(tmp_path / "3")
 
 
@@ -199,9 +222,11 @@ def test_by_default_a_resume_keeps_the_recorded_split_and_says_what_today_would_
     assert today.block_ranks != record.stages  # constrained would choose another split today
     choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, record), machine_for(cfg))
     assert choice.kept and choice.plan.block_ranks == record.stages and choice.plan.strategy == "layout"
-    assert choice.note.startswith("resuming checkpoint 4 on its recorded split E,t*2|L (layout, pp=2); today "
-                                  f"'constrained' would choose {layout_string(ROLES, today.block_ranks)}: set "
-                                  "nanotron_ext.resume_plan: replan (or --replan) to move to it")
+    assert choice.note.startswith(
+        "resuming checkpoint 4 on its recorded split E,t*2|L (layout, pp=2); today "
+        f"'constrained' would choose {layout_string(ROLES, today.block_ranks)}: set "
+        "nanotron_ext.resume_plan: replan (or --replan) to move to it"
+    )
 
 
 def test_replan_trains_todays_plan(tiny, tmp_path):
@@ -211,10 +236,13 @@ def test_replan_trains_todays_plan(tiny, tmp_path):
     assert not choice.kept and choice.plan is today and "re-planning as asked (resume_plan: replan)" in choice.note
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"pp": 1}, "the config asks pp=1, the checkpoint was trained at pp=2"),
-    ({"layout": "E,t|t,L"}, "the config's layout 'E,t|t,L' asks for another split"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"pp": 1}, "the config asks pp=1, the checkpoint was trained at pp=2"),
+        ({"layout": "E,t|t,L"}, "the config's layout 'E,t|t,L' asks for another split"),
+    ],
+)
 def test_what_the_recorded_split_cannot_be_moves_to_a_new_plan_and_says_why(tiny, tmp_path, change, why):
     cfg, blocks, _ = tiny
     record = _record(cfg, blocks, "E,t*2|L")
@@ -233,8 +261,10 @@ def test_a_recorded_split_that_cannot_train_under_todays_config_is_not_kept(tiny
     record = _record(cfg, blocks, "E,t*2|L")
     record = replace(record, stages=(0, 0, 0, 0, 0, 1, 1))  # stage 1: cast and loss, no parameter
     choice = choose_plan(today, blocks, cfg, ResumeSource(tmp_path, 4, record), machine_for(cfg))
-    assert not choice.kept and "the recorded split cannot train under today's config (stage 1 holds no parameters" \
-        in choice.note
+    assert (
+        not choice.kept
+        and "the recorded split cannot train under today's config (stage 1 holds no parameters" in choice.note
+    )
 
 
 def test_a_checkpoint_without_record_is_placed_by_name_onto_todays_plan(tiny, tmp_path):
@@ -247,8 +277,11 @@ def test_a_checkpoint_of_another_model_is_refused_naming_both(tiny, tmp_path):
     cfg, blocks, _ = tiny
     record = _record(cfg, blocks, "E,t|t,L")
     other = replace(record, model=replace(record.model, hidden_size=32))
-    with pytest.raises(CheckpointError, match="holds another model than .*: llama: 2 layers, hidden 32, vocab 50277 "
-                                              "against llama: 2 layers, hidden 16, vocab 50277"):
+    with pytest.raises(
+        CheckpointError,
+        match="holds another model than .*: llama: 2 layers, hidden 32, vocab 50277 "
+        "against llama: 2 layers, hidden 16, vocab 50277",
+    ):
         check_same_model(ResumeSource(tmp_path, 4, other), cfg)
     check_same_model(ResumeSource(tmp_path, 4, record), cfg)  # the same model passes
 
@@ -301,11 +334,17 @@ def test_plan_checkpoint_prints_the_recorded_plan_beside_the_resumes(tiny, tmp_p
     assert {d["what"] for d in data["differences"]} == {"split", "strategy"}
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda root, record: None, "no checkpoint there"),
-    (lambda root, record: _checkpoint(root, 4, record=None), "has no nanotron_ext plan record: Nanotron saved it alone"),
-    (lambda root, record: _checkpoint(root, 4, record=replace(record, complete=False)), "says complete: false"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda root, record: None, "no checkpoint there"),
+        (
+            lambda root, record: _checkpoint(root, 4, record=None),
+            "has no nanotron_ext plan record: Nanotron saved it alone",
+        ),
+        (lambda root, record: _checkpoint(root, 4, record=replace(record, complete=False)), "says complete: false"),
+    ],
+)
 def test_plan_checkpoint_refuses_what_it_cannot_compare(tiny, tmp_path, make, message):
     cfg, blocks, _ = tiny
     make(tmp_path, _record(cfg, blocks, "E,t|t,L"))

@@ -22,8 +22,13 @@ NORM = "model.final_layer_norm.pp_block.weight"
 
 def _stages(weights: dict, ranks: list[int], shards: int = 1) -> dict[str, int]:
     """Embedding, decoder.0, decoder.1, final norm, lm_head (or its shards) over the given pp ranks."""
-    blocks = ["model.token_position_embeddings", "model.decoder.0", "model.decoder.1", "model.final_layer_norm",
-              "model.lm_head"]
+    blocks = [
+        "model.token_position_embeddings",
+        "model.decoder.0",
+        "model.decoder.1",
+        "model.final_layer_norm",
+        "model.lm_head",
+    ]
     out = {n: ranks[next(i for i, b in enumerate(blocks) if n.startswith(b + "."))] for n in weights}
     out.update({f"shard{i}": ranks[-1] for i in range(shards)})
     return out
@@ -89,10 +94,27 @@ def _live(needs, layout: Layout, rank: int) -> LiveOptimizer:
     return LiveOptimizer(tuple(entries), groups, fp32_master=False)
 
 
-@pytest.mark.parametrize("source, target", list(itertools.permutations(
-    ["pp1", "pp2", "pp2-other-split", "pp4", "tp2", "pp2-tp2", "zero1-dp2", "zero1-dp3-tp2", "shards2", "shards3"], 2)))
-def test_every_element_of_weights_and_optimizer_state_lands_where_the_new_layout_holds_it(model, saved, source,
-                                                                                             target):
+@pytest.mark.parametrize(
+    "source, target",
+    list(
+        itertools.permutations(
+            [
+                "pp1",
+                "pp2",
+                "pp2-other-split",
+                "pp4",
+                "tp2",
+                "pp2-tp2",
+                "zero1-dp2",
+                "zero1-dp3-tp2",
+                "shards2",
+                "shards3",
+            ],
+            2,
+        )
+    ),
+)
+def test_every_element_of_weights_and_optimizer_state_lands_where_the_new_layout_holds_it(model, saved, source, target):
     weights, states = model
     layout = _layouts(weights)[target]
     needs = needs_of(weights, layout)
@@ -128,8 +150,11 @@ def test_moments_go_to_their_own_layer_when_two_layers_of_one_shape_change_ranks
     new = Layout(_stages(weights, [0, 1, 1, 1, 1]), pp=2)
     needs = needs_of(weights, new)
     rank1 = sorted((n for n in needs if n.rank == 1), key=lambda n: n.local_name, reverse=True)  # decoder.1 first
-    live = LiveOptimizer(tuple(LiveEntry(i, n.local_name, n) for i, n in enumerate(rank1)),
-                         tuple({"lr": 0.5, "weight_decay": 0.0, "params": [i]} for i in range(len(rank1))), False)
+    live = LiveOptimizer(
+        tuple(LiveEntry(i, n.local_name, n) for i, n in enumerate(rank1)),
+        tuple({"lr": 0.5, "weight_decay": 0.0, "params": [i]} for i in range(len(rank1))),
+        False,
+    )
     checkpoint = SavedCheckpoint.scan(folder)
     sd = optimizer_state_dict(checkpoint, live)
     for entry in live.entries:
@@ -185,8 +210,9 @@ def test_a_trainable_parameter_without_saved_optimizer_state_is_refused(model, t
 
 def test_parts_saved_twice_or_missing_are_named(model, tmp_path):
     weights, states = model
-    write_checkpoint(tmp_path, weights, states, Layout({**_stages(weights, [0] * 5), "shard0": 0, "shard1": 0},
-                                                       shards=2))
+    write_checkpoint(
+        tmp_path, weights, states, Layout({**_stages(weights, [0] * 5), "shard0": 0, "shard1": 0}, shards=2)
+    )
     head = tmp_path / "model" / "model" / "lm_head" / "pp_block"
     second = head / "model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors"
     needs = needs_of(weights, Layout(_stages(weights, [0] * 5)))
@@ -222,8 +248,9 @@ def test_state_from_another_optimizer_kind_is_refused(model, saved):
     layout = Layout(_stages(weights, [0] * 5))
     needs = needs_of(weights, layout)
     live = _live(needs, layout, 0)
-    sgd = LiveOptimizer(live.entries, tuple({"lr": 0.5, "momentum": 0.9, "params": g["params"]}
-                                            for g in live.param_groups), False)
+    sgd = LiveOptimizer(
+        live.entries, tuple({"lr": 0.5, "momentum": 0.9, "params": g["params"]} for g in live.param_groups), False
+    )
     with pytest.raises(CheckpointError, match=r"the optimizer changed kind: its groups hold \['lr', 'momentum'\]"):
         optimizer_state_dict(SavedCheckpoint.scan(saved["pp1"]), sgd)
 

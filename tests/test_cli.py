@@ -110,11 +110,14 @@ def test_version_is_the_installed_package_version(capsys):
     assert capsys.readouterr().out.startswith(f"nanotron-ext {metadata.version('nanotron-ext')} (Nanotron ")
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["plan", "--engine", "zb1"], "argument --engine: invalid choice: 'zb1'; did you mean 'zb1p'? choose from"),
-    (["plna"], "invalid choice: 'plna'; did you mean 'plan'? choose from plan, train, simulate, calibrate"),
-    (["simulate", "--times", "flop"], "invalid choice: 'flop'; did you mean 'flops'?"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["plan", "--engine", "zb1"], "argument --engine: invalid choice: 'zb1'; did you mean 'zb1p'? choose from"),
+        (["plna"], "invalid choice: 'plna'; did you mean 'plan'? choose from plan, train, simulate, calibrate"),
+        (["simulate", "--times", "flop"], "invalid choice: 'flop'; did you mean 'flops'?"),
+    ],
+)
 def test_flag_choices_and_subcommands_say_did_you_mean(capsys, argv, says):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -160,8 +163,9 @@ def test_a_tied_weight_is_counted_once(capsys):
     assert stage["params"] == stage["trainable"] == 134_515_008
     assert stage["memory"]["weights"] == 2 * stage["params"]  # bf16: the memory table counts it once too
     assert main(["plan", config, "--pp", "1"]) == 0
-    assert re.search(r"^    0  embedding, decoder\.0-29, final_norm, lm_head, cast, loss +135M +135M ",
-                     capsys.readouterr().out, re.M)
+    assert re.search(
+        r"^    0  embedding, decoder\.0-29, final_norm, lm_head, cast, loss +135M +135M ", capsys.readouterr().out, re.M
+    )
     # On two stages each holds its own copy (an all-reduce keeps them equal), so each counts it.
     assert main(["plan", config, "--pp", "2", "--json"]) == 0
     first, last = json.loads(capsys.readouterr().out)["stages"]
@@ -175,11 +179,16 @@ def test_frozen_stages_allowed_get_no_fix_to_set_what_is_set_and_a_verdict_that_
     warnings_ = [x for x in out.splitlines() if x.startswith("WARNING [stage")]
     assert len(warnings_) == 3 and all("holds only frozen parameters" in x for x in warnings_)
     fixes = [x for x in out.splitlines() if x.startswith("  fix: ")]
-    assert fixes and not any("allow_frozen_stages: true` under" in x or "--cost-strategy constrained" in x
-                             for x in fixes), fixes
+    assert fixes and not any(
+        "allow_frozen_stages: true` under" in x or "--cost-strategy constrained" in x for x in fixes
+    ), fixes
     assert all(x.startswith("  fix: none needed (`allow_frozen_stages: true` allows it)") for x in fixes)
-    verdict = re.search(r"^VALID with 3 frozen-only stages \(0, 1, 2\): they compute but hold nothing to train; "
-                        r"idle \d+%, \d+%, \d+% of the simulated step$", out, re.M)
+    verdict = re.search(
+        r"^VALID with 3 frozen-only stages \(0, 1, 2\): they compute but hold nothing to train; "
+        r"idle \d+%, \d+%, \d+% of the simulated step$",
+        out,
+        re.M,
+    )
     assert verdict, out
     assert "VALID: every stage has parameters to train" not in out
 
@@ -209,8 +218,10 @@ def test_train_ranks_but_0_print_no_warning_every_rank_prints(monkeypatch, tmp_p
 
 def test_planning_never_imports_torch():
     # `plan` is a dry run: importing torch (through the checkpoint reader) cost it 1.3 s of its 1.7 s.
-    code = ("import sys; from nanotron_ext.cli import main; main(['plan']); "
-            "assert 'torch' not in sys.modules, 'plan imported torch'")
+    code = (
+        "import sys; from nanotron_ext.cli import main; main(['plan']); "
+        "assert 'torch' not in sys.modules, 'plan imported torch'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

@@ -19,12 +19,16 @@ from nanotron_ext.config import bundled_config
 
 #: Each command's code when the reader takes the output (the exit code of the verdict).
 COMMANDS = {
-    "plan": (["plan"], 0), "plan --compare": (["plan", "--compare"], 0), "plan --json": (["plan", "--json"], 0),
+    "plan": (["plan"], 0),
+    "plan --compare": (["plan", "--compare"], 0),
+    "plan --json": (["plan", "--json"], 0),
     "plan --compare-engines": (["plan", "--compare-engines"], 0),
     "plan, INVALID": (["plan", "--cost-strategy", "nanotron"], 1),
     "simulate": (["simulate", "--out", "{tmp}/t.png"], 0),
     "simulate --compare": (["simulate", "--compare", "--out", "{tmp}/t.png", "--loads-out", "{tmp}/l.png"], 0),
-    "--help": (["--help"], 0), "plan --help": (["plan", "--help"], 0), "--version": (["--version"], 0),
+    "--help": (["--help"], 0),
+    "plan --help": (["plan", "--help"], 0),
+    "--version": (["--version"], 0),
 }
 #: The pipe's size in these tests (the smallest Linux allows): an output over twice it outlasts any reader that
 #: stops after a few lines.
@@ -46,8 +50,9 @@ def _run(argv: list[str], lines: int | None, *, unbuffered: bool, dev: bool = Fa
         os.close(read)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "PYTHONDEVMODE")}
     env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {}, **({"PYTHONDEVMODE": "1"} if dev else {}))
-    proc = subprocess.Popen([sys.executable, "-m", "nanotron_ext.cli", *argv], stdout=write, stderr=subprocess.PIPE,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanotron_ext.cli", *argv], stdout=write, stderr=subprocess.PIPE, env=env
+    )
     os.close(write)
     got = b""
     if lines != 0:
@@ -159,9 +164,14 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_3():
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "plan"], stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "nanotron_ext.cli", "plan"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 3
-    assert proc.stderr == ("nanotron-ext: error: cannot write the output: No space left on device; free space or "
-                           "write elsewhere\n")
-
+    assert proc.stderr == (
+        "nanotron-ext: error: cannot write the output: No space left on device; free space or write elsewhere\n"
+    )

@@ -46,11 +46,15 @@ def test_the_nanotron_line_says_that_nanotrons_split_does_not_fit(tmp_path, caps
     ours = json.loads(_run(capsys, "plan", LLAMA_8B, "--json"))
     line = _line(_run(capsys, "plan", LLAMA_8B), "Nanotron's rule: ")
     speed = f"{rule['simulated_step_time'] / ours['simulated_step_time']:.3f}x"
-    assert line == (f"Nanotron's rule: {format_seconds(rule['simulated_step_time'])}, this split is {speed} as "
-                    f"fast; Nanotron's split does not fit: {why}")
+    assert line == (
+        f"Nanotron's rule: {format_seconds(rule['simulated_step_time'])}, this split is {speed} as "
+        f"fast; Nanotron's split does not fit: {why}"
+    )
     # simulate --compare's line says the same of the same split.
     compare = _run(capsys, "simulate", LLAMA_8B, "--compare", *_pictures(tmp_path))
-    assert _line(compare, "constrained vs Nanotron's rule: ").endswith(f" as fast; Nanotron's split does not fit: {why}")
+    assert _line(compare, "constrained vs Nanotron's rule: ").endswith(
+        f" as fast; Nanotron's split does not fit: {why}"
+    )
     # plan --compare: the vs nanotron column's line under the table.
     assert f"\nvs nanotron: Nanotron's split does not fit: {why}\n" in _run(capsys, "plan", LLAMA_8B, "--compare")
 
@@ -59,10 +63,12 @@ def test_the_nanotron_line_says_that_nanotrons_split_cannot_train(tmp_path, caps
     rule = json.loads(_run(capsys, "plan", "--cost-strategy", "nanotron", "--json"))
     assert [(f["code"], f["stage"]) for f in rule["findings"]] == [("no-params", 1)]
     assert _line(_run(capsys, "plan"), "Nanotron's rule: ").endswith(
-        " as fast; Nanotron's split cannot train: no parameters on stage 1")
+        " as fast; Nanotron's split cannot train: no parameters on stage 1"
+    )
     text = _run(capsys, "simulate", "--compare", *_pictures(tmp_path))
-    assert _line(text, "constrained vs Nanotron's rule: ").endswith("; Nanotron's split cannot train: no parameters "
-                                                                    "on stage 1")
+    assert _line(text, "constrained vs Nanotron's rule: ").endswith(
+        "; Nanotron's split cannot train: no parameters on stage 1"
+    )
 
 
 def test_a_comparison_with_a_plan_that_can_train_adds_nothing(capsys):
@@ -86,8 +92,10 @@ def test_compare_engines_says_when_the_1f1b_plan_it_compares_with_does_not_fit(c
     row = _line(text, "1f1b ")
     assert row.endswith("INVALID (memory@0-1)")
     first_peak = re.search(r"  (\S+ GiB) / \S+ GiB  ", row)[1]
-    assert _line(text, "vs 1f1b: ") == (f"vs 1f1b: 1F1B's split does not fit: stage 0 needs {first_peak}, over "
-                                        f"79.18 GiB per GPU (H100 SXM (analytic)) (2 stages over)")
+    assert _line(text, "vs 1f1b: ") == (
+        f"vs 1f1b: 1F1B's split does not fit: stage 0 needs {first_peak}, over "
+        f"79.18 GiB per GPU (H100 SXM (analytic)) (2 stages over)"
+    )
 
 
 def test_the_frozen_tradeoff_says_when_the_plan_with_frozen_stages_does_not_fit(tmp_path, capsys):
@@ -122,8 +130,9 @@ def test_vs_best_valid_is_the_lightest_slowest_stage_of_any_split_that_can_train
     cfg = load_config(config)
     blocks = inventory_from_config(cfg)
     n = len(blocks)
-    every = [plan_with_ranks(blocks, cfg, [0] * cut + [1] * (n - cut), "tried", suggest_fixes=False)
-             for cut in range(1, n)]
+    every = [
+        plan_with_ranks(blocks, cfg, [0] * cut + [1] * (n - cut), "tried", suggest_fixes=False) for cut in range(1, n)
+    ]
     valid = [p.slowest_flops for p in every if p.ok]
     assert len(valid) < len(every) and min(valid) > min(p.slowest_flops for p in every)  # the cap decides
     best = min(valid)
@@ -139,14 +148,19 @@ def test_vs_best_valid_is_the_lightest_slowest_stage_of_any_split_that_can_train
     assert line.startswith(f"slowest stage vs best valid split: {best / plans['flops']['slowest_flops']:.3f}x")
 
 
-@pytest.mark.parametrize("argv", [
-    ["--pp", "6", "--cost-strategy", "nanotron"],  # the tiny model's five blocks with weights: a stage without
-    [LLAMA_8B, "--pp", "2", "--micro-batches", "2"],  # Llama-3-8B on two H100s: no split fits
-], ids=["no-params", "memory"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pp", "6", "--cost-strategy", "nanotron"],  # the tiny model's five blocks with weights: a stage without
+        [LLAMA_8B, "--pp", "2", "--micro-batches", "2"],  # Llama-3-8B on two H100s: no split fits
+    ],
+    ids=["no-params", "memory"],
+)
 def test_vs_best_valid_is_a_dash_when_no_split_can_train(capsys, argv):
     text = _run(capsys, "plan", *argv)
     assert _line(text, "slowest stage vs best valid split: ") == (
-        "slowest stage vs best valid split: - (no split can train and fit under this config)")
+        "slowest stage vs best valid split: - (no split can train and fit under this config)"
+    )
 
 
 def test_simulate_vs_best_is_the_fastest_plan_that_can_train(tmp_path, capsys):

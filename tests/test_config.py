@@ -118,22 +118,27 @@ def test_our_sections_unknown_key_has_one_message_on_every_path(raw):
         messages.append(str(exc.value))
     assert messages[0] == messages[1]
     first, listed = messages[0].split("\n")
-    assert first == ("<dict>: unknown key(s) 'memory_cap' in 'nanotron_ext:': nanotron_ext has no such option; "
-                     "did you mean 'memory_cap_gib'?")
+    assert first == (
+        "<dict>: unknown key(s) 'memory_cap' in 'nanotron_ext:': nanotron_ext has no such option; "
+        "did you mean 'memory_cap_gib'?"
+    )
     assert listed == f"  known keys are {', '.join(sorted(EXT_KEYS))}"
 
 
-@pytest.mark.parametrize("key, known, close", [
-    ("cost_stratgy", {"cost_strategy", "pp"}, "cost_strategy"),
-    ("costStrategy", {"cost_strategy", "pp"}, "cost_strategy"),
-    ("tpLinearAsyncCommunication", {"tp_linear_async_communication", "tp"}, "tp_linear_async_communication"),
-    ("ppp", {"pp", "dp", "tp"}, "pp"),
-    ("nanotron-ext", {"nanotron_ext", "model"}, "nanotron_ext"),
-    ("rms_norm_esp", {"rms_norm_eps"}, "rms_norm_eps"),
-    ("doremi", {"model", "data", "general", "tokens"}, None),
-    ("moe_layer_recompute", {"recompute_layer", "pp"}, None),
-    ("interleaved_rotary", {"rope_interleaved", "rope_theta"}, None),
-])
+@pytest.mark.parametrize(
+    "key, known, close",
+    [
+        ("cost_stratgy", {"cost_strategy", "pp"}, "cost_strategy"),
+        ("costStrategy", {"cost_strategy", "pp"}, "cost_strategy"),
+        ("tpLinearAsyncCommunication", {"tp_linear_async_communication", "tp"}, "tp_linear_async_communication"),
+        ("ppp", {"pp", "dp", "tp"}, "pp"),
+        ("nanotron-ext", {"nanotron_ext", "model"}, "nanotron_ext"),
+        ("rms_norm_esp", {"rms_norm_eps"}, "rms_norm_eps"),
+        ("doremi", {"model", "data", "general", "tokens"}, None),
+        ("moe_layer_recompute", {"recompute_layer", "pp"}, None),
+        ("interleaved_rotary", {"rope_interleaved", "rope_theta"}, None),
+    ],
+)
 def test_near_miss(key, known, close):
     assert near_miss(key, known) == close
 
@@ -144,8 +149,11 @@ def test_a_near_miss_is_an_error_and_an_unread_key_a_warning(raw):
         config_from_dict(copy.deepcopy(raw))
     del raw["parallelism"]["recompute_layers"]
     raw["parallelism"]["moe_layer_recompute"] = True
-    with pytest.warns(UnreadKeyWarning, match=r"'parallelism.moe_layer_recompute' is read by no Nanotron .*the plan "
-                                              r"goes on without it"):
+    with pytest.warns(
+        UnreadKeyWarning,
+        match=r"'parallelism.moe_layer_recompute' is read by no Nanotron .*the plan "
+        r"goes on without it",
+    ):
         cfg = config_from_dict(raw)
     assert cfg.nanotron["parallelism"]["moe_layer_recompute"] is True  # Nanotron's loader gets it, and decides
 

@@ -39,7 +39,8 @@ def test_unset_it_is_the_gpu_when_one_is_visible_else_the_cpu(gpu_visible: pytes
 
 
 def test_the_variable_overrides_a_visible_gpu_and_the_flag_overrides_the_variable(
-        gpu_visible: pytest.MonkeyPatch) -> None:
+    gpu_visible: pytest.MonkeyPatch,
+) -> None:
     gpu_visible.setenv(DEVICE_ENV, " CPU ")
     assert device_type() == "cpu"
     assert device_type("cuda") == "cuda"
@@ -54,18 +55,27 @@ def test_use_device_carries_the_flag_to_the_rest_of_the_process(gpu_visible: pyt
 
 
 def test_a_bad_value_names_where_it_came_from_and_the_fix(no_gpu: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match=r"^--device='gpu' is not a device nanotron_ext runs on; use --device cpu or "
-                                          r"--device cuda"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--device='gpu' is not a device nanotron_ext runs on; use --device cpu or "
+        r"--device cuda",
+    ):
         device_type("gpu")
     no_gpu.setenv(DEVICE_ENV, "tpu")
-    with pytest.raises(ConfigError, match=r"^NANOTRON_EXT_DEVICE='tpu' is not a device nanotron_ext runs on; use "
-                                          r"NANOTRON_EXT_DEVICE=cpu or NANOTRON_EXT_DEVICE=cuda"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^NANOTRON_EXT_DEVICE='tpu' is not a device nanotron_ext runs on; use "
+        r"NANOTRON_EXT_DEVICE=cpu or NANOTRON_EXT_DEVICE=cuda",
+    ):
         device_type()
 
 
 def test_cuda_without_a_gpu_is_refused_with_the_way_back_to_the_cpu(no_gpu: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match=r"^--device='cuda' asks for CUDA, but torch sees no CUDA device here .*"
-                                          r"or use --device cpu$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--device='cuda' asks for CUDA, but torch sees no CUDA device here .*"
+        r"or use --device cpu$",
+    ):
         device_type("cuda")
     no_gpu.setenv(DEVICE_ENV, "cuda")
     with pytest.raises(ConfigError, match=r"or unset NANOTRON_EXT_DEVICE to run on the CPU$"):
@@ -89,8 +99,10 @@ def test_simulate_plan_refuses_a_gpu_profile_for_a_cpu_run_naming_both() -> None
     with pytest.raises(ConfigError) as info:
         simulate_plan(plan, blocks, cfg, machine=gpu, device="cpu", backend="gloo")
     message = str(info.value)
-    assert "was measured on another device or backend than this run (device: 'cuda:NVIDIA H200' vs 'cpu'; " \
-           "profile vs run)" in message
+    assert (
+        "was measured on another device or backend than this run (device: 'cuda:NVIDIA H200' vs 'cpu'; "
+        "profile vs run)" in message
+    )
     assert "nanotron-ext calibrate CONFIG --device cpu --out FILE" in message
     # The same profile prices a run on its own device, and a run whose device is not said (planning ahead).
     on_gpu = simulate_plan(plan, blocks, cfg, machine=gpu, device="cuda", backend="gloo")

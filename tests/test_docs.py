@@ -23,15 +23,15 @@ def test_the_upstream_fix_table_is_the_launchers_records():
     rows = _table_between((DOCS / "launcher.md").read_text(), "upstream-fixes")
     expected = [[f"`{fix.name}`", fix.why] for fix in UPSTREAM_FIXES]
     assert rows == expected, "docs/launcher.md's table must list UPSTREAM_FIXES: " + "\n".join(
-        f"| `{f.name}` | {f.why} |" for f in UPSTREAM_FIXES)
+        f"| `{f.name}` | {f.why} |" for f in UPSTREAM_FIXES
+    )
 
 
 def _defined_columns() -> list[str]:
     """The names in the first cell of each row of docs/cli.md's Columns section (a row may define several)."""
     body = re.search(r"<!-- columns:begin -->\n(.*?)<!-- columns:end -->", (DOCS / "cli.md").read_text(), re.S)
     assert body, "markers <!-- columns:begin/end --> not found in docs/cli.md"
-    firsts = [line.strip().strip("|").split(" | ")[0] for line in body.group(1).splitlines()
-              if line.startswith("| `")]
+    firsts = [line.strip().strip("|").split(" | ")[0] for line in body.group(1).splitlines() if line.startswith("| `")]
     return [name for cell in firsts for name in re.findall(r"`([^`]+)`", cell)]
 
 
@@ -43,7 +43,7 @@ def _table_headers(text: str) -> list[str]:
     for head, rule in zip(lines, lines[1:]):
         if rule.strip() and set(rule) <= {"-", " "} and "--" in rule:
             for m in re.finditer(r"-+", rule):
-                name = head[m.start():m.end()].strip()
+                name = head[m.start() : m.end()].strip()
                 names.append(re.sub(r"^share \(.*\)$", "share (UNIT)", name))
     return [n for n in names if n]
 
@@ -55,10 +55,16 @@ def test_every_column_of_every_table_is_defined_once_in_the_docs(tmp_path, capsy
     defined = _defined_columns()
     assert len(defined) == len(set(defined)), f"a column defined twice: {sorted(defined)}"
     out = str(tmp_path / "t.png")
-    runs = [["plan"], ["plan", "--engine", "zb1p"], ["plan", "--compare"], ["plan", "--compare-engines"],
-            ["plan", str(bundled_config("last_layer_lm_head_pp4.yaml"))],
-            ["simulate", "--out", out], ["simulate", "--engine", "zb1p", "--out", out],
-            ["simulate", "--compare", "--out", out, "--loads-out", str(tmp_path / "l.png")]]
+    runs = [
+        ["plan"],
+        ["plan", "--engine", "zb1p"],
+        ["plan", "--compare"],
+        ["plan", "--compare-engines"],
+        ["plan", str(bundled_config("last_layer_lm_head_pp4.yaml"))],
+        ["simulate", "--out", out],
+        ["simulate", "--engine", "zb1p", "--out", out],
+        ["simulate", "--compare", "--out", out, "--loads-out", str(tmp_path / "l.png")],
+    ]
     seen: dict[str, list[str]] = {}
     for argv in runs:
         main(argv)
@@ -77,15 +83,18 @@ def test_every_column_of_every_table_is_defined_once_in_the_docs(tmp_path, capsy
         seen.setdefault(name, ["calibrate"])
     missing = {name: argv for name, argv in seen.items() if name not in defined}
     assert not missing, f"columns printed but not defined in docs/cli.md#columns: {missing}"
-    assert {"spread", "vs best valid", "vs best", "vs nanotron", "bubble", "W state/mb", "of which W ms/mb"} <= set(seen)
+    assert {"spread", "vs best valid", "vs best", "vs nanotron", "bubble", "W state/mb", "of which W ms/mb"} <= set(
+        seen
+    )
 
 
 def test_the_readme_shows_plan_output_as_it_prints(capsys):
     from nanotron_ext.cli import main
     from nanotron_ext.config import bundled_config
 
-    shown = re.search(r"```\n\$ nanotron-ext plan --cost-strategy nanotron\n(.*?)```",
-                      (DOCS.parent / "README.md").read_text(), re.S)
+    shown = re.search(
+        r"```\n\$ nanotron-ext plan --cost-strategy nanotron\n(.*?)```", (DOCS.parent / "README.md").read_text(), re.S
+    )
     assert shown, "README.md: the `$ nanotron-ext plan --cost-strategy nanotron` block is gone"
     assert main(["plan", "--cost-strategy", "nanotron"]) == 1
     printed = capsys.readouterr().out.replace(str(bundled_config().parent), "…/nanotron_ext/configs")
@@ -118,8 +127,10 @@ def test_every_flag_of_every_subcommand_is_in_the_docs_with_its_choices():
         usage = documented[name]
         flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
         shown = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", usage))
-        assert flags == shown, (f"`nanotron-ext {name} --help` and docs/cli.md differ: only in --help "
-                                f"{sorted(flags - shown)}, only in the docs {sorted(shown - flags)}")
+        assert flags == shown, (
+            f"`nanotron-ext {name} --help` and docs/cli.md differ: only in --help "
+            f"{sorted(flags - shown)}, only in the docs {sorted(shown - flags)}"
+        )
         for action in parser._actions:
             if action.choices is None or not action.option_strings:
                 continue

@@ -52,8 +52,7 @@ def _by_hand(cfg) -> dict[str, tuple[float, float, bool]]:
             out[engine] = (v_plan_timeline(v, blocks, trial).step_time, max(v.peaks), True)
             continue
         plan = make_plan(blocks, trial)
-        out[engine] = (simulate_plan(plan, blocks, trial).step_time, max(s.memory_bytes for s in plan.stages),
-                       plan.ok)
+        out[engine] = (simulate_plan(plan, blocks, trial).step_time, max(s.memory_bytes for s in plan.stages), plan.ok)
     return out
 
 
@@ -95,8 +94,11 @@ def test_a_cap_between_zb1p_and_zb2p_peaks_takes_zb1p() -> None:
 
 
 def test_a_cap_nothing_fits_is_refused_naming_each_engine_and_the_limit() -> None:
-    with pytest.raises(ConfigError, match=r"pp_engine: auto found no engine whose plan fits memory_cap_gib=0\.001: "
-                                          r"1f1b: .*; zb1p: .*; zb2p: .*\. Raise memory_cap_gib"):
+    with pytest.raises(
+        ConfigError,
+        match=r"pp_engine: auto found no engine whose plan fits memory_cap_gib=0\.001: "
+        r"1f1b: .*; zb1p: .*; zb2p: .*\. Raise memory_cap_gib",
+    ):
         resolve_engine(_seed(cost_strategy="flops", memory_cap_gib=0.001))
 
 

@@ -19,7 +19,9 @@ from nanotron_ext.plan.fit import GPU_ACTIVATION_OVERCOUNT
 from nanotron_ext.simulate import simulate_plan
 
 TINY = load_config(bundled_config())
-UPSTREAM_EXAMPLES = Path(__file__).parent / "data" / "nanotron_examples"  # embedding, decoder.0-1, final_norm, lm_head, cast, loss; pp=2
+UPSTREAM_EXAMPLES = (
+    Path(__file__).parent / "data" / "nanotron_examples"
+)  # embedding, decoder.0-1, final_norm, lm_head, cast, loss; pp=2
 
 
 def _gpu(tmp_path: Path, memory: float, name: str = "a GPU") -> str:
@@ -73,8 +75,9 @@ def test_a_llama_on_the_gpu_path_has_no_may_still_fit_band(tmp_path):
     # and still an error, since the GPU path is counted for the code that runs there.
     cfg = load_config(bundled_config("llama_3_8b.yaml"))
     blocks = inventory_from_config(cfg)
-    worst = max(make_plan(blocks, cfg.with_overrides(memory_cap_gib=1000), "nanotron").stages,
-                key=lambda s: s.memory_bytes)
+    worst = max(
+        make_plan(blocks, cfg.with_overrides(memory_cap_gib=1000), "nanotron").stages, key=lambda s: s.memory_bytes
+    )
     assert GPU_ACTIVATION_OVERCOUNT * worst.memory.pipeline_activations > 0.03 * worst.memory_bytes
     over = make_plan(blocks, cfg.with_overrides(machine=_gpu(tmp_path, worst.memory_bytes * 0.97)), "nanotron")
     assert ("error", worst.stage) in _memory_verdicts(over) and not over.ok
@@ -120,7 +123,10 @@ def test_constrained_gives_up_the_fastest_split_for_one_that_fits_and_says_what_
     assert main(["plan", str(bundled_config("llama_3_8b.yaml")), "--pp", "4"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("to fit 79.18 GiB per GPU (H100 SXM (analytic))"))
-    assert f"({faster.stage_map()}, " in line and f"needs {max(s.memory_bytes for s in faster.stages) / GIB:.3g} GiB" in line
+    assert (
+        f"({faster.stage_map()}, " in line
+        and f"needs {max(s.memory_bytes for s in faster.stages) / GIB:.3g} GiB" in line
+    )
 
 
 def test_a_plan_over_the_gpu_lists_fixes_planned_again_and_exits_1(capsys):
@@ -136,8 +142,9 @@ def test_a_plan_over_the_gpu_lists_fixes_planned_again_and_exits_1(capsys):
     from nanotron_ext.report import human_bytes
 
     assert f"`parallelism.tp: 2` (largest stage {human_bytes(peak)})" in fix
-    assert fix.rstrip().endswith("`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the "
-                                 "estimate")
+    assert fix.rstrip().endswith(
+        "`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the estimate"
+    )
 
 
 def test_fit_search_plans_every_change_and_orders_those_that_fit_by_gpus_then_step():
@@ -160,7 +167,7 @@ def test_fit_search_plans_every_change_and_orders_those_that_fit_by_gpus_then_st
     fits = [r for r in rows if r.fits]
     assert fits and rows[: len(fits)] == fits  # those that fit come first...
     assert [(r.gpus, r.step_time) for r in fits] == sorted((r.gpus, r.step_time) for r in fits)  # ...cheapest first
-    rest = [r.peak for r in rows[len(fits):]]
+    rest = [r.peak for r in rows[len(fits) :]]
     assert rest == sorted(rest)  # then the nearest to fitting
     assert all(32 % (r.tp) == 0 and 8 % r.tp == 0 for r in rows)  # tp divides Llama-3-8B's 32 and 8 heads
 
@@ -170,8 +177,19 @@ def test_plan_fit_prints_the_table_and_says_when_nothing_fits(capsys, tmp_path):
     assert main(["plan", config, "--pp", "4", "--cost-strategy", "nanotron", "--fit"]) == 0
     out = capsys.readouterr().out
     head = next(x for x in out.splitlines() if x.startswith("change"))
-    assert head.split() == ["change", "GPUs", "per", "replica", "largest", "stage", "of", "limit", "sim.", "step",
-                            "fits"]
+    assert head.split() == [
+        "change",
+        "GPUs",
+        "per",
+        "replica",
+        "largest",
+        "stage",
+        "of",
+        "limit",
+        "sim.",
+        "step",
+        "fits",
+    ]
     assert "as configured" in out.splitlines()[out.splitlines().index(head) + 2]
     import yaml
 
@@ -193,7 +211,7 @@ def test_plan_fit_says_how_many_candidates_it_left_out_and_all_prints_every_one(
     config = str(bundled_config("llama_3_8b.yaml"))
     _, rows = fit_search(load_config(config, pp=4, cost_strategy="nanotron"))
     others = [r for r in rows if r.change != "as configured"]
-    hidden = others[FIT_ROWS - 1:]  # the config as it is, then the first rows of the others
+    hidden = others[FIT_ROWS - 1 :]  # the config as it is, then the first rows of the others
     assert len(hidden) > 0 and 0 < sum(r.fits for r in hidden) < len(hidden)  # the count below is not trivial
 
     def printed(*extra: str) -> tuple[list[str], str]:
@@ -206,8 +224,9 @@ def test_plan_fit_says_how_many_candidates_it_left_out_and_all_prints_every_one(
 
     table, out = printed()
     assert len(table) == FIT_ROWS
-    assert (f"{len(hidden)} more candidates left out ({sum(r.fits for r in hidden)} of them fit): --all prints "
-            "every one") in out
+    assert (
+        f"{len(hidden)} more candidates left out ({sum(r.fits for r in hidden)} of them fit): --all prints every one"
+    ) in out
     table, out = printed("--all")
     assert len(table) == len(rows) and "left out" not in out
     assert sorted(x.split("  ")[0] for x in table) == sorted(r.change for r in rows)
@@ -290,7 +309,8 @@ def test_a_fix_no_split_fits_is_priced_by_a_bound_under_every_splits_largest_sta
     terms = stage_memory_terms(blocks, recomputed)  # the estimate's additive part, by brute force over splits
     additive = terms.overhead + min(
         max(terms.prefix(k)[e] - terms.prefix(k)[s] for k, (s, e) in enumerate(zip(b, b[1:])))
-        for b in ((0, *c, len(blocks)) for c in itertools.combinations(range(1, len(blocks)), 2)))
+        for b in ((0, *c, len(blocks)) for c in itertools.combinations(range(1, len(blocks)), 2))
+    )
     capped = cfg.with_overrides(memory_cap_gib=additive * 0.5 / GIB)
     fix = next(f.fix for f in make_plan(blocks, capped, "nanotron").findings if f.code == "memory")
     prefix = "`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input) (still "
@@ -349,5 +369,8 @@ def test_recompute_layer_is_read_strictly_and_offered_as_a_fix_with_its_peak():
     blocks = inventory_from_config(again)
     # Each decoder layer keeps its input: stage 0 of Nanotron's split (107 GiB without) falls well under 80 GB.
     stage = make_plan(blocks, again, "nanotron").stages[0]
-    assert stage.memory.activations < 0.2 * make_plan(blocks, load_config(bundled_config("llama_3_8b.yaml")),
-                                                      "nanotron").stages[0].memory.activations
+    assert (
+        stage.memory.activations
+        < 0.2
+        * make_plan(blocks, load_config(bundled_config("llama_3_8b.yaml")), "nanotron").stages[0].memory.activations
+    )

@@ -22,7 +22,13 @@ def trainable(blocks):
 
 def test_freeze_the_decoder():
     _, blocks = planned({"modules": ["decoder"]})
-    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 0, "decoder.1": 0, "final_norm": 16, "lm_head": 804_432}
+    assert trainable(blocks) == {
+        "embedding": 804_432,
+        "decoder.0": 0,
+        "decoder.1": 0,
+        "final_norm": 16,
+        "lm_head": 804_432,
+    }
 
 
 def test_freeze_embedding_and_output():
@@ -32,23 +38,45 @@ def test_freeze_embedding_and_output():
 
 def test_train_only_output_layer_and_last_layer():
     _, blocks = planned({"modules": ["*"], "unfreeze": ["lm_head"], "unfreeze_last_decoder_layers": 1})
-    assert trainable(blocks) == {"embedding": 0, "decoder.0": 0, "decoder.1": 4_128, "final_norm": 0, "lm_head": 804_432}
+    assert trainable(blocks) == {
+        "embedding": 0,
+        "decoder.0": 0,
+        "decoder.1": 4_128,
+        "final_norm": 0,
+        "lm_head": 804_432,
+    }
 
 
 def test_projector_only():
     _, blocks = planned({"modules": ["*"], "unfreeze": ["projector"]}, projector=True)
-    assert trainable(blocks) == {"embedding": 0, "projector": 16 * 16, "decoder.0": 0, "decoder.1": 0,
-                                 "final_norm": 0, "lm_head": 0}
+    assert trainable(blocks) == {
+        "embedding": 0,
+        "projector": 16 * 16,
+        "decoder.0": 0,
+        "decoder.1": 0,
+        "final_norm": 0,
+        "lm_head": 0,
+    }
 
 
 def test_module_paths_freeze_whole_blocks():
     # A module path names one block exactly; a path glob names several; roles and short names are not needed.
     _, blocks = planned({"modules": ["model.decoder.1"]})
-    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 4_128, "decoder.1": 0, "final_norm": 16,
-                                 "lm_head": 804_432}
+    assert trainable(blocks) == {
+        "embedding": 804_432,
+        "decoder.0": 4_128,
+        "decoder.1": 0,
+        "final_norm": 16,
+        "lm_head": 804_432,
+    }
     _, blocks = planned({"modules": ["model.decoder.*", "model.lm_head"], "unfreeze": ["model.decoder.0"]})
-    assert trainable(blocks) == {"embedding": 804_432, "decoder.0": 4_128, "decoder.1": 0, "final_norm": 16,
-                                 "lm_head": 0}
+    assert trainable(blocks) == {
+        "embedding": 804_432,
+        "decoder.0": 4_128,
+        "decoder.1": 0,
+        "final_norm": 16,
+        "lm_head": 0,
+    }
 
 
 def test_parameter_glob_freezes_inside_a_block():
@@ -87,10 +115,15 @@ def test_flops_prices_frozen_work():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ({"modules": ["decoder.9"]}, r"freeze pattern 'decoder.9' matches no module; modules are: embedding, decoder.0-1"),
+        (
+            {"modules": ["decoder.9"]},
+            r"freeze pattern 'decoder.9' matches no module; modules are: embedding, decoder.0-1",
+        ),
         ({"modules": ["decoder"], "unfreeze": ["lm_head"]}, r"unfreeze 'lm_head': it is not frozen"),
-        ({"modules": ["decoder"], "unfreeze": ["decoder.7"]},
-         r"^unfreeze pattern 'decoder.7' matches no module; modules are: embedding, decoder.0-1, final_norm, lm_head$"),
+        (
+            {"modules": ["decoder"], "unfreeze": ["decoder.7"]},
+            r"^unfreeze pattern 'decoder.7' matches no module; modules are: embedding, decoder.0-1, final_norm, lm_head$",
+        ),
         ({"modules": ["*"]}, "freezes every parameter"),
         ({"modules": ["*"], "unfreeze_last_decoder_layers": 3}, "has 2 decoder layers"),
         ({"modulez": ["*"]}, r"unknown key\(s\) 'modulez' in 'freeze:'"),
@@ -123,8 +156,9 @@ def test_frozen_stages_allowed_among_equal_step_times_the_split_with_the_least_m
     from nanotron_ext.strategies.step_time import schedule_problem
 
     freeze = {"modules": ["*"], "unfreeze": ["lm_head", "embedding"], "unfreeze_last_decoder_layers": 2}
-    cfg = load_config("examples/configs/smollm_135m.yaml").with_overrides(pp=8, n_micro_batches=16, freeze=freeze,
-                                                                         allow_frozen_stages=True)
+    cfg = load_config("examples/configs/smollm_135m.yaml").with_overrides(
+        pp=8, n_micro_batches=16, freeze=freeze, allow_frozen_stages=True
+    )
     blocks = inventory_from_config(cfg)
     plan = make_plan(blocks, cfg)
     problem = schedule_problem(blocks, cfg)

@@ -32,10 +32,13 @@ SPLIT = (0, 0, 0, 1, 1, 1, 1)  # E, t, t | N, H, C, X
 
 def _base(**fields) -> MachineProfile:
     """A standalone profile: every block 1 ms forward, 2 ms backward (0.5 ms of it W where deferred), 0.1 ms update."""
-    costs = tuple(BlockCost(sig, 1e-3, 2e-3, 1e-4, backward_weight=5e-4 if sig.startswith(("decoder", "lm_head"))
-                            else None) for sig in dict.fromkeys(SIG.values()))
-    return MachineProfile(**{"name": "calibrated: cpu, gloo, pp=2", "source": "test", "key": key_for(SEED),
-                             "blocks": costs, **fields})
+    costs = tuple(
+        BlockCost(sig, 1e-3, 2e-3, 1e-4, backward_weight=5e-4 if sig.startswith(("decoder", "lm_head")) else None)
+        for sig in dict.fromkeys(SIG.values())
+    )
+    return MachineProfile(
+        **{"name": "calibrated: cpu, gloo, pp=2", "source": "test", "key": key_for(SEED), "blocks": costs, **fields}
+    )
 
 
 def _ops(name: str, fwd: tuple, bwd: tuple = (), w: tuple = ()) -> BlockOps:
@@ -51,12 +54,25 @@ def _run(steps: list[tuple[RankStep, ...]], split: tuple[int, ...] = SPLIT) -> I
 
 
 def _two_ranks(**rank0_fields) -> tuple[RankStep, RankStep]:
-    rank0 = _step(0, [_ops("model.token_position_embeddings", (1.0, 3.0), (2.0, 2.0)),
-                      _ops("model.decoder.0", (4.0, 4.0), (8.0, 6.0)),
-                      _ops("model.decoder.1", (6.0, 6.0), (10.0, 12.0))], **rank0_fields)
-    rank1 = _step(1, [_ops("model.final_layer_norm", (0.5, 0.5), (1.0, 1.0)), _ops("model.lm_head", (7.0, 9.0), (16.0, 16.0)),
-                      _ops("model.cast_to_fp32", (0.0, 0.0), (0.0, 0.0)), _ops("loss", (2.0, 2.0), (1.0, 1.0))],
-                  update=3.0)
+    rank0 = _step(
+        0,
+        [
+            _ops("model.token_position_embeddings", (1.0, 3.0), (2.0, 2.0)),
+            _ops("model.decoder.0", (4.0, 4.0), (8.0, 6.0)),
+            _ops("model.decoder.1", (6.0, 6.0), (10.0, 12.0)),
+        ],
+        **rank0_fields,
+    )
+    rank1 = _step(
+        1,
+        [
+            _ops("model.final_layer_norm", (0.5, 0.5), (1.0, 1.0)),
+            _ops("model.lm_head", (7.0, 9.0), (16.0, 16.0)),
+            _ops("model.cast_to_fp32", (0.0, 0.0), (0.0, 0.0)),
+            _ops("loss", (2.0, 2.0), (1.0, 1.0)),
+        ],
+        update=3.0,
+    )
     return rank0, rank1
 
 
@@ -78,11 +94,25 @@ def test_a_one_f_one_b_run_splits_its_backward_as_the_standalone_calibration_did
 
 
 def test_a_zero_bubble_run_prices_b_plus_w_and_its_measured_w() -> None:
-    rank0 = _step(0, [_ops("model.token_position_embeddings", (1.0,), (2.0,)),
-                      _ops("model.decoder.0", (4.0,), (5.0,), (3.0,)), _ops("model.decoder.1", (4.0,), (7.0,), (5.0,))],
-                  engine="zb1p")
-    rank1 = _step(1, [_ops("model.final_layer_norm", (1.0,), (1.0,)), _ops("model.lm_head", (8.0,), (6.0,), (10.0,)),
-                      _ops("model.cast_to_fp32", (0.0,), (0.0,)), _ops("loss", (2.0,), (1.0,))], engine="zb1p")
+    rank0 = _step(
+        0,
+        [
+            _ops("model.token_position_embeddings", (1.0,), (2.0,)),
+            _ops("model.decoder.0", (4.0,), (5.0,), (3.0,)),
+            _ops("model.decoder.1", (4.0,), (7.0,), (5.0,)),
+        ],
+        engine="zb1p",
+    )
+    rank1 = _step(
+        1,
+        [
+            _ops("model.final_layer_norm", (1.0,), (1.0,)),
+            _ops("model.lm_head", (8.0,), (6.0,), (10.0,)),
+            _ops("model.cast_to_fp32", (0.0,), (0.0,)),
+            _ops("loss", (2.0,), (1.0,)),
+        ],
+        engine="zb1p",
+    )
     profile = in_run_profile(SEED, BLOCKS, [_run([(rank0, rank1)])], _base(), source="test")
     decoder = profile.block(SIG["model.decoder.0"])
     assert (decoder.backward, decoder.backward_weight) == (10.0, 4.0)  # B 5, 7 and W 3, 5
@@ -97,7 +127,9 @@ def test_a_ranks_update_is_shared_by_trainable_parameters() -> None:
     assert profile.block(SIG[embedding.name]).update == pytest.approx(6.0 * embedding.trainable / total)
     assert profile.block(SIG[layer.name]).update == pytest.approx(6.0 * layer.trainable / total)
     norm, head = BLOCKS[3], BLOCKS[4]
-    assert profile.block(SIG[head.name]).update == pytest.approx(3.0 * head.trainable / (norm.trainable + head.trainable))
+    assert profile.block(SIG[head.name]).update == pytest.approx(
+        3.0 * head.trainable / (norm.trainable + head.trainable)
+    )
     assert profile.block(SIG["loss"]).update == 0.0  # nothing to step
 
 
@@ -112,8 +144,9 @@ def test_a_tied_lm_head_beside_its_embedding_holds_no_share_of_the_update() -> N
     assert profile.block(sig["model.lm_head"]).update == 0.0
     # the embedding's share counts the one tensor once: the decoders and the norm take the rest by their weights
     counted = blocks[0].trainable + 2 * blocks[1].trainable + blocks[3].trainable
-    assert profile.block(sig["model.token_position_embeddings"]).update == pytest.approx(4.0 * blocks[0].trainable
-                                                                                       / counted)
+    assert profile.block(sig["model.token_position_embeddings"]).update == pytest.approx(
+        4.0 * blocks[0].trainable / counted
+    )
 
 
 def test_a_block_no_run_timed_is_its_standalone_figure_times_its_roles_in_run_ratio() -> None:
@@ -131,8 +164,13 @@ def test_a_block_no_run_timed_is_its_standalone_figure_times_its_roles_in_run_ra
 
 def test_the_engines_overhead_is_its_ops_own_time_per_block_they_ran() -> None:
     rank0, rank1 = _two_ranks(calls=((0.3, 3), (0.5, 2)))
-    profile = in_run_profile(SEED, BLOCKS, [_run([(rank0, dataclasses.replace(rank1, calls=((0.2, 5),)))])],
-                             _base(overhead=EngineOverhead(1e-6, 2e-6, 3e-6)), source="test")
+    profile = in_run_profile(
+        SEED,
+        BLOCKS,
+        [_run([(rank0, dataclasses.replace(rank1, calls=((0.2, 5),)))])],
+        _base(overhead=EngineOverhead(1e-6, 2e-6, 3e-6)),
+        source="test",
+    )
     assert profile.overhead == EngineOverhead(pytest.approx(1.0 / 10), 2e-6, 3e-6)
 
 
@@ -144,8 +182,13 @@ def test_a_link_takes_the_latency_of_its_whole_transfers_in_the_run() -> None:
     rank0, rank1 = _two_ranks()
     sender = dataclasses.replace(rank0, sends=(Send(0, 1, n_bytes, 1, posted=10.0), Send(0, 1, n_bytes, 1, 20.0)))
     # the first receive was waiting before its send was posted: a whole transfer; the second came late: left out
-    receiver = dataclasses.replace(rank1, receives=(Receive(0, 1, n_bytes, 1, started=9.0, ended=10.0 + whole),
-                                                    Receive(0, 1, n_bytes, 1, started=21.0, ended=21.001)))
+    receiver = dataclasses.replace(
+        rank1,
+        receives=(
+            Receive(0, 1, n_bytes, 1, started=9.0, ended=10.0 + whole),
+            Receive(0, 1, n_bytes, 1, started=21.0, ended=21.001),
+        ),
+    )
     profile = in_run_profile(SEED, BLOCKS, [_run([(sender, receiver)])], base, source="test")
     forward, backward = profile.links
     assert (forward.latency, forward.bytes_per_second) == (pytest.approx(3e-3), 1e9)  # the bandwidth as calibrated
@@ -158,8 +201,10 @@ def test_the_tied_all_reduce_is_the_later_ends_time_inside_it() -> None:
     blocks = inventory_from_config(tied)
     base = _base(key=key_for(tied), tied_allreduce=Collective(1e-4, 1e9))
     rank0, rank1 = _two_ranks()
-    steps = [(dataclasses.replace(rank0, tied_sync=(1.0, 1.5)), dataclasses.replace(rank1, tied_sync=(1.2, 1.5))),
-             (dataclasses.replace(rank0, tied_sync=(2.0, 2.7)), dataclasses.replace(rank1, tied_sync=(2.1, 2.7)))]
+    steps = [
+        (dataclasses.replace(rank0, tied_sync=(1.0, 1.5)), dataclasses.replace(rank1, tied_sync=(1.2, 1.5))),
+        (dataclasses.replace(rank0, tied_sync=(2.0, 2.7)), dataclasses.replace(rank1, tied_sync=(2.1, 2.7))),
+    ]
     profile = in_run_profile(tied, blocks, [_run(steps)], base, source="test")
     # later ends: rank 1 in both steps, 0.3 s and 0.6 s inside: the median, 0.45 s, for the tied gradient's bytes
     assert profile.tied_allreduce.time(tied_weight_bytes(tied), 2) == pytest.approx(0.45)
@@ -212,9 +257,14 @@ def test_a_profile_by_position_prices_each_stage_at_its_position(tmp_path) -> No
     from nanotron_ext.simulate import plan_stage_times
 
     sig = SIG["model.decoder.0"]
-    costs = tuple(c if c.signature != sig else dataclasses.replace(
-        c, positions=(PositionCost("first", 4e-3, 6e-3, 1e-3), PositionCost("last", 1e-3, 1e-3, None)))
-        for c in _base().blocks)
+    costs = tuple(
+        c
+        if c.signature != sig
+        else dataclasses.replace(
+            c, positions=(PositionCost("first", 4e-3, 6e-3, 1e-3), PositionCost("last", 1e-3, 1e-3, None))
+        )
+        for c in _base().blocks
+    )
     machine = _base(blocks=costs)
     machine.save(tmp_path / "m.json")
     assert load_machine(tmp_path / "m.json") == machine  # positions survive the JSON round trip
@@ -230,9 +280,11 @@ def test_a_bad_position_figure_is_refused_naming_it() -> None:
     from nanotron_ext.machine import PositionCost
 
     sig = SIG["model.decoder.0"]
-    for bad, why in ((PositionCost("top", 1.0, 1.0), "a position is one of first, middle, last"),
-                     (PositionCost("first", 1.0, 1.0, 2.0), r"backward_weight=2.0 exceeds its backward=1.0"),
-                     (PositionCost("last", -1.0, 1.0), r"forward=-1.0 must be a finite number >= 0")):
+    for bad, why in (
+        (PositionCost("top", 1.0, 1.0), "a position is one of first, middle, last"),
+        (PositionCost("first", 1.0, 1.0, 2.0), r"backward_weight=2.0 exceeds its backward=1.0"),
+        (PositionCost("last", -1.0, 1.0), r"forward=-1.0 must be a finite number >= 0"),
+    ):
         costs = tuple(dataclasses.replace(c, positions=(bad,)) if c.signature == sig else c for c in _base().blocks)
         with pytest.raises(ConfigError, match=why):
             _base(blocks=costs)

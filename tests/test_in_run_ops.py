@@ -31,8 +31,11 @@ def _record(step: float, busy: float, pipeline: float, pipeline_idle: float) -> 
 #: Two ranks, three timed steps; rank 1 ran no W (a 1F1B-like rank), rank 0 ran W under zb.
 RUN = {
     "ops": [
-        [{"F": [1.0, 3.0], "B": [2.0], "W": [0.5]}, {"F": [2.0], "B": [4.0, 6.0], "W": [0.7]},
-         {"F": [9.0], "B": [5.0], "W": [0.6]}],
+        [
+            {"F": [1.0, 3.0], "B": [2.0], "W": [0.5]},
+            {"F": [2.0], "B": [4.0, 6.0], "W": [0.7]},
+            {"F": [9.0], "B": [5.0], "W": [0.6]},
+        ],
         [{"F": [1.5], "B": [2.5], "W": []}, {"F": [1.5], "B": [2.5], "W": []}, {"F": [1.0], "B": [9.0], "W": []}],
     ],
     "records": [

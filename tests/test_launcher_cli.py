@@ -105,20 +105,22 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
         from upstream.harness import NANOTRON
     except ImportError:  # pragma: no cover
         NANOTRON = "0.2"
-    path = (tiny_config(tmp_path, ext={"cost_strategy": "constrained"}) if NANOTRON == "upstream"
-            else bundled_config())
+    path = tiny_config(tmp_path, ext={"cost_strategy": "constrained"}) if NANOTRON == "upstream" else bundled_config()
     env = script_env()
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert any(line.startswith("REFUSED-BEFORE") for line in lines), out.stdout  # strict: our keys are unknown
     assert "LOADED-AFTER 2" in lines
-    assert "SWAPPED ['DistributedDataParallel', 'build_model', 'check_model_has_grad', " \
-           "'init_optimizer_and_grad_accumulator', 'load_optimizer', 'mark_tied_parameters', " \
-           "'sync_gradients_across_dp']" in lines
+    assert (
+        "SWAPPED ['DistributedDataParallel', 'build_model', 'check_model_has_grad', "
+        "'init_optimizer_and_grad_accumulator', 'load_optimizer', 'mark_tied_parameters', "
+        "'sync_gradients_across_dp']" in lines
+    )
     assert "RESTORED True" in lines
-    assert ("YAML OneForwardOneBackwardPipelineEngine" in lines and "MOVED ZeroBubblePipelineEngine" in lines), lines
+    assert "YAML OneForwardOneBackwardPipelineEngine" in lines and "MOVED ZeroBubblePipelineEngine" in lines, lines
 
 
 _OPTIMIZER_CHILD = ONE_RANK + textwrap.dedent(
@@ -158,8 +160,13 @@ def test_the_optimizer_nanotron_builds_under_the_launcher_gets_only_trainable_pa
     # own init_optimizer_and_grad_accumulator builds the optimizer of a model with a frozen embedding and first
     # decoder layer (0.2's trainer imported with the flash-attn stand-in, one gloo process).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _OPTIMIZER_CHILD, str(bundled_config())], env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", _OPTIMIZER_CHILD, str(bundled_config())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     counts = next(line for line in lines if line.startswith("COUNTS")).split()[1:]

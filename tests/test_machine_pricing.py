@@ -36,15 +36,28 @@ SEED = load_config(bundled_config())  # embedding, decoder.0, decoder.1, final_n
 BLOCKS = inventory_from_config(SEED)
 #: Measured seconds (forward, backward, update) that invert the FLOP model: the decoder layers are slow here and
 #: the lm_head cheap, so the best split puts one layer on each stage, where FLOPs put both on stage 0.
-SLOW_LAYERS = {"embedding": (1e-4, 1e-4, 1e-5), "decoder": (10e-3, 20e-3, 1e-3), "final_norm": (1e-4, 2e-4, 0.0),
-               "lm_head": (1e-3, 2e-3, 1e-3), "cast": (1e-4, 1e-4, 0.0), "loss": (2e-4, 2e-4, 0.0)}
+SLOW_LAYERS = {
+    "embedding": (1e-4, 1e-4, 1e-5),
+    "decoder": (10e-3, 20e-3, 1e-3),
+    "final_norm": (1e-4, 2e-4, 0.0),
+    "lm_head": (1e-3, 2e-3, 1e-3),
+    "cast": (1e-4, 1e-4, 0.0),
+    "loss": (2e-4, 2e-4, 0.0),
+}
 
 
 def _measured(times: dict[str, tuple[float, float, float]] = SLOW_LAYERS, **fields) -> MachineProfile:
-    costs = {block_signature(b, input_grad=g): BlockCost(block_signature(b, input_grad=g), *times[b.role])
-             for b, g in zip(BLOCKS, trainable_before(BLOCKS))}
-    base = dict(name="hand-measured", source="test", key=key_for(SEED), blocks=tuple(costs.values()),
-                links=(Link(0, 1, 1e-4, 1e9), Link(1, 0, 2e-4, 1e9)))
+    costs = {
+        block_signature(b, input_grad=g): BlockCost(block_signature(b, input_grad=g), *times[b.role])
+        for b, g in zip(BLOCKS, trainable_before(BLOCKS))
+    }
+    base = dict(
+        name="hand-measured",
+        source="test",
+        key=key_for(SEED),
+        blocks=tuple(costs.values()),
+        links=(Link(0, 1, 1e-4, 1e9), Link(1, 0, 2e-4, 1e9)),
+    )
     return MachineProfile(**{**base, **fields})
 
 
@@ -59,9 +72,14 @@ def _all_splits(n: int, pp: int) -> list[tuple[int, ...]]:
 
 
 def test_a_profile_survives_a_json_round_trip_with_every_field(tmp_path):
-    full = _measured(overhead=EngineOverhead(1e-5, 2e-5, 3e-5), dp_allreduce=Collective(1e-5, 1e9),
-                     tied_allreduce=Collective(2e-5, 2e9), rates=(("decoder", 1e9),), notes=("n",),
-                     device_memory_bytes=85e9)
+    full = _measured(
+        overhead=EngineOverhead(1e-5, 2e-5, 3e-5),
+        dp_allreduce=Collective(1e-5, 1e9),
+        tied_allreduce=Collective(2e-5, 2e9),
+        rates=(("decoder", 1e9),),
+        notes=("n",),
+        device_memory_bytes=85e9,
+    )
     assert load_machine(_saved(tmp_path, full)) == full
     assert MachineProfile.from_json(ANALYTIC_GPU.to_json()) == ANALYTIC_GPU
 
@@ -71,7 +89,9 @@ def test_another_key_is_refused_naming_what_differs(tmp_path):
     wider = load_config(bundled_config()).with_overrides(machine=path, pp=1)
     with pytest.raises(ConfigError, match=r"measured for another setup \(pp: 2 vs 1; profile vs config\).*calibrate"):
         machine_for(wider)
-    other = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, hidden_size=32)).with_overrides(machine=path)
+    other = dataclasses.replace(SEED, model=dataclasses.replace(SEED.model, hidden_size=32)).with_overrides(
+        machine=path
+    )
     with pytest.raises(ConfigError, match=r"model.hidden_size: 16 vs 32"):
         make_plan(inventory_from_config(other), other)
     # Another layer count is the same key: a decoder layer's time does not depend on how many there are.
@@ -79,11 +99,14 @@ def test_another_key_is_refused_naming_what_differs(tmp_path):
     assert machine_for(deeper.with_overrides(machine=path)).name == "hand-measured"
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("{", "is not JSON"),
-    ('{"version": 99}', "format version 99, this nanotron_ext reads 1"),
-    ('{"version": 1, "name": "x"}', "is malformed .*KeyError"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{", "is not JSON"),
+        ('{"version": 99}', "format version 99, this nanotron_ext reads 1"),
+        ('{"version": 1, "name": "x"}', "is malformed .*KeyError"),
+    ],
+)
 def test_bad_profile_files_say_what_is_wrong_and_how_to_remake_them(tmp_path, text, match):
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -94,8 +117,9 @@ def test_bad_profile_files_say_what_is_wrong_and_how_to_remake_them(tmp_path, te
 
 
 def test_measured_blocks_links_syncs_and_overheads_are_priced_by_hand():
-    machine = _measured(overhead=EngineOverhead(block_call=1e-6, send=3e-6, recv=5e-6),
-                        dp_allreduce=Collective(1e-3, 1e9))
+    machine = _measured(
+        overhead=EngineOverhead(block_call=1e-6, send=3e-6, recv=5e-6), dp_allreduce=Collective(1e-3, 1e9)
+    )
     cfg = dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, dp=4))
     prices = price_blocks(machine, BLOCKS, cfg)
     # decoder.0: measured times plus one PipelineBlock call each way; its update pays the dp all-reduce of its
@@ -128,12 +152,15 @@ def test_a_send_takes_the_link_of_its_own_cut():
     assert spare.p2p_time(out, cut=1) == pytest.approx(5e-4 + out / 2e9)
 
 
-@pytest.mark.parametrize("dtype, fp32_acc, zero, dp, per_param", [
-    ("float32", False, 0, 1, 28.0),  # fused AdamW: weight, gradient, 2 moments read; weight, 2 moments written
-    ("bfloat16", True, 0, 1, 34.0),  # ... on the fp32 masters, then the master copied into the bf16 weight
-    ("bfloat16", False, 0, 1, 14.0),  # ... on the bf16 weights themselves
-    ("bfloat16", True, 1, 4, 8.5),  # ZeRO-1: each of 4 dp ranks steps a quarter
-])
+@pytest.mark.parametrize(
+    "dtype, fp32_acc, zero, dp, per_param",
+    [
+        ("float32", False, 0, 1, 28.0),  # fused AdamW: weight, gradient, 2 moments read; weight, 2 moments written
+        ("bfloat16", True, 0, 1, 34.0),  # ... on the fp32 masters, then the master copied into the bf16 weight
+        ("bfloat16", False, 0, 1, 14.0),  # ... on the bf16 weights themselves
+        ("bfloat16", True, 1, 4, 8.5),  # ZeRO-1: each of 4 dp ranks steps a quarter
+    ],
+)
 def test_the_analytic_machine_prices_the_optimizer_step_by_the_bytes_it_moves(dtype, fp32_acc, zero, dp, per_param):
     run = dataclasses.replace(SEED.run, dtype=dtype, accumulate_grad_in_fp32=fp32_acc, zero_stage=zero, dp=dp)
     cfg = dataclasses.replace(SEED, run=run)
@@ -194,15 +221,26 @@ def test_the_planner_and_the_simulator_price_through_the_one_machine(tmp_path):
     result = simulate_plan(plan, BLOCKS, cfg)
     assert [s.forward for s in result.stages] == pytest.approx([1e-4 + 10e-3, 10e-3 + 1e-4 + 1e-3 + 1e-4 + 2e-4])
     # ... and the planner's split is the simulator's fastest of every split.
-    steps = {b: simulate_plan(Plan(**{**plan.__dict__, "block_ranks": tuple(ranks_from_bounds(b))}), BLOCKS,
-                              cfg).step_time for b in _all_splits(len(BLOCKS), 2)}
+    steps = {
+        b: simulate_plan(Plan(**{**plan.__dict__, "block_ranks": tuple(ranks_from_bounds(b))}), BLOCKS, cfg).step_time
+        for b in _all_splits(len(BLOCKS), 2)
+    }
     assert result.step_time == pytest.approx(min(steps.values()), rel=1e-12)
 
 
 def test_simulate_compare_never_ranks_the_default_behind_a_valid_strategy(tmp_path, capsys):
     path = _saved(tmp_path, _measured())
-    argv = ["simulate", "--compare", "--json", "--machine", path, "--out", str(tmp_path / "a.png"),
-            "--loads-out", str(tmp_path / "b.png")]
+    argv = [
+        "simulate",
+        "--compare",
+        "--json",
+        "--machine",
+        path,
+        "--out",
+        str(tmp_path / "a.png"),
+        "--loads-out",
+        str(tmp_path / "b.png"),
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["machine"].startswith("hand-measured: 6 measured blocks, p2p 1 GB/s + 200 µs")
@@ -218,8 +256,9 @@ def test_overrides_are_named_and_flops_drops_measured_blocks(tmp_path):
     fast = machine_for(SEED.with_overrides(machine=path, p2p_gbps=100.0))
     assert fast.links == (Link(-1, -1, 2e-4, 100e9),) and fast.blocks == _measured().blocks
     assert fast.describe() == "hand-measured: 6 measured blocks, p2p 100 GB/s + 200 µs [p2p overridden: 100 GB/s]"
-    assert machine_for(SEED).describe() == ("H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, "
-                                            "p2p 50 GB/s + 10 µs, 79.18 GiB per GPU")
+    assert machine_for(SEED).describe() == (
+        "H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, p2p 50 GB/s + 10 µs, 79.18 GiB per GPU"
+    )
     with pytest.raises(ConfigError, match="times=profiled measures block times; tflops would replace them"):
         SEED.with_overrides(times="profiled", tflops=1.0)
     with pytest.raises(ConfigError, match="nanotron_ext.tflops=-1.0 must be a positive number of TFLOP/s"):
@@ -231,7 +270,8 @@ def test_overrides_are_named_and_flops_drops_measured_blocks(tmp_path):
 def test_the_plan_header_names_the_machine(tmp_path, capsys):
     assert main(["plan", "--compare"]) == 0
     assert "simulated step time on H100 SXM (analytic): bf16 at 400 TFLOP/s, optimizer step at 3 TB/s, p2p 50 GB/s" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     assert main(["plan", "--machine", _saved(tmp_path, _measured())]) == 0
     assert "hand-measured: 6 measured blocks, p2p 1 GB/s + 200 µs" in capsys.readouterr().out
 
@@ -255,8 +295,10 @@ def test_the_dp_all_reduce_of_a_partly_frozen_block_reduces_only_its_trainable_g
     layer = BLOCKS[1]
     part = dataclasses.replace(layer, trainable=layer.params // 3)
     blocks = [*BLOCKS[:1], part, *BLOCKS[2:]]
-    alone, four = (price_blocks(machine, blocks, dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, dp=dp)))
-                   for dp in (1, 4))
+    alone, four = (
+        price_blocks(machine, blocks, dataclasses.replace(SEED, run=dataclasses.replace(SEED.run, dp=dp)))
+        for dp in (1, 4)
+    )
     assert four.update[1] - alone.update[1] == pytest.approx(sync.time(part.trainable * 4, 4))  # fp32 gradients
     assert four.update[1] - alone.update[1] < sync.time(layer.params * 4, 4)
 
@@ -280,7 +322,12 @@ def test_a_links_one_way_latency_is_half_its_fitted_round_trip():
 
     c, bandwidth = 400e-6, 2e9
     rtt = {n: c + n / bandwidth for n in (4096, 65536, 1 << 20, 1 << 24)}
-    timings = {("link", 0, 1): rtt, ("link", 1, 0): rtt, ("link spread", 0, 1): {0: 0.0}, ("link spread", 1, 0): {0: 0.0}}
+    timings = {
+        ("link", 0, 1): rtt,
+        ("link", 1, 0): rtt,
+        ("link spread", 0, 1): {0: 0.0},
+        ("link spread", 1, 0): {0: 0.0},
+    }
     comm = _fit_comm([(timings, 0.0)], _World(rank=0, pp=2, dp=1, tp=1), tied=False)
     assert [link.latency for link in comm.links] == pytest.approx([c / 2, c / 2])
     assert [link.bytes_per_second for link in comm.links] == pytest.approx([bandwidth, bandwidth])

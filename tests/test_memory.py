@@ -62,8 +62,9 @@ def test_decoder_saves_what_the_cpu_runtime_saves(tiny):
     assert one.saved == norms + attention - t * 4 * h + t * 4 * 4 * f
     # bf16: the norms save an fp32 upcast, not the bf16 input; everything else at 2 bytes.
     bf16 = block_memory(dec, cfg.model, _run(cfg, dtype="bfloat16"))
-    assert bf16.saved == (2 * t * (4 * h + 4 + 2 * h) + 2 * t * 2 * h
-                          + t * 2 * (h + h + 3 * h + h + h) + t * 4 * heads + t * 2 * 4 * f)
+    assert bf16.saved == (
+        2 * t * (4 * h + 4 + 2 * h) + 2 * t * 2 * h + t * 2 * (h + h + 3 * h + h + h) + t * 4 * heads + t * 2 * 4 * f
+    )
     assert not bf16.input_saved and block_memory(dec, cfg.model, cfg.run).input_saved
 
 
@@ -162,7 +163,10 @@ def test_tied_embedding_counted_once_on_the_rank_that_holds_both():
     assert one.weights == (total - tied) * per.weights  # 134.5M held, not 163M
     assert one.gradients == (total - tied) * per.gradients
     # Split across two stages, each rank holds its own copy.
-    two = [stage_memory(blocks[:10], cfg.model, cfg.run, 0, pp=2), stage_memory(blocks[10:], cfg.model, cfg.run, 1, pp=2)]
+    two = [
+        stage_memory(blocks[:10], cfg.model, cfg.run, 0, pp=2),
+        stage_memory(blocks[10:], cfg.model, cfg.run, 1, pp=2),
+    ]
     assert sum(s.weights for s in two) == total * per.weights
 
 
@@ -198,11 +202,14 @@ def test_overhead_and_runtime_from_the_config():
     assert config_from_dict(raw).ext.overhead_gib == 0.5
 
 
-@pytest.mark.parametrize("key,value,says", [
-    ("memory_overhead_gib", -1, r"memory_overhead_gib=-1 must be a number of GiB >= 0, or null for the default"),
-    ("memory_overhead_gib", "lots", r"memory_overhead_gib='lots' must be a number of GiB"),
-    ("memory_runtime", "gpus", r"memory_runtime='gpus' is unknown; did you mean 'gpu'\? use gpu .* or cpu"),
-])
+@pytest.mark.parametrize(
+    "key,value,says",
+    [
+        ("memory_overhead_gib", -1, r"memory_overhead_gib=-1 must be a number of GiB >= 0, or null for the default"),
+        ("memory_overhead_gib", "lots", r"memory_overhead_gib='lots' must be a number of GiB"),
+        ("memory_runtime", "gpus", r"memory_runtime='gpus' is unknown; did you mean 'gpu'\? use gpu .* or cpu"),
+    ],
+)
 def test_bad_memory_keys(key, value, says):
     raw = yaml.safe_load(bundled_config().read_text())
     raw["nanotron_ext"][key] = value
@@ -214,8 +221,24 @@ def test_plan_shows_the_breakdown_per_stage_and_in_json(tiny):
     cfg, blocks = tiny
     plan = make_plan(blocks, cfg)
     lines = plan.memory_table().splitlines()
-    assert lines[0].split() == ["stage", "weights", "gradients", "optimizer", "buffers", "activations/mb", "in",
-                                "flight", "temporaries", "overhead", "peak", "peak", "at", "of", "limit", "margin"]
+    assert lines[0].split() == [
+        "stage",
+        "weights",
+        "gradients",
+        "optimizer",
+        "buffers",
+        "activations/mb",
+        "in",
+        "flight",
+        "temporaries",
+        "overhead",
+        "peak",
+        "peak",
+        "at",
+        "of",
+        "limit",
+        "margin",
+    ]
     assert len(lines) == 2 + plan.pp
     # Each peak against the analytic H100's memory (the config names no other): its share and the room left.
     assert plan.memory_limit is not None and plan.memory_limit.bytes == 81_082 * 2**20

@@ -79,7 +79,9 @@ def test_pp_larger_than_blocks():
 
 def test_requirement_too_few_flags_says_largest_pp():
     req = Requirement("trainable blocks", (False, True, False, True), fix="unfreeze more")
-    with pytest.raises(PlanningError, match=r"needs 3 trainable blocks .* has 2 \(b1, b3\).*largest pp that works is 2"):
+    with pytest.raises(
+        PlanningError, match=r"needs 3 trainable blocks .* has 2 \(b1, b3\).*largest pp that works is 2"
+    ):
         partition([1, 1, 1, 1], 3, requirements=[req], names=["b0", "b1", "b2", "b3"])
 
 
@@ -109,8 +111,11 @@ def brute_force(costs, pp, flags=None, static=None, act=None, flight=None, cap=N
                 ok = False
         if ok:
             key = (max(stage_costs), sum(c * c for c in stage_costs))
-            best = key if best is None or key[0] < best[0] - 1e-12 or (
-                math.isclose(key[0], best[0]) and key[1] < best[1]) else best
+            best = (
+                key
+                if best is None or key[0] < best[0] - 1e-12 or (math.isclose(key[0], best[0]) and key[1] < best[1])
+                else best
+            )
     return best
 
 
@@ -119,11 +124,14 @@ instances = st.integers(1, 12).flatmap(
         st.lists(st.integers(0, 30).map(float), min_size=n, max_size=n),
         st.integers(1, min(5, n)),
         st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)),
-        st.one_of(st.none(), st.tuples(
-            st.lists(st.integers(0, 9).map(float), min_size=n, max_size=n),
-            st.lists(st.integers(0, 3).map(float), min_size=n, max_size=n),
-            st.integers(5, 40).map(float),
-        )),
+        st.one_of(
+            st.none(),
+            st.tuples(
+                st.lists(st.integers(0, 9).map(float), min_size=n, max_size=n),
+                st.lists(st.integers(0, 3).map(float), min_size=n, max_size=n),
+                st.integers(5, 40).map(float),
+            ),
+        ),
     )
 )
 
@@ -138,7 +146,9 @@ def test_matches_brute_force(instance):
     if memory is not None:
         static, act, cap_value = memory
         cap = MemoryCap(tuple(static), tuple(act), tuple(flight), cap_value)
-    ref = brute_force(costs, pp, flags, *(memory[:2] if memory else (None, None)), flight, memory[2] if memory else None)
+    ref = brute_force(
+        costs, pp, flags, *(memory[:2] if memory else (None, None)), flight, memory[2] if memory else None
+    )
     if ref is None:
         with pytest.raises(PlanningError):
             partition(costs, pp, requirements=reqs, memory=cap)
@@ -148,14 +158,19 @@ def test_matches_brute_force(instance):
     assert math.isclose(sum(c * c for c in got.stage_costs), ref[1], rel_tol=1e-6, abs_tol=1e-6)
     assert len(got.bounds) == pp + 1 and all(a < b for a, b in zip(got.bounds, got.bounds[1:]))
     if flags is not None:
-        assert all(any(flags[got.bounds[k]:got.bounds[k + 1]]) for k in range(pp))
+        assert all(any(flags[got.bounds[k] : got.bounds[k + 1]]) for k in range(pp))
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 10).flatmap(lambda n: st.tuples(
-    st.lists(st.integers(0, 20).map(float), min_size=n, max_size=n),
-    st.lists(st.integers(0, 5).map(float), min_size=n, max_size=n),
-    st.integers(1, min(4, n)))))
+@given(
+    st.integers(1, 10).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.integers(0, 20).map(float), min_size=n, max_size=n),
+            st.lists(st.integers(0, 5).map(float), min_size=n, max_size=n),
+            st.integers(1, min(4, n)),
+        )
+    )
+)
 def test_stage_dependent_costs_match_brute_force(instance):
     costs, act, pp = instance
     flight = [pp - k for k in range(pp)]

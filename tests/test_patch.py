@@ -51,8 +51,11 @@ def test_a_failing_import_leaves_nothing_patched(monkeypatch):
     originals = (nanotron.models.base.build_model, nanotron.models.build_model)
     monkeypatch.delitem(sys.modules, "nanotron.trainer", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_FailingTrainer(), *sys.meta_path])
-    with pytest.raises(NanotronExtError, match=r"^patch_nanotron: importing nanotron.trainer failed \(RuntimeError: "
-                                               r"Grouped GEMM is not available.*\), so nothing was patched\. Install"):
+    with pytest.raises(
+        NanotronExtError,
+        match=r"^patch_nanotron: importing nanotron.trainer failed \(RuntimeError: "
+        r"Grouped GEMM is not available.*\), so nothing was patched\. Install",
+    ):
         patch_nanotron(load_config(bundled_config()))
     assert (nanotron.models.base.build_model, nanotron.models.build_model) == originals
     assert not adapter._ACTIVE

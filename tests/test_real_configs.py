@@ -28,9 +28,16 @@ UNREAD = {
     "doremi/configs/config_280m_llama.yaml": ["'doremi'"],
     "doremi/configs/config_280m_llama_proxy.yaml": ["'doremi'"],
     "config_resume_training.yaml": ["'model.model_config.interleaved_rotary'", "'parallelism.moe_layer_recompute'"],
-    **{f"smollm3/{name}": ["'parallelism.moe_layer_recompute'"] for name in (
-        "stage1_8T.yaml", "stage2_8T_9T.yaml", "stage3_9T_11T.yaml", "long_context_4k_to_32k.yaml",
-        "long_context_32k_to_64.yaml")},
+    **{
+        f"smollm3/{name}": ["'parallelism.moe_layer_recompute'"]
+        for name in (
+            "stage1_8T.yaml",
+            "stage2_8T_9T.yaml",
+            "stage3_9T_11T.yaml",
+            "long_context_4k_to_32k.yaml",
+            "long_context_32k_to_64.yaml",
+        )
+    },
 }
 
 
@@ -78,13 +85,15 @@ def test_upstream_examples_are_read_from_the_copies() -> None:
 
 
 @pytest.mark.parametrize("required", ["", "1"])
-def test_a_missing_upstream_tree_skips_or_fails_when_required(required: str, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_upstream_tree_skips_or_fails_when_required(
+    required: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from upstream import harness
 
     monkeypatch.setattr(harness, "UPSTREAM", tmp_path / "shared" / "upstream" / "nanotron")
     monkeypatch.setenv(harness.REQUIRE_SHARED_ENV, required)
-    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception),
-                       match="needs upstream Nanotron's source tree at .*run_train.py") as outcome:
+    with pytest.raises(
+        (pytest.fail.Exception, pytest.skip.Exception), match="needs upstream Nanotron's source tree at .*run_train.py"
+    ) as outcome:
         harness.upstream_tree()
     assert outcome.type is (pytest.fail.Exception if required else pytest.skip.Exception)

@@ -70,9 +70,15 @@ def test_blocks_take_turns_in_every_round_the_first_one_rotating(tmp_path, monke
     pinned: list[bool] = []
     monkeypatch.setattr(profiled, "keep_freed_memory", lambda: pinned.append(True))
     rounds: list[int] = []
-    timings = profiled.measure_blocks([(blocks[1], True), (blocks[3], True)], cfg, tp_pg=None, warmup=1, repeats=2,
-                                      module_factory=lambda block, cfg, tp_pg: Logged(block.short),
-                                      on_round=rounds.append)
+    timings = profiled.measure_blocks(
+        [(blocks[1], True), (blocks[3], True)],
+        cfg,
+        tp_pg=None,
+        warmup=1,
+        repeats=2,
+        module_factory=lambda block, cfg, tp_pg: Logged(block.short),
+        on_round=rounds.append,
+    )
     assert calls == ["decoder.0", "final_norm", "final_norm", "decoder.0", "decoder.0", "final_norm"]
     assert rounds == [2, 2, 2]  # progress: each round's timed blocks, warm-up included
     assert pinned  # timed on CPU in the state the CPU runtime trains in
@@ -102,8 +108,13 @@ def test_a_figure_is_named_when_it_could_move_a_stage_by_more_than_the_limit() -
     assert (found.what, found.spread) == ("lm_head forward", 1.01 * limit)
     assert found.step_share == pytest.approx(1.01 * STEP_SHARE_LIMIT)
     # Two decoder layers share one measurement: its spread counts twice, so half of it suffices.
-    (found,) = uncertain_figures(cfg, _profile(cfg, {"decoder.0": (0.0, 0.0, 0.0), "decoder.1": (0.0, 0.0, 0.0)}
-                                                | {"decoder.0": (0.0, 0.51 * limit / 2, 0.0)}))
+    (found,) = uncertain_figures(
+        cfg,
+        _profile(
+            cfg,
+            {"decoder.0": (0.0, 0.0, 0.0), "decoder.1": (0.0, 0.0, 0.0)} | {"decoder.0": (0.0, 0.51 * limit / 2, 0.0)},
+        ),
+    )
     assert found.what == "decoder.0-1 backward" and found.step_share == pytest.approx(1.02 * STEP_SHARE_LIMIT)
 
 
@@ -113,18 +124,31 @@ def test_calibrate_prints_each_spread_and_warns_naming_the_figure() -> None:
     assert "± fwd %" in text and "25.00" in text and "0.40" in text
     warnings = [line for line in text.splitlines() if line.startswith("WARNING:")]
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: lm_head forward could move by ±25.0%")
-    quiet = summary(cfg, dataclasses.replace(_profile(cfg, {}), blocks=tuple(
-        dataclasses.replace(b, spread=None) for b in _profile(cfg, {}).blocks)))
+    quiet = summary(
+        cfg,
+        dataclasses.replace(
+            _profile(cfg, {}), blocks=tuple(dataclasses.replace(b, spread=None) for b in _profile(cfg, {}).blocks)
+        ),
+    )
     assert "WARNING" not in quiet and "  -  " in quiet
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc policy is glibc's mallopt; nothing to set here")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="the malloc policy is glibc's mallopt; nothing to set here"
+)
 @pytest.mark.parametrize(("env", "kept"), [("", "True freed memory kept"), ("1", "False system defaults")])
 def test_glibc_keeps_freed_memory_unless_the_user_opts_out(env: str, kept: str) -> None:
-    code = ("from nanotron_ext.allocator import keep_freed_memory, malloc_policy; "
-            "print(keep_freed_memory(), malloc_policy())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "NANOTRON_EXT_SYSTEM_MALLOC": env})
+    code = (
+        "from nanotron_ext.allocator import keep_freed_memory, malloc_policy; "
+        "print(keep_freed_memory(), malloc_policy())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "NANOTRON_EXT_SYSTEM_MALLOC": env},
+    )
     assert out.stdout.strip() == kept
 
 
@@ -133,8 +157,11 @@ def test_a_profile_with_a_bad_spread_is_refused_naming_it() -> None:
     good = _profile(cfg, {"lm_head": (0.1, 0.0, 0.0)})
     assert MachineProfile.from_json(good.to_json()) == good  # the spreads survive JSON
     sig = good.blocks[0].signature
-    with pytest.raises(ConfigError, match=rf"blocks\[{sig}\]\.spread of its backward=-0.1 must be a finite number >= 0 "
-                                          r"\(a fraction\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"blocks\[{sig}\]\.spread of its backward=-0.1 must be a finite number >= 0 "
+        r"\(a fraction\)",
+    ):
         dataclasses.replace(good, blocks=(dataclasses.replace(good.blocks[0], spread=(0.0, -0.1, 0.0)),))
     with pytest.raises(ConfigError, match=r"spread=\[0.1\] must be three fractions"):
         dataclasses.replace(good, blocks=(dataclasses.replace(good.blocks[0], spread=(0.1,)),))

@@ -67,18 +67,24 @@ def _halves(cfg):
     return [cfg.with_overrides(tflops=tflops) for tflops in HALVES]
 
 
-@pytest.mark.parametrize(("min_gain", "tflops", "verdict"), [
-    (0.03, None, Verdict.MOVE),  # the gain is about 47 %, the noise about 22 %
-    (0.9, None, Verdict.SMALL),  # 47 % is below 90 %
-    (0.03, 1.0, Verdict.NOISY),  # priced at 1 TFLOP/s the gain is about 4 %: within the noise
-    (0.05, 1.0, Verdict.SMALL),  # min_gain is checked first
-])
+@pytest.mark.parametrize(
+    ("min_gain", "tflops", "verdict"),
+    [
+        (0.03, None, Verdict.MOVE),  # the gain is about 47 %, the noise about 22 %
+        (0.9, None, Verdict.SMALL),  # 47 % is below 90 %
+        (0.03, 1.0, Verdict.NOISY),  # priced at 1 TFLOP/s the gain is about 4 %: within the noise
+        (0.05, 1.0, Verdict.SMALL),  # min_gain is checked first
+    ],
+)
 def test_min_gain_and_the_noise_of_the_gain_decide(min_gain, tflops, verdict):
     cfg, blocks, bad = _setup(replan=ReplanConfig(after_steps=5, min_gain=min_gain))
-    choice = choose_replan(cfg.with_overrides(tflops=tflops), blocks, bad, step=5, engines=("1f1b",),
-                           halves=_halves(cfg))
-    gains = [1 - predicted_step(h, blocks, choice.new.block_ranks) / predicted_step(h, blocks, bad.block_ranks)
-             for h in _halves(cfg)]
+    choice = choose_replan(
+        cfg.with_overrides(tflops=tflops), blocks, bad, step=5, engines=("1f1b",), halves=_halves(cfg)
+    )
+    gains = [
+        1 - predicted_step(h, blocks, choice.new.block_ranks) / predicted_step(h, blocks, bad.block_ranks)
+        for h in _halves(cfg)
+    ]
     assert choice.noise == pytest.approx(abs(gains[0] - gains[1]) / 2) == pytest.approx(0.2157, abs=1e-3)
     assert choice.gain == pytest.approx(0.4730 if tflops is None else 0.0417, abs=1e-3)
     assert choice.verdict is verdict
@@ -98,11 +104,13 @@ def test_a_half_that_ran_uniformly_slower_is_no_noise(tmp_path):
     profile = json.loads((DATA / "machine_flops_only.json").read_text())
     profile["flops_per_second"] /= 2
     (tmp_path / "slow.json").write_text(json.dumps(profile))
-    cfg, blocks, bad = _setup(machine=str(DATA / "machine_flops_only.json"),
-                              replan=ReplanConfig(after_steps=5, min_gain=0.0))  # a FLOPs-only gain is under 1 %
+    cfg, blocks, bad = _setup(
+        machine=str(DATA / "machine_flops_only.json"), replan=ReplanConfig(after_steps=5, min_gain=0.0)
+    )  # a FLOPs-only gain is under 1 %
     halves = [cfg, cfg.with_overrides(machine=str(tmp_path / "slow.json"))]
     assert predicted_step(halves[1], blocks, bad.block_ranks) == pytest.approx(
-        2 * predicted_step(halves[0], blocks, bad.block_ranks))
+        2 * predicted_step(halves[0], blocks, bad.block_ranks)
+    )
     choice = choose_replan(cfg, blocks, bad, step=5, engines=("1f1b",), halves=halves)
     assert choice.moves and choice.noise == pytest.approx(0.0, abs=1e-12)
 
@@ -148,12 +156,14 @@ def test_the_engines_a_replan_may_pick():
 def test_the_replan_key_reads_a_mapping_and_refuses_bad_values():
     assert ExtConfig(replan={"after_steps": 5}).replan == ReplanConfig(5, 0.03, None)
     assert ExtConfig().replan.after_steps is None  # off by default
-    for bad, match in [({"after_step": 5}, "did you mean 'after_steps'"),
-                       ({"after_steps": 1}, "after_steps=1 must be an integer >= 2"),
-                       ({"after_steps": True}, "after_steps=True must be an integer"),
-                       ({"min_gain": 1.0}, r"min_gain=1.0 must be a fraction of the step in \[0, 1\)"),
-                       ({"min_gain": -0.1}, "min_gain=-0.1 must be"),
-                       ({"engine": "autp"}, "did you mean 'auto'"),
-                       ("after 5", "replan is text")]:
+    for bad, match in [
+        ({"after_step": 5}, "did you mean 'after_steps'"),
+        ({"after_steps": 1}, "after_steps=1 must be an integer >= 2"),
+        ({"after_steps": True}, "after_steps=True must be an integer"),
+        ({"min_gain": 1.0}, r"min_gain=1.0 must be a fraction of the step in \[0, 1\)"),
+        ({"min_gain": -0.1}, "min_gain=-0.1 must be"),
+        ({"engine": "autp"}, "did you mean 'auto'"),
+        ("after 5", "replan is text"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             ExtConfig(replan=bad)

@@ -28,8 +28,13 @@ from nanotron_ext.schedule.simulator import StageTimes, simulate
 from nanotron_ext.simulate import simulate_plan
 
 
-def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afab", "zb1p"), *,
-                    ties: bool = False, positions: bool = False) -> ScheduleProblem:
+def _random_problem(
+    rng: random.Random,
+    engines: tuple[str, ...] = ("1f1b", "afab", "zb1p"),
+    *,
+    ties: bool = False,
+    positions: bool = False,
+) -> ScheduleProblem:
     n = rng.randint(2, 9)
     pp = rng.randint(1, min(n, 5))
     engine = rng.choice(engines)
@@ -44,7 +49,9 @@ def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afa
     first_trainable = rng.choice([0, 0, 0, 1, 2])
     grad_after = tuple(c > first_trainable for c in range(n + 1))
     tied, saving = None, [0.0] * n
-    if ties and rng.random() < 0.4:  # a tie: a stage holding both ends saves the lm_head's update and the embedding's sync
+    if (
+        ties and rng.random() < 0.4
+    ):  # a tie: a stage holding both ends saves the lm_head's update and the embedding's sync
         tied = tuple(sorted(rng.sample(range(n), 2)))
         u[tied[0]], u[tied[1]] = 3 * rng.random(), 3 * rng.random()
         saving[tied[0]], saving[tied[1]] = rng.uniform(0, u[tied[0]]), u[tied[1]]
@@ -53,10 +60,28 @@ def _random_problem(rng: random.Random, engines: tuple[str, ...] = ("1f1b", "afa
         for position in rng.sample(("first", "middle", "last"), rng.randint(1, 3)):
             scale = [rng.choice([1.0, rng.uniform(0.5, 1.5)]) for _ in range(n)]
             pb = tuple(x * k for x, k in zip(b, scale))
-            by_position.append((position, tuple(x * k for x, k in zip(f, scale)), pb,
-                                tuple(min(x * k, y) for x, k, y in zip(w, scale, pb))))
-    return ScheduleProblem(tuple(f), tuple(b), tuple(u), tuple(send), grad_after, pp, m, engine, tuple(w),
-                           tied, tuple(saving), tuple(by_position))
+            by_position.append(
+                (
+                    position,
+                    tuple(x * k for x, k in zip(f, scale)),
+                    pb,
+                    tuple(min(x * k, y) for x, k, y in zip(w, scale, pb)),
+                )
+            )
+    return ScheduleProblem(
+        tuple(f),
+        tuple(b),
+        tuple(u),
+        tuple(send),
+        grad_after,
+        pp,
+        m,
+        engine,
+        tuple(w),
+        tied,
+        tuple(saving),
+        tuple(by_position),
+    )
 
 
 def _stage_updates_by_hand(problem: ScheduleProblem, bounds) -> list[float]:
@@ -123,30 +148,71 @@ def test_a_stage_takes_the_prices_of_its_position():
     # Three blocks at 1 s forward, 2 s backward; measured on the first stage at twice that, on the last at half.
     first = ("first", (2.0,) * 3, (4.0,) * 3, (0.0,) * 3)
     last = ("last", (0.5,) * 3, (1.0,) * 3, (0.0,) * 3)
-    problem = ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 3, 3, "1f1b",
-                              positions=(first, last))
+    problem = ScheduleProblem(
+        (1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 3, 3, "1f1b", positions=(first, last)
+    )
     forward, backward = problem.stage_times((0, 1, 2, 3))[:2]
     assert (forward, backward) == ([2.0, 1.0, 0.5], [4.0, 2.0, 1.0])  # a middle stage: the mean, not measured there
-    alone = ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 1, 3, "1f1b",
-                            positions=(first, last))
+    alone = ScheduleProblem(
+        (1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 1, 3, "1f1b", positions=(first, last)
+    )
     assert alone.stage_times((0, 3))[:2] == ([3.0], [6.0])  # one stage has no position: the mean
     with pytest.raises(PlanningError, match=r"positions\['top'\]: a position is one of first, middle, last"):
-        ScheduleProblem((1.0,) * 3, (2.0,) * 3, (0.0,) * 3, (0.0,) * 3, (True,) * 4, 2, 3, "1f1b",
-                        positions=(("top", (1.0,) * 3, (1.0,) * 3, (0.0,) * 3),))
+        ScheduleProblem(
+            (1.0,) * 3,
+            (2.0,) * 3,
+            (0.0,) * 3,
+            (0.0,) * 3,
+            (True,) * 4,
+            2,
+            3,
+            "1f1b",
+            positions=(("top", (1.0,) * 3, (1.0,) * 3, (0.0,) * 3),),
+        )
 
 
 def test_a_stage_holding_both_ends_of_a_tie_runs_one_update_and_no_sync():
     # Blocks: embedding (update 1, of which 0.25 the tied sync), a layer (2), lm_head (1.5: all of it saved).
-    problem = ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 2, 2, "1f1b",
-                              tied_pair=(0, 2), tied_saving=(0.25, 0.0, 1.5))
+    problem = ScheduleProblem(
+        (1.0,) * 3,
+        (1.0,) * 3,
+        (1.0, 2.0, 1.5),
+        (0.0,) * 3,
+        (True,) * 4,
+        2,
+        2,
+        "1f1b",
+        tied_pair=(0, 2),
+        tied_saving=(0.25, 0.0, 1.5),
+    )
     assert problem.stage_times((0, 2, 3))[2] == [3.0, 1.5]  # apart: each end steps and syncs
     assert problem.stage_times((0, 3, 3))[2] == [2.75, 0.0]  # together: one step, no sync
-    single = ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 1, 2, "1f1b",
-                             tied_pair=(0, 2), tied_saving=(0.25, 0.0, 1.5))
+    single = ScheduleProblem(
+        (1.0,) * 3,
+        (1.0,) * 3,
+        (1.0, 2.0, 1.5),
+        (0.0,) * 3,
+        (True,) * 4,
+        1,
+        2,
+        "1f1b",
+        tied_pair=(0, 2),
+        tied_saving=(0.25, 0.0, 1.5),
+    )
     assert single.stage_times((0, 3))[2] == [2.75]
     with pytest.raises(PlanningError, match=r"tied_saving\[2\] = 2.0 exceeds update\[2\] = 1.5"):
-        ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0, 2.0, 1.5), (0.0,) * 3, (True,) * 4, 2, 2, "1f1b",
-                        tied_pair=(0, 2), tied_saving=(0.25, 0.0, 2.0))
+        ScheduleProblem(
+            (1.0,) * 3,
+            (1.0,) * 3,
+            (1.0, 2.0, 1.5),
+            (0.0,) * 3,
+            (True,) * 4,
+            2,
+            2,
+            "1f1b",
+            tied_pair=(0, 2),
+            tied_saving=(0.25, 0.0, 2.0),
+        )
     with pytest.raises(PlanningError, match=r"tied_pair = \(2, 0\); pass \(embedding, lm_head\)"):
         ScheduleProblem((1.0,) * 3, (1.0,) * 3, (1.0,) * 3, (0.0,) * 3, (True,) * 4, 2, 2, "1f1b", tied_pair=(2, 0))
 
@@ -197,8 +263,12 @@ def test_ties_in_step_time_go_to_the_least_memory_as_brute_force(seed):
     for _ in range(40):
         problem = _random_problem(rng)
         n, pp = problem.n, problem.pp
-        terms = MemoryCap(tuple(rng.random() for _ in range(n)), tuple(rng.random() for _ in range(n)),
-                          tuple(rng.randint(1, pp) for _ in range(pp)), cap=math.inf)
+        terms = MemoryCap(
+            tuple(rng.random() for _ in range(n)),
+            tuple(rng.random() for _ in range(n)),
+            tuple(rng.randint(1, pp) for _ in range(pp)),
+            cap=math.inf,
+        )
         splits = _all_splits(n, pp)
         times = StepTimeEvaluator(problem)(splits)
         fastest = min(times)
@@ -234,8 +304,9 @@ def test_search_respects_requirements_and_memory_cap():
         req = Requirement("flagged blocks", flags)
 
         def ok(bounds, flags=flags, static=static, memory=memory) -> bool:
-            return all(any(flags[s:e]) and sum(static[s:e]) <= memory.cap * (1 + 1e-9)
-                       for s, e in zip(bounds[:-1], bounds[1:]))
+            return all(
+                any(flags[s:e]) and sum(static[s:e]) <= memory.cap * (1 + 1e-9) for s, e in zip(bounds[:-1], bounds[1:])
+            )
 
         valid = [s for s in _all_splits(n, pp) if ok(s)]
         if not valid:
@@ -258,15 +329,20 @@ def test_memory_cap_leaves_room_for_the_overhead_and_the_micro_batches_in_flight
         n, pp = problem.n, problem.pp
         static = tuple(rng.random() for _ in range(n))
         activation = tuple(0.3 * rng.random() for _ in range(n))
-        flight = tuple(min(problem.n_micro_batches, pp - k) if problem.engine == "1f1b" else problem.n_micro_batches
-                       for k in range(pp))
+        flight = tuple(
+            min(problem.n_micro_batches, pp - k) if problem.engine == "1f1b" else problem.n_micro_batches
+            for k in range(pp)
+        )
         overhead = max(static)
         fair = (sum(static) + max(flight) * sum(activation)) / pp  # one stage's share of the largest stage memory
         memory = MemoryCap(static, activation, flight, cap=overhead + fair * rng.uniform(1.0, 2.0), overhead=overhead)
 
         def fits(bounds, memory=memory) -> bool:
-            return all(memory.overhead + sum(memory.static[s:e]) + memory.in_flight[k] * sum(memory.activation[s:e])
-                       <= memory.cap * (1 + 1e-9) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+            return all(
+                memory.overhead + sum(memory.static[s:e]) + memory.in_flight[k] * sum(memory.activation[s:e])
+                <= memory.cap * (1 + 1e-9)
+                for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))
+            )
 
         splits = _all_splits(n, pp)
         valid = [s for s in splits if fits(s)]
@@ -295,8 +371,14 @@ def test_slowest_stage_optimum_equals_the_dp():
 def test_tight_budget_still_returns_a_bound_that_holds():
     rng = random.Random(11)
     problem = ScheduleProblem(
-        tuple(rng.random() for _ in range(14)), tuple(2 * rng.random() for _ in range(14)), (0.0,) * 14,
-        (0.0,) * 14, (False,) + (True,) * 14, 5, 6, "1f1b",
+        tuple(rng.random() for _ in range(14)),
+        tuple(2 * rng.random() for _ in range(14)),
+        (0.0,) * 14,
+        (0.0,) * 14,
+        (False,) + (True,) * 14,
+        5,
+        6,
+        "1f1b",
     )
     brute = min(StepTimeEvaluator(problem)(_all_splits(14, 5)))
     found = step_time_partition(problem, budget=1)

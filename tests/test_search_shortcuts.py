@@ -50,12 +50,25 @@ def _capped(draw: st.DrawFn) -> tuple[int, int, list[Requirement], MemoryCap]:
     pending = draw(st.one_of(st.just([]), st.lists(size, min_size=n, max_size=n)))
     flight = draw(st.lists(st.integers(1, 4), min_size=pp, max_size=pp))
     deferred = draw(st.lists(st.integers(0, 3), min_size=pp, max_size=pp)) if pending else []
-    reqs = [Requirement("flagged", tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))))
-            for _ in range(draw(st.integers(0, 2)))]
+    reqs = [
+        Requirement("flagged", tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))))
+        for _ in range(draw(st.integers(0, 2)))
+    ]
     cap = draw(st.floats(0.0, 60.0, allow_nan=False))
-    return n, pp, reqs, MemoryCap(tuple(static), tuple(activation), tuple(flight), cap,
-                                  overhead=draw(st.sampled_from([0.0, 1.0])), pending=tuple(pending),
-                                  deferred=tuple(deferred))
+    return (
+        n,
+        pp,
+        reqs,
+        MemoryCap(
+            tuple(static),
+            tuple(activation),
+            tuple(flight),
+            cap,
+            overhead=draw(st.sampled_from([0.0, 1.0])),
+            pending=tuple(pending),
+            deferred=tuple(deferred),
+        ),
+    )
 
 
 @settings(max_examples=400, deadline=None)
@@ -77,9 +90,11 @@ def test_least_cap_is_within_its_tolerance_below_the_least_any_split_needs(case,
     # Brute force: the least, over every valid split, of its largest stage's additive part plus the overhead.
     n, pp, reqs, memory = case
     prefixes = [memory.prefix(k) for k in range(min(pp, n))]
-    needs = [max(prefixes[k][e] - prefixes[k][s] for k, (s, e) in enumerate(zip(sp, sp[1:])))
-             for sp in (_splits(n, pp) if pp <= n else [])
-             if all(any(r.flags[s:e]) for r in reqs for s, e in zip(sp, sp[1:]))]
+    needs = [
+        max(prefixes[k][e] - prefixes[k][s] for k, (s, e) in enumerate(zip(sp, sp[1:])))
+        for sp in (_splits(n, pp) if pp <= n else [])
+        if all(any(r.flags[s:e]) for r in reqs for s, e in zip(sp, sp[1:]))
+    ]
     least = least_cap(n, pp, reqs, memory, rtol=rtol)
     if not needs or any_split_fits(n, pp, reqs, memory):  # no split at all, or one fits: nothing to bound
         assert least is None
@@ -90,11 +105,15 @@ def test_least_cap_is_within_its_tolerance_below_the_least_any_split_needs(case,
 
 def test_requirements_that_leave_no_split_are_named_under_a_memory_cap_too():
     # Enough flagged blocks of each kind for four stages, but no four stages each holding both kinds.
-    reqs = [Requirement("weights", (False, False, False, True, True, True, True)),
-            Requirement("trainable blocks", (False, False, True, True, True, True, False))]
+    reqs = [
+        Requirement("weights", (False, False, False, True, True, True, True)),
+        Requirement("trainable blocks", (False, False, True, True, True, True, False)),
+    ]
     memory = MemoryCap((0.0,) * 7, (0.0,) * 7, (1,) * 4, cap=0.0)
-    with pytest.raises(PlanningError, match="no contiguous split into 4 stages gives every stage weights and "
-                                            "trainable blocks; lower pp"):
+    with pytest.raises(
+        PlanningError,
+        match="no contiguous split into 4 stages gives every stage weights and trainable blocks; lower pp",
+    ):
         partition([1.0] * 7, 4, requirements=reqs, memory=memory, in_flight=memory.in_flight)
     assert not any_split_fits(7, 4, reqs, memory)
 
@@ -108,9 +127,13 @@ def test_the_step_time_searchs_windows_admit_a_split_exactly_when_one_is_valid(c
     valid = Validity.build(n, reqs, memory)
     room = memory.slack_room
     prefixes = [memory.prefix(k) for k in range(pp)]
-    brute = any(all(s < e and prefixes[k][s] >= prefixes[k][e] - room
-                    and all(any(r.flags[s:e]) for r in reqs) for k, (s, e) in enumerate(zip(sp, sp[1:])))
-                for sp in _splits(n, pp))
+    brute = any(
+        all(
+            s < e and prefixes[k][s] >= prefixes[k][e] - room and all(any(r.flags[s:e]) for r in reqs)
+            for k, (s, e) in enumerate(zip(sp, sp[1:]))
+        )
+        for sp in _splits(n, pp)
+    )
     assert valid.any_split(pp) == brute
 
 
@@ -135,8 +158,9 @@ def test_a_search_refused_because_nothing_fits_would_have_found_no_split():
             except PlanningError:
                 refused += 1
                 with pytest.raises(PlanningError):
-                    partition([1.0] * len(blocks), cfg.run.pp, requirements=reqs, memory=memory,
-                              in_flight=memory.in_flight)
+                    partition(
+                        [1.0] * len(blocks), cfg.run.pp, requirements=reqs, memory=memory, in_flight=memory.in_flight
+                    )
                 with pytest.raises(PlanningError):
                     step_time_partition(schedule_problem(blocks, capped), requirements=reqs, memory=memory)
                 continue
@@ -144,8 +168,9 @@ def test_a_search_refused_because_nothing_fits_would_have_found_no_split():
     assert refused >= 5 and admitted >= 5
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_large_vocab.yaml", "smollm_135m.yaml", "gemma_2b.yaml",
-                                  "llama_3_70b.yaml"])
+@pytest.mark.parametrize(
+    "name", ["tiny_llama_large_vocab.yaml", "smollm_135m.yaml", "gemma_2b.yaml", "llama_3_70b.yaml"]
+)
 def test_a_segments_estimate_from_its_blocks_worked_out_once_is_the_stages_estimate(name):
     for engine, runtime in itertools.product(("1f1b", "zb1p", "zb2p", "afab"), ("gpu", "cpu")):
         cfg = load_config(bundled_config(name), pp=4).with_overrides(engine=engine, memory_runtime=runtime)
@@ -192,8 +217,9 @@ def _plain_branch_and_bound(evaluate, bound, best, budget):
     coreach[pp][n] = True
     for k in range(pp - 1, -1, -1):
         lo, hi = windows[k]
-        coreach[k] = np.array([any(coreach[k + 1][e] and lo[e] <= s <= hi[e] for e in range(s + 1, n + 1))
-                               for s in range(n + 1)])
+        coreach[k] = np.array(
+            [any(coreach[k + 1][e] and lo[e] <= s <= hi[e] for e in range(s + 1, n + 1)) for s in range(n + 1)]
+        )
     pending, seen, stack = [], 0, [(0, (), 0)]
     while stack:
         k, head, s = stack.pop()
@@ -208,8 +234,13 @@ def _plain_branch_and_bound(evaluate, bound, best, budget):
                     return best, False
             continue
         lo, hi = windows[k]
-        ends = [e for e in range(s + 1, n + 1) if lo[e] <= s <= hi[e] and coreach[k + 1][e]
-                and max(ea[e] - sa[s] + c for ea, sa, c in bound.terms[k]) < best[0] * (1 - RTOL)]
+        ends = [
+            e
+            for e in range(s + 1, n + 1)
+            if lo[e] <= s <= hi[e]
+            and coreach[k + 1][e]
+            and max(ea[e] - sa[s] + c for ea, sa, c in bound.terms[k]) < best[0] * (1 - RTOL)
+        ]
         stack.extend((k + 1, prefix, e) for e in reversed(ends))
     if pending:
         best = min(best, *_score(evaluate, bound, pending))

@@ -87,7 +87,9 @@ def test_stage_times_of_a_hand_made_two_stage_plan():
     assert stages == [StageTimes(4.0, 8.0), StageTimes(3.0, 9.0)]
     assert p2p == [2.0]
     # A cut after A instead ships hidden states (t x h x 4 bytes), not logits.
-    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))[1] == [pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)]
+    assert plan_stage_times(_plan(HAND, [0, 1, 1, 1]), HAND, CFG, machine=_machine(1e12, BW))[1] == [
+        pytest.approx(2.0 * 64 * 16 * 4 / LOGITS)
+    ]
 
 
 def test_hand_made_plan_simulates_to_the_hand_computed_schedule():
@@ -130,8 +132,9 @@ def test_each_cut_is_priced_by_what_crosses_it_logits_across_one_hidden_states_a
     # One time for every cut (the largest tensor over the slowest link) would charge the logits at cut 0 as well.
     assert simulate(stages, 2, "1f1b", max(p2p)).step_time > r.step_time + 1.0
     # The planner's evaluator prices the same split the same way.
-    problem = schedule_problem(HAND, dataclasses.replace(CFG, run=dataclasses.replace(CFG.run, pp=3, n_micro_batches=2)),
-                               _machine(1e12, BW))
+    problem = schedule_problem(
+        HAND, dataclasses.replace(CFG, run=dataclasses.replace(CFG.run, pp=3, n_micro_batches=2)), _machine(1e12, BW)
+    )
     assert StepTimeEvaluator(problem)([(0, 1, 2, 4)])[0] == pytest.approx(r.step_time, rel=1e-12)
 
 
@@ -237,8 +240,18 @@ def test_simulate_json_matches_hand_computed_times(tmp_path, capsys):
     """
     # The FLOP split: under this p2p, constrained's step-time objective moves the decoders to stage 1 (faster by
     # 2·a' + 3·b' of the moved layers), so the hand computation pins the split with `flops`.
-    argv = ["simulate", "--json", "--tflops", "1", "--p2p-gbps", "0.000001", "--cost-strategy", "flops",
-            "--out", str(tmp_path / "t.png")]
+    argv = [
+        "simulate",
+        "--json",
+        "--tflops",
+        "1",
+        "--p2p-gbps",
+        "0.000001",
+        "--cost-strategy",
+        "flops",
+        "--out",
+        str(tmp_path / "t.png"),
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["strategy"] == "flops"
@@ -350,8 +363,9 @@ def test_measured_blocks_sum_each_stage_and_keep_p2p():
     assert stages == [StageTimes(4.0, 2.0, 0.5), StageTimes(10.0, 6.0, 0.25)]
     assert p2p == [2.0]  # B's logits at BW, as in the FLOP-rate model
     # A block the profile did not measure falls back to the FLOP rate: C (forward 2, backward 8 units).
-    stages, _, _ = plan_stage_times(_plan(HAND, [0, 0, 1, 1]), HAND, CFG,
-                                    machine=_machine(1e12, BW, measured[:2] + measured[3:]))
+    stages, _, _ = plan_stage_times(
+        _plan(HAND, [0, 0, 1, 1]), HAND, CFG, machine=_machine(1e12, BW, measured[:2] + measured[3:])
+    )
     assert stages[1] == StageTimes(8.0, 9.0, 0.0)
 
 
@@ -382,24 +396,51 @@ def test_tflops_with_profiled_times_is_a_usage_error(tmp_path, capsys):
 def test_the_summary_lines_print_the_simulations_own_step_and_bubbles(tmp_path, capsys):
     # The simulator's one-line summary and simulate's bubble line, read back against the same run's --json: the
     # whole step's bubble, the pipeline part's and the ideal are three figures, and each line must print each one.
-    argv = ["simulate", str(bundled_config("smollm_135m.yaml")), "--pp", "4", "--micro-batches", "8",
-            "--out", str(tmp_path / "t.png")]
+    argv = [
+        "simulate",
+        str(bundled_config("smollm_135m.yaml")),
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--out",
+        str(tmp_path / "t.png"),
+    ]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     sim, ideal = out["simulation"], out["ideal_bubble_fraction"]
-    pct = {name: f"{100 * value:.1f}" for name, value in (
-        ("bubble", sim["bubble_fraction"]), ("pipeline", sim["pipeline_bubble_fraction"]), ("ideal", ideal))}
+    pct = {
+        name: f"{100 * value:.1f}"
+        for name, value in (
+            ("bubble", sim["bubble_fraction"]),
+            ("pipeline", sim["pipeline_bubble_fraction"]),
+            ("ideal", ideal),
+        )
+    }
     assert len(set(pct.values())) == 3, pct  # three figures apart at the printed precision, or a swap hides
     assert sim["step_time"] > sim["pipeline_time"]  # the update shows: the line names the pipeline part
     assert main(argv) == 0
     text = capsys.readouterr().out
-    head = re.search(r"^1f1b: pp=4, micro-batches=8, p2p=[^,]+, step=([\d.]+) ms \(pipeline ([\d.]+) ms \+ update\), "
-                     r"bubble=([\d.]+)% \(pipeline part ([\d.]+)%, ideal ([\d.]+)%\)$", text, re.M)
+    head = re.search(
+        r"^1f1b: pp=4, micro-batches=8, p2p=[^,]+, step=([\d.]+) ms \(pipeline ([\d.]+) ms \+ update\), "
+        r"bubble=([\d.]+)% \(pipeline part ([\d.]+)%, ideal ([\d.]+)%\)$",
+        text,
+        re.M,
+    )
     assert head, text
-    assert head.groups() == (f"{1e3 * sim['step_time']:.3f}", f"{1e3 * sim['pipeline_time']:.3f}", pct["bubble"],
-                             pct["pipeline"], pct["ideal"])
-    line = re.search(r"^pipeline bubble ([\d.]+)% vs ideal \(p-1\)/\(m\+p-1\) = ([\d.]+)% \(([+-][\d.]+) points\); "
-                     r"with the update, bubble ([\d.]+)%; step (.+)$", text, re.M)
+    assert head.groups() == (
+        f"{1e3 * sim['step_time']:.3f}",
+        f"{1e3 * sim['pipeline_time']:.3f}",
+        pct["bubble"],
+        pct["pipeline"],
+        pct["ideal"],
+    )
+    line = re.search(
+        r"^pipeline bubble ([\d.]+)% vs ideal \(p-1\)/\(m\+p-1\) = ([\d.]+)% \(([+-][\d.]+) points\); "
+        r"with the update, bubble ([\d.]+)%; step (.+)$",
+        text,
+        re.M,
+    )
     assert line, text
     points = f"{100 * (sim['pipeline_bubble_fraction'] - ideal):+.1f}"
     assert line.groups() == (pct["pipeline"], pct["ideal"], points, pct["bubble"], format_seconds(sim["step_time"]))

@@ -72,7 +72,10 @@ def test_constrained_puts_a_trainable_block_on_every_stage(tiny):
 def test_constrained_with_too_few_trainable_blocks_explains_both_ways_out(tiny):
     cfg, blocks = tiny
     blocks = [dataclasses.replace(b, trainable=b.params if b.role == "lm_head" else 0) for b in blocks]
-    with pytest.raises(PlanningError, match=r"only 1 blocks are trainable \(lm_head\).*\(1\) lower pp.*\(2\) set `allow_frozen_stages: true`"):
+    with pytest.raises(
+        PlanningError,
+        match=r"only 1 blocks are trainable \(lm_head\).*\(1\) lower pp.*\(2\) set `allow_frozen_stages: true`",
+    ):
         make_plan(blocks, cfg, "constrained")
     allowed = cfg.with_overrides(allow_frozen_stages=True)
     plan = make_plan(blocks, allowed, "constrained")
@@ -125,7 +128,10 @@ def test_layout_strategy(tiny):
 
 
 def test_unknown_strategy_lists_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown cost strategy 'flop'; did you mean 'flops'\? known strategies: nanotron, uniform, flops"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown cost strategy 'flop'; did you mean 'flops'\? known strategies: nanotron, uniform, flops",
+    ):
         get_strategy("flop")
 
 
@@ -151,7 +157,9 @@ def test_register_and_import_path(tiny):
 
 def test_pp_larger_than_weighted_blocks_says_the_largest_that_works(tiny):
     cfg, blocks = tiny
-    with pytest.raises(PlanningError, match=r"pp=6 needs 6 blocks with parameters .* has 5 .*largest pp that works is 5"):
+    with pytest.raises(
+        PlanningError, match=r"pp=6 needs 6 blocks with parameters .* has 5 .*largest pp that works is 5"
+    ):
         make_plan(blocks, cfg.with_overrides(pp=6), "flops")
 
 
@@ -174,13 +182,17 @@ def test_allow_frozen_stages_lets_the_default_take_a_faster_frozen_stage(tmp_pat
     slow_links = MachineProfile(name="slow links", source="test", links=(Link(-1, -1, 1e-3, 1e9),))
     slow_links.save(tmp_path / "slow.json")
     cfg = load_config("nanotron_ext/configs/last_layer_lm_head_pp4.yaml", pp=2).with_overrides(
-        machine=str(tmp_path / "slow.json"))
+        machine=str(tmp_path / "slow.json")
+    )
     blocks = inventory_from_config(cfg)
     strict = make_plan(blocks, cfg.with_overrides(allow_frozen_stages=False))
     assert all(s.trainable > 0 for s in strict.stages)
     free = make_plan(blocks, cfg)
     assert free.stages[0].trainable == 0 and free.ok
-    steps = {a.strategy: simulate_plan(a.plan, blocks, cfg).step_time
-             for a in plan_every_strategy(blocks, cfg) if a.plan is not None and a.plan.ok}
+    steps = {
+        a.strategy: simulate_plan(a.plan, blocks, cfg).step_time
+        for a in plan_every_strategy(blocks, cfg)
+        if a.plan is not None and a.plan.ok
+    }
     assert steps["constrained"] <= min(steps.values()) * (1 + 1e-12)
     assert simulate_plan(strict, blocks, cfg).step_time > steps["constrained"]

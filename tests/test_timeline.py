@@ -115,8 +115,23 @@ def test_an_invalid_plan_says_so_and_its_stage_labels_are_whole(tmp_path, monkey
 
     monkeypatch.setattr(timeline, "plot_timeline", capture)
     config = str(bundled_config("smollm_135m.yaml"))
-    assert main(["simulate", config, "--pp", "8", "--micro-batches", "16", "--cost-strategy", "nanotron",
-                 "--out", str(tmp_path / "t.png")]) == 1
+    assert (
+        main(
+            [
+                "simulate",
+                config,
+                "--pp",
+                "8",
+                "--micro-batches",
+                "16",
+                "--cost-strategy",
+                "nanotron",
+                "--out",
+                str(tmp_path / "t.png"),
+            ]
+        )
+        == 1
+    )
     capsys.readouterr()
     fig = drawn["figure"]
     assert fig._suptitle.get_text() == "INVALID, cannot train: no-params@7"
@@ -129,8 +144,14 @@ def test_an_invalid_plan_says_so_and_its_stage_labels_are_whole(tmp_path, monkey
     assert drawn["verdict"] is None and drawn["figure"]._suptitle is None
 
 
-@pytest.mark.parametrize("label", ["stage 0: embedding", "stage 7: decoder.28-29, final_norm, lm_head, cast, loss",
-                                   "stage 1: model.some.very.long.other.block.name.that.has.no.comma.at.all"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "stage 0: embedding",
+        "stage 7: decoder.28-29, final_norm, lm_head, cast, loss",
+        "stage 1: model.some.very.long.other.block.name.that.has.no.comma.at.all",
+    ],
+)
 def test_a_wrapped_label_keeps_every_character(label):
     wrapped = timeline.wrap_label(label)
     assert wrapped.replace(",\n", ", ") == label

@@ -39,14 +39,20 @@ def tiny():
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda r: r["model"]["model_config"].update(num_key_value_heads=3),
-         r"^model_config\.num_attention_heads=4 is not a multiple of num_key_value_heads=3; GQA needs an integer "
-         r"group size$"),
+        (
+            lambda r: r["model"]["model_config"].update(num_key_value_heads=3),
+            r"^model_config\.num_attention_heads=4 is not a multiple of num_key_value_heads=3; GQA needs an integer "
+            r"group size$",
+        ),
         (lambda r: r["optimizer"].update(zero_stage=2), r"^optimizer\.zero_stage=2: Nanotron supports 0 or 1$"),
-        (lambda r: r["nanotron_ext"].update(base_strategy="constrained"),
-         r"^nanotron_ext\.base_strategy='constrained' would recurse; use flops, memory or uniform$"),
-        (lambda r: r["nanotron_ext"].update(allow_frozen_stages="yes"),
-         r"^nanotron_ext\.allow_frozen_stages='yes' must be true or false$"),
+        (
+            lambda r: r["nanotron_ext"].update(base_strategy="constrained"),
+            r"^nanotron_ext\.base_strategy='constrained' would recurse; use flops, memory or uniform$",
+        ),
+        (
+            lambda r: r["nanotron_ext"].update(allow_frozen_stages="yes"),
+            r"^nanotron_ext\.allow_frozen_stages='yes' must be true or false$",
+        ),
         (lambda r: r["nanotron_ext"].update(projector=1), r"^nanotron_ext\.projector=1 must be true or false$"),
     ],
     ids=["gqa-heads", "zero-stage", "base-constrained", "allow-frozen-not-bool", "projector-not-bool"],
@@ -64,16 +70,22 @@ def test_bad_config_values(raw, edit, match):
 
 def test_import_path_that_is_not_a_strategy():
     # A function, not a class with `name` and `assign`.
-    with pytest.raises(ConfigError, match=r"^cost_strategy 'nanotron_ext\.config:load_config' is a function, not a "
-                                          r"strategy \(it has no `name` and `assign\(blocks, cfg\)`\); give "
-                                          r"'package\.module:ClassName'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^cost_strategy 'nanotron_ext\.config:load_config' is a function, not a "
+        r"strategy \(it has no `name` and `assign\(blocks, cfg\)`\); give "
+        r"'package\.module:ClassName'",
+    ):
         get_strategy("nanotron_ext.config:load_config")
 
 
 def test_base_strategy_that_cannot_be_constrained(tiny):
     cfg, blocks = tiny
-    with pytest.raises(ConfigError, match=r"^nanotron_ext\.base_strategy='nanotron' cannot be constrained; use one "
-                                          r"of uniform, flops, memory$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^nanotron_ext\.base_strategy='nanotron' cannot be constrained; use one "
+        r"of uniform, flops, memory$",
+    ):
         make_plan(blocks, cfg.with_overrides(base_strategy="nanotron"), "constrained")
 
 
@@ -107,13 +119,19 @@ class _NotContiguous:
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("test-user-errors-rank-out-of-range",
-         r"^strategy 'test-user-errors-rank-out-of-range' returned ranks \[0, 0, 0, 0, 0, 0, 2\] for 7 blocks and "
-         r"pp=2$"),
-        ("test-user-errors-too-few-ranks",
-         r"^strategy 'test-user-errors-too-few-ranks' returned ranks \[0, 1\] for 7 blocks and pp=2$"),
-        ("test-user-errors-not-contiguous",
-         r"^strategy 'test-user-errors-not-contiguous' returned non-contiguous stages \[0, 1, 0, 0, 1, 1, 1\]$"),
+        (
+            "test-user-errors-rank-out-of-range",
+            r"^strategy 'test-user-errors-rank-out-of-range' returned ranks \[0, 0, 0, 0, 0, 0, 2\] for 7 blocks and "
+            r"pp=2$",
+        ),
+        (
+            "test-user-errors-too-few-ranks",
+            r"^strategy 'test-user-errors-too-few-ranks' returned ranks \[0, 1\] for 7 blocks and pp=2$",
+        ),
+        (
+            "test-user-errors-not-contiguous",
+            r"^strategy 'test-user-errors-not-contiguous' returned non-contiguous stages \[0, 1, 0, 0, 1, 1, 1\]$",
+        ),
     ],
 )
 def test_custom_strategy_with_bad_ranks(tiny, name, match):
@@ -143,8 +161,11 @@ def test_text_shorter_than_one_window(tmp_path, text):
 
     short = tmp_path / "short.txt"
     short.write_text(text)
-    with pytest.raises(ConfigError, match=rf"^the data files \({short}\) hold fewer than 33 tokens "
-                                          r"\(sequence_length \+ 1\); give more text$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^the data files \({short}\) hold fewer than 33 tokens "
+        r"\(sequence_length \+ 1\); give more text$",
+    ):
         load_packed_windows([short], 32)
 
 
@@ -153,8 +174,11 @@ def test_fewer_windows_than_a_micro_batch_per_replica():
 
     windows = np.zeros((3, 33), dtype=np.int64)
     PackedTextData(windows, 3)  # exactly one micro-batch: fine
-    with pytest.raises(ConfigError, match=r"^the data has 3 windows of 33 tokens: fewer than micro_batch_size=2 "
-                                          r"per DP replica \(dp=2\); give more text or shrink the batch$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^the data has 3 windows of 33 tokens: fewer than micro_batch_size=2 "
+        r"per DP replica \(dp=2\); give more text or shrink the batch$",
+    ):
         PackedTextData(windows, 2, dp_rank=0, dp_size=2)
 
 
@@ -172,8 +196,12 @@ def _numeric_flags() -> list[tuple[str, str, object]]:
     from nanotron_ext.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return [(command, action.option_strings[-1], action.type) for command in OWN_COMMANDS
-            for action in sub.choices[command]._actions if action.option_strings and action.type is not None]
+    return [
+        (command, action.option_strings[-1], action.type)
+        for command in OWN_COMMANDS
+        for action in sub.choices[command]._actions
+        if action.option_strings and action.type is not None
+    ]
 
 
 def test_every_numeric_flag_is_checked_where_it_is_parsed():
@@ -186,11 +214,19 @@ def test_every_numeric_flag_is_checked_where_it_is_parsed():
     assert not loose, f"numeric flags parsed without a range: {loose}"
 
 
-@pytest.mark.parametrize("command, flag, bad", [
-    (command, flag, bad) for command, flag, kind in _numeric_flags()
-    for bad in ("-3", "x", *(("0",) if kind.__name__.startswith("positive") else ()),
-                *(("nan", "inf") if kind.__name__ == "positive_number" else ()))
-])
+@pytest.mark.parametrize(
+    "command, flag, bad",
+    [
+        (command, flag, bad)
+        for command, flag, kind in _numeric_flags()
+        for bad in (
+            "-3",
+            "x",
+            *(("0",) if kind.__name__.startswith("positive") else ()),
+            *(("nan", "inf") if kind.__name__ == "positive_number" else ()),
+        )
+    ],
+)
 def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, command, flag, bad):
     from nanotron_ext.cli import main
 
@@ -218,19 +254,29 @@ def test_flags_the_config_refuses_are_named_before_its_message(capsys, command):
 def test_usage_errors_are_one_line_with_where_the_flags_are(capsys):
     from nanotron_ext.cli import main
 
-    for argv, says in ((["plan", "--bogus"], "nanotron-ext: error: unrecognized arguments: --bogus (`nanotron-ext "
-                                             "--help` lists the commands, `nanotron-ext COMMAND --help` their flags)"),
-                       (["plan", "--pp"], "nanotron-ext plan: error: argument --pp: expected one argument")):
+    for argv, says in (
+        (
+            ["plan", "--bogus"],
+            "nanotron-ext: error: unrecognized arguments: --bogus (`nanotron-ext "
+            "--help` lists the commands, `nanotron-ext COMMAND --help` their flags)",
+        ),
+        (["plan", "--pp"], "nanotron-ext plan: error: argument --pp: expected one argument"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--repeats", "0"], "--repeats"), (["--warmup", "-1"], "--warmup"),
-    (["--in-run", "--steps", "0"], "--steps"), (["--in-run", "--warmup-steps", "-1"], "--warmup-steps"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--repeats", "0"], "--repeats"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--in-run", "--steps", "0"], "--steps"),
+        (["--in-run", "--warmup-steps", "-1"], "--warmup-steps"),
+    ],
+)
 def test_calibrates_counts_name_their_flag(tmp_path, capsys, argv, flag):
     # calibrate checks its counts before it measures anything; the message names the flag as typed.
     from nanotron_ext.cli import main

@@ -58,8 +58,9 @@ def test_each_moment_counts_what_a_sweep_of_the_timeline_counts(seed):
 
 
 def _v(name: str, pp: int):
-    cfg = load_config(bundled_config(name), pp=2 * pp).with_overrides(engine="zb1p", n_micro_batches=2 * pp,
-                                                                     memory_runtime="gpu")
+    cfg = load_config(bundled_config(name), pp=2 * pp).with_overrides(
+        engine="zb1p", n_micro_batches=2 * pp, memory_runtime="gpu"
+    )
     blocks = inventory_from_config(cfg)
     problem = schedule_problem(blocks, cfg)
     n = len(blocks)
@@ -77,10 +78,19 @@ def test_a_ranks_peak_is_its_worst_moment_not_the_sum_of_each_chunks_worst():
         assert mem.pipeline_peak == max(mem.pipeline_at(x) for x in moments)
         assert mem.peak == max(mem.pipeline_peak, mem.optimizer_peak)
         # Each chunk at its own worst, added: an upper bound the V's moments never reach.
-        each_worst = (mem.weights + mem.gradients + mem.optimizer + mem.buffers + mem.overhead
-                      + sum(max(x.held[c] for x in moments) * mem.activations[c]
-                            + max(x.pending[c] for x in moments) * mem.weight_pending[c] for c in (0, 1))
-                      + max(mem.temporaries))
+        each_worst = (
+            mem.weights
+            + mem.gradients
+            + mem.optimizer
+            + mem.buffers
+            + mem.overhead
+            + sum(
+                max(x.held[c] for x in moments) * mem.activations[c]
+                + max(x.pending[c] for x in moments) * mem.weight_pending[c]
+                for c in (0, 1)
+            )
+            + max(mem.temporaries)
+        )
         assert mem.pipeline_peak <= each_worst
         apart += mem.pipeline_peak < each_worst
     assert apart >= 1  # somewhere the chunks' worst moments do not coincide
@@ -102,9 +112,19 @@ def test_what_a_rank_holds_throughout_is_both_chunks_and_a_tied_weight_once():
 
 
 def test_a_moments_bytes_add_each_chunks_terms_times_its_own_counts():
-    mem = VRankMemory(rank=0, weights=1.0, gradients=2.0, optimizer=4.0, buffers=8.0, optimizer_temporaries=16.0,
-                      overhead=32.0, activations=(100.0, 1000.0), weight_pending=(10_000.0, 100_000.0),
-                      temporaries=(1e6, 1e7), worst=VMoment((0, 0), (0, 0), 0, "F"))
+    mem = VRankMemory(
+        rank=0,
+        weights=1.0,
+        gradients=2.0,
+        optimizer=4.0,
+        buffers=8.0,
+        optimizer_temporaries=16.0,
+        overhead=32.0,
+        activations=(100.0, 1000.0),
+        weight_pending=(10_000.0, 100_000.0),
+        temporaries=(1e6, 1e7),
+        worst=VMoment((0, 0), (0, 0), 0, "F"),
+    )
     assert mem.pipeline_at(VMoment((2, 3), (4, 5), 1, "B")) == 47 + 200 + 3000 + 40_000 + 500_000 + 1e7
     assert mem.pipeline_at(VMoment((1, 0), (0, 1), 0, "F")) == 47 + 100 + 100_000 + 1e6
     assert mem.optimizer_peak == 63  # what it holds throughout (47) and the step's temporaries (16)
@@ -113,14 +133,21 @@ def test_a_moments_bytes_add_each_chunks_terms_times_its_own_counts():
     assert stepping.peak_at == "optimizer" and stepping.peak == 47 + 1e9
 
 
-@pytest.mark.parametrize(("call", "match"), [
-    (lambda cfg, b: v_rank_memory((b[:1], b[1:2]), [], cfg, 0), r"rank 0 of the V has no ops"),
-    (lambda cfg, b: v_rank_memory((b[:1], []), [VMoment((1, 0), (0, 0), 0, "F")], cfg, 3),
-     r"rank 3 of the V has an empty chunk"),
-    (lambda cfg, b: v_peaks(b, cfg, (0, 1, len(b)), simulate_zbv([StageTimes(1, 2)] * 4, 4)),
-     r"bounds \[0, 1, \d+\] are not 4 chunks of \d+ blocks \(pp=2\)"),
-    (lambda cfg, b: v_moments(simulate_zbv([StageTimes(1, 2)] * 4, 4), 2), r"rank 2 is outside 0\.\.1"),
-])
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda cfg, b: v_rank_memory((b[:1], b[1:2]), [], cfg, 0), r"rank 0 of the V has no ops"),
+        (
+            lambda cfg, b: v_rank_memory((b[:1], []), [VMoment((1, 0), (0, 0), 0, "F")], cfg, 3),
+            r"rank 3 of the V has an empty chunk",
+        ),
+        (
+            lambda cfg, b: v_peaks(b, cfg, (0, 1, len(b)), simulate_zbv([StageTimes(1, 2)] * 4, 4)),
+            r"bounds \[0, 1, \d+\] are not 4 chunks of \d+ blocks \(pp=2\)",
+        ),
+        (lambda cfg, b: v_moments(simulate_zbv([StageTimes(1, 2)] * 4, 4), 2), r"rank 2 is outside 0\.\.1"),
+    ],
+)
 def test_bad_input_names_the_value(call, match):
     cfg = load_config(bundled_config("smollm_135m.yaml"), pp=4).with_overrides(engine="zb1p")
     with pytest.raises((PlanningError, ValueError), match=match):
@@ -131,16 +158,25 @@ def test_every_rank_passes_the_first_backwards_moment_so_the_floor_is_under_ever
     cfg, blocks, bounds, _ = _v("smollm_135m.yaml", 2)
     problem = schedule_problem(blocks, cfg)
     n = len(blocks)
-    for cuts, m in [((1, 2, 3), 4), ((2, 5, 8), 4), ((3, 6, 9), 4), ((1, n - 3, n - 1), 4), (bounds[1:-1], 4),
-                    (bounds[1:-1], 1)]:  # one micro-batch: one activation of each chunk at most
+    for cuts, m in [
+        ((1, 2, 3), 4),
+        ((2, 5, 8), 4),
+        ((3, 6, 9), 4),
+        ((1, n - 3, n - 1), 4),
+        (bounds[1:-1], 4),
+        (bounds[1:-1], 1),
+    ]:  # one micro-batch: one activation of each chunk at most
         split = (0, *cuts, n)
         stages, p2p, _ = problem.simulator_inputs(split)
         result = simulate_zbv(stages, m, p2p)
         floors, peaks = v_floors(blocks, cfg, split), v_peaks(blocks, cfg, split, result)
         for rank, (floor, mem) in enumerate(zip(floors, peaks)):
             # The moment is in every schedule: some start on the way up holds at least its counts.
-            assert any(x.running == FIRST_BACKWARD.running and x.kind == "B"
-                       and all(a >= b for a, b in zip(x.held + x.pending, FIRST_BACKWARD.held + FIRST_BACKWARD.pending))
-                       for x in v_moments(result, rank)), (split, rank)
+            assert any(
+                x.running == FIRST_BACKWARD.running
+                and x.kind == "B"
+                and all(a >= b for a, b in zip(x.held + x.pending, FIRST_BACKWARD.held + FIRST_BACKWARD.pending))
+                for x in v_moments(result, rank)
+            ), (split, rank)
             assert mem.optimizer_peak <= floor <= mem.peak
             assert floor == max(mem.pipeline_at(FIRST_BACKWARD), mem.optimizer_peak)

@@ -54,8 +54,9 @@ def test_the_v_holds_what_its_memory_takes_not_1f1bs_count() -> None:
     counted = min(step for step, _ in _every_split(cfg, blocks).values())
     assert plan.step_time < counted * 0.9
     chunked = cfg.with_overrides(pp=4, engine="zb1p")
-    result = v_simulate(schedule_problem(blocks, chunked), plan.bounds, plan.eager,
-                        v_budget(blocks, chunked, plan.bounds, plan.limit))
+    result = v_simulate(
+        schedule_problem(blocks, chunked), plan.bounds, plan.eager, v_budget(blocks, chunked, plan.bounds, plan.limit)
+    )
     assert max(result.peak_held) > 2 * cfg.run.pp
 
 
@@ -99,8 +100,11 @@ def test_each_rank_is_held_to_the_memory_cap() -> None:
     fitting = [step for step, peak in _every_split(cfg, blocks, plan.limit).values() if peak <= cap]
     assert plan.step_time == pytest.approx(min(fitting), rel=1e-12)
     small, small_blocks = _tiny(memory_cap_gib=peaks[0] / 2 / 2**30)
-    with pytest.raises(PlanningError, match=r"no V split of 7 blocks over pp=2 ranks fits under .*GiB on one rank; "
-                                            r"use pp_engine zb1p, or raise pp, tp or the memory"):
+    with pytest.raises(
+        PlanningError,
+        match=r"no V split of 7 blocks over pp=2 ranks fits under .*GiB on one rank; "
+        r"use pp_engine zb1p, or raise pp, tp or the memory",
+    ):
         make_v_plan(small_blocks, small)
 
 
@@ -112,16 +116,22 @@ def test_every_chunk_trains_something_even_where_a_chunk_of_frozen_blocks_would_
     assert plan.chunk(0) == ("model.token_position_embeddings", "model.decoder.0")
     assert all(any(b.trainable for b in blocks[lo:hi]) for lo, hi in zip(plan.bounds, plan.bounds[1:]))
     cfg, blocks = _tiny(freeze={"modules": ["embedding", "decoder.0"]})
-    with pytest.raises(PlanningError, match=r"a V over pp=2 ranks needs a trainable block in each of its 4 chunks; "
-                                            r"3 blocks train \(decoder.1, final_norm, lm_head\): unfreeze one, lower pp "
-                                            r"or use pp_engine zb1p"):
+    with pytest.raises(
+        PlanningError,
+        match=r"a V over pp=2 ranks needs a trainable block in each of its 4 chunks; "
+        r"3 blocks train \(decoder.1, final_norm, lm_head\): unfreeze one, lower pp "
+        r"or use pp_engine zb1p",
+    ):
         make_v_plan(blocks, cfg)
 
 
 def test_a_model_with_fewer_blocks_than_chunks_is_refused() -> None:
     cfg = load_config(TINY, pp=4)
-    with pytest.raises(PlanningError, match=r"cuts the model into 8 chunks, but it has 7 pipeline blocks; lower pp "
-                                            r"to 3 or less"):
+    with pytest.raises(
+        PlanningError,
+        match=r"cuts the model into 8 chunks, but it has 7 pipeline blocks; lower pp "
+        r"to 3 or less",
+    ):
         make_v_plan(inventory_from_config(cfg), cfg)
 
 
@@ -157,7 +167,8 @@ def test_plan_prints_the_configs_v_two_chunks_per_rank(tmp_path: Path, capsys) -
     assert main(["plan", str(path), "--cost-strategy", "flops", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["notes"] == [
         "cost_strategy 'flops' is not used: pp_engine zbv searches its own split, the fastest simulated V whose "
-        "every chunk trains and every rank fits (or takes a layout's 2 pp chunks)"]
+        "every chunk trains and every rank fits (or takes a layout's 2 pp chunks)"
+    ]
 
 
 def test_simulate_draws_the_v_one_row_per_rank_at_the_plans_own_step(tmp_path: Path, capsys) -> None:
@@ -178,7 +189,8 @@ def test_simulate_draws_the_v_one_row_per_rank_at_the_plans_own_step(tmp_path: P
     for rank in range(2):
         ops = [o for o in sim.ops if o.stage == rank and o.kind != "U"]
         assert sorted((o.kind, o.micro_batch) for o in ops) == sorted(
-            (k, j) for k in "FBW" for j in range(4) for _ in range(2))
+            (k, j) for k in "FBW" for j in range(4) for _ in range(2)
+        )
         assert all(a.end <= b.start + 1e-15 for a, b in zip(ops, ops[1:]))  # one op at a time
     with pytest.raises(ValueError, match="not the ones the V plan was made for"):
         v_plan_timeline(plan, blocks[:-1], cfg)
@@ -193,11 +205,17 @@ def test_what_cannot_take_a_v_says_so(tmp_path: Path) -> None:
     cfg = load_config(path)
     blocks = inventory_from_config(cfg)
     for call in (lambda: make_plan(blocks, cfg), lambda: plan_with_ranks(blocks, cfg, [0] * 4 + [1] * 3, "x")):
-        with pytest.raises(ConfigError, match=r"pp_engine: zbv places two chunks on each rank \(a V\), not one "
-                                              r"stage: plan it with nanotron_ext.plan.plan_for"):
+        with pytest.raises(
+            ConfigError,
+            match=r"pp_engine: zbv places two chunks on each rank \(a V\), not one "
+            r"stage: plan it with nanotron_ext.plan.plan_for",
+        ):
             call()
-    with pytest.raises(ConfigError, match="vocab_shards: auto chooses K by the contiguous plans' simulated steps; "
-                                          "pp_engine zbv plans a V: give vocab_shards a number"):
+    with pytest.raises(
+        ConfigError,
+        match="vocab_shards: auto chooses K by the contiguous plans' simulated steps; "
+        "pp_engine zbv plans a V: give vocab_shards a number",
+    ):
         resolve_vocab_shards(cfg.with_overrides(vocab_shards="auto"))
     for command in ("plan", "simulate"):
         assert main([command, str(path), "--compare"]) == 2
@@ -205,8 +223,11 @@ def test_what_cannot_take_a_v_says_so(tmp_path: Path) -> None:
     assert main(["plan", str(path), "--compare-engines"]) == 0  # zbv's row beside the others'
     from nanotron_ext.simulate.fit_search import fit_search
 
-    with pytest.raises(ConfigError, match=r"plan --fit plans the changes' contiguous splits; pp_engine zbv searches a "
-                                          r"V under the memory itself"):
+    with pytest.raises(
+        ConfigError,
+        match=r"plan --fit plans the changes' contiguous splits; pp_engine zbv searches a "
+        r"V under the memory itself",
+    ):
         fit_search(cfg)
     plan = make_v_plan(blocks, cfg)
     assert len(plan.order_for(2, 4)) == 2
@@ -238,9 +259,12 @@ def test_a_v_that_cannot_fit_is_refused_before_any_search_by_a_bound_every_split
     floors = [max(v_floors(blocks, chunked, bounds)) for bounds in _every_split(cfg, blocks)]
     assert 0 < least <= min(floors)
     big = load_config(bundled_config("llama_3_70b.yaml"), pp=4)
-    with pytest.raises(PlanningError, match=r"no V split of 85 blocks over pp=4 ranks fits under 79\.18 GiB per GPU "
-                                            r"\(H100 SXM \(analytic\)\): the weights, gradients and optimizer state "
-                                            r"alone put at least 328\.58 GiB on one rank"):
+    with pytest.raises(
+        PlanningError,
+        match=r"no V split of 85 blocks over pp=4 ranks fits under 79\.18 GiB per GPU "
+        r"\(H100 SXM \(analytic\)\): the weights, gradients and optimizer state "
+        r"alone put at least 328\.58 GiB on one rank",
+    ):
         make_v_plan(inventory_from_config(big), big)
 
 
@@ -258,19 +282,31 @@ def test_a_layout_writes_a_v_of_two_pp_chunks_and_nothing_else(tmp_path: Path, c
     other = make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E,t|t|N|H,C,X")[0])
     assert other.bounds == (0, 2, 3, 4, 7)
     assert other.step_time == _every_split(cfg, blocks, other.limit)[(0, 2, 3, 4, 7)][0]
-    for layout, match in (("E,t*2|N|H,C,X", r"writes 3 stages; a V over pp=2 ranks takes 4 chunks, rank r holding chunk "
-                                        r"r and chunk 3 - r: write 4 '\|'-separated chunks, an odd number cannot fold"),
-                          ("E|t|t|N|H|C,X", r"writes 6 stages; .* write 4 '\|'-separated chunks, or set pp to 3")):
+    for layout, match in (
+        (
+            "E,t*2|N|H,C,X",
+            r"writes 3 stages; a V over pp=2 ranks takes 4 chunks, rank r holding chunk "
+            r"r and chunk 3 - r: write 4 '\|'-separated chunks, an odd number cannot fold",
+        ),
+        ("E|t|t|N|H|C,X", r"writes 6 stages; .* write 4 '\|'-separated chunks, or set pp to 3"),
+    ):
         with pytest.raises(ConfigError, match=match):
             make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout=layout)[0])
     with pytest.raises(PlanningError, match=r"layout 'E,t\*2\|N\|H\|C,X': chunk 3 \(cast, loss\) trains nothing"):
         make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E,t*2|N|H|C,X")[0])
-    with pytest.raises(PlanningError, match=r"the V of layout 'E\|t\*2\|N\|H,C,X' does not fit memory_cap_gib=0\.5: one "
-                                            r"of its ranks needs at least 1\.\d\d GiB whatever the order"):
+    with pytest.raises(
+        PlanningError,
+        match=r"the V of layout 'E\|t\*2\|N\|H,C,X' does not fit memory_cap_gib=0\.5: one "
+        r"of its ranks needs at least 1\.\d\d GiB whatever the order",
+    ):
         make_v_plan(blocks, _tiny(engine="zbv", cost_strategy="layout", layout="E|t*2|N|H,C,X", memory_cap_gib=0.5)[0])
     path = tmp_path / "v.yaml"
-    path.write_text(TINY.read_text().replace("pp_engine: 1f1b", "pp_engine: zbv").replace(
-        "cost_strategy: constrained", "cost_strategy: layout").replace("nanotron_ext:\n", "nanotron_ext:\n  layout: E,t|t|N|H,C,X\n"))
+    path.write_text(
+        TINY.read_text()
+        .replace("pp_engine: 1f1b", "pp_engine: zbv")
+        .replace("cost_strategy: constrained", "cost_strategy: layout")
+        .replace("nanotron_ext:\n", "nanotron_ext:\n  layout: E,t|t|N|H,C,X\n")
+    )
     assert main(["plan", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["strategy"], tuple(data["bounds"]), data["notes"]) == ("layout", (0, 2, 3, 4, 7), [])
@@ -281,8 +317,11 @@ def test_calibrate_in_run_refuses_a_v_at_once_saying_what_to_calibrate_instead(t
     from nanotron_ext.errors import ConfigError
     from nanotron_ext.runtime.in_run_calibrate import calibrate_in_run
 
-    with pytest.raises(ConfigError, match=r"calibrate --in-run times contiguous splits, not a V yet: calibrate the "
-                                          r"config under pp_engine zb1p"):
+    with pytest.raises(
+        ConfigError,
+        match=r"calibrate --in-run times contiguous splits, not a V yet: calibrate the "
+        r"config under pp_engine zb1p",
+    ):
         calibrate_in_run(load_config(_zbv_yaml(tmp_path)))
 
 
@@ -296,7 +335,11 @@ def test_compare_engines_sets_the_v_beside_the_contiguous_engines(tmp_path: Path
     cfg = load_config(path)
     plan = make_v_plan(inventory_from_config(cfg), cfg)
     v = rows["zbv"]
-    assert (v["stages"], v["block_ranks"], v["simulated_step_time"]) == ("0+4-6|1-2+3", plan.block_ranks, plan.step_time)
+    assert (v["stages"], v["block_ranks"], v["simulated_step_time"]) == (
+        "0+4-6|1-2+3",
+        plan.block_ranks,
+        plan.step_time,
+    )
     from nanotron_ext.plan.v_plan import v_plan_timeline
 
     sim = v_plan_timeline(plan, inventory_from_config(cfg), cfg)  # the column is the step's bubble, as the others'
@@ -316,7 +359,10 @@ def test_at_1f1bs_peak_the_v_of_a_public_shape_beats_zb1p() -> None:
         cfg = load_config(shape, pp=4).with_overrides(n_micro_batches=8, engine=engine)
         blocks = inventory_from_config(cfg)
         plan = make_plan(blocks, cfg, suggest_fixes=False)
-        steps[engine], peaks[engine] = simulate_plan(plan, blocks, cfg).step_time, max(s.memory.peak for s in plan.stages)
+        steps[engine], peaks[engine] = (
+            simulate_plan(plan, blocks, cfg).step_time,
+            max(s.memory.peak for s in plan.stages),
+        )
     cfg = load_config(shape, pp=4).with_overrides(n_micro_batches=8, engine="zbv", memory_cap_gib=peaks["1f1b"] / 2**30)
     v = make_v_plan(inventory_from_config(cfg), cfg)
-    assert max(v.peaks) <= peaks["1f1b"] and v.step_time < 0.97 * steps["zb1p"], (v.step_time / steps["zb1p"])
+    assert max(v.peaks) <= peaks["1f1b"] and v.step_time < 0.97 * steps["zb1p"], v.step_time / steps["zb1p"]

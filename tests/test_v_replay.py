@@ -20,8 +20,20 @@ def test_a_two_rank_micro_batch_by_hand() -> None:
     order = [_ops("F0@0 F0@3 B0@3 W0@3 B0@0 W0@0"), _ops("F0@1 F0@2 B0@2 W0@2 B0@1 W0@1")]
     result = replay_v_order(order, [UNIT] * 4, 1, p2p_time=0.5)
     starts = {(o.kind, o.stage): o.start for o in result.ops}
-    assert starts == {("F", 0): 0.0, ("F", 1): 1.5, ("F", 2): 2.5, ("F", 3): 4.0, ("B", 3): 5.0, ("W", 3): 6.0,
-                      ("B", 2): 6.5, ("W", 2): 7.5, ("B", 1): 8.5, ("W", 1): 9.5, ("B", 0): 10.0, ("W", 0): 11.0}
+    assert starts == {
+        ("F", 0): 0.0,
+        ("F", 1): 1.5,
+        ("F", 2): 2.5,
+        ("F", 3): 4.0,
+        ("B", 3): 5.0,
+        ("W", 3): 6.0,
+        ("B", 2): 6.5,
+        ("W", 2): 7.5,
+        ("B", 1): 8.5,
+        ("W", 1): 9.5,
+        ("B", 0): 10.0,
+        ("W", 0): 11.0,
+    }
     assert result.pipeline_time == 12.0
     assert result.busy == (6.0, 6.0)
 
@@ -32,7 +44,8 @@ def test_on_equal_times_the_engines_order_takes_what_its_list_schedule_took(pp: 
     _, times = _schedule([UNIT] * (2 * pp), m, [0.0] * (2 * pp - 1), None)
     result = replay_v_order(zbv_order(pp, m), [UNIT] * (2 * pp), m)
     assert {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in result.ops} == {
-        tuple(op): span for op, span in times.items()}
+        tuple(op): span for op, span in times.items()
+    }
 
 
 def test_the_update_follows_the_pipeline_on_the_slower_rank() -> None:
@@ -54,8 +67,12 @@ def test_the_simulators_chosen_order_replays_to_its_own_step() -> None:
     """simulate_zbv keeps the order of the rule it chose; replayed (what the engine runs) it takes no longer."""
     from nanotron_ext.schedule.zbv import simulate_zbv
 
-    chunks = [StageTimes(1.0, 3.0, weight=1.0), StageTimes(2.0, 4.0, weight=2.0), StageTimes(1.5, 3.0, weight=0.5),
-              StageTimes(3.0, 6.0, weight=2.0)]
+    chunks = [
+        StageTimes(1.0, 3.0, weight=1.0),
+        StageTimes(2.0, 4.0, weight=2.0),
+        StageTimes(1.5, 3.0, weight=0.5),
+        StageTimes(3.0, 6.0, weight=2.0),
+    ]
     result = simulate_zbv(chunks, 4, 0.25)
     assert [len(ops) for ops in result.order] == [24, 24]
     assert replay_v_order(result.order, chunks, 4, 0.25).pipeline_time <= result.pipeline_time + 1e-12
@@ -72,8 +89,10 @@ def test_the_list_schedules_own_times_are_what_its_order_replays_to() -> None:
     rng = random.Random(7)
     for _ in range(60):
         pp, m = rng.randint(2, 4), rng.randint(1, 6)
-        chunks = [StageTimes(rng.uniform(0.1, 2.0), b, weight=b * rng.random())
-                  for b in (rng.uniform(0.3, 4.0) for _ in range(2 * pp))]
+        chunks = [
+            StageTimes(rng.uniform(0.1, 2.0), b, weight=b * rng.random())
+            for b in (rng.uniform(0.3, 4.0) for _ in range(2 * pp))
+        ]
         cuts = [rng.choice([0.0, rng.uniform(0.0, 1.0)]) for _ in range(2 * pp - 1)]
         cap = rng.choice([None, 2 * pp, 3])
         for policy in POLICIES:
@@ -93,12 +112,30 @@ def test_the_transfers_order_two_ranks_two_micro_batches_by_hand() -> None:
     order = zbv_order(2, 2)
     assert [[str(op) for op in ops] for ops in order] == [
         "F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W1@3 W0@0 W1@0".split(),
-        "F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1".split()]
+        "F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1".split(),
+    ]
     assert [[str(t) for t in ts] for ts in transfer_order(order)] == [
-        ["send F0@0 to rank 1", "send F1@0 to rank 1", "recv F0@3 from rank 1", "send B0@3 to rank 1",
-         "recv F1@3 from rank 1", "recv B0@0 from rank 1", "send B1@3 to rank 1", "recv B1@0 from rank 1"],
-        ["recv F0@1 from rank 0", "recv F1@1 from rank 0", "send F0@2 to rank 0", "recv B0@2 from rank 0",
-         "send F1@2 to rank 0", "send B0@1 to rank 0", "recv B1@2 from rank 0", "send B1@1 to rank 0"]]
+        [
+            "send F0@0 to rank 1",
+            "send F1@0 to rank 1",
+            "recv F0@3 from rank 1",
+            "send B0@3 to rank 1",
+            "recv F1@3 from rank 1",
+            "recv B0@0 from rank 1",
+            "send B1@3 to rank 1",
+            "recv B1@0 from rank 1",
+        ],
+        [
+            "recv F0@1 from rank 0",
+            "recv F1@1 from rank 0",
+            "send F0@2 to rank 0",
+            "recv B0@2 from rank 0",
+            "send F1@2 to rank 0",
+            "send B0@1 to rank 0",
+            "recv B1@2 from rank 0",
+            "send B1@1 to rank 0",
+        ],
+    ]
 
 
 def _as_made(order: list[list[VOp]]) -> list[list[Transfer]]:
@@ -117,8 +154,10 @@ def test_where_sends_wait_the_transfers_order_never_deadlocks_and_posting_as_mad
     rng = random.Random(pp)
     for m in range(1, 3 * pp + 1):
         orders = [zbv_order(pp, m)]
-        chunks = [StageTimes(rng.uniform(0.5, 2.0), b, weight=b * rng.uniform(0.2, 0.6))
-                  for b in (rng.uniform(1.0, 4.0) for _ in range(2 * pp))]
+        chunks = [
+            StageTimes(rng.uniform(0.5, 2.0), b, weight=b * rng.uniform(0.2, 0.6))
+            for b in (rng.uniform(1.0, 4.0) for _ in range(2 * pp))
+        ]
         orders.append([list(ops) for ops in simulate_zbv(chunks, m, rng.uniform(0.0, 0.5)).order])
         for order in orders:
             transfers = transfer_order(order)
@@ -135,10 +174,12 @@ def test_a_held_send_costs_the_time_it_waits_for_the_receive_before_it() -> None
     order = zbv_order(2, 2)
     chunks = [StageTimes(1.0, 2.3, weight=0.8)] * 4
     free = {(o.kind, o.micro_batch, o.stage): o.start for o in replay_v_order(order, chunks, 2, 0.1).ops}
-    held = {(o.kind, o.micro_batch, o.stage): o.start
-            for o in replay_v_order(order, chunks, 2, 0.1, sends_wait=True).ops}
+    held = {
+        (o.kind, o.micro_batch, o.stage): o.start for o in replay_v_order(order, chunks, 2, 0.1, sends_wait=True).ops
+    }
     assert (free[("F", 1, 2)], free[("B", 0, 2)], free[("F", 1, 3)]) == pytest.approx((4.1, 5.8, 5.7))
     assert (held[("F", 1, 2)], held[("B", 0, 2)], held[("F", 1, 3)]) == pytest.approx((4.1, 5.8, 5.9))
+
     def spans(result: VResult) -> dict:
         return {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in result.ops}
 

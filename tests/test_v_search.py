@@ -51,16 +51,24 @@ def _even(n: int, chunks: int) -> tuple[int, ...]:
 
 
 # The tiny model's fastest split also has the least peak: no cap binds there.
-@pytest.mark.parametrize(("case", "cap"), [
-    *((case, cap) for case in CASES for cap in ("none", "the median peak")),
-    *((case, "just under the fastest split's peak") for case in CASES[1:]),
-], ids=lambda x: f"{x[0]}-pp{x[1]}" if isinstance(x, tuple) else x)
+@pytest.mark.parametrize(
+    ("case", "cap"),
+    [
+        *((case, cap) for case in CASES for cap in ("none", "the median peak")),
+        *((case, "just under the fastest split's peak") for case in CASES[1:]),
+    ],
+    ids=lambda x: f"{x[0]}-pp{x[1]}" if isinstance(x, tuple) else x,
+)
 def test_the_search_finds_the_fastest_split_that_fits_and_proves_it(case, cap):
     cfg, blocks, problem, valid, splits = _case(*case)
     fastest = min(splits.values())
-    limit = {"none": math.inf, "the median peak": sorted(peak for _, peak in splits.values())[len(splits) // 2],
-             "just under the fastest split's peak": max((peak for _, peak in splits.values() if peak < fastest[1]),
-                                                        default=None)}[cap]
+    limit = {
+        "none": math.inf,
+        "the median peak": sorted(peak for _, peak in splits.values())[len(splits) // 2],
+        "just under the fastest split's peak": max(
+            (peak for _, peak in splits.values() if peak < fastest[1]), default=None
+        ),
+    }[cap]
     best = min(step for step, peak in splits.values() if peak <= limit)
     got = search_v_split(problem, _even(len(blocks), 2 * case[1]), valid=valid, fits=_fits(blocks, cfg, limit))
     assert got.bounds in splits and splits[got.bounds][1] <= limit
@@ -83,19 +91,33 @@ def test_the_lower_bound_is_the_vs_floor_on_equal_chunks_and_adds_the_cuts_above
     bounds = tuple(range(0, n + 1, per_chunk))
 
     def problem(p2p: float) -> ScheduleProblem:
-        return ScheduleProblem(forward=(1.0,) * n, backward=(2.0,) * n, update=(0.0,) * n, send=(p2p,) * n,
-                               grad_after=(True,) * (n + 1), pp=2 * pp, n_micro_batches=m, engine="zb1p",
-                               weight=(1.0,) * n)
+        return ScheduleProblem(
+            forward=(1.0,) * n,
+            backward=(2.0,) * n,
+            update=(0.0,) * n,
+            send=(p2p,) * n,
+            grad_after=(True,) * (n + 1),
+            pp=2 * pp,
+            n_micro_batches=m,
+            engine="zb1p",
+            weight=(1.0,) * n,
+        )
 
     floor = (pp - 1) * per_chunk + m * 2 * per_chunk * 3
     assert v_lower_bound(problem(0.0), bounds) == floor == v_simulate(problem(0.0), bounds).step_time
-    assert v_lower_bound(problem(0.25), bounds) == floor + (pp - 1) * 0.25 <= v_simulate(problem(0.25), bounds).step_time
+    assert (
+        v_lower_bound(problem(0.25), bounds) == floor + (pp - 1) * 0.25 <= v_simulate(problem(0.25), bounds).step_time
+    )
 
 
 def test_no_split_that_fits_is_said_and_none_is_returned():
     cfg, blocks, problem, valid, splits = _case(*CASES[1])
-    got = search_v_split(problem, _even(len(blocks), 4), valid=valid,
-                         fits=_fits(blocks, cfg, min(peak for _, peak in splits.values()) * 0.99))
+    got = search_v_split(
+        problem,
+        _even(len(blocks), 4),
+        valid=valid,
+        fits=_fits(blocks, cfg, min(peak for _, peak in splits.values()) * 0.99),
+    )
     assert got.bounds is None and got.step == math.inf and not got.proven
 
 
@@ -121,10 +143,13 @@ def test_the_descent_keeps_to_splits_that_fit_and_refuses_a_seed_that_does_not()
         descend_v_split(problem, over, valid=valid, fits=_fits(blocks, cfg, cap))
 
 
-@pytest.mark.parametrize(("seed", "match"), [
-    ((0, 3, 5, 11), r"seed split \[0, 3, 5, 11\] is not 4 non-empty chunks of 11 blocks"),
-    ((0, 3, 3, 5, 11), r"seed split \[0, 3, 3, 5, 11\] is not 4 non-empty chunks"),
-])
+@pytest.mark.parametrize(
+    ("seed", "match"),
+    [
+        ((0, 3, 5, 11), r"seed split \[0, 3, 5, 11\] is not 4 non-empty chunks of 11 blocks"),
+        ((0, 3, 3, 5, 11), r"seed split \[0, 3, 3, 5, 11\] is not 4 non-empty chunks"),
+    ],
+)
 def test_a_seed_that_is_no_split_is_refused(seed, match):
     _, _, problem, _, _ = _case(*CASES[1])
     with pytest.raises(PlanningError, match=match):

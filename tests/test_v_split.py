@@ -23,10 +23,13 @@ def _case(name: str, pp: int, layers: int | None = None):
     return schedule_problem(blocks, cfg), valid, splits
 
 
-@pytest.mark.parametrize(("name", "pp", "layers", "within"), [
-    ("tiny_llama_large_vocab.yaml", 2, None, 1.0),  # 4 splits: every seed reaches the best
-    ("smollm_135m.yaml", 2, 6, 1.05),  # 56 splits: a local search, within 5 % of the best from any seed
-])
+@pytest.mark.parametrize(
+    ("name", "pp", "layers", "within"),
+    [
+        ("tiny_llama_large_vocab.yaml", 2, None, 1.0),  # 4 splits: every seed reaches the best
+        ("smollm_135m.yaml", 2, 6, 1.05),  # 56 splits: a local search, within 5 % of the best from any seed
+    ],
+)
 def test_the_descent_never_loses_stops_where_no_move_helps_and_nears_the_best_split(name, pp, layers, within):
     problem, valid, splits = _case(name, pp, layers)
     steps = {split: v_step(problem, split) for split in splits}
@@ -64,7 +67,8 @@ def test_a_split_that_is_no_v_or_no_valid_seed_is_refused():
     problem, valid, splits = _case("tiny_llama_large_vocab.yaml", 2)
     with pytest.raises(PlanningError, match=r"seed split \[0, 1, 2, 7\] is not 4 non-empty chunks of 7 blocks"):
         descend_v_split(problem, (0, 1, 2, 7), valid=valid)
-    cfg = load_config(bundled_config("tiny_llama_large_vocab.yaml"), pp=3).with_overrides(engine="zb1p",
-                                                                                          n_micro_batches=3)
+    cfg = load_config(bundled_config("tiny_llama_large_vocab.yaml"), pp=3).with_overrides(
+        engine="zb1p", n_micro_batches=3
+    )
     with pytest.raises(PlanningError, match="3 chunks; a V has two per rank"):
         descend_v_split(schedule_problem(inventory_from_config(cfg), cfg), (0, 1, 2, 7))

@@ -15,8 +15,9 @@ def _model(ranks: list[int]) -> nn.Module:
     model = nn.Module()
     model.blocks = nn.ModuleList()
     for rank in ranks:
-        block = PipelineBlock(p2p=None, module_builder=nn.Identity, module_kwargs={}, module_input_keys={"x"},
-                              module_output_keys={"x"})
+        block = PipelineBlock(
+            p2p=None, module_builder=nn.Identity, module_kwargs={}, module_input_keys={"x"}, module_output_keys={"x"}
+        )
         block.rank = rank
         model.blocks.append(block)
     return model
@@ -29,12 +30,15 @@ def test_each_block_carries_its_stage() -> None:
     assert v_stages_of(model) == [0, 1, 2, 3, 3]
 
 
-@pytest.mark.parametrize(("ranks", "stages", "message"), [
-    ([0, 1, 1, 0], [0, 1, 2], r"gives 3 virtual stages for 4 pipeline blocks; give one per block"),
-    ([0, 1, 0, 0], [0, 1, 3, 3], r"virtual stages \[0, 1, 3, 3\]: a V over pp=2 ranks needs every stage 0\.\.3"),
-    ([0, 1, 1, 0], [0, 2, 1, 3], r"virtual stages \[0, 2, 1, 3\].*in order"),
-    ([0, 1, 1, 1], [0, 1, 2, 3], r"virtual stage 3 is built on PP rank 1; in a V over pp=2 it runs on rank 0"),
-])
+@pytest.mark.parametrize(
+    ("ranks", "stages", "message"),
+    [
+        ([0, 1, 1, 0], [0, 1, 2], r"gives 3 virtual stages for 4 pipeline blocks; give one per block"),
+        ([0, 1, 0, 0], [0, 1, 3, 3], r"virtual stages \[0, 1, 3, 3\]: a V over pp=2 ranks needs every stage 0\.\.3"),
+        ([0, 1, 1, 0], [0, 2, 1, 3], r"virtual stages \[0, 2, 1, 3\].*in order"),
+        ([0, 1, 1, 1], [0, 1, 2, 3], r"virtual stage 3 is built on PP rank 1; in a V over pp=2 it runs on rank 0"),
+    ],
+)
 def test_a_layout_that_cannot_fold_is_refused(ranks: list[int], stages: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         mark_v_stages(_model(ranks), stages, pp=2)

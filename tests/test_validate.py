@@ -33,9 +33,11 @@ def test_1f1b_needs_pp_minus_1_micro_batches(tiny):
     assert fatal.ok is False
     assert fatal.findings[0].message == (
         "1F1B needs at least pp - 1 = 2 micro-batches, got 1: Nanotron's engine asserts nb_microbatches >= pp - 1 "
-        "and stops")
+        "and stops"
+    )
     assert fatal.findings[0].fix == (
-        "set tokens.batch_accumulation_per_replica >= 3 (>= pp fills the pipeline), or pp_engine: afab")
+        "set tokens.batch_accumulation_per_replica >= 3 (>= pp fills the pipeline), or pp_engine: afab"
+    )
     runs = make_plan(blocks, _run(cfg, pp=3, n_micro_batches=2), "flops")
     assert [(f.severity, f.code) for f in runs.findings] == [("warning", "few-micro-batches")]
     assert runs.ok is True and "bubble at least 50%" in runs.findings[0].message
@@ -74,13 +76,18 @@ def test_the_memory_fixes_are_planned_and_name_only_what_the_config_has_not_take
     # 1F1B, dp=1: no "pp_engine: 1f1b", and no ZeRO-1 (nothing to shard the optimizer over at dp=1); each change
     # planned again, with the largest stage it gives, those that fit first; the cap last.
     capped, text = fix(cfg)
-    assert text == (f"`parallelism.tp: 2` (largest stage {largest(_run(capped, tp=2))}); or "
-                    "`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input) "
-                    f"(largest stage {largest(_run(capped, recompute_layer=True))}, still over); or `parallelism.pp: 4` "
-                    f"(largest stage {largest(capped.with_overrides(pp=4))}, still over); or raise `memory_cap_gib`")
+    assert text == (
+        f"`parallelism.tp: 2` (largest stage {largest(_run(capped, tp=2))}); or "
+        "`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input) "
+        f"(largest stage {largest(_run(capped, recompute_layer=True))}, still over); or `parallelism.pp: 4` "
+        f"(largest stage {largest(capped.with_overrides(pp=4))}, still over); or raise `memory_cap_gib`"
+    )
     capped, both = fix(_run(cfg, engine="afab", dp=2))
     assert f"`optimizer.zero_stage: 1` (largest stage {largest(_run(capped, zero_stage=1))}" in both
-    assert f"`pp_engine: 1f1b` (fewer micro-batches in flight) (largest stage {largest(_run(capped, engine='1f1b'))}" in both
+    assert (
+        f"`pp_engine: 1f1b` (fewer micro-batches in flight) (largest stage {largest(_run(capped, engine='1f1b'))}"
+        in both
+    )
     from nanotron_ext.strategies.fixes import memory_cap_fix
 
     assert "--cost-strategy memory" not in memory_cap_fix(cfg, "memory", len(blocks))  # it plans under the cap
@@ -96,7 +103,8 @@ def test_a_frozen_stage_fix_depends_on_what_the_config_allows(tiny):
     [finding] = [f for f in refused.findings if f.code == "no-trainable"]
     assert finding.severity == "error" and finding.fix == (
         "use `--cost-strategy constrained` (or `cost_strategy: constrained` under `parallelism:`) to put a trainable "
-        "block on every stage, set `allow_frozen_stages: true` under `nanotron_ext:` to run it frozen or lower pp")
+        "block on every stage, set `allow_frozen_stages: true` under `nanotron_ext:` to run it frozen or lower pp"
+    )
     # With one trainable block for two stages no strategy can put one on every stage: none is suggested.
     one = frozen.with_overrides(freeze={"modules": ["*"], "unfreeze": ["lm_head"]})
     lone = make_plan(inventory_from_config(one), one, "uniform")
@@ -106,7 +114,8 @@ def test_a_frozen_stage_fix_depends_on_what_the_config_allows(tiny):
     [finding] = [f for f in allowed.findings if f.code == "no-trainable"]
     assert finding.severity == "warning" and finding.fix == (
         "none needed (`allow_frozen_stages: true` allows it); to train on every stage instead, use `--cost-strategy "
-        "constrained` (or `cost_strategy: constrained` under `parallelism:`) with `allow_frozen_stages: false`")
+        "constrained` (or `cost_strategy: constrained` under `parallelism:`) with `allow_frozen_stages: false`"
+    )
 
 
 def test_a_verdict_names_each_findings_stages_as_ranges(tiny):

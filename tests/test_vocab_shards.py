@@ -84,7 +84,8 @@ def test_shards_replace_lm_head_cast_and_loss_with_the_same_weights_and_work() -
 
 def test_plan_table_names_shards_compactly() -> None:
     assert compact_names(["final_norm", "vocab.0", "vocab.1", "vocab.2", "decoder.3"]) == (
-        "final_norm, vocab.0-2, decoder.3")
+        "final_norm, vocab.0-2, decoder.3"
+    )
     plan = make_plan(inventory_from_config(_cfg(4, pp=2)), _cfg(4, pp=2))
     assert [s.label for s in plan.stages] == ["embedding, decoder.0-1, final_norm, vocab.0-1", "vocab.2-3"]
 
@@ -119,7 +120,9 @@ def test_profiled_times_vocabulary_shards_and_auto_prices_with_them(tmp_path) ->
     timings = profiled.profile_blocks(blocks, cfg, warmup=1, repeats=3)
     # Four shards of (almost) equal rows share one cache key or two; each is timed with a backward.
     assert all(t.forward > 0 and t.backward > 0 for t in timings[-4:])
-    chosen, choice = resolve_vocab_shards(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards="auto")))
+    chosen, choice = resolve_vocab_shards(
+        dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, vocab_shards="auto"))
+    )
     # The candidates were planned with profiled: their step times are measured seconds (> 10 µs here), not the
     # FLOP-rate model's microseconds at 400 TFLOP/s.
     assert min(choice.step_times.values()) > 1e-5

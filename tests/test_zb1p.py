@@ -23,7 +23,7 @@ def _prog(text: str) -> list[tuple[str, int]]:
     out = []
     for word in text.split():
         head = word.rstrip("0123456789")
-        out.append((head, int(word[len(head):])))
+        out.append((head, int(word[len(head) :])))
     return out
 
 
@@ -33,26 +33,26 @@ HAND = {
     (2, 1, 3): "recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 W0 recv_act2 send_grad1 F2 B2 send_grad2 W1 W2",
     # pp = 3, m = 4.
     (3, 0, 4): "F0 send_act0 F1 send_act1 F2 send_act2 recv_grad0 B0 W0 F3 send_act3 recv_grad1 B1 W1 "
-               "recv_grad2 B2 W2 recv_grad3 B3 W3",
+    "recv_grad2 B2 W2 recv_grad3 B3 W3",
     (3, 1, 4): "recv_act0 F0 send_act0 recv_act1 F1 send_act1 recv_grad0 B0 recv_act2 send_grad0 F2 send_act2 "
-               "recv_grad1 B1 W0 recv_act3 send_grad1 F3 send_act3 recv_grad2 B2 send_grad2 W1 "
-               "recv_grad3 B3 send_grad3 W2 W3",
+    "recv_grad1 B1 W0 recv_act3 send_grad1 F3 send_act3 recv_grad2 B2 send_grad2 W1 "
+    "recv_grad3 B3 send_grad3 W2 W3",
     (3, 2, 4): "recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 recv_act2 send_grad1 F2 B2 W0 recv_act3 send_grad2 "
-               "F3 B3 send_grad3 W1 W2 W3",
+    "F3 B3 send_grad3 W1 W2 W3",
     # pp = 4, m = 5.
     (4, 0, 5): "F0 send_act0 F1 send_act1 F2 send_act2 F3 send_act3 recv_grad0 B0 W0 F4 send_act4 recv_grad1 B1 W1 "
-               "recv_grad2 B2 W2 recv_grad3 B3 W3 recv_grad4 B4 W4",
+    "recv_grad2 B2 W2 recv_grad3 B3 W3 recv_grad4 B4 W4",
     (4, 1, 5): "recv_act0 F0 send_act0 recv_act1 F1 send_act1 recv_act2 F2 send_act2 recv_grad0 B0 "
-               "recv_act3 send_grad0 F3 send_act3 recv_grad1 B1 W0 recv_act4 send_grad1 F4 send_act4 recv_grad2 B2 "
-               "send_grad2 W1 recv_grad3 B3 send_grad3 W2 recv_grad4 B4 send_grad4 W3 W4",
+    "recv_act3 send_grad0 F3 send_act3 recv_grad1 B1 W0 recv_act4 send_grad1 F4 send_act4 recv_grad2 B2 "
+    "send_grad2 W1 recv_grad3 B3 send_grad3 W2 recv_grad4 B4 send_grad4 W3 W4",
     (4, 2, 5): "recv_act0 F0 send_act0 recv_act1 F1 send_act1 recv_grad0 B0 recv_act2 send_grad0 F2 send_act2 "
-               "recv_grad1 B1 recv_act3 send_grad1 F3 send_act3 recv_grad2 B2 W0 recv_act4 send_grad2 F4 send_act4 "
-               "recv_grad3 B3 send_grad3 W1 recv_grad4 B4 send_grad4 W2 W3 W4",
+    "recv_grad1 B1 recv_act3 send_grad1 F3 send_act3 recv_grad2 B2 W0 recv_act4 send_grad2 F4 send_act4 "
+    "recv_grad3 B3 send_grad3 W1 recv_grad4 B4 send_grad4 W2 W3 W4",
     (4, 3, 5): "recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 recv_act2 send_grad1 F2 B2 recv_act3 send_grad2 F3 B3 W0 "
-               "recv_act4 send_grad3 F4 B4 send_grad4 W1 W2 W3 W4",
+    "recv_act4 send_grad3 F4 B4 send_grad4 W1 W2 W3 W4",
     # pp = 4, m = pp - 1 = 3: no steady phase on rank 0, one steady pair on rank 1.
     (4, 1, 3): "recv_act0 F0 send_act0 recv_act1 F1 send_act1 recv_act2 F2 send_act2 recv_grad0 B0 send_grad0 "
-               "recv_grad1 B1 send_grad1 W0 recv_grad2 B2 send_grad2 W1 W2",
+    "recv_grad1 B1 send_grad1 W0 recv_grad2 B2 send_grad2 W1 W2",
     (4, 3, 3): "recv_act0 F0 B0 recv_act1 send_grad0 F1 B1 recv_act2 send_grad1 F2 B2 send_grad2 W0 W1 W2",
 }
 
@@ -128,6 +128,7 @@ def test_docstring_examples_run() -> None:
 
 # --- simulate ---------------------------------------------------------------------------------------------------
 
+
 def _starts(result, stage: int) -> str:
     return " ".join(f"{op.kind}{op.micro_batch}@{op.start:g}" for op in result.ops if op.stage == stage)
 
@@ -170,14 +171,22 @@ def test_zb1p_pp4_m8_equal_stages_hand_schedule() -> None:
     (A bubble of (p-1)(F+B-2W) would be 0 here: the hand schedule says 3 per stage.)
     """
     r = simulate([StageTimes(1.0, 2.0, weight=1.0)] * 4, 8, "zb1p")
-    assert _starts(r, 3) == ("F0@3 B0@4 F1@5 B1@6 F2@7 B2@8 F3@9 B3@10 W0@11 F4@12 B4@13 W1@14 F5@15 B5@16 W2@17 "
-                             "F6@18 B6@19 W3@20 F7@21 B7@22 W4@23 W5@24 W6@25 W7@26")
-    assert _starts(r, 2) == ("F0@2 F1@3 B0@5 F2@6 B1@7 F3@8 B2@9 W0@10 F4@11 B3@12 W1@13 F5@14 B4@15 W2@16 "
-                             "F6@17 B5@18 W3@19 F7@20 B6@21 W4@22 B7@23 W5@24 W6@25 W7@26")
-    assert _starts(r, 1) == ("F0@1 F1@2 F2@3 B0@6 F3@7 B1@8 W0@9 F4@10 B2@11 W1@12 F5@13 B3@14 W2@15 "
-                             "F6@16 B4@17 W3@18 F7@19 B5@20 W4@21 B6@22 W5@23 B7@24 W6@25 W7@26")
-    assert _starts(r, 0) == ("F0@0 F1@1 F2@2 F3@3 B0@7 W0@8 F4@9 B1@10 W1@11 F5@12 B2@13 W2@14 F6@15 B3@16 W3@17 "
-                             "F7@18 B4@19 W4@20 B5@21 W5@22 B6@23 W6@24 B7@25 W7@26")
+    assert _starts(r, 3) == (
+        "F0@3 B0@4 F1@5 B1@6 F2@7 B2@8 F3@9 B3@10 W0@11 F4@12 B4@13 W1@14 F5@15 B5@16 W2@17 "
+        "F6@18 B6@19 W3@20 F7@21 B7@22 W4@23 W5@24 W6@25 W7@26"
+    )
+    assert _starts(r, 2) == (
+        "F0@2 F1@3 B0@5 F2@6 B1@7 F3@8 B2@9 W0@10 F4@11 B3@12 W1@13 F5@14 B4@15 W2@16 "
+        "F6@17 B5@18 W3@19 F7@20 B6@21 W4@22 B7@23 W5@24 W6@25 W7@26"
+    )
+    assert _starts(r, 1) == (
+        "F0@1 F1@2 F2@3 B0@6 F3@7 B1@8 W0@9 F4@10 B2@11 W1@12 F5@13 B3@14 W2@15 "
+        "F6@16 B4@17 W3@18 F7@19 B5@20 W4@21 B6@22 W5@23 B7@24 W6@25 W7@26"
+    )
+    assert _starts(r, 0) == (
+        "F0@0 F1@1 F2@2 F3@3 B0@7 W0@8 F4@9 B1@10 W1@11 F5@12 B2@13 W2@14 F6@15 B3@16 W3@17 "
+        "F7@18 B4@19 W4@20 B5@21 W5@22 B6@23 W6@24 B7@25 W7@26"
+    )
     assert r.step_time == 27.0
     assert r.busy == [24.0] * 4 and r.idle == [3.0] * 4
     assert r.bubble_fraction == pytest.approx(1 / 9, abs=1e-15)
@@ -207,11 +216,14 @@ def test_without_a_split_zb1p_times_exactly_as_1f1b_and_afab_1f1b_ignore_weight(
         one = simulate(unsplit, m, "1f1b", p2p, grad_cuts=cuts)
         zero_w = simulate(unsplit, m, "zb1p", p2p, grad_cuts=cuts)
         assert zero_w.step_time == one.step_time
-        assert [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in zero_w.ops if o.kind != "W"] == \
-               [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in one.ops]
+        assert [(o.stage, o.kind, o.micro_batch, o.start, o.end) for o in zero_w.ops if o.kind != "W"] == [
+            (o.stage, o.kind, o.micro_batch, o.start, o.end) for o in one.ops
+        ]
         for engine in ("1f1b", "afab"):  # weight is inside backward for them: same result
-            assert simulate(stages, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"] == \
-                   simulate(unsplit, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"]
+            assert (
+                simulate(stages, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"]
+                == simulate(unsplit, m, engine, p2p, grad_cuts=cuts).to_dict()["ops"]
+            )
         zb = simulate(stages, m, "zb1p", p2p, grad_cuts=cuts)
         assert zb.peak_in_flight == one.peak_in_flight
         assert zb.busy == pytest.approx(one.busy, rel=1e-12, abs=1e-15)  # the same work, split in two
@@ -219,7 +231,9 @@ def test_without_a_split_zb1p_times_exactly_as_1f1b_and_afab_1f1b_ignore_weight(
 
 
 def test_weight_above_backward_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"stages\[1\]\.weight = 3\.0 exceeds its backward 2\.0; backward is the whole"):
+    with pytest.raises(
+        ValueError, match=r"stages\[1\]\.weight = 3\.0 exceeds its backward 2\.0; backward is the whole"
+    ):
         simulate([StageTimes(1.0, 2.0), StageTimes(1.0, 2.0, weight=3.0)], 2, "zb1p")
     with pytest.raises(ValueError, match=r"stages\[0\]\.weight = -1\.0; times must be finite, non-negative"):
         simulate([StageTimes(1.0, 2.0, weight=-1.0)], 2, "zb1p")
@@ -253,6 +267,7 @@ def test_timeline_draws_w_in_its_own_colour_with_a_legend_entry(tmp_path) -> Non
 
 # --- pricing: the B/W split ---------------------------------------------------------------------------------------
 
+
 def _seed():
     from nanotron_ext.config import bundled_config, load_config
     from nanotron_ext.inventory import inventory_from_config
@@ -265,8 +280,9 @@ def test_rate_model_prices_b_and_w_by_their_own_flops() -> None:
     from nanotron_ext.machine import EngineOverhead, MachineProfile, price_blocks
 
     cfg, blocks = _seed()
-    machine = MachineProfile(name="1 TFLOP/s", source="test", flops_per_second=1e12,
-                             overhead=EngineOverhead(block_call=1e-6))
+    machine = MachineProfile(
+        name="1 TFLOP/s", source="test", flops_per_second=1e12, overhead=EngineOverhead(block_call=1e-6)
+    )
     prices = price_blocks(machine, blocks, cfg)
     by_name = {b.name: i for i, b in enumerate(blocks)}
     # decoder.0: input-gradient 802816 FLOPs, weight-gradient 528384: W = 528384 / 1e12 s, B = the rest + the call
@@ -289,13 +305,16 @@ def test_frozen_blocks_have_no_w_and_measured_blocks_split_by_flops_or_by_their_
     from nanotron_ext.machine import BlockCost, MachineProfile, block_signature, price_blocks
 
     cfg, blocks = _seed()
-    frozen = [b.with_trainable(lambda name: False) if b.role == "decoder" and b.name.endswith(".1") else b
-              for b in blocks]
+    frozen = [
+        b.with_trainable(lambda name: False) if b.role == "decoder" and b.name.endswith(".1") else b for b in blocks
+    ]
     grads = trainable_before(frozen)
     sig = {b.name: block_signature(b, input_grad=g) for b, g in zip(frozen, grads)}
-    costs = [BlockCost(sig["model.decoder.0"], 1e-3, 3e-3),  # no split: 3 ms × 528384 / (802816 + 528384)
-             BlockCost(sig["model.decoder.1"], 1e-3, 2e-3),  # frozen: W = 0
-             BlockCost(sig["model.lm_head"], 1e-3, 4e-3, backward_weight=1.5e-3)]  # measured split
+    costs = [
+        BlockCost(sig["model.decoder.0"], 1e-3, 3e-3),  # no split: 3 ms × 528384 / (802816 + 528384)
+        BlockCost(sig["model.decoder.1"], 1e-3, 2e-3),  # frozen: W = 0
+        BlockCost(sig["model.lm_head"], 1e-3, 4e-3, backward_weight=1.5e-3),
+    ]  # measured split
     prices = price_blocks(MachineProfile(name="m", source="test", blocks=tuple(costs)), frozen, cfg)
     by_name = {b.name: i for i, b in enumerate(frozen)}
     assert prices.weight[by_name["model.decoder.0"]] == pytest.approx(3e-3 * 528384 / 1331200, rel=1e-12)
@@ -313,8 +332,9 @@ def test_backward_weight_survives_json_and_a_bad_one_is_refused(tmp_path) -> Non
     from nanotron_ext.errors import ConfigError
     from nanotron_ext.machine import BlockCost, MachineProfile, load_machine
 
-    machine = MachineProfile(name="m", source="t", blocks=(BlockCost("decoder:x", 1.0, 2.0, 0.5, 0.75),
-                                                           BlockCost("decoder:y", 1.0, 2.0)))
+    machine = MachineProfile(
+        name="m", source="t", blocks=(BlockCost("decoder:x", 1.0, 2.0, 0.5, 0.75), BlockCost("decoder:y", 1.0, 2.0))
+    )
     machine.save(tmp_path / "m.json")
     assert load_machine(tmp_path / "m.json") == machine
     with pytest.raises(ConfigError, match=r"backward_weight=3\.0 exceeds its backward=2\.0.*null: split by FLOPs"):
@@ -359,6 +379,7 @@ def test_plan_stage_times_carry_the_split_under_zb1p_only() -> None:
 
 # --- memory: the deferred W's state -------------------------------------------------------------------------------
 
+
 def test_pending_tensors_of_the_tiny_config_by_hand() -> None:
     """tiny_llama_large_vocab: micro-batch 2 × 32 = 64 tokens, h = 16, 4 heads of 4 (q = k = v = 16), f = 64,
     V = 50277, fp32 (4 bytes). A hidden-sized tensor is 64 × 16 × 4 = 4096 bytes."""
@@ -387,8 +408,12 @@ def test_frozen_weights_keep_nothing_for_a_deferred_w() -> None:
     decoder = blocks[1]
     assert weight_pending(decoder.with_trainable(lambda name: False), cfg.model, cfg.run) == 0.0
     mlp_only = pending_tensors(decoder.with_trainable(lambda name: ".mlp." in name), cfg.model, cfg.run)
-    assert mlp_only == {"gate_up_proj.input": 4096, "gate_up_proj.output_grad": 32768, "down_proj.input": 16384,
-                        "down_proj.output_grad": 4096}
+    assert mlp_only == {
+        "gate_up_proj.input": 4096,
+        "gate_up_proj.output_grad": 32768,
+        "down_proj.input": 16384,
+        "down_proj.output_grad": 4096,
+    }
     assert weight_pending(blocks[4].with_trainable(lambda name: False), cfg.model, cfg.run) == 0.0  # lm_head
 
 
@@ -446,17 +471,30 @@ def test_memory_cap_counts_the_deferred_state_brute_force() -> None:
         memory = MemoryCap(static, act, flight, cap=cap, pending=pend, deferred=deferred)
 
         def fits(bounds, memory=memory) -> bool:
-            return all(sum(memory.static[s:e]) + memory.in_flight[k] * sum(memory.activation[s:e])
-                       + memory.deferred[k] * sum(memory.pending[s:e]) <= memory.cap * (1 + 1e-9)
-                       for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+            return all(
+                sum(memory.static[s:e])
+                + memory.in_flight[k] * sum(memory.activation[s:e])
+                + memory.deferred[k] * sum(memory.pending[s:e])
+                <= memory.cap * (1 + 1e-9)
+                for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))
+            )
 
         import itertools
 
         splits = [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
         valid = [s for s in splits if fits(s)]
         costs = [rng.random() for _ in range(n)]
-        problem = ScheduleProblem(tuple(costs), tuple(2 * c for c in costs), (0.0,) * n, (0.0,) * n,
-                                  (True,) * (n + 1), pp, pp, "zb1p", tuple(c for c in costs))
+        problem = ScheduleProblem(
+            tuple(costs),
+            tuple(2 * c for c in costs),
+            (0.0,) * n,
+            (0.0,) * n,
+            (True,) * (n + 1),
+            pp,
+            pp,
+            "zb1p",
+            tuple(c for c in costs),
+        )
         if not valid:
             with pytest.raises(Exception, match="memory_cap_gib|no split|constraints"):
                 partition(costs, pp, memory=memory)
@@ -469,6 +507,7 @@ def test_memory_cap_counts_the_deferred_state_brute_force() -> None:
 
 
 # --- CLI: --engine and plan --compare-engines ----------------------------------------------------------------------
+
 
 def test_engine_override_reaches_the_run_and_the_yaml() -> None:
     from nanotron_ext.errors import ConfigError
@@ -504,8 +543,10 @@ def test_plan_and_simulate_take_engine(tmp_path, capsys) -> None:
 def test_zb1p_with_too_few_micro_batches_is_refused_on_the_command_line(tmp_path, capsys) -> None:
     from nanotron_ext.cli import main
 
-    assert main(["simulate", "--engine", "zb1p", "--pp", "4", "--micro-batches", "2",
-                 "--out", str(tmp_path / "t.png")]) == 2
+    assert (
+        main(["simulate", "--engine", "zb1p", "--pp", "4", "--micro-batches", "2", "--out", str(tmp_path / "t.png")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "zb1p (ZB-H1" in err and "needs at least pp - 1 = 3 micro-batches, got 2" in err
     assert "batch_accumulation_per_replica >= 4" in err
@@ -539,15 +580,19 @@ def test_plan_compare_engines_table_and_json(capsys) -> None:
         assert row["block_ranks"] == list(plan.block_ranks)
         assert row["simulated_step_time"] == pytest.approx(simulate_plan(plan, blocks, cfg).step_time, rel=1e-12)
         assert row["memory_peak_bytes"] == [s.memory_bytes for s in plan.stages]
-    assert rows["zb2p"]["simulated_step_time"] < rows["zb1p"]["simulated_step_time"] < rows["1f1b"]["simulated_step_time"]
+    assert (
+        rows["zb2p"]["simulated_step_time"] < rows["zb1p"]["simulated_step_time"] < rows["1f1b"]["simulated_step_time"]
+    )
     assert rows["zb2p"]["bubble_fraction"] < rows["zb1p"]["bubble_fraction"] < rows["1f1b"]["bubble_fraction"]
     # On one split (each engine's default fits the GPU's memory its own way): zb1p holds more, most on the last
     # stage (3 deferred W's); stage 0 defers no earlier W, only its own micro-batch's products wait during a B.
     from nanotron_ext.plan import plan_with_ranks
 
     zb = load_config(config, pp=4).with_overrides(engine="zb1p")
-    same = [s.memory_bytes for s in plan_with_ranks(inventory_from_config(zb), zb, rows["1f1b"]["block_ranks"],
-                                                      "constrained").stages]
+    same = [
+        s.memory_bytes
+        for s in plan_with_ranks(inventory_from_config(zb), zb, rows["1f1b"]["block_ranks"], "constrained").stages
+    ]
     one = rows["1f1b"]["memory_peak_bytes"]
     assert 0 < same[0] - one[0] < same[3] - one[3]
     assert main(["plan", config, "--pp", "4", "--compare-engines"]) == 0

@@ -56,13 +56,27 @@ def test_pp2_m4_by_hand() -> None:
     stages = [StageTimes(1.0, 2.0, weight=0.5)] * 2
     r = simulate(stages, 4, "zb2p")
     stage0 = [(op.kind, op.micro_batch, op.start) for op in r.ops if op.stage == 0]
-    assert stage0 == [("F", 0, 0.0), ("F", 1, 1.0), ("F", 2, 2.0), ("B", 0, 3.5), ("W", 0, 5.0), ("F", 3, 5.5),
-                      ("B", 1, 6.5), ("W", 1, 8.0), ("B", 2, 9.0), ("W", 2, 10.5), ("B", 3, 11.5), ("W", 3, 13.0)]
+    assert stage0 == [
+        ("F", 0, 0.0),
+        ("F", 1, 1.0),
+        ("F", 2, 2.0),
+        ("B", 0, 3.5),
+        ("W", 0, 5.0),
+        ("F", 3, 5.5),
+        ("B", 1, 6.5),
+        ("W", 1, 8.0),
+        ("B", 2, 9.0),
+        ("W", 2, 10.5),
+        ("B", 3, 11.5),
+        ("W", 3, 13.0),
+    ]
     stage1 = [(op.kind, op.micro_batch, op.start) for op in r.ops if op.stage == 1]
-    assert stage1[6:] == [("W", 0, 8.5), ("F", 3, 9.0), ("B", 3, 10.0), ("W", 1, 11.5), ("W", 2, 12.0),
-                          ("W", 3, 12.5)]
+    assert stage1[6:] == [("W", 0, 8.5), ("F", 3, 9.0), ("B", 3, 10.0), ("W", 1, 11.5), ("W", 2, 12.0), ("W", 3, 12.5)]
     assert (r.step_time, simulate(stages, 4, "zb1p").step_time, simulate(stages, 4, "1f1b").step_time) == (
-        13.5, 14.0, 15.0)
+        13.5,
+        14.0,
+        15.0,
+    )
     assert r.peak_in_flight == [3, 1]
 
 
@@ -74,8 +88,9 @@ def test_never_deadlocks_and_holds_what_in_flight_says(seed: int) -> None:
     rng = random.Random(seed)
     for pp in range(2, 6):
         for m in range(pp - 1, 3 * pp + 1):
-            stages = [StageTimes(rng.uniform(0.5, 2), b := rng.uniform(0.5, 3), weight=rng.uniform(0, b))
-                      for _ in range(pp)]
+            stages = [
+                StageTimes(rng.uniform(0.5, 2), b := rng.uniform(0.5, 3), weight=rng.uniform(0, b)) for _ in range(pp)
+            ]
             cuts = [rng.random() < 0.8 for _ in range(pp - 1)]
             r = simulate(stages, m, "zb2p", rng.uniform(0, 0.3), grad_cuts=cuts)
             assert sum(op.kind == "W" for op in r.ops) == pp * m
@@ -120,14 +135,15 @@ def test_memory_estimate_counts_zb2p_s_flight_and_deferred_ws() -> None:
     cfg = load_config(bundled_config())
     blocks = inventory_from_config(cfg)
     parts = [blocks[:3], blocks[3:]]
-    mem = {e: [config_stage_memory(part, cfg.with_overrides(engine=e), k) for k, part in enumerate(parts)]
-           for e in ("1f1b", "zb1p", "zb2p")}
+    mem = {
+        e: [config_stage_memory(part, cfg.with_overrides(engine=e), k) for k, part in enumerate(parts)]
+        for e in ("1f1b", "zb1p", "zb2p")
+    }
     assert [m.in_flight for m in mem["zb2p"]] == [3, 1] and [m.in_flight for m in mem["zb1p"]] == [2, 1]
     assert [m.deferred for m in mem["zb2p"]] == [0, 2] and [m.deferred for m in mem["zb1p"]] == [0, 1]
     assert mem["zb2p"][1].weight_pending == mem["zb1p"][1].weight_pending > 0
     assert mem["zb2p"][0].pipeline_peak > mem["zb1p"][0].pipeline_peak > mem["1f1b"][0].pipeline_peak
-    assert mem["zb2p"][1].pipeline_peak - mem["zb1p"][1].pipeline_peak == pytest.approx(
-        mem["zb1p"][1].weight_pending)
+    assert mem["zb2p"][1].pipeline_peak - mem["zb1p"][1].pipeline_peak == pytest.approx(mem["zb1p"][1].weight_pending)
 
 
 def test_config_and_command_line_take_zb2p(tmp_path, capsys) -> None:
@@ -174,6 +190,8 @@ def test_no_program_deadlocks_when_a_send_waits_for_its_receive(engine: str) -> 
         for m in range(max(1, pp - 1), 3 * pp + 1):
             for frozen_prefix in (0, 1):
                 cuts = [c >= frozen_prefix for c in range(pp - 1)]
-                programs = [engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1],
-                                           grad_out=s == pp - 1 or cuts[s]) for s in range(pp)]
+                programs = [
+                    engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
+                    for s in range(pp)
+                ]
                 assert not _deadlocks_when_sends_wait(programs), (engine, pp, m, frozen_prefix)

@@ -43,10 +43,17 @@ def test_an_op_starts_after_its_input_arrives_and_a_rank_runs_one_op_at_a_time(p
     cuts = [p2p] * (2 * pp - 1) if isinstance(p2p, float) else p2p
     end = {(op.kind, op.micro_batch, op.stage): op.end for op in res.ops}
     for op in res.ops:
-        before = (("F", op.micro_batch, op.stage - 1) if op.kind == "F" and op.stage > 0 else
-                  ("F", op.micro_batch, op.stage) if op.kind == "B" and op.stage == 2 * pp - 1 else
-                  ("B", op.micro_batch, op.stage + 1) if op.kind == "B" else
-                  ("B", op.micro_batch, op.stage) if op.kind == "W" else None)
+        before = (
+            ("F", op.micro_batch, op.stage - 1)
+            if op.kind == "F" and op.stage > 0
+            else ("F", op.micro_batch, op.stage)
+            if op.kind == "B" and op.stage == 2 * pp - 1
+            else ("B", op.micro_batch, op.stage + 1)
+            if op.kind == "B"
+            else ("B", op.micro_batch, op.stage)
+            if op.kind == "W"
+            else None
+        )
         if before is None:
             continue
         crossing = v_rank(pp, before[2]) != v_rank(pp, op.stage)
@@ -84,8 +91,10 @@ def test_no_rule_with_the_reserve_for_the_way_up_stalls_whatever_the_times_the_p
     rng = random.Random(43)
     for _ in range(120):
         pp = rng.randint(1, 4)
-        chunks = [StageTimes(rng.uniform(0.1, 2.0), b, weight=b * rng.random()) for b in
-                  (rng.uniform(0.2, 3.0) for _ in range(2 * pp))]
+        chunks = [
+            StageTimes(rng.uniform(0.1, 2.0), b, weight=b * rng.random())
+            for b in (rng.uniform(0.2, 3.0) for _ in range(2 * pp))
+        ]
         cuts = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(2 * pp - 1)]
         m, cap = rng.randint(1, 4 * pp), rng.choice([None, 2, 3, 2 * pp + 2])
         for policy in (p for p in POLICIES if p.down_reserve):
@@ -118,15 +127,18 @@ def test_the_step_adds_the_slowest_ranks_update_of_both_chunks_and_the_fastest_r
     assert res.pipeline_time == min(each)
 
 
-@pytest.mark.parametrize(("call", "match"), [
-    (lambda: simulate_zbv([HALF_W] * 3, 4), "3 chunks; a V needs two per rank"),
-    (lambda: simulate_zbv([StageTimes(-1.0, 2.0)] * 2, 4), r"chunks\[0\].forward = -1.0"),
-    (lambda: simulate_zbv([StageTimes(1.0, 2.0, weight=3.0)] * 2, 4), r"chunks\[0\].weight = 3.0 exceeds"),
-    (lambda: simulate_zbv([HALF_W] * 4, 4, [0.1, 0.2]), "one per cut"),
-    (lambda: simulate_zbv([HALF_W] * 4, 0), "micro-batches = 0"),
-    (lambda: zbv_order(2, 4, cap=1), "cap = 1; a rank holds both chunks"),
-    (lambda: simulate_zbv([HALF_W] * 4, 4, eager=[4]), r"eager stages \[4\] are not all virtual stages of 0\.\.3"),
-])
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: simulate_zbv([HALF_W] * 3, 4), "3 chunks; a V needs two per rank"),
+        (lambda: simulate_zbv([StageTimes(-1.0, 2.0)] * 2, 4), r"chunks\[0\].forward = -1.0"),
+        (lambda: simulate_zbv([StageTimes(1.0, 2.0, weight=3.0)] * 2, 4), r"chunks\[0\].weight = 3.0 exceeds"),
+        (lambda: simulate_zbv([HALF_W] * 4, 4, [0.1, 0.2]), "one per cut"),
+        (lambda: simulate_zbv([HALF_W] * 4, 0), "micro-batches = 0"),
+        (lambda: zbv_order(2, 4, cap=1), "cap = 1; a rank holds both chunks"),
+        (lambda: simulate_zbv([HALF_W] * 4, 4, eager=[4]), r"eager stages \[4\] are not all virtual stages of 0\.\.3"),
+    ],
+)
 def test_bad_input_names_the_value_and_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -145,23 +157,28 @@ def test_an_eager_chunk_runs_each_w_right_after_its_b_and_defers_nothing(eager):
     assert not {s for _, s in deferred(result)} & set(eager)
     assert {s for _, s in deferred(lazy)} & set(eager)  # left to the rule, some of them wait
     assert sorted((o.kind, o.micro_batch, o.stage) for o in result.ops) == sorted(
-        (o.kind, o.micro_batch, o.stage) for o in lazy.ops)
+        (o.kind, o.micro_batch, o.stage) for o in lazy.ops
+    )
 
 
 def _dynamic_bytes(result, budget, rank):
     """Bytes of activations and W state ``rank`` holds at each of its ops' starts, as v_rank_memory counts them."""
     pp = result.pp
-    return [sum(n * budget.activation[s] for n, s in zip(x.held, (rank, 2 * pp - 1 - rank)))
-            + sum(n * budget.pending[s] for n, s in zip(x.pending, (rank, 2 * pp - 1 - rank)))
-            for x in v_moments(result, rank)]
+    return [
+        sum(n * budget.activation[s] for n, s in zip(x.held, (rank, 2 * pp - 1 - rank)))
+        + sum(n * budget.pending[s] for n, s in zip(x.pending, (rank, 2 * pp - 1 - rank)))
+        for x in v_moments(result, rank)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_a_budget_in_bytes_holds_at_every_ops_start_and_a_loose_one_lifts_the_count_cap(seed):
     rng = random.Random(seed)
     pp, m = rng.choice([(2, 4), (3, 6), (4, 8)])
-    chunks = [StageTimes(rng.uniform(0.5, 1.5), b := rng.uniform(1.0, 3.0), weight=b * rng.uniform(0.2, 0.6))
-              for _ in range(2 * pp)]
+    chunks = [
+        StageTimes(rng.uniform(0.5, 1.5), b := rng.uniform(1.0, 3.0), weight=b * rng.uniform(0.2, 0.6))
+        for _ in range(2 * pp)
+    ]
     activation = tuple(rng.uniform(1.0, 10.0) for _ in range(2 * pp))
     pending = tuple(rng.uniform(0.0, 5.0) for _ in range(2 * pp))
     least = [activation[r] + pending[r] + activation[2 * pp - 1 - r] + pending[2 * pp - 1 - r] for r in range(pp)]
@@ -182,8 +199,11 @@ def test_a_tight_budget_holds_fewer_and_costs_time_and_one_under_a_micro_batch_i
     budget = VBudget((1.0,) * 8, (0.5,) * 8, (6.0,) * 4)
     tight = simulate_zbv(chunks, 8, budget=budget)
     assert max(tight.peak_held) == 5 < max(free.peak_held) and tight.step_time > free.step_time
-    with pytest.raises(ValueError, match=r"rank 0's budget of 2\.4 bytes is under one micro-batch of both its "
-                                         r"chunks \(2\.5\): no order fits"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0's budget of 2\.4 bytes is under one micro-batch of both its "
+        r"chunks \(2\.5\): no order fits",
+    ):
         simulate_zbv(chunks, 8, budget=VBudget((1.0,) * 8, (0.5,) * 8, (2.4,) * 4))
     # W state larger than the activations (a loss chunk's logits' gradient): each micro-batch reserves it.
     heavy = VBudget((0.5,) * 8, (1.0,) * 8, (6.0,) * 4)

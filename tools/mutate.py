@@ -46,8 +46,9 @@ MUTATION_TIMEOUT_S = 300
 
 def _copy_repo(dest: Path, worktree: bool) -> None:
     if worktree:
-        ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
-                                        "*.egg-info")
+        ignore = shutil.ignore_patterns(
+            ".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "*.egg-info"
+        )
         shutil.copytree(ROOT, dest, ignore=ignore, dirs_exist_ok=True)
         return
     archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, check=True, capture_output=True)
@@ -63,10 +64,21 @@ def _env(copy: Path) -> dict[str, str]:
     return env
 
 
-def _pytest(copy: Path, tests: tuple[str, ...], timeout: float, *, stop_first: bool = True,
-            deselect: tuple[str, ...] = ()) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-rfE", "-p", "no:cacheprovider",
-           *tests, *(f"--deselect={t}" for t in deselect)]
+def _pytest(
+    copy: Path, tests: tuple[str, ...], timeout: float, *, stop_first: bool = True, deselect: tuple[str, ...] = ()
+) -> tuple[int | None, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *(["-x"] if stop_first else []),
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        *tests,
+        *(f"--deselect={t}" for t in deselect),
+    ]
     try:
         proc = subprocess.run(cmd, cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -90,8 +102,9 @@ def _nothing_ran(code: int | None, output: str) -> bool:
 def _nanotron_under_test(copy: Path) -> str:
     """``upstream`` or ``0.2``, decided as ``tests/upstream/harness.py`` decides (upstream main has Qwen2)."""
     probe = "import importlib.util; print('upstream' if importlib.util.find_spec('nanotron.models.qwen') else '0.2')"
-    return subprocess.run([sys.executable, "-c", probe], cwd=copy, env=_env(copy), capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", probe], cwd=copy, env=_env(copy), capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,13 +126,21 @@ def main(argv: list[str] | None = None) -> int:
         for m in selected:
             if m not in mutations:
                 rows.append((m.name, m.file, f"LEFT FOR THE {m.nanotron} PASS", 0.0))
-        where = subprocess.run([sys.executable, "-c", "import nanotron_ext; print(nanotron_ext.__file__)"],
-                               cwd=copy, env=_env(copy), capture_output=True, text=True, check=True).stdout.strip()
+        where = subprocess.run(
+            [sys.executable, "-c", "import nanotron_ext; print(nanotron_ext.__file__)"],
+            cwd=copy,
+            env=_env(copy),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         if not Path(where).resolve().is_relative_to(copy.resolve()):
             print(f"the copy's package is not the one imported ({where}); stopping", file=sys.stderr)
             return 2
-        print(f"copy: {copy} ({'working tree' if args.worktree else 'HEAD'}); nanotron_ext from {where}; "
-              f"Nanotron under test: {nanotron} ({len(rows)} mutation(s) left for the other pass)")
+        print(
+            f"copy: {copy} ({'working tree' if args.worktree else 'HEAD'}); nanotron_ext from {where}; "
+            f"Nanotron under test: {nanotron} ({len(rows)} mutation(s) left for the other pass)"
+        )
         selection = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
         if not selection:  # pytest without paths would run the whole suite
             print("no mutation for this Nanotron was selected")
@@ -130,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and not broken:
             print(f"baseline: the selected tests do not run:\n{output[-4000:]}", file=sys.stderr)
             return 2
-        print(f"baseline: {len(selection)} test selections unmutated ({time.monotonic() - start:.0f} s); "
-              + (f"{len(broken)} fail already and are left out: {', '.join(broken)}" if broken else "all pass"))
+        print(
+            f"baseline: {len(selection)} test selections unmutated ({time.monotonic() - start:.0f} s); "
+            + (f"{len(broken)} fail already and are left out: {', '.join(broken)}" if broken else "all pass")
+        )
         print()
         for m in mutations:
             path = copy / m.file
@@ -176,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if r[2] in ("SURVIVED", "TIMEOUT") or r[2].startswith(("NOT APPLIED", "NOT RUN"))]
     left = [r for r in rows if r[2].startswith("LEFT FOR")]
     ran = len(rows) - len(left)
-    print(f"\n{ran - len(bad)} of {ran} mutations caught; {sum(r[2] == 'SURVIVED' for r in rows)} survived"
-          + (f"; {len(left)} left for the other Nanotron's pass" if left else ""))
+    print(
+        f"\n{ran - len(bad)} of {ran} mutations caught; {sum(r[2] == 'SURVIVED' for r in rows)} survived"
+        + (f"; {len(left)} left for the other Nanotron's pass" if left else "")
+    )
     return 1 if bad else 0
 
 

@@ -71,13 +71,17 @@ def worker(spec_path: str, out_path: str) -> None:
     rank = int(os.environ["RANK"])
     folder = Path(spec["folder"])
     cfg = load_config(spec["config"])
-    with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=cfg.run.pp, data_parallel_size=1,
-                             timeout_s=1800) as ctx:
+    with GlooParallelContext(
+        tensor_parallel_size=1, pipeline_parallel_size=cfg.run.pp, data_parallel_size=1, timeout_s=1800
+    ) as ctx:
         standalone = calibrate(cfg, repeats=spec["repeats"], progress=False)
         plan = _plan_split(cfg, "plan", "")
         in_run = profile_in_context(cfg, ctx, standalone, [Probe("plan", plan)], steps=spec["in_run_steps"])
-        paths = {"standalone": folder / "standalone.json", "in-run before": folder / "in_run_before.json",
-                 "in-run": folder / "in_run.json"}
+        paths = {
+            "standalone": folder / "standalone.json",
+            "in-run before": folder / "in_run_before.json",
+            "in-run": folder / "in_run.json",
+        }
         if rank == 0:
             standalone.save(paths["standalone"])
             in_run.save(paths["in-run before"])
@@ -89,16 +93,33 @@ def worker(spec_path: str, out_path: str) -> None:
         if rank == 0:
             clocked = next(run for run in runs.values() if run["clocked"])
             split = InRunSplit(tuple(clocked["block_ranks"]), tuple(clocked["steps"]))
-            in_run_profile(clocked["cfg"], inventory_from_config(cfg), [split], standalone,
-                           source=f"in_run_accuracy.py {spec['label']}: the clocked turns").save(paths["in-run"])
-            positions = {sig: {pos: statistics.fmean(ops.forward) + statistics.fmean(ops.backward)
-                               for pos, ops in sample.positions.items() if ops.forward}
-                         for sig, sample in samples_of(inventory_from_config(cfg), cfg, [split]).items()}
+            in_run_profile(
+                clocked["cfg"],
+                inventory_from_config(cfg),
+                [split],
+                standalone,
+                source=f"in_run_accuracy.py {spec['label']}: the clocked turns",
+            ).save(paths["in-run"])
+            positions = {
+                sig: {
+                    pos: statistics.fmean(ops.forward) + statistics.fmean(ops.backward)
+                    for pos, ops in sample.positions.items()
+                    if ops.forward
+                }
+                for sig, sample in samples_of(inventory_from_config(cfg), cfg, [split]).items()
+            }
     if rank == 0:
-        Path(out_path).write_text(json.dumps({
-            "spec": spec, "runs": out, "profiles": {k: str(p) for k, p in paths.items()}, "positions": positions,
-            "splits": {name: list(r["block_ranks"]) for name, r in runs.items()},
-        }))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "spec": spec,
+                    "runs": out,
+                    "profiles": {k: str(p) for k, p in paths.items()},
+                    "positions": positions,
+                    "splits": {name: list(r["block_ranks"]) for name, r in runs.items()},
+                }
+            )
+        )
 
 
 def _build(spec: dict[str, Any], cfg: Any, ctx: Any, in_run_path: str, build_split: Any) -> dict[str, dict[str, Any]]:
@@ -118,13 +139,27 @@ def _build(spec: dict[str, Any], cfg: Any, ctx: Any, in_run_path: str, build_spl
                     continue
                 c = cfg.with_overrides(engine=engine, n_micro_batches=m)
                 run = build_split(c, ranks, ctx)
-                models[key] = {"names": [name], "cfg": c, "run": run, "block_ranks": ranks, "engine": engine, "m": m,
-                               "timer": StepTimer(run.model, ctx), "clocked": False, "records": []}
+                models[key] = {
+                    "names": [name],
+                    "cfg": c,
+                    "run": run,
+                    "block_ranks": ranks,
+                    "engine": engine,
+                    "m": m,
+                    "timer": StepTimer(run.model, ctx),
+                    "clocked": False,
+                    "records": [],
+                }
                 runs[name] = models[key]
     own = (_plan_split(cfg, "plan", ""), cfg.run.engine, cfg.run.n_micro_batches)
     plan = models[own]
-    runs[plan["names"][0] + CLOCKED] = {**plan, "names": [plan["names"][0] + CLOCKED], "clocked": True, "records": [],
-                                        "steps": []}
+    runs[plan["names"][0] + CLOCKED] = {
+        **plan,
+        "names": [plan["names"][0] + CLOCKED],
+        "clocked": True,
+        "records": [],
+        "steps": [],
+    }
     return runs
 
 
@@ -144,7 +179,7 @@ def _rounds(spec: dict[str, Any], cfg: Any, ctx: Any, runs: dict[str, dict[str, 
 
     names = list(runs)
     for r in range(spec["rounds"]):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             run = runs[name]
             untimed = (spec["warmup"] if r == 0 else 0) + spec["rewarm"]
             timer = OpClock(run["run"].model, ctx) if run["clocked"] else run["timer"]
@@ -166,8 +201,14 @@ def _rounds(spec: dict[str, Any], cfg: Any, ctx: Any, runs: dict[str, dict[str, 
 def _gathered(run: dict[str, Any]) -> dict[str, Any]:
     """A run's JSON: what it trained and every timed step; a clocked run also every rank's clocked step (kept, so
     that the in-run profile can be priced again from them)."""
-    out = {"names": run["names"], "engine": run["engine"], "m": run["m"], "block_ranks": list(run["block_ranks"]),
-           "clocked": run["clocked"], "records": run["records"]}
+    out = {
+        "names": run["names"],
+        "engine": run["engine"],
+        "m": run["m"],
+        "block_ranks": list(run["block_ranks"]),
+        "clocked": run["clocked"],
+        "records": run["records"],
+    }
     if run["clocked"]:
         out["steps"] = [[dataclasses.asdict(rank) for rank in step] for step in run["steps"]]
     return out

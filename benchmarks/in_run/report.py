@@ -85,23 +85,41 @@ def rows(result: dict[str, Any]) -> tuple[list[Row], dict[str, float]]:
             continue
         c = cfg.with_overrides(engine=run["engine"], n_micro_batches=run["m"])
         plan = plan_with_ranks(blocks, c, ranks, "measured", suggest_fixes=False)
-        predicted = {name: simulate_plan(plan, blocks, c, machine=p, device=spec["device"], backend="gloo").step_time
-                     for name, p in profiles.items()}
+        predicted = {
+            name: simulate_plan(plan, blocks, c, machine=p, device=spec["device"], backend="gloo").step_time
+            for name, p in profiles.items()
+        }
         low, high, _ = median_interval(times)
         key = (ranks, run["engine"], run["m"])
         if key == own:
             plain_of_own = times
-        out.append(Row(", ".join(run["names"]), layout_string([b.role for b in blocks], ranks) or "?", run["engine"],
-                       run["m"], key != own, statistics.median(times), low, high, predicted["in-run"],
-                       predicted["standalone"], predicted["in-run before"]))
+        out.append(
+            Row(
+                ", ".join(run["names"]),
+                layout_string([b.role for b in blocks], ranks) or "?",
+                run["engine"],
+                run["m"],
+                key != own,
+                statistics.median(times),
+                low,
+                high,
+                predicted["in-run"],
+                predicted["standalone"],
+                predicted["in-run before"],
+            )
+        )
     if clock.get("clocked") and plain_of_own:
         pairs = [a / b for a, b in zip(clock["clocked"], plain_of_own)]
         low, high, _ = median_interval(pairs)
         clocked = next(run for run in result["runs"].values() if run["clocked"])
         # the clock's own seconds in its hooks, on the rank that spent most, ÷ the step (self-timed)
         own = [max(r["clock"] for r in ranks) / t for ranks, t in zip(clocked.get("steps", []), clock["clocked"])]
-        clock = {"ratio": statistics.median(pairs), "low": low, "high": high,
-                 "own": statistics.median(own) if own else None}
+        clock = {
+            "ratio": statistics.median(pairs),
+            "low": low,
+            "high": high,
+            "own": statistics.median(own) if own else None,
+        }
     return out, clock
 
 
@@ -120,13 +138,15 @@ def checks(result: dict[str, Any], found: list[Row], clock: dict[str, float]) ->
         for m, choice in auto_picks(result).items():
             group = [r for r in found if r.m == m]
             chosen = [r for r in group if r.engine == choice]
-            out[f"auto's pick ({choice}) measured fastest or within its interval (m={m})"] = bool(chosen) and \
-                within_fastest(chosen[0], group)
+            out[f"auto's pick ({choice}) measured fastest or within its interval (m={m})"] = bool(
+                chosen
+            ) and within_fastest(chosen[0], group)
     if clock:
         # Its own work, self-timed, and the side-by-side steps: not significantly above the budget (the interval of
         # clocked ÷ plain starts at or below it; the machine's noise between two turns is several percent).
         out[f"the in-run clock costs at most {CLOCK_BUDGET:.0%} of a step"] = (
-            clock.get("own") is not None and clock["own"] <= CLOCK_BUDGET and clock["low"] <= 1 + CLOCK_BUDGET)
+            clock.get("own") is not None and clock["own"] <= CLOCK_BUDGET and clock["low"] <= 1 + CLOCK_BUDGET
+        )
     return out
 
 
@@ -135,8 +155,10 @@ def auto_picks(result: dict[str, Any]) -> dict[int, str]:
     from nanotron_ext.plan import resolve_engine
 
     cfg = load_config(result["spec"]["config"]).with_overrides(machine=result["profiles"]["in-run"])
-    return {m: resolve_engine(cfg.with_overrides(engine="auto", n_micro_batches=m))[0].run.engine
-            for m in result["spec"]["micro_batches"]}
+    return {
+        m: resolve_engine(cfg.with_overrides(engine="auto", n_micro_batches=m))[0].run.engine
+        for m in result["spec"]["micro_batches"]
+    }
 
 
 def _groups(found: list[Row]) -> dict[tuple[str, int], list[Row]]:
@@ -149,7 +171,7 @@ def _groups(found: list[Row]) -> dict[tuple[str, int], list[Row]]:
 def separated_tau(group: Sequence[Row]) -> float | None:
     """Kendall's τ of measured against predicted over the pairs whose measured intervals do not overlap (None: no
     such pair)."""
-    pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a.high < b.low or b.high < a.low]
+    pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1 :] if a.high < b.low or b.high < a.low]
     if not pairs:
         return None
     agree = sum((a.median < b.median) == (a.in_run < b.in_run) for a, b in pairs)
@@ -166,26 +188,67 @@ def print_scenario(result: dict[str, Any], found: list[Row], clock: dict[str, fl
     """The scenario's table and its checks."""
     spec = result["spec"]
     print(f"\n## {spec['label']}: {spec['notes']}\n")
-    print(table(["run", "layout", "engine", "m", "held out", "measured ms [95 % interval]", "in-run ms",
-                 "in-run ÷ meas", "in-run before ÷ meas", "standalone ms", "standalone ÷ meas"],
-                [[r.name, r.layout, r.engine, r.m, "yes" if r.held_out else "profile's run",
-                  f"{r.median * 1e3:.1f} [{r.low * 1e3:.1f}, {r.high * 1e3:.1f}]", f"{r.in_run * 1e3:.1f}",
-                  f"{r.ratio:.3f}", f"{r.before_ratio:.3f}", f"{r.standalone * 1e3:.1f}", f"{r.standalone_ratio:.3f}"]
-                 for r in found]))
-    print("in-run: the clocked turns of the profile's split, in the same rounds; in-run before: calibrate --in-run's "
-          "steps before the rounds (the same split); standalone: calibrate, blocks alone")
+    print(
+        table(
+            [
+                "run",
+                "layout",
+                "engine",
+                "m",
+                "held out",
+                "measured ms [95 % interval]",
+                "in-run ms",
+                "in-run ÷ meas",
+                "in-run before ÷ meas",
+                "standalone ms",
+                "standalone ÷ meas",
+            ],
+            [
+                [
+                    r.name,
+                    r.layout,
+                    r.engine,
+                    r.m,
+                    "yes" if r.held_out else "profile's run",
+                    f"{r.median * 1e3:.1f} [{r.low * 1e3:.1f}, {r.high * 1e3:.1f}]",
+                    f"{r.in_run * 1e3:.1f}",
+                    f"{r.ratio:.3f}",
+                    f"{r.before_ratio:.3f}",
+                    f"{r.standalone * 1e3:.1f}",
+                    f"{r.standalone_ratio:.3f}",
+                ]
+                for r in found
+            ],
+        )
+    )
+    print(
+        "in-run: the clocked turns of the profile's split, in the same rounds; in-run before: calibrate --in-run's "
+        "steps before the rounds (the same split); standalone: calibrate, blocks alone"
+    )
     positions = result.get("positions", {})
     if any(len(by) > 1 for by in positions.values()):
         print("\nthe profile's split, clocked: each block's forward + backward per micro-batch (ms) by stage position")
         order = ("first", "middle", "last")
-        print(table(["block signature", *order], [[sig, *(f"{by[p] * 1e3:.2f}" if p in by else "-" for p in order)]
-                                                   for sig, by in positions.items() if len(by) > 1]))
+        print(
+            table(
+                ["block signature", *order],
+                [
+                    [sig, *(f"{by[p] * 1e3:.2f}" if p in by else "-" for p in order)]
+                    for sig, by in positions.items()
+                    if len(by) > 1
+                ],
+            )
+        )
     tau = kendall_tau([r.median for r in found], [r.in_run for r in found])
-    print(f"\nKendall τ (every row, in-run) {tau:.2f}; standalone "
-          f"{kendall_tau([r.median for r in found], [r.standalone for r in found]):.2f}")
+    print(
+        f"\nKendall τ (every row, in-run) {tau:.2f}; standalone "
+        f"{kendall_tau([r.median for r in found], [r.standalone for r in found]):.2f}"
+    )
     if clock:
         own = "" if clock.get("own") is None else f"; its own time in its hooks ÷ the step: {clock['own']:.2%}"
-        print(f"in-run clock: the config's split with it ÷ without it, per round: {clock['ratio']:.3f} "
-              f"[{clock['low']:.3f}, {clock['high']:.3f}]{own}")
+        print(
+            f"in-run clock: the config's split with it ÷ without it, per round: {clock['ratio']:.3f} "
+            f"[{clock['low']:.3f}, {clock['high']:.3f}]{own}"
+        )
     for name, ok in checks(result, found, clock).items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")

@@ -59,9 +59,23 @@ def analyse(result: dict[str, Any]) -> list[Row]:
         steps = step_times(run_of(result, name))
         low, high, coverage = median_interval(steps)
         same = first.setdefault(s["key"], name)
-        rows.append(Row(name, None if same == name else same, s["stages"], s["ok"], s["vocab_shards"], steps,
-                        statistics.median(steps), low, high, coverage, s["predicted"], s["predicted_planning"],
-                        s.get("predicted_one_p2p", math.nan)))
+        rows.append(
+            Row(
+                name,
+                None if same == name else same,
+                s["stages"],
+                s["ok"],
+                s["vocab_shards"],
+                steps,
+                statistics.median(steps),
+                low,
+                high,
+                coverage,
+                s["predicted"],
+                s["predicted_planning"],
+                s.get("predicted_one_p2p", math.nan),
+            )
+        )
     return rows
 
 
@@ -88,9 +102,13 @@ class OrderChecks:
 
     def record(self) -> dict[str, Any]:
         """The checks as the results JSON holds them (split names)."""
-        return {"tau": self.tau, "misordered": [[a.name, b.name] for a, b in self.misordered],
-                "default_ok": self.default_ok, "fastest": self.fastest.name,
-                "bad_ratio": [[r.name, r.ratio] for r in self.bad_ratio]}
+        return {
+            "tau": self.tau,
+            "misordered": [[a.name, b.name] for a, b in self.misordered],
+            "default_ok": self.default_ok,
+            "fastest": self.fastest.name,
+            "bad_ratio": [[r.name, r.ratio] for r in self.bad_ratio],
+        }
 
 
 def order_checks(rows: Sequence[Row]) -> OrderChecks:
@@ -102,18 +120,26 @@ def order_checks(rows: Sequence[Row]) -> OrderChecks:
     fastest = min(valid, key=lambda r: r.median)
     default = next((r for r in rows if r.name == "default"), None)
     bad_ratio = [r for r in distinct if not RATIO_RANGE[0] <= r.ratio <= RATIO_RANGE[1]]
-    return OrderChecks(tau, distinct, misordered, valid, fastest, default,
-                       default is None or default.median <= fastest.high, bad_ratio)
+    return OrderChecks(
+        tau, distinct, misordered, valid, fastest, default, default is None or default.median <= fastest.high, bad_ratio
+    )
 
 
 def measured_parts(records: Sequence[dict[str, float]]) -> dict[str, float]:
     """One rank's step taken apart (medians over timed steps): compute inside the pipeline, receive and send
     waits, the wait in collectives after it, the busy time after it (update), and the closing wait."""
+
     def med(f: Callable[[dict[str, float]], float]) -> float:
         return statistics.median(f(r) for r in records)
 
-    return {"step": med(lambda r: r["step"]), "compute": med(lambda r: r["pipeline"] - r["pipeline_idle"]),
-            "recv": med(lambda r: r["recv_wait"]), "send": med(lambda r: r["send_wait"]),
-            "after_wait": med(lambda r: r["collective_wait"]),
-            "update": med(lambda r: r["busy"] - (r["pipeline"] - r["pipeline_idle"])),
-            "end": med(lambda r: r["end_wait"]), "cpu": med(lambda r: r["cpu"]), "idle": med(lambda r: r["idle"])}
+    return {
+        "step": med(lambda r: r["step"]),
+        "compute": med(lambda r: r["pipeline"] - r["pipeline_idle"]),
+        "recv": med(lambda r: r["recv_wait"]),
+        "send": med(lambda r: r["send_wait"]),
+        "after_wait": med(lambda r: r["collective_wait"]),
+        "update": med(lambda r: r["busy"] - (r["pipeline"] - r["pipeline_idle"])),
+        "end": med(lambda r: r["end_wait"]),
+        "cpu": med(lambda r: r["cpu"]),
+        "idle": med(lambda r: r["idle"]),
+    }

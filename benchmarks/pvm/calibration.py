@@ -42,17 +42,30 @@ def take_profile(cfgs: dict[int, Any]) -> Any:
 def _covers(profile: Any, cfg: Any) -> bool:
     """Whether ``profile`` measured every block of ``cfg``."""
     blocks = inventory_from_config(cfg)
-    return all(profile.block(block_signature(b, input_grad=g)) is not None
-               for b, g in zip(blocks, trainable_before(blocks)))
+    return all(
+        profile.block(block_signature(b, input_grad=g)) is not None for b, g in zip(blocks, trainable_before(blocks))
+    )
 
 
 def median_profile(profiles: Sequence[Any]) -> Any:
     """Every number of the profiles replaced by its median over them (same blocks, links and syncs)."""
     med, first = statistics.median, profiles[0]
-    blocks = tuple(BlockCost(b.signature, *(med(getattr(p.block(b.signature), f) for p in profiles)
-                                            for f in ("forward", "backward", "update"))) for b in first.blocks)
-    links = tuple(Link(link.src, link.dst, med(p.links[i].latency for p in profiles),
-                       med(p.links[i].bytes_per_second for p in profiles)) for i, link in enumerate(first.links))
+    blocks = tuple(
+        BlockCost(
+            b.signature,
+            *(med(getattr(p.block(b.signature), f) for p in profiles) for f in ("forward", "backward", "update")),
+        )
+        for b in first.blocks
+    )
+    links = tuple(
+        Link(
+            link.src,
+            link.dst,
+            med(p.links[i].latency for p in profiles),
+            med(p.links[i].bytes_per_second for p in profiles),
+        )
+        for i, link in enumerate(first.links)
+    )
     overhead = EngineOverhead(*(med(getattr(p.overhead, f) for p in profiles) for f in ("block_call", "send", "recv")))
 
     def sync(name: str) -> Any:
@@ -62,9 +75,16 @@ def median_profile(profiles: Sequence[Any]) -> Any:
         return Collective(med(c.latency for c in found), med(c.bus_bytes_per_second for c in found))
 
     rates = tuple((role, med(dict(p.rates).get(role, rate) for p in profiles)) for role, rate in first.rates)
-    return dataclasses.replace(first, blocks=blocks, links=links, overhead=overhead, rates=rates,
-                               dp_allreduce=sync("dp_allreduce"), tied_allreduce=sync("tied_allreduce"),
-                               source=f"{first.source}; median of {len(profiles)} calibrations in this run")
+    return dataclasses.replace(
+        first,
+        blocks=blocks,
+        links=links,
+        overhead=overhead,
+        rates=rates,
+        dp_allreduce=sync("dp_allreduce"),
+        tied_allreduce=sync("tied_allreduce"),
+        source=f"{first.source}; median of {len(profiles)} calibrations in this run",
+    )
 
 
 def busy_block_times(cfgs: dict[int, Any]) -> dict[str, list[float]]:
@@ -77,8 +97,7 @@ def busy_block_times(cfgs: dict[int, Any]) -> dict[str, list[float]]:
         blocks = inventory_from_config(cfg)
         with tempfile.TemporaryDirectory(prefix="predict_vs_measure_busy_") as fresh:
             dist.barrier()
-            timings = profile_blocks(blocks, cfg, tp_pg=groups[dist.get_rank()], cache_dir=fresh, warmup=2,
-                                     repeats=5)
+            timings = profile_blocks(blocks, cfg, tp_pg=groups[dist.get_rank()], cache_dir=fresh, warmup=2, repeats=5)
         for b, grad, t in zip(blocks, trainable_before(blocks), timings):
             out.setdefault(block_signature(b, input_grad=grad), [t.forward, t.backward, t.optimizer])
     dist.barrier()

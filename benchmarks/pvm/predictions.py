@@ -16,8 +16,13 @@ from nanotron_ext.simulate import plan_stage_times, simulate_plan
 from pvm.splits import PlannedSplit, split_key
 
 
-def describe_splits(plans: dict[str, PlannedSplit], planning_path: str, median_path: str,
-                    decompose: Sequence[str], busy: dict[str, list[float]]) -> dict[str, Any]:
+def describe_splits(
+    plans: dict[str, PlannedSplit],
+    planning_path: str,
+    median_path: str,
+    decompose: Sequence[str],
+    busy: dict[str, list[float]],
+) -> dict[str, Any]:
     """Per split: its stages, validity, model key, and its predicted step under both profiles; item 3's parts
     for the splits in ``decompose`` (``busy``: :func:`pvm.calibration.busy_block_times`)."""
     median = load_machine(median_path)
@@ -25,9 +30,13 @@ def describe_splits(plans: dict[str, PlannedSplit], planning_path: str, median_p
     for name, (cfg, blocks, plan) in plans.items():
         under = cfg.with_overrides(machine=median_path)
         out[name] = {
-            "key": split_key(cfg, plan), "ranks": list(plan.block_ranks), "ok": plan.ok,
-            "vocab_shards": cfg.vocab_shards, "stages": [s.label for s in plan.stages],
-            "layout": cfg.ext.layout, "trainable": [s.trainable for s in plan.stages],
+            "key": split_key(cfg, plan),
+            "ranks": list(plan.block_ranks),
+            "ok": plan.ok,
+            "vocab_shards": cfg.vocab_shards,
+            "stages": [s.label for s in plan.stages],
+            "layout": cfg.ext.layout,
+            "trainable": [s.trainable for s in plan.stages],
             "predicted": simulate_plan(plan, blocks, under).step_time,
             "predicted_planning": simulate_plan(plan, blocks, cfg.with_overrides(machine=planning_path)).step_time,
             "predicted_one_p2p": one_p2p_for_every_cut(plan, blocks, under),
@@ -39,12 +48,14 @@ def describe_splits(plans: dict[str, PlannedSplit], planning_path: str, median_p
 def one_p2p_for_every_cut(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
     """The step as the simulator priced it before issue 29: every cut charged the largest transfer of any cut."""
     t = plan_stage_times(plan, blocks, cfg)
-    return simulate(t.stages, cfg.run.n_micro_batches, cfg.run.engine, max(t.p2p, default=0.0),
-                    grad_cuts=t.grad_cuts).step_time
+    return simulate(
+        t.stages, cfg.run.n_micro_batches, cfg.run.engine, max(t.p2p, default=0.0), grad_cuts=t.grad_cuts
+    ).step_time
 
 
-def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
-                    busy: dict[str, list[float]]) -> dict[str, Any]:
+def predicted_parts(
+    plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any, busy: dict[str, list[float]]
+) -> dict[str, Any]:
     """The simulated step of ``plan`` taken apart per stage as item 3 takes the measured one apart; and each
     stage's blocks timed with every rank busy (``busy``)."""
     sim = simulate_plan(plan, blocks, cfg)
@@ -58,12 +69,24 @@ def predicted_parts(plan: Any, blocks: Sequence[Any], cfg: Any, machine: Any,
         ops = [op for op in sim.ops if op.stage == k and op.kind != "U"]
         computing = math.fsum(op.duration for op in ops)
         end = max((op.end for op in ops), default=0.0)
-        stages.append({"profiled": compute, "profiled_busy": m * math.fsum(sum(together[i][:2]) for i in mine),
-                       "update_busy": math.fsum(together[i][2] for i in mine),
-                       "overhead": computing - compute, "pipeline_wait": end - computing,
-                       "after_wait": sim.pipeline_time - end, "update": sim.stages[k].update})
-    return {"step": sim.step_time, "pipeline": sim.pipeline_time, "p2p": sim.p2p_times, "stages": stages,
-            "eager_step": eager_step(plan, blocks, cfg)}
+        stages.append(
+            {
+                "profiled": compute,
+                "profiled_busy": m * math.fsum(sum(together[i][:2]) for i in mine),
+                "update_busy": math.fsum(together[i][2] for i in mine),
+                "overhead": computing - compute,
+                "pipeline_wait": end - computing,
+                "after_wait": sim.pipeline_time - end,
+                "update": sim.stages[k].update,
+            }
+        )
+    return {
+        "step": sim.step_time,
+        "pipeline": sim.pipeline_time,
+        "p2p": sim.p2p_times,
+        "stages": stages,
+        "eager_step": eager_step(plan, blocks, cfg),
+    }
 
 
 def eager_step(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
@@ -74,8 +97,14 @@ def eager_step(plan: Any, blocks: Sequence[Any], cfg: Any) -> float:
     times = plan_stage_times(plan, blocks, cfg)
     pp, cuts, programs = plan.pp, times.grad_cuts, []
     for s in range(pp):
-        program = engine_program(cfg.run.engine, pp, s, cfg.run.n_micro_batches,
-                                 grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
+        program = engine_program(
+            cfg.run.engine,
+            pp,
+            s,
+            cfg.run.n_micro_batches,
+            grad_in=s == 0 or cuts[s - 1],
+            grad_out=s == pp - 1 or cuts[s],
+        )
         sends = [step for step in program if step.action.is_send]
         eager = []
         for step in program:

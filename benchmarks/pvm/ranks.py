@@ -90,18 +90,26 @@ def build_models(plans: dict[str, PlannedSplit], ctx: Any, eager_sends: Sequence
             runs[key].names.append(name)
             continue
         torch.manual_seed(0)
-        model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks),
-                                vocab_shards=cfg.vocab_shards)
+        model = build_cpu_llama(
+            llama_config_from_shape(cfg), ctx, block_ranks=list(plan.block_ranks), vocab_shards=cfg.vocab_shards
+        )
         # A rank without trainable parameters (Nanotron's rule on the seed model) gets no optimizer.
         optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
-        runs[key] = Run([name], model, optimizer, grad_acc, cfg.run.n_micro_batches, StepTimer(model, ctx),
-                        random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                             cfg.run.sequence_length))
+        runs[key] = Run(
+            [name],
+            model,
+            optimizer,
+            grad_acc,
+            cfg.run.n_micro_batches,
+            StepTimer(model, ctx),
+            random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size, cfg.run.sequence_length),
+        )
     for name in eager_sends:
         key = split_key(plans[name].cfg, plans[name].plan)
         # The same model, optimizer and data: only the send order differs. No names: no prediction row.
-        runs[key + EAGER_SENDS] = dataclasses.replace(runs[key], names=[], of=name, sends="eager", losses=[],
-                                                      timer=StepTimer(runs[key].model, ctx))
+        runs[key + EAGER_SENDS] = dataclasses.replace(
+            runs[key], names=[], of=name, sends="eager", losses=[], timer=StepTimer(runs[key].model, ctx)
+        )
     return runs
 
 
@@ -134,20 +142,32 @@ def _turn(run: Run, ctx: Any, records: Sequence[bool]) -> None:
     for record in records:
         before, P2PCount.shapes = (P2PCount.sent, P2PCount.received), []
         with run.timer as timer, timer.step(record=record):
-            run.losses.append(train_step(run.model, ctx, ENGINE, run.batches, run.m, run.optimizer,
-                                         grad_accumulator=run.grad_acc, clip_grad=None, sends=run.sends))
+            run.losses.append(
+                train_step(
+                    run.model,
+                    ctx,
+                    ENGINE,
+                    run.batches,
+                    run.m,
+                    run.optimizer,
+                    grad_accumulator=run.grad_acc,
+                    clip_grad=None,
+                    sends=run.sends,
+                )
+            )
         run.tensors = [P2PCount.sent - before[0], P2PCount.received - before[1]]  # the same every step
         run.shapes = P2PCount.shapes[: len(P2PCount.shapes) // run.m]  # one micro-batch's sends
 
 
-def train_rounds(runs: dict[str, Run], ctx: Any, spec: RankSpec, recalibrate: Callable[[], None],
-                 progress: Progress) -> list[float]:
+def train_rounds(
+    runs: dict[str, Run], ctx: Any, spec: RankSpec, recalibrate: Callable[[], None], progress: Progress
+) -> list[float]:
     """Every model takes its turn in every round, in an order that rotates (each goes first in turn);
     ``recalibrate`` after every ``calibrate_every`` rounds. Returns the load average before each round."""
     keys, loads = list(runs), []
     for r in range(spec.rounds):
         loads.append(os.getloadavg()[0])
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             first = [False] * spec.warmup if r == 0 else []
             _turn(runs[key], ctx, first + [False] * spec.rewarm + [True] * spec.steps_per_turn)
             progress.advance()
@@ -171,8 +191,13 @@ def exchange_times(ctx: Any, run: Run, repeats: int = 15) -> dict[str, float]:
         for i in range(repeats + 2):
             dist.barrier(group=ctx.pp_pg)
             t0 = time.perf_counter()
-            _exchange(p2p, rank, [torch.ones(s, dtype=getattr(torch, d)) for s, d in mine], len(theirs),
-                      interleaved=order == "one per call")
+            _exchange(
+                p2p,
+                rank,
+                [torch.ones(s, dtype=getattr(torch, d)) for s, d in mine],
+                len(theirs),
+                interleaved=order == "one per call",
+            )
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         out[order] = statistics.median(times)
@@ -189,7 +214,7 @@ def _exchange(p2p: Any, rank: int, mine: list[Any], n_theirs: int, *, interleave
         p2p.send_tensors(mine, to_rank=peer)
         p2p.recv_tensors(num_tensors=n_theirs, from_rank=peer)
     for i in range(max(len(mine), n_theirs) if interleaved else 0):
-        for do_send in ((True, False) if rank == 0 else (False, True)):
+        for do_send in (True, False) if rank == 0 else (False, True):
             if do_send and i < len(mine):
                 p2p.send_tensors([mine[i]], to_rank=peer)
             elif not do_send and i < n_theirs:
@@ -229,12 +254,15 @@ def worker(spec_path: str, out_path: str) -> None:
         gc.collect()
         if rank0:
             median_profile(profiles).save(spec.median_profile)
-            out = {"calibrate_s": calibrate_s, "load_average": loads, "runs": measured,
-                   "splits": describe_splits(plans, spec.planning_profile, spec.median_profile, spec.decompose,
-                                             busy),
-                   "auto": auto_pick(cfg, spec.planning_profile, plans) if spec.auto else None,
-                   "auto_median": auto_pick(cfg, spec.median_profile, plans) if spec.auto else None,
-                   "profiles": [json.loads(p.to_json()) for p in profiles]}
+            out = {
+                "calibrate_s": calibrate_s,
+                "load_average": loads,
+                "runs": measured,
+                "splits": describe_splits(plans, spec.planning_profile, spec.median_profile, spec.decompose, busy),
+                "auto": auto_pick(cfg, spec.planning_profile, plans) if spec.auto else None,
+                "auto_median": auto_pick(cfg, spec.median_profile, plans) if spec.auto else None,
+                "profiles": [json.loads(p.to_json()) for p in profiles],
+            }
             Path(out_path).write_text(json.dumps(out))
 
 
@@ -245,6 +273,12 @@ def _gathered(run: Run) -> dict[str, Any] | None:
     per_rank = run.timer.gather()
     if per_rank is None:
         return None
-    return {"names": run.names, "sends": run.sends, "of": run.of, "losses": run.losses,
-            "tensors": tensors, "exchange": run.exchange,
-            "records": [[rec.to_dict() for rec in recs] for recs in per_rank]}
+    return {
+        "names": run.names,
+        "sends": run.sends,
+        "of": run.of,
+        "losses": run.losses,
+        "tensors": tensors,
+        "exchange": run.exchange,
+        "records": [[rec.to_dict() for rec in recs] for recs in per_rank],
+    }

@@ -23,9 +23,13 @@ SEED_SPLITS = ("default", "nanotron", "uniform", "flop-optimal", "chain K=2", "c
 #: deliberately shifted split (``layout`` strategy).
 SMOL_SPLITS = ("default", "flop-optimal", "uniform", "nanotron", "shift +2", "shift -2")
 #: Issue 32's hand layouts of the 8-layer SmolLM shape at pp=2 (no other scenario trains them).
-LAYOUTS = (("front-heavy", "E,t*6|t*2,N,H,C,X"), ("even", "E,t*4|t*4,N,H,C,X"), ("back-heavy", "E,t*2|t*6,N,H,C,X"),
-           # The 25 MB of fp32 logits across the cut (PP1 holds only the cast and the loss: its optimizer skipped).
-           ("logits across the cut", "E,t*8,N,H|C,X"))
+LAYOUTS = (
+    ("front-heavy", "E,t*6|t*2,N,H,C,X"),
+    ("even", "E,t*4|t*4,N,H,C,X"),
+    ("back-heavy", "E,t*2|t*6,N,H,C,X"),
+    # The 25 MB of fp32 logits across the cut (PP1 holds only the cast and the loss: its optimizer skipped).
+    ("logits across the cut", "E,t*8,N,H|C,X"),
+)
 
 
 @dataclass(frozen=True)
@@ -83,37 +87,86 @@ class Scenario:
 def scenarios(quick: bool) -> list[Scenario]:
     """The scenarios; ``quick``: smaller models and fewer rounds (a minute or two on a busy 2-core machine)."""
     layers, seq = (4, 32) if quick else (8, 128)
-    smol = dict(yaml_name="smollm_135m.yaml", pp=2, splits=SMOL_SPLITS, sequence_length=seq, micro_batch_size=1,
-                num_hidden_layers=layers, rounds=3 if quick else 8, steps_per_turn=1 if quick else 2,
-                # Its calibration takes ~10 s (the tied embedding's 113 MB all-reduce): once more at the end only.
-                calibrate_every=0 if quick else 8)
+    smol = dict(
+        yaml_name="smollm_135m.yaml",
+        pp=2,
+        splits=SMOL_SPLITS,
+        sequence_length=seq,
+        micro_batch_size=1,
+        num_hidden_layers=layers,
+        rounds=3 if quick else 8,
+        steps_per_turn=1 if quick else 2,
+        # Its calibration takes ~10 s (the tied embedding's 113 MB all-reduce): once more at the end only.
+        calibrate_every=0 if quick else 8,
+    )
     shape = f"SmolLM-135M shape, {layers} layers, seq {seq}, micro-batch 1"
     return [
         # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
-        Scenario("seed-pp2", "tiny_llama_large_vocab.yaml", 2, 4, SEED_SPLITS, "seed model as shipped, pp=2, m=4",
-                 rounds=3 if quick else 10, steps_per_turn=2 if quick else 3, rewarm=1,
-                 # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
-                 calibrate_every=0 if quick else 2, auto=True, decompose=("default", "chain K=2"),
-                 eager_sends=("default", "chain K=2", "chain K=4")),
+        Scenario(
+            "seed-pp2",
+            "tiny_llama_large_vocab.yaml",
+            2,
+            4,
+            SEED_SPLITS,
+            "seed model as shipped, pp=2, m=4",
+            rounds=3 if quick else 10,
+            steps_per_turn=2 if quick else 3,
+            rewarm=1,
+            # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
+            calibrate_every=0 if quick else 2,
+            auto=True,
+            decompose=("default", "chain K=2"),
+            eager_sends=("default", "chain K=2", "chain K=4"),
+        ),
         Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
-        Scenario("smollm-m4", n_micro_batches=4, notes=f"{shape}, m=4", decompose=("default",),
-                 eager_sends=("default",), **smol),
+        Scenario(
+            "smollm-m4",
+            n_micro_batches=4,
+            notes=f"{shape}, m=4",
+            decompose=("default",),
+            eager_sends=("default",),
+            **smol,
+        ),
         # Issue 29: Nanotron's rule ships the logits across one cut (lm_head | cast, loss), hidden states across the
         # other; each cut is priced by what crosses it.
-        Scenario("smollm-pp3", n_micro_batches=4, notes=f"{shape}, pp=3, m=4 (logits across a cut)",
-                 **{**smol, "pp": 3, "splits": ("default", "nanotron", "flop-optimal")}),
+        Scenario(
+            "smollm-pp3",
+            n_micro_batches=4,
+            notes=f"{shape}, pp=3, m=4 (logits across a cut)",
+            **{**smol, "pp": 3, "splits": ("default", "nanotron", "flop-optimal")},
+        ),
         # Issue 32: three layouts no other scenario trains, untied; three calibrations back to back, each predicting
         # every layout (repeatability), then training (accuracy of each calibration).
         # The layouts name 8 decoder layers, so --quick keeps 8 here (and its shorter sequence).
-        Scenario("smollm-layouts", n_micro_batches=4,
-                 notes=f"SmolLM-135M shape, 8 layers, seq {seq}, micro-batch 1, untied, m=4, hand layouts",
-                 **{**smol, "splits": tuple(name for name, _ in LAYOUTS), "calibrate_every": 0,
-                    "rounds": 3 if quick else 6, "num_hidden_layers": 8},
-                 calibrations_first=3, layouts=LAYOUTS, tied=False,
-                 repeatable=tuple(name for name, _ in LAYOUTS[:3])),
-        Scenario("seed-pp4", "tiny_llama_large_vocab.yaml", 4, 4, ("default", "flop-optimal", "uniform", "nanotron"),
-                 "seed model, 6 layers, pp=4, m=4", num_hidden_layers=6, rounds=2 if quick else 6,
-                 steps_per_turn=2 if quick else 3, rewarm=1, calibrate_every=0 if quick else 2),
+        Scenario(
+            "smollm-layouts",
+            n_micro_batches=4,
+            notes=f"SmolLM-135M shape, 8 layers, seq {seq}, micro-batch 1, untied, m=4, hand layouts",
+            **{
+                **smol,
+                "splits": tuple(name for name, _ in LAYOUTS),
+                "calibrate_every": 0,
+                "rounds": 3 if quick else 6,
+                "num_hidden_layers": 8,
+            },
+            calibrations_first=3,
+            layouts=LAYOUTS,
+            tied=False,
+            repeatable=tuple(name for name, _ in LAYOUTS[:3]),
+        ),
+        Scenario(
+            "seed-pp4",
+            "tiny_llama_large_vocab.yaml",
+            4,
+            4,
+            ("default", "flop-optimal", "uniform", "nanotron"),
+            "seed model, 6 layers, pp=4, m=4",
+            num_hidden_layers=6,
+            rounds=2 if quick else 6,
+            steps_per_turn=2 if quick else 3,
+            rewarm=1,
+            calibrate_every=0 if quick else 2,
+        ),
     ]
 
 
@@ -150,9 +203,23 @@ class RankSpec:
     @classmethod
     def of(cls, sc: Scenario, planning_profile: str, median_profile: str) -> RankSpec:
         """The spec of scenario ``sc``, its profiles saved at those paths."""
-        return cls(sc.label, sc.raw_config(), sc.pp, sc.splits, sc.rounds, sc.steps_per_turn, sc.rewarm,
-                   sc.calibrate_every, sc.auto, sc.decompose, sc.eager_sends, sc.calibrations_first, sc.layouts,
-                   planning_profile, median_profile)
+        return cls(
+            sc.label,
+            sc.raw_config(),
+            sc.pp,
+            sc.splits,
+            sc.rounds,
+            sc.steps_per_turn,
+            sc.rewarm,
+            sc.calibrate_every,
+            sc.auto,
+            sc.decompose,
+            sc.eager_sends,
+            sc.calibrations_first,
+            sc.layouts,
+            planning_profile,
+            median_profile,
+        )
 
     @property
     def n_calibrations(self) -> int:

@@ -45,8 +45,9 @@ def _shifted(plan: Any, blocks: Sequence[Any], shift: int) -> str:
     return layout_of([0 if i < cut else 1 for i in range(len(roles))], roles)
 
 
-def plan_splits(names: Sequence[str], cfg: Any, machine_path: str,
-                layouts: dict[str, str] | None = None) -> dict[str, PlannedSplit]:
+def plan_splits(
+    names: Sequence[str], cfg: Any, machine_path: str, layouts: dict[str, str] | None = None
+) -> dict[str, PlannedSplit]:
     """Each named split, planned. ``default``, the chain and the shifts are planned under the machine profile at
     ``machine_path``; Nanotron's rule, uniform and FLOP-optimal need no times."""
     under = cfg.with_overrides(machine=machine_path)
@@ -86,5 +87,9 @@ def auto_pick(cfg: Any, machine_path: str, plans: dict[str, PlannedSplit]) -> di
     key = split_key(resolved, plan)
     same = [n for n, (c, _, p) in plans.items() if split_key(c, p) == key]
     same.sort(key=lambda n: not (n == "default" or n.startswith("chain")))  # name it as the default or a chain
-    return {"shards": choice.shards, "step_times": {str(k): v for k, v in choice.step_times.items()},
-            "ranks": list(plan.block_ranks), "same_as": same[0] if same else None}
+    return {
+        "shards": choice.shards,
+        "step_times": {str(k): v for k, v in choice.step_times.items()},
+        "ranks": list(plan.block_ranks),
+        "same_as": same[0] if same else None,
+    }

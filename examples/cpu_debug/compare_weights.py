@@ -20,7 +20,9 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every weight of ``checkpoint`` (a step's folder), by its path under ``model/`` without the pipeline rank."""
     files = sorted((checkpoint / "model").rglob("*.safetensors"))
     if not files:
-        raise SystemExit(f"{checkpoint}: no model/**/*.safetensors here; give a step's folder, e.g. checkpoints/train/4")
+        raise SystemExit(
+            f"{checkpoint}: no model/**/*.safetensors here; give a step's folder, e.g. checkpoints/train/4"
+        )
     out = {}
     for f in files:
         name = re.sub(r"_pp-rank-\d+-of-\d+", "", str(f.relative_to(checkpoint / "model")))
@@ -43,8 +45,11 @@ def main(argv: list[str]) -> int:
             continue
         diff = max(float((reference[k].float() - theirs[k].float()).abs().max()) for k in reference)
         same = all(torch.equal(reference[k], theirs[k]) for k in reference)
-        print(f"{other}: {len(reference)} weights, " + ("bit-identical to " if same else f"max |w - w_ref| = {diff:.3g} "
-                                                          f"against ") + argv[0])
+        print(
+            f"{other}: {len(reference)} weights, "
+            + ("bit-identical to " if same else f"max |w - w_ref| = {diff:.3g} against ")
+            + argv[0]
+        )
         worst = max(worst, 0 if same else 1)
     return worst
 

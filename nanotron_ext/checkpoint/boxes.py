@@ -16,8 +16,16 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Box", "Piece", "copy_pieces", "full_box", "intersect", "parse_slices_pairs", "pieces_of", "slices_pairs_str",
-    "tiling_gaps", "volume",
+    "Box",
+    "Piece",
+    "copy_pieces",
+    "full_box",
+    "intersect",
+    "parse_slices_pairs",
+    "pieces_of",
+    "slices_pairs_str",
+    "tiling_gaps",
+    "volume",
 ]
 
 #: One ``(start, stop)`` range per dimension.
@@ -73,11 +81,17 @@ def _slice_range(s: slice, size: int) -> tuple[int, int]:
     return lo, hi
 
 
-def pieces_of(pairs: Sequence[tuple[Sequence[slice], Sequence[slice]]], local_shape: Sequence[int],
-              whole_shape: Sequence[int]) -> tuple[Piece, ...]:
+def pieces_of(
+    pairs: Sequence[tuple[Sequence[slice], Sequence[slice]]], local_shape: Sequence[int], whole_shape: Sequence[int]
+) -> tuple[Piece, ...]:
     """Pieces from ``(local slices, whole slices)`` pairs, as a live sharded parameter describes itself."""
-    return tuple(Piece(tuple(_slice_range(s, n) for s, n in zip(local, local_shape)),
-                       tuple(_slice_range(s, n) for s, n in zip(whole, whole_shape))) for local, whole in pairs)
+    return tuple(
+        Piece(
+            tuple(_slice_range(s, n) for s, n in zip(local, local_shape)),
+            tuple(_slice_range(s, n) for s, n in zip(whole, whole_shape)),
+        )
+        for local, whole in pairs
+    )
 
 
 def parse_slices_pairs(text: str, local_shape: Sequence[int], whole_shape: Sequence[int]) -> tuple[Piece, ...]:
@@ -94,13 +108,18 @@ def parse_slices_pairs(text: str, local_shape: Sequence[int], whole_shape: Seque
         whole = whole_text.split("|")
         if len(local) != len(local_shape) or len(whole) != len(whole_shape):
             raise ValueError(f"slices {pair!r} do not match the shapes {tuple(local_shape)} and {tuple(whole_shape)}")
-        pieces.append(Piece(tuple(_range(t, n) for t, n in zip(local, local_shape)),
-                            tuple(_range(t, n) for t, n in zip(whole, whole_shape))))
+        pieces.append(
+            Piece(
+                tuple(_range(t, n) for t, n in zip(local, local_shape)),
+                tuple(_range(t, n) for t, n in zip(whole, whole_shape)),
+            )
+        )
     return tuple(pieces)
 
 
 def slices_pairs_str(pieces: Sequence[Piece]) -> str:
     """The inverse of :func:`parse_slices_pairs`, in Nanotron's spelling (explicit bounds, no step)."""
+
     def one(box: Box) -> str:
         return "|".join(f"{a},{b},None" for a, b in box)
 
@@ -116,7 +135,7 @@ def tiling_gaps(boxes: Sequence[Box], shape: Sequence[int]) -> tuple[int, int]:
     inside = [b for b in boxes if intersect(b, full_box(shape)) == b]
     if len(inside) != len(boxes):
         return 0, -1  # a box outside the tensor: no tiling (the caller names the box)
-    overlap = sum(volume(c) for i, a in enumerate(boxes) for b in boxes[i + 1:] if (c := intersect(a, b)))
+    overlap = sum(volume(c) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if (c := intersect(a, b)))
     missing = math.prod(shape) - sum(volume(b) for b in boxes) + overlap
     return overlap, missing
 

@@ -96,9 +96,11 @@ def known_checksum(path: Path, checksum: str) -> None:
     """
     algorithm = checksum.split(":", 1)[0]
     if algorithm != CHECKSUM:
-        raise CheckpointError(f"{path}: its recorded checksum is {algorithm!r}, which this nanotron_ext does not know "
-                              f"(it writes {CHECKSUM}); the checkpoint was saved by a newer nanotron_ext: upgrade to "
-                              f"verify it")
+        raise CheckpointError(
+            f"{path}: its recorded checksum is {algorithm!r}, which this nanotron_ext does not know "
+            f"(it writes {CHECKSUM}); the checkpoint was saved by a newer nanotron_ext: upgrade to "
+            f"verify it"
+        )
 
 
 def file_checksum(path: Path, checksum: str, progress: Callable[[int], Any] | None = None) -> str:

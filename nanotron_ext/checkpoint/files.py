@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CHECKPOINT_METADATA", "MODEL_CONFIG", "RankFile", "WeightFile", "describe_file", "parse_rank_file",
-    "parse_weight_file", "path_inside", "weight_name",
+    "CHECKPOINT_METADATA",
+    "MODEL_CONFIG",
+    "RankFile",
+    "WeightFile",
+    "describe_file",
+    "parse_rank_file",
+    "parse_weight_file",
+    "path_inside",
+    "weight_name",
 ]
 
 #: Written last but one by Nanotron's ``save_checkpoint``; upstream's ``parse_ckpt_path`` takes a folder that has
@@ -90,12 +97,14 @@ def parse_weight_file(path: Path, model_root: Path) -> WeightFile | None:
     name = ".".join([*parts, match["leaf"]])
     if match["pp"] is None:
         return WeightFile(name, path)
-    return WeightFile(name, path, int(match["pp"]), int(match["tp"]), int(match["tp_size"]),
-                      int(match["exp_size"] or 1))
+    return WeightFile(
+        name, path, int(match["pp"]), int(match["tp"]), int(match["tp_size"]), int(match["exp_size"] or 1)
+    )
 
 
-def weight_name(name: str, pp: int | None = None, pp_size: int | None = None, tp: int | None = None,
-                tp_size: int | None = None) -> Path:
+def weight_name(
+    name: str, pp: int | None = None, pp_size: int | None = None, tp: int | None = None, tp_size: int | None = None
+) -> Path:
     """The path under ``model/`` where Nanotron saves parameter ``name`` (with the ranks when it is sharded)."""
     *parts, leaf = name.split(".")
     suffix = "" if pp is None else f"_pp-rank-{pp}-of-{pp_size}_tp-rank-{tp}-of-{tp_size}"
@@ -117,8 +126,17 @@ def parse_rank_file(path: Path) -> RankFile | None:
     def num(key: str) -> int | None:
         return None if match[key] is None else int(match[key])
 
-    return RankFile(match["kind"], path, int(match["pp"]), int(match["pp_size"]), int(match["tp"]),
-                    int(match["tp_size"]), num("dp"), num("dp_size"), num("exp_size") or 1)
+    return RankFile(
+        match["kind"],
+        path,
+        int(match["pp"]),
+        int(match["pp_size"]),
+        int(match["tp"]),
+        int(match["tp_size"]),
+        num("dp"),
+        num("dp_size"),
+        num("exp_size") or 1,
+    )
 
 
 #: What the files of a checkpoint that are not per-parameter or per-rank hold, by path inside the folder.

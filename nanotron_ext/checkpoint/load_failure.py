@@ -52,12 +52,19 @@ def load_failure_message(source: ResumeSource, failures: Sequence[LoadFailure], 
         instead: where to resume from instead (:func:`nanotron_ext.checkpoint.verify.instead_of`).
     """
     lines = "\n  ".join(
-        f"rank {f.rank}, reading {f.what}: {f.file or '(the error names no file)'}: {f.error}" for f in failures)
+        f"rank {f.rank}, reading {f.what}: {f.file or '(the error names no file)'}: {f.error}" for f in failures
+    )
     if verified:
-        why = ("its files matched the sizes and checksums its save recorded before loading began, so the file changed "
-               "since or cannot be read here (permissions, memory)")
+        why = (
+            "its files matched the sizes and checksums its save recorded before loading began, so the file changed "
+            "since or cannot be read here (permissions, memory)"
+        )
     else:
-        why = ("its record lists no checksums (saved before nanotron_ext recorded them, or by Nanotron alone), so it "
-               "was not verified before loading: the file is most likely damaged")
-    return (f"loading {source.label} ({source.folder}) failed, so every rank stops before training on a partly loaded "
-            f"state:\n  {lines}\n  {why}; {instead}")
+        why = (
+            "its record lists no checksums (saved before nanotron_ext recorded them, or by Nanotron alone), so it "
+            "was not verified before loading: the file is most likely damaged"
+        )
+    return (
+        f"loading {source.label} ({source.folder}) failed, so every rank stops before training on a partly loaded "
+        f"state:\n  {lines}\n  {why}; {instead}"
+    )

@@ -59,8 +59,11 @@ def record_or_none(folder: Path) -> PlanRecord | None:
 
 def complete_checkpoints(root: Path, *, before: int | None = None) -> Iterator[Path]:
     """The complete checkpoint folders under a checkpoints root, newest first (below step ``before`` if given)."""
-    steps = sorted((int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
-        if Path(root).is_dir() else []
+    steps = (
+        sorted((int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
+        if Path(root).is_dir()
+        else []
+    )
     for step in steps:
         if (before is None or step < before) and _is_complete(Path(root) / str(step)):
             yield Path(root) / str(step)

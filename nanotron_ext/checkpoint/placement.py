@@ -63,11 +63,16 @@ class ResumeCount:
 
     def line(self) -> str:
         """One line for the log."""
-        entries = (f" and {self.entries} of {self.saved_entries} optimizer entries ({', '.join(self.entry_keys)})"
-                   if self.entry_keys else "")
+        entries = (
+            f" and {self.entries} of {self.saved_entries} optimizer entries ({', '.join(self.entry_keys)})"
+            if self.entry_keys
+            else ""
+        )
         dropped = f"; {self.dropped} entries of parameters the new plan freezes were dropped" if self.dropped else ""
-        return (f"{self.parameters} of {self.saved_parameters} parameters{entries} placed, each from exactly one "
-                f"saved source; nothing missing, twice or left over{dropped}")
+        return (
+            f"{self.parameters} of {self.saved_parameters} parameters{entries} placed, each from exactly one "
+            f"saved source; nothing missing, twice or left over{dropped}"
+        )
 
 
 def placement_problems(saved: SavedCheckpoint, needs: Sequence[Need], *, optimizer: bool) -> list[str]:
@@ -99,8 +104,10 @@ def placement_problems(saved: SavedCheckpoint, needs: Sequence[Need], *, optimiz
                 problems.append(f"{name}: the new plan's parts cover {overlap} element(s) twice and miss {missing}")
         left = sorted(set(saved.parameters) - {n.name for n in replica})
         if left and d == 0:
-            problems.append(f"the new plan has no place for {len(left)} saved parameter(s): {', '.join(left[:6])}"
-                            f"{' ...' if len(left) > 6 else ''}")
+            problems.append(
+                f"the new plan has no place for {len(left)} saved parameter(s): {', '.join(left[:6])}"
+                f"{' ...' if len(left) > 6 else ''}"
+            )
     if optimizer:
         problems += _optimizer_problems(saved, needs)
     return problems
@@ -111,8 +118,10 @@ def _optimizer_problems(saved: SavedCheckpoint, needs: Sequence[Need]) -> list[s
     out = []
     orphans = sorted({name for name, _ in sources} - set(saved.parameters))
     if orphans:
-        out.append(f"the checkpoint's optimizer holds state for {', '.join(orphans[:6])}, which has no saved weight: "
-                   f"its optimizer and weights do not belong together")
+        out.append(
+            f"the checkpoint's optimizer holds state for {', '.join(orphans[:6])}, which has no saved weight: "
+            f"its optimizer and weights do not belong together"
+        )
     if not saved.optimizer_files:
         out.append("the checkpoint has no optimizer files")
     for n in needs:
@@ -122,8 +131,10 @@ def _optimizer_problems(saved: SavedCheckpoint, needs: Sequence[Need]) -> list[s
             if not any(intersect(a.whole, b.whole) for a in n.pieces for b in slot.pieces):
                 continue
             if (n.name, slot.key) not in sources:
-                out.append(f"{n.name} trains in the new plan but the checkpoint has no optimizer state for it (it was "
-                           f"frozen when saved?); freeze it again, or resume with checkpoints.load_optimizer: false")
+                out.append(
+                    f"{n.name} trains in the new plan but the checkpoint has no optimizer state for it (it was "
+                    f"frozen when saved?); freeze it again, or resume with checkpoints.load_optimizer: false"
+                )
                 break
     return sorted(set(out), key=out.index)
 
@@ -137,7 +148,10 @@ def count_placements(saved: SavedCheckpoint, needs: Sequence[Need], *, optimizer
         keys = (*sorted(saved.state_keys()), "step", *(("fp32 master",) if saved.has_fp32_master() else ()))
     saved_trained = {name for name, _ in saved.optimizer_sources()} if keys else set()
     return ResumeCount(
-        parameters=len(placed), saved_parameters=len(saved.parameters),
-        entries=len(trained) * len(keys), saved_entries=len(saved_trained & trained) * len(keys), entry_keys=keys,
+        parameters=len(placed),
+        saved_parameters=len(saved.parameters),
+        entries=len(trained) * len(keys),
+        saved_entries=len(saved_trained & trained) * len(keys),
+        entry_keys=keys,
         dropped=len(saved_trained - trained) * len(keys),
     )

@@ -48,8 +48,9 @@ class ModelKey:
 
     def __str__(self) -> str:
         tied = ", tied" if self.tie_word_embeddings else ""
-        return (f"{self.family}: {self.num_hidden_layers} layers, hidden {self.hidden_size}, "
-                f"vocab {self.vocab_size}{tied}")
+        return (
+            f"{self.family}: {self.num_hidden_layers} layers, hidden {self.hidden_size}, vocab {self.vocab_size}{tied}"
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,10 @@ class PlanRecord:
 
     def __post_init__(self) -> None:
         if len(self.blocks) != len(self.stages) or self.v_stages and len(self.v_stages) != len(self.blocks):
-            raise CheckpointError(f"a plan record names {len(self.blocks)} blocks but {len(self.stages)} stages "
-                                  f"({len(self.v_stages)} virtual stages)")
+            raise CheckpointError(
+                f"a plan record names {len(self.blocks)} blocks but {len(self.stages)} stages "
+                f"({len(self.v_stages)} virtual stages)"
+            )
 
     @property
     def vocab_shards(self) -> int:
@@ -147,9 +150,12 @@ class PlanRecord:
     def same_state_layout(self, now: PlanRecord) -> bool:
         """Whether every parameter and optimizer shard sits where it sat when this was saved (so Nanotron's own
         loader, which reads the files of its own ranks by position, reads the right ones)."""
-        return (self.blocks, self.stages, self.pp, self.tp, self.vocab_bounds, self.zero_stage) == (
-            now.blocks, now.stages, now.pp, now.tp, now.vocab_bounds, now.zero_stage
-        ) and (self.zero_stage == 0 or self.dp == now.dp) and not self.vocab_bounds
+        return (
+            (self.blocks, self.stages, self.pp, self.tp, self.vocab_bounds, self.zero_stage)
+            == (now.blocks, now.stages, now.pp, now.tp, now.vocab_bounds, now.zero_stage)
+            and (self.zero_stage == 0 or self.dp == now.dp)
+            and not self.vocab_bounds
+        )
 
     def side_by_side(self, now: PlanRecord, *, now_title: str = "now") -> str:
         """The two plans in one table, one row per field, with a mark where they differ."""
@@ -186,14 +192,18 @@ class PlanRecord:
         """
         if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise CheckpointError(f"{origin}: not a nanotron_ext plan record of format {RECORD_FORMAT} (format {got!r}); "
-                              f"it was written by another nanotron_ext version: resume with that version, or with "
-                              f"`nanotron_ext: {{resume_plan: replan}}`")
+            raise CheckpointError(
+                f"{origin}: not a nanotron_ext plan record of format {RECORD_FORMAT} (format {got!r}); "
+                f"it was written by another nanotron_ext version: resume with that version, or with "
+                f"`nanotron_ext: {{resume_plan: replan}}`"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise CheckpointError(f"{origin}: unknown plan-record field(s) {unknown}; it was written by a newer "
-                              f"nanotron_ext: upgrade to read it")
+            raise CheckpointError(
+                f"{origin}: unknown plan-record field(s) {unknown}; it was written by a newer "
+                f"nanotron_ext: upgrade to read it"
+            )
         try:
             values = dict(d)
             values["blocks"] = tuple(values["blocks"])
@@ -206,17 +216,27 @@ class PlanRecord:
                 values["files"] = tuple(SavedFile(**f) for f in values["files"])
             return cls(**values)
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{origin}: the plan record is malformed ({type(exc).__name__}: {exc}); the "
-                              f"checkpoint's {RECORD_FILE} was edited or damaged") from None
+            raise CheckpointError(
+                f"{origin}: the plan record is malformed ({type(exc).__name__}: {exc}); the "
+                f"checkpoint's {RECORD_FILE} was edited or damaged"
+            ) from None
 
     def write(self, folder: Path) -> Path:
         """Write (atomically) into a checkpoint folder; returns the file."""
         return atomic_write_text(Path(folder) / RECORD_FILE, self.to_json() + "\n")
 
 
-def record_for(plan: Plan | VPlan, cfg: PlannerConfig, machine: MachineProfile, *, step: int | None = None,
-               complete: bool = False, tp: int | None = None, dp: int | None = None,
-               vocab_bounds: tuple[tuple[int, int], ...] | None = None) -> PlanRecord:
+def record_for(
+    plan: Plan | VPlan,
+    cfg: PlannerConfig,
+    machine: MachineProfile,
+    *,
+    step: int | None = None,
+    complete: bool = False,
+    tp: int | None = None,
+    dp: int | None = None,
+    vocab_bounds: tuple[tuple[int, int], ...] | None = None,
+) -> PlanRecord:
     """The record of ``plan``, made under ``cfg`` and priced on ``machine``.
 
     ``tp`` and ``dp`` default to the config's, ``vocab_bounds`` to the shards of the config's vocabulary (a built
@@ -227,13 +247,27 @@ def record_for(plan: Plan | VPlan, cfg: PlannerConfig, machine: MachineProfile, 
     if vocab_bounds is None:
         vocab_bounds = tuple(vocab_slices(cfg.model.vocab_size, shards)) if shards > 1 else ()
     return PlanRecord(
-        step=step, complete=complete, strategy=plan.strategy, engine=plan.engine, pp=plan.pp,
-        tp=cfg.run.tp if tp is None else tp, dp=cfg.run.dp if dp is None else dp, zero_stage=cfg.run.zero_stage,
-        blocks=plan.blocks if v else plan.block_names, stages=tuple(plan.block_ranks),
-        v_stages=tuple(plan.stages) if v else (), vocab_bounds=tuple(vocab_bounds),
-        machine=machine.name, machine_digest=hashlib.sha256(machine.to_json().encode()).hexdigest(),
-        model=ModelKey(cfg.model.family, cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size,
-                       cfg.model.tie_word_embeddings),
+        step=step,
+        complete=complete,
+        strategy=plan.strategy,
+        engine=plan.engine,
+        pp=plan.pp,
+        tp=cfg.run.tp if tp is None else tp,
+        dp=cfg.run.dp if dp is None else dp,
+        zero_stage=cfg.run.zero_stage,
+        blocks=plan.blocks if v else plan.block_names,
+        stages=tuple(plan.block_ranks),
+        v_stages=tuple(plan.stages) if v else (),
+        vocab_bounds=tuple(vocab_bounds),
+        machine=machine.name,
+        machine_digest=hashlib.sha256(machine.to_json().encode()).hexdigest(),
+        model=ModelKey(
+            cfg.model.family,
+            cfg.model.hidden_size,
+            cfg.model.num_hidden_layers,
+            cfg.model.vocab_size,
+            cfg.model.tie_word_embeddings,
+        ),
         written_by=__version__,
     )
 
@@ -250,6 +284,8 @@ def read_record(folder: Path) -> PlanRecord | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable plan record ({exc}); the checkpoint was damaged while it was being "
-                          f"written: resume from an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{path}: unreadable plan record ({exc}); the checkpoint was damaged while it was being "
+            f"written: resume from an earlier checkpoint"
+        ) from None
     return PlanRecord.from_dict(data, origin=str(path))

@@ -37,8 +37,9 @@ def _fill(out: torch.Tensor, need: Need, slots: Sequence[Slot], read: Callable[[
                 common = intersect(mine.whole, theirs.whole)
                 if common is None:
                     continue
-                out[_index(_shift(common, mine.whole, mine.local))] = read(slot, _shift(common, theirs.whole,
-                                                                                         theirs.local)).to(out.dtype)
+                out[_index(_shift(common, mine.whole, mine.local))] = read(
+                    slot, _shift(common, theirs.whole, theirs.local)
+                ).to(out.dtype)
                 copied += volume(common)
     wanted = sum(volume(p.whole) for p in need.pieces)
     if copied != wanted:  # placement_problems rules this out; a mismatch here is a bug, never silent state
@@ -68,11 +69,16 @@ def _optimizer_tensor(saved: SavedCheckpoint, need: Need, key: str) -> torch.Ten
 def _step(saved: SavedCheckpoint, need: Need) -> Any:
     """Adam's step of ``need``: every saved part it is assembled from must have taken the same number."""
     sources = saved.optimizer_sources()
-    steps = {float(saved.step_of(sources[(need.name, s.key)])) for s in saved.parameters[need.name].slots
-             if (need.name, s.key) in sources and any(intersect(a.whole, b.whole) for a in need.pieces for b in s.pieces)}
+    steps = {
+        float(saved.step_of(sources[(need.name, s.key)]))
+        for s in saved.parameters[need.name].slots
+        if (need.name, s.key) in sources and any(intersect(a.whole, b.whole) for a in need.pieces for b in s.pieces)
+    }
     if len(steps) != 1:
-        raise CheckpointError(f"{need.name}: its saved parts have taken different numbers of optimizer steps ({sorted(steps)}); "
-                          f"the checkpoint mixes files of different steps")
+        raise CheckpointError(
+            f"{need.name}: its saved parts have taken different numbers of optimizer steps ({sorted(steps)}); "
+            f"the checkpoint mixes files of different steps"
+        )
     slot = next(s for s in saved.parameters[need.name].slots if (need.name, s.key) in sources)
     return saved.step_of(sources[(need.name, slot.key)]).clone()
 
@@ -130,27 +136,34 @@ def optimizer_state_dict(saved: SavedCheckpoint, live: LiveOptimizer) -> dict[st
         new = dict(group)
         if found:
             if any(f != found[0] for f in found):
-                raise CheckpointError(f"parameters the new plan puts in one optimizer group were saved with different "
-                                  f"hyperparameters ({found[0]} and {next(f for f in found if f != found[0])})")
+                raise CheckpointError(
+                    f"parameters the new plan puts in one optimizer group were saved with different "
+                    f"hyperparameters ({found[0]} and {next(f for f in found if f != found[0])})"
+                )
             # The scheduler adds initial_lr to a group; the live one does not exist yet when the optimizer loads.
             live_keys, saved_keys = set(group) - {"params", "initial_lr"}, set(found[0]) - {"initial_lr"}
             if live_keys != saved_keys:
-                raise CheckpointError(f"the optimizer changed kind: its groups hold {sorted(live_keys)}, the "
-                                      f"checkpoint's {sorted(saved_keys)}; resume with the optimizer it was saved "
-                                      f"with, or with checkpoints.load_optimizer: false")
+                raise CheckpointError(
+                    f"the optimizer changed kind: its groups hold {sorted(live_keys)}, the "
+                    f"checkpoint's {sorted(saved_keys)}; resume with the optimizer it was saved "
+                    f"with, or with checkpoints.load_optimizer: false"
+                )
             new.update(found[0])
         groups.append(new)
     out: dict[str, Any] = {"state": state, "param_groups": groups, "names": {e.index: e.name for e in live.entries}}
     if live.fp32_master:
         if not saved.has_fp32_master():
-            raise CheckpointError("the new run keeps fp32 master weights (optimizer.accumulate_grad_in_fp32: true) but the "
-                              "checkpoint has none; resume with the setting it was saved with")
+            raise CheckpointError(
+                "the new run keeps fp32 master weights (optimizer.accumulate_grad_in_fp32: true) but the "
+                "checkpoint has none; resume with the setting it was saved with"
+            )
         out["gradient_accumulator"] = {e.name: _live(_optimizer_tensor(saved, e.need, "fp32"), e) for e in live.entries}
     return out
 
 
-def scheduler_state_dict(saved: SavedCheckpoint, template: dict[str, Any],
-                         group_needs: Sequence[Sequence[Need]]) -> dict[str, Any]:
+def scheduler_state_dict(
+    saved: SavedCheckpoint, template: dict[str, Any], group_needs: Sequence[Sequence[Need]]
+) -> dict[str, Any]:
     """The live scheduler's ``state_dict``: the saved step, and each group's base and last learning rate from the
     group its parameters were saved in.
 
@@ -164,8 +177,9 @@ def scheduler_state_dict(saved: SavedCheckpoint, template: dict[str, Any],
     for g, needs in enumerate(group_needs):
         rates = {per_name[n.name] for n in needs if n.name in per_name}
         if len(rates) > 1:
-            raise CheckpointError(f"parameters the new plan groups together were saved with different learning rates "
-                              f"({sorted(rates)})")
+            raise CheckpointError(
+                f"parameters the new plan groups together were saved with different learning rates ({sorted(rates)})"
+            )
         if rates:
             base[g], last[g] = rates.pop()
     out["base_lrs"], out["_last_lr"] = base, last

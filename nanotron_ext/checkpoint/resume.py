@@ -42,8 +42,13 @@ def check_same_model(source: ResumeSource, cfg: PlannerConfig) -> None:
     record = source.record
     if record is None or record.model is None:
         return
-    now = ModelKey(cfg.model.family, cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size,
-                   cfg.model.tie_word_embeddings)
+    now = ModelKey(
+        cfg.model.family,
+        cfg.model.hidden_size,
+        cfg.model.num_hidden_layers,
+        cfg.model.vocab_size,
+        cfg.model.tie_word_embeddings,
+    )
     if record.model != now:
         raise CheckpointError(
             f"{source.label} ({source.folder}) holds another model than {cfg.source}: {record.model} against {now}; "
@@ -63,13 +68,14 @@ def _why_not_kept(record: PlanRecord, now: PlanRecord, cfg: PlannerConfig) -> st
     if record.pp != cfg.run.pp:
         return f"the config asks pp={cfg.run.pp}, the checkpoint was trained at pp={record.pp}"
     if record.vocab_shards != now.vocab_shards:
-        return (f"the config asks {now.vocab_shards} vocabulary shard(s), the checkpoint has "
-                f"{record.vocab_shards}")
+        return f"the config asks {now.vocab_shards} vocabulary shard(s), the checkpoint has {record.vocab_shards}"
     if now.blocks != record.blocks:
         return "the model's pipeline blocks differ from the recorded ones"
     if bool(record.v_stages) != bool(now.v_stages):
-        return (f"the config asks pp_engine {now.engine}, the checkpoint was trained on "
-                f"{'a V (pp_engine zbv)' if record.v_stages else f'a contiguous split ({record.engine})'}")
+        return (
+            f"the config asks pp_engine {now.engine}, the checkpoint was trained on "
+            f"{'a V (pp_engine zbv)' if record.v_stages else f'a contiguous split ({record.engine})'}"
+        )
     if cfg.ext.cost_strategy == "layout" and (now.stages, now.v_stages) != (record.stages, record.v_stages):
         return f"the config's layout {cfg.ext.layout!r} asks for another split"
     return None
@@ -86,8 +92,15 @@ def _recorded_plan(record: PlanRecord, blocks: Sequence[BlockInfo], cfg: Planner
     return kept if kept.ok else next(f.message for f in kept.findings if f.severity == "error")
 
 
-def choose_plan(today: Plan | VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, source: ResumeSource,
-                machine: MachineProfile, *, mode: ResumePlan = "keep") -> ResumeChoice:
+def choose_plan(
+    today: Plan | VPlan,
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    source: ResumeSource,
+    machine: MachineProfile,
+    *,
+    mode: ResumePlan = "keep",
+) -> ResumeChoice:
     """The plan a resume of ``source`` trains, given the plan made ``today`` for the same blocks.
 
     Args:
@@ -99,18 +112,31 @@ def choose_plan(today: Plan | VPlan, blocks: Sequence[BlockInfo], cfg: PlannerCo
         mode: ``keep`` (default) or ``replan``.
     """
     if mode not in RESUME_PLANS:
-        raise CheckpointError(f"nanotron_ext.resume_plan={mode!r} is unknown; use keep (the default: train the "
-                              f"checkpoint's recorded split) or replan")
+        raise CheckpointError(
+            f"nanotron_ext.resume_plan={mode!r} is unknown; use keep (the default: train the "
+            f"checkpoint's recorded split) or replan"
+        )
     now = record_for(today, cfg, machine)
     record = source.record
     if record is None:
-        return ResumeChoice(today, False, f"{source.label} has no nanotron_ext plan record (Nanotron saved it alone): its "
-                                          f"state is placed by name onto today's split {now.layout}")
+        return ResumeChoice(
+            today,
+            False,
+            f"{source.label} has no nanotron_ext plan record (Nanotron saved it alone): its "
+            f"state is placed by name onto today's split {now.layout}",
+        )
     if mode == "replan":
-        same = ("the same split" if (record.stages, record.v_stages, record.blocks) == (now.stages, now.v_stages,
-                                                                                        now.blocks) else now.layout)
-        return ResumeChoice(today, False, f"re-planning as asked (resume_plan: replan): {source.label} was trained on "
-                                          f"{record.layout} ({record.strategy}, pp={record.pp}); today: {same}")
+        same = (
+            "the same split"
+            if (record.stages, record.v_stages, record.blocks) == (now.stages, now.v_stages, now.blocks)
+            else now.layout
+        )
+        return ResumeChoice(
+            today,
+            False,
+            f"re-planning as asked (resume_plan: replan): {source.label} was trained on "
+            f"{record.layout} ({record.strategy}, pp={record.pp}); today: {same}",
+        )
     why = _why_not_kept(record, now, cfg)
     if why is None:
         kept = _recorded_plan(record, blocks, cfg)
@@ -118,10 +144,20 @@ def choose_plan(today: Plan | VPlan, blocks: Sequence[BlockInfo], cfg: PlannerCo
             if (kept.block_ranks, kept.engine) == (today.block_ranks, today.engine):
                 tail = ", which is today's plan too"
             else:
-                tail = (f"; today {today.strategy!r} would choose {now.layout}: set nanotron_ext.resume_plan: replan "
-                        f"(or --replan) to move to it")
-            return ResumeChoice(kept, True, f"resuming {source.label} on its recorded split {record.layout} "
-                                            f"({record.strategy}, pp={record.pp}){tail}")
+                tail = (
+                    f"; today {today.strategy!r} would choose {now.layout}: set nanotron_ext.resume_plan: replan "
+                    f"(or --replan) to move to it"
+                )
+            return ResumeChoice(
+                kept,
+                True,
+                f"resuming {source.label} on its recorded split {record.layout} "
+                f"({record.strategy}, pp={record.pp}){tail}",
+            )
         why = f"the recorded split cannot train under today's config ({kept})"
-    return ResumeChoice(today, False, f"{why}: {source.label} ({record.layout}) moves onto the new plan {now.layout}; "
-                                      f"its weights, optimizer states and learning-rate schedule go to their new owners")
+    return ResumeChoice(
+        today,
+        False,
+        f"{why}: {source.label} ({record.layout}) moves onto the new plan {now.layout}; "
+        f"its weights, optimizer states and learning-rate schedule go to their new owners",
+    )

@@ -21,9 +21,18 @@ __all__ = ["SAFETENSORS_DTYPES", "write_safetensors"]
 
 #: torch dtype -> safetensors' name for it.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -42,8 +51,11 @@ def write_safetensors(out: Any, tensors: dict[str, torch.Tensor], metadata: dict
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"{name}: safetensors has no dtype for {tensor.dtype}")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
         parts.append(tensor)
     text = json.dumps(header, separators=(",", ":")).encode()

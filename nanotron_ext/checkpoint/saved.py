@@ -23,7 +23,13 @@ from nanotron_ext.checkpoint.files import RankFile, WeightFile, parse_rank_file,
 from nanotron_ext.errors import CheckpointError
 
 __all__ = [
-    "LM_HEAD", "OptimizerSource", "SavedCheckpoint", "SavedParameter", "Slot", "canonical_name", "vocab_shard_index",
+    "LM_HEAD",
+    "OptimizerSource",
+    "SavedCheckpoint",
+    "SavedParameter",
+    "Slot",
+    "canonical_name",
+    "vocab_shard_index",
 ]
 
 #: The canonical name of the output projection that vocabulary shards are rows of.
@@ -103,8 +109,10 @@ class SavedCheckpoint:
         model_root = folder / "model"
         weights = [w for p in sorted(model_root.rglob("*.safetensors")) if (w := parse_weight_file(p, model_root))]
         if any(w.exp_size > 1 for w in weights):
-            raise CheckpointError(f"{folder}: expert-parallel shards (expert_parallel_size > 1) are resumed only under the "
-                              f"plan they were saved with; keep the recorded split (nanotron_ext.resume_plan: keep)")
+            raise CheckpointError(
+                f"{folder}: expert-parallel shards (expert_parallel_size > 1) are resumed only under the "
+                f"plan they were saved with; keep the recorded split (nanotron_ext.resume_plan: keep)"
+            )
         rank_files = [r for p in sorted(folder.glob("*/*.pt")) if (r := parse_rank_file(p))]
         optimizer = tuple(sorted((r for r in rank_files if r.kind == "optimizer"), key=lambda r: r.rank))
         scheduler = tuple(sorted((r for r in rank_files if r.kind == "lr_scheduler"), key=lambda r: r.rank))
@@ -163,8 +171,11 @@ class SavedCheckpoint:
                 canonical = canonical_name(name)
                 saved = self.parameters.get(canonical)
                 shard = vocab_shard_index(name)
-                key = shard if shard is not None else (
-                    file.tp if saved is not None and any(s.key is not None for s in saved.slots) else None)
+                key = (
+                    shard
+                    if shard is not None
+                    else (file.tp if saved is not None and any(s.key is not None for s in saved.slots) else None)
+                )
                 copy = (file.pp, file.tp)
                 found.setdefault((canonical, key), {}).setdefault(copy, []).append((file, int(index)))
         self._optimizer = {
@@ -186,9 +197,11 @@ class SavedCheckpoint:
             pieces.append(tensor.reshape(-1))
         flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if flat.numel() != _numel(local_shape):
-            raise CheckpointError(f"{self.folder}: the optimizer's {key} of {source.name} has {flat.numel()} values where "
-                              f"its saved weight has {_numel(local_shape)}; the checkpoint's optimizer and weights "
-                              f"do not belong together")
+            raise CheckpointError(
+                f"{self.folder}: the optimizer's {key} of {source.name} has {flat.numel()} values where "
+                f"its saved weight has {_numel(local_shape)}; the checkpoint's optimizer and weights "
+                f"do not belong together"
+            )
         return flat.view(local_shape)
 
     def step_of(self, source: OptimizerSource) -> Any:
@@ -228,27 +241,34 @@ class SavedCheckpoint:
         Raises:
             CheckpointError: the scheduler files disagree on the step, or an optimizer file has no scheduler beside it.
         """
-        schedulers = {(f.pp, f.tp, f.dp): torch.load(f.path, map_location="cpu", weights_only=True)
-                      for f in self.scheduler_files}
+        schedulers = {
+            (f.pp, f.tp, f.dp): torch.load(f.path, map_location="cpu", weights_only=True) for f in self.scheduler_files
+        }
         shared: dict[str, Any] | None = None
         for sd in schedulers.values():
             common = {k: v for k, v in sd.items() if k not in ("base_lrs", "_last_lr", "lr_lambdas")}
             if shared is None:
                 shared = common
             elif common != shared:
-                raise CheckpointError(f"{self.folder}: the learning-rate schedulers of two ranks disagree ({common} against "
-                                  f"{shared}); the checkpoint mixes files of different steps")
+                raise CheckpointError(
+                    f"{self.folder}: the learning-rate schedulers of two ranks disagree ({common} against "
+                    f"{shared}); the checkpoint mixes files of different steps"
+                )
         per_name: dict[str, tuple[float, float]] = {}
         for file in self.optimizer_files:
             sd = schedulers.get((file.pp, file.tp, file.dp)) or schedulers.get((file.pp, file.tp, None))
             if sd is None:
-                raise CheckpointError(f"{file.path}: no learning-rate scheduler file of the same rank beside it; the "
-                                  f"checkpoint is incomplete")
+                raise CheckpointError(
+                    f"{file.path}: no learning-rate scheduler file of the same rank beside it; the "
+                    f"checkpoint is incomplete"
+                )
             state = self.state(file)
             for g, group in enumerate(state["param_groups"]):
                 for index in group["params"]:
                     if index in state["names"]:
-                        per_name.setdefault(canonical_name(state["names"][index]), (sd["base_lrs"][g], sd["_last_lr"][g]))
+                        per_name.setdefault(
+                            canonical_name(state["names"][index]), (sd["base_lrs"][g], sd["_last_lr"][g])
+                        )
         return shared or {}, per_name
 
 
@@ -278,8 +298,10 @@ def _parameters(weights: list[WeightFile]) -> dict[str, SavedParameter]:
                 meta = f.metadata() or {}
                 local = tuple(f.get_slice("data").get_shape())
         except Exception as exc:  # safetensors raises its own error types for a damaged header
-            raise CheckpointError(f"{w.path}: unreadable weight file ({type(exc).__name__}: {exc}); the checkpoint was "
-                              f"damaged while it was being written: resume from an earlier one") from None
+            raise CheckpointError(
+                f"{w.path}: unreadable weight file ({type(exc).__name__}: {exc}); the checkpoint was "
+                f"damaged while it was being written: resume from an earlier one"
+            ) from None
         shard = vocab_shard_index(w.name)
         if shard is not None:  # a chain saved before its shards were written as the lm_head's rows
             legacy_shards[shard] = (w, local)
@@ -291,8 +313,10 @@ def _parameters(weights: list[WeightFile]) -> dict[str, SavedParameter]:
         else:
             whole, pieces, key = local, (Piece(full_box(local), full_box(local)),), None
         if wholes.setdefault(w.name, whole) != whole:
-            raise CheckpointError(f"{w.path}: {w.name} is saved with whole shapes {wholes[w.name]} and {whole}; the folder "
-                              f"mixes checkpoints of two models")
+            raise CheckpointError(
+                f"{w.path}: {w.name} is saved with whole shapes {wholes[w.name]} and {whole}; the folder "
+                f"mixes checkpoints of two models"
+            )
         slots.setdefault(w.name, []).append(Slot(key, w, local, pieces))
     if legacy_shards:
         rows = sum(local[0] for _, local in legacy_shards.values())

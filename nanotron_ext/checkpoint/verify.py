@@ -22,8 +22,17 @@ from nanotron_ext.checkpoint.files import describe_file
 from nanotron_ext.checkpoint.locate import ResumeSource, complete_checkpoints, record_or_none
 from nanotron_ext.errors import CheckpointError
 
-__all__ = ["Damage", "FileProblem", "Gather", "Verdict", "check_files", "hash_owners", "instead_of", "last_verified",
-           "verify_checkpoint"]
+__all__ = [
+    "Damage",
+    "FileProblem",
+    "Gather",
+    "Verdict",
+    "check_files",
+    "hash_owners",
+    "instead_of",
+    "last_verified",
+    "verify_checkpoint",
+]
 
 #: ``gather(this rank's list) -> every rank's list, in rank order`` (one process: ``lambda x: [x]``).
 Gather = Callable[[Any], list[Any]]
@@ -61,8 +70,10 @@ class FileProblem:
         elif self.damage is Damage.UNREADABLE:
             what = f"cannot be read here ({self.found})"
         else:
-            what = (f"its bytes differ from those the save wrote, at the same size ({self.found} where the save "
-                    f"recorded {self.file.checksum})")
+            what = (
+                f"its bytes differ from those the save wrote, at the same size ({self.found} where the save "
+                f"recorded {self.file.checksum})"
+            )
         return f"{self.file.path} ({describe_file(self.file.path)}): {what}"
 
 
@@ -82,12 +93,19 @@ class Verdict:
     def line(self) -> str:
         """One line for the user."""
         if not self.verified:
-            who = ("was saved by Nanotron alone" if self.source.record is None
-                   else "was saved before nanotron_ext recorded its files' checksums")
-            return (f"{self.source.label} could not be verified: it {who}, so a damaged file would show only when "
-                    f"it is read")
-        return (f"{self.source.label}: {self.files} files verified against the sizes and {CHECKSUM} checksums its save "
-                f"recorded ({self.size / 2**20:.1f} MiB)")
+            who = (
+                "was saved by Nanotron alone"
+                if self.source.record is None
+                else "was saved before nanotron_ext recorded its files' checksums"
+            )
+            return (
+                f"{self.source.label} could not be verified: it {who}, so a damaged file would show only when "
+                f"it is read"
+            )
+        return (
+            f"{self.source.label}: {self.files} files verified against the sizes and {CHECKSUM} checksums its save "
+            f"recorded ({self.size / 2**20:.1f} MiB)"
+        )
 
 
 def hash_owners(files: Sequence[SavedFile], world: int) -> list[int]:
@@ -109,8 +127,14 @@ def check_files(folder: Path, files: Sequence[SavedFile], *, rank: int = 0, worl
 
     mine = [f for f, owner in zip(files, hash_owners(files, world)) if owner == rank]
     share = sum(f.size for f in mine)
-    with tqdm(total=share, desc="verifying the checkpoint's files", unit="B", unit_scale=True, file=sys.stderr,
-              disable=rank != 0 or share < PROGRESS_BYTES) as bar:
+    with tqdm(
+        total=share,
+        desc="verifying the checkpoint's files",
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=rank != 0 or share < PROGRESS_BYTES,
+    ) as bar:
         return _check(Path(folder), mine, bar.update)
 
 
@@ -139,8 +163,9 @@ def _problems(folder: Path, files: Sequence[SavedFile], rank: int, world: int, g
     return sorted({p for problems in every for p in problems}, key=lambda p: p.file.path)
 
 
-def last_verified(source: ResumeSource, *, rank: int = 0, world: int = 1,
-                  gather: Gather = lambda x: [x]) -> tuple[Path | None, bool]:
+def last_verified(
+    source: ResumeSource, *, rank: int = 0, world: int = 1, gather: Gather = lambda x: [x]
+) -> tuple[Path | None, bool]:
     """The newest complete checkpoint older than ``source`` beside it whose files verify: ``(folder, True)``; or
     one that lists no files, so cannot be verified: ``(folder, False)``; or ``(None, False)``. Collective when
     ``gather`` is: every rank walks the same folders and gets the same answer."""
@@ -153,8 +178,9 @@ def last_verified(source: ResumeSource, *, rank: int = 0, world: int = 1,
     return None, False
 
 
-def verify_checkpoint(source: ResumeSource, *, rank: int = 0, world: int = 1,
-                      gather: Gather = lambda x: [x]) -> Verdict:
+def verify_checkpoint(
+    source: ResumeSource, *, rank: int = 0, world: int = 1, gather: Gather = lambda x: [x]
+) -> Verdict:
     """Prove every file the record lists: present, of its recorded size and checksum.
 
     Args:
@@ -192,9 +218,13 @@ def instead_of(source: ResumeSource, *, rank: int = 0, world: int = 1, gather: G
     """Where to resume from instead of ``source`` (:func:`last_verified`), as the end of a message."""
     folder, verified = last_verified(source, rank=rank, world=world, gather=gather)
     if folder is None:
-        return ("no checkpoint beside it verifies: restore these files from a copy, or start again without "
-                "checkpoints.resume_checkpoint_path")
+        return (
+            "no checkpoint beside it verifies: restore these files from a copy, or start again without "
+            "checkpoints.resume_checkpoint_path"
+        )
     if verified:
         return f"resume from the last checkpoint that verifies instead: checkpoints.resume_checkpoint_path: {folder}"
-    return (f"resume from the last complete checkpoint instead (saved without checksums, so it cannot be verified): "
-            f"checkpoints.resume_checkpoint_path: {folder}")
+    return (
+        f"resume from the last complete checkpoint instead (saved without checksums, so it cannot be verified): "
+        f"checkpoints.resume_checkpoint_path: {folder}"
+    )

@@ -45,8 +45,7 @@ docs: docs/cli.md (every command, flag and column), then README.md and docs/."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``nanotron-ext`` parser with every subcommand."""
-    parser = Parser(prog="nanotron-ext", description=DESCRIPTION, epilog=FIRST_STEPS,
-                    formatter_class=_KeepLayout)
+    parser = Parser(prog="nanotron-ext", description=DESCRIPTION, epilog=FIRST_STEPS, formatter_class=_KeepLayout)
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     plan.add_subcommand(sub)
@@ -75,8 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CLOSED_PIPE
     except OSError as exc:  # the output could not be written at all (a full disk)
         drop_output()
-        print(f"nanotron-ext: error: cannot write the output: {exc.strerror or exc}; free space or write elsewhere",
-              file=sys.stderr, flush=True)
+        print(
+            f"nanotron-ext: error: cannot write the output: {exc.strerror or exc}; free space or write elsewhere",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_RUNTIME
 
 

@@ -53,31 +53,66 @@ def add_subcommand(subparsers: Any) -> None:
     )
     p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
     p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON; rank 0 writes it)")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
-                   help=f"timed rounds per measurement (default {DEFAULT_REPEATS}): blocks take "
-                   f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes "
-                   f"{LINK_ROUNDS_PER_REPEAT}× and keep their median")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        metavar="N",
+        help=f"timed rounds per measurement (default {DEFAULT_REPEATS}): blocks take "
+        f"{BLOCK_ROUNDS_PER_REPEAT}× as many and keep their fastest, link sizes "
+        f"{LINK_ROUNDS_PER_REPEAT}× and keep their median",
+    )
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
-    p.add_argument("--in-run", dest="in_run", action="store_true",
-                   help="price blocks from real training steps of the config's split through Nanotron's engine (under "
-                   "torchrun, the CPU runtime): each block's mean forward, backward and W inside the pipeline, waits "
-                   "left out (docs/machine.md#two-ways-to-price-a-block)")
-    p.add_argument("--probes", action="store_true",
-                   help="with --in-run: train probe splits that put every block on every stage it can take, not only "
-                   "the config's split")
-    p.add_argument("--steps", type=int, default=IN_RUN_STEPS, metavar="N",
-                   help=f"with --in-run: timed training steps per split (default {IN_RUN_STEPS})")
-    p.add_argument("--warmup-steps", dest="warmup_steps", type=int, default=IN_RUN_WARMUP_STEPS, metavar="N",
-                   help=f"with --in-run: untimed training steps first (default {IN_RUN_WARMUP_STEPS})")
-    p.add_argument("--machine", metavar="FILE", default=None,
-                   help="with --in-run: build on this standalone profile instead of calibrating first")
-    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
-                   help=f"where blocks run (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu); "
-                   "the CPU runtime and `profiled` follow the same rule, and a profile is refused for a run on another "
-                   "device")
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
-                   "else gloo; gloo on CUDA measures host-staged links)")
+    p.add_argument(
+        "--in-run",
+        dest="in_run",
+        action="store_true",
+        help="price blocks from real training steps of the config's split through Nanotron's engine (under "
+        "torchrun, the CPU runtime): each block's mean forward, backward and W inside the pipeline, waits "
+        "left out (docs/machine.md#two-ways-to-price-a-block)",
+    )
+    p.add_argument(
+        "--probes",
+        action="store_true",
+        help="with --in-run: train probe splits that put every block on every stage it can take, not only "
+        "the config's split",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=IN_RUN_STEPS,
+        metavar="N",
+        help=f"with --in-run: timed training steps per split (default {IN_RUN_STEPS})",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        dest="warmup_steps",
+        type=int,
+        default=IN_RUN_WARMUP_STEPS,
+        metavar="N",
+        help=f"with --in-run: untimed training steps first (default {IN_RUN_WARMUP_STEPS})",
+    )
+    p.add_argument(
+        "--machine",
+        metavar="FILE",
+        default=None,
+        help="with --in-run: build on this standalone profile instead of calibrating first",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICE_TYPES,
+        default=None,
+        help=f"where blocks run (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu); "
+        "the CPU runtime and `profiled` follow the same rule, and a profile is refused for a run on another "
+        "device",
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="process group under torchrun (default: nccl when CUDA gives each local rank its own GPU, "
+        "else gloo; gloo on CUDA measures host-staged links)",
+    )
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -95,8 +130,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if args.in_run:
             from nanotron_ext.runtime.in_run_calibrate import calibrate_in_run  # trains: the CPU runtime
 
-            profile = calibrate_in_run(cfg, probes=args.probes, steps=args.steps, warmup_steps=args.warmup_steps,
-                                       base=args.machine, warmup=args.warmup, repeats=args.repeats)
+            profile = calibrate_in_run(
+                cfg,
+                probes=args.probes,
+                steps=args.steps,
+                warmup_steps=args.warmup_steps,
+                base=args.machine,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
         else:
             with _process_group(args.backend):
                 profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
@@ -114,15 +156,26 @@ def _check_in_run_flags(args: argparse.Namespace) -> None:
     pipeline is gloo)."""
     if args.in_run:
         if args.backend == "nccl":
-            raise ConfigError("calibrate --in-run trains on the CPU runtime, whose pipeline runs over gloo: drop "
-                              "--backend nccl (or calibrate without --in-run for NCCL's links)")
+            raise ConfigError(
+                "calibrate --in-run trains on the CPU runtime, whose pipeline runs over gloo: drop "
+                "--backend nccl (or calibrate without --in-run for NCCL's links)"
+            )
         return
-    given = [flag for flag, value, default in (("--probes", args.probes, False), ("--steps", args.steps, IN_RUN_STEPS),
-                                                ("--warmup-steps", args.warmup_steps, IN_RUN_WARMUP_STEPS),
-                                                ("--machine", args.machine, None)) if value != default]
+    given = [
+        flag
+        for flag, value, default in (
+            ("--probes", args.probes, False),
+            ("--steps", args.steps, IN_RUN_STEPS),
+            ("--warmup-steps", args.warmup_steps, IN_RUN_WARMUP_STEPS),
+            ("--machine", args.machine, None),
+        )
+        if value != default
+    ]
     if given:
-        raise ConfigError(f"calibrate: {', '.join(given)} only apply with --in-run (training steps priced in the "
-                          f"engine); add --in-run, or drop them")
+        raise ConfigError(
+            f"calibrate: {', '.join(given)} only apply with --in-run (training steps priced in the "
+            f"engine); add --in-run, or drop them"
+        )
 
 
 def choose_backend(requested: str | None) -> str:
@@ -141,15 +194,21 @@ def choose_backend(requested: str | None) -> str:
     if requested is None:
         return "nccl" if 0 < local <= gpus else "gloo"
     if requested == "nccl" and gpus == 0:
-        where = (f"torch sees no CUDA device here (torch {torch.__version__})" if not torch.cuda.is_available()
-                 else "blocks run on the CPU here (--device cpu or $NANOTRON_EXT_DEVICE)")
-        raise ConfigError(f"calibrate --backend nccl needs CUDA, but {where}; use --backend gloo, the default "
-                          f"without a GPU, or --device cuda")
+        where = (
+            f"torch sees no CUDA device here (torch {torch.__version__})"
+            if not torch.cuda.is_available()
+            else "blocks run on the CPU here (--device cpu or $NANOTRON_EXT_DEVICE)"
+        )
+        raise ConfigError(
+            f"calibrate --backend nccl needs CUDA, but {where}; use --backend gloo, the default "
+            f"without a GPU, or --device cuda"
+        )
     if requested == "nccl" and local > gpus:
         raise ConfigError(
             f"calibrate --backend nccl: {local} ranks on this node but {gpus} GPU(s), and NCCL cannot put two ranks "
             f"on one GPU; use --backend gloo (links host-staged through CPU memory, slower than NCCL's) or launch "
-            f"at most {gpus} rank(s) per node")
+            f"at most {gpus} rank(s) per node"
+        )
     return requested
 
 
@@ -184,10 +243,14 @@ def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
     lines = [f"{cfg.source}", f"machine: {profile.describe()}", legend(), "", _block_table(cfg, profile), ""]
     staged = host_staged(profile.key.device, profile.key.backend)
     how = " (host-staged)" if staged else ""
-    rows: list[list[object]] = [[f"p2p stage {link.src} -> {link.dst}{how}", _us(link.latency),
-                                 _gbps(link.bytes_per_second), _pct(link.spread)] for link in profile.links]
-    for name, c in (("dp gradient all-reduce", profile.dp_allreduce), ("tied embedding all-reduce",
-                                                                          profile.tied_allreduce)):
+    rows: list[list[object]] = [
+        [f"p2p stage {link.src} -> {link.dst}{how}", _us(link.latency), _gbps(link.bytes_per_second), _pct(link.spread)]
+        for link in profile.links
+    ]
+    for name, c in (
+        ("dp gradient all-reduce", profile.dp_allreduce),
+        ("tied embedding all-reduce", profile.tied_allreduce),
+    ):
         if c is not None:
             rows.append([f"{name} (bus)", _us(c.latency), _gbps(c.bus_bytes_per_second), "-"])
     o = profile.overhead
@@ -196,12 +259,15 @@ def summary(cfg: PlannerConfig, profile: MachineProfile) -> str:
         rows.append(["Nanotron P2P send + recv (engine overhead)", _us(o.send + o.recv), "-", "-"])
     lines.append(table(["measured", "latency µs", "GB/s", "± %"], rows))
     if profile.key.pp is None:
-        lines.append("p2p, its overhead and the gradient syncs not measured: run under torchrun with the config's "
-                     "pp*dp*tp ranks")
+        lines.append(
+            "p2p, its overhead and the gradient syncs not measured: run under torchrun with the config's pp*dp*tp ranks"
+        )
     if staged and profile.links:
-        lines.append("host-staged: gloo carries host memory only, so every transfer and sync above includes a "
-                     "device->host and a host->device copy; NCCL between GPUs (NVLink, InfiniBand) is faster: "
-                     "plan a multi-GPU run with a profile calibrated there")
+        lines.append(
+            "host-staged: gloo carries host memory only, so every transfer and sync above includes a "
+            "device->host and a host->device copy; NCCL between GPUs (NVLink, InfiniBand) is faster: "
+            "plan a multi-GPU run with a profile calibrated there"
+        )
     lines += [f"WARNING: {u.message()}" for u in uncertain_figures(cfg, profile)]
     return "\n".join(lines)
 
@@ -227,10 +293,19 @@ def _block_table(cfg: PlannerConfig, profile: MachineProfile) -> str:
         total = cost.forward + cost.backward
         rate = f"{flops[sig] / total / 1e9:.3g}" if total > 0 and flops[sig] > 0 else "-"
         spread = cost.spread or (None, None, None)
-        rows.append([compact_names(names) + suffix.get(sig, ""), _ms(cost.forward), _ms(cost.backward),
-                     _ms(cost.update), *map(_pct, spread), rate])
-    return table(["block", "forward ms", "backward ms", "update ms", "± fwd %", "± bwd %", "± update %", "GFLOP/s"],
-                 rows)
+        rows.append(
+            [
+                compact_names(names) + suffix.get(sig, ""),
+                _ms(cost.forward),
+                _ms(cost.backward),
+                _ms(cost.update),
+                *map(_pct, spread),
+                rate,
+            ]
+        )
+    return table(
+        ["block", "forward ms", "backward ms", "update ms", "± fwd %", "± bwd %", "± update %", "GFLOP/s"], rows
+    )
 
 
 def _ms(seconds: float) -> str:

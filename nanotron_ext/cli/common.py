@@ -42,10 +42,37 @@ from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.strategies import available_strategies
 
 __all__ = [
-    "COLUMNS_DOC", "EXIT_CLOSED_PIPE", "against", "best_valid_cell", "EXIT_INVALID", "EXIT_OK", "EXIT_RUNTIME", "EXIT_USAGE", "RATIO_MEANING",
-    "TRACEBACK_ENV", "Notes", "Parser", "add_config_args", "check_outputs", "config_from_args", "error_cell",
-    "exit_code_for", "choice_lines", "legend", "model_name", "non_negative_int", "positive_int", "positive_number", "titled_table", "report_error",
-    "speed_cell", "stage_cell", "verdict_cell", "verdict_line", "version_line", "warn_memory",
+    "COLUMNS_DOC",
+    "EXIT_CLOSED_PIPE",
+    "against",
+    "best_valid_cell",
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "EXIT_RUNTIME",
+    "EXIT_USAGE",
+    "RATIO_MEANING",
+    "TRACEBACK_ENV",
+    "Notes",
+    "Parser",
+    "add_config_args",
+    "check_outputs",
+    "config_from_args",
+    "error_cell",
+    "exit_code_for",
+    "choice_lines",
+    "legend",
+    "model_name",
+    "non_negative_int",
+    "positive_int",
+    "positive_number",
+    "titled_table",
+    "report_error",
+    "speed_cell",
+    "stage_cell",
+    "verdict_cell",
+    "verdict_line",
+    "version_line",
+    "warn_memory",
 ]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
@@ -63,12 +90,16 @@ class Parser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices:
             known = [str(c) for c in action.choices]
             raise argparse.ArgumentError(
-                action, f"invalid choice: {value!r}; {suggest(value, known)}choose from {', '.join(known)}")
+                action, f"invalid choice: {value!r}; {suggest(value, known)}choose from {', '.join(known)}"
+            )
 
     def error(self, message: str) -> NoReturn:
         """One line on stderr, with where the flags are listed; exit 2."""
-        where = (f"`{self.prog} --help` lists the commands, `{self.prog} COMMAND --help` their flags"
-                 if self._subparsers is not None else f"`{self.prog} --help` lists every flag")
+        where = (
+            f"`{self.prog} --help` lists the commands, `{self.prog} COMMAND --help` their flags"
+            if self._subparsers is not None
+            else f"`{self.prog} --help` lists every flag"
+        )
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\n")
 
 
@@ -147,8 +178,12 @@ def report_error(exc: BaseException, prefix: str = "nanotron-ext: ", *, tag: boo
     if os.environ.get(TRACEBACK_ENV) == "1":
         traceback.print_exception(exc, file=sys.stderr)
     detail = " ".join(str(exc).split()) or "(no message)"
-    print(f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; rerun with {TRACEBACK_ENV}=1 for the "
-          f"traceback and report it if it is not an environment problem", file=sys.stderr, flush=True)
+    print(
+        f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; rerun with {TRACEBACK_ENV}=1 for the "
+        f"traceback and report it if it is not an environment problem",
+        file=sys.stderr,
+        flush=True,
+    )
     return code
 
 
@@ -162,8 +197,9 @@ def check_outputs(*paths: tuple[str | None, str], suffixes: tuple[str, ...] | No
 
     for path, flag in paths:
         if path is not None:
-            check_output_path(path, flag, suffixes=suffixes,
-                              default_suffix=".json" if suffixes is None else next(iter(suffixes)))
+            check_output_path(
+                path, flag, suffixes=suffixes, default_suffix=".json" if suffixes is None else next(iter(suffixes))
+            )
 
 
 #: A stage estimated above this many bytes gets a warning: no accelerator comes close (the largest hold 0.25 TiB).
@@ -179,9 +215,13 @@ def warn_memory(plan: Any) -> None:
         return
     worst = max(stages, key=lambda s: s.memory_bytes)
     if worst.memory_bytes > MEMORY_WARN_BYTES:
-        print(f"nanotron-ext: warning: stage {worst.stage} of the {plan.strategy!r} plan needs about "
-              f"{worst.memory_bytes / 2**40:.3g} TiB, more than any accelerator holds; check model_config's "
-              f"sizes for a typo, or raise pp, tp or dp with ZeRO", file=sys.stderr, flush=True)
+        print(
+            f"nanotron-ext: warning: stage {worst.stage} of the {plan.strategy!r} plan needs about "
+            f"{worst.memory_bytes / 2**40:.3g} TiB, more than any accelerator holds; check model_config's "
+            f"sizes for a typo, or raise pp, tp or dp with ZeRO",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def stage_cell(stage_map: str) -> str:
@@ -232,7 +272,7 @@ def titled_table(title: str, headers: list[str], rows: list[list[object]], notes
 #: Where every column of every table is defined (docs/cli.md's "Columns" section).
 COLUMNS_DOC = "docs/cli.md#columns"
 #: How every ratio reads, the same in every table and line.
-RATIO_MEANING = ("ratios (x) are speed: the other plan's time ÷ this one's, so above 1 means this one is faster")
+RATIO_MEANING = "ratios (x) are speed: the other plan's time ÷ this one's, so above 1 means this one is faster"
 
 
 def legend() -> str:
@@ -274,50 +314,91 @@ def verdict_line(plan: Plan, result: SimResult | None = None) -> str:
     if result is not None and result.step_time > 0:
         shares = ", ".join(f"{result.idle[k] / result.step_time:.0%}" for k in frozen)
         idle = f"; idle {shares} of the simulated step"
-    return (f"VALID with {len(frozen)} frozen-only stage{'s' if many else ''} ({', '.join(map(str, frozen))}): "
-            f"{'they compute but hold' if many else 'it computes but holds'} nothing to train{idle}")
+    return (
+        f"VALID with {len(frozen)} frozen-only stage{'s' if many else ''} ({', '.join(map(str, frozen))}): "
+        f"{'they compute but hold' if many else 'it computes but holds'} nothing to train{idle}"
+    )
 
 
-def add_config_args(p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False,
-                    machine: bool = False) -> None:
+def add_config_args(
+    p: argparse.ArgumentParser, *, positional: bool = True, micro_batches: bool = False, machine: bool = False
+) -> None:
     """The config file (positional, optional) and the ``--cost-strategy``, ``--pp`` and ``--engine`` overrides
     (and ``--micro-batches`` with ``micro_batches``; the machine and its overrides with ``machine``)."""
     if positional:
         p.add_argument("config", nargs="?", help="Nanotron YAML (default: the bundled tiny large-vocab example)")
-    p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME",
-                   help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr")
+    p.add_argument(
+        "--cost-strategy",
+        dest="cost_strategy",
+        metavar="NAME",
+        help=f"overrides the YAML; one of {', '.join(available_strategies())} or package.module:attr",
+    )
     p.add_argument("--pp", type=positive_int, metavar="N", help="overrides parallelism.pp")
-    p.add_argument("--engine", choices=(*ENGINES, V_ENGINE, ENGINE_AUTO), default=None,
-                   help="overrides parallelism.pp_engine: afab, 1f1b, zb1p or zb2p (zero-bubble ZB-H1 and ZB-H2: "
-                        "1F1B with deferred weight gradients; see docs/zero-bubble.md), zbv (ZB-V, two chunks per "
-                        "rank; docs/zbv.md), or auto (the fastest of 1f1b, zb1p, zb2p and zbv whose plan fits the memory)")
+    p.add_argument(
+        "--engine",
+        choices=(*ENGINES, V_ENGINE, ENGINE_AUTO),
+        default=None,
+        help="overrides parallelism.pp_engine: afab, 1f1b, zb1p or zb2p (zero-bubble ZB-H1 and ZB-H2: "
+        "1F1B with deferred weight gradients; see docs/zero-bubble.md), zbv (ZB-V, two chunks per "
+        "rank; docs/zbv.md), or auto (the fastest of 1f1b, zb1p, zb2p and zbv whose plan fits the memory)",
+    )
     if micro_batches:
-        p.add_argument("--micro-batches", dest="micro_batches", type=positive_int, metavar="N",
-                       help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
-                            "changes it too; 1f1b needs at least pp - 1)")
+        p.add_argument(
+            "--micro-batches",
+            dest="micro_batches",
+            type=positive_int,
+            metavar="N",
+            help="overrides tokens.batch_accumulation_per_replica (a dry run at another pp usually "
+            "changes it too; 1f1b needs at least pp - 1)",
+        )
     if machine:
         _add_machine_args(p)
 
 
 def _add_machine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("machine", "what time costs: a calibrated profile, or the analytic H100 model "
-                                        "(named in every table header); the rest override it")
-    g.add_argument("--machine", metavar="FILE",
-                   help="machine profile from `nanotron-ext calibrate` (overrides nanotron_ext.machine)")
-    g.add_argument("--times", choices=get_args(BlockTimes), default=None,
-                   help="block times: machine (the profile's, default), flops (one FLOP rate for every block), "
-                        "profiled (every block measured on this machine now, cached)")
-    g.add_argument("--tflops", type=positive_number, metavar="X",
-                   help="price every block at X TFLOP/s (drops measured block times)")
-    g.add_argument("--p2p-gbps", dest="p2p_gbps", type=positive_number, metavar="Y",
-                   help="every p2p link at Y GB/s (10^9 bytes/s), keeping the profile's latency")
+    g = p.add_argument_group(
+        "machine",
+        "what time costs: a calibrated profile, or the analytic H100 model "
+        "(named in every table header); the rest override it",
+    )
+    g.add_argument(
+        "--machine",
+        metavar="FILE",
+        help="machine profile from `nanotron-ext calibrate` (overrides nanotron_ext.machine)",
+    )
+    g.add_argument(
+        "--times",
+        choices=get_args(BlockTimes),
+        default=None,
+        help="block times: machine (the profile's, default), flops (one FLOP rate for every block), "
+        "profiled (every block measured on this machine now, cached)",
+    )
+    g.add_argument(
+        "--tflops",
+        type=positive_number,
+        metavar="X",
+        help="price every block at X TFLOP/s (drops measured block times)",
+    )
+    g.add_argument(
+        "--p2p-gbps",
+        dest="p2p_gbps",
+        type=positive_number,
+        metavar="Y",
+        help="every p2p link at Y GB/s (10^9 bytes/s), keeping the profile's latency",
+    )
 
 
 #: Each override flag, the argument it sets and the keyword of :meth:`PlannerConfig.with_overrides` it goes to.
-OVERRIDES = (("--cost-strategy", "cost_strategy", "cost_strategy"), ("--pp", "pp", "pp"),
-             ("--micro-batches", "micro_batches", "n_micro_batches"), ("--engine", "engine", "engine"),
-             ("--machine", "machine", "machine"), ("--times", "times", "times"), ("--tflops", "tflops", "tflops"),
-             ("--p2p-gbps", "p2p_gbps", "p2p_gbps"))
+OVERRIDES = (
+    ("--cost-strategy", "cost_strategy", "cost_strategy"),
+    ("--pp", "pp", "pp"),
+    ("--micro-batches", "micro_batches", "n_micro_batches"),
+    ("--engine", "engine", "engine"),
+    ("--machine", "machine", "machine"),
+    ("--times", "times", "times"),
+    ("--tflops", "tflops", "tflops"),
+    ("--p2p-gbps", "p2p_gbps", "p2p_gbps"),
+)
 
 
 def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfig:
@@ -328,13 +409,15 @@ def config_from_args(args: argparse.Namespace, path: str | None) -> PlannerConfi
             --tflops 3: ...``), so that a message naming a YAML key says which flag set it.
     """
     cfg = load_config(path or bundled_config())
-    given = {flag: (keyword, value) for flag, attr, keyword in OVERRIDES
-             if (value := getattr(args, attr, None)) is not None}
+    given = {
+        flag: (keyword, value) for flag, attr, keyword in OVERRIDES if (value := getattr(args, attr, None)) is not None
+    }
     try:
         return cfg.with_overrides(**{keyword: value for keyword, value in given.values()})
     except ConfigError as exc:
-        flags = " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
-                         for flag, (_, value) in given.items())
+        flags = " ".join(
+            f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}" for flag, (_, value) in given.items()
+        )
         raise ConfigError(f"{flags}: {exc}") from exc
 
 

@@ -52,8 +52,10 @@ class WholeOutput:
         if not interactive:
             original.flush()
             buffered = io.BufferedWriter(io.FileIO(fd, "wb", closefd=False), buffer_size=OUTPUT_BUFFER_BYTES)
-            self._original, self._held = original, io.TextIOWrapper(buffered, encoding=original.encoding,
-                                                                    errors=original.errors)
+            self._original, self._held = (
+                original,
+                io.TextIOWrapper(buffered, encoding=original.encoding, errors=original.errors),
+            )
             sys.stdout = self._held
         return self
 

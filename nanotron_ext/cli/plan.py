@@ -53,33 +53,65 @@ from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.simulate import SimResult, format_seconds, simulate_plan
 from nanotron_ext.simulate.fit_search import FitRow
 
-__all__ = ["add_subcommand", "best_valid_fields", "best_valid_line", "cmd_plan", "compare_engines", "engine_rows",
-           "fit_table", "frozen_tradeoff", "left_out", "simulated", "simulated_fields", "step_time_line"]
+__all__ = [
+    "add_subcommand",
+    "best_valid_fields",
+    "best_valid_line",
+    "cmd_plan",
+    "compare_engines",
+    "engine_rows",
+    "fit_table",
+    "frozen_tradeoff",
+    "left_out",
+    "simulated",
+    "simulated_fields",
+    "step_time_line",
+]
 
 #: The engines ``plan --compare-engines`` puts side by side.
 
 
 def add_subcommand(subparsers: Any) -> None:
     """Register ``plan`` on the ``nanotron-ext`` parser."""
-    p = subparsers.add_parser("plan", help="split a model into pipeline stages: each stage's blocks, memory and "
-                                           "the simulated step, then whether it can train (a dry run)")
+    p = subparsers.add_parser(
+        "plan",
+        help="split a model into pipeline stages: each stage's blocks, memory and "
+        "the simulated step, then whether it can train (a dry run)",
+    )
     add_config_args(p, micro_batches=True, machine=True)
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
-    p.add_argument("--compare-engines", dest="compare_engines", action="store_true",
-                   help=f"the default plan under each of {', '.join(AUTO_ENGINES)}, each planned for its own "
-                        "engine: split, simulated step, bubble, per-stage memory peak")
-    p.add_argument("--fit", action="store_true",
-                   help="the cheapest changes (tp, pp, ZeRO-1, recompute_layer, engine) whose every stage fits the "
-                        "memory, each planned and simulated")
-    p.add_argument("--all", dest="all_rows", action="store_true",
-                   help=f"with --fit: every candidate planned, not only the first {FIT_ROWS} rows")
+    p.add_argument(
+        "--compare-engines",
+        dest="compare_engines",
+        action="store_true",
+        help=f"the default plan under each of {', '.join(AUTO_ENGINES)}, each planned for its own "
+        "engine: split, simulated step, bubble, per-stage memory peak",
+    )
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="the cheapest changes (tp, pp, ZeRO-1, recompute_layer, engine) whose every stage fits the "
+        "memory, each planned and simulated",
+    )
+    p.add_argument(
+        "--all",
+        dest="all_rows",
+        action="store_true",
+        help=f"with --fit: every candidate planned, not only the first {FIT_ROWS} rows",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
-                        "resume under CONFIG trains, and what differs")
-    p.add_argument("--replan", action="store_true",
-                   help="with --checkpoint: the resume plans anew (nanotron_ext.resume_plan: replan) instead of "
-                        "keeping the recorded split")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint (or checkpoints folder with latest.txt): its recorded plan beside the one a "
+        "resume under CONFIG trains, and what differs",
+    )
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="with --checkpoint: the resume plans anew (nanotron_ext.resume_plan: replan) instead of "
+        "keeping the recorded split",
+    )
     p.set_defaults(func=cmd_plan, whole_output=True)  # a report: written once (cli.output)
 
 
@@ -89,8 +121,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from nanotron_ext.cli.resume import plan_against_checkpoint  # imports torch: only for --checkpoint
 
         cfg = config_from_args(args, args.config)
-        return plan_against_checkpoint(cfg.with_overrides(resume_plan="replan") if args.replan else cfg,
-                                       args.checkpoint, as_json=args.json)
+        return plan_against_checkpoint(
+            cfg.with_overrides(resume_plan="replan") if args.replan else cfg, args.checkpoint, as_json=args.json
+        )
     if args.replan:
         raise ConfigError("--replan goes with --checkpoint DIR (what a resume of that checkpoint would train)")
     if sum(map(bool, (args.compare, args.compare_engines, args.fit))) > 1:
@@ -106,8 +139,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blocks = inventory_from_config(cfg)
     if cfg.run.engine == V_ENGINE:
         if args.compare:
-            raise ConfigError("--compare sets the strategies' contiguous splits side by side; pp_engine zbv searches "
-                              "a V of its own: drop --compare, or compare engines with --compare-engines")
+            raise ConfigError(
+                "--compare sets the strategies' contiguous splits side by side; pp_engine zbv searches "
+                "a V of its own: drop --compare, or compare engines with --compare-engines"
+            )
         return print_v_plan(cfg, blocks, as_json=args.json, engine_choice=engine_choice)
     if args.compare:
         return _compare(cfg, blocks, as_json=args.json)
@@ -129,8 +164,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(_header(cfg, plan, choice, engine_choice))
         print(plan.table())
         limit = "" if plan.memory_limit is None else f"; each must fit {plan.memory_limit}"
-        print("\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
-              f"alive then{limit}):")
+        print(
+            "\nmemory per stage (peak at the pipeline's or the optimizer step's worst moment; --json has the terms "
+            f"alive then{limit}):"
+        )
         print(plan.memory_table())
         print(_verdict(plan, result, step_time_line(cfg, blocks, plan, result), best))
         tradeoff = frozen_tradeoff(cfg, blocks)
@@ -139,8 +176,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.ok else EXIT_INVALID
 
 
-def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None,
-            engine_choice: EngineChoice | None = None) -> str:
+def _header(
+    cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None, engine_choice: EngineChoice | None = None
+) -> str:
     m, r = cfg.model, cfg.run
     shards = choice_lines(engine_choice)
     if choice is not None:
@@ -148,9 +186,11 @@ def _header(cfg: PlannerConfig, plan: Plan, choice: VocabChoice | None = None,
         shards += f"\n  vocab_shards: auto -> {choice.shards} (simulated step {tried})"
     elif cfg.vocab_shards > 1:
         shards += f"\n  vocab_shards: {cfg.vocab_shards}"
-    return (f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
-            f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
-            f" | strategy: {plan.strategy}{shards}\n  {legend()}\n")
+    return (
+        f"{cfg.source}\n  model: {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}"
+        f" | pp={r.pp} dp={r.dp} tp={r.tp} engine={r.engine} micro-batches={r.n_micro_batches}"
+        f" | strategy: {plan.strategy}{shards}\n  {legend()}\n"
+    )
 
 
 def _verdict(plan: Plan, result: SimResult | None, step_line: str, best: Plan | None) -> str:
@@ -165,8 +205,10 @@ def best_valid_line(plan: Plan, best: Plan | None) -> str:
     stage of a split that can train and fits (:func:`~nanotron_ext.plan.compare.best_valid_split`)."""
     if best is None:
         return "slowest stage vs best valid split: - (no split can train and fit under this config)"
-    return (f"slowest stage vs best valid split: {best_valid_cell(best, plan)} (train FLOPs/mb: the slowest stage "
-            f"of the best split that can train and fits ({best.stage_map()}) ÷ this one's)")
+    return (
+        f"slowest stage vs best valid split: {best_valid_cell(best, plan)} (train FLOPs/mb: the slowest stage "
+        f"of the best split that can train and fits ({best.stage_map()}) ÷ this one's)"
+    )
 
 
 def best_valid_fields(best: Plan | None) -> dict[str, float | None]:
@@ -185,8 +227,10 @@ def simulated(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Si
 
 def simulated_fields(result: SimResult | None) -> dict[str, float | None]:
     """The simulated step and bubble as every ``--json`` carries them (None where the schedule cannot run)."""
-    return {"simulated_step_time": None if result is None else result.step_time,
-            "bubble_fraction": None if result is None else result.bubble_fraction}
+    return {
+        "simulated_step_time": None if result is None else result.step_time,
+        "bubble_fraction": None if result is None else result.bubble_fraction,
+    }
 
 
 def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, result: SimResult | None) -> str:
@@ -194,8 +238,10 @@ def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, 
     fast``, saying in that line when Nanotron's split cannot train or does not fit."""
     if result is None:
         return "simulated step: - (the engine cannot run this many micro-batches)"
-    line = (f"simulated step: {format_seconds(result.step_time)}, bubble {result.bubble_fraction:.1%} "
-            f"({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; {machine_for(cfg, blocks).describe()})")
+    line = (
+        f"simulated step: {format_seconds(result.step_time)}, bubble {result.bubble_fraction:.1%} "
+        f"({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; {machine_for(cfg, blocks).describe()})"
+    )
     if plan.strategy != "nanotron":
         try:
             rule_plan = make_plan(blocks, cfg, "nanotron", suggest_fixes=False)
@@ -204,8 +250,10 @@ def step_time_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, 
         rule = None if rule_plan is None else simulated(rule_plan, blocks, cfg)
         if rule is not None:
             caveat = against("Nanotron's split", rule_plan)
-            line += (f"\nNanotron's rule: {format_seconds(rule.step_time)}, this split is "
-                     f"{speed_cell(rule.step_time, result.step_time)} as fast{'; ' + caveat if caveat else ''}")
+            line += (
+                f"\nNanotron's rule: {format_seconds(rule.step_time)}, this split is "
+                f"{speed_cell(rule.step_time, result.step_time)} as fast{'; ' + caveat if caveat else ''}"
+            )
     return line + gave_up_line(cfg, blocks, plan, result)
 
 
@@ -218,8 +266,10 @@ def gave_up_line(cfg: PlannerConfig, blocks: Sequence[BlockInfo], plan: Plan, re
     worst = max(faster.stages, key=lambda s: s.memory_bytes)
     step = "-" if sim is None else format_seconds(sim.step_time)
     slower = "" if sim is None else f", {speed_cell(sim.step_time, result.step_time)} as fast as it"
-    return (f"\nto fit {plan.memory_limit}: the fastest split ({faster.stage_map()}, {step}) needs "
-            f"{worst.memory_bytes / GIB:.3g} GiB on stage {worst.stage}; this one fits{slower}")
+    return (
+        f"\nto fit {plan.memory_limit}: the fastest split ({faster.stage_map()}, {step}) needs "
+        f"{worst.memory_bytes / GIB:.3g} GiB on stage {worst.stage}; this one fits{slower}"
+    )
 
 
 def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | None:
@@ -234,10 +284,25 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | No
     for name, allow in (("frozen stages allowed", True), ("trainable on every stage", False)):
         variant = cfg.with_overrides(allow_frozen_stages=allow)
         if not allow and len(trainable) < cfg.run.pp:  # said here, not by the planner, whose fix is the other row
-            rows.insert(0, [name, "-", "-", "-", "-", error_cell("impossible", (
-                f"only {len(trainable)} block{'s train' if len(trainable) > 1 else ' trains'} "
-                f"({compact_names(trainable)}), fewer than pp={cfg.run.pp} "
-                f"stages; unfreeze more blocks or lower pp to {max(len(trainable), 1)}"), notes)])
+            rows.insert(
+                0,
+                [
+                    name,
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    error_cell(
+                        "impossible",
+                        (
+                            f"only {len(trainable)} block{'s train' if len(trainable) > 1 else ' trains'} "
+                            f"({compact_names(trainable)}), fewer than pp={cfg.run.pp} "
+                            f"stages; unfreeze more blocks or lower pp to {max(len(trainable), 1)}"
+                        ),
+                        notes,
+                    ),
+                ],
+            )
             continue
         try:
             plan = make_plan(blocks, variant, "constrained")
@@ -247,14 +312,31 @@ def frozen_tradeoff(cfg: PlannerConfig, blocks: Sequence[BlockInfo]) -> str | No
         result = simulated(plan, blocks, variant)
         step = None if result is None else result.step_time
         free, free_plan = (step, plan) if allow else (free, free_plan)
-        rows.insert(0, [name, stage_cell(plan.stage_map()), "-" if step is None else format_seconds(step),
-                        human_count(plan.slowest_flops), sum(1 for s in plan.stages if s.trainable),
-                        speed_cell(free, step)])
-    head = ["constrained plan", "stages", "sim. step", "slowest stage (train FLOPs/mb)", "stages with trainable",
-            "vs frozen allowed"]
+        rows.insert(
+            0,
+            [
+                name,
+                stage_cell(plan.stage_map()),
+                "-" if step is None else format_seconds(step),
+                human_count(plan.slowest_flops),
+                sum(1 for s in plan.stages if s.trainable),
+                speed_cell(free, step),
+            ],
+        )
+    head = [
+        "constrained plan",
+        "stages",
+        "sim. step",
+        "slowest stage (train FLOPs/mb)",
+        "stages with trainable",
+        "vs frozen allowed",
+    ]
     caveat = against("the plan with frozen stages allowed", free_plan)
-    return ("\n" + titled_table("frozen setup: what a trainable block on every stage costs", head, rows, notes)
-            + (f"\nvs frozen allowed: {caveat}" if caveat else ""))
+    return (
+        "\n"
+        + titled_table("frozen setup: what a trainable block on every stage costs", head, rows, notes)
+        + (f"\nvs frozen allowed: {caveat}" if caveat else "")
+    )
 
 
 def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) -> int:
@@ -271,11 +353,19 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
             continue
         result = results.get(name)
         step = None if result is None else result.step_time
-        rows.append([name, stage_cell(plan.stage_map()), best_valid_cell(best, plan),
-                     "-" if step is None else format_seconds(step),
-                     speed_cell(None if rule is None else rule.step_time, step), f"{100 * plan.spread:.0f}%",
-                     "-" if result is None else f"{result.bubble_fraction:.1%}",
-                     human_count(min(s.trainable for s in plan.stages)), verdict_cell(plan.verdict, notes)])
+        rows.append(
+            [
+                name,
+                stage_cell(plan.stage_map()),
+                best_valid_cell(best, plan),
+                "-" if step is None else format_seconds(step),
+                speed_cell(None if rule is None else rule.step_time, step),
+                f"{100 * plan.spread:.0f}%",
+                "-" if result is None else f"{result.bubble_fraction:.1%}",
+                human_count(min(s.trainable for s in plan.stages)),
+                verdict_cell(plan.verdict, notes),
+            ]
+        )
         out.append({**plan.to_dict(), **simulated_fields(result), **best_valid_fields(best)})
         selected_ok |= name == cfg.ext.cost_strategy and plan.ok
         if name == cfg.ext.cost_strategy:
@@ -283,15 +373,36 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
     if as_json:
         print(json.dumps(out, indent=2))
     else:
-        print(titled_table(
-            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
-            f"{machine_for(cfg, blocks).describe()}",
-            ["strategy", "stages (block ranges)", "vs best valid", "sim. step", "vs nanotron", "spread", "bubble",
-             "min trainable", "verdict"], rows, notes))
+        print(
+            titled_table(
+                f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
+                f"{machine_for(cfg, blocks).describe()}",
+                [
+                    "strategy",
+                    "stages (block ranges)",
+                    "vs best valid",
+                    "sim. step",
+                    "vs nanotron",
+                    "spread",
+                    "bubble",
+                    "min trainable",
+                    "verdict",
+                ],
+                rows,
+                notes,
+            )
+        )
         rule_plan = next((a.plan for a in attempts if a.strategy == "nanotron"), None)
-        print("\n".join(f"{column}: {caveat}" for column, caveat in (
-            ("vs best valid", best_valid_line_short(best)), ("vs nanotron", against("Nanotron's split", rule_plan)))
-            if caveat))
+        print(
+            "\n".join(
+                f"{column}: {caveat}"
+                for column, caveat in (
+                    ("vs best valid", best_valid_line_short(best)),
+                    ("vs nanotron", against("Nanotron's split", rule_plan)),
+                )
+                if caveat
+            )
+        )
     return EXIT_OK if selected_ok else EXIT_INVALID
 
 
@@ -302,7 +413,9 @@ def best_valid_line_short(best: Plan | None) -> str:
     return f"the best split that can train and fits is {best.stage_map()}"
 
 
-def engine_rows(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES) -> list[tuple[EngineOption, SimResult | None]]:
+def engine_rows(
+    cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES
+) -> list[tuple[EngineOption, SimResult | None]]:
     """The default plan of ``cfg`` under each engine (:func:`~nanotron_ext.plan.engine_option`), simulated."""
     rows = []
     for option in (engine_option(cfg, engine) for engine in engines):
@@ -320,9 +433,26 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
     first compared one when the config names another)."""
     rows = engine_rows(cfg)
     if as_json:
-        print(json.dumps([{**o.to_dict(), **({} if o.plan is None else {
-            "block_ranks": list(o.plan.block_ranks), "stages": o.plan.stage_map(),
-            "bubble_fraction": None if r is None else r.bubble_fraction})} for o, r in rows], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        **o.to_dict(),
+                        **(
+                            {}
+                            if o.plan is None
+                            else {
+                                "block_ranks": list(o.plan.block_ranks),
+                                "stages": o.plan.stage_map(),
+                                "bubble_fraction": None if r is None else r.bubble_fraction,
+                            }
+                        ),
+                    }
+                    for o, r in rows
+                ],
+                indent=2,
+            )
+        )
     else:
         base = next((o.step_time for o, _ in rows if o.engine == "1f1b"), None)
         cells, notes = [], Notes()
@@ -330,14 +460,34 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
             if o.plan is None:
                 cells.append([o.engine, "-", "-", "-", "-", "-", error_cell("cannot run", o.reason, notes)])
                 continue
-            cells.append([o.engine, stage_cell(o.plan.stage_map()), format_seconds(o.step_time or 0.0),
-                          "-" if r is None else f"{r.bubble_fraction:.1%}", speed_cell(base, o.step_time),
-                          " / ".join(human_bytes(p) for p in o.peaks), verdict_cell(o.plan.verdict, notes)])
-        print(titled_table(
-            f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
-            f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
-            ["engine", "stages (block ranges)", "sim. step", "bubble", "vs 1f1b", "memory peak per stage", "verdict"],
-            cells, notes))
+            cells.append(
+                [
+                    o.engine,
+                    stage_cell(o.plan.stage_map()),
+                    format_seconds(o.step_time or 0.0),
+                    "-" if r is None else f"{r.bubble_fraction:.1%}",
+                    speed_cell(base, o.step_time),
+                    " / ".join(human_bytes(p) for p in o.peaks),
+                    verdict_cell(o.plan.verdict, notes),
+                ]
+            )
+        print(
+            titled_table(
+                f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
+                f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
+                [
+                    "engine",
+                    "stages (block ranges)",
+                    "sim. step",
+                    "bubble",
+                    "vs 1f1b",
+                    "memory peak per stage",
+                    "verdict",
+                ],
+                cells,
+                notes,
+            )
+        )
         caveat = against("1F1B's split", next((o.plan for o, _ in rows if o.engine == "1f1b"), None))
         if base is not None and caveat:
             print(f"vs 1f1b: {caveat}")
@@ -353,8 +503,10 @@ def left_out(rows: Sequence[FitRow], shown: Sequence[FitRow]) -> str:
     """What ``plan --fit`` did not print: how many candidates, how many of them fit, and how to see them."""
     hidden = [r for r in rows if r not in shown]
     fitting = sum(r.fits for r in hidden)
-    return (f"{len(hidden)} more candidate{'s' if len(hidden) != 1 else ''} left out ({fitting} of them "
-            f"fit{'' if fitting != 1 else 's'}): --all prints every one, --json lists them all")
+    return (
+        f"{len(hidden)} more candidate{'s' if len(hidden) != 1 else ''} left out ({fitting} of them "
+        f"fit{'' if fitting != 1 else 's'}): --all prints every one, --json lists them all"
+    )
 
 
 def fit_table(cfg: PlannerConfig, *, as_json: bool, every: bool = False) -> int:
@@ -367,29 +519,51 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool, every: bool = False) -> int:
     from nanotron_ext.simulate.fit_search import fit_search
 
     with tqdm(desc="fit", unit="candidate", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False) as bar:
+
         def advance(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
         limit, rows = fit_search(cfg, progress=advance)
     if as_json:
-        print(json.dumps({"limit": None if limit is None else dataclasses.asdict(limit),
-                          "rows": [{**dataclasses.asdict(r), "gpus": r.gpus} for r in rows]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "limit": None if limit is None else dataclasses.asdict(limit),
+                    "rows": [{**dataclasses.asdict(r), "gpus": r.gpus} for r in rows],
+                },
+                indent=2,
+            )
+        )
         return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID
     shown = [r for r in rows if r.change == "as configured"] + [r for r in rows if r.change != "as configured"]
     shown = shown if every else shown[:FIT_ROWS]
-    table_rows = [[r.change, r.tp * r.pp, human_bytes(r.peak),
-                   "-" if limit is None else f"{r.peak / limit.bytes:.0%}",
-                   "-" if r.step_time is None else format_seconds(r.step_time), "yes" if r.fits else "no"]
-                  for r in shown]
+    table_rows = [
+        [
+            r.change,
+            r.tp * r.pp,
+            human_bytes(r.peak),
+            "-" if limit is None else f"{r.peak / limit.bytes:.0%}",
+            "-" if r.step_time is None else format_seconds(r.step_time),
+            "yes" if r.fits else "no",
+        ]
+        for r in shown
+    ]
     where = "no memory limit is known (a CPU profile, or memory_runtime: cpu)" if limit is None else f"{limit}"
-    print(titled_table(f"{cfg.source}: changes planned by {cfg.ext.cost_strategy!r} under {where}; "
-                       f"{len(rows)} candidates, {sum(r.fits for r in rows)} fit",
-                       ["change", "GPUs per replica", "largest stage", "of limit", "sim. step", "fits"],
-                       table_rows, Notes()))
+    print(
+        titled_table(
+            f"{cfg.source}: changes planned by {cfg.ext.cost_strategy!r} under {where}; "
+            f"{len(rows)} candidates, {sum(r.fits for r in rows)} fit",
+            ["change", "GPUs per replica", "largest stage", "of limit", "sim. step", "fits"],
+            table_rows,
+            Notes(),
+        )
+    )
     if len(shown) < len(rows):
         print(f"\n{left_out(rows, shown)}")
     if limit is not None and not any(r.fits for r in rows):
-        print("\nnothing here fits: what is left is a smaller `tokens.micro_batch_size` or sequence (it changes the "
-              "training), or a GPU with more memory")
+        print(
+            "\nnothing here fits: what is left is a smaller `tokens.micro_batch_size` or sequence (it changes the "
+            "training), or a GPU with more memory"
+        )
     return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID

@@ -35,12 +35,16 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
     """
     source = locate_checkpoint(checkpoint)
     if source is None:
-        raise CheckpointError(f"--checkpoint {checkpoint}: no checkpoint there (neither a latest.txt nor a checkpoint "
-                              f"folder); give a checkpoints folder or one step's folder")
+        raise CheckpointError(
+            f"--checkpoint {checkpoint}: no checkpoint there (neither a latest.txt nor a checkpoint "
+            f"folder); give a checkpoints folder or one step's folder"
+        )
     if source.record is None:
-        raise CheckpointError(f"{source.folder} has no nanotron_ext plan record: Nanotron saved it alone, so the split "
-                              f"it was trained with is not recorded; a resume through the launcher places its state by "
-                              f"name onto the config's plan")
+        raise CheckpointError(
+            f"{source.folder} has no nanotron_ext plan record: Nanotron saved it alone, so the split "
+            f"it was trained with is not recorded; a resume through the launcher places its state by "
+            f"name onto the config's plan"
+        )
     verdict = verify_checkpoint(source)  # the resume's own check, in one process
     check_same_model(source, cfg)
     kept = kept_vocab_shards(source, cfg, cfg.ext.resume_plan)
@@ -54,10 +58,20 @@ def plan_against_checkpoint(cfg: PlannerConfig, checkpoint: str, *, as_json: boo
     now = replace(record_for(choice.plan, cfg, machine), step=None, complete=True)
     differences = source.record.differences(now)
     if as_json:
-        print(json.dumps({"checkpoint": str(source.folder), "recorded": source.record.to_dict(),
-                          "files_verified": verdict.files if verdict.verified else None,
-                          "resume": now.to_dict(), "kept": choice.kept, "note": choice.note,
-                          "differences": [d.__dict__ for d in differences]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "checkpoint": str(source.folder),
+                    "recorded": source.record.to_dict(),
+                    "files_verified": verdict.files if verdict.verified else None,
+                    "resume": now.to_dict(),
+                    "kept": choice.kept,
+                    "note": choice.note,
+                    "differences": [d.__dict__ for d in differences],
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"{cfg.source}\n  {source.label}: {source.folder}\n  {verdict.line()}\n  {legend()}\n")
         print(source.record.side_by_side(now, now_title="resume under this config"))

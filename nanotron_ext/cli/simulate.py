@@ -101,16 +101,19 @@ def add_subcommand(subparsers: Any) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Handler of ``nanotron-ext simulate``; returns the exit code."""
-    check_outputs((args.out, "--out"), (args.loads_out if args.compare else None, "--loads-out"),
-                  suffixes=PICTURE_SUFFIXES)
+    check_outputs(
+        (args.out, "--out"), (args.loads_out if args.compare else None, "--loads-out"), suffixes=PICTURE_SUFFIXES
+    )
     cfg = config_from_args(args, args.config)  # the machine and its overrides: plans and steps priced alike
     cfg, engine_choice = resolve_engine(cfg)
     cfg, _ = resolve_vocab_shards(cfg)
     blocks = inventory_from_config(cfg)
     if cfg.run.engine == V_ENGINE:
         if args.compare:
-            raise ConfigError("--compare simulates the strategies' contiguous splits; pp_engine zbv searches a V of "
-                              "its own: drop --compare")
+            raise ConfigError(
+                "--compare simulates the strategies' contiguous splits; pp_engine zbv searches a V of "
+                "its own: drop --compare"
+            )
         return simulate_v_plan(cfg, blocks, out=args.out, as_json=args.json, engine_choice=engine_choice)
     machine = machine_for(cfg, blocks)
     ideal = ideal_bubble_fraction(cfg.run.pp, cfg.run.n_micro_batches)
@@ -176,11 +179,7 @@ def _simulate_chosen(
         "",
         f"pipeline bubble {result.pipeline_bubble_fraction:.1%} vs ideal (p-1)/(m+p-1) = {ideal:.1%} "
         f"({100 * (result.pipeline_bubble_fraction - ideal):+.1f} points); "
-        + (
-            f"with the update, bubble {result.bubble_fraction:.1%}; "
-            if result.step_time > result.pipeline_time
-            else ""
-        )
+        + (f"with the update, bubble {result.bubble_fraction:.1%}; " if result.step_time > result.pipeline_time else "")
         + f"step {format_seconds(result.step_time)}",
     ]
     text += [str(f) for f in plan.findings]
@@ -211,14 +210,17 @@ def _simulate_every_strategy(
             f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
             f"ideal bubble {out['ideal_bubble_fraction']:.1%}):",
             ["strategy", "stages (block ranges)", "slowest stage F+B ms", "step ms", "vs best", "bubble", "verdict"],
-            rows, notes,
+            rows,
+            notes,
         ),
     ]
     if chosen and rule and cfg.ext.cost_strategy != "nanotron":
         out["gain_over_nanotron"] = rule / chosen
         caveat = against("Nanotron's split", plans.get("nanotron"))
-        text.append(f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {_ms(chosen)} ms vs {_ms(rule)} ms, "
-                    f"{speed_cell(rule, chosen)} as fast{'; ' + caveat if caveat else ''}")
+        text.append(
+            f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {_ms(chosen)} ms vs {_ms(rule)} ms, "
+            f"{speed_cell(rule, chosen)} as fast{'; ' + caveat if caveat else ''}"
+        )
     if loads:
         n = len(next(iter(loads.values())))
         png = plot_stage_loads(
@@ -292,4 +294,3 @@ def _stage_table(plan: Plan, result: SimResult) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
-

@@ -30,8 +30,12 @@ __all__ = ["REPEATED_WARNINGS", "add_subcommand", "cmd_train", "quiet_repeated_w
 #: Warnings every rank raises alike: about code the user does not own (torch's and Nanotron's deprecations, such as
 #: torch's "`torch.distributed.all_reduce_coalesced` will be deprecated", which Nanotron 0.2 calls) and about the
 #: config file every rank reads. Rank 0 prints each once, the other ranks none: a warning is printed at most once.
-REPEATED_WARNINGS: tuple[type[Warning], ...] = (FutureWarning, DeprecationWarning, UnreadKeyWarning,
-                                                DuplicateKeyWarning)
+REPEATED_WARNINGS: tuple[type[Warning], ...] = (
+    FutureWarning,
+    DeprecationWarning,
+    UnreadKeyWarning,
+    DuplicateKeyWarning,
+)
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -42,20 +46,34 @@ def add_subcommand(subparsers: Any) -> None:
         description="Train a Nanotron YAML's Llama on CPU (gloo) with Nanotron 0.2's 1F1B/AFAB engines. Run "
         "under `torchrun --nproc_per_node=<dp*pp*tp> -m nanotron_ext.cli train ...`.",
     )
-    p.add_argument("--config-file", dest="config_file", metavar="YAML",
-                   help="Nanotron YAML (default: the bundled tiny large-vocab example)")
+    p.add_argument(
+        "--config-file",
+        dest="config_file",
+        metavar="YAML",
+        help="Nanotron YAML (default: the bundled tiny large-vocab example)",
+    )
     p.add_argument("--cost-strategy", dest="cost_strategy", metavar="NAME", help="overrides the YAML's strategy")
     p.add_argument("--steps", type=positive_int, metavar="N", help="training steps (default: tokens.train_steps)")
-    p.add_argument("--seed", type=non_negative_int, metavar="S",
-                   help="overrides general.seed (weights) and data.seed (data order)")
+    p.add_argument(
+        "--seed", type=non_negative_int, metavar="S", help="overrides general.seed (weights) and data.seed (data order)"
+    )
     p.add_argument("--metrics-out", dest="metrics_out", metavar="FILE.json", help="write metrics JSON (rank 0)")
     p.add_argument("--plan-out", dest="plan_out", metavar="FILE.json", help="write the plan as JSON (rank 0)")
-    p.add_argument("--replan-after", dest="replan_after", type=positive_int, metavar="K",
-                   help="after step K, price the run from its own steps, plan again under the same memory and move "
-                   "to the faster plan (nanotron_ext.replan.after_steps; docs/replan.md)")
-    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
-                   help=f"where to train (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu; the rule "
-                   "calibrate follows too)")
+    p.add_argument(
+        "--replan-after",
+        dest="replan_after",
+        type=positive_int,
+        metavar="K",
+        help="after step K, price the run from its own steps, plan again under the same memory and move "
+        "to the faster plan (nanotron_ext.replan.after_steps; docs/replan.md)",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICE_TYPES,
+        default=None,
+        help=f"where to train (default: ${DEVICE_ENV}, else cuda when torch sees a GPU, else cpu; the rule "
+        "calibrate follows too)",
+    )
     p.set_defaults(func=cmd_train)
 
 

@@ -125,8 +125,9 @@ def param_bytes(run: RunShape) -> ParamBytes:
     optimizer = 2 * state + master
     if run.zero_stage >= 1:
         optimizer /= run.dp
-    return ParamBytes(weights=float(w), gradients=grads, optimizer=optimizer, state=state,
-                      gradients_allocated=allocated)
+    return ParamBytes(
+        weights=float(w), gradients=grads, optimizer=optimizer, state=state, gradients_allocated=allocated
+    )
 
 
 def update_bytes(run: RunShape) -> float:

@@ -50,9 +50,11 @@ def _make_inputs(role: str, cfg: PlannerConfig, dtype: Any, device: Any, input_g
         return {"x": act(s, b, v)}
     if role == "vocab_shard":
         # A middle shard (nanotron_ext.models.vocab_chain): statistics in, statistics out; labels anywhere.
-        stats = {"running_max": act(s, b, float_dtype=torch.float32).detach(),
-                 "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
-                 "target_logit": act(s, b, float_dtype=torch.float32)}
+        stats = {
+            "running_max": act(s, b, float_dtype=torch.float32).detach(),
+            "running_sumexp": act(s, b, float_dtype=torch.float32).abs(),
+            "target_logit": act(s, b, float_dtype=torch.float32),
+        }
         labels = torch.randint(0, v, (b, s), generator=gen).to(device)
         return {"hidden_states": act(s, b, h), "label_ids": labels, **stats}
     # loss: Nanotron's cast_to_fp32 hands it fp32 logits.
@@ -108,11 +110,15 @@ def flush_bytes(device_type: str) -> int:
     value = os.environ.get(FLUSH_MIB_VARIABLE, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"{FLUSH_MIB_VARIABLE}={value!r} must be a whole number of MiB >= 1 (the bytes written "
-                              f"between timed calls to evict the caches); unset it for twice the last-level cache")
+            raise ConfigError(
+                f"{FLUSH_MIB_VARIABLE}={value!r} must be a whole number of MiB >= 1 (the bytes written "
+                f"between timed calls to evict the caches); unset it for twice the last-level cache"
+            )
         return int(value) * 2**20
-    return max(FLUSH_BYTES_MIN.get(device_type, FLUSH_BYTES_MIN["cpu"]),
-               2 * _last_level_cache_bytes() if device_type == "cpu" else 0)
+    return max(
+        FLUSH_BYTES_MIN.get(device_type, FLUSH_BYTES_MIN["cpu"]),
+        2 * _last_level_cache_bytes() if device_type == "cpu" else 0,
+    )
 
 
 def _last_level_cache_bytes() -> int:

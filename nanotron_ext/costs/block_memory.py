@@ -35,8 +35,17 @@ from nanotron_ext.costs.gpu_memory import fused_final_norm, gpu_decoder, gpu_fin
 from nanotron_ext.inventory.flops import mlp_active
 from nanotron_ext.schedule.programs import deferred_weights
 
-__all__ = ["BlockMemory", "block_memory", "deferred_at_once", "largest_output", "largest_param", "mlp_saved_width",
-           "output_tensors", "pending_tensors", "weight_pending"]
+__all__ = [
+    "BlockMemory",
+    "block_memory",
+    "deferred_at_once",
+    "largest_output",
+    "largest_param",
+    "mlp_saved_width",
+    "output_tensors",
+    "pending_tensors",
+    "weight_pending",
+]
 
 
 @functools.lru_cache(maxsize=8192)  # a split search prices each block on every segment that holds it
@@ -70,8 +79,15 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape, runtime: Memory
         ids = t * 8.0
         # The dense gradient of the table is made fresh (embedding_dense_backward) before it joins .grad, from a
         # contiguous copy of the incoming [seq, batch, hidden] gradient.
-        return BlockMemory(saved=ids, forward_temp=0.0, backward_temp=grad_temp + tn * h * w, persistent=0.0,
-                           input=ids + t, input_saved=False, output=tn * h * w + t)
+        return BlockMemory(
+            saved=ids,
+            forward_temp=0.0,
+            backward_temp=grad_temp + tn * h * w,
+            persistent=0.0,
+            input=ids + t,
+            input_saved=False,
+            output=tn * h * w + t,
+        )
     if role == "decoder":
         whole, largest_part = (gpu_decoder if gpu else _decoder)(block, m, run, t, tn, tl, grad_temp)
         return _recomputed(whole, largest_part) if run.recompute_layer else whole
@@ -79,30 +95,65 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape, runtime: Memory
         return gpu_final_norm(tn, h, w, grad_temp)
     if role == "final_norm":
         # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
-        return BlockMemory(saved=norm_saved(tn, h, w), forward_temp=tn * h * 4.0, backward_temp=2 * tn * h * 4.0 + grad_temp,
-                           persistent=0.0, input=tn * h * w, input_saved=w == 4, output=tn * h * w)
+        return BlockMemory(
+            saved=norm_saved(tn, h, w),
+            forward_temp=tn * h * 4.0,
+            backward_temp=2 * tn * h * 4.0 + grad_temp,
+            persistent=0.0,
+            input=tn * h * w,
+            input_saved=w == 4,
+            output=tn * h * w,
+        )
     v = m.vocab_size / tp
     if role == "lm_head":
         # Saves its input; backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
-        return BlockMemory(saved=tl * h * w, forward_temp=0.0, backward_temp=grad_temp + 2 * tl * h * w, persistent=0.0,
-                           input=tn * h * w, input_saved=not seq_parallel or run.tp_async, output=t * v * w)
+        return BlockMemory(
+            saved=tl * h * w,
+            forward_temp=0.0,
+            backward_temp=grad_temp + 2 * tl * h * w,
+            persistent=0.0,
+            input=tn * h * w,
+            input_saved=not seq_parallel or run.tp_async,
+            output=t * v * w,
+        )
     if role == "cast":
         # x.float(): a copy in 16-bit, the tensor itself in fp32; backward: the gradient cast back to 16-bit.
-        return BlockMemory(saved=0.0, forward_temp=0.0, backward_temp=t * v * w if w < 4 else 0.0, persistent=0.0,
-                           input=t * v * w, input_saved=False, output=t * v * 4.0)
+        return BlockMemory(
+            saved=0.0,
+            forward_temp=0.0,
+            backward_temp=t * v * w if w < 4 else 0.0,
+            persistent=0.0,
+            input=t * v * w,
+            input_saved=False,
+            output=t * v * 4.0,
+        )
     if role == "loss":
         # sharded_cross_entropy saves exp(logits - max) normalised in place (fp32), the int64 targets, the
         # target mask; Loss keeps the float label mask. Its backward turns the saved softmax into the logits'
         # gradient in place. Without a cast_to_fp32 block (Qwen2) the logits arrive in the model dtype and
         # its .to(float) copy is alive next to them while it shifts.
         logits = 4.0 if m.family != "qwen2" else float(w)
-        return BlockMemory(saved=t * v * 4.0 + t * (8 + 1 + 4), forward_temp=t * v * 4.0 if logits < 4 else 0.0,
-                           backward_temp=0.0, persistent=0.0, input=t * v * logits, input_saved=False, output=0.0)
+        return BlockMemory(
+            saved=t * v * 4.0 + t * (8 + 1 + 4),
+            forward_temp=t * v * 4.0 if logits < 4 else 0.0,
+            backward_temp=0.0,
+            persistent=0.0,
+            input=t * v * logits,
+            input_saved=False,
+            output=0.0,
+        )
     if role == "vocab_shard":
         return _vocab_shard(block, m, run, t, tn, tl, grad_temp)
     # projector / other: a linear layer on the hidden states.
-    return BlockMemory(saved=t * h * w, forward_temp=0.0, backward_temp=grad_temp + t * h * w, persistent=0.0,
-                       input=t * h * w, input_saved=True, output=t * h * w)
+    return BlockMemory(
+        saved=t * h * w,
+        forward_temp=0.0,
+        backward_temp=grad_temp + t * h * w,
+        persistent=0.0,
+        input=t * h * w,
+        input_saved=True,
+        output=t * h * w,
+    )
 
 
 #: Tensors a block hands on per micro-batch, by role (``block_memory(...).output`` is their bytes): the hidden
@@ -122,8 +173,9 @@ def output_tensors(block: BlockInfo) -> int:
     return _OUTPUT_TENSORS.get(block.role, 1)
 
 
-def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-             grad_temp: float) -> tuple[BlockMemory, float]:
+def _decoder(
+    block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float, grad_temp: float
+) -> tuple[BlockMemory, float]:
     """A Llama decoder layer as the CPU runtime runs it (dense MLP; a MoE layer is priced by its active width), and
     the larger of what its attention and its MLP save (what :func:`_recomputed` needs)."""
     w = DTYPE_BYTES[run.dtype]
@@ -147,8 +199,15 @@ def _decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, 
     while run.sequence_length > end:
         end *= 2
     rotary = 2 * end * (d // 2) * 4.0  # cos and sin in fp32, per layer (each layer caches its own)
-    whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
-                        input=tn * h * w + t, input_saved=w == 4, output=tn * h * w + t)
+    whole = BlockMemory(
+        saved=saved,
+        forward_temp=forward_temp,
+        backward_temp=backward_temp,
+        persistent=rotary,
+        input=tn * h * w + t,
+        input_saved=w == 4,
+        output=tn * h * w + t,
+    )
     return whole, max(attention, mlp)
 
 
@@ -160,13 +219,20 @@ def _recomputed(whole: BlockMemory, largest_part: float) -> BlockMemory:
     Forward (no autograd): its temporaries and, for a moment, the larger of attention's and the MLP's
     intermediates (``largest_part``: what they would have saved). Backward: everything the layer would have saved,
     the recomputed output, then the backward's own temporaries."""
-    return BlockMemory(saved=whole.input, forward_temp=whole.forward_temp + largest_part,
-                       backward_temp=whole.saved + whole.output + whole.backward_temp, persistent=whole.persistent,
-                       input=whole.input, input_saved=True, output=whole.output)
+    return BlockMemory(
+        saved=whole.input,
+        forward_temp=whole.forward_temp + largest_part,
+        backward_temp=whole.saved + whole.output + whole.backward_temp,
+        persistent=whole.persistent,
+        input=whole.input,
+        input_saved=True,
+        output=whole.output,
+    )
 
 
-def _vocab_shard(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-                 grad_temp: float) -> BlockMemory:
+def _vocab_shard(
+    block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float, grad_temp: float
+) -> BlockMemory:
     """A block of the vocabulary chain (:mod:`nanotron_ext.models.vocab_chain`)."""
     w, h = DTYPE_BYTES[run.dtype], m.hidden_size
     # lm_head rows -> .float() -> exp(logits - max) saved (fp32) with the int64 label index and the mask, the
@@ -175,10 +241,15 @@ def _vocab_shard(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: flo
     # back to 16-bit, then the linear's gradients.
     rows = block.params / h
     stats = 3 * t * 4.0
-    return BlockMemory(saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
-                       forward_temp=t * rows * 2 * 4.0,
-                       backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
-                       persistent=0.0, input=tn * h * w + stats, input_saved=True, output=tn * h * w + stats)
+    return BlockMemory(
+        saved=tl * h * w + t * rows * 4.0 + t * (8 + 1) + 4 * t * 4.0,
+        forward_temp=t * rows * 2 * 4.0,
+        backward_temp=(t * rows * w if w < 4 else 0.0) + grad_temp + 2 * tl * h * w,
+        persistent=0.0,
+        input=tn * h * w + stats,
+        input_saved=True,
+        output=tn * h * w + stats,
+    )
 
 
 def largest_param(block: BlockInfo, m: ModelShape, run: RunShape) -> int:
@@ -242,13 +313,17 @@ def weight_pending(block: BlockInfo, m: ModelShape, run: RunShape) -> float:
 
 
 #: Name fragments of a decoder layer's weights, by the tensor group of :func:`pending_tensors`.
-_DECODER_WEIGHTS = {"input_layernorm": ("input_layernorm",), "qkv_proj": ("qkv", "q_proj", "k_proj", "v_proj"),
-                    "o_proj": ("o_proj",), "post_attention_layernorm": ("post_attention_layernorm",),
-                    "gate_up_proj": ("gate_up", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
+_DECODER_WEIGHTS = {
+    "input_layernorm": ("input_layernorm",),
+    "qkv_proj": ("qkv", "q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "post_attention_layernorm": ("post_attention_layernorm",),
+    "gate_up_proj": ("gate_up", "up_proj", "c_fc"),
+    "down_proj": ("down_proj", "c_proj"),
+}
 
 
-def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float,
-                     tl: float) -> dict[str, float]:
+def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float) -> dict[str, float]:
     """A decoder layer's deferred-W tensors: qkv, o, the MLP's up (gate|up) and down linears (its norms make
     their weight gradients in B)."""
     w, tp, h = DTYPE_BYTES[run.dtype], run.tp, m.hidden_size
@@ -257,10 +332,14 @@ def _decoder_pending(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn:
     gated = m.moe.glu if m.moe_layer(block_layer(block)) and m.moe is not None else m.family != "starcoder2"
     down_in = width / (3 if gated else 2)
     return {
-        "qkv_proj.input": tl * h * w, "qkv_proj.output_grad": t * (q + 2 * kv) * w,
-        "o_proj.input": t * q * w, "o_proj.output_grad": t * h * w,
-        "gate_up_proj.input": tl * h * w, "gate_up_proj.output_grad": t * (width - down_in) * w,
-        "down_proj.input": t * down_in * w, "down_proj.output_grad": t * h * w,
+        "qkv_proj.input": tl * h * w,
+        "qkv_proj.output_grad": t * (q + 2 * kv) * w,
+        "o_proj.input": t * q * w,
+        "o_proj.output_grad": t * h * w,
+        "gate_up_proj.input": tl * h * w,
+        "gate_up_proj.output_grad": t * (width - down_in) * w,
+        "down_proj.input": t * down_in * w,
+        "down_proj.output_grad": t * h * w,
     }
 
 

@@ -32,12 +32,20 @@ def fused_final_norm(m: ModelShape) -> bool:
 
 def gpu_final_norm(tn: float, h: int, w: int, grad_temp: float) -> BlockMemory:
     """``TritonRMSNorm`` (flash-attn's ``layer_norm_fn``): keeps its input and an fp32 rstd; backward: dx."""
-    return BlockMemory(saved=tn * (h * w + 4.0), forward_temp=0.0, backward_temp=tn * h * w + grad_temp,
-                       persistent=0.0, input=tn * h * w, input_saved=True, output=tn * h * w)
+    return BlockMemory(
+        saved=tn * (h * w + 4.0),
+        forward_temp=0.0,
+        backward_temp=tn * h * w + grad_temp,
+        persistent=0.0,
+        input=tn * h * w,
+        input_saved=True,
+        output=tn * h * w,
+    )
 
 
-def gpu_decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float,
-                grad_temp: float) -> tuple[BlockMemory, float]:
+def gpu_decoder(
+    block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: float, tl: float, grad_temp: float
+) -> tuple[BlockMemory, float]:
     """A decoder layer as upstream Nanotron runs it on a GPU, and the larger of what its attention and its MLP
     keep (what a recomputed layer holds for a moment).
 
@@ -90,6 +98,13 @@ def gpu_decoder(block: BlockInfo, m: ModelShape, run: RunShape, t: int, tn: floa
     attention_backward = t * (w * (q + 2 * kv + (2 * q if gqa else 0)) + 4.0 * (q + heads))
     backward_temp = grad_temp + max(t * w * 3 * m.intermediate_size / tp, attention_backward)
     rotary = 2 * run.sequence_length * (d // 2) * w  # flash-attn's cos/sin cache, in the model dtype, per layer
-    whole = BlockMemory(saved=saved, forward_temp=forward_temp, backward_temp=backward_temp, persistent=rotary,
-                        input=tn * h * w + t, input_saved=input_saved, output=tn * h * w + t)
+    whole = BlockMemory(
+        saved=saved,
+        forward_temp=forward_temp,
+        backward_temp=backward_temp,
+        persistent=rotary,
+        input=tn * h * w + t,
+        input_saved=input_saved,
+        output=tn * h * w + t,
+    )
     return whole, max(attention, mlp)

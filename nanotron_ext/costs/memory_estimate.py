@@ -17,6 +17,7 @@ per parameter follow Nanotron's optimizer and gradient accumulator (:func:`nanot
 Runtime overhead (CUDA context, communication buffers, fragmentation) is not a tensor: it is the config's
 ``memory_overhead_gib``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,8 +36,15 @@ from nanotron_ext.costs.block_memory import (
 )
 from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
 
-__all__ = ["RUNTIME_TENSORS_BYTES", "PeakOfTwoMoments", "SegmentMemory", "StageMemory", "config_stage_memory",
-           "estimate_key", "stage_memory"]
+__all__ = [
+    "RUNTIME_TENSORS_BYTES",
+    "PeakOfTwoMoments",
+    "SegmentMemory",
+    "StageMemory",
+    "config_stage_memory",
+    "estimate_key",
+    "stage_memory",
+]
 
 
 #: Small tensors of the engine, P2P, TP collectives and optimizer that no block owns (metadata buffers, Adam's
@@ -116,8 +124,16 @@ class StageMemory(PeakOfTwoMoments):
 
     @property
     def pipeline_peak(self) -> float:
-        return (self.weights + self.optimizer + self.buffers + self.pipeline_gradients
-                + self.pipeline_activations + self.pipeline_temporaries + self.pending_weights + self.overhead)
+        return (
+            self.weights
+            + self.optimizer
+            + self.buffers
+            + self.pipeline_gradients
+            + self.pipeline_activations
+            + self.pipeline_temporaries
+            + self.pending_weights
+            + self.overhead
+        )
 
     @property
     def optimizer_peak(self) -> float:
@@ -129,13 +145,26 @@ class StageMemory(PeakOfTwoMoments):
         return self.pipeline_temporaries if self.peak_at == "pipeline" else self.optimizer_temporaries
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak": self.peak, "peak_at": self.peak_at, "pipeline_peak": self.pipeline_peak,
-                "optimizer_peak": self.optimizer_peak}
+        return {
+            **asdict(self),
+            "peak": self.peak,
+            "peak_at": self.peak_at,
+            "pipeline_peak": self.pipeline_peak,
+            "optimizer_peak": self.optimizer_peak,
+        }
 
 
 def stage_memory(
-    blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, stage: int, *, pp: int | None = None,
-    overhead_gib: float = 0.0, optimizer: str = "foreach", retain_sends: bool = False, runtime: MemoryRuntime = "cpu",
+    blocks: Sequence[BlockInfo],
+    m: ModelShape,
+    run: RunShape,
+    stage: int,
+    *,
+    pp: int | None = None,
+    overhead_gib: float = 0.0,
+    optimizer: str = "foreach",
+    retain_sends: bool = False,
+    runtime: MemoryRuntime = "cpu",
 ) -> StageMemory:
     """The peak-memory breakdown of a stage holding ``blocks`` (contiguous, forward order).
 
@@ -170,8 +199,19 @@ def stage_memory(
     pp = run.pp if pp is None else pp
     n = in_flight(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
     deferred = deferred_at_once(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
-    return _stage_memory(blocks, _per_block(blocks, m, run, runtime), m, run, stage, pp, n, deferred,
-                         overhead_gib, optimizer, retain_sends)
+    return _stage_memory(
+        blocks,
+        _per_block(blocks, m, run, runtime),
+        m,
+        run,
+        stage,
+        pp,
+        n,
+        deferred,
+        overhead_gib,
+        optimizer,
+        retain_sends,
+    )
 
 
 class _PerBlock(NamedTuple):
@@ -185,13 +225,26 @@ class _PerBlock(NamedTuple):
 
 def _per_block(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, runtime: MemoryRuntime) -> _PerBlock:
     zero_bubble = run.engine in ZERO_BUBBLE
-    return _PerBlock([block_memory(b, m, run, runtime) for b in blocks], [largest_param(b, m, run) for b in blocks],
-                     [weight_pending(b, m, run) if zero_bubble else 0.0 for b in blocks])
+    return _PerBlock(
+        [block_memory(b, m, run, runtime) for b in blocks],
+        [largest_param(b, m, run) for b in blocks],
+        [weight_pending(b, m, run) if zero_bubble else 0.0 for b in blocks],
+    )
 
 
-def _stage_memory(blocks: Sequence[BlockInfo], per_block: _PerBlock, m: ModelShape, run: RunShape, stage: int,
-                  pp: int, n: int, deferred: int, overhead_gib: float, optimizer: str,
-                  retain_sends: bool) -> StageMemory:
+def _stage_memory(
+    blocks: Sequence[BlockInfo],
+    per_block: _PerBlock,
+    m: ModelShape,
+    run: RunShape,
+    stage: int,
+    pp: int,
+    n: int,
+    deferred: int,
+    overhead_gib: float,
+    optimizer: str,
+    retain_sends: bool,
+) -> StageMemory:
     """:func:`stage_memory` of ``blocks`` with what it reads of each block given, ``n`` micro-batches in flight
     and ``deferred`` W's."""
     per = param_bytes(run)
@@ -247,8 +300,14 @@ def _stage_parameters(blocks: Sequence[BlockInfo], m: ModelShape, per: ParamByte
 
 
 def _pipeline_moment(
-    blocks: Sequence[BlockInfo], per_block: _PerBlock, run: RunShape, stage: int, pp: int, n: int,
-    held: _StageParameters, retain_sends: bool,
+    blocks: Sequence[BlockInfo],
+    per_block: _PerBlock,
+    run: RunShape,
+    stage: int,
+    pp: int,
+    n: int,
+    held: _StageParameters,
+    retain_sends: bool,
 ) -> tuple[float, tuple[float, float, float]]:
     """One micro-batch's activations, and the (activations, gradients, temporaries) alive at the pipeline's
     worst moment (zeros for an empty stage)."""
@@ -262,14 +321,20 @@ def _pipeline_moment(
     if retain_sends:
         # CPUP2P keeps every sent tensor until the step ends: outputs beyond those still held, and the
         # gradients sent back for the stage's input.
-        sent = ((run.n_micro_batches - n) * held_out * (stage < pp - 1)
-                + run.n_micro_batches * mems[0].input * (stage > 0))
+        sent = (run.n_micro_batches - n) * held_out * (stage < pp - 1) + run.n_micro_batches * mems[0].input * (
+            stage > 0
+        )
     worst = max(_pipeline_candidates(per_block, run, n, held, held_in, held_out, activations), key=sum)
     return activations, (worst[0], worst[1] + held.allocated, worst[2] + sent)
 
 
 def _pipeline_candidates(
-    per_block: _PerBlock, run: RunShape, n: int, held: _StageParameters, held_in: float, held_out: float,
+    per_block: _PerBlock,
+    run: RunShape,
+    n: int,
+    held: _StageParameters,
+    held_in: float,
+    held_out: float,
     activations: float,
 ) -> list[tuple[float, float, float]]:
     """Every moment of the micro-batch being computed, block by block, forward then backward, as (activations,
@@ -292,22 +357,24 @@ def _pipeline_candidates(
         own_input = x.input if i > 0 and not x.input_saved else 0.0
         others = (n - 1) * activations
         fresh = largest * weight_bytes if trainable[i] else 0.0
-        candidates.append((others + saved_so_far, g_all if grads_early else 0.0,
-                           own_input + x.forward_temp + x.output))
+        candidates.append((others + saved_so_far, g_all if grads_early else 0.0, own_input + x.forward_temp + x.output))
         if grads_early:
             candidates.append((others + saved_so_far + held_out + current, g_all, x.output + x.backward_temp))
         else:
             # The first backward: the block's gradient is made in place of .grad (no fresh copy).
-            candidates.append((others + saved_so_far + held_out + current, sum(grads[i:]),
-                               x.output + x.backward_temp - fresh))
+            candidates.append(
+                (others + saved_so_far + held_out + current, sum(grads[i:]), x.output + x.backward_temp - fresh)
+            )
             if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
-                candidates.append(((n - 2) * activations + saved_so_far + held_out + current, g_all,
-                                   x.output + x.backward_temp))
+                candidates.append(
+                    ((n - 2) * activations + saved_so_far + held_out + current, g_all, x.output + x.backward_temp)
+                )
     return candidates
 
 
-def _optimizer_temporaries(largest: Sequence[int], trainable: Sequence[int], state_bytes: float,
-                           optimizer: str) -> float:
+def _optimizer_temporaries(
+    largest: Sequence[int], trainable: Sequence[int], state_bytes: float, optimizer: str
+) -> float:
     """The optimizer step's temporaries (bytes) for AdamW run as ``optimizer`` (see :func:`stage_memory`), from each
     block's largest trainable tensor and trainable parameters."""
     largest_trained = max((x for x, tr in zip(largest, trainable) if tr), default=0)
@@ -319,8 +386,9 @@ def _optimizer_temporaries(largest: Sequence[int], trainable: Sequence[int], sta
     return 0.0
 
 
-def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int, *,
-                        retain_sends: bool | None = None) -> StageMemory:
+def config_stage_memory(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: int, *, retain_sends: bool | None = None
+) -> StageMemory:
     """:func:`stage_memory` with the config's runtime, optimizer and overhead (what ``plan`` prints).
 
     Args:
@@ -330,9 +398,16 @@ def config_stage_memory(blocks: Sequence[BlockInfo], cfg: PlannerConfig, stage: 
         retain_sends: whether sent tensors are kept to the step's end (None: as the config's runtime does).
     """
     optimizer, retains = _config_runtime(cfg)
-    return stage_memory(blocks, cfg.model, cfg.run, stage, overhead_gib=cfg.ext.overhead_gib, optimizer=optimizer,
-                        retain_sends=retains if retain_sends is None else retain_sends,
-                        runtime=cfg.ext.memory_runtime)
+    return stage_memory(
+        blocks,
+        cfg.model,
+        cfg.run,
+        stage,
+        overhead_gib=cfg.ext.overhead_gib,
+        optimizer=optimizer,
+        retain_sends=retains if retain_sends is None else retain_sends,
+        runtime=cfg.ext.memory_runtime,
+    )
 
 
 def estimate_key(cfg: PlannerConfig) -> tuple[object, ...]:
@@ -365,6 +440,16 @@ class SegmentMemory:
         cfg, per = self.cfg, self._per
         part = _PerBlock(per.memory[s:e], per.largest[s:e], per.pending[s:e])
         held = e > s
-        return _stage_memory(self.blocks[s:e], part, cfg.model, cfg.run, stage, cfg.run.pp,
-                             self._flight[stage] if held else 0, self._deferred[stage] if held else 0,
-                             cfg.ext.overhead_gib, self._optimizer, self._retain_sends)
+        return _stage_memory(
+            self.blocks[s:e],
+            part,
+            cfg.model,
+            cfg.run,
+            stage,
+            cfg.run.pp,
+            self._flight[stage] if held else 0,
+            self._deferred[stage] if held else 0,
+            cfg.ext.overhead_gib,
+            self._optimizer,
+            self._retain_sends,
+        )

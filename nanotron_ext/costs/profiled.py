@@ -61,8 +61,19 @@ from nanotron_ext.stats import fastest, fastest_spread
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_CACHE_DIR", "PROFILE_VERSION", "BlockTiming", "CacheWarning", "ModuleFactory", "block_timings",
-           "cache_dir_for", "measure_block", "measure_blocks", "profile_blocks", "profile_key"]
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "PROFILE_VERSION",
+    "BlockTiming",
+    "CacheWarning",
+    "ModuleFactory",
+    "block_timings",
+    "cache_dir_for",
+    "measure_block",
+    "measure_blocks",
+    "profile_blocks",
+    "profile_key",
+]
 
 DEFAULT_WARMUP = 2
 #: Timed rounds: each figure is their fastest, its spread the gap between the fastest of the first 5 and of the last 6.
@@ -101,8 +112,15 @@ def measure_block(
     module_factory: ModuleFactory | None = None,
 ) -> BlockTiming:
     """One block timed alone: :func:`measure_blocks` of that block."""
-    return measure_blocks([(block, input_grad)], cfg, tp_pg=tp_pg, warmup=warmup, repeats=repeats, device=device,
-                          module_factory=module_factory)[0]
+    return measure_blocks(
+        [(block, input_grad)],
+        cfg,
+        tp_pg=tp_pg,
+        warmup=warmup,
+        repeats=repeats,
+        device=device,
+        module_factory=module_factory,
+    )[0]
 
 
 def measure_blocks(
@@ -150,10 +168,12 @@ def measure_blocks(
         keep_freed_memory()
     out: list[BlockTiming] = []
     for group in _groups([b for b, _ in blocks], device):
-        runs = [_Run(blocks[i][0], blocks[i][1], _standalone_module(blocks[i][0], cfg, tp_pg, device, module_factory))
-                for i in group]
+        runs = [
+            _Run(blocks[i][0], blocks[i][1], _standalone_module(blocks[i][0], cfg, tp_pg, device, module_factory))
+            for i in group
+        ]
         for r in range(warmup + repeats):
-            for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+            for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
                 run.once(cfg, device, timed=r >= warmup)
             if on_round is not None:
                 on_round(len(runs))
@@ -236,7 +256,9 @@ class _Run:
         # W in every other timed round, the first included (len: the timed rounds so far): each costs one more
         # forward and backward.
         if self.splits and timed and len(self.times[0]) % 2 == 0:
-            self.weights.append(time_weight_pass(self.block, self.module, cfg, device, self.input_grad, self.gen, clock))
+            self.weights.append(
+                time_weight_pass(self.block, self.module, cfg, device, self.input_grad, self.gen, clock)
+            )
         # Weight gradients accumulate across rounds, as they do across micro-batches within a step.
         step = self._step(device)
         if timed:
@@ -267,8 +289,9 @@ class _Run:
         return BlockTiming(*best, spread, weight)  # type: ignore[arg-type]
 
 
-def _standalone_module(block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any,
-                       factory: ModuleFactory | None) -> Any:
+def _standalone_module(
+    block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any, factory: ModuleFactory | None
+) -> Any:
     """The block's module on ``device`` in the config's dtype, its parameters trainable as the block's are."""
     import torch
 
@@ -345,17 +368,27 @@ def profile_blocks(
         # A group is only needed (and only made) when something must be measured.
         group_cm = contextlib.nullcontext(tp_pg) if tp_pg is not None else _local_group()
         with group_cm as group:
-            timings = measure_blocks([(block, key["input_grad"]) for block, key in missing.values()], cfg,
-                                     tp_pg=group, warmup=warmup, repeats=repeats, module_factory=module_factory,
-                                     on_round=on_round)
+            timings = measure_blocks(
+                [(block, key["input_grad"]) for block, key in missing.values()],
+                cfg,
+                tp_pg=group,
+                warmup=warmup,
+                repeats=repeats,
+                module_factory=module_factory,
+                on_round=on_round,
+            )
             for (digest, (_, key)), timing in zip(missing.items(), timings):
                 found[digest] = timing
                 try:
                     _write_cache(directory / f"{digest}.json", key, timing)
                 except OSError as exc:  # an unwritable cache only costs a re-measurement next time
-                    warnings.warn(f"cannot write the profiled timing cache entry {directory / f'{digest}.json'} "
-                                  f"({exc.strerror or exc}); the block will be measured again next run. Fix "
-                                  f"the folder or set nanotron_ext.profile_cache", CacheWarning, stacklevel=2)
+                    warnings.warn(
+                        f"cannot write the profiled timing cache entry {directory / f'{digest}.json'} "
+                        f"({exc.strerror or exc}); the block will be measured again next run. Fix "
+                        f"the folder or set nanotron_ext.profile_cache",
+                        CacheWarning,
+                        stacklevel=2,
+                    )
     return [found[_hash(key)] for key in keys]
 
 

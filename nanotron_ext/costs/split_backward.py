@@ -27,12 +27,22 @@ def splits(block: BlockInfo, module: Any) -> bool:
     (:data:`~nanotron_ext.blocks.DEFERS_WEIGHT_GRADIENT`), built as a module with a parameter that trains."""
     import torch
 
-    return (block.role in DEFERS_WEIGHT_GRADIENT and isinstance(module, torch.nn.Module)
-            and any(p.requires_grad for p in module.parameters()))
+    return (
+        block.role in DEFERS_WEIGHT_GRADIENT
+        and isinstance(module, torch.nn.Module)
+        and any(p.requires_grad for p in module.parameters())
+    )
 
 
-def time_weight_pass(block: BlockInfo, module: Any, cfg: PlannerConfig, device: Any, input_grad: bool, gen: Any,
-                     clock: Callable[[], float]) -> float:
+def time_weight_pass(
+    block: BlockInfo,
+    module: Any,
+    cfg: PlannerConfig,
+    device: Any,
+    input_grad: bool,
+    gen: Any,
+    clock: Callable[[], float],
+) -> float:
     """Seconds of ``block``'s W for one micro-batch: a forward, its backward with the weight gradients deferred,
     then (cold caches, as in a pipeline, where other work ran since) the deferred pass alone, timed. 0 without
     running anything when no linear of the module can defer (the engine then keeps the whole backward in B). The

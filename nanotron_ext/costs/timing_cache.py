@@ -142,29 +142,43 @@ def _read_cache(path: Path) -> BlockTiming | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return _bad_entry(path, f"{type(exc).__name__}: {exc}")
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0 <= value <= MAX_CACHED_SECONDS
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and 0 <= value <= MAX_CACHED_SECONDS)
         ):
             return _bad_entry(path, f"{name}={value!r} is not a time in seconds (finite, 0 to {MAX_CACHED_SECONDS:g})")
     if values["forward"] <= 0:
         return _bad_entry(path, f"forward={values['forward']!r}: a block's forward always takes some time")
     spread = data.get("spread", (0.0, 0.0, 0.0))
-    if not (isinstance(spread, list) and len(spread) == 3 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in spread)):
+    if not (
+        isinstance(spread, list)
+        and len(spread) == 3
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in spread)
+    ):
         return _bad_entry(path, f"spread={spread!r} is not three relative uncertainties (finite, >= 0)")
     weight = data.get("weight")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-            math.isfinite(weight) and 0 <= weight <= MAX_CACHED_SECONDS)):
+    if weight is not None and (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not (math.isfinite(weight) and 0 <= weight <= MAX_CACHED_SECONDS)
+    ):
         return _bad_entry(path, f"weight={weight!r} is not a time in seconds (finite, 0 to {MAX_CACHED_SECONDS:g})")
-    return BlockTiming(float(values["forward"]), float(values["backward"]), float(values["optimizer"]),
-                       tuple(float(x) for x in spread),  # type: ignore[arg-type]
-                       None if weight is None else float(weight))
+    return BlockTiming(
+        float(values["forward"]),
+        float(values["backward"]),
+        float(values["optimizer"]),
+        tuple(float(x) for x in spread),  # type: ignore[arg-type]
+        None if weight is None else float(weight),
+    )
 
 
 def _bad_entry(path: Path, why: str) -> None:
-    warnings.warn(f"profiled timing cache entry {path} is unusable ({why}); measuring that block again and "
-                  f"replacing it",
-                  CacheWarning, stacklevel=3)
+    warnings.warn(
+        f"profiled timing cache entry {path} is unusable ({why}); measuring that block again and replacing it",
+        CacheWarning,
+        stacklevel=3,
+    )
     return None
 
 

@@ -64,10 +64,12 @@ class VRankMemory(PeakOfTwoMoments):
     def pipeline_at(self, moment: VMoment) -> float:
         """Bytes held at ``moment``: what the rank holds throughout, plus the moment's activations, W state and
         the running chunk's temporaries."""
-        return (self.throughout
-                + sum(n * a for n, a in zip(moment.held, self.activations))
-                + sum(n * w for n, w in zip(moment.pending, self.weight_pending))
-                + self.temporaries[moment.running])
+        return (
+            self.throughout
+            + sum(n * a for n, a in zip(moment.held, self.activations))
+            + sum(n * w for n, w in zip(moment.pending, self.weight_pending))
+            + self.temporaries[moment.running]
+        )
 
     @property
     def pipeline_peak(self) -> float:
@@ -78,12 +80,19 @@ class VRankMemory(PeakOfTwoMoments):
         return self.throughout + self.optimizer_temporaries
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "worst": self.worst._asdict(), "peak": self.peak, "peak_at": self.peak_at,
-                "pipeline_peak": self.pipeline_peak, "optimizer_peak": self.optimizer_peak}
+        return {
+            **asdict(self),
+            "worst": self.worst._asdict(),
+            "peak": self.peak,
+            "peak_at": self.peak_at,
+            "pipeline_peak": self.pipeline_peak,
+            "optimizer_peak": self.optimizer_peak,
+        }
 
 
-def v_rank_memory(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], moments: Sequence[VMoment],
-                  cfg: PlannerConfig, rank: int) -> VRankMemory:
+def v_rank_memory(
+    chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], moments: Sequence[VMoment], cfg: PlannerConfig, rank: int
+) -> VRankMemory:
     """The peak memory of rank ``rank`` of a V holding ``chunks`` (way down, way up), over ``moments``.
 
     Args:
@@ -104,11 +113,17 @@ def v_rank_memory(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], momen
     whole = _estimate([*chunks[0], *chunks[1]], cfg)
     parts = (_estimate(chunks[0], cfg), _estimate(chunks[1], cfg))
     base = VRankMemory(
-        rank=rank, weights=whole.weights, gradients=whole.gradients, optimizer=whole.optimizer, buffers=whole.buffers,
-        optimizer_temporaries=whole.optimizer_temporaries, overhead=whole.overhead,
+        rank=rank,
+        weights=whole.weights,
+        gradients=whole.gradients,
+        optimizer=whole.optimizer,
+        buffers=whole.buffers,
+        optimizer_temporaries=whole.optimizer_temporaries,
+        overhead=whole.overhead,
         activations=(parts[0].activations, parts[1].activations),
         weight_pending=(parts[0].weight_pending, parts[1].weight_pending),
-        temporaries=(parts[0].pipeline_temporaries, parts[1].pipeline_temporaries), worst=moments[0],
+        temporaries=(parts[0].pipeline_temporaries, parts[1].pipeline_temporaries),
+        worst=moments[0],
     )
     return replace(base, worst=max(moments, key=base.pipeline_at))
 

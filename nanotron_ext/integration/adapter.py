@@ -79,8 +79,10 @@ def build_model(
     """
     cfg = config or _ACTIVE.get("config")
     if cfg is None:
-        raise ConfigError("nanotron_ext.build_model needs the planner config: pass config=load_config(...) "
-                          "or call patch_nanotron(config) first")
+        raise ConfigError(
+            "nanotron_ext.build_model needs the planner config: pass config=load_config(...) "
+            "or call patch_nanotron(config) first"
+        )
     strategy = strategy or _ACTIVE.get("strategy")
     ranks = list(target_pp_ranks) if target_pp_ranks is not None else list(range(parallel_context.pp_pg.size()))
     if cfg.run.pp != len(ranks):
@@ -94,13 +96,19 @@ def build_model(
     if plan is None:
         plan = plan_for_model(model, cfg, strategy, blocks=blocks)
     elif list(plan.block_names) != [b.name for b in blocks]:
-        raise PlanningError(f"the plan to build names blocks {list(plan.block_names)}, the model has "
-                            f"{[b.name for b in blocks]}")
+        raise PlanningError(
+            f"the plan to build names blocks {list(plan.block_names)}, the model has {[b.name for b in blocks]}"
+        )
     if _ACTIVE.get("choose_plan") is not None:  # a resume: the checkpoint's recorded split, by default
         plan = _ACTIVE["choose_plan"](plan, blocks, cfg)
-    assign_blocks(model, parallel_context, [ranks[s] for s in plan.block_ranks], dtype=dtype,
-                  device=device if device is not None else _CPU,
-                  v_stages=plan.stages if isinstance(plan, VPlan) else None)
+    assign_blocks(
+        model,
+        parallel_context,
+        [ranks[s] for s in plan.block_ranks],
+        dtype=dtype,
+        device=device if device is not None else _CPU,
+        v_stages=plan.stages if isinstance(plan, VPlan) else None,
+    )
     model.nanotron_ext_plan = plan
     model.nanotron_ext_blocks = blocks
     if _ACTIVE.get("after_build") is not None:
@@ -269,8 +277,13 @@ def patch_nanotron(
             raise NanotronExtError(_patch_failure(module_name, exc)) from exc
         undo.append((module, "build_model", module.build_model))
         module.build_model = build_model
-    _ACTIVE.update(config=config, strategy=strategy, after_build=after_build, model_transform=model_transform,
-                   choose_plan=choose_plan)
+    _ACTIVE.update(
+        config=config,
+        strategy=strategy,
+        after_build=after_build,
+        model_transform=model_transform,
+        choose_plan=choose_plan,
+    )
     return restore
 
 

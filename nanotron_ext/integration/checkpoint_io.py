@@ -46,8 +46,15 @@ from nanotron_ext.checkpoint.safetensors_writer import write_safetensors
 from nanotron_ext.checkpoint.verify import Gather
 from nanotron_ext.errors import NanotronExtError
 
-__all__ = ["ReadWatch", "SaveRecorder", "gathered_files", "guarded_load", "swapped", "verify_on_every_rank",
-           "world_gather"]
+__all__ = [
+    "ReadWatch",
+    "SaveRecorder",
+    "gathered_files",
+    "guarded_load",
+    "swapped",
+    "verify_on_every_rank",
+    "world_gather",
+]
 
 _OPEN = builtins.open
 
@@ -96,16 +103,30 @@ class SaveRecorder:
         with io.BufferedWriter(self.writer(path)) as out:  # buffered: a raw write may be partial (2 GiB at most)
             write_safetensors(out, tensors, metadata)
 
-    def _open(self, file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
-              errors: str | None = None, newline: str | None = None, closefd: bool = True, opener: Any = None) -> Any:
+    def _open(
+        self,
+        file: Any,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+        closefd: bool = True,
+        opener: Any = None,
+    ) -> Any:
         if not _writes(mode) or opener is not None or not closefd or path_inside(self.folder, file) is None:
             return _OPEN(file, mode, buffering, encoding, errors, newline, closefd, opener)
         raw = self.writer(file)
         buffered = io.BufferedWriter(raw) if buffering != 0 else raw
         if "b" in mode:
             return buffered
-        return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline=newline,  # as open() builds it
-                                line_buffering=buffering == 1)
+        return io.TextIOWrapper(
+            buffered,
+            encoding=encoding,
+            errors=errors,
+            newline=newline,  # as open() builds it
+            line_buffering=buffering == 1,
+        )
 
     def _torch_save(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -129,8 +150,11 @@ class SaveRecorder:
         """While the block runs, Nanotron's writers record what they write into the folder."""
         import nanotron.serialize.weights as weights
 
-        with swapped((builtins, "open", self._open), (torch, "save", self._torch_save(torch.save)),
-                     (weights, "save_file", self._save_file(weights.save_file))):
+        with swapped(
+            (builtins, "open", self._open),
+            (torch, "save", self._torch_save(torch.save)),
+            (weights, "save_file", self._save_file(weights.save_file)),
+        ):
             yield self
 
     def unrecorded(self, recorded: dict[str, SavedFile]) -> list[SavedFile]:
@@ -169,9 +193,12 @@ class ReadWatch:
         import safetensors
 
         self.last = None
-        with swapped((builtins, "open", self._noting(builtins.open)), (torch, "load", self._noting(torch.load)),
-                     (safetensors, "safe_open", self._noting(safetensors.safe_open)),
-                     (weights, "safe_open", self._noting(weights.safe_open))):
+        with swapped(
+            (builtins, "open", self._noting(builtins.open)),
+            (torch, "load", self._noting(torch.load)),
+            (safetensors, "safe_open", self._noting(safetensors.safe_open)),
+            (weights, "safe_open", self._noting(weights.safe_open)),
+        ):
             yield self
 
 
@@ -211,8 +238,9 @@ def gathered_files(recorder: SaveRecorder, group: Any) -> dict[str, SavedFile]:
     return dict(sorted(merged.items()))
 
 
-def guarded_load(load: Callable[..., Any], what: str, source: ResumeSource, group: Callable[[], Any],
-                 verified: Callable[[], bool]) -> Callable[..., Any]:
+def guarded_load(
+    load: Callable[..., Any], what: str, source: ResumeSource, group: Callable[[], Any], verified: Callable[[], bool]
+) -> Callable[..., Any]:
     """Nanotron's loader ``load`` (of ``what``: ``its weights``), made collective for the resume of ``source``:
     whatever it raises on any rank, every rank stops with the same message naming that rank's file (exit code 3);
     a nanotron_ext refusal that every rank raised alike goes on as it is."""
@@ -241,11 +269,15 @@ def guarded_load(load: Callable[..., Any], what: str, source: ResumeSource, grou
         failed = [f for f in every if f is not None]
         if not failed:
             return out
-        if mine is not None and mine.refusal is not None and all(f is not None and f.refusal == mine.refusal
-                                                                 for f in every):
+        if (
+            mine is not None
+            and mine.refusal is not None
+            and all(f is not None and f.refusal == mine.refusal for f in every)
+        ):
             raise error  # type: ignore[misc]  (already the same message on every rank)
         instead = instead_of(source, rank=rank, world=pg.size(), gather=gather)
-        raise CheckpointLoadFailure(load_failure_message(source, failed, verified=verified(), instead=instead)) \
-            from error
+        raise CheckpointLoadFailure(
+            load_failure_message(source, failed, verified=verified(), instead=instead)
+        ) from error
 
     return load_or_fail_together

@@ -73,8 +73,9 @@ __all__ = ["ResumeState", "install_checkpoints"]
 class ResumeState:
     """What the launcher knows of this run's checkpoints, shared by the build, load and save hooks."""
 
-    def __init__(self, cfg: PlannerConfig, source: ResumeSource | None, *, mode: str,
-                 say: Callable[[str], None]) -> None:
+    def __init__(
+        self, cfg: PlannerConfig, source: ResumeSource | None, *, mode: str, say: Callable[[str], None]
+    ) -> None:
         self.cfg, self.source, self.mode, self.say = cfg, source, mode, say
         self.model: Any = None
         self.context: Any = None
@@ -101,8 +102,14 @@ class ResumeState:
     def after_build(self, model: Any, context: Any) -> None:
         """Record the built plan, and decide whose loader reads the checkpoint."""
         self.model, self.context = model, context
-        self.record = record_for(model.nanotron_ext_plan, self.cfg, machine_for(self.cfg), tp=context.tp_pg.size(),
-                                 dp=context.dp_pg.size(), vocab_bounds=vocab_bounds(model))
+        self.record = record_for(
+            model.nanotron_ext_plan,
+            self.cfg,
+            machine_for(self.cfg),
+            tp=context.tp_pg.size(),
+            dp=context.dp_pg.size(),
+            vocab_bounds=vocab_bounds(model),
+        )
         if self.source is not None:
             recorded = self.source.record
             self.ours = recorded is None or not recorded.same_state_layout(self.record)
@@ -145,20 +152,26 @@ class ResumeState:
         self.needs = {n.local_name: n for n, _ in mine} | {n.name: n for n, _ in mine if n.tied}
         if _rank() == 0:
             count = count_placements(saved, needs, optimizer=load_optimizer)
-            self.say(f"nanotron_ext: {self.source.label} -> split {self.record.layout} (pp={self.record.pp}, "
-                     f"tp={self.record.tp}, dp={self.record.dp}): {count.line()}")
+            self.say(
+                f"nanotron_ext: {self.source.label} -> split {self.record.layout} (pp={self.record.pp}, "
+                f"tp={self.record.tp}, dp={self.record.dp}): {count.line()}"
+            )
 
     def _cannot(self, problems: list[str]) -> str:
         assert self.source is not None and self.record is not None
         recorded, now = self.source.record, self.record
         listed = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
-        head = (f"cannot resume {self.source.label} ({_where(recorded) if recorded else 'saved without a plan record'}) "
-                f"under the new plan ({_where(now)}); nothing was loaded.")
+        head = (
+            f"cannot resume {self.source.label} ({_where(recorded) if recorded else 'saved without a plan record'}) "
+            f"under the new plan ({_where(now)}); nothing was loaded."
+        )
         if recorded is None:
             return f"{head}\n  {listed}\n  fix: resume under the plan it was saved with, or change what the lines above name"
         differs = "; ".join(str(d) for d in recorded.differences(now)) or "nothing in the plan"
-        return (f"{head} What differs: {differs}.\n  {listed}\n  fix: keep the recorded plan (pp={recorded.pp}, "
-                f"vocab_shards: {recorded.vocab_shards}, resume_plan: keep), or change what the lines above name")
+        return (
+            f"{head} What differs: {differs}.\n  {listed}\n  fix: keep the recorded plan (pp={recorded.pp}, "
+            f"vocab_shards: {recorded.vocab_shards}, resume_plan: keep), or change what the lines above name"
+        )
 
     def load_optimizer(self, optimizer: Any) -> None:
         """Place the optimizer state (moments, step, fp32 master, group hyperparameters) by name."""
@@ -207,8 +220,10 @@ class ResumeState:
         if last and _rank() == 0:
             unrecorded = self.recorder.unrecorded(files)
             for f in unrecorded:
-                self.say(f"nanotron_ext: warning: {f.path} was written into checkpoint {step} by a writer the "
-                         f"launcher does not hash: its record keeps its size, not its checksum")
+                self.say(
+                    f"nanotron_ext: warning: {f.path} was written into checkpoint {step} by a writer the "
+                    f"launcher does not hash: its record keeps its size, not its checksum"
+                )
             files = dict(sorted((files | {f.path: f for f in unrecorded}).items()))
         self.mark(folder, step, complete=True, files=files)
 
@@ -229,13 +244,21 @@ class ResumeState:
                 continue
             weight = block.pp_block.weight
             local = tuple(weight.shape)
-            piece = Piece(full_box(local), ((block.module_kwargs["lo"], block.module_kwargs["hi"]), *full_box(local[1:])))
+            piece = Piece(
+                full_box(local), ((block.module_kwargs["lo"], block.module_kwargs["hi"]), *full_box(local[1:]))
+            )
             path = root_folder / "model" / weight_name(LM_HEAD, rank, pp, index, len(chain))
             path.parent.mkdir(parents=True, exist_ok=True)
             save = save_file if self.recorder is None else self.recorder.save_safetensors  # hashed as written
-            save({"data": weight.detach().cpu().contiguous()}, str(path), metadata={
-                "version": str(CHECKPOINT_VERSION), "local_global_slices_pairs": slices_pairs_str([piece]),
-                "unsharded_shape": str((rows, *local[1:]))})
+            save(
+                {"data": weight.detach().cpu().contiguous()},
+                str(path),
+                metadata={
+                    "version": str(CHECKPOINT_VERSION),
+                    "local_global_slices_pairs": slices_pairs_str([piece]),
+                    "unsharded_shape": str((rows, *local[1:])),
+                },
+            )
             old = root_folder / "model" / weight_name(f"model.vocab_shards.{index}.pp_block.weight")
             old.unlink(missing_ok=True)
             if self.recorder is not None:
@@ -284,8 +307,10 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
         return {}
 
     patches.set(trainer, "load_weights", load_weights_by_plan)
-    for name, ours, argument in (("load_optimizer", state.load_optimizer, "optimizer"),
-                                 ("load_lr_scheduler", state.load_lr_scheduler, "lr_scheduler")):
+    for name, ours, argument in (
+        ("load_optimizer", state.load_optimizer, "optimizer"),
+        ("load_lr_scheduler", state.load_lr_scheduler, "lr_scheduler"),
+    ):
         patches.set(trainer, name, _by_plan(state, getattr(trainer, name), ours, argument))
     build_optimizer = trainer.init_optimizer_and_grad_accumulator
 
@@ -296,12 +321,20 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
 
     patches.set(trainer, "init_optimizer_and_grad_accumulator", init_optimizer_and_grad_accumulator)
     if state.source is not None:  # outermost: a failure in any loader, ours or Nanotron's, stops every rank alike
-        for name, what in (("load_weights", "its weights"), ("load_optimizer", "its optimizer states"),
-                           ("load_lr_scheduler", "its learning-rate schedule"),
-                           ("load_meta", "its step and consumed samples")):
+        for name, what in (
+            ("load_weights", "its weights"),
+            ("load_optimizer", "its optimizer states"),
+            ("load_lr_scheduler", "its learning-rate schedule"),
+            ("load_meta", "its step and consumed samples"),
+        ):
             if hasattr(trainer, name):
-                patches.set(trainer, name, guarded_load(getattr(trainer, name), what, state.source,
-                                                        lambda: state.world_pg, lambda: state.verified))
+                patches.set(
+                    trainer,
+                    name,
+                    guarded_load(
+                        getattr(trainer, name), what, state.source, lambda: state.world_pg, lambda: state.verified
+                    ),
+                )
 
     save_checkpoint = trainer.DistributedTrainer.save_checkpoint
 
@@ -339,8 +372,9 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
     patches.set(serialize_main, "save_weights", save_weights_with_chain)
 
 
-def _by_plan(state: ResumeState, original: Callable[..., Any], ours: Callable[[Any], None],
-             argument: str) -> Callable[..., Any]:
+def _by_plan(
+    state: ResumeState, original: Callable[..., Any], ours: Callable[[Any], None], argument: str
+) -> Callable[..., Any]:
     """Nanotron's loader ``original`` (called with keywords by its trainer), or the launcher's ``ours`` on the
     object it loads when the launcher places this checkpoint's state."""
 

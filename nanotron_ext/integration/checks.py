@@ -76,15 +76,26 @@ def check_every_rank_trains(model: Any, parallel_context: Any, *, allow_frozen_s
 def _gradient_report(rows: list[dict], bad: list[dict]) -> str:
     body = table(
         ["world", "pp", "dp", "tp", "blocks", "params", "trainable", "verdict"],
-        [[r["world_rank"], r["pp_rank"], r["dp_rank"], r["tp_rank"], compact_names([short_name(b) for b in r["blocks"]]),
-          human_count(r["params"]), human_count(r["trainable"]), "NO GRADIENT" if r in bad else "ok"] for r in rows],
+        [
+            [
+                r["world_rank"],
+                r["pp_rank"],
+                r["dp_rank"],
+                r["tp_rank"],
+                compact_names([short_name(b) for b in r["blocks"]]),
+                human_count(r["params"]),
+                human_count(r["trainable"]),
+                "NO GRADIENT" if r in bad else "ok",
+            ]
+            for r in rows
+        ],
     )
     stages = sorted({r["pp_rank"] for r in bad})
     weightless = any(r["params"] == 0 for r in bad)
-    why = ("holds no parameters at all" if weightless else "holds only frozen parameters")
+    why = "holds no parameters at all" if weightless else "holds only frozen parameters"
     return (
         f"nanotron_ext: PP rank(s) {stages} would have no gradient — the stage {why}; DDP would stop with "
-        f"\"Can't use DDP because model in PP={stages[0]} has no gradient\" and the optimizer with \"got an empty "
-        f"parameter list\".\n{body}\nfix: use `--cost-strategy constrained` (every stage gets a trainable block), "
+        f'"Can\'t use DDP because model in PP={stages[0]} has no gradient" and the optimizer with "got an empty '
+        f'parameter list".\n{body}\nfix: use `--cost-strategy constrained` (every stage gets a trainable block), '
         f"lower pp, or, for frozen training, set `allow_frozen_stages: true` under `nanotron_ext:`"
     )

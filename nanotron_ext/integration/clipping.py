@@ -65,12 +65,22 @@ def split_independent_clip_grad_norm(original: Callable[..., torch.Tensor]) -> C
     order, so that it is the same at every split; ``original`` still does the infinity norm."""
     orders: dict[int, _Order] = {}
 
-    def clip_grad_norm(mp_pg: Any, named_parameters: Iterable[tuple[str, Any]], max_norm: float,
-                       grad_accumulator: Any, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm(
+        mp_pg: Any,
+        named_parameters: Iterable[tuple[str, Any]],
+        max_norm: float,
+        grad_accumulator: Any,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
         named = list(named_parameters)
         if math.isinf(norm_type):
-            return original(mp_pg=mp_pg, named_parameters=named, max_norm=max_norm,
-                            grad_accumulator=grad_accumulator, norm_type=norm_type)
+            return original(
+                mp_pg=mp_pg,
+                named_parameters=named,
+                max_norm=max_norm,
+                grad_accumulator=grad_accumulator,
+                norm_type=norm_type,
+            )
 
         def grad(name: str, param: Any) -> torch.Tensor:
             return param.grad if grad_accumulator is None else grad_accumulator.get_grad_buffer(name)
@@ -84,12 +94,15 @@ def split_independent_clip_grad_norm(original: Callable[..., torch.Tensor]) -> C
         if order is None:
             order = orders[id(mp_pg)] = _order(mp_pg, local_names, device)
         if order.local_names != local_names:
-            raise RuntimeError(f"the parameters to clip changed during the run ({len(order.local_names)} -> "
-                               f"{len(local_names)} on this rank); split-independent clipping gathers their names once")
+            raise RuntimeError(
+                f"the parameters to clip changed during the run ({len(order.local_names)} -> "
+                f"{len(local_names)} on this rank); split-independent clipping gathers their names once"
+            )
         mine = torch.zeros(order.width, dtype=torch.float, device=device)
         if owned:
-            norms = [torch.linalg.vector_norm(grad(name, p).detach(), ord=norm_type, dtype=torch.float)
-                     for name, p in owned]
+            norms = [
+                torch.linalg.vector_norm(grad(name, p).detach(), ord=norm_type, dtype=torch.float) for name, p in owned
+            ]
             mine[: len(owned)] = torch.stack(norms).to(device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(mp_pg))]
         dist.all_gather(rows, mine, group=mp_pg)

@@ -23,8 +23,17 @@ from nanotron_ext.integration.upstream_fixes import Patches
 
 __all__ = ["install_dummy_data", "sample_indices"]
 
-_UPSTREAM_ARGS = ("micro_batch_size", "sequence_length", "input_pp_rank", "output_pp_rank", "vocab_size", "seed",
-                  "parallel_context", "use_position_ids", "cp_pg")
+_UPSTREAM_ARGS = (
+    "micro_batch_size",
+    "sequence_length",
+    "input_pp_rank",
+    "output_pp_rank",
+    "vocab_size",
+    "seed",
+    "parallel_context",
+    "use_position_ids",
+    "cp_pg",
+)
 
 
 def sample_indices(consumed: int, dp_rank: int, dp_size: int, micro_batch: int, micro_batch_size: int) -> list[int]:
@@ -75,9 +84,17 @@ def install_dummy_data(patches: Patches, trainer_module: Any) -> bool:
 
     patches.set(trainer_module.DistributedTrainer, "__init__", remember_trainer)
 
-    def dummy_infinite_data_generator(micro_batch_size: int, sequence_length: int, input_pp_rank: int,
-                                      output_pp_rank: int, vocab_size: int, seed: int, parallel_context: Any,
-                                      use_position_ids: bool = False, cp_pg: Any = None) -> Any:
+    def dummy_infinite_data_generator(
+        micro_batch_size: int,
+        sequence_length: int,
+        input_pp_rank: int,
+        output_pp_rank: int,
+        vocab_size: int,
+        seed: int,
+        parallel_context: Any,
+        use_position_ids: bool = False,
+        cp_pg: Any = None,
+    ) -> Any:
         import torch.distributed as dist
 
         cp_pg = cp_pg if cp_pg is not None else parallel_context.cp_pg
@@ -93,8 +110,10 @@ def install_dummy_data(patches: Patches, trainer_module: Any) -> bool:
         def data_generator() -> Iterator[dict[str, Any]]:
             micro_batch = 0
             while True:
-                rows = [_sample(seed, g, vocab_size, sequence_length)
-                        for g in sample_indices(consumed, dp_rank, dp_size, micro_batch, micro_batch_size)]
+                rows = [
+                    _sample(seed, g, vocab_size, sequence_length)
+                    for g in sample_indices(consumed, dp_rank, dp_size, micro_batch, micro_batch_size)
+                ]
                 micro_batch += 1
                 inputs = torch.stack([r[0] for r in rows]).to(device)[:, local]
                 labels = torch.stack([r[1] for r in rows]).to(device)[:, local]
@@ -102,8 +121,11 @@ def install_dummy_data(patches: Patches, trainer_module: Any) -> bool:
                 here_in, here_out = pp_rank == input_pp_rank, pp_rank == output_pp_rank
                 batch: dict[str, Any] = {"input_ids": inputs if here_in else TensorPointer(group_rank=input_pp_rank)}
                 if use_position_ids:
-                    batch["position_ids"] = (_position_ids(micro_batch_size, sequence_length, device)[:, local]
-                                             if here_in else TensorPointer(group_rank=input_pp_rank))
+                    batch["position_ids"] = (
+                        _position_ids(micro_batch_size, sequence_length, device)[:, local]
+                        if here_in
+                        else TensorPointer(group_rank=input_pp_rank)
+                    )
                 else:
                     batch["input_mask"] = ones if here_in else TensorPointer(group_rank=input_pp_rank)
                 batch["label_ids"] = labels if here_out else TensorPointer(group_rank=output_pp_rank)
@@ -123,6 +145,6 @@ def _position_ids(micro_batch_size: int, sequence_length: int, device: torch.dev
     for i, docs in enumerate(lengths):
         start = 0
         for n in docs:
-            out[i, start:start + n] = torch.arange(n)
+            out[i, start : start + n] = torch.arange(n)
             start += n
     return out.to(device)

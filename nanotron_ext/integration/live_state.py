@@ -38,8 +38,11 @@ def local_needs(model: Any, parallel_context: Any) -> list[tuple[Need, Any]]:
         shape = tuple(param.shape)
         tied = bool(getattr(param, "is_tied", False))
         # Nanotron saves a tied parameter under its tied name; a vocabulary shard as rows of the lm_head.
-        name = canonical_name(param.get_tied_info().get_full_name_from_module_id_to_prefix(
-            module_id_to_prefix=prefixes) if tied else local_name)
+        name = canonical_name(
+            param.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix=prefixes)
+            if tied
+            else local_name
+        )
         if local_name in shards:
             module = shards[local_name]
             whole = (rows, *shape[1:])
@@ -47,7 +50,9 @@ def local_needs(model: Any, parallel_context: Any) -> list[tuple[Need, Any]]:
         elif getattr(param, "is_sharded", False):
             info = param.get_sharded_info()
             whole = tuple(int(n) for n in info.unsharded_shape)
-            pieces = pieces_of([(p.local_slices, p.global_slices) for p in info.local_global_slices_pairs], shape, whole)
+            pieces = pieces_of(
+                [(p.local_slices, p.global_slices) for p in info.local_global_slices_pairs], shape, whole
+            )
         else:
             whole, pieces = shape, (Piece(full_box(shape), full_box(shape)),)
         out.append((Need(name, local_name, rank, dp, shape, whole, pieces, param.requires_grad, tied), param))

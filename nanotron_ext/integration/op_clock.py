@@ -107,8 +107,15 @@ class OpClock:
 
     _installed: OpClock | None = None
 
-    def __init__(self, model: torch.nn.Module, parallel_context: ParallelContext, *, timer: StepTiming,
-                 engine_name: Callable[[PipelineEngine], str], overhead: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        parallel_context: ParallelContext,
+        *,
+        timer: StepTiming,
+        engine_name: Callable[[PipelineEngine], str],
+        overhead: bool = True,
+    ) -> None:
         self.model = model.module if isinstance(model, DistributedDataParallel) else model
         self.parallel_context = parallel_context
         self.timer = timer
@@ -261,8 +268,9 @@ class OpClock:
 
         return make
 
-    def _backward_spans(self, step: _Step, marks: list[tuple[str, str, Any]], first: Any,
-                        last: Any) -> list[tuple[Any, Any]]:
+    def _backward_spans(
+        self, step: _Step, marks: list[tuple[str, str, Any]], first: Any, last: Any
+    ) -> list[tuple[Any, Any]]:
         """One backward op's blocks: each from its first ``start`` to its last ``end`` (the op's end where nothing
         before it needs a gradient, so no gradient leaves it)."""
         starts: dict[str, Any] = {}
@@ -335,19 +343,27 @@ class OpClock:
 
         blocks = []
         for name, _ in self._blocks:
-            blocks.append(BlockOps(
-                block=name,
-                forward=tuple(seconds(a, b) for a, b in step.forward.get(name, ())),
-                backward=tuple(seconds(a, b) for a, b in step.backward.get(name, ())),
-                weight=tuple(sum(seconds(a, b) for a, b in spans) for spans in step.weight.get(name, ())),
-            ))
+            blocks.append(
+                BlockOps(
+                    block=name,
+                    forward=tuple(seconds(a, b) for a, b in step.forward.get(name, ())),
+                    backward=tuple(seconds(a, b) for a, b in step.backward.get(name, ())),
+                    weight=tuple(sum(seconds(a, b) for a, b in spans) for spans in step.weight.get(name, ())),
+                )
+            )
         calls = ()
         if self.host_overhead:
             calls = tuple((own - sum(seconds(a, b) for a, b in spans), len(spans)) for own, spans in step.ops)
         return RankStep(
-            pp_rank=self.pp_rank, engine=step.engine or "1f1b", blocks=tuple(blocks), calls=calls,
-            update=record.busy - (record.pipeline - record.pipeline_idle), sends=tuple(step.sends),
-            receives=tuple(step.receives), tied_sync=step.tied, clock=self._own,
+            pp_rank=self.pp_rank,
+            engine=step.engine or "1f1b",
+            blocks=tuple(blocks),
+            calls=calls,
+            update=record.busy - (record.pipeline - record.pipeline_idle),
+            sends=tuple(step.sends),
+            receives=tuple(step.receives),
+            tied_sync=step.tied,
+            clock=self._own,
         )
 
     def gather(self, dst: int = 0) -> list[list[RankStep]] | None:
@@ -355,4 +371,3 @@ class OpClock:
         out: list[Any] | None = [None] * torch_dist.get_world_size() if torch_dist.get_rank() == dst else None
         torch_dist.gather_object(self.records, out, dst=dst, group=self.parallel_context.world_pg)
         return out
-

@@ -49,8 +49,9 @@ class MoveTo(Exception):  # noqa: N818 (a signal to the launcher, not an error)
     ``choice.new``, resuming ``checkpoint``."""
 
     def __init__(self, choice: ReplanChoice, checkpoint: Path) -> None:
-        super().__init__(f"replan: moving to {choice.new.split_text} ({choice.new.engine}) from checkpoint "
-                         f"{checkpoint}")
+        super().__init__(
+            f"replan: moving to {choice.new.split_text} ({choice.new.engine}) from checkpoint {checkpoint}"
+        )
         self.choice, self.checkpoint = choice, checkpoint
 
 
@@ -142,8 +143,13 @@ class LauncherReplan:
         it; no second re-plan."""
         assert self.choice is not None
         new = self.choice.new
-        return cfg.with_overrides(cost_strategy="layout", layout=new.split_text, engine=new.engine,
-                                  resume_plan="replan", replan=dataclasses.replace(cfg.ext.replan, after_steps=None))
+        return cfg.with_overrides(
+            cost_strategy="layout",
+            layout=new.split_text,
+            engine=new.engine,
+            resume_plan="replan",
+            replan=dataclasses.replace(cfg.ext.replan, after_steps=None),
+        )
 
     def install(self, patches: Any, trainer_module: Any, plan_of: Callable[[], Plan], cfg: PlannerConfig) -> None:
         """Wrap ``DistributedTrainer.training_step`` of ``trainer_module`` (``plan_of``: the built plan)."""
@@ -193,8 +199,13 @@ class LauncherReplan:
         from nanotron_ext.integration.op_clock import OpClock
 
         self._timer = TrainerStepTimer(trainer.parallel_context.world_pg)
-        self._clock = OpClock(getattr(trainer, "unwrapped_model", trainer.model), trainer.parallel_context, timer=self._timer,
-                              engine_name=lambda _: cfg.run.engine, overhead=False).__enter__()
+        self._clock = OpClock(
+            getattr(trainer, "unwrapped_model", trainer.model),
+            trainer.parallel_context,
+            timer=self._timer,
+            engine_name=lambda _: cfg.run.engine,
+            overhead=False,
+        ).__enter__()
         engine = trainer.pipeline_engine
         train_batch_iter = engine.train_batch_iter
 
@@ -215,12 +226,17 @@ class LauncherReplan:
         trainer.pipeline_engine.__dict__.pop("train_batch_iter", None)
         step = trainer.metadata.last_train_step
         with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            whole, *halves = [cfg.with_overrides(machine=str(path)) for path in replan_profiles(
-                cfg, plan.block_ranks, gathered, len(self.timed), torch_dist.get_rank(), Path(tmp))]
+            whole, *halves = [
+                cfg.with_overrides(machine=str(path))
+                for path in replan_profiles(
+                    cfg, plan.block_ranks, gathered, len(self.timed), torch_dist.get_rank(), Path(tmp)
+                )
+            ]
             self.seconds["profile"] = time.perf_counter() - start
             start = time.perf_counter()
-            self.choice = choose_replan(whole, inventory_from_config(whole), plan, step=step, engines=self.engines,
-                                        halves=halves)
+            self.choice = choose_replan(
+                whole, inventory_from_config(whole), plan, step=step, engines=self.engines, halves=halves
+            )
             self.seconds["plan"] = time.perf_counter() - start
         for line in self.choice.lines():
             self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
@@ -249,8 +265,12 @@ class LauncherReplan:
         if self.choice.moves and "restart" in self.seconds:
             s = self.seconds
             before, after = self.peak_rss or (float("nan"), float("nan"))
-            lines.append(f"nanotron_ext: replan: the move took {s['save'] + s['restart']:.2f} s (save "
-                         f"{s['save']:.2f} s, re-launch, build and load {s['restart']:.2f} s); re-plan "
-                         f"{s['profile'] + s['plan']:.2f} s; rank 0's peak memory {before:.0f} -> {after:.0f} MiB")
-        return lines + [f"nanotron_ext: {line}" for line in measured_lines(
-            self.choice, self.timed, self.after, first_timed=(self.first_step or 1) + 1)]
+            lines.append(
+                f"nanotron_ext: replan: the move took {s['save'] + s['restart']:.2f} s (save "
+                f"{s['save']:.2f} s, re-launch, build and load {s['restart']:.2f} s); re-plan "
+                f"{s['profile'] + s['plan']:.2f} s; rank 0's peak memory {before:.0f} -> {after:.0f} MiB"
+            )
+        return lines + [
+            f"nanotron_ext: {line}"
+            for line in measured_lines(self.choice, self.timed, self.after, first_timed=(self.first_step or 1) + 1)
+        ]

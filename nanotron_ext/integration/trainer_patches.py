@@ -48,6 +48,7 @@ from nanotron_ext.zero_bubble.v_engine import ZeroBubbleVPipelineEngine
 
 __all__ = ["install_launcher", "strip_ext_keys"]
 
+
 def strip_ext_keys(config_dict: Any) -> Any:
     """The dict Nanotron's strict loader accepts: ``config_dict`` without our keys (unchanged if it has none)."""
     parallelism = config_dict.get("parallelism") if isinstance(config_dict, dict) else None
@@ -59,8 +60,13 @@ def strip_ext_keys(config_dict: Any) -> Any:
 
 
 def install_launcher(
-    cfg: PlannerConfig, strategy: str | None = None, *, say: Callable[[str], None] = print,
-    resume: ResumeSource | None = None, replan: LauncherReplan | None = None, moved: bool = False,
+    cfg: PlannerConfig,
+    strategy: str | None = None,
+    *,
+    say: Callable[[str], None] = print,
+    resume: ResumeSource | None = None,
+    replan: LauncherReplan | None = None,
+    moved: bool = False,
 ) -> Callable[[], None]:
     """Make Nanotron's own trainer build, freeze, check and train with ``cfg``'s plan; see the module docstring.
 
@@ -103,7 +109,9 @@ def install_launcher(
         checkpoints.after_build(model, ctx)
 
     undo_build = patch_nanotron(
-        cfg, strategy, after_build=after_build,
+        cfg,
+        strategy,
+        after_build=after_build,
         model_transform=(lambda model: replace_lm_head_with_vocab_chain(model, shards)) if shards > 1 else None,
         choose_plan=checkpoints.choose if resume is not None else None,
     )
@@ -116,8 +124,9 @@ def install_launcher(
     # A move's checkpoint reaches Nanotron through parse_ckpt_path (install_checkpoints); its engine through here.
     _one_config_file(patches, nanotron_config, cfg.run.engine, always=moved)
     if cfg.run.engine in ZERO_BUBBLE_ENGINES or cfg.run.engine == V_ENGINE:
-        _zero_bubble_engine(patches, say, lambda pp, m: built["plan"].order_for(pp, m),
-                            lambda pp, m: built["plan"].transfers_for(pp, m))
+        _zero_bubble_engine(
+            patches, say, lambda pp, m: built["plan"].order_for(pp, m), lambda pp, m: built["plan"].transfers_for(pp, m)
+        )
     _freeze_and_check_before_ddp(patches, trainer, ready)
     _optimize_trainable_only(patches, NanotronModel)
     _frozen_ranks(patches, trainer)
@@ -154,8 +163,12 @@ def _one_config_file(patches: Patches, nanotron_config: Any, engine: str, *, alw
     patches.set(nanotron_config, "get_config_from_dict", load)
 
 
-def _zero_bubble_engine(patches: Patches, say: Callable[[str], None], v_order: Callable[[int, int], list[list[Any]]],
-                        v_transfers: Callable[[int, int], list[list[Any]]]) -> None:
+def _zero_bubble_engine(
+    patches: Patches,
+    say: Callable[[str], None],
+    v_order: Callable[[int, int], list[list[Any]]],
+    v_transfers: Callable[[int, int], list[list[Any]]],
+) -> None:
     """``pp_engine: zb1p``, ``zb2p`` or ``zbv``: Nanotron's string <-> engine casts (its loader's,
     ``ParallelismArgs``', and the serializer that writes a checkpoint's config) know our engines by name; every other
     name is theirs. Each PP rank says once how many linears defer their weight gradient (zb1p, zb2p); zbv runs
@@ -174,9 +187,15 @@ def _zero_bubble_engine(patches: Patches, say: Callable[[str], None], v_order: C
         module = importlib.import_module(f"nanotron.config.{module_name}")
         if hasattr(module, "cast_str_to_pipeline_engine"):
             patches.set(module, "cast_str_to_pipeline_engine", cast_str_to_pipeline_engine)
-    patches.set(utils_config, "cast_pipeline_engine_to_str",
-                lambda engine: engine.schedule if isinstance(engine, (ZeroBubblePipelineEngine,
-                                                                      ZeroBubbleVPipelineEngine)) else to_name(engine))
+    patches.set(
+        utils_config,
+        "cast_pipeline_engine_to_str",
+        lambda engine: (
+            engine.schedule
+            if isinstance(engine, (ZeroBubblePipelineEngine, ZeroBubbleVPipelineEngine))
+            else to_name(engine)
+        ),
+    )
 
 
 def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable[[Any], Any]) -> None:
@@ -185,8 +204,11 @@ def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable
     tie = trainer.mark_tied_parameters
     patches.set(trainer, "mark_tied_parameters", lambda model, *a, **k: (tie(model, *a, **k), ready(model))[0])
     check = trainer.check_model_has_grad
-    patches.set(trainer, "check_model_has_grad",
-                lambda model, parallel_context: True if _frozen_rank(ready(model)) else check(model, parallel_context))
+    patches.set(
+        trainer,
+        "check_model_has_grad",
+        lambda model, parallel_context: True if _frozen_rank(ready(model)) else check(model, parallel_context),
+    )
     patches.set(trainer, "DistributedDataParallel", _ddp_unless_frozen(trainer.DistributedDataParallel, ready))
     build_optimizer = trainer.init_optimizer_and_grad_accumulator
 
@@ -199,8 +221,11 @@ def _freeze_and_check_before_ddp(patches: Patches, trainer: Any, ready: Callable
 def _optimize_trainable_only(patches: Patches, NanotronModel: type) -> None:  # noqa: N803 (Nanotron's class)
     """The optimizer steps only what trains: weight decay would move a frozen weight even with a zero gradient."""
     named = NanotronModel.get_named_params_with_correct_tied
-    patches.set(NanotronModel, "get_named_params_with_correct_tied",
-                lambda self: ((n, p) for n, p in named(self) if p.requires_grad))
+    patches.set(
+        NanotronModel,
+        "get_named_params_with_correct_tied",
+        lambda self: ((n, p) for n, p in named(self) if p.requires_grad),
+    )
 
 
 def _frozen_ranks(patches: Patches, trainer: Any) -> None:
@@ -217,11 +242,17 @@ def _frozen_ranks(patches: Patches, trainer: Any) -> None:
     patches.set(trainer, "load_optimizer", load_optimizer_unless_frozen)
     if hasattr(trainer, "state_dict_to_device"):  # upstream main moves a loaded optimizer state to the GPU
         to_device = trainer.state_dict_to_device
-        patches.set(trainer, "state_dict_to_device",
-                    lambda state_dict, *a, **k: to_device(state_dict, *a, **k) if state_dict.get("state") else None)
+        patches.set(
+            trainer,
+            "state_dict_to_device",
+            lambda state_dict, *a, **k: to_device(state_dict, *a, **k) if state_dict.get("state") else None,
+        )
     sync = trainer.sync_gradients_across_dp
-    patches.set(trainer, "sync_gradients_across_dp",
-                lambda module, *args, **kwargs: sync(_WithGradients(module), *args, **kwargs))
+    patches.set(
+        trainer,
+        "sync_gradients_across_dp",
+        lambda module, *args, **kwargs: sync(_WithGradients(module), *args, **kwargs),
+    )
 
 
 def _after_build(model: Any, parallel_context: Any, say: Callable[[str], None]) -> None:
@@ -231,8 +262,10 @@ def _after_build(model: Any, parallel_context: Any, say: Callable[[str], None]) 
     model.nanotron_ext_context = parallel_context
     model.nanotron_ext_checked = False
     if dist.get_rank() == 0:
-        say(f"nanotron_ext: {plan.strategy!r} plan for pp={plan.pp}\n{plan.table()}\n\n"
-            f"block -> stage: {list(plan.block_ranks)}")
+        say(
+            f"nanotron_ext: {plan.strategy!r} plan for pp={plan.pp}\n{plan.table()}\n\n"
+            f"block -> stage: {list(plan.block_ranks)}"
+        )
 
 
 def _freeze_and_check(model: Any, cfg: PlannerConfig, say: Callable[[str], None]) -> None:
@@ -249,8 +282,10 @@ def _freeze_and_check(model: Any, cfg: PlannerConfig, say: Callable[[str], None]
     frozen = sorted({r["pp_rank"] for r in rows if r["trainable"] == 0})
     model.nanotron_ext_frozen_rank = dist.get_rank(ctx.pp_pg) in frozen
     if dist.get_rank() == 0 and frozen:
-        say(f"nanotron_ext: PP rank(s) {frozen} hold nothing trainable and run without DDP and with an empty "
-            f"optimizer (allow_frozen_stages: true)")
+        say(
+            f"nanotron_ext: PP rank(s) {frozen} hold nothing trainable and run without DDP and with an empty "
+            f"optimizer (allow_frozen_stages: true)"
+        )
 
 
 def _feed_the_vocab_chain(patches: Patches, trainer: Any) -> None:
@@ -287,8 +322,11 @@ def _feed_the_vocab_chain(patches: Patches, trainer: Any) -> None:
         for mb in micro_batches:
             for key, dtype in (("label_ids", torch.long), ("label_mask", torch.bool)):
                 value = mb[key]
-                wire = (value.to(device, torch.long) if isinstance(value, torch.Tensor)
-                        else torch.empty(shape, dtype=torch.long, device=device))
+                wire = (
+                    value.to(device, torch.long)
+                    if isinstance(value, torch.Tensor)
+                    else torch.empty(shape, dtype=torch.long, device=device)
+                )
                 dist.broadcast(wire, src=source, group=pp_pg)
                 if here in needs:
                     mb[key] = wire.to(dtype)

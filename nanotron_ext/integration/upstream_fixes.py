@@ -125,8 +125,11 @@ def _fix_qwen2_pp(patches: Patches, cls: type) -> None:
         # The same walk over the blocks as upstream's, on a rank without the input: cu_seqlens, like
         # position_ids, lives on the input rank, so the blocks that need it receive it from there.
         output = self.token_position_embeddings(input_ids=input_ids, position_ids=position_ids)
-        states = {"hidden_states": output["input_embeds"], "position_ids": output["position_ids"],
-                  "cu_seqlens": TensorPointer(group_rank=position_ids.group_rank)}
+        states = {
+            "hidden_states": output["input_embeds"],
+            "position_ids": output["position_ids"],
+            "cu_seqlens": TensorPointer(group_rank=position_ids.group_rank),
+        }
         for decoder_layer in self.decoder:
             states = decoder_layer(**states)
         hidden_states = self.final_layer_norm(input=states["hidden_states"])["hidden_states"]
@@ -166,25 +169,29 @@ UPSTREAM_FIXES: tuple[UpstreamFix, ...] = (
         "llama-random-init",
         "`LlamaForTraining.init_model_randomly` hands `config.model` to the parametrizator, which reads "
         "`config.model.init_method`: a Llama cannot be initialised",
-        _detect_llama_init, _fix_llama_init,
+        _detect_llama_init,
+        _fix_llama_init,
     ),
     UpstreamFix(
         "loss-log-on-pp-ranks",
         "`train_step_logs` calls `loss_avg.item()` on every rank; `loss_avg` is None on PP ranks without the "
         "loss: pp > 1 stops at the first log",
-        _detect_loss_log, _fix_loss_log,
+        _detect_loss_log,
+        _fix_loss_log,
     ),
     UpstreamFix(
         "qwen2-pp",
         "`Qwen2Model.forward` calls `position_ids.numel()` on every rank; a rank without the input holds a "
         "`TensorPointer`: Qwen2 with pp > 1 stops at the first step",
-        _detect_qwen2_pp, _fix_qwen2_pp,
+        _detect_qwen2_pp,
+        _fix_qwen2_pp,
     ),
     UpstreamFix(
         "resume-without-folder-tokens",
         "`TrainingMetadata` checks consumed tokens against a per-folder count only the Nanoset loader records: "
         "a checkpoint from dummy data or `datasets` cannot be resumed",
-        _detect_resume_metadata, _fix_resume_metadata,
+        _detect_resume_metadata,
+        _fix_resume_metadata,
     ),
 )
 

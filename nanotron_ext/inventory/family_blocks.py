@@ -41,10 +41,14 @@ def block_layout(m: ModelShape, projector: bool = False, vocab_shards: int = 1) 
     if m.family == "starcoder2":
         blocks.append(("model.final_layer_norm", "TritonLayerNorm", [("weight", h), ("bias", h)]))
     else:
-        blocks.append(("model.final_layer_norm", "RMSNorm" if m.family == "llama" else "TritonRMSNorm", [("weight", h)]))
+        blocks.append(
+            ("model.final_layer_norm", "RMSNorm" if m.family == "llama" else "TritonRMSNorm", [("weight", h)])
+        )
     if vocab_shards > 1:
-        return blocks + [(f"{VOCAB_SHARDS_PATH}.{i}", "VocabShard", [("weight", (hi - lo) * h)])
-                         for i, (lo, hi) in enumerate(vocab_slices(v, vocab_shards))]
+        return blocks + [
+            (f"{VOCAB_SHARDS_PATH}.{i}", "VocabShard", [("weight", (hi - lo) * h)])
+            for i, (lo, hi) in enumerate(vocab_slices(v, vocab_shards))
+        ]
     blocks.append(("model.lm_head", "TensorParallelColumnLinear", [("weight", v * h)]))
     if m.family != "qwen2":
         blocks.append(("model.cast_to_fp32", "<lambda>", []))
@@ -58,13 +62,27 @@ def _decoder_params(m: ModelShape, layer: int) -> list[tuple[str, int]]:
     qkv = (n + 2 * k) * d
     if m.family == "starcoder2":
         if k == 1:  # multi-query: q and one shared kv head
-            attention = [("attn.qkv.q.weight", h * h), ("attn.qkv.q.bias", h), ("attn.qkv.kv.weight", 2 * d * h),
-                         ("attn.qkv.kv.bias", 2 * d), ("attn.o.weight", h * h), ("attn.o.bias", h)]
+            attention = [
+                ("attn.qkv.q.weight", h * h),
+                ("attn.qkv.q.bias", h),
+                ("attn.qkv.kv.weight", 2 * d * h),
+                ("attn.qkv.kv.bias", 2 * d),
+                ("attn.o.weight", h * h),
+                ("attn.o.bias", h),
+            ]
         else:
-            attention = [("attn.query_key_value.weight", qkv * h), ("attn.query_key_value.bias", qkv),
-                         ("attn.dense.weight", h * h), ("attn.dense.bias", h)]
-        return ([("ln_1.weight", h), ("ln_1.bias", h)] + attention + [("ln_2.weight", h), ("ln_2.bias", h)]
-                + [("ff.c_fc.weight", f * h), ("ff.c_fc.bias", f), ("ff.c_proj.weight", h * f), ("ff.c_proj.bias", h)])
+            attention = [
+                ("attn.query_key_value.weight", qkv * h),
+                ("attn.query_key_value.bias", qkv),
+                ("attn.dense.weight", h * h),
+                ("attn.dense.bias", h),
+            ]
+        return (
+            [("ln_1.weight", h), ("ln_1.bias", h)]
+            + attention
+            + [("ln_2.weight", h), ("ln_2.bias", h)]
+            + [("ff.c_fc.weight", f * h), ("ff.c_fc.bias", f), ("ff.c_proj.weight", h * f), ("ff.c_proj.bias", h)]
+        )
     attention = [("attn.qkv_proj.weight", qkv * h)]
     if m.attention_bias:
         attention.append(("attn.qkv_proj.bias", qkv))
@@ -81,20 +99,30 @@ def _mlp_params(m: ModelShape, layer: int) -> list[tuple[str, int]]:
     assert moe is not None  # moe_layer() checked it
     e, x = moe.num_experts, moe.expert_intermediate_size
     if m.family == "llamoe":
-        return [("block_sparse_moe.gate.layer.weight", e * h),
-                ("block_sparse_moe.experts.mlp.w1.module.weight", h * x * e),
-                ("block_sparse_moe.experts.mlp.w2.module.weight", x * e * h)]
+        return [
+            ("block_sparse_moe.gate.layer.weight", e * h),
+            ("block_sparse_moe.experts.mlp.w1.module.weight", h * x * e),
+            ("block_sparse_moe.experts.mlp.w2.module.weight", x * e * h),
+        ]
     params = [("mlp.router.weight", e * h)]
     s = moe.shared_expert_intermediate_size
     if s:
-        params += [("mlp.shared_expert.gate_up_proj.weight", 2 * s * h), ("mlp.shared_expert.down_proj.weight", s * h),
-                   ("mlp.shared_expert_gate.weight", h)]
+        params += [
+            ("mlp.shared_expert.gate_up_proj.weight", 2 * s * h),
+            ("mlp.shared_expert.down_proj.weight", s * h),
+            ("mlp.shared_expert_gate.weight", h),
+        ]
     return params + [("mlp.experts.merged_gate_up_proj", e * h * 2 * x), ("mlp.experts.merged_down_proj", e * x * h)]
 
 
 def llama_class_costs(
-    *, hidden_size: int, num_attention_heads: int, intermediate_size: int, vocab_size: int,
-    decoder: str = "LlamaDecoderLayer", mlp_matrices: int = 3,
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    decoder: str = "LlamaDecoderLayer",
+    mlp_matrices: int = 3,
 ) -> dict[str, int]:
     """Nanotron's ``get_block_compute_costs()``, keyed by builder class name: ``4·n·d·h + m·f·h`` per decoder
     layer (``m`` = 3, or 2 for Starcoder2's MLP) and ``V·h`` for the lm_head.
@@ -112,6 +140,10 @@ def llama_class_costs(
 def class_costs(m: ModelShape) -> dict[str, int]:
     """:func:`llama_class_costs` for the config's family."""
     return llama_class_costs(
-        hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
-        vocab_size=m.vocab_size, decoder=_DECODER_BUILDER[m.family], mlp_matrices=2 if m.family == "starcoder2" else 3,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        intermediate_size=m.intermediate_size,
+        vocab_size=m.vocab_size,
+        decoder=_DECODER_BUILDER[m.family],
+        mlp_matrices=2 if m.family == "starcoder2" else 3,
     )

@@ -69,13 +69,17 @@ class FreezeSpec:
             if isinstance(value, str):
                 value = (value,)
             if not all(isinstance(p, str) and p for p in value):
-                raise ConfigError(f"freeze.{name}={value!r} must be a list of non-empty patterns; write it like "
-                                  f"`{name}: [decoder, lm_head]` (roles, short names or globs: docs/freezing.md)")
+                raise ConfigError(
+                    f"freeze.{name}={value!r} must be a list of non-empty patterns; write it like "
+                    f"`{name}: [decoder, lm_head]` (roles, short names or globs: docs/freezing.md)"
+                )
             object.__setattr__(self, name, tuple(value))
         n = self.unfreeze_last_decoder_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer; write it "
-                              f"like `unfreeze_last_decoder_layers: 1`")
+            raise ConfigError(
+                f"freeze.unfreeze_last_decoder_layers={n!r} must be a non-negative integer; write it "
+                f"like `unfreeze_last_decoder_layers: 1`"
+            )
 
     @staticmethod
     def from_dict(raw: dict[str, Any] | None) -> FreezeSpec | None:
@@ -85,7 +89,9 @@ class FreezeSpec:
         known = {f.name for f in dataclasses.fields(FreezeSpec)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in 'freeze:'; known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown key(s) {', '.join(map(repr, unknown))} in 'freeze:'; known: {', '.join(sorted(known))}"
+            )
         return FreezeSpec(**raw)
 
 

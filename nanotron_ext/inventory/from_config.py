@@ -75,10 +75,25 @@ def inventory_from_config(cfg: PlannerConfig) -> list[BlockInfo]:
 # Column- and row-parallel matmuls, column-parallel biases, experts and the vocabulary are split across TP
 # ranks; norms, row-parallel biases, routers, Starcoder2's shared kv head and the projector are replicated.
 _TP_SHARDED = (
-    "qkv_proj.weight", "qkv_proj.bias", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
-    "token_embedding.weight", "query_key_value.weight", "query_key_value.bias", "dense.weight", "qkv.q.weight",
-    "qkv.q.bias", "attn.o.weight", "c_fc.weight", "c_fc.bias", "c_proj.weight", "merged_gate_up_proj",
-    "merged_down_proj", "w1.module.weight", "w2.module.weight",
+    "qkv_proj.weight",
+    "qkv_proj.bias",
+    "o_proj.weight",
+    "gate_up_proj.weight",
+    "down_proj.weight",
+    "token_embedding.weight",
+    "query_key_value.weight",
+    "query_key_value.bias",
+    "dense.weight",
+    "qkv.q.weight",
+    "qkv.q.bias",
+    "attn.o.weight",
+    "c_fc.weight",
+    "c_fc.bias",
+    "c_proj.weight",
+    "merged_gate_up_proj",
+    "merged_down_proj",
+    "w1.module.weight",
+    "w2.module.weight",
 )
 
 

@@ -40,10 +40,12 @@ IB_LATENCY = 10e-6
 
 ANALYTIC_GPU = MachineProfile(
     name="H100 SXM (analytic)",
-    source=("datasheet: 989 TFLOP/s dense bf16, 40 % of it sustained; stages on separate nodes over "
-            "InfiniBand NDR (400 Gb/s = 50 GB/s, ~10 µs); optimizer step at 3.0 TB/s of HBM3 (90 % of 3.35); "
-            "81,082 MiB of device memory (CUDA's total on an H100 80GB HBM3); "
-            "see nanotron_ext/machine/analytic.py"),
+    source=(
+        "datasheet: 989 TFLOP/s dense bf16, 40 % of it sustained; stages on separate nodes over "
+        "InfiniBand NDR (400 Gb/s = 50 GB/s, ~10 µs); optimizer step at 3.0 TB/s of HBM3 (90 % of 3.35); "
+        "81,082 MiB of device memory (CUDA's total on an H100 80GB HBM3); "
+        "see nanotron_ext/machine/analytic.py"
+    ),
     flops_per_second=H100_BF16_TFLOPS * 1e12,
     links=(Link(-1, -1, IB_LATENCY, IB_NDR_GBPS * 1e9),),
     dp_allreduce=Collective(IB_LATENCY, IB_NDR_GBPS * 1e9),

@@ -89,28 +89,35 @@ class BlockCost:
         if self.backward_weight is not None:
             nonnegative(f"blocks[{self.signature}].backward_weight", self.backward_weight)
             if self.backward_weight > self.backward:
-                raise ConfigError(f"machine profile: blocks[{self.signature}].backward_weight={self.backward_weight!r} "
-                                  f"exceeds its backward={self.backward!r}; it is the weight-gradient part of the "
-                                  "backward (null: split by FLOPs)")
+                raise ConfigError(
+                    f"machine profile: blocks[{self.signature}].backward_weight={self.backward_weight!r} "
+                    f"exceeds its backward={self.backward!r}; it is the weight-gradient part of the "
+                    "backward (null: split by FLOPs)"
+                )
         if self.spread is not None and len(self.spread) != 3:
-            raise ConfigError(f"machine profile: blocks[{self.signature}].spread={list(self.spread)!r} must be three "
-                              "fractions (forward, backward, update), or null")
+            raise ConfigError(
+                f"machine profile: blocks[{self.signature}].spread={list(self.spread)!r} must be three "
+                "fractions (forward, backward, update), or null"
+            )
         for name, value in zip(("forward", "backward", "update"), self.spread or ()):
             nonnegative(f"blocks[{self.signature}].spread of its {name}", value, "a fraction")
         seen: set[str] = set()
         for p in self.positions:
             where = f"blocks[{self.signature}].positions[{p.position}]"
             if p.position not in POSITIONS or p.position in seen:
-                raise ConfigError(f"machine profile: {where}: a position is one of {', '.join(POSITIONS)}, each at "
-                                  "most once")
+                raise ConfigError(
+                    f"machine profile: {where}: a position is one of {', '.join(POSITIONS)}, each at most once"
+                )
             seen.add(p.position)
             for name in ("forward", "backward"):
                 nonnegative(f"{where}.{name}", getattr(p, name))
             if p.backward_weight is not None:
                 nonnegative(f"{where}.backward_weight", p.backward_weight)
                 if p.backward_weight > p.backward:
-                    raise ConfigError(f"machine profile: {where}.backward_weight={p.backward_weight!r} exceeds its "
-                                      f"backward={p.backward!r}; it is the weight-gradient part of the backward")
+                    raise ConfigError(
+                        f"machine profile: {where}.backward_weight={p.backward_weight!r} exceeds its "
+                        f"backward={p.backward!r}; it is the weight-gradient part of the backward"
+                    )
 
 
 def nonnegative(name: str, value: float, unit: str = "seconds") -> None:

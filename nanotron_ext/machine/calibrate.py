@@ -76,8 +76,16 @@ from nanotron_ext.machine.profile import (
     key_for,
 )
 
-__all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_line", "fit_rates", "host_staged",
-           "profile_source", "share_profile"]
+__all__ = [
+    "BLOCK_ROUNDS_PER_REPEAT",
+    "calibrate",
+    "calibration_blocks",
+    "fit_line",
+    "fit_rates",
+    "host_staged",
+    "profile_source",
+    "share_profile",
+]
 
 #: Block rounds per ``repeats``: each block keeps its fastest round, and a longer window lets it escape a slow
 #: stretch of the machine. Issue 32's SmolLM shape, calibrations in a row on a noisy day: the fastest of 33 rounds
@@ -86,9 +94,14 @@ __all__ = ["BLOCK_ROUNDS_PER_REPEAT", "calibrate", "calibration_blocks", "fit_li
 BLOCK_ROUNDS_PER_REPEAT = 3
 
 
-
-def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REPEATS, cache_dir: str | Path | None = None,
-              progress: bool = True) -> MachineProfile:
+def calibrate(
+    cfg: PlannerConfig,
+    *,
+    warmup: int = 2,
+    repeats: int = DEFAULT_REPEATS,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> MachineProfile:
     """Measure this machine (and, under torchrun, its links and collectives) for ``cfg``.
 
     Collective under torch.distributed: every rank calls it and gets the same profile.
@@ -121,19 +134,23 @@ def calibrate(cfg: PlannerConfig, *, warmup: int = 2, repeats: int = DEFAULT_REP
         bar.update(max(0, block_calls - bar.n))  # the blocks the cache had
         call = _deferred(world, lambda: _block_call_overhead(world, device, warmup, repeats))
         bar.update()
-        comm = _Comm() if world is None else _measure_comm(cfg, variants, world, device, backend, warmup, repeats,
-                                                                  bar)
+        comm = _Comm() if world is None else _measure_comm(cfg, variants, world, device, backend, warmup, repeats, bar)
 
     def build() -> MachineProfile:
         if isinstance(call, BaseException):
             raise call
         rates, overall = fit_rates(variants, costs)
         return MachineProfile(
-            name=_name(cfg, world, device, backend), source=profile_source(cfg),
+            name=_name(cfg, world, device, backend),
+            source=profile_source(cfg),
             key=key_for(cfg, device=device, backend=backend if world else None, world=world is not None),
-            flops_per_second=overall, rates=rates, blocks=tuple(costs.values()), links=comm.links,
+            flops_per_second=overall,
+            rates=rates,
+            blocks=tuple(costs.values()),
+            links=comm.links,
             overhead=EngineOverhead(call, comm.send_recv / 2, comm.send_recv / 2),
-            dp_allreduce=comm.dp_allreduce, tied_allreduce=comm.tied_allreduce,
+            dp_allreduce=comm.dp_allreduce,
+            tied_allreduce=comm.tied_allreduce,
             device_memory_bytes=_device_memory(device),
         )
 
@@ -144,16 +161,21 @@ def _device_memory(device: str) -> float | None:
     """This rank's GPU memory as CUDA reports its total (what a plan must fit in); None on CPU."""
     import torch
 
-    return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory) \
-        if device.startswith("cuda") else None
+    return (
+        float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        if device.startswith("cuda")
+        else None
+    )
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
     """Raise a ConfigError unless ``warmup >= 0`` and ``repeats >= 1`` are integers."""
     for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"calibrate: --{name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
-                              f"--repeats 5: two untimed runs, then five timed ones)")
+            raise ConfigError(
+                f"calibrate: --{name}={value!r} must be an integer >= {least} (e.g. --warmup 2 "
+                f"--repeats 5: two untimed runs, then five timed ones)"
+            )
 
 
 # --- what is measured ------------------------------------------------------------------------------------
@@ -179,20 +201,24 @@ def _check_buildable(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig,
     try:
         from nanotron_ext.models.profiled_blocks import MEASURABLE_ROLES
     except ImportError as exc:
-        raise ConfigError(f"calibrate measures with torch and Nanotron, which cannot be imported here ({exc}); "
-                          f"install them (pip install 'nanotron-ext[cpu]')") from exc
+        raise ConfigError(
+            f"calibrate measures with torch and Nanotron, which cannot be imported here ({exc}); "
+            f"install them (pip install 'nanotron-ext[cpu]')"
+        ) from exc
     if cfg.model.moe is not None:
         raise ConfigError(
             f"{cfg.source}: calibrate cannot build its mixture-of-experts decoder layers standalone (it measures the "
             f"dense Llama blocks: {', '.join(MEASURABLE_ROLES)}), so their times would not be this model's. Plan "
-            f"it with the analytic model (no --machine) or a FLOP rate (--tflops X)")
+            f"it with the analytic model (no --machine) or a FLOP rate (--tflops X)"
+        )
     for _, blocks in variants:
         for b in blocks:
             if b.role not in MEASURABLE_ROLES:
                 raise ConfigError(
                     f"{cfg.source}: calibrate cannot build block {b.name} (role {b.role!r}) standalone; it measures "
                     f"the Llama blocks ({', '.join(MEASURABLE_ROLES)}). Plan this model with the analytic model "
-                    f"(no --machine) or a FLOP rate (--tflops X)")
+                    f"(no --machine) or a FLOP rate (--tflops X)"
+                )
 
 
 def _device_and_backend() -> tuple[str, str]:
@@ -220,8 +246,9 @@ def _steps(cfg: PlannerConfig, world: _World | None, block_calls: int) -> int:
 def _progress(total: int, *, enabled: bool) -> Iterator[Any]:
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="calibrate", unit="measurement", file=sys.stderr, disable=not enabled,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total, desc="calibrate", unit="measurement", file=sys.stderr, disable=not enabled, dynamic_ncols=True
+    )
     try:
         yield bar
     finally:
@@ -231,8 +258,13 @@ def _progress(total: int, *, enabled: bool) -> Iterator[Any]:
 # --- compute ------------------------------------------------------------------------------------------------
 
 
-def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], warmup: int, repeats: int,
-                    cache_dir: str | Path | None, bar: Any) -> dict[str, BlockCost]:
+def _measure_blocks(
+    variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
+    warmup: int,
+    repeats: int,
+    cache_dir: str | Path | None,
+    bar: Any,
+) -> dict[str, BlockCost]:
     """Every distinct block of every variant, by signature (one cache, so blocks the variants share are
     measured once)."""
     from nanotron_ext.models.profiled_blocks import build_block_module
@@ -247,20 +279,31 @@ def _measure_blocks(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], w
 
     out: dict[str, BlockCost] = {}
     with contextlib.ExitStack() as stack:
-        folder = cache_dir if cache_dir is not None else stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="nanotron_ext_calibrate_"))
+        folder = (
+            cache_dir
+            if cache_dir is not None
+            else stack.enter_context(tempfile.TemporaryDirectory(prefix="nanotron_ext_calibrate_"))
+        )
         for trial, blocks in variants:
             # Rank 0 measures while the others wait, each timed call starting with cold caches. Every rank measuring
             # at once over-predicted the SmolLM shape by 9-23 %: the ranks' cache flushes and timed calls overlap at
             # random and slow each other (benchmarks/predict_vs_measure.py).
-            for cost in measured_blocks(blocks, trial, cache_dir=folder, warmup=warmup, repeats=repeats,
-                                        module_factory=factory, on_round=on_round):
+            for cost in measured_blocks(
+                blocks,
+                trial,
+                cache_dir=folder,
+                warmup=warmup,
+                repeats=repeats,
+                module_factory=factory,
+                on_round=on_round,
+            ):
                 out.setdefault(cost.signature, cost)
     return out
 
 
-def fit_rates(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
-               costs: dict[str, BlockCost]) -> tuple[tuple[tuple[str, float], ...], float]:
+def fit_rates(
+    variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], costs: dict[str, BlockCost]
+) -> tuple[tuple[tuple[str, float], ...], float]:
     """Training FLOP/s per role over its measured blocks (each distinct block once), and over all of them."""
     flops: dict[str, float] = defaultdict(float)
     seconds: dict[str, float] = defaultdict(float)
@@ -274,8 +317,10 @@ def fit_rates(variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
             flops[b.role] += work
             seconds[b.role] += cost.forward + cost.backward
     if not flops:
-        raise ConfigError("calibrate: no measured block has training FLOPs and a positive time, so no FLOP rate "
-                          "can be fitted; check the config's model shape")
+        raise ConfigError(
+            "calibrate: no measured block has training FLOPs and a positive time, so no FLOP rate "
+            "can be fitted; check the config's model shape"
+        )
     rates = tuple(sorted((role, flops[role] / seconds[role]) for role in flops))
     return rates, sum(flops.values()) / sum(seconds.values())
 
@@ -290,9 +335,13 @@ def _block_call_overhead(world: _World | None, device: str, warmup: int, repeats
         if group is None:
             return 0.0
         dev = _torch_device(device)
-        block = PipelineBlock(p2p=P2P(group, dev), module_builder=torch.nn.Linear,
-                              module_kwargs={"in_features": 1, "out_features": 1, "bias": False, "device": dev},
-                              module_input_keys={"input"}, module_output_keys={"output"})
+        block = PipelineBlock(
+            p2p=P2P(group, dev),
+            module_builder=torch.nn.Linear,
+            module_kwargs={"in_features": 1, "out_features": 1, "bias": False, "device": dev},
+            module_input_keys={"input"},
+            module_output_keys={"output"},
+        )
         block.build_and_set_rank(0)
         x = torch.ones(1, 1, device=dev)
         return _extra_per_call(lambda: block(input=x), lambda: block.pp_block(input=x), dev, warmup, repeats)
@@ -328,8 +377,7 @@ def _deferred(world: _World | None, fn: Callable[[], float]) -> float | BaseExce
         return exc
 
 
-def share_profile(build: Callable[[], MachineProfile], rank: int | None, *,
-                  what: str = "calibrate") -> MachineProfile:
+def share_profile(build: Callable[[], MachineProfile], rank: int | None, *, what: str = "calibrate") -> MachineProfile:
     """Global rank 0 builds the profile and broadcasts it; every rank returns it, or raises rank 0's error
     (``rank=None``: no process group, just build it)."""
     if rank is None:
@@ -370,4 +418,3 @@ def profile_source(cfg: PlannerConfig) -> str:
     command = shlex.join([Path(argv[0]).name, *argv[1:]])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"`{command}` ({cfg.source}) on {when}, torch {torch.__version__}, host {socket.gethostname()}"
-

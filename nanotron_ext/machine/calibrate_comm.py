@@ -43,8 +43,7 @@ def _torch_device(device: str) -> Any:
     return torch.device("cuda" if device.startswith("cuda") else "cpu")
 
 
-def _extra_per_call(fn: Callable[[], Any], base: Callable[[], Any], device: Any, warmup: int,
-                    repeats: int) -> float:
+def _extra_per_call(fn: Callable[[], Any], base: Callable[[], Any], device: Any, warmup: int, repeats: int) -> float:
     """Seconds one call of ``fn`` takes beyond one of ``base``: batches of each, interleaved so that both see
     the same load, and the median difference of their per-call means over at least :data:`MIN_BATCHES` pairs
     (after ``warmup``); never below 0."""
@@ -100,7 +99,8 @@ class _World:
                 f"calibrate: torch.distributed's world size is {size}, but {cfg.source} needs pp*dp*tp = "
                 f"{r.pp}*{r.dp}*{r.tp} = {need} ranks, so that every link and gradient sync is the run's own. "
                 f"Launch {need} ranks (torchrun --nproc_per_node={need}), or run calibrate without torchrun to "
-                f"measure the compute alone")
+                f"measure the compute alone"
+            )
         return cls(dist.get_rank(), r.pp, r.dp, r.tp)
 
     def rank_of(self, stage: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
@@ -126,8 +126,16 @@ class _Comm:
     tied_allreduce: Collective | None = None
 
 
-def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]], world: _World,
-                  device: str, backend: str, warmup: int, repeats: int, bar: Any) -> _Comm:
+def _measure_comm(
+    cfg: PlannerConfig,
+    variants: Sequence[tuple[PlannerConfig, list[BlockInfo]]],
+    world: _World,
+    device: str,
+    backend: str,
+    warmup: int,
+    repeats: int,
+    bar: Any,
+) -> _Comm:
     """Links, P2P overhead and collectives; a collective call: every rank gets the same result."""
     import torch.distributed as dist
 
@@ -146,15 +154,18 @@ def _measure_comm(cfg: PlannerConfig, variants: Sequence[tuple[PlannerConfig, li
     bar.update(world.pp > 1)
     if world.dp > 1:
         groups = [[world.rank_of(s, d, t) for d in range(world.dp)] for s in range(world.pp) for t in range(world.tp)]
-        mine[("dp", 0, 0)] = _allreduce(world, groups, _sizes(max(b.trainable for b in blocks) * grad_bytes),
-                                        (dev, staged), warmup, repeats)
+        mine[("dp", 0, 0)] = _allreduce(
+            world, groups, _sizes(max(b.trainable for b in blocks) * grad_bytes), (dev, staged), warmup, repeats
+        )
         bar.update()
     tied = cfg.model.tie_word_embeddings and world.pp > 1
     if tied:
-        groups = [[world.rank_of(0, d, t), world.rank_of(world.pp - 1, d, t)]
-                  for d in range(world.dp) for t in range(world.tp)]
-        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(tied_weight_bytes(cfg)), (dev, staged), warmup,
-                                          repeats)
+        groups = [
+            [world.rank_of(0, d, t), world.rank_of(world.pp - 1, d, t)]
+            for d in range(world.dp)
+            for t in range(world.tp)
+        ]
+        mine[("tied", 0, 0)] = _allreduce(world, groups, _sizes(tied_weight_bytes(cfg)), (dev, staged), warmup, repeats)
         bar.update()
     gathered: list[Any] = [None] * (world.pp * world.dp * world.tp)
     dist.all_gather_object(gathered, (mine, send_recv))
@@ -171,8 +182,9 @@ def _sizes(largest: float) -> list[int]:
     return [*out, top]
 
 
-def _links(world: _World, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int,
-           repeats: int, bar: Any) -> dict[tuple[str, int, int], dict[int, float]]:
+def _links(
+    world: _World, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int, repeats: int, bar: Any
+) -> dict[tuple[str, int, int], dict[int, float]]:
     """Round trips timed by this rank, per direction it sends in: ``("link", src, dst) -> {bytes: seconds}``.
     ``dev``: (where the tensors live, whether they are host-staged)."""
     import torch.distributed as dist
@@ -194,8 +206,7 @@ def _links(world: _World, sizes: Sequence[int], dev: tuple[Any, bool], warmup: i
     return out
 
 
-def _ping(peer: int, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int,
-          repeats: int) -> dict[int, list[float]]:
+def _ping(peer: int, sizes: Sequence[int], dev: tuple[Any, bool], warmup: int, repeats: int) -> dict[int, list[float]]:
     """Seconds of ``n`` bytes to ``peer`` and one byte back, each timed run, per size (host-staged: copies
     included). The sizes take turns in each round, so that a slow stretch hits every size alike."""
     import torch
@@ -277,8 +288,11 @@ def _p2p_overhead(world: _World, dev: Any, warmup: int, repeats: int) -> float:
 
     def nanotron() -> None:
         if first:
-            send(P2PTensorMetaData.to_first_metadata(tensor=x, device=dev),
-                 P2PTensorMetaData.to_second_metadata(tensor=x, device=dev), x)
+            send(
+                P2PTensorMetaData.to_first_metadata(tensor=x, device=dev),
+                P2PTensorMetaData.to_second_metadata(tensor=x, device=dev),
+                x,
+            )
         else:
             p2p.recv_tensors(1, from_rank=0)
             dist.send(ack, peer)
@@ -294,8 +308,14 @@ def _p2p_overhead(world: _World, dev: Any, warmup: int, repeats: int) -> float:
     return extra if first else 0.0
 
 
-def _allreduce(world: _World, groups: Sequence[Sequence[int]], sizes: Sequence[int], dev: tuple[Any, bool],
-               warmup: int, repeats: int) -> dict[int, float]:
+def _allreduce(
+    world: _World,
+    groups: Sequence[Sequence[int]],
+    sizes: Sequence[int],
+    dev: tuple[Any, bool],
+    warmup: int,
+    repeats: int,
+) -> dict[int, float]:
     """Median seconds of an all-reduce of each size over this rank's group (every replica's group at once);
     host-staged: the buffer lives on the device and is reduced through a host copy, copied back."""
     import torch
@@ -356,7 +376,8 @@ def _fit_comm(gathered: Sequence[Any], world: _World, tied: bool) -> _Comm:
         return Collective(c, 1.0 / slope)
 
     return _Comm(
-        links=tuple(links), send_recv=max(extra for _, extra in gathered),
+        links=tuple(links),
+        send_recv=max(extra for _, extra in gathered),
         dp_allreduce=collective("dp", world.dp) if world.dp > 1 else None,
         tied_allreduce=collective("tied", 2) if tied else None,
     )

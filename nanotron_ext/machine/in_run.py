@@ -55,8 +55,16 @@ from nanotron_ext.machine.profile import (
 )
 from nanotron_ext.stats import mean_spread
 
-__all__ = ["IN_RUN_STEPS", "IN_RUN_WARMUP_STEPS", "InRunSplit", "Ops", "Samples", "in_run_profile", "position_spread",
-           "samples_of"]
+__all__ = [
+    "IN_RUN_STEPS",
+    "IN_RUN_WARMUP_STEPS",
+    "InRunSplit",
+    "Ops",
+    "Samples",
+    "in_run_profile",
+    "position_spread",
+    "samples_of",
+]
 
 #: Timed training steps per split of ``calibrate --in-run``: each gives every block one figure per micro-batch.
 IN_RUN_STEPS = 5
@@ -113,8 +121,10 @@ def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[I
                 held = []
                 for ops in rank.blocks:
                     if ops.block not in index:
-                        raise ConfigError(f"an in-run step timed block {ops.block!r}, which this config's model does "
-                                          f"not have; price a config with the runs of its own model")
+                        raise ConfigError(
+                            f"an in-run step timed block {ops.block!r}, which this config's model does "
+                            f"not have; price a config with the runs of its own model"
+                        )
                     i = index[ops.block]
                     s = out[signature[i]]
                     s.add(ops)
@@ -127,8 +137,9 @@ def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[I
     return dict(out)
 
 
-def _update_shares(blocks: Sequence[BlockInfo], held: list[int], tie: tuple[int, int] | None,
-                   update: float) -> list[tuple[int, float]]:
+def _update_shares(
+    blocks: Sequence[BlockInfo], held: list[int], tie: tuple[int, int] | None, update: float
+) -> list[tuple[int, float]]:
     """A rank's update shared among its trainable blocks by trainable parameters (a tied lm_head beside its
     embedding holds one tensor with it, counted once, with the embedding)."""
     together = tie is not None and tie[0] in held and tie[1] in held
@@ -153,12 +164,20 @@ def _weight(ops: Ops, backward: float, base: BlockCost | None) -> float | None:
 
 def _block_cost(sig: str, s: Samples, base: BlockCost | None) -> BlockCost:
     backward = _mean(s.backward)
-    positions = tuple(PositionCost(p, _mean(ops.forward), _mean(ops.backward), _weight(ops, _mean(ops.backward), base))
-                      for p, ops in sorted(s.positions.items(), key=lambda item: POSITIONS.index(item[0]))
-                      if ops.forward)
-    return BlockCost(sig, _mean(s.forward), backward, _mean(s.update), backward_weight=_weight(s, backward, base),
-                     spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)),
-                     positions=positions)
+    positions = tuple(
+        PositionCost(p, _mean(ops.forward), _mean(ops.backward), _weight(ops, _mean(ops.backward), base))
+        for p, ops in sorted(s.positions.items(), key=lambda item: POSITIONS.index(item[0]))
+        if ops.forward
+    )
+    return BlockCost(
+        sig,
+        _mean(s.forward),
+        backward,
+        _mean(s.update),
+        backward_weight=_weight(s, backward, base),
+        spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)),
+        positions=positions,
+    )
 
 
 def _ratios(measured: dict[str, BlockCost], base: MachineProfile, role: dict[str, str]) -> dict[str, tuple]:
@@ -169,8 +188,9 @@ def _ratios(measured: dict[str, BlockCost], base: MachineProfile, role: dict[str
         if old is None:
             continue
         for key in (role[sig], "*"):
-            for k, (new, was) in enumerate(((cost.forward, old.forward), (cost.backward, old.backward),
-                                            (cost.update, old.update))):
+            for k, (new, was) in enumerate(
+                ((cost.forward, old.forward), (cost.backward, old.backward), (cost.update, old.update))
+            ):
                 sums[key][k] += new
                 sums[key][k + 3] += was
     return {key: tuple(v[k] / v[k + 3] if v[k + 3] > 0 else 1.0 for k in range(3)) for key, v in sums.items()}
@@ -186,8 +206,11 @@ def _unseen(base: MachineProfile, measured: dict[str, BlockCost], role: dict[str
         name = old.signature.split(":", 1)[0]
         f, b, u = ratios.get(name, ratios.get("*", (1.0, 1.0, 1.0)))
         w = None if old.backward_weight is None else old.backward_weight * b
-        out.append(dataclasses.replace(old, forward=old.forward * f, backward=old.backward * b,
-                                       update=old.update * u, backward_weight=w))
+        out.append(
+            dataclasses.replace(
+                old, forward=old.forward * f, backward=old.backward * b, update=old.update * u, backward_weight=w
+            )
+        )
     return out
 
 
@@ -248,13 +271,21 @@ def _in_run_links(base: MachineProfile, runs: Sequence[InRunSplit]) -> tuple[Lin
             links.append(link)
             continue
         latency = max(statistics.median(latencies), 0.0)
-        links.append(Link(link.src, link.dst, latency, link.bytes_per_second,
-                          mean_spread(latencies) if len(latencies) > 1 else link.spread))
+        links.append(
+            Link(
+                link.src,
+                link.dst,
+                latency,
+                link.bytes_per_second,
+                mean_spread(latencies) if len(latencies) > 1 else link.spread,
+            )
+        )
     return tuple(links)
 
 
-def _tied(base: MachineProfile, cfg: PlannerConfig, blocks: Sequence[BlockInfo],
-          runs: Sequence[InRunSplit]) -> Collective | None:
+def _tied(
+    base: MachineProfile, cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequence[InRunSplit]
+) -> Collective | None:
     """The tied all-reduce scaled to its in-run time: per step, the later end's time inside it."""
     tie = tied_pair(blocks, cfg.model.tie_word_embeddings)
     if tie is None:
@@ -278,8 +309,9 @@ def _tied(base: MachineProfile, cfg: PlannerConfig, blocks: Sequence[BlockInfo],
     return Collective(base.tied_allreduce.latency * k, base.tied_allreduce.bus_bytes_per_second / k)
 
 
-def in_run_profile(cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequence[InRunSplit],
-                   base: MachineProfile, *, source: str) -> MachineProfile:
+def in_run_profile(
+    cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequence[InRunSplit], base: MachineProfile, *, source: str
+) -> MachineProfile:
     """The profile ``runs`` make, on top of ``base`` (the standalone calibration of the same processes), for
     ``cfg``'s blocks (see the module docstring).
 
@@ -294,7 +326,14 @@ def in_run_profile(cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequen
     costs = {c.signature: c for c in (*measured.values(), *_unseen(base, measured, role))}
     rates, overall = fit_rates([(cfg, list(blocks))], costs)
     return dataclasses.replace(
-        base, name=base.name.replace("calibrated:", "in-run:", 1), source=source, flops_per_second=overall,
-        rates=rates, blocks=tuple(costs.values()), links=_in_run_links(base, runs),
-        overhead=_overhead(runs, base.overhead), tied_allreduce=_tied(base, cfg, blocks, runs), method="in-run",
+        base,
+        name=base.name.replace("calibrated:", "in-run:", 1),
+        source=source,
+        flops_per_second=overall,
+        rates=rates,
+        blocks=tuple(costs.values()),
+        links=_in_run_links(base, runs),
+        overhead=_overhead(runs, base.overhead),
+        tied_allreduce=_tied(base, cfg, blocks, runs),
+        method="in-run",
     )

@@ -15,12 +15,14 @@ from nanotron_ext.machine.profile import MachineProfile
 __all__ = ["shared_in_run_profile", "split_steps"]
 
 
-def shared_in_run_profile(cfg: PlannerConfig, runs: Sequence[InRunSplit], base: MachineProfile, rank: int, *,
-                          what: str) -> MachineProfile:
+def shared_in_run_profile(
+    cfg: PlannerConfig, runs: Sequence[InRunSplit], base: MachineProfile, rank: int, *, what: str
+) -> MachineProfile:
     """:func:`~nanotron_ext.machine.in_run.in_run_profile` of ``runs`` on ``base``, built on global rank 0 and the
     same on every rank (collective; ``what`` names the command in an error)."""
-    return share_profile(lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, base,
-                                                source=profile_source(cfg)), rank, what=what)
+    return share_profile(
+        lambda: in_run_profile(cfg, inventory_from_config(cfg), runs, base, source=profile_source(cfg)), rank, what=what
+    )
 
 
 def split_steps(block_ranks: Sequence[int], gathered: Any) -> InRunSplit:

@@ -36,8 +36,11 @@ class MachineKey:
                 continue
             if f.name == "model":
                 a, b = dict(mine), dict(theirs)
-                out += [f"model.{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-                        if a.get(k) != b.get(k)]
+                out += [
+                    f"model.{k}: {a.get(k)!r} vs {b.get(k)!r}"
+                    for k in sorted(a.keys() | b.keys())
+                    if a.get(k) != b.get(k)
+                ]
             elif f.name == "device":
                 if mine.split(":")[0] != theirs.split(":")[0]:
                     out.append(f"device: {mine!r} vs {theirs!r}")
@@ -46,16 +49,23 @@ class MachineKey:
         return out
 
 
-def key_for(cfg: PlannerConfig, *, device: str | None = None, backend: str | None = None,
-            world: bool = True) -> MachineKey:
+def key_for(
+    cfg: PlannerConfig, *, device: str | None = None, backend: str | None = None, world: bool = True
+) -> MachineKey:
     """The key a profile must have to price ``cfg`` (``world=False``: leave pp and dp open)."""
     shape = dataclasses.asdict(cfg.model)
     shape.pop("num_hidden_layers")
     model = tuple(sorted((k, jsonable(v)) for k, v in shape.items()))
     return MachineKey(
-        model=model, micro_batch_size=cfg.run.micro_batch_size, sequence_length=cfg.run.sequence_length,
-        dtype=cfg.run.dtype, tp=cfg.run.tp, dp=cfg.run.dp if world else None, pp=cfg.run.pp if world else None,
-        device=device, backend=backend,
+        model=model,
+        micro_batch_size=cfg.run.micro_batch_size,
+        sequence_length=cfg.run.sequence_length,
+        dtype=cfg.run.dtype,
+        tp=cfg.run.tp,
+        dp=cfg.run.dp if world else None,
+        pp=cfg.run.pp if world else None,
+        device=device,
+        backend=backend,
     )
 
 
@@ -71,8 +81,11 @@ def jsonable(value: Any) -> Any:
 def to_lists(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: to_lists(v) for k, v in value.items()}
-    if isinstance(value, tuple) and value and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
-                                                  for x in value):
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in value)
+    ):
         return {k: to_lists(v) for k, v in value}
     if isinstance(value, tuple):
         return [to_lists(v) for v in value]

@@ -26,8 +26,16 @@ from nanotron_ext.machine.profile import (
     load_machine,
 )
 
-__all__ = ["BlockPrices", "PositionPrices", "machine_for", "measured_blocks", "price_blocks", "tied_sync_seconds", "tied_weight_bytes",
-           "weight_part"]
+__all__ = [
+    "BlockPrices",
+    "PositionPrices",
+    "machine_for",
+    "measured_blocks",
+    "price_blocks",
+    "tied_sync_seconds",
+    "tied_weight_bytes",
+    "weight_part",
+]
 
 
 class PositionPrices(NamedTuple):
@@ -61,8 +69,13 @@ class BlockPrices(NamedTuple):
     positions: tuple[tuple[str, PositionPrices], ...] = ()
 
 
-def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *, device: str | None = None,
-                backend: str | None = None) -> MachineProfile:
+def machine_for(
+    cfg: PlannerConfig,
+    blocks: Sequence[BlockInfo] | None = None,
+    *,
+    device: str | None = None,
+    backend: str | None = None,
+) -> MachineProfile:
     """The machine that prices ``cfg``: ``nanotron_ext.machine`` (key-checked) or the analytic default, then the
     overrides ``times`` (``flops``: one FLOP rate; ``profiled``: ``blocks`` measured here now), ``tflops`` and
     ``p2p_gbps``. ``cost_strategy: profiled`` without a measured profile measures ``blocks`` as ``times:
@@ -80,8 +93,9 @@ def machine_for(cfg: PlannerConfig, blocks: Sequence[BlockInfo] | None = None, *
         machine = ANALYTIC_GPU
     if ext.times == "flops" or ext.tflops is not None:
         machine = machine.with_flop_rate(None if ext.tflops is None else ext.tflops * 1e12)
-    measure = ext.times == "profiled" or (ext.cost_strategy == "profiled" and ext.times == "machine"
-                                          and not machine.blocks)
+    measure = ext.times == "profiled" or (
+        ext.cost_strategy == "profiled" and ext.times == "machine" and not machine.blocks
+    )
     if measure and blocks is not None:
         machine = machine.with_blocks(measured_blocks(blocks, cfg), "compute: blocks measured here (profiled)")
     if ext.p2p_gbps is not None:
@@ -162,12 +176,14 @@ def price_blocks(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: Plan
     mean = _compute(machine, blocks, cfg, None)
     by_position = any(cost.positions for cost in machine.blocks)
     positions = tuple((p, _compute(machine, blocks, cfg, p)) for p in POSITIONS) if by_position else ()
-    return BlockPrices(mean.forward, mean.backward, upd, send, mean.weight, tied, saving if tied is not None else [],
-                       positions)
+    return BlockPrices(
+        mean.forward, mean.backward, upd, send, mean.weight, tied, saving if tied is not None else [], positions
+    )
 
 
-def _compute(machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: PlannerConfig,
-             position: str | None) -> PositionPrices:
+def _compute(
+    machine: MachineProfile, blocks: Sequence[BlockInfo], cfg: PlannerConfig, position: str | None
+) -> PositionPrices:
     """Each block's forward, backward and weight part on a stage of ``position`` (None: the mean of where it ran)."""
     fwd, bwd, wgt = [], [], []
     call = machine.overhead.block_call
@@ -202,8 +218,9 @@ def tied_sync_seconds(machine: MachineProfile, cfg: PlannerConfig) -> float:
     return machine.tied_allreduce.time(tied_weight_bytes(cfg), 2)
 
 
-def weight_part(block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None,
-                rate: float | None) -> float:
+def weight_part(
+    block: BlockInfo, input_grad: bool, backward: float, measured: BlockCost | None, rate: float | None
+) -> float:
     """Seconds of ``block``'s weight-gradient pass, a part of its ``backward`` seconds (the call overhead left
     out): 0 for a frozen block and for a block zb1p does not defer (an embedding, a norm:
     :data:`~nanotron_ext.blocks.DEFERS_WEIGHT_GRADIENT`); all of it for a block whose input needs no gradient.

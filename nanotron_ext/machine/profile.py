@@ -33,8 +33,22 @@ from nanotron_ext.machine.block_cost import (
 )
 from nanotron_ext.machine.key import MachineKey, jsonable, key_for, to_lists
 
-__all__ = ["FORMAT_VERSION", "METHODS", "POSITIONS", "BlockCost", "Collective", "EngineOverhead", "Link", "MachineKey",
-           "MachineProfile", "PositionCost", "block_signature", "key_for", "load_machine", "stage_position"]
+__all__ = [
+    "FORMAT_VERSION",
+    "METHODS",
+    "POSITIONS",
+    "BlockCost",
+    "Collective",
+    "EngineOverhead",
+    "Link",
+    "MachineKey",
+    "MachineProfile",
+    "PositionCost",
+    "block_signature",
+    "key_for",
+    "load_machine",
+    "stage_position",
+]
 
 #: Bump when the JSON layout changes; older files are refused with the command that re-measures them.
 FORMAT_VERSION = 1
@@ -124,8 +138,10 @@ class MachineProfile:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ConfigError(f"machine profile: method={self.method!r} must be one of {', '.join(METHODS)} (how its "
-                              f"blocks were timed)")
+            raise ConfigError(
+                f"machine profile: method={self.method!r} must be one of {', '.join(METHODS)} (how its "
+                f"blocks were timed)"
+            )
         _positive("flops_per_second", self.flops_per_second)
         for name in ("memory_bytes_per_second", "device_memory_bytes"):
             if getattr(self, name) is not None:
@@ -209,15 +225,21 @@ class MachineProfile:
         """Every block priced by one FLOP rate (the profile's own when None); measured block times dropped."""
         rate = self.flops_per_second if flops_per_second is None else flops_per_second
         _positive("tflops", rate / 1e12, unit="TFLOP/s")
-        return dataclasses.replace(self, flops_per_second=rate, rates=(), blocks=(),
-                                   notes=(*self.notes, f"compute: FLOP-rate model at {rate / 1e12:g} TFLOP/s"))
+        return dataclasses.replace(
+            self,
+            flops_per_second=rate,
+            rates=(),
+            blocks=(),
+            notes=(*self.notes, f"compute: FLOP-rate model at {rate / 1e12:g} TFLOP/s"),
+        )
 
     def with_p2p_bandwidth(self, gbps: float) -> MachineProfile:
         """Every link at ``gbps`` GB/s, keeping the slowest link's latency (0 when none was known)."""
         _positive("p2p_gbps", gbps, unit="GB/s")
         latency = max((link.latency for link in self.links), default=0.0)
-        return dataclasses.replace(self, links=(Link(-1, -1, latency, gbps * 1e9),),
-                                   notes=(*self.notes, f"p2p overridden: {gbps:g} GB/s"))
+        return dataclasses.replace(
+            self, links=(Link(-1, -1, latency, gbps * 1e9),), notes=(*self.notes, f"p2p overridden: {gbps:g} GB/s")
+        )
 
     def with_blocks(self, blocks: Sequence[BlockCost], note: str) -> MachineProfile:
         """Measured blocks added (replacing any with the same signature)."""
@@ -260,23 +282,36 @@ class MachineProfile:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ConfigError(f"machine profile {origin} is not JSON ({exc}); write it with "
-                              f"`nanotron-ext calibrate CONFIG --out {origin}`") from exc
+            raise ConfigError(
+                f"machine profile {origin} is not JSON ({exc}); write it with "
+                f"`nanotron-ext calibrate CONFIG --out {origin}`"
+            ) from exc
         if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
-            raise ConfigError(f"machine profile {origin} has format version {found!r}, this nanotron_ext reads "
-                              f"{FORMAT_VERSION}; measure it again with `nanotron-ext calibrate CONFIG --out FILE`")
+            raise ConfigError(
+                f"machine profile {origin} has format version {found!r}, this nanotron_ext reads "
+                f"{FORMAT_VERSION}; measure it again with `nanotron-ext calibrate CONFIG --out FILE`"
+            )
         try:
             key = dict(data["key"])
             if key.get("model") is not None:
                 key["model"] = tuple(sorted((k, jsonable(v)) for k, v in key["model"].items()))
             return cls(
-                name=str(data["name"]), source=str(data["source"]), key=MachineKey(**key),
+                name=str(data["name"]),
+                source=str(data["source"]),
+                key=MachineKey(**key),
                 flops_per_second=float(data["flops_per_second"]),
                 rates=tuple(sorted((str(k), float(v)) for k, v in data["rates"].items())),
-                blocks=tuple(BlockCost(**{**b, "spread": None if b.get("spread") is None else tuple(b["spread"]),
-                                          "positions": tuple(PositionCost(**p) for p in b.get("positions", ()))})
-                             for b in data["blocks"]),
+                blocks=tuple(
+                    BlockCost(
+                        **{
+                            **b,
+                            "spread": None if b.get("spread") is None else tuple(b["spread"]),
+                            "positions": tuple(PositionCost(**p) for p in b.get("positions", ())),
+                        }
+                    )
+                    for b in data["blocks"]
+                ),
                 links=tuple(Link(**link) for link in data["links"]),
                 overhead=EngineOverhead(**data["overhead"]),
                 dp_allreduce=None if data["dp_allreduce"] is None else Collective(**data["dp_allreduce"]),
@@ -289,8 +324,10 @@ class MachineProfile:
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
                 raise ConfigError(f"machine profile {origin}: {exc}") from exc
-            raise ConfigError(f"machine profile {origin} is malformed ({type(exc).__name__}: {exc}); write it "
-                              f"with `nanotron-ext calibrate CONFIG --out FILE`") from exc
+            raise ConfigError(
+                f"machine profile {origin} is malformed ({type(exc).__name__}: {exc}); write it "
+                f"with `nanotron-ext calibrate CONFIG --out FILE`"
+            ) from exc
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -306,8 +343,10 @@ def load_machine(path: str | Path) -> MachineProfile:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise ConfigError(f"machine profile {str(path)!r} cannot be read ({exc.strerror or exc}); write one with "
-                          f"`nanotron-ext calibrate CONFIG --out {path}`") from exc
+        raise ConfigError(
+            f"machine profile {str(path)!r} cannot be read ({exc.strerror or exc}); write one with "
+            f"`nanotron-ext calibrate CONFIG --out {path}`"
+        ) from exc
     return MachineProfile.from_json(text, origin=str(path))
 
 

@@ -37,10 +37,12 @@ class Uncertain:
     step_share: float  # how far that could move a stage's step, a fraction of it
 
     def message(self) -> str:
-        return (f"{self.what} could move by ±{self.spread:.1%} (its spread over the calibration's rounds), a "
-                f"stage's step by ±{self.step_share:.1%}: over the {STEP_SHARE_LIMIT:.1%} that keeps two calibrations within "
-                f"{2 * STEP_SHARE_LIMIT:.0%} of each other. Calibrate again on an idle machine, or with more "
-                f"rounds (--repeats)")
+        return (
+            f"{self.what} could move by ±{self.spread:.1%} (its spread over the calibration's rounds), a "
+            f"stage's step by ±{self.step_share:.1%}: over the {STEP_SHARE_LIMIT:.1%} that keeps two calibrations within "
+            f"{2 * STEP_SHARE_LIMIT:.0%} of each other. Calibrate again on an idle machine, or with more "
+            f"rounds (--repeats)"
+        )
 
 
 def uncertain_figures(cfg: PlannerConfig, profile: MachineProfile) -> list[Uncertain]:
@@ -57,8 +59,7 @@ def uncertain_figures(cfg: PlannerConfig, profile: MachineProfile) -> list[Uncer
         if cost is None:
             continue
         for field, per_step, spread in zip(FIGURES, (m, m, 1), cost.spread or (0.0, 0.0, 0.0)):
-            weighted.append((f"{compact_names(shorts)} {field}", spread,
-                             per_step * len(shorts) * getattr(cost, field)))
+            weighted.append((f"{compact_names(shorts)} {field}", spread, per_step * len(shorts) * getattr(cost, field)))
     largest = largest_output(blocks, cfg.model, cfg.run)
     for link in profile.links:
         if link.spread is not None and link.src >= 0:
@@ -66,6 +67,9 @@ def uncertain_figures(cfg: PlannerConfig, profile: MachineProfile) -> list[Uncer
     stage = sum(seconds for _, _, seconds in weighted) / cfg.run.pp
     if stage <= 0:
         return []
-    found = [Uncertain(what, spread, spread * seconds / stage) for what, spread, seconds in weighted
-             if spread * seconds > STEP_SHARE_LIMIT * stage]
+    found = [
+        Uncertain(what, spread, spread * seconds / stage)
+        for what, spread, seconds in weighted
+        if spread * seconds > STEP_SHARE_LIMIT * stage
+    ]
     return sorted(found, key=lambda u: -u.step_share)

@@ -53,8 +53,18 @@ from nanotron_ext.models.llama_layers import (
 from nanotron_ext.models.vocab_chain import ChainLoss, VocabShard, vocab_shard_blocks
 
 __all__ = [
-    "CPULlamaForTraining", "CPULlamaModel", "CausalSelfAttention", "CoreAttention", "Embedding", "GLUActivation",
-    "LlamaDecoderLayer", "Loss", "MLP", "Projector", "RMSNorm", "RotaryEmbedding",
+    "CPULlamaForTraining",
+    "CPULlamaModel",
+    "CausalSelfAttention",
+    "CoreAttention",
+    "Embedding",
+    "GLUActivation",
+    "LlamaDecoderLayer",
+    "Loss",
+    "MLP",
+    "Projector",
+    "RMSNorm",
+    "RotaryEmbedding",
 ]
 
 TensorOrPointer = torch.Tensor | TensorPointer
@@ -146,8 +156,7 @@ class CPULlamaModel(nn.Module):
         )
         if self.n_vocab_shards > 1:
             # The chain replaces lm_head, cast_to_fp32 and the loss (nanotron_ext.models.vocab_chain).
-            self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size,
-                                                   self.n_vocab_shards)
+            self.vocab_shards = vocab_shard_blocks(self.p2p, config.hidden_size, config.vocab_size, self.n_vocab_shards)
             return
         self.lm_head = PipelineBlock(
             p2p=self.p2p,
@@ -199,8 +208,12 @@ class CPULlamaModel(nn.Module):
     def get_block_compute_costs(self) -> dict[type, int]:
         """Nanotron's exact per-class costs (so ``build_model``'s greedy split behaves as on GPU)."""
         c = self.config
-        by_name = llama_class_costs(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
+        by_name = llama_class_costs(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+        )
         classes = {cls.__name__: cls for cls in (LlamaDecoderLayer, TensorParallelColumnLinear)}
         costs = {classes[name]: cost for name, cost in by_name.items()}
         # Nanotron's rule prices by class: each shard gets an equal part of the lm_head's cost.
@@ -300,7 +313,10 @@ class CPULlamaForTraining(NanotronModel):
         return {"loss": loss}
 
     def _forward_chain(
-        self, input_ids: TensorOrPointer, input_mask: TensorOrPointer, label_ids: TensorOrPointer,
+        self,
+        input_ids: TensorOrPointer,
+        input_mask: TensorOrPointer,
+        label_ids: TensorOrPointer,
         label_mask: TensorOrPointer,
     ) -> dict[str, TensorOrPointer]:
         _, hidden_states = self.model.forward_with_hidden_states(input_ids=input_ids, input_mask=input_mask)
@@ -333,9 +349,7 @@ class CPULlamaForTraining(NanotronModel):
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
                 if isinstance(param, NanotronParameter) and param.is_tied:
-                    full_name = param.get_tied_info().get_full_name_from_module_id_to_prefix(
-                        module_id_to_prefix
-                    )
+                    full_name = param.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix)
                 else:
                     full_name = f"{module_name}.{param_name}"
                 if full_name in initialized:
@@ -366,12 +380,10 @@ class CPULlamaForTraining(NanotronModel):
         assert (shard.lo, shard.hi) in vocab_slices(vocab, self.model.n_vocab_shards)
         full = torch.empty(vocab, self.config.hidden_size)
         self._seeded_init(full, "model.lm_head.pp_block.weight", init, base_seed)
-        param.copy_(full[shard.lo:shard.hi].to(dtype=param.dtype))
+        param.copy_(full[shard.lo : shard.hi].to(dtype=param.dtype))
 
     @staticmethod
-    def _seeded_init(
-        param: torch.Tensor, name: str, init: Callable[[torch.Tensor], Any], base_seed: int
-    ) -> None:
+    def _seeded_init(param: torch.Tensor, name: str, init: Callable[[torch.Tensor], Any], base_seed: int) -> None:
         sharded = isinstance(param, NanotronParameter) and param.is_sharded
         shape = tuple(param.get_sharded_info().unsharded_shape) if sharded else tuple(param.shape)
         # fork_rng keeps the caller's global RNG untouched (init methods draw from the global generator).

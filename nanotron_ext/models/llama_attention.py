@@ -14,7 +14,14 @@ from nanotron.parallel.tensor_parallel.nn import (
 )
 from torch import nn
 
-__all__ = ["CausalSelfAttention", "CoreAttention", "RotaryEmbedding", "check_attention_shapes", "linear_async", "linear_mode"]
+__all__ = [
+    "CausalSelfAttention",
+    "CoreAttention",
+    "RotaryEmbedding",
+    "check_attention_shapes",
+    "linear_async",
+    "linear_mode",
+]
 
 
 def linear_mode(parallel_config: ParallelismArgs | None) -> TensorParallelLinearMode:
@@ -31,18 +38,14 @@ def check_attention_shapes(config: LlamaConfig, tp_size: int) -> None:
     n_heads = config.num_attention_heads
     n_kv = config.num_key_value_heads if config.num_key_value_heads is not None else n_heads
     if config.hidden_size % n_heads != 0:
-        raise ValueError(
-            f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={n_heads}."
-        )
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={n_heads}.")
     if (config.hidden_size // n_heads) % 2 != 0:
         raise ValueError(
             f"head dim hidden_size/num_attention_heads={config.hidden_size // n_heads} must be even for "
             "rotary embeddings."
         )
     if n_heads % n_kv != 0:
-        raise ValueError(
-            f"num_attention_heads={n_heads} must be divisible by num_key_value_heads={n_kv} (GQA groups)."
-        )
+        raise ValueError(f"num_attention_heads={n_heads} must be divisible by num_key_value_heads={n_kv} (GQA groups).")
     if n_heads % tp_size != 0 or n_kv % tp_size != 0:
         raise ValueError(
             f"num_attention_heads={n_heads} and num_key_value_heads={n_kv} must both be divisible by the "
@@ -73,9 +76,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None or self._cache[0] != device or self._cache[1] != self.end:
-            exponent = (
-                torch.arange(0, self.dim, 2, dtype=torch.float32, device=device)[: self.dim // 2] / self.dim
-            )
+            exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device)[: self.dim // 2] / self.dim
             inv_freq = 1.0 / (self.theta**exponent)
             positions = torch.arange(self.end, dtype=torch.float32, device=device)
             angles = torch.outer(positions, inv_freq)  # [end, dim/2]
@@ -180,11 +181,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         tp_size = tp_pg.size()
         check_attention_shapes(config, tp_size)
-        n_kv = (
-            config.num_key_value_heads
-            if config.num_key_value_heads is not None
-            else config.num_attention_heads
-        )
+        n_kv = config.num_key_value_heads if config.num_key_value_heads is not None else config.num_attention_heads
         self.n_local_q_heads = config.num_attention_heads // tp_size
         self.n_local_kv_heads = n_kv // tp_size
         self.n_repeats = config.num_attention_heads // n_kv
@@ -209,9 +206,7 @@ class CausalSelfAttention(nn.Module):
             ),
         )
         theta = float(getattr(config, "rope_theta", None) or 10000.0)
-        self.rotary_embedding = RotaryEmbedding(
-            dim=self.d_qk, end=config.max_position_embeddings, theta=theta
-        )
+        self.rotary_embedding = RotaryEmbedding(dim=self.d_qk, end=config.max_position_embeddings, theta=theta)
         self.o_proj = TensorParallelRowLinear(
             config.num_attention_heads * self.d_qk,
             self.d_model,
@@ -240,15 +235,9 @@ class CausalSelfAttention(nn.Module):
             ],
             dim=-1,
         )
-        query_states = query_states.transpose(0, 1).reshape(
-            batch_size, q_length, self.n_local_q_heads, self.d_qk
-        )
-        key_states = key_states.transpose(0, 1).reshape(
-            batch_size, q_length, self.n_local_kv_heads, self.d_qk
-        )
-        value_states = value_states.transpose(0, 1).reshape(
-            batch_size, q_length, self.n_local_kv_heads, self.d_v
-        )
+        query_states = query_states.transpose(0, 1).reshape(batch_size, q_length, self.n_local_q_heads, self.d_qk)
+        key_states = key_states.transpose(0, 1).reshape(batch_size, q_length, self.n_local_kv_heads, self.d_qk)
+        value_states = value_states.transpose(0, 1).reshape(batch_size, q_length, self.n_local_kv_heads, self.d_v)
 
         query_states = self.rotary_embedding(query_states)
         key_states = self.rotary_embedding(key_states)
@@ -261,8 +250,6 @@ class CausalSelfAttention(nn.Module):
             kv_sequence_mask=sequence_mask,
         )
         attention_output = (
-            attention_output.contiguous()
-            .view(batch_size, q_length, self.n_local_q_heads * self.d_v)
-            .transpose(0, 1)
+            attention_output.contiguous().view(batch_size, q_length, self.n_local_q_heads * self.d_v).transpose(0, 1)
         )
         return {"hidden_states": self.o_proj(attention_output), "sequence_mask": sequence_mask}

@@ -36,9 +36,7 @@ class GLUActivation(nn.Module):
 class MLP(nn.Module):
     """Nanotron's Llama MLP: ``gate_up_proj`` (column-parallel) then ``down_proj`` (row-parallel)."""
 
-    def __init__(
-        self, config: LlamaConfig, parallel_config: ParallelismArgs | None, tp_pg: dist.ProcessGroup
-    ) -> None:
+    def __init__(self, config: LlamaConfig, parallel_config: ParallelismArgs | None, tp_pg: dist.ProcessGroup) -> None:
         super().__init__()
         tp_mode = linear_mode(parallel_config)
         tp_async = linear_async(parallel_config)
@@ -112,12 +110,15 @@ class LlamaDecoderLayer(nn.Module):
             # Upstream's parallelism.recompute_layer (models/llama.py, LlamaDecoderLayer.forward): a reentrant
             # checkpoint of the whole layer keeps only its inputs; the backward runs the forward again.
             hidden_states, sequence_mask = torch.utils.checkpoint.checkpoint(
-                self._core_forward, hidden_states, sequence_mask, use_reentrant=True)
+                self._core_forward, hidden_states, sequence_mask, use_reentrant=True
+            )
         else:
             hidden_states, sequence_mask = self._core_forward(hidden_states, sequence_mask)
         return {"hidden_states": hidden_states, "sequence_mask": sequence_mask}
 
-    def _core_forward(self, hidden_states: torch.Tensor, sequence_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _core_forward(
+        self, hidden_states: torch.Tensor, sequence_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         output = self.attn(hidden_states=hidden_states, sequence_mask=sequence_mask)
@@ -132,9 +133,7 @@ class LlamaDecoderLayer(nn.Module):
 class Embedding(nn.Module):
     """Token embedding (vocab-parallel); outputs ``[seq, batch, hidden]`` as Nanotron's does."""
 
-    def __init__(
-        self, tp_pg: dist.ProcessGroup, config: LlamaConfig, parallel_config: ParallelismArgs | None
-    ) -> None:
+    def __init__(self, tp_pg: dist.ProcessGroup, config: LlamaConfig, parallel_config: ParallelismArgs | None) -> None:
         super().__init__()
         if config.vocab_size % tp_pg.size() != 0:
             raise ValueError(

@@ -33,7 +33,11 @@ from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.zero_bubble.store import linear
 
 __all__ = [
-    "ChainLoss", "VocabShard", "label_pp_ranks", "replace_lm_head_with_vocab_chain", "route_labels",
+    "ChainLoss",
+    "VocabShard",
+    "label_pp_ranks",
+    "replace_lm_head_with_vocab_chain",
+    "route_labels",
     "vocab_shard_blocks",
 ]
 
@@ -57,8 +61,9 @@ class VocabShard(nn.Module):
     #: Under ``pp_engine: zb1p`` the shard's weight gradient is deferred to W (``nanotron_ext.zero_bubble``).
     defers_weight_gradients = True
 
-    def __init__(self, hidden_size: int, lo: int, hi: int, first: bool, last: bool,
-                 token_layout: str = "seq_batch") -> None:
+    def __init__(
+        self, hidden_size: int, lo: int, hi: int, first: bool, last: bool, token_layout: str = "seq_batch"
+    ) -> None:
         super().__init__()
         if token_layout not in TOKEN_LAYOUTS:
             raise ValueError(f"token_layout={token_layout!r} is not one of {', '.join(TOKEN_LAYOUTS)}")
@@ -101,8 +106,12 @@ class VocabShard(nn.Module):
             loss = new_max + torch.log(sumexp) - target
             mask = self._as_tokens(label_mask).to(torch.float)
             return {"loss": (loss * mask).sum(dtype=torch.float) / mask.sum()}
-        return {"hidden_states": hidden_states, "running_max": new_max, "running_sumexp": sumexp,
-                "target_logit": target}
+        return {
+            "hidden_states": hidden_states,
+            "running_max": new_max,
+            "running_sumexp": sumexp,
+            "target_logit": target,
+        }
 
 
 class _SliceStats(torch.autograd.Function):
@@ -114,8 +123,9 @@ class _SliceStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, new_max: torch.Tensor, index: torch.Tensor,
-                here: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, logits: torch.Tensor, new_max: torch.Tensor, index: torch.Tensor, here: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         exp = torch.exp(logits - new_max.unsqueeze(-1))
         target = torch.where(here, logits.gather(-1, index).squeeze(-1), torch.zeros_like(new_max))
         ctx.save_for_backward(exp, index, here)
@@ -129,8 +139,9 @@ class _SliceStats(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int,
-                       token_layout: str = "seq_batch") -> nn.ModuleList:
+def vocab_shard_blocks(
+    p2p: P2P, hidden_size: int, vocab_size: int, shards: int, token_layout: str = "seq_batch"
+) -> nn.ModuleList:
     """The chain's ``PipelineBlock``s, in order (``model.vocab_shards.{i}``)."""
     slices = vocab_slices(vocab_size, shards)
     blocks = []
@@ -138,12 +149,22 @@ def vocab_shard_blocks(p2p: P2P, hidden_size: int, vocab_size: int, shards: int,
         first, last = i == 0, i == len(slices) - 1
         inputs = {"hidden_states", "label_ids"} | (set() if first else set(STATS)) | ({"label_mask"} if last else set())
         outputs = {"loss"} if last else {"hidden_states", *STATS}
-        blocks.append(PipelineBlock(
-            p2p=p2p, module_builder=VocabShard,
-            module_kwargs={"hidden_size": hidden_size, "lo": lo, "hi": hi, "first": first, "last": last,
-                           "token_layout": token_layout},
-            module_input_keys=inputs, module_output_keys=outputs,
-        ))
+        blocks.append(
+            PipelineBlock(
+                p2p=p2p,
+                module_builder=VocabShard,
+                module_kwargs={
+                    "hidden_size": hidden_size,
+                    "lo": lo,
+                    "hi": hi,
+                    "first": first,
+                    "last": last,
+                    "token_layout": token_layout,
+                },
+                module_input_keys=inputs,
+                module_output_keys=outputs,
+            )
+        )
     return nn.ModuleList(blocks)
 
 
@@ -189,8 +210,9 @@ class ChainLoss(nn.Module):
         self.__dict__["_blocks"] = blocks
         self.__dict__["_pp_pg"] = pp_pg
 
-    def forward(self, sharded_logits: TensorOrPointer, label_ids: TensorOrPointer,
-                label_mask: TensorOrPointer) -> dict[str, TensorOrPointer]:
+    def forward(
+        self, sharded_logits: TensorOrPointer, label_ids: TensorOrPointer, label_mask: TensorOrPointer
+    ) -> dict[str, TensorOrPointer]:
         state: dict[str, TensorOrPointer] = {"hidden_states": sharded_logits}
         for block in self._blocks:
             kwargs = {**state, "label_ids": route_labels(block, label_ids, self._pp_pg)}
@@ -232,11 +254,14 @@ def replace_lm_head_with_vocab_chain(model: nn.Module, shards: int) -> nn.Module
     if not 2 <= shards <= config.vocab_size:
         raise ValueError(f"vocab_shards={shards} must be between 2 and the vocabulary size {config.vocab_size}")
     if config.tie_word_embeddings:
-        raise ValueError(f"vocab_shards={shards} with tie_word_embeddings=True is not supported; set "
-                         f"tie_word_embeddings: false to untie, or vocab_shards: 1")
+        raise ValueError(
+            f"vocab_shards={shards} with tie_word_embeddings=True is not supported; set "
+            f"tie_word_embeddings: false to untie, or vocab_shards: 1"
+        )
     if getattr(config, "z_loss_enabled", False):
-        raise ValueError(f"vocab_shards={shards} with z_loss_enabled is not supported; disable z-loss or use "
-                         f"vocab_shards: 1")
+        raise ValueError(
+            f"vocab_shards={shards} with z_loss_enabled is not supported; disable z-loss or use vocab_shards: 1"
+        )
     tp = model.parallel_context.tp_pg.size()
     if tp > 1:
         raise ValueError(f"vocab_shards={shards} with tp={tp}: shards are not split across TP ranks; use tp: 1")

@@ -69,8 +69,9 @@ def any_split_fits(n: int, pp: int, requirements: Sequence[Requirement], memory:
     return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], memory.slack_room), hi)) is not None
 
 
-def least_cap(n: int, pp: int, requirements: Sequence[Requirement], memory: MemoryCap, *,
-              rtol: float = 2e-3) -> float | None:
+def least_cap(
+    n: int, pp: int, requirements: Sequence[Requirement], memory: MemoryCap, *, rtol: float = 2e-3
+) -> float | None:
     """A lower bound, within ``rtol`` of the exact value, of the least cap under which some split fits
     ``memory``'s additive part: no split's largest stage, by its full estimate, is below it. None when some split
     already fits ``memory.cap``, or when the requirements leave no split at all.
@@ -82,11 +83,14 @@ def least_cap(n: int, pp: int, requirements: Sequence[Requirement], memory: Memo
     hi = latest_starts(n, requirements)
     prefixes = [memory.prefix(k) for k in range(pp)]
     if not all(np.all(q[1:] >= q[:-1]) for q in prefixes):  # a negative term: the dense test
+
         def fits(room: float) -> bool:
             return _dense(n, pp, hi, prefixes, room)
     else:
+
         def fits(room: float) -> bool:
             return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], room), hi)) is not None
+
     low = memory.room  # nothing fits this room
     high = max(max(float(q[-1] - q.min()) for q in prefixes), low + 1.0)  # any non-empty segment fits this one
     while not fits(high):  # rounding, or a stage's terms summing below their parts

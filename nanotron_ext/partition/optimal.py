@@ -299,8 +299,9 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
     valid = _segment_validity(n, pp, flag_prefix, None)
     # The full estimate of every segment when the cap holds on it (exact), else the additive part's.
-    least, bounds = _dp(pp, n, lambda k: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n)), valid,
-                        combine="max")
+    least, bounds = _dp(
+        pp, n, lambda k: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n)), valid, combine="max"
+    )
     if not bounds:  # the requirements alone leave no split, whatever the memory
         return no_split
     worst = int(np.argmax([memory.table(k, n)[bounds[k], bounds[k + 1]] for k in range(pp)]))
@@ -308,6 +309,9 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     return PlanningError(
         f"no split fits memory_cap_gib={memory.cap / gib:.3g}: the least memory any valid split needs is "
         f"{least / gib:.4g} GiB on stage {worst} ({(least - memory.cap) / gib:.3g} GiB over); "
-        + (memory.fix or "raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer "
-                          "micro-batches in flight)")
+        + (
+            memory.fix
+            or "raise the cap, use a larger pp, optimizer.zero_stage: 1, or the 1f1b engine (fewer "
+            "micro-batches in flight)"
+        )
     )

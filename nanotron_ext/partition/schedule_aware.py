@@ -152,8 +152,15 @@ def step_time_partition(
         best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
     if least_memory is not None:
         left = max(0.0, work - evaluate.work)
-        best = _least_memory_among_fastest(evaluate, bound, requirements, memory, best, least_memory,
-                                           min(budget, _TIE_BUDGET, max(64, int(left / max(nodes, 1)))))
+        best = _least_memory_among_fastest(
+            evaluate,
+            bound,
+            requirements,
+            memory,
+            best,
+            least_memory,
+            min(budget, _TIE_BUDGET, max(64, int(left / max(nodes, 1)))),
+        )
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
 
@@ -268,9 +275,7 @@ def _descend(evaluate: StepTimeEvaluator, bound: Bound, valid: Validity, best: _
     return best
 
 
-def _branch_and_bound(
-    evaluate: StepTimeEvaluator, bound: Bound, best: _Scored, budget: int
-) -> tuple[_Scored, bool]:
+def _branch_and_bound(evaluate: StepTimeEvaluator, bound: Bound, best: _Scored, budget: int) -> tuple[_Scored, bool]:
     """Evaluate every split whose lower bound is below the best step time; False if the budget ran out."""
     problem = evaluate.problem
     n, pp = problem.n, problem.pp
@@ -316,8 +321,15 @@ def split_memory(terms: MemoryCap | Sequence[np.ndarray], bounds: Sequence[int])
     return max(float(prefixes[k][e] - prefixes[k][s]) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
 
 
-def _least_memory_among_fastest(evaluate: StepTimeEvaluator, base: Bound, requirements: Sequence[Requirement],
-                                memory: MemoryCap | None, best: _Scored, terms: MemoryCap, budget: int) -> _Scored:
+def _least_memory_among_fastest(
+    evaluate: StepTimeEvaluator,
+    base: Bound,
+    requirements: Sequence[Requirement],
+    memory: MemoryCap | None,
+    best: _Scored,
+    terms: MemoryCap,
+    budget: int,
+) -> _Scored:
     """Among the splits as fast as ``best`` (within ``RTOL``), the one whose largest stage uses the least memory
     under ``terms`` (within ``budget`` simulated splits; past it, the least found so far).
 

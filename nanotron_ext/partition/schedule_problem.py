@@ -63,11 +63,15 @@ class ScheduleProblem:
         n = len(self.forward)
         for position, *times in self.positions:
             if position not in POSITIONS or any(len(t) != n for t in times):
-                raise PlanningError(f"ScheduleProblem.positions[{position!r}]: a position is one of "
-                                    f"{', '.join(POSITIONS)}, with a forward, backward and weight for each of {n} blocks")
+                raise PlanningError(
+                    f"ScheduleProblem.positions[{position!r}]: a position is one of "
+                    f"{', '.join(POSITIONS)}, with a forward, backward and weight for each of {n} blocks"
+                )
             for name, t in zip(("forward", "backward", "weight"), times):
                 if any(not math.isfinite(v) or v < 0 for v in t):
-                    raise PlanningError(f"ScheduleProblem.positions[{position!r}].{name}: times must be finite and >= 0")
+                    raise PlanningError(
+                        f"ScheduleProblem.positions[{position!r}].{name}: times must be finite and >= 0"
+                    )
             if any(w > b * (1 + 1e-12) for w, b in zip(times[2], times[1])):
                 raise PlanningError(f"ScheduleProblem.positions[{position!r}]: a weight exceeds its backward")
         if not self.weight:
@@ -75,8 +79,10 @@ class ScheduleProblem:
         if not self.tied_saving:
             object.__setattr__(self, "tied_saving", (0.0,) * n)
         if self.tied_pair is not None and not 0 <= self.tied_pair[0] < self.tied_pair[1] < n:
-            raise PlanningError(f"ScheduleProblem.tied_pair = {self.tied_pair!r}; pass (embedding, lm_head) block "
-                                f"indices, embedding first, both in 0..{n - 1}")
+            raise PlanningError(
+                f"ScheduleProblem.tied_pair = {self.tied_pair!r}; pass (embedding, lm_head) block "
+                f"indices, embedding first, both in 0..{n - 1}"
+            )
         object.__setattr__(self, "send", self._send_rows(n))
         for c, row in enumerate(self.send):
             for i, v in enumerate(row):
@@ -93,12 +99,16 @@ class ScheduleProblem:
                 raise PlanningError(f"ScheduleProblem.forward[{i}] = {v!r}; times must be finite and >= 0")
         for i, (saved, u) in enumerate(zip(self.tied_saving, self.update)):
             if saved > u * (1 + 1e-12):
-                raise PlanningError(f"ScheduleProblem.tied_saving[{i}] = {saved!r} exceeds update[{i}] = {u!r}; a "
-                                    "stage holding both ends of a tie saves part of its blocks' updates")
+                raise PlanningError(
+                    f"ScheduleProblem.tied_saving[{i}] = {saved!r} exceeds update[{i}] = {u!r}; a "
+                    "stage holding both ends of a tie saves part of its blocks' updates"
+                )
         for i, (w, b) in enumerate(zip(self.weight, self.backward)):
             if w > b * (1 + 1e-12):
-                raise PlanningError(f"ScheduleProblem.weight[{i}] = {w!r} exceeds backward[{i}] = {b!r}; weight is "
-                                    "the weight-gradient part of the whole backward")
+                raise PlanningError(
+                    f"ScheduleProblem.weight[{i}] = {w!r} exceeds backward[{i}] = {b!r}; weight is "
+                    "the weight-gradient part of the whole backward"
+                )
         if len(self.grad_after) != n + 1:
             raise PlanningError(f"grad_after has {len(self.grad_after)} entries; pass n + 1 = {n + 1}")
         if self.engine not in ENGINES:
@@ -118,8 +128,10 @@ class ScheduleProblem:
         if len(rows) == 1:
             rows = rows * cuts
         if len(rows) != cuts or any(len(r) != n for r in rows):
-            raise PlanningError(f"ScheduleProblem.send has {len(rows)} rows of {[len(r) for r in rows]} entries; pass "
-                                f"one row of {n} per cut ({cuts}), or one row for every cut")
+            raise PlanningError(
+                f"ScheduleProblem.send has {len(rows)} rows of {[len(r) for r in rows]} entries; pass "
+                f"one row of {n} per cut ({cuts}), or one row for every cut"
+            )
         return tuple(tuple(float(v) for v in r) for r in rows)
 
     @property
@@ -166,8 +178,9 @@ class ScheduleProblem:
         non-decreasing: the updates less every tie saving (a lower bound's term)."""
         return np.concatenate([[0.0], np.cumsum(np.subtract(self.update, self.tied_saving))])
 
-    def stage_times(self, bounds: Sequence[int]) -> tuple[list[float], list[float], list[float], list[float],
-                                                           list[bool]]:
+    def stage_times(
+        self, bounds: Sequence[int]
+    ) -> tuple[list[float], list[float], list[float], list[float], list[bool]]:
         """(forward, backward, update per stage, the p2p time per cut, gradient per cut) of one split."""
         segs = list(zip(bounds[:-1], bounds[1:]))
         lo, hi = np.asarray(bounds[:-1], dtype=np.int64), np.asarray(bounds[1:], dtype=np.int64)

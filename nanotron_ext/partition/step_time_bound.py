@@ -23,12 +23,18 @@ from nanotron_ext.partition.optimal import MemoryCap, Requirement
 from nanotron_ext.partition.step_time_eval import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
 
-__all__ = ["RTOL", "Bound", "Validity", "feasible_bound", "lower_bound", "minimise", "reconstruct",
-           "slowest_stage_optimum"]
+__all__ = [
+    "RTOL",
+    "Bound",
+    "Validity",
+    "feasible_bound",
+    "lower_bound",
+    "minimise",
+    "reconstruct",
+    "slowest_stage_optimum",
+]
 
 RTOL = 1e-9  # relative tolerance of every comparison of times
-
-
 
 
 def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
@@ -204,8 +210,9 @@ class Validity:
     _lo: dict[int, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
-    def build(n: int, requirements: Sequence[Requirement], memory: MemoryCap | None,
-              room: float | None = None) -> Validity:
+    def build(
+        n: int, requirements: Sequence[Requirement], memory: MemoryCap | None, room: float | None = None
+    ) -> Validity:
         """The valid segments under ``requirements`` and ``memory`` (its additive part within ``room`` bytes a
         stage, default :attr:`MemoryCap.slack_room`; its ``cap`` and ``overhead`` are read only for that)."""
         hi = latest_starts(n, requirements)  # non-empty, every requirement met

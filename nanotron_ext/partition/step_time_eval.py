@@ -90,8 +90,9 @@ class _Nodes(NamedTuple):
 
 #: Per action's value: (0 compute, 1 send, 2 receive; the compute kind of :data:`_KIND`; carries a gradient; the
 #: peer a receive hears from), read from :class:`Action` once, so the replay below reads no enum property per step.
-_STEP_INFO = {a.value: (0 if a.is_compute else 1 if a.is_send else 2, _KIND.get(a, 0), a.carries_gradient, a.peer)
-              for a in Action}
+_STEP_INFO = {
+    a.value: (0 if a.is_compute else 1 if a.is_send else 2, _KIND.get(a, 0), a.carries_gradient, a.peer) for a in Action
+}
 
 
 def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
@@ -165,7 +166,14 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
     order = np.lexsort((~has_msg, ~fused, dep))  # by level; in a level: fused, other receives, the rest
     new = np.empty_like(order)
     new[order] = np.arange(len(order))
-    pr, pm, cd, cd2, fused, has_msg = new[pr[order]], new[pm[order]], cd[order], cd2[order], fused[order], has_msg[order]
+    pr, pm, cd, cd2, fused, has_msg = (
+        new[pr[order]],
+        new[pm[order]],
+        cd[order],
+        cd2[order],
+        fused[order],
+        has_msg[order],
+    )
     starts = np.flatnonzero(np.diff(dep[order])) + 1
     levels = []
     for a, b in zip(starts, [*starts[1:], len(order)]):
@@ -219,8 +227,9 @@ class StepTimeEvaluator:
             return
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
         for key, rows in self._by_cuts(bounds):
-            graph = schedule_graph(self.problem.engine, self.problem.pp, self.problem.n_micro_batches,
-                                   tuple(bool(x) for x in key))
+            graph = schedule_graph(
+                self.problem.engine, self.problem.pp, self.problem.n_micro_batches, tuple(bool(x) for x in key)
+            )
             self.work += graph.n_actions * len(rows)
         self.evaluated += len(bounds)
 

@@ -99,8 +99,9 @@ def v_lower_bound(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
     return _terms(times, cuts, len(times), problem.n_micro_batches, math.inf)[0]
 
 
-def _terms(times: Sequence[tuple[float, float, float]], cuts: Sequence[float], closed: int, m: int,
-           threshold: float) -> tuple[float, float]:
+def _terms(
+    times: Sequence[tuple[float, float, float]], cuts: Sequence[float], closed: int, m: int, threshold: float
+) -> tuple[float, float]:
     """With chunks ``0..closed - 1`` placed (``times``: each chunk's forward, forward + backward and update): the
     bound's terms known, and the work the ranks with a chunk still open may take before their term reaches
     ``threshold``. A rank's term is its head (the forwards and cuts above it; at least the last one known) plus
@@ -123,9 +124,18 @@ def _terms(times: Sequence[tuple[float, float, float]], cuts: Sequence[float], c
     return worst + update, sum(max(0.0, (threshold - update) / m - x) for x in open_ranks)
 
 
-def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Valid | None = None,
-                   fits: Fits | None = None, max_evals: int = 300, max_leaves: int = 20_000,
-                   max_nodes: int = 200_000, eager: Collection[int] = (), budgets: Budgets | None = None) -> VSearch:
+def search_v_split(
+    problem: ScheduleProblem,
+    seed: Sequence[int],
+    *,
+    valid: Valid | None = None,
+    fits: Fits | None = None,
+    max_evals: int = 300,
+    max_leaves: int = 20_000,
+    max_nodes: int = 200_000,
+    eager: Collection[int] = (),
+    budgets: Budgets | None = None,
+) -> VSearch:
     """The split of the blocks into ``problem.pp`` chunks (a V over ``problem.pp / 2`` ranks) with the least
     simulated ZB-V step among those ``valid`` accepts whose schedule ``fits``.
 
@@ -152,8 +162,10 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
     if chunks % 2:
         raise PlanningError(f"{chunks} chunks; a V has two per rank: price the blocks as 2 pp stages")
     if len(seed) != chunks + 1 or seed[0] != 0 or seed[-1] != n or any(b <= a for a, b in zip(seed, seed[1:])):
-        raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks; start from a "
-                            f"split (the FLOP-balanced one)")
+        raise PlanningError(
+            f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks; start from a "
+            f"split (the FLOP-balanced one)"
+        )
     ok: Valid = valid or (lambda bounds: True)
     fit: Fits = fits or (lambda bounds, result: True)
     best: tuple[int, ...] | None = None
@@ -161,8 +173,9 @@ def search_v_split(problem: ScheduleProblem, seed: Sequence[int], *, valid: Vali
     seeded = simulate_within(problem, seed, eager, budgets)
     evaluated += 1
     if seeded is not None and ok(seed) and fit(seed, seeded):
-        descent = descend_v_split(problem, seed, valid=ok, fits=fit, max_evals=max(1, max_evals // 4),
-                                  eager=eager, budgets=budgets)
+        descent = descend_v_split(
+            problem, seed, valid=ok, fits=fit, max_evals=max(1, max_evals // 4), eager=eager, budgets=budgets
+        )
         best, best_step, evaluated = descent.bounds, descent.step, descent.evaluated
     # Without a split that fits, the seed's step as it would run without the budget is the first threshold.
     threshold = best_step if best is not None else v_simulate(problem, seed, eager).step_time
@@ -197,8 +210,9 @@ class _Cut(Exception):
     """The walk reached its node budget."""
 
 
-def _leaves(prices: _Prices, m: int, n: int, threshold: float, max_leaves: int,
-            max_nodes: int) -> tuple[list[tuple[float, tuple[int, ...]]], float]:
+def _leaves(
+    prices: _Prices, m: int, n: int, threshold: float, max_leaves: int, max_nodes: int
+) -> tuple[list[tuple[float, tuple[int, ...]]], float]:
     """Every split whose lower bound is under ``threshold``, by bound (at most ``max_leaves``, the least), and the
     least bound of those left out (``inf`` if none).
 

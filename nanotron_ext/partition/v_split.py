@@ -24,7 +24,17 @@ from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule.v_moments import v_moments
 from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv
 
-__all__ = ["Budgets", "VSplit", "descend_v_split", "simulate_within", "v_budget", "v_floors", "v_peaks", "v_simulate", "v_step"]
+__all__ = [
+    "Budgets",
+    "VSplit",
+    "descend_v_split",
+    "simulate_within",
+    "v_budget",
+    "v_floors",
+    "v_peaks",
+    "v_simulate",
+    "v_step",
+]
 
 #: The cut moves a descent tries, in blocks.
 MOVES = (-1, 1, -2, 2)
@@ -41,8 +51,9 @@ class VSplit:
     evaluated: int
 
 
-def v_simulate(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (),
-               budget: VBudget | None = None) -> VResult:
+def v_simulate(
+    problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (), budget: VBudget | None = None
+) -> VResult:
     """The simulated ZB-V step of the chunks ``bounds`` (``problem.pp`` is the number of chunks, ``2 pp``); the
     chunks ``eager`` run each ``W`` right after its ``B``, every rank under ``budget``
     (:func:`~nanotron_ext.schedule.zbv.simulate_zbv`).
@@ -58,8 +69,9 @@ def v_simulate(problem: ScheduleProblem, bounds: Sequence[int], eager: Collectio
 Budgets = Callable[[Sequence[int]], VBudget]
 
 
-def simulate_within(problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (),
-                    budgets: Budgets | None = None) -> VResult | None:
+def simulate_within(
+    problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (), budgets: Budgets | None = None
+) -> VResult | None:
     """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it."""
     try:
         return v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
@@ -86,8 +98,9 @@ def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
     return v_simulate(problem, bounds).step_time
 
 
-def v_peaks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int],
-            result: VResult) -> list[VRankMemory]:
+def v_peaks(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int], result: VResult
+) -> list[VRankMemory]:
     """Each rank's peak memory of the V that cuts ``blocks`` at ``bounds`` (``2 pp + 1`` positions), scheduled as
     ``result`` (:func:`v_simulate` of the same bounds).
 
@@ -106,18 +119,23 @@ def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[i
     return [v_rank_floor(pair, cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
 
 
-def _rank_chunks(blocks: Sequence[BlockInfo],
-                 bounds: Sequence[int]) -> list[tuple[list[BlockInfo], list[BlockInfo]]]:
+def _rank_chunks(blocks: Sequence[BlockInfo], bounds: Sequence[int]) -> list[tuple[list[BlockInfo], list[BlockInfo]]]:
     """Each rank's two chunks of the V that cuts ``blocks`` at ``bounds``: rank ``r`` holds chunk ``r`` (the way
     down) and chunk ``2 pp - 1 - r`` (the way up)."""
     chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
     return [(chunk[r], chunk[len(chunk) - 1 - r]) for r in range(len(chunk) // 2)]
 
 
-def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
-                    valid: Callable[[Sequence[int]], bool] | None = None,
-                    fits: Callable[[Sequence[int], VResult], bool] | None = None, max_evals: int = 400,
-                    eager: Collection[int] = (), budgets: Budgets | None = None) -> VSplit:
+def descend_v_split(
+    problem: ScheduleProblem,
+    seed: Sequence[int],
+    *,
+    valid: Callable[[Sequence[int]], bool] | None = None,
+    fits: Callable[[Sequence[int], VResult], bool] | None = None,
+    max_evals: int = 400,
+    eager: Collection[int] = (),
+    budgets: Budgets | None = None,
+) -> VSplit:
     """From ``seed``, the split a descent over single cut moves (:data:`MOVES`) reaches.
 
     Args:
@@ -138,10 +156,17 @@ def descend_v_split(problem: ScheduleProblem, seed: Sequence[int], *,
         raise PlanningError(f"{chunks} chunks; a V has two per rank: price the blocks as 2 pp stages")
     ok = valid or (lambda bounds: True)
     fit = fits or (lambda bounds, result: True)
-    if (len(seed) != chunks + 1 or seed[0] != 0 or seed[-1] != n
-            or any(b <= a for a, b in zip(seed, seed[1:])) or not ok(seed)):
-        raise PlanningError(f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
-                            f"constraints accept; start from a valid split (the FLOP-balanced one)")
+    if (
+        len(seed) != chunks + 1
+        or seed[0] != 0
+        or seed[-1] != n
+        or any(b <= a for a, b in zip(seed, seed[1:]))
+        or not ok(seed)
+    ):
+        raise PlanningError(
+            f"seed split {list(seed)} is not {chunks} non-empty chunks of {n} blocks that the "
+            f"constraints accept; start from a valid split (the FLOP-balanced one)"
+        )
     seeded = simulate_within(problem, seed, eager, budgets)
     if seeded is None or not fit(seed, seeded):
         raise PlanningError(f"seed split {list(seed)} does not fit the memory; start from one that does")

@@ -74,8 +74,10 @@ def why_invalid(plan: Plan) -> str | None:
         if code == "memory" and where and plan.memory_limit is not None:
             worst = max((plan.stages[k] for k in where), key=lambda s: s.memory_bytes)
             more = f" ({len(where)} stages over)" if len(where) > 1 else ""
-            reasons.append(f"does not fit: stage {worst.stage} needs {human_bytes(worst.memory_bytes)}, over "
-                           f"{plan.memory_limit}{more}")
+            reasons.append(
+                f"does not fit: stage {worst.stage} needs {human_bytes(worst.memory_bytes)}, over "
+                f"{plan.memory_limit}{more}"
+            )
         elif code == "few-micro-batches":
             reasons.append(f"cannot run: too few micro-batches for {plan.engine} ({plan.n_micro_batches})")
         else:

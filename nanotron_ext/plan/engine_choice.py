@@ -35,8 +35,17 @@ from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.schedule import ENGINE_AUTO, V_ENGINE, too_few_micro_batches
 from nanotron_ext.strategies.step_time import schedule_problem
 
-__all__ = ["AUTO_ENGINES", "CONTIGUOUS_AUTO_ENGINES", "HELD_SENDS", "EngineChoice", "EngineOption", "choose_engine",
-           "engine_option", "predicted_step", "resolve_engine"]
+__all__ = [
+    "AUTO_ENGINES",
+    "CONTIGUOUS_AUTO_ENGINES",
+    "HELD_SENDS",
+    "EngineChoice",
+    "EngineOption",
+    "choose_engine",
+    "engine_option",
+    "predicted_step",
+    "resolve_engine",
+]
 
 #: Simulated steps equal to this many significant digits tie (zb1p and zb2p at m <= 2, say): the smaller peak wins.
 TIE_DIGITS = 9
@@ -72,15 +81,23 @@ class EngineOption:
         if self.step_time is None or self.peak is None:
             return f"{self.engine}: cannot be planned ({self.reason})"
         if self.plan is None:  # planned without the cap: no split fits under it
-            return f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)} without " \
-                   f"the cap ({self.reason})"
+            return (
+                f"{self.engine}: step {format_seconds(self.step_time)}, peak {human_bytes(self.peak)} without "
+                f"the cap ({self.reason})"
+            )
         why = "" if self.ok else f" ({self.reason})"
         note = f" ({self.note})" if self.note else ""
         return f"{self.engine}: step {format_seconds(self.step_time)}{note}, peak {human_bytes(self.peak)}{why}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "simulated_step_time": self.step_time, "memory_peak_bytes": list(self.peaks),
-                "fits": self.fits, "ok": self.ok, "reason": self.reason}
+        return {
+            "engine": self.engine,
+            "simulated_step_time": self.step_time,
+            "memory_peak_bytes": list(self.peaks),
+            "fits": self.fits,
+            "ok": self.ok,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -105,8 +122,9 @@ class EngineChoice:
         """Options with a faster simulated step than the choice that it passed over (a stage over the memory,
         another error), fastest first: what the limit costs."""
         step = _rounded(self.chosen.step_time)
-        return tuple(sorted((o for o in self.options if _rounded(o.step_time) < step),
-                            key=lambda o: _rounded(o.step_time)))
+        return tuple(
+            sorted((o for o in self.options if _rounded(o.step_time) < step), key=lambda o: _rounded(o.step_time))
+        )
 
     def lines(self, head: str = "pp_engine: auto -> ") -> list[str]:
         """``pp_engine: auto -> zb1p: step ..., peak ...`` (``head`` first), the runner-up, any faster engine not
@@ -116,14 +134,18 @@ class EngineChoice:
             out.append(f"  runner-up {self.runner_up.describe()}")
         out += [f"  faster, not taken: {o.describe()}" for o in self.faster_not_taken if o is not self.runner_up]
         said = {self.engine, *(o.engine for o in self.faster_not_taken)} | (
-            set() if self.runner_up is None else {self.runner_up.engine})
+            set() if self.runner_up is None else {self.runner_up.engine}
+        )
         out += [f"  passed over {o.describe()}" for o in sorted(self.options, key=_rank) if o.engine not in said]
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "runner_up": None if self.runner_up is None else self.runner_up.engine,
-                "faster_not_taken": [o.engine for o in self.faster_not_taken],
-                "options": [o.to_dict() for o in self.options]}
+        return {
+            "engine": self.engine,
+            "runner_up": None if self.runner_up is None else self.runner_up.engine,
+            "faster_not_taken": [o.engine for o in self.faster_not_taken],
+            "options": [o.to_dict() for o in self.options],
+        }
 
 
 def _rank(o: EngineOption) -> tuple[int, float, float]:
@@ -137,8 +159,9 @@ def _rounded(step: float | None) -> float:
     return float(f"{step:.{TIE_DIGITS}e}") if step is not None and math.isfinite(step) else math.inf
 
 
-def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *,
-                  sends_wait: bool = False) -> EngineChoice:
+def choose_engine(
+    cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *, sends_wait: bool = False
+) -> EngineChoice:
     """Plan ``cfg`` under each of ``engines`` and take the fastest whose plan fits (see the module docstring);
     ``sends_wait``: the V is priced with its sends held, as Nanotron's trainer runs it (:data:`HELD_SENDS`).
 
@@ -155,7 +178,7 @@ def choose_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *,
             f"pp_engine: auto found no engine whose plan fits {where}: "
             + "; ".join(o.describe() for o in options)
             + ". Raise memory_cap_gib (or plan for a larger GPU), set parallelism.recompute_layer: true, use more "
-              "pipeline stages (pp) or tensor parallelism (tp), or fewer micro-batches in flight (pp_engine: 1f1b)"
+            "pipeline stages (pp) or tensor parallelism (tp), or fewer micro-batches in flight (pp_engine: 1f1b)"
         )
     return EngineChoice(best.engine, options)
 
@@ -177,8 +200,11 @@ def engine_option(cfg: PlannerConfig, engine: str, *, sends_wait: bool = False) 
     except PlanningError as exc:  # no split fits the cap under this engine: what it would need without the cap
         if trial.ext.memory_cap_gib is None:
             return EngineOption(engine, reason=str(exc))
-        uncapped = engine_option(dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, memory_cap_gib=None)),
-                                 engine, sends_wait=sends_wait)
+        uncapped = engine_option(
+            dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, memory_cap_gib=None)),
+            engine,
+            sends_wait=sends_wait,
+        )
         return dataclasses.replace(uncapped, fits=False, ok=False, reason=str(exc), plan=None, config=None)
     if isinstance(plan, VPlan):  # it exists only where every chunk trains and every rank fits
         if sends_wait:  # the split searched with sends posted as made, priced as the trainer runs it
@@ -189,8 +215,7 @@ def engine_option(cfg: PlannerConfig, engine: str, *, sends_wait: bool = False) 
     errors = [f for f in plan.findings if f.severity == "error"]
     fits = not any(f.code == "memory" for f in errors)
     reason = errors[0].message if errors else ""
-    return EngineOption(engine, step, tuple(s.memory_bytes for s in plan.stages), fits, not errors, reason, plan,
-                        trial)
+    return EngineOption(engine, step, tuple(s.memory_bytes for s in plan.stages), fits, not errors, reason, plan, trial)
 
 
 def predicted_step(cfg: PlannerConfig, blocks: Sequence[Any], ranks: Sequence[int]) -> float:
@@ -199,8 +224,12 @@ def predicted_step(cfg: PlannerConfig, blocks: Sequence[Any], ranks: Sequence[in
     return float(StepTimeEvaluator(schedule_problem(blocks, cfg))([bounds_from_ranks(ranks, cfg.run.pp)])[0])
 
 
-def resolve_engine(cfg: PlannerConfig, engines: Sequence[str] = AUTO_ENGINES, *, sends_wait: bool = False,
-                   ) -> tuple[PlannerConfig, EngineChoice | None]:
+def resolve_engine(
+    cfg: PlannerConfig,
+    engines: Sequence[str] = AUTO_ENGINES,
+    *,
+    sends_wait: bool = False,
+) -> tuple[PlannerConfig, EngineChoice | None]:
     """Replace ``pp_engine: auto`` by the engine :func:`choose_engine` takes among ``engines`` (``sends_wait`` as
     there).
 

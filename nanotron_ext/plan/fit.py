@@ -24,8 +24,16 @@ from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.report import human_bytes
 from nanotron_ext.schedule import too_few_micro_batches
 
-__all__ = ["FIT_POINTER", "GPU_ACTIVATION_OVERCOUNT", "MemoryFix", "Overrun", "fix_candidates", "fix_text", "heads_split",
-           "overrun"]
+__all__ = [
+    "FIT_POINTER",
+    "GPU_ACTIVATION_OVERCOUNT",
+    "MemoryFix",
+    "Overrun",
+    "fix_candidates",
+    "fix_text",
+    "heads_split",
+    "overrun",
+]
 
 #: The share of a stage's in-flight activations the CPU runtime's count may put above Nanotron's GPU path, for the
 #: families not counted for that path (Starcoder2, LlaMoE): the counted families' decoder layers keep 13–22.5 % less
@@ -49,10 +57,14 @@ class Overrun:
         return self.limit.bytes - self.peak
 
     def message(self) -> str:
-        text = f"stage {self.stage} needs about {human_bytes(self.peak)}, over {self.limit} by {human_bytes(-self.margin)}"
+        text = (
+            f"stage {self.stage} needs about {human_bytes(self.peak)}, over {self.limit} by {human_bytes(-self.margin)}"
+        )
         if self.severity == "warning":
-            text += (f"; it may still fit: the estimate counts the CPU runtime's activations, about "
-                     f"{GPU_ACTIVATION_OVERCOUNT:.0%} more than Nanotron's GPU path (flash-attn) keeps")
+            text += (
+                f"; it may still fit: the estimate counts the CPU runtime's activations, about "
+                f"{GPU_ACTIVATION_OVERCOUNT:.0%} more than Nanotron's GPU path (flash-attn) keeps"
+            )
         return text
 
 
@@ -68,7 +80,9 @@ class MemoryFix:
 
     def __str__(self) -> str:
         if self.any_split:
-            return f"{self.change} (still over with any split: its largest stage needs at least {human_bytes(self.peak)})"
+            return (
+                f"{self.change} (still over with any split: its largest stage needs at least {human_bytes(self.peak)})"
+            )
         return f"{self.change} (largest stage {human_bytes(self.peak)}{'' if self.fits else ', still over'})"
 
 
@@ -92,17 +106,26 @@ def fix_candidates(cfg: PlannerConfig, strategy: str, limit: MemoryLimit) -> lis
     run = cfg.run
     tries: list[tuple[str, PlannerConfig, str]] = []
     if limit.kind == "device":
-        tries.append((f"a split chosen under the memory: `cost_strategy: constrained` with "
-                      f"`memory_cap_gib: {limit.bytes / GIB:.4g}`",
-                      cfg.with_overrides(memory_cap_gib=limit.bytes / GIB), "constrained"))
+        tries.append(
+            (
+                f"a split chosen under the memory: `cost_strategy: constrained` with "
+                f"`memory_cap_gib: {limit.bytes / GIB:.4g}`",
+                cfg.with_overrides(memory_cap_gib=limit.bytes / GIB),
+                "constrained",
+            )
+        )
     if run.zero_stage == 0 and run.dp > 1:  # ZeRO-1 shards the optimizer state over dp: nothing to shard at dp=1
         tries.append(("`optimizer.zero_stage: 1`", _replace_run(cfg, zero_stage=1), strategy))
     if not run.recompute_layer:
-        tries.append(("`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input)",
-                      _replace_run(cfg, recompute_layer=True), strategy))
+        tries.append(
+            (
+                "`parallelism.recompute_layer: true` (upstream Nanotron: each decoder layer keeps its input)",
+                _replace_run(cfg, recompute_layer=True),
+                strategy,
+            )
+        )
     if run.engine != "1f1b":
-        tries.append(("`pp_engine: 1f1b` (fewer micro-batches in flight)", cfg.with_overrides(engine="1f1b"),
-                      strategy))
+        tries.append(("`pp_engine: 1f1b` (fewer micro-batches in flight)", cfg.with_overrides(engine="1f1b"), strategy))
     if too_few_micro_batches(run.engine, 2 * run.pp, run.n_micro_batches) is None:
         tries.append((f"`parallelism.pp: {2 * run.pp}`", cfg.with_overrides(pp=2 * run.pp), _resplit(strategy)))
     if heads_split(cfg, 2 * run.tp):
@@ -117,15 +140,20 @@ def heads_split(cfg: PlannerConfig, tp: int) -> bool:
 
 
 #: What the fixes add when every one of them is still over alone: ``plan --fit`` plans the changes combined.
-FIT_POINTER = ("None of these fits alone: `nanotron-ext plan --fit` (same config and flags) plans them combined "
-               "and lists those that fit")
+FIT_POINTER = (
+    "None of these fits alone: `nanotron-ext plan --fit` (same config and flags) plans them combined "
+    "and lists those that fit"
+)
 
 
 def fix_text(limit: MemoryLimit, fixes: Sequence[MemoryFix], generic: str) -> str:
     """The priced fixes, those that fit first, then the cap: raised, or set when the estimate is known high;
     ``generic`` (the ways out, unpriced) when none was priced; :data:`FIT_POINTER` when none of them fits."""
-    last = ("raise `memory_cap_gib`" if limit.kind == "cap"
-            else "`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the estimate")
+    last = (
+        "raise `memory_cap_gib`"
+        if limit.kind == "cap"
+        else "`memory_cap_gib` under `nanotron_ext:` when you know the memory better than the estimate"
+    )
     if not fixes:
         return generic if limit.kind == "cap" else last
     ordered = sorted(fixes, key=lambda f: (not f.fits, f.peak))
@@ -142,4 +170,3 @@ def _replace_run(cfg: PlannerConfig, **changes: int | bool) -> PlannerConfig:
 def _resplit(strategy: str) -> str:
     """The strategy that splits a changed pp or tp: a hand layout names the old one, so ``constrained`` instead."""
     return "constrained" if strategy == "layout" else strategy
-

@@ -26,8 +26,9 @@ from nanotron_ext.strategies.registry import Assignment
 __all__ = ["make_plan", "plan_with_ranks"]
 
 
-def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None, *,
-              suggest_fixes: bool = True) -> Plan:
+def make_plan(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | None = None, *, suggest_fixes: bool = True
+) -> Plan:
     """Plan the split of ``blocks`` into ``cfg.run.pp`` stages with one strategy, and validate it.
 
     Args:
@@ -49,8 +50,9 @@ def make_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str | N
     return _plan(blocks, cfg, name, get_strategy(name).assign(blocks, cfg), suggest_fixes)
 
 
-def plan_with_ranks(blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequence[int], strategy: str, *,
-                    suggest_fixes: bool = True) -> Plan:
+def plan_with_ranks(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, ranks: Sequence[int], strategy: str, *, suggest_fixes: bool = True
+) -> Plan:
     """The plan of a split given block by block (a checkpoint's recorded split), priced and validated as
     :func:`make_plan` does; ``strategy`` names what chose it.
 
@@ -69,8 +71,9 @@ def _check_contiguous_engine(cfg: PlannerConfig) -> None:
         raise ConfigError(V_NOT_CONTIGUOUS)
 
 
-def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment,
-          suggest_fixes: bool = True) -> Plan:
+def _plan(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment: Assignment, suggest_fixes: bool = True
+) -> Plan:
     pp = cfg.run.pp
     ranks = list(assignment.ranks)
     if len(ranks) != len(blocks) or any(not (0 <= r < pp) for r in ranks):
@@ -114,14 +117,14 @@ def _plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, name: str, assignment
     limit = memory_limit(cfg)
     findings = validate_plan(plan, blocks, cfg, limit=limit)
     if suggest_fixes and limit is not None and any(f.code == "memory" for f in findings):
-        findings = validate_plan(plan, blocks, cfg, limit=limit,
-                                 memory_fixes=_priced_fixes(blocks, cfg, name, limit))
+        findings = validate_plan(plan, blocks, cfg, limit=limit, memory_fixes=_priced_fixes(blocks, cfg, name, limit))
     over = None if assignment.over_memory is None else tuple(assignment.over_memory)
     return replace(plan, findings=tuple(findings), memory_limit=limit, over_memory_ranks=over)
 
 
-def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str,
-                  limit: MemoryLimit) -> list[MemoryFix]:
+def _priced_fixes(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str, limit: MemoryLimit
+) -> list[MemoryFix]:
     """Each of :func:`~nanotron_ext.plan.fit.fix_candidates` priced: planned, with its largest stage peak, when
     some split of it may fit the limit; else the least memory any split's largest stage needs, which says so
     without a search. A change that cannot be planned (too few blocks for the pp, heads the tp does not divide)
@@ -135,8 +138,9 @@ def _priced_fixes(blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str
             # The fix's plan would run the step-time search (seconds on a large model) only to be over the limit
             # with whatever split it picked. No requirement: a bound over every non-empty split, whatever the
             # strategy's constraints.
-            least = least_cap(len(new_blocks), changed.run.pp, [],
-                              stage_memory_terms(new_blocks, changed, cap=limit.bytes))
+            least = least_cap(
+                len(new_blocks), changed.run.pp, [], stage_memory_terms(new_blocks, changed, cap=limit.bytes)
+            )
             if least is not None:
                 if changed.run != cfg.run:  # a change of the split alone, when no split fits, is no fix
                     fixes.append(MemoryFix(change, least, fits=False, any_split=True))

@@ -66,8 +66,11 @@ def probe_splits(blocks: Sequence[BlockInfo], block_ranks: Sequence[int]) -> lis
     """The probe splits of ``block_ranks`` (see the module docstring), the split itself first."""
     roles = [b.role for b in blocks]
     out = [Probe("plan", tuple(block_ranks))]
-    candidates = (("cuts +1", _shift_cuts(block_ranks, roles, 1)), ("cuts -1", _shift_cuts(block_ranks, roles, -1)),
-                  ("head early", _head_early(block_ranks, roles)))
+    candidates = (
+        ("cuts +1", _shift_cuts(block_ranks, roles, 1)),
+        ("cuts -1", _shift_cuts(block_ranks, roles, -1)),
+        ("head early", _head_early(block_ranks, roles)),
+    )
     for name, ranks in candidates:
         if ranks is not None and ranks not in {p.block_ranks for p in out}:
             out.append(Probe(name, ranks))

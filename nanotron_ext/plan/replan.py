@@ -30,9 +30,19 @@ from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.schedule import V_ENGINE
 
-__all__ = ["PRICED_STRATEGIES", "REPLAN_CALIBRATE_REPEATS", "ReplanChoice", "Verdict", "choose_replan", "gain_noise",
-           "measured_lines", "replan_engines", "replan_profiles", "short_run_note",
-           "with_replan_after"]
+__all__ = [
+    "PRICED_STRATEGIES",
+    "REPLAN_CALIBRATE_REPEATS",
+    "ReplanChoice",
+    "Verdict",
+    "choose_replan",
+    "gain_noise",
+    "measured_lines",
+    "replan_engines",
+    "replan_profiles",
+    "short_run_note",
+    "with_replan_after",
+]
 
 #: Repeats of the standalone calibration a re-plan takes where the config names no machine profile: it prices only
 #: the links, the all-reduces and what the run's own steps did not time.
@@ -87,10 +97,13 @@ class ReplanChoice:
 
     def lines(self) -> list[str]:
         """What rank 0 prints: both plans and their predicted steps, and what the run does."""
+
         def plan_line(title: str, plan: Plan, step: float) -> str:
             peak = max(s.memory_bytes for s in plan.stages)
-            return (f"  {title} {plan.split_text}  {plan.engine}  predicted {format_seconds(step)}  "
-                    f"peak {human_bytes(peak)}")
+            return (
+                f"  {title} {plan.split_text}  {plan.engine}  predicted {format_seconds(step)}  "
+                f"peak {human_bytes(peak)}"
+            )
 
         head = f"replan after step {self.step}, priced by the run's own steps (in-run profile):"
         body = [plan_line("now: ", self.old, self.old_step)]
@@ -116,15 +129,19 @@ def with_replan_after(cfg: PlannerConfig, after_steps: int | None) -> PlannerCon
     if after_steps is not None:
         cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=after_steps))
     if cfg.ext.replan.after_steps is not None and cfg.run.engine == V_ENGINE:
-        raise ConfigError("nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
-                          "pp_engine 1f1b, zb1p, zb2p or auto")
+        raise ConfigError(
+            "nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
+            "pp_engine 1f1b, zb1p, zb2p or auto"
+        )
     return cfg
 
 
 def short_run_note(after_steps: int, steps: int) -> str:
     """What rank 0 says of a run of ``steps`` steps, at most ``after_steps``: no re-plan."""
-    return (f"replan after step {after_steps}: the run has {steps} steps, so it trains its plan to the end without "
-            f"re-planning")
+    return (
+        f"replan after step {after_steps}: the run has {steps} steps, so it trains its plan to the end without "
+        f"re-planning"
+    )
 
 
 def replan_engines(cfg: PlannerConfig, *, engine_was_auto: bool) -> tuple[str, ...]:
@@ -134,8 +151,15 @@ def replan_engines(cfg: PlannerConfig, *, engine_was_auto: bool) -> tuple[str, .
     return CONTIGUOUS_AUTO_ENGINES if wanted == "auto" else (cfg.run.engine,)
 
 
-def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan, *, step: int,
-                  engines: Sequence[str], halves: Sequence[PlannerConfig] = ()) -> ReplanChoice:
+def choose_replan(
+    cfg: PlannerConfig,
+    blocks: Sequence[BlockInfo],
+    trained: Plan,
+    *,
+    step: int,
+    engines: Sequence[str],
+    halves: Sequence[PlannerConfig] = (),
+) -> ReplanChoice:
     """Price ``trained`` and the fastest plan among ``engines`` on ``cfg``'s machine (the in-run profile), under
     the run's memory, and decide.
 
@@ -153,8 +177,9 @@ def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan
     strategy = cfg.ext.cost_strategy if cfg.ext.cost_strategy in PRICED_STRATEGIES else "constrained"
     priced = cfg.with_overrides(cost_strategy=strategy, engine=trained.engine)
     old = plan_with_ranks(blocks, priced, trained.block_ranks, trained.strategy, suggest_fixes=False)
-    cap = cfg.ext.memory_cap_gib * GIB if cfg.ext.memory_cap_gib is not None else max(
-        s.memory_bytes for s in old.stages)
+    cap = (
+        cfg.ext.memory_cap_gib * GIB if cfg.ext.memory_cap_gib is not None else max(s.memory_bytes for s in old.stages)
+    )
     capped = priced.with_overrides(memory_cap_gib=cap / GIB)
     old_step = predicted_step(capped, blocks, old.block_ranks)
     engine_lines: tuple[str, ...] = ()
@@ -167,16 +192,27 @@ def choose_replan(cfg: PlannerConfig, blocks: Sequence[BlockInfo], trained: Plan
             raise
         best = None
     new, new_step = old, old_step
-    if (best is not None and best.ok and isinstance(best.plan, Plan) and best.step_time is not None
-            and best.step_time < old_step
-            and (best.plan.block_ranks != old.block_ranks or best.engine != old.engine)):
+    if (
+        best is not None
+        and best.ok
+        and isinstance(best.plan, Plan)
+        and best.step_time is not None
+        and best.step_time < old_step
+        and (best.plan.block_ranks != old.block_ranks or best.engine != old.engine)
+    ):
         new, new_step = best.plan, best.step_time
     gain = _gain(old_step, new_step)
     noise = gain_noise([h.with_overrides(cost_strategy=strategy) for h in halves], blocks, old, new)
-    verdict = (Verdict.BEST if new is old else Verdict.SMALL if gain < cfg.ext.replan.min_gain
-               else Verdict.NOISY if noise >= gain else Verdict.MOVE)
-    return ReplanChoice(step, old, new, old_step, new_step, noise, cfg.ext.replan.min_gain, cap, verdict,
-                        engine_lines)
+    verdict = (
+        Verdict.BEST
+        if new is old
+        else Verdict.SMALL
+        if gain < cfg.ext.replan.min_gain
+        else Verdict.NOISY
+        if noise >= gain
+        else Verdict.MOVE
+    )
+    return ReplanChoice(step, old, new, old_step, new_step, noise, cfg.ext.replan.min_gain, cap, verdict, engine_lines)
 
 
 def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old: Plan, new: Plan) -> float:
@@ -188,8 +224,13 @@ def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old
     """
     if len(halves) != 2:
         return 0.0
-    gains = [_gain(predicted_step(h.with_overrides(engine=old.engine), blocks, old.block_ranks),
-                   predicted_step(h.with_overrides(engine=new.engine), blocks, new.block_ranks)) for h in halves]
+    gains = [
+        _gain(
+            predicted_step(h.with_overrides(engine=old.engine), blocks, old.block_ranks),
+            predicted_step(h.with_overrides(engine=new.engine), blocks, new.block_ranks),
+        )
+        for h in halves
+    ]
     return abs(gains[0] - gains[1]) / 2
 
 
@@ -198,8 +239,9 @@ def _gain(old_step: float, new_step: float) -> float:
     return 1.0 - new_step / old_step if old_step > 0 else 0.0
 
 
-def measured_lines(choice: ReplanChoice, before: Sequence[float], after: Sequence[float], *,
-                   first_timed: int) -> list[str]:
+def measured_lines(
+    choice: ReplanChoice, before: Sequence[float], after: Sequence[float], *, first_timed: int
+) -> list[str]:
     """Rank 0's measured steps against what the re-plan predicted.
 
     Args:
@@ -209,22 +251,27 @@ def measured_lines(choice: ReplanChoice, before: Sequence[float], after: Sequenc
             run's first step was; not timed).
     """
     k, mean_before = choice.step, statistics.fmean(before)
-    lines = [f"replan: steps {first_timed}-{k} on {choice.old.split_text} ({choice.old.engine}) measured "
-             f"{format_seconds(mean_before)} a step, predicted {format_seconds(choice.old_step)} "
-             f"({mean_before / choice.old_step:.3f}x of predicted)"]
+    lines = [
+        f"replan: steps {first_timed}-{k} on {choice.old.split_text} ({choice.old.engine}) measured "
+        f"{format_seconds(mean_before)} a step, predicted {format_seconds(choice.old_step)} "
+        f"({mean_before / choice.old_step:.3f}x of predicted)"
+    ]
     if after:
         mean_after = statistics.fmean(after)
         plan, predicted = (choice.new, choice.new_step) if choice.moves else (choice.old, choice.old_step)
         what = "after the move" if choice.moves else "after the re-plan"
-        lines.append(f"replan: steps {k + 2}-{k + 1 + len(after)} {what}, on {plan.split_text} ({plan.engine}), "
-                     f"measured {format_seconds(mean_after)} a step, predicted {format_seconds(predicted)} "
-                     f"({mean_after / predicted:.3f}x of predicted; {mean_after / mean_before:.3f}x of the steps "
-                     f"before)")
+        lines.append(
+            f"replan: steps {k + 2}-{k + 1 + len(after)} {what}, on {plan.split_text} ({plan.engine}), "
+            f"measured {format_seconds(mean_after)} a step, predicted {format_seconds(predicted)} "
+            f"({mean_after / predicted:.3f}x of predicted; {mean_after / mean_before:.3f}x of the steps "
+            f"before)"
+        )
     return lines
 
 
-def replan_profiles(cfg: PlannerConfig, block_ranks: Sequence[int], gathered: Any, n_timed: int, rank: int,
-                    folder: Path) -> list[Path]:
+def replan_profiles(
+    cfg: PlannerConfig, block_ranks: Sequence[int], gathered: Any, n_timed: int, rank: int, folder: Path
+) -> list[Path]:
     """The in-run profile of a run's timed steps, then (from two timed steps) those of their first and second halves,
     for the gain's noise; written to ``folder`` on every rank, the same on each (collective).
 
@@ -237,8 +284,11 @@ def replan_profiles(cfg: PlannerConfig, block_ranks: Sequence[int], gathered: An
     from nanotron_ext.machine.calibrate import calibrate
     from nanotron_ext.machine.in_run_shared import shared_in_run_profile, split_steps
 
-    base = (load_machine(cfg.ext.machine) if cfg.ext.machine is not None
-            else calibrate(cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False))
+    base = (
+        load_machine(cfg.ext.machine)
+        if cfg.ext.machine is not None
+        else calibrate(cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False)
+    )
     half = n_timed // 2  # every rank timed the same steps: the same calls on each
     parts = [slice(None)] + ([slice(None, half), slice(half, None)] if n_timed >= 2 else [])
     paths = []

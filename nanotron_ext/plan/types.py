@@ -158,8 +158,15 @@ class Plan:
         d = asdict(self)
         for stage, out in zip(self.stages, d["stages"]):
             out["memory"] = stage.memory.to_dict() if stage.memory is not None else None
-        d.update(ok=self.ok, optimum_flops=self.optimum_flops, slowest_flops=self.slowest_flops, vs_optimum=self.vs_optimum,
-                 spread=self.spread, bubble_estimate=self.bubble_estimate, vocab_shards=self.vocab_shards)
+        d.update(
+            ok=self.ok,
+            optimum_flops=self.optimum_flops,
+            slowest_flops=self.slowest_flops,
+            vs_optimum=self.vs_optimum,
+            spread=self.spread,
+            bubble_estimate=self.bubble_estimate,
+            vocab_shards=self.vocab_shards,
+        )
         return d
 
     @property
@@ -174,12 +181,19 @@ class Plan:
         """Per-stage table: blocks, parameters, trainable, share of cost, memory, verdict."""
         errors = {f.stage for f in self.findings if f.severity == "error"}
         rows = [
-            [s.stage, s.label, human_count(s.params), human_count(s.trainable), f"{100 * s.share:.1f}%",
-             human_count(s.flops), human_bytes(s.memory_bytes), "ERROR" if s.stage in errors else "ok"]
+            [
+                s.stage,
+                s.label,
+                human_count(s.params),
+                human_count(s.trainable),
+                f"{100 * s.share:.1f}%",
+                human_count(s.flops),
+                human_bytes(s.memory_bytes),
+                "ERROR" if s.stage in errors else "ok",
+            ]
             for s in self.stages
         ]
-        head = ["stage", "blocks", "params", "trainable", f"share ({self.unit})", "train FLOPs/mb",
-                "memory", "verdict"]
+        head = ["stage", "blocks", "params", "trainable", f"share ({self.unit})", "train FLOPs/mb", "memory", "verdict"]
         return table(head, rows)
 
     def memory_table(self) -> str:
@@ -187,13 +201,35 @@ class Plan:
         + the larger of (activations × in flight + pipeline temporaries + zb1p's deferred W state × deferred W)
         and the optimizer step's temporaries."""
         rows = [
-            [s.stage, human_bytes(m.weights), human_bytes(m.gradients), human_bytes(m.optimizer),
-             human_bytes(m.buffers), human_bytes(m.activations), m.in_flight, human_bytes(m.temporaries),
-             human_bytes(m.overhead), human_bytes(m.peak), m.peak_at]
-            for s in self.stages if (m := s.memory) is not None
+            [
+                s.stage,
+                human_bytes(m.weights),
+                human_bytes(m.gradients),
+                human_bytes(m.optimizer),
+                human_bytes(m.buffers),
+                human_bytes(m.activations),
+                m.in_flight,
+                human_bytes(m.temporaries),
+                human_bytes(m.overhead),
+                human_bytes(m.peak),
+                m.peak_at,
+            ]
+            for s in self.stages
+            if (m := s.memory) is not None
         ]
-        head = ["stage", "weights", "gradients", "optimizer", "buffers", "activations/mb", "in flight", "temporaries",
-                "overhead", "peak", "peak at"]
+        head = [
+            "stage",
+            "weights",
+            "gradients",
+            "optimizer",
+            "buffers",
+            "activations/mb",
+            "in flight",
+            "temporaries",
+            "overhead",
+            "peak",
+            "peak at",
+        ]
         mems = [m for s in self.stages if (m := s.memory) is not None]
         if any(m.deferred for m in mems):  # zb1p: the deferred weight-gradient passes' state, before the overhead
             head[8:8] = ["W state/mb", "deferred W"]
@@ -203,6 +239,8 @@ class Plan:
             head += ["of limit", "margin"]
             for row, m in zip(rows, mems):
                 margin = self.memory_limit.bytes - m.peak
-                row += [f"{m.peak / self.memory_limit.bytes:.0%}",
-                        ("+" if margin >= 0 else "-") + human_bytes(abs(margin))]
+                row += [
+                    f"{m.peak / self.memory_limit.bytes:.0%}",
+                    ("+" if margin >= 0 else "-") + human_bytes(abs(margin)),
+                ]
         return table(head, rows)

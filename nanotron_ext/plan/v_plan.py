@@ -110,6 +110,7 @@ class VPlan:
 
     def stage_map(self) -> str:
         """``0-5+32-34|6-10+27-31``: per rank, the block index ranges of its chunk down and its chunk up."""
+
         def span(stage: int) -> str:
             a, b = self.bounds[stage], self.bounds[stage + 1] - 1
             return f"{a}" if a == b else f"{a}-{b}"
@@ -123,8 +124,10 @@ class VPlan:
             ValueError: a step of another pp or micro-batch count than the plan's.
         """
         if (pp, n_micro_batches) != (self.pp, self.n_micro_batches):
-            raise ValueError(f"this V plan's order is for pp={self.pp}, m={self.n_micro_batches}; the step has "
-                             f"pp={pp}, m={n_micro_batches}: plan the V for the step's own pipeline")
+            raise ValueError(
+                f"this V plan's order is for pp={self.pp}, m={self.n_micro_batches}; the step has "
+                f"pp={pp}, m={n_micro_batches}: plan the V for the step's own pipeline"
+            )
         return [list(ops) for ops in self.order]
 
     def transfers_for(self, pp: int, n_micro_batches: int) -> list[list[Transfer]]:
@@ -138,21 +141,28 @@ class VPlan:
 
     def chunk(self, stage: int) -> tuple[str, ...]:
         """The blocks of virtual stage ``stage``."""
-        return self.blocks[self.bounds[stage]:self.bounds[stage + 1]]
+        return self.blocks[self.bounds[stage] : self.bounds[stage + 1]]
 
     def table(self) -> str:
         """Two chunks per rank: the way down, the way up, the rank's peak."""
         rows = []
         for r in range(self.pp):
             up = 2 * self.pp - 1 - r
-            rows.append([r, f"{r}: {compact_names([short_name(b) for b in self.chunk(r)])}",
-                         f"{up}: {compact_names([short_name(b) for b in self.chunk(up)])}",
-                         f"{self.peaks[r] / GIB:.2f}"])
+            rows.append(
+                [
+                    r,
+                    f"{r}: {compact_names([short_name(b) for b in self.chunk(r)])}",
+                    f"{up}: {compact_names([short_name(b) for b in self.chunk(up)])}",
+                    f"{self.peaks[r] / GIB:.2f}",
+                ]
+            )
         limit = f"{self.limit / GIB:.2f} GiB" if self.limit is not None else "no limit known"
-        return (table(["rank", "chunk down", "chunk up", "peak GiB"], rows)
-                + f"\nzbv: pp={self.pp}, m={self.n_micro_batches}, simulated step {self.step_time * 1e3:.1f} ms, "
-                  f"bubble {self.bubble:.1%}; each rank under {limit}"
-                  + ("" if self.proven else " (the search's budget ran out: the best found, not proven best)"))
+        return (
+            table(["rank", "chunk down", "chunk up", "peak GiB"], rows)
+            + f"\nzbv: pp={self.pp}, m={self.n_micro_batches}, simulated step {self.step_time * 1e3:.1f} ms, "
+            f"bubble {self.bubble:.1%}; each rank under {limit}"
+            + ("" if self.proven else " (the search's budget ran out: the best found, not proven best)")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = {"engine": self.engine, **asdict(self)}
@@ -161,8 +171,14 @@ class VPlan:
         return out
 
 
-def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: int = V_SEARCH_EVALS,
-                v_stages: Sequence[int] | None = None, strategy: str | None = None) -> VPlan:
+def make_v_plan(
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    *,
+    max_evals: int = V_SEARCH_EVALS,
+    v_stages: Sequence[int] | None = None,
+    strategy: str | None = None,
+) -> VPlan:
     """The V split of ``blocks`` over ``cfg.run.pp`` ranks with the least simulated step that fits each rank.
 
     Under ``cost_strategy: layout`` the split is the config's ``layout`` string of ``2 pp`` chunks, not searched;
@@ -175,22 +191,28 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     """
     pp = cfg.run.pp
     if len(blocks) < 2 * pp:
-        raise PlanningError(f"a V over pp={pp} ranks cuts the model into {2 * pp} chunks, but it has {len(blocks)} "
-                            f"pipeline blocks; lower pp to {len(blocks) // 2} or less, or use pp_engine zb1p")
+        raise PlanningError(
+            f"a V over pp={pp} ranks cuts the model into {2 * pp} chunks, but it has {len(blocks)} "
+            f"pipeline blocks; lower pp to {len(blocks) // 2} or less, or use pp_engine zb1p"
+        )
     chunked, problem = _chunk_problem(blocks, cfg)
     limit = memory_limit(cfg)
     cap = None if limit is None else limit.bytes
     trains = [b.trainable > 0 for b in blocks]
     if sum(trains) < 2 * pp:
         names = compact_names([short_name(b.name) for b in blocks if b.trainable > 0])
-        raise PlanningError(f"a V over pp={pp} ranks needs a trainable block in each of its {2 * pp} chunks; "
-                            f"{sum(trains)} blocks train ({names}): unfreeze one, lower pp or use pp_engine zb1p")
+        raise PlanningError(
+            f"a V over pp={pp} ranks needs a trainable block in each of its {2 * pp} chunks; "
+            f"{sum(trains)} blocks train ({names}): unfreeze one, lower pp or use pp_engine zb1p"
+        )
 
     least = v_least_largest_rank(blocks, chunked, pp)
     if cap is not None and least > cap:
-        raise PlanningError(f"no V split of {len(blocks)} blocks over pp={pp} ranks fits under {limit}: the "
-                            f"weights, gradients and optimizer state alone put at least {least / GIB:.2f} GiB on "
-                            f"one rank; use pp_engine zb1p, or raise pp, tp or the memory")
+        raise PlanningError(
+            f"no V split of {len(blocks)} blocks over pp={pp} ranks fits under {limit}: the "
+            f"weights, gradients and optimizer state alone put at least {least / GIB:.2f} GiB on "
+            f"one rank; use pp_engine zb1p, or raise pp, tp or the memory"
+        )
 
     def fits(bounds: Sequence[int], result: Any) -> bool:
         return cap is None or max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
@@ -199,16 +221,23 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
     if cfg.ext.cost_strategy == "layout" or v_stages is not None:
         what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
         bounds = _chunk_bounds(blocks, cfg, trains, v_stages, what)
-        ways = [(e, r) for e in ((), (2 * pp - 1,)) for r in [simulate_within(problem, bounds, e, budgets)]
-                if r is not None and fits(bounds, r)]
+        ways = [
+            (e, r)
+            for e in ((), (2 * pp - 1,))
+            for r in [simulate_within(problem, bounds, e, budgets)]
+            if r is not None and fits(bounds, r)
+        ]
         if not ways:
             floor = max(v_floors(blocks, chunked, bounds))
-            raise PlanningError(f"the V of {what} does not fit {limit}: one of its ranks needs at least "
-                                f"{floor / GIB:.2f} GiB whatever the order; move blocks off rank 0's chunks (the "
-                                f"first and the last), or drop the layout to let zbv search a split")
+            raise PlanningError(
+                f"the V of {what} does not fit {limit}: one of its ranks needs at least "
+                f"{floor / GIB:.2f} GiB whatever the order; move blocks off rank 0's chunks (the "
+                f"first and the last), or drop the layout to let zbv search a split"
+            )
         eager, _ = min(ways, key=lambda way: way[1].step_time)
-        return _v_plan(blocks, chunked, problem, bounds, eager, budgets, cap, proven=True,
-                       strategy=strategy or "layout")
+        return _v_plan(
+            blocks, chunked, problem, bounds, eager, budgets, cap, proven=True, strategy=strategy or "layout"
+        )
     # The seed need not fit (the search keeps only splits that do): planned under a cap every split meets.
     unbounded = chunked.with_overrides(memory_cap_gib=1e6)
     seed = tuple(bounds_from_ranks(make_plan(blocks, unbounded, "flops", suggest_fixes=False).block_ranks, 2 * pp))
@@ -218,35 +247,69 @@ def make_v_plan(blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, max_evals: i
         return every_chunk and (cap is None or max(v_floors(blocks, chunked, bounds)) <= cap)
 
     # The walk is bounded with the simulations: where no split fits, every leaf is checked before it is simulated.
-    tries = {eager: search_v_split(problem, seed, valid=valid, fits=fits, max_evals=max_evals, eager=eager,
-                                   max_leaves=50 * max_evals, max_nodes=500 * max_evals,
-                                   budgets=budgets) for eager in ((), (2 * pp - 1,))}
+    tries = {
+        eager: search_v_split(
+            problem,
+            seed,
+            valid=valid,
+            fits=fits,
+            max_evals=max_evals,
+            eager=eager,
+            max_leaves=50 * max_evals,
+            max_nodes=500 * max_evals,
+            budgets=budgets,
+        )
+        for eager in ((), (2 * pp - 1,))
+    }
     eager, found = min(tries.items(), key=lambda kv: kv[1].step)
     if found.bounds is None:
         floor = max(v_floors(blocks, chunked, seed))
         where = f"under {limit}" if limit is not None else "with a trainable block in every chunk"
-        raise PlanningError(f"no V split of {len(blocks)} blocks over pp={pp} ranks fits {where}: the FLOP-balanced "
-                            f"chunks need at least {floor / GIB:.2f} GiB on one rank; use pp_engine zb1p, or raise "
-                            f"pp, tp or the memory")
+        raise PlanningError(
+            f"no V split of {len(blocks)} blocks over pp={pp} ranks fits {where}: the FLOP-balanced "
+            f"chunks need at least {floor / GIB:.2f} GiB on one rank; use pp_engine zb1p, or raise "
+            f"pp, tp or the memory"
+        )
     return _v_plan(blocks, chunked, problem, found.bounds, eager, budgets, cap, proven=found.proven)
 
 
-def _v_plan(blocks: Sequence[BlockInfo], chunked: PlannerConfig, problem: ScheduleProblem, bounds: Sequence[int],
-            eager: Sequence[int], budgets: Any, cap: float | None, *, proven: bool,
-            strategy: str = V_STRATEGY) -> VPlan:
+def _v_plan(
+    blocks: Sequence[BlockInfo],
+    chunked: PlannerConfig,
+    problem: ScheduleProblem,
+    bounds: Sequence[int],
+    eager: Sequence[int],
+    budgets: Any,
+    cap: float | None,
+    *,
+    proven: bool,
+    strategy: str = V_STRATEGY,
+) -> VPlan:
     """The :class:`VPlan` of one split: simulated under its budget, with each rank's peak and each cut's p2p."""
     result = v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
     chunks, p2p, _ = problem.simulator_inputs(bounds)
     peaks = tuple(x.peak for x in v_peaks(blocks, chunked, bounds, result))
-    return VPlan(pp=chunked.run.pp // 2, n_micro_batches=chunked.run.n_micro_batches,
-                 blocks=tuple(b.name for b in blocks), bounds=tuple(bounds), step_time=result.step_time,
-                 bubble=result.pipeline_bubble_fraction, peaks=peaks, limit=cap, p2p=tuple(float(t) for t in p2p),
-                 eager=tuple(eager), proven=proven, order=result.order, strategy=strategy,
-                 transfers=tuple(tuple(t) for t in transfer_order(result.order, chunks, p2p)))
+    return VPlan(
+        pp=chunked.run.pp // 2,
+        n_micro_batches=chunked.run.n_micro_batches,
+        blocks=tuple(b.name for b in blocks),
+        bounds=tuple(bounds),
+        step_time=result.step_time,
+        bubble=result.pipeline_bubble_fraction,
+        peaks=peaks,
+        limit=cap,
+        p2p=tuple(float(t) for t in p2p),
+        eager=tuple(eager),
+        proven=proven,
+        order=result.order,
+        strategy=strategy,
+        transfers=tuple(tuple(t) for t in transfer_order(result.order, chunks, p2p)),
+    )
 
 
-def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool],
-                  v_stages: Sequence[int] | None, what: str) -> tuple[int, ...]:
+def _chunk_bounds(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Sequence[bool], v_stages: Sequence[int] | None, what: str
+) -> tuple[int, ...]:
     """The chunks ``v_stages`` (else the config's ``layout`` string) write for a V: ``2 pp`` stages, the way down
     then the way up, each training; ``what`` names them in an error.
 
@@ -259,16 +322,20 @@ def _chunk_bounds(blocks: Sequence[BlockInfo], cfg: PlannerConfig, trains: Seque
     n = max(stages) + 1
     if n != 2 * pp:
         fold = "an odd number cannot fold into two per rank" if n % 2 else f"or set pp to {n // 2}"
-        raise ConfigError(f"layout {cfg.ext.layout!r} writes {n} stages; a V over pp={pp} ranks takes {2 * pp} "
-                          f"chunks, rank r holding chunk r and chunk {2 * pp - 1} - r: write {2 * pp} '|'-separated "
-                          f"chunks, {fold}")
+        raise ConfigError(
+            f"layout {cfg.ext.layout!r} writes {n} stages; a V over pp={pp} ranks takes {2 * pp} "
+            f"chunks, rank r holding chunk r and chunk {2 * pp - 1} - r: write {2 * pp} '|'-separated "
+            f"chunks, {fold}"
+        )
     bounds = tuple(bounds_from_ranks(stages, n))
     for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if not any(trains[a:b]):
             names = compact_names([short_name(x.name) for x in blocks[a:b]])
-            raise PlanningError(f"{what}: chunk {k} ({names}) trains nothing, and every chunk of "
-                                f"a V must (its rank's DDP and optimizer need a gradient of each); give it a block "
-                                f"that trains")
+            raise PlanningError(
+                f"{what}: chunk {k} ({names}) trains nothing, and every chunk of "
+                f"a V must (its rank's DDP and optimizer need a gradient of each); give it a block "
+                f"that trains"
+            )
     return bounds
 
 
@@ -277,12 +344,14 @@ def _chunk_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> tuple[Pla
     config's own machine (whose key is this pp's)."""
     machine = machine_for(cfg, blocks)
     chunked = dataclasses.replace(cfg, ext=dataclasses.replace(cfg.ext, machine=None)).with_overrides(
-        pp=2 * cfg.run.pp, engine="zb1p")
+        pp=2 * cfg.run.pp, engine="zb1p"
+    )
     return chunked, schedule_problem(blocks, chunked, machine, v_chunks=True)
 
 
-def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
-                    sends_wait: bool = False) -> SimResult:
+def v_plan_timeline(
+    plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, sends_wait: bool = False
+) -> SimResult:
     """The plan's order replayed under its chunks' prices, one row per rank (what ``simulate`` prints and draws);
     with ``sends_wait``, its sends held to their one order of transfers keyed by those prices, as Nanotron's trainer
     runs the V (a GPU's send waits for its receive).
@@ -294,8 +363,11 @@ def v_plan_timeline(plan: VPlan, blocks: Sequence[BlockInfo], cfg: PlannerConfig
         raise ValueError("these blocks are not the ones the V plan was made for; plan them again")
     _, problem = _chunk_problem(blocks, cfg)
     chunks, p2p, _ = problem.simulator_inputs(plan.bounds)
-    return by_rank(replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p, sends_wait=sends_wait,
-                                  keys_from=chunks), chunks, p2p)
+    return by_rank(
+        replay_v_order(plan.order, chunks, plan.n_micro_batches, p2p, sends_wait=sends_wait, keys_from=chunks),
+        chunks,
+        p2p,
+    )
 
 
 def plan_for(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Plan | VPlan:
@@ -311,5 +383,7 @@ def strategy_note(cfg: PlannerConfig) -> str | None:
     """What a V does with a ``cost_strategy`` the config names: it is not used (None where it is the default)."""
     if cfg.run.engine != V_ENGINE or cfg.ext.cost_strategy in (DEFAULT_STRATEGY, "layout"):
         return None
-    return (f"cost_strategy {cfg.ext.cost_strategy!r} is not used: pp_engine zbv searches its own split, the fastest "
-            f"simulated V whose every chunk trains and every rank fits (or takes a layout's 2 pp chunks)")
+    return (
+        f"cost_strategy {cfg.ext.cost_strategy!r} is not used: pp_engine zbv searches its own split, the fastest "
+        f"simulated V whose every chunk trains and every rank fits (or takes a layout's 2 pp chunks)"
+    )

@@ -20,8 +20,14 @@ from nanotron_ext.strategies.fixes import frozen_stage_fix, memory_cap_fix, or_l
 __all__ = ["cannot_train_message", "validate_plan"]
 
 
-def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, limit: MemoryLimit | None = None,
-                  memory_fixes: Sequence[MemoryFix] = ()) -> list[Finding]:
+def validate_plan(
+    plan: Plan,
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    *,
+    limit: MemoryLimit | None = None,
+    memory_fixes: Sequence[MemoryFix] = (),
+) -> list[Finding]:
     """Check a plan statically.
 
     Checks: empty stage, stage without parameters, stage without trainable parameters, memory over
@@ -45,35 +51,57 @@ def validate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *
     n_trainable = sum(b.trainable > 0 for b in blocks)
     for s in plan.stages:
         if not s.blocks:
-            findings.append(Finding("error", "empty-stage", s.stage, f"stage {s.stage} holds no block",
-                                    or_list([*strategy_fix(plan.strategy), "lower pp"])))
+            findings.append(
+                Finding(
+                    "error",
+                    "empty-stage",
+                    s.stage,
+                    f"stage {s.stage} holds no block",
+                    or_list([*strategy_fix(plan.strategy), "lower pp"]),
+                )
+            )
         elif s.params == 0:
-            findings.append(Finding(
-                "error", "no-params", s.stage,
-                f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
-                f"\"Can't use DDP because model in PP={s.stage} has no gradient\" (dp>1) or \"optimizer got an "
-                f"empty parameter list\" (dp=1). Cause: {_cause(plan, blocks, cfg)}",
-                "; or ".join([f"{w} — every stage then gets a block with parameters" for w in strategy_fix(plan.strategy)]
-                             + [f"lower pp to {_largest_working_pp(plan, blocks)}"]),
-            ))
+            findings.append(
+                Finding(
+                    "error",
+                    "no-params",
+                    s.stage,
+                    f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
+                    f'"Can\'t use DDP because model in PP={s.stage} has no gradient" (dp>1) or "optimizer got an '
+                    f'empty parameter list" (dp=1). Cause: {_cause(plan, blocks, cfg)}',
+                    "; or ".join(
+                        [f"{w} — every stage then gets a block with parameters" for w in strategy_fix(plan.strategy)]
+                        + [f"lower pp to {_largest_working_pp(plan, blocks)}"]
+                    ),
+                )
+            )
         elif s.trainable == 0 and any_trainable:
             severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"
-            findings.append(Finding(
-                severity, "no-trainable", s.stage,
-                f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
-                + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
-                frozen_stage_fix(cfg, plan.strategy, n_trainable),
-            ))
+            findings.append(
+                Finding(
+                    severity,
+                    "no-trainable",
+                    s.stage,
+                    f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
+                    + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
+                    frozen_stage_fix(cfg, plan.strategy, n_trainable),
+                )
+            )
     over = [o for s in plan.stages if s.memory is not None and (o := overrun(s.stage, s.memory, limit, cfg))]
     if over and limit is not None:
         fix = fix_text(limit, memory_fixes, memory_cap_fix(cfg, plan.strategy, len(blocks)))
         first = over[0].stage
-        findings += [Finding(o.severity, "memory", o.stage, o.message(), fix if o.stage == first else
-                             f"as for stage {first}") for o in over]
+        findings += [
+            Finding(o.severity, "memory", o.stage, o.message(), fix if o.stage == first else f"as for stage {first}")
+            for o in over
+        ]
     shortfall = micro_batch_shortfall(cfg.run.engine, plan.pp, cfg.run.n_micro_batches)
     if shortfall is not None:
-        findings.append(Finding("error" if shortfall.fatal else "warning", "few-micro-batches", None,
-                                shortfall.reason, shortfall.fix))
+        findings.append(
+            Finding(
+                "error" if shortfall.fatal else "warning", "few-micro-batches", None, shortfall.reason, shortfall.fix
+            )
+        )
     return sorted(findings, key=lambda f: (f.severity != "error", f.stage if f.stage is not None else -1))
 
 
@@ -91,11 +119,15 @@ def _cause(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> str:
     dec_cost = sum(costs[i] for i in decoders)
     if b.role == "lm_head" and costs[heavy] > dec_cost and decoders:
         many = "both" if len(decoders) == 2 else f"all {len(decoders)}"
-        text += (f"; vocabulary {cfg.model.vocab_size} × hidden {cfg.model.hidden_size} outweighs {many} decoder layers "
-                 f"({len(decoders)} × {costs[decoders[0]]:g})")
+        text += (
+            f"; vocabulary {cfg.model.vocab_size} × hidden {cfg.model.hidden_size} outweighs {many} decoder layers "
+            f"({len(decoders)} × {costs[decoders[0]]:g})"
+        )
     if share > 1 / plan.pp:
-        text += (f", more than one stage's share (1/{plan.pp}), so the greedy thresholds put it and every "
-                 f"block before it on one stage")
+        text += (
+            f", more than one stage's share (1/{plan.pp}), so the greedy thresholds put it and every "
+            f"block before it on one stage"
+        )
     free = [x.short for x, c in zip(blocks, costs) if x.params and c == 0]
     if free:
         text += f"; blocks with weights priced at zero: {compact_names(free)}"
@@ -117,5 +149,7 @@ def cannot_train_message(plan: Plan) -> str:
     """The message every rank raises when a plan has errors: the stage table and each error with its fix."""
     return (
         f"nanotron_ext: the {plan.strategy!r} plan for pp={plan.pp} cannot train; nothing was allocated.\n"
-        + plan.table() + "\n" + "\n".join(str(f) for f in plan.findings if f.severity == "error")
+        + plan.table()
+        + "\n"
+        + "\n".join(str(f) for f in plan.findings if f.severity == "error")
     )

@@ -48,8 +48,10 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
     if cfg.ext.vocab_shards != VOCAB_SHARDS_AUTO:
         return cfg, None
     if cfg.run.engine == V_ENGINE:
-        raise ConfigError("vocab_shards: auto chooses K by the contiguous plans' simulated steps; pp_engine zbv plans "
-                          "a V: give vocab_shards a number (1 keeps Nanotron's lm_head)")
+        raise ConfigError(
+            "vocab_shards: auto chooses K by the contiguous plans' simulated steps; pp_engine zbv plans "
+            "a V: give vocab_shards a number (1 keeps Nanotron's lm_head)"
+        )
     times: dict[int, float] = {}
     best: int | None = None
     first_error: PlanningError | None = None

@@ -55,6 +55,7 @@ def timeout_from_env() -> float:
         raise ConfigError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds, e.g. {TIMEOUT_ENV}=60")
     return value
 
+
 #: Upstream main's ParallelContext takes a context-parallel size (0.2's does not).
 _UPSTREAM_SIGNATURE = "context_parallel_size" in inspect.signature(ParallelContext.__init__).parameters
 
@@ -89,8 +90,9 @@ class GlooParallelContext(ParallelContext):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         # Deliberately no super().__init__(): it calls torch.cuda.set_device and asserts NCCL.
-        world_size = _check_world(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
-                                  expert_parallel_size)
+        world_size = _check_world(
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, expert_parallel_size
+        )
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.pipeline_parallel_size = int(pipeline_parallel_size)
         self.data_parallel_size = int(data_parallel_size)
@@ -105,8 +107,13 @@ class GlooParallelContext(ParallelContext):
             # Upstream main's context has more groups (context parallel, local, a 5-D rank matrix) and only checks
             # its backend *argument*: with gloo already up and set_device a no-op, its own __init__ builds them.
             os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one machine
-            ParallelContext.__init__(self, self.tensor_parallel_size, self.pipeline_parallel_size,
-                                     self.data_parallel_size, expert_parallel_size=self.expert_parallel_size)
+            ParallelContext.__init__(
+                self,
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+                self.data_parallel_size,
+                expert_parallel_size=self.expert_parallel_size,
+            )
             return
         # Same as Nanotron 0.2: a dedicated group spanning every rank.
         self.world_pg = dist.new_group(ranks=list(range(world_size)), timeout=self.timeout, backend="gloo")
@@ -150,8 +157,9 @@ class GlooParallelContext(ParallelContext):
     def __enter__(self) -> GlooParallelContext:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         """Destroy the groups: with a barrier on a clean exit, without one on an error (which propagates).
 
         gloo's raw error from a collective becomes a :func:`comm_failure` message first, while the groups still
@@ -180,8 +188,9 @@ class GlooParallelContext(ParallelContext):
         torch_dist.destroy_process_group()
 
 
-def _check_world(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
-                 expert_parallel_size: int) -> int:
+def _check_world(
+    tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, expert_parallel_size: int
+) -> int:
     """``WORLD_SIZE``, once the sizes are positive integers whose product it is, under torchrun's variables."""
     sizes = {
         "tensor_parallel_size": tensor_parallel_size,
@@ -230,8 +239,14 @@ def _init_gloo(world_size: int, timeout: datetime.timedelta) -> None:
 
 #: gloo's words for a peer that stopped answering, and for one whose process is gone.
 _TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
-_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
-         "connection closed", "EOF")
+_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "connection closed",
+    "EOF",
+)
 
 
 def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailure | None:
@@ -262,6 +277,8 @@ def comm_failure(exc: BaseException, *, peer: int | None, what: str) -> RunFailu
             f"{seconds:g} s)"
         )
     if any(word in text for word in _GONE):
-        return RunFailure(f"rank {me} lost {who} during {what}: its process exited or was killed; see that "
-                          f"rank's own error, if it printed one")
+        return RunFailure(
+            f"rank {me} lost {who} during {what}: its process exited or was killed; see that "
+            f"rank's own error, if it printed one"
+        )
     return None

@@ -43,20 +43,22 @@ CPU = torch.device("cpu")
 
 
 def cpu_llama(
-    config: LlamaConfig, parallel_context: ParallelContext, parallel_config: ParallelismArgs | None = None,
-    device: torch.device | None = None, **kwargs
+    config: LlamaConfig,
+    parallel_context: ParallelContext,
+    parallel_config: ParallelismArgs | None = None,
+    device: torch.device | None = None,
+    **kwargs,
 ) -> CPULlamaForTraining:
     """``CPULlamaForTraining`` whose blocks talk over this runtime's :class:`CPUP2P` (non-blocking sends,
     host-staged when the model is on CUDA: ``device``, or ``$NANOTRON_EXT_DEVICE`` when None)."""
     device = device if device is not None else device_from_env()
     p2p = CPUP2P(parallel_context.pp_pg, device=CPU, compute_device=device if host_staging(device) else None)
-    return CPULlamaForTraining(config=config, parallel_context=parallel_context, parallel_config=parallel_config,
-                               p2p=p2p, **kwargs)
+    return CPULlamaForTraining(
+        config=config, parallel_context=parallel_context, parallel_config=parallel_config, p2p=p2p, **kwargs
+    )
 
 
-def nanotron_block_ranks(
-    config: LlamaConfig, pp: int, parallel_context: ParallelContext | None = None
-) -> list[int]:
+def nanotron_block_ranks(config: LlamaConfig, pp: int, parallel_context: ParallelContext | None = None) -> list[int]:
     """The PP rank Nanotron 0.2's own ``build_model`` gives each block of ``CPULlamaForTraining(config)``.
 
     Must run inside an initialised world whose PP size is ``pp`` (every rank computes the same list).
@@ -187,9 +189,7 @@ def init_weights(
         _all_reduce_mean(param.data, parallel_context.world_ranks_to_pg[group_ranks])
 
 
-def wrap_ddp(
-    model: NanotronModel, parallel_context: ParallelContext
-) -> NanotronModel | DistributedDataParallel:
+def wrap_ddp(model: NanotronModel, parallel_context: ParallelContext) -> NanotronModel | DistributedDataParallel:
     """Wrap in DDP over ``dp_pg`` like Nanotron's trainer, only if DP > 1 and the rank trains something.
 
     A rank whose parameters are all frozen (or absent) is left unwrapped: DDP refuses modules without
@@ -245,8 +245,15 @@ def build_cpu_llama(
     device = device if device is not None else device_from_env()
 
     def builder() -> CPULlamaForTraining:
-        return cpu_llama(config, parallel_context, parallel_config, device, projector=projector,
-                         vocab_shards=vocab_shards, recompute_layer=recompute_layer)
+        return cpu_llama(
+            config,
+            parallel_context,
+            parallel_config,
+            device,
+            projector=projector,
+            vocab_shards=vocab_shards,
+            recompute_layer=recompute_layer,
+        )
 
     if v_stages is not None:
         pp = parallel_context.pp_pg.size()

@@ -213,16 +213,21 @@ def _check_text_files(files: Sequence[str | Path]) -> None:
         try:
             data = Path(f).read_bytes()
         except OSError as exc:
-            raise ConfigError(f"data file '{f}' cannot be read ({exc.strerror or exc}); check the path and "
-                              f"its permissions") from None
+            raise ConfigError(
+                f"data file '{f}' cannot be read ({exc.strerror or exc}); check the path and its permissions"
+            ) from None
         if b"\x00" in data:
-            raise ConfigError(f"data file '{f}' is binary (it holds NUL bytes), not text; point "
-                              f"data.dataset.hf_dataset_or_datasets at UTF-8 .txt files")
+            raise ConfigError(
+                f"data file '{f}' is binary (it holds NUL bytes), not text; point "
+                f"data.dataset.hf_dataset_or_datasets at UTF-8 .txt files"
+            )
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"data file '{f}' is not UTF-8 text (byte {exc.start}); convert it to UTF-8 or "
-                              f"point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files") from None
+            raise ConfigError(
+                f"data file '{f}' is not UTF-8 text (byte {exc.start}); convert it to UTF-8 or "
+                f"point data.dataset.hf_dataset_or_datasets at UTF-8 .txt files"
+            ) from None
 
 
 def _too_little_text(files: Sequence[str | Path], window: int) -> ConfigError:
@@ -247,8 +252,9 @@ class PackedTextData:
         ValueError: ``dp_rank`` outside ``[0, dp_size)``.
     """
 
-    def __init__(self, windows: np.ndarray, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, windows: np.ndarray, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0
+    ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
         self.windows = windows
@@ -280,8 +286,9 @@ class PackedTextData:
             epoch += 1
 
 
-def random_token_batches(vocab_size: int, micro_batch_size: int, sequence_length: int, seed: int = 0, *,
-                         pool: int | None = None) -> Iterator[Any]:
+def random_token_batches(
+    vocab_size: int, micro_batch_size: int, sequence_length: int, seed: int = 0, *, pool: int | None = None
+) -> Iterator[Any]:
     """Endless random ``[micro_batch_size, sequence_length + 1]`` ``torch.long`` token windows, uniform in
     ``[0, vocab_size)``: the same sequence on every rank for a given ``seed`` (a private generator; the global
     torch seed is left alone).
@@ -300,8 +307,12 @@ def random_token_batches(vocab_size: int, micro_batch_size: int, sequence_length
     """
     import torch
 
-    for name, value in (("vocab_size", vocab_size), ("micro_batch_size", micro_batch_size),
-                        ("sequence_length", sequence_length), ("pool", 1 if pool is None else pool)):
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("micro_batch_size", micro_batch_size),
+        ("sequence_length", sequence_length),
+        ("pool", 1 if pool is None else pool),
+    ):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     generator = torch.Generator().manual_seed(seed)
@@ -317,8 +328,16 @@ def random_token_batches(vocab_size: int, micro_batch_size: int, sequence_length
         yield from batches
 
 
-def random_micro_batches(model: Any, parallel_context: Any, vocab_size: int, micro_batch_size: int,
-                         sequence_length: int, seed: int = 0, *, pool: int | None = None) -> Iterator[Any]:
+def random_micro_batches(
+    model: Any,
+    parallel_context: Any,
+    vocab_size: int,
+    micro_batch_size: int,
+    sequence_length: int,
+    seed: int = 0,
+    *,
+    pool: int | None = None,
+) -> Iterator[Any]:
     """:func:`random_token_batches` as the engine's micro-batches (``nanotron_ext.runtime.engine.make_micro_batch``:
     inputs on the model's input rank, labels where the loss is computed, ``TensorPointer``s elsewhere)."""
     from nanotron_ext.runtime.engine import make_micro_batch

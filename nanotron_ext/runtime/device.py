@@ -76,8 +76,10 @@ def host_staging(device: torch.device) -> bool:
     """
     raw = os.environ.get(STAGING_ENV, "").strip()
     if raw not in ("", "0", "1"):
-        raise ConfigError(f"{STAGING_ENV}={raw!r} must be 1 (force host-staged P2P and tied-gradient sync on CPU, "
-                          f"a test of the CUDA path) or 0; unset it for the default (staging only on CUDA)")
+        raise ConfigError(
+            f"{STAGING_ENV}={raw!r} must be 1 (force host-staged P2P and tied-gradient sync on CPU, "
+            f"a test of the CUDA path) or 0; unset it for the default (staging only on CUDA)"
+        )
     return device.type != "cpu" or raw == "1"
 
 
@@ -91,8 +93,9 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(CPU, copy=True)
 
 
-def sync_tied_gradients(module: nn.Module, parallel_context: ParallelContext,
-                        grad_accumulator: GradientAccumulator | None) -> None:
+def sync_tied_gradients(
+    module: nn.Module, parallel_context: ParallelContext, grad_accumulator: GradientAccumulator | None
+) -> None:
     """Nanotron's ``sync_tied_weights_gradients``; host-staged where the gradients need it (:func:`host_staging`).
 
     gloo's ``all_reduce_coalesced`` takes CPU tensors only, so on CUDA each group's gradients are copied to the
@@ -101,8 +104,7 @@ def sync_tied_gradients(module: nn.Module, parallel_context: ParallelContext,
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if not any(host_staging(p.device) for p in params):
-        sync_tied_weights_gradients(module=module, parallel_context=parallel_context,
-                                    grad_accumulator=grad_accumulator)
+        sync_tied_weights_gradients(module=module, parallel_context=parallel_context, grad_accumulator=grad_accumulator)
         return
     groups: dict[tuple, list[torch.Tensor]] = {}
     tied = get_tied_id_to_param(parameters=params, root_module=module)

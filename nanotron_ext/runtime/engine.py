@@ -243,8 +243,9 @@ def _clip_gradients(model: NanotronModel, parallel_context: ParallelContext, max
     named_parameters = [(n, p) for n, p in model.get_named_params_with_correct_tied() if p.requires_grad]
     # Made per step: it gathers the parameters' names once per process group, and tests reuse group ids.
     clip = split_independent_clip_grad_norm(clip_grad_norm)
-    return clip(mp_pg=parallel_context.mp_pg, named_parameters=named_parameters, max_norm=max_norm,
-                grad_accumulator=None)
+    return clip(
+        mp_pg=parallel_context.mp_pg, named_parameters=named_parameters, max_norm=max_norm, grad_accumulator=None
+    )
 
 
 def train_step(

@@ -52,9 +52,17 @@ def in_run_splits(cfg: PlannerConfig, *, probes: bool) -> list[Probe]:
     return probe_splits(blocks, plan.block_ranks) if probes else [Probe("plan", tuple(plan.block_ranks))]
 
 
-def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = IN_RUN_STEPS,
-                     warmup_steps: int = IN_RUN_WARMUP_STEPS, base: str | None = None, warmup: int = 2,
-                     repeats: int = 11, progress: bool = True) -> MachineProfile:
+def calibrate_in_run(
+    cfg: PlannerConfig,
+    *,
+    probes: bool = False,
+    steps: int = IN_RUN_STEPS,
+    warmup_steps: int = IN_RUN_WARMUP_STEPS,
+    base: str | None = None,
+    warmup: int = 2,
+    repeats: int = 11,
+    progress: bool = True,
+) -> MachineProfile:
     """The in-run profile of ``cfg`` on this machine (collective: every rank calls it and gets the same profile).
 
     Args:
@@ -74,22 +82,30 @@ def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = I
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"calibrate --in-run: {name}={value!r} must be an integer >= {least}")
     if cfg.run.engine == V_ENGINE:
-        raise ConfigError("calibrate --in-run times contiguous splits, not a V yet: calibrate the config under "
-                          "pp_engine zb1p (its blocks' B and W, at this pp, price the V's chunks) and give that "
-                          "profile as `machine:` to the zbv config")
+        raise ConfigError(
+            "calibrate --in-run times contiguous splits, not a V yet: calibrate the config under "
+            "pp_engine zb1p (its blocks' B and W, at this pp, price the V's chunks) and give that "
+            "profile as `machine:` to the zbv config"
+        )
     if not all(v in os.environ for v in RENDEZVOUS_VARIABLES):
-        raise ConfigError("calibrate --in-run trains the config's split through Nanotron's engine: run it under "
-                          f"torchrun with pp*dp*tp = {cfg.run.pp * cfg.run.dp * cfg.run.tp} ranks, e.g. "
-                          f"`torchrun --nproc_per_node={cfg.run.pp * cfg.run.dp * cfg.run.tp} -m nanotron_ext.cli "
-                          f"calibrate CONFIG --in-run --out FILE`")
+        raise ConfigError(
+            "calibrate --in-run trains the config's split through Nanotron's engine: run it under "
+            f"torchrun with pp*dp*tp = {cfg.run.pp * cfg.run.dp * cfg.run.tp} ranks, e.g. "
+            f"`torchrun --nproc_per_node={cfg.run.pp * cfg.run.dp * cfg.run.tp} -m nanotron_ext.cli "
+            f"calibrate CONFIG --in-run --out FILE`"
+        )
     cfg, _ = resolve_engine(cfg, CONTIGUOUS_AUTO_ENGINES)  # it times contiguous splits
     splits = in_run_splits(cfg, probes=probes)
     from nanotron_ext.runtime.context import GlooParallelContext, timeout_from_env
     from nanotron_ext.runtime.device import device_from_env
 
     run = cfg.run
-    with GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp, data_parallel_size=run.dp,
-                             timeout_s=timeout_from_env()) as ctx:
+    with GlooParallelContext(
+        tensor_parallel_size=run.tp,
+        pipeline_parallel_size=run.pp,
+        data_parallel_size=run.dp,
+        timeout_s=timeout_from_env(),
+    ) as ctx:
         device = device_from_env().type
         if base is not None:
             profile = load_machine(base)
@@ -97,13 +113,21 @@ def calibrate_in_run(cfg: PlannerConfig, *, probes: bool = False, steps: int = I
         else:
             profile = calibrate(cfg, warmup=warmup, repeats=repeats, progress=progress)
         rank = int(os.environ["RANK"])
-        return profile_in_context(cfg, ctx, profile, splits, steps=steps, warmup_steps=warmup_steps,
-                                  progress=progress and rank == 0)
+        return profile_in_context(
+            cfg, ctx, profile, splits, steps=steps, warmup_steps=warmup_steps, progress=progress and rank == 0
+        )
 
 
-def profile_in_context(cfg: PlannerConfig, ctx: Any, base: MachineProfile, splits: list[Probe], *,
-                       steps: int = IN_RUN_STEPS, warmup_steps: int = IN_RUN_WARMUP_STEPS,
-                       progress: bool = False) -> MachineProfile:
+def profile_in_context(
+    cfg: PlannerConfig,
+    ctx: Any,
+    base: MachineProfile,
+    splits: list[Probe],
+    *,
+    steps: int = IN_RUN_STEPS,
+    warmup_steps: int = IN_RUN_WARMUP_STEPS,
+    progress: bool = False,
+) -> MachineProfile:
     """The in-run profile of ``splits`` on top of ``base``, in an existing gloo context (collective; every rank
     returns the same profile). What :func:`calibrate_in_run` does once its context and base exist; a benchmark that
     trains in the same processes calls it directly."""
@@ -122,14 +146,21 @@ def build_split(cfg: PlannerConfig, block_ranks: Sequence[int], ctx: Any, *, see
     from nanotron_ext.runtime import build_cpu_llama, build_optimizer, random_micro_batches, wrap_ddp
 
     torch.manual_seed(seed)
-    model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks), ddp=False,
-                            projector=cfg.ext.projector, vocab_shards=cfg.vocab_shards,
-                            recompute_layer=cfg.run.recompute_layer)
+    model = build_cpu_llama(
+        llama_config_from_shape(cfg),
+        ctx,
+        block_ranks=list(block_ranks),
+        ddp=False,
+        projector=cfg.ext.projector,
+        vocab_shards=cfg.vocab_shards,
+        recompute_layer=cfg.run.recompute_layer,
+    )
     apply_freeze_to_model(model, cfg, inventory_from_config(cfg))
     model = wrap_ddp(model, ctx)
     optimizer, accumulator = build_optimizer(model, ctx, learning_rate=1e-5)
-    batches = random_micro_batches(model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size,
-                                   cfg.run.sequence_length, seed=seed)
+    batches = random_micro_batches(
+        model, ctx, cfg.model.vocab_size, cfg.run.micro_batch_size, cfg.run.sequence_length, seed=seed
+    )
     return SplitRun(model, optimizer, accumulator, batches)
 
 
@@ -145,8 +176,15 @@ class SplitRun(NamedTuple):
         """One training step under ``engine`` (default: the config's); its loss."""
         from nanotron_ext.runtime import train_step
 
-        return train_step(self.model, ctx, engine or cfg.run.engine, self.batches, cfg.run.n_micro_batches,
-                          self.optimizer, grad_accumulator=self.accumulator)
+        return train_step(
+            self.model,
+            ctx,
+            engine or cfg.run.engine,
+            self.batches,
+            cfg.run.n_micro_batches,
+            self.optimizer,
+            grad_accumulator=self.accumulator,
+        )
 
 
 def _time_split(cfg: PlannerConfig, split: Probe, ctx: Any, steps: int, warmup_steps: int, bar: Any) -> InRunSplit:
@@ -171,8 +209,9 @@ def _time_split(cfg: PlannerConfig, split: Probe, ctx: Any, steps: int, warmup_s
 def _bar(total: int, *, enabled: bool) -> Iterator[Any]:
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="calibrate --in-run", unit="step", file=sys.stderr, disable=not enabled,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total, desc="calibrate --in-run", unit="step", file=sys.stderr, disable=not enabled, dynamic_ncols=True
+    )
     try:
         yield bar
     finally:

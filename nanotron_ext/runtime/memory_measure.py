@@ -126,7 +126,7 @@ class MemoryRecorder:
                 if str(e.device_type()).endswith("CPU"):
                     allocations.append((e.start_ns(), e.nbytes()))
             elif name.startswith(_MARK):
-                key = name[len(_MARK):]
+                key = name[len(_MARK) :]
                 marks[key] = max(marks.get(key, e.start_ns()), e.start_ns())
         allocations.sort(key=lambda a: a[0])
         times, live, total = [], [], 0
@@ -174,7 +174,11 @@ class CudaMemoryRecorder:
 
 
 def measure_training_memory(
-    cfg: PlannerConfig, block_ranks: Sequence[int], *, steps: int = 2, dtype: str | None = None,
+    cfg: PlannerConfig,
+    block_ranks: Sequence[int],
+    *,
+    steps: int = 2,
+    dtype: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Train ``steps`` steps of ``cfg``'s model with ``block_ranks`` on this rank and measure its memory.
@@ -220,8 +224,7 @@ def measure_training_memory(
         model, optimizer, grad_acc = _build(cfg, ctx, block_ranks, dtype, seed)
         rec.mark("built")
         gradients = _mark_the_optimizer_step(optimizer, getattr(model, "module", model), rec)
-        stream = random_micro_batches(model, ctx, cfg.model.vocab_size, run.micro_batch_size, run.sequence_length,
-                                      seed)
+        stream = random_micro_batches(model, ctx, cfg.model.vocab_size, run.micro_batch_size, run.sequence_length, seed)
         for _ in range(steps):
             rec.mark("step:start")
             train_step(model, ctx, run.engine, stream, run.n_micro_batches, optimizer, grad_accumulator=grad_acc)
@@ -239,12 +242,24 @@ def _build(cfg: PlannerConfig, ctx: Any, block_ranks: Sequence[int], dtype: str,
     from nanotron_ext.runtime.engine import build_optimizer, make_engine
 
     run = cfg.run
-    parallel_config = ParallelismArgs(dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=make_engine(run.engine), tp_mode=run.tp_mode,
-                                      tp_linear_async_communication=False)
+    parallel_config = ParallelismArgs(
+        dp=run.dp,
+        pp=run.pp,
+        tp=run.tp,
+        pp_engine=make_engine(run.engine),
+        tp_mode=run.tp_mode,
+        tp_linear_async_communication=False,
+    )
     torch.manual_seed(seed)
-    model = build_cpu_llama(llama_config_from_shape(cfg), ctx, block_ranks=list(block_ranks),
-                            parallel_config=parallel_config, dtype=_TORCH_DTYPES[dtype], vocab_shards=cfg.vocab_shards,
-                            recompute_layer=run.recompute_layer)
+    model = build_cpu_llama(
+        llama_config_from_shape(cfg),
+        ctx,
+        block_ranks=list(block_ranks),
+        parallel_config=parallel_config,
+        dtype=_TORCH_DTYPES[dtype],
+        vocab_shards=cfg.vocab_shards,
+        recompute_layer=run.recompute_layer,
+    )
     optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-4)
     return model, optimizer, grad_acc
 

@@ -57,8 +57,9 @@ class OpClock(op_clock.OpClock):
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def send_tensors(tensors: list[torch.Tensor], to_rank: int, tag: int = 0) -> Any:
                 if self._step is not None:
-                    self._step.sends.append(Send(self.pp_rank, int(to_rank), nbytes(tensors), len(tensors),
-                                                 time.perf_counter()))
+                    self._step.sends.append(
+                        Send(self.pp_rank, int(to_rank), nbytes(tensors), len(tensors), time.perf_counter())
+                    )
                 return original(tensors, to_rank=to_rank, tag=tag)
 
             return send_tensors
@@ -71,8 +72,9 @@ class OpClock(op_clock.OpClock):
                 started = time.perf_counter()
                 out = original(num_tensors=num_tensors, from_rank=from_rank, tag=tag)
                 if self._step is not None:
-                    self._step.receives.append(Receive(int(from_rank), self.pp_rank, nbytes(out), len(out), started,
-                                                       time.perf_counter()))
+                    self._step.receives.append(
+                        Receive(int(from_rank), self.pp_rank, nbytes(out), len(out), started, time.perf_counter())
+                    )
                 return out
 
             return recv_tensors

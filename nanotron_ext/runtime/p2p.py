@@ -18,6 +18,7 @@ from nanotron_ext.runtime.device import to_host
 
 __all__ = ["CPUP2P", "wait_pending_sends"]
 
+
 def _global(pg: dist.ProcessGroup, group_rank: int) -> int | None:
     try:
         return int(dist.get_global_rank(group=pg, group_rank=group_rank))
@@ -38,8 +39,9 @@ class CPUP2P(GlooP2P):
             gloo (CUDA; or CPU, to test the staging); None sends and returns the tensors themselves.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device = CPU,
-                 compute_device: torch.device | None = None) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, device: torch.device = CPU, compute_device: torch.device | None = None
+    ) -> None:
         super().__init__(pg=pg, device=device)
         self.compute_device = compute_device
 

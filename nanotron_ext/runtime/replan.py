@@ -41,8 +41,8 @@ from nanotron_ext.procs import peak_rss_mib
 from nanotron_ext.report import human_bytes
 from nanotron_ext.runtime.train_settings import TrainSettings
 
-__all__ = ["ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights",
-           "save_for_move"]
+__all__ = ["ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights", "save_for_move"]
+
 
 @dataclasses.dataclass
 class Trainee:
@@ -73,12 +73,21 @@ class ReplanOutcome:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.choice
-        return {"after_step": c.step, "verdict": c.verdict.value, "moved": c.moves,
-                "old": {"split": c.old.split_text, "engine": c.old.engine, "predicted_step_s": c.old_step},
-                "new": {"split": c.new.split_text, "engine": c.new.engine, "predicted_step_s": c.new_step},
-                "predicted_gain": c.gain, "noise": c.noise, "min_gain": c.min_gain, "cap_bytes": c.cap_bytes,
-                "seconds": self.seconds, "timed_steps": self.timed_steps, "checkpoint_bytes": self.checkpoint_bytes,
-                "peak_rss_mib": None if self.peak_rss_mib is None else list(self.peak_rss_mib)}
+        return {
+            "after_step": c.step,
+            "verdict": c.verdict.value,
+            "moved": c.moves,
+            "old": {"split": c.old.split_text, "engine": c.old.engine, "predicted_step_s": c.old_step},
+            "new": {"split": c.new.split_text, "engine": c.new.engine, "predicted_step_s": c.new_step},
+            "predicted_gain": c.gain,
+            "noise": c.noise,
+            "min_gain": c.min_gain,
+            "cap_bytes": c.cap_bytes,
+            "seconds": self.seconds,
+            "timed_steps": self.timed_steps,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "peak_rss_mib": None if self.peak_rss_mib is None else list(self.peak_rss_mib),
+        }
 
 
 class Replanner:
@@ -93,8 +102,15 @@ class Replanner:
         say: prints on rank 0.
     """
 
-    def __init__(self, settings: TrainSettings, ctx: Any, rebuild: Callable[[TrainSettings, Any, Any], Trainee], *,
-                 engine_was_auto: bool, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        settings: TrainSettings,
+        ctx: Any,
+        rebuild: Callable[[TrainSettings, Any, Any], Trainee],
+        *,
+        engine_was_auto: bool,
+        say: Callable[[str], None],
+    ) -> None:
         self.after_steps = settings.cfg.ext.replan.after_steps
         self.ctx, self.rebuild, self.say = ctx, rebuild, say
         self.engines = replan_engines(settings.cfg, engine_was_auto=engine_was_auto)
@@ -130,12 +146,15 @@ class Replanner:
         self.clock = None
         s = trainee.settings
         with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            whole, *halves = [s.cfg.with_overrides(machine=str(path)) for path in replan_profiles(
-                s.cfg, s.plan.block_ranks, gathered, len(self.timed), s.rank, Path(tmp))]
+            whole, *halves = [
+                s.cfg.with_overrides(machine=str(path))
+                for path in replan_profiles(s.cfg, s.plan.block_ranks, gathered, len(self.timed), s.rank, Path(tmp))
+            ]
             seconds["profile"] = time.perf_counter() - start
             start = time.perf_counter()
-            choice = choose_replan(whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines,
-                                   halves=halves)
+            choice = choose_replan(
+                whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines, halves=halves
+            )
             seconds["plan"] = time.perf_counter() - start
         for line in choice.lines():
             self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
@@ -147,33 +166,39 @@ class Replanner:
             before = peak_rss_mib()
             trainee, size = self._move(trainee, _settings_for(s, choice), step, seconds)
             outcome = dataclasses.replace(outcome, checkpoint_bytes=size, peak_rss_mib=(before, peak_rss_mib()))
-            self.say(f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
-                     f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
-                     f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
-                     f"{outcome.peak_rss_mib[1]:.0f} MiB")
+            self.say(
+                f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
+                f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
+                f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
+                f"{outcome.peak_rss_mib[1]:.0f} MiB"
+            )
         self.outcome = outcome
         return trainee
 
     def measured(self, times: list[float]) -> tuple[list[float], list[float]]:
         """This rank's timed steps before the re-plan, and its steps after it from K + 2 on (step K + 1 is the first
         on a new build, as step 1 was)."""
-        return self.timed, times[(self.after_steps or 0) + 1:]
+        return self.timed, times[(self.after_steps or 0) + 1 :]
 
     def report(self, times: list[float]) -> dict[str, Any]:
         """The metrics' ``replan`` entry: the decision, what each part took, and the measured steps."""
         assert self.outcome is not None
         before, after = self.measured(times)
-        return {**self.outcome.to_dict(), "measured_step_s_before": statistics.fmean(before),
-                "measured_step_s_after": statistics.fmean(after) if after else None}
+        return {
+            **self.outcome.to_dict(),
+            "measured_step_s_before": statistics.fmean(before),
+            "measured_step_s_after": statistics.fmean(after) if after else None,
+        }
 
     def measured_lines(self, times: list[float]) -> list[str]:
         """Rank 0's measured steps against what the re-plan predicted."""
         assert self.outcome is not None
-        return [f"nanotron_ext: {line}" for line in measured_lines(self.outcome.choice, *self.measured(times),
-                                                                    first_timed=2)]
+        return [
+            f"nanotron_ext: {line}"
+            for line in measured_lines(self.outcome.choice, *self.measured(times), first_timed=2)
+        ]
 
-    def _move(self, old: Trainee, settings: TrainSettings, step: int,
-              seconds: dict[str, float]) -> tuple[Trainee, int]:
+    def _move(self, old: Trainee, settings: TrainSettings, step: int, seconds: dict[str, float]) -> tuple[Trainee, int]:
         """Save step ``step``, build the new split and load the state onto it (a resume under another plan).
 
         Returns:
@@ -225,8 +250,9 @@ def save_for_move(trainee: Trainee, ctx: Any, folder: Path, step: int, say: Call
         if trainee.scheduler is not None and dist.get_rank(ctx.dp_pg) == 0:
             # One file per pp/tp rank, as upstream main saves it: each rank's schedule drives its own optimizer's
             # groups (0.2's save_lr_scheduler keeps world rank 0's alone).
-            name = rank_file_name("lr_scheduler", dist.get_rank(ctx.pp_pg), ctx.pp_pg.size(),
-                                  dist.get_rank(ctx.tp_pg), ctx.tp_pg.size())
+            name = rank_file_name(
+                "lr_scheduler", dist.get_rank(ctx.pp_pg), ctx.pp_pg.size(), dist.get_rank(ctx.tp_pg), ctx.tp_pg.size()
+            )
             (folder / "lr_scheduler").mkdir(parents=True, exist_ok=True)
             torch.save(trainee.scheduler.state_dict(), folder / "lr_scheduler" / name)
     state.complete(folder, step, ctx.world_pg, last=True)
@@ -266,9 +292,12 @@ def _settings_for(s: TrainSettings, choice: ReplanChoice) -> TrainSettings:
     from nanotron_ext.runtime.engine import engine_for
 
     cfg = s.cfg.with_overrides(engine=choice.new.engine)
-    return dataclasses.replace(s, cfg=cfg, plan=choice.new,
-                               parallel_config=dataclasses.replace(s.parallel_config,
-                                                                   pp_engine=engine_for(choice.new)))
+    return dataclasses.replace(
+        s,
+        cfg=cfg,
+        plan=choice.new,
+        parallel_config=dataclasses.replace(s.parallel_config, pp_engine=engine_for(choice.new)),
+    )
 
 
 def _shared_folder(ctx: Any) -> Path:
@@ -281,9 +310,11 @@ def _shared_folder(ctx: Any) -> Path:
     seen = [None] * dist.get_world_size(ctx.world_pg)
     dist.all_gather_object(seen, folder.is_dir(), group=ctx.world_pg)
     if not all(seen):
-        raise ConfigError(f"replan: ranks {[r for r, ok in enumerate(seen) if not ok]} cannot see {folder}, the folder "
-                          f"rank 0 made for the move's checkpoint; a re-plan moves state through one host's files: "
-                          f"run every rank of nanotron-ext train on one host, or drop nanotron_ext.replan")
+        raise ConfigError(
+            f"replan: ranks {[r for r, ok in enumerate(seen) if not ok]} cannot see {folder}, the folder "
+            f"rank 0 made for the move's checkpoint; a re-plan moves state through one host's files: "
+            f"run every rank of nanotron-ext train on one host, or drop nanotron_ext.replan"
+        )
     return folder
 
 
@@ -291,4 +322,3 @@ def _barrier(ctx: Any) -> None:
     import torch.distributed as dist
 
     dist.barrier(group=ctx.world_pg)
-

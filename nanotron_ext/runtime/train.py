@@ -42,14 +42,16 @@ from nanotron_ext.runtime.train_settings import TrainSettings, lr_function, pref
 __all__ = ["TrainSettings", "preflight", "run_training"]
 
 
-
 def _checksums(model: Any) -> dict[str, dict[str, Any]]:
     """SHA-256 of every local parameter's bytes (bit-identical ⇔ equal hashes)."""
     out = {}
     for name, param in model.named_parameters():
         data = param.detach().contiguous().cpu().numpy().tobytes()
-        out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "trainable": bool(param.requires_grad),
-                     "numel": int(param.numel())}
+        out[name] = {
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "trainable": bool(param.requires_grad),
+            "numel": int(param.numel()),
+        }
     return out
 
 
@@ -102,8 +104,12 @@ def run_training(
     run = settings.cfg.run
     # Failing, the context is torn down without a barrier (ranks may have died), and a collective's raw gloo
     # error comes out of the `with` as a message naming the silent rank.
-    with GlooParallelContext(tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
-                             data_parallel_size=run.dp, timeout_s=settings.timeout_s) as ctx:
+    with GlooParallelContext(
+        tensor_parallel_size=run.tp,
+        pipeline_parallel_size=run.pp,
+        data_parallel_size=run.dp,
+        timeout_s=settings.timeout_s,
+    ) as ctx:
         torch.manual_seed(settings.seed)  # init draws per-parameter streams from this seed (same on every rank)
         return _train(settings, ctx, metrics_out=metrics_out, plan_out=plan_out, progress=progress)
 
@@ -120,8 +126,9 @@ def _train(
     from nanotron import distributed as dist
 
     run = s.cfg.run
-    data = PackedTextData(s.windows, run.micro_batch_size, dp_rank=dist.get_rank(ctx.dp_pg), dp_size=run.dp,
-                          seed=s.data_seed)
+    data = PackedTextData(
+        s.windows, run.micro_batch_size, dp_rank=dist.get_rank(ctx.dp_pg), dp_size=run.dp, seed=s.data_seed
+    )
     pairs = iter(data)  # one data stream, continued by a model built after a move
     trainee = _trainee(s, ctx, pairs)
     before = _checksums(trainee.unwrapped) if metrics_out else {}
@@ -143,8 +150,9 @@ def _train(
     }
     gathered: list[dict[str, Any]] = [{} for _ in range(s.world_size)]
     dist.all_gather_object(gathered, local, group=ctx.world_pg)
-    per_rank = [{**row, **{k: v for k, v in g.items() if k != "world_rank"}}
-                for row, g in zip(trainee.rank_rows, gathered)]
+    per_rank = [
+        {**row, **{k: v for k, v in g.items() if k != "world_rank"}} for row, g in zip(trainee.rank_rows, gathered)
+    ]
     metrics = _metrics(s, s.plan, trainee.unwrapped, per_rank, losses, grad_norms, times, lrs)
     if replanner is not None and replanner.outcome is not None:
         metrics["replan"] = replanner.report(times)
@@ -189,16 +197,29 @@ def _replanner(s: TrainSettings, ctx: Any, pairs: Iterator[Any]) -> Replanner | 
         if s.rank == 0:
             print(f"nanotron_ext: {short_run_note(k, s.steps)}", flush=True)
         return None
-    return Replanner(s, ctx, lambda settings, c, state: _trainee(settings, c, pairs, state),
-                     engine_was_auto=s.engine_was_auto, say=_on_rank0(s.rank))
+    return Replanner(
+        s,
+        ctx,
+        lambda settings, c, state: _trainee(settings, c, pairs, state),
+        engine_was_auto=s.engine_was_auto,
+        say=_on_rank0(s.rank),
+    )
 
 
 def _on_rank0(rank: int) -> Any:
     return (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
 
-def _metrics(s: TrainSettings, plan: Plan | VPlan, model: Any, per_rank: list[dict[str, Any]], losses: list[float],
-             grad_norms: list[float], times: list[float], lrs: list[float]) -> dict[str, Any]:
+def _metrics(
+    s: TrainSettings,
+    plan: Plan | VPlan,
+    model: Any,
+    per_rank: list[dict[str, Any]],
+    losses: list[float],
+    grad_norms: list[float],
+    times: list[float],
+    lrs: list[float],
+) -> dict[str, Any]:
     """The run's record (``--metrics-out``): the setup, per-step losses, norms, times and rates, the split."""
     from nanotron_ext.runtime import pipeline_blocks
 
@@ -209,7 +230,9 @@ def _metrics(s: TrainSettings, plan: Plan | VPlan, model: Any, per_rank: list[di
         "config": str(cfg.source),
         "strategy": plan.strategy,
         "engine": run.engine,
-        "dp": run.dp, "pp": run.pp, "tp": run.tp,
+        "dp": run.dp,
+        "pp": run.pp,
+        "tp": run.tp,
         "n_micro_batches": run.n_micro_batches,
         "micro_batch_size": run.micro_batch_size,
         "sequence_length": run.sequence_length,
@@ -246,16 +269,31 @@ def _build_checked_model(s: TrainSettings, ctx: Any, *, plan: Plan | None = None
     cfg = s.cfg
     device = torch.device(s.device)
     model = integration.build_model(
-        lambda: cpu_llama(s.model_config, ctx, s.parallel_config, device, projector=cfg.ext.projector,
-                          vocab_shards=cfg.vocab_shards, recompute_layer=cfg.run.recompute_layer),
-        ctx, dtype=torch.float32, device=device, config=cfg, plan=plan,
+        lambda: cpu_llama(
+            s.model_config,
+            ctx,
+            s.parallel_config,
+            device,
+            projector=cfg.ext.projector,
+            vocab_shards=cfg.vocab_shards,
+            recompute_layer=cfg.run.recompute_layer,
+        ),
+        ctx,
+        dtype=torch.float32,
+        device=device,
+        config=cfg,
+        plan=plan,
     )
     plan = model.nanotron_ext_plan
     # The config inventory and the model must agree exactly (a V on its chunks too: two Vs may share ranks).
-    if (list(plan.block_ranks), getattr(plan, "bounds", None)) != (list(s.plan.block_ranks),
-                                                                    getattr(s.plan, "bounds", None)):
-        raise PlanningError(f"the built model's plan {list(plan.block_ranks)} differs from the config's "
-                            f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree")
+    if (list(plan.block_ranks), getattr(plan, "bounds", None)) != (
+        list(s.plan.block_ranks),
+        getattr(s.plan, "bounds", None),
+    ):
+        raise PlanningError(
+            f"the built model's plan {list(plan.block_ranks)} differs from the config's "
+            f"{list(s.plan.block_ranks)}; inventory_from_model and inventory_from_config disagree"
+        )
     mark_tied_parameters(model, ctx, s.parallel_config)
     sanity_check(root_module=model)
     init_weights(model, ctx, std=s.init_std)
@@ -265,7 +303,11 @@ def _build_checked_model(s: TrainSettings, ctx: Any, *, plan: Plan | None = None
 
 
 def _optimise(
-    s: TrainSettings, trainee: Trainee, ctx: Any, progress: bool | None, replanner: Replanner | None,
+    s: TrainSettings,
+    trainee: Trainee,
+    ctx: Any,
+    progress: bool | None,
+    replanner: Replanner | None,
 ) -> tuple[list[float], list[float], list[float], list[float], Trainee]:
     """Run the training steps; rank 0 prints a line per step (under a progress bar on a terminal).
 
@@ -292,9 +334,18 @@ def _optimise(
         t = trainee
         start = time.perf_counter()
         with replanner.step(step, t) if replanner is not None else contextlib.nullcontext():
-            loss = train_step(t.model, ctx, t.settings.parallel_config.pp_engine, t.stream, run.n_micro_batches,
-                              t.optimizer, grad_accumulator=t.accumulator, clip_grad=s.clip_grad,
-                              lr_scheduler=t.scheduler, grad_norms=grad_norms)
+            loss = train_step(
+                t.model,
+                ctx,
+                t.settings.parallel_config.pp_engine,
+                t.stream,
+                run.n_micro_batches,
+                t.optimizer,
+                grad_accumulator=t.accumulator,
+                clip_grad=s.clip_grad,
+                lr_scheduler=t.scheduler,
+                grad_norms=grad_norms,
+            )
             synchronize()  # on a GPU the step ends when its kernels (the optimizer's last) do
         elapsed = time.perf_counter() - start
         losses.append(loss)
@@ -303,8 +354,10 @@ def _optimise(
         if not math.isfinite(loss):
             raise NanotronExtError(f"loss is {loss} at step {step}; lower the learning rate")  # same on all ranks
         if s.rank == 0:
-            line = (f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {grad_norms[-1]:.3g}"
-                    f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s")
+            line = (
+                f"step {step:>{len(str(s.steps))}}/{s.steps}  loss {loss:.4f}  grad-norm {grad_norms[-1]:.3g}"
+                f"  lr {lr:.3g}  {elapsed * 1e3:.0f} ms  {s.tokens_per_step / elapsed:,.0f} tokens/s"
+            )
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.tokens_per_step / elapsed:,.0f}")
                 bar.update(1)

@@ -83,13 +83,23 @@ def summary(m: dict[str, Any]) -> str:
         ["tokens/s (after step 1)", f"{m['mean_tokens_per_s']:,.0f}"],
     ]
     ranks = [
-        [r["world_rank"], r["pp_rank"], r["dp_rank"], r["tp_rank"], _blocks_label(r["blocks"]),
-         human_count(r["params"]), human_count(r["trainable"]), "yes" if r["has_optimizer"] else "no (frozen)",
-         "yes" if r["is_ddp"] else "no"]
+        [
+            r["world_rank"],
+            r["pp_rank"],
+            r["dp_rank"],
+            r["tp_rank"],
+            _blocks_label(r["blocks"]),
+            human_count(r["params"]),
+            human_count(r["trainable"]),
+            "yes" if r["has_optimizer"] else "no (frozen)",
+            "yes" if r["is_ddp"] else "no",
+        ]
         for r in m["ranks"]
     ]
     return (
-        "\nsummary\n" + table(["metric", "value"], rows) + "\n\n"
+        "\nsummary\n"
+        + table(["metric", "value"], rows)
+        + "\n\n"
         + table(["world", "pp", "dp", "tp", "blocks", "params", "trainable", "optimizer", "DDP"], ranks)
     )
 

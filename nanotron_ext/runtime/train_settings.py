@@ -137,8 +137,18 @@ def preflight(
     windows = load_packed_windows(files, run.sequence_length)
     PackedTextData(windows, run.micro_batch_size, 0, run.dp)  # raises if a replica's shard is too small
     return TrainSettings(
-        cfg=cfg, plan=plan, steps=steps, seed=seed, data_seed=data_seed, world_size=world_size, rank=rank,
-        data_files=files, windows=windows, timeout_s=timeout_s, device=device, engine_was_auto=engine_choice is not None,
+        cfg=cfg,
+        plan=plan,
+        steps=steps,
+        seed=seed,
+        data_seed=data_seed,
+        world_size=world_size,
+        rank=rank,
+        data_files=files,
+        windows=windows,
+        timeout_s=timeout_s,
+        device=device,
+        engine_was_auto=engine_choice is not None,
         **nanotron,
     )
 
@@ -220,9 +230,13 @@ def _nanotron_settings(cfg: PlannerConfig, plan: Plan | VPlan) -> dict[str, Any]
     try:
         parallel_config = ParallelismArgs(
             # An engine instance: Nanotron's loader knows only "1f1b" and "afab" by name, not our "zb1p".
-            dp=run.dp, pp=run.pp, tp=run.tp, pp_engine=engine_for(plan),
+            dp=run.dp,
+            pp=run.pp,
+            tp=run.tp,
+            pp_engine=engine_for(plan),
             # Asynchronous TP communication overlaps CUDA streams (Nanotron asserts CUDA_DEVICE_MAX_CONNECTIONS=1).
-            tp_mode=run.tp_mode, tp_linear_async_communication=False,
+            tp_mode=run.tp_mode,
+            tp_linear_async_communication=False,
         )
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: invalid 'parallelism:' settings: {exc}") from exc
@@ -240,15 +254,27 @@ def _nanotron_settings(cfg: PlannerConfig, plan: Plan | VPlan) -> dict[str, Any]
         "lr_schedule": lr_schedule,
         "clip_grad": None if clip is None else float(clip),
         "init_std": float((get_dotted(raw, "model.init_method", {}) or {}).get("std", 0.02)),
-        "notes": _cpu_notes(run) + (
-            ["parallelism.tp_linear_async_communication ignored: it overlaps CUDA streams; the CPU trainer "
-             "communicates synchronously"] if par.get("tp_linear_async_communication") else []
-        ) + (
-            ["data_stages (upstream main's data section) is not read: the CPU trainer reads data.dataset "
-             "(a local text file or folder), the bundled corpus when it is absent"] if "data_stages" in raw else []
-        ) + [
+        "notes": _cpu_notes(run)
+        + (
+            [
+                "parallelism.tp_linear_async_communication ignored: it overlaps CUDA streams; the CPU trainer "
+                "communicates synchronously"
+            ]
+            if par.get("tp_linear_async_communication")
+            else []
+        )
+        + (
+            [
+                "data_stages (upstream main's data section) is not read: the CPU trainer reads data.dataset "
+                "(a local text file or folder), the bundled corpus when it is absent"
+            ]
+            if "data_stages" in raw
+            else []
+        )
+        + [
             f"{where} keys the CPU trainer does not use: {', '.join(keys)}"
-            for where, keys in (("model.model_config", unused), ("optimizer.learning_rate_scheduler", unused_lr)) if keys
+            for where, keys in (("model.model_config", unused), ("optimizer.learning_rate_scheduler", unused_lr))
+            if keys
         ],
     }
 
@@ -263,11 +289,15 @@ def _cpu_notes(run: Any) -> list[str]:
     notes = []
     if run.zero_stage != 0:
         # ZeRO-1 only shards optimizer state (same updates); Nanotron's ZeRO optimizer is not exercised over gloo.
-        notes.append(f"optimizer.zero_stage={run.zero_stage} ignored: the CPU trainer keeps full optimizer "
-                     "state on every DP replica (same updates, no sharding)")
+        notes.append(
+            f"optimizer.zero_stage={run.zero_stage} ignored: the CPU trainer keeps full optimizer "
+            "state on every DP replica (same updates, no sharding)"
+        )
     if run.accumulate_grad_in_fp32:
-        notes.append("optimizer.accumulate_grad_in_fp32 ignored: Nanotron's fp32 accumulator is CUDA-only and "
-                     "the CPU trainer's parameters are fp32 already")
+        notes.append(
+            "optimizer.accumulate_grad_in_fp32 ignored: Nanotron's fp32 accumulator is CUDA-only and "
+            "the CPU trainer's parameters are fp32 already"
+        )
     if run.dtype != "float32":
         notes.append(f"model.dtype={run.dtype} ignored: the CPU trainer computes in float32")
     return notes

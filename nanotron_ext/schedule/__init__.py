@@ -47,18 +47,25 @@ ENGINE_AUTO = "auto"
 V_ENGINE = "zbv"
 EngineSetting = Literal["1f1b", "afab", "zb1p", "zb2p", "zbv", "auto"]
 #: What code that plans ``pp`` contiguous stages says when it is given ``zbv``.
-V_NOT_CONTIGUOUS = ("parallelism.pp_engine: zbv places two chunks on each rank (a V), not one stage: plan it with "
-                    "nanotron_ext.plan.plan_for(blocks, cfg) (plan, simulate and train do)")
+V_NOT_CONTIGUOUS = (
+    "parallelism.pp_engine: zbv places two chunks on each rank (a V), not one stage: plan it with "
+    "nanotron_ext.plan.plan_for(blocks, cfg) (plan, simulate and train do)"
+)
 #: What code that needs one engine says when it is given ``auto``.
-AUTO_UNRESOLVED = ("parallelism.pp_engine: auto is chosen by the planner together with the split; resolve it first "
-                   "with nanotron_ext.plan.resolve_engine(cfg) (plan, simulate, train and the launcher do)")
+AUTO_UNRESOLVED = (
+    "parallelism.pp_engine: auto is chosen by the planner together with the split; resolve it first "
+    "with nanotron_ext.plan.resolve_engine(cfg) (plan, simulate, train and the launcher do)"
+)
 #: Engines that run 1F1B's warm-up / steady / cool-down program (and so share its micro-batch rule).
 ONE_F_ONE_B_FAMILY: tuple[str, ...] = ("1f1b", "zb1p", "zb2p")
 #: Engines that split each backward into B (input gradient) and a deferred W (weight gradient).
 ZERO_BUBBLE: tuple[str, ...] = ("zb1p", "zb2p")
-_NAMES = {"1f1b": "1F1B", "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)",
-          "zb2p": "zb2p (ZB-H2, zb1p with twice 1F1B's warm-up forwards)",
-          "zbv": "zbv (ZB-V, two chunks per rank down and back up the ranks)"}
+_NAMES = {
+    "1f1b": "1F1B",
+    "zb1p": "zb1p (ZB-H1, 1F1B's program with deferred weight gradients)",
+    "zb2p": "zb2p (ZB-H2, zb1p with twice 1F1B's warm-up forwards)",
+    "zbv": "zbv (ZB-V, two chunks per rank down and back up the ranks)",
+}
 
 
 def ideal_bubble_fraction(pp: int, m: int) -> float:
@@ -114,15 +121,22 @@ and stops; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipel
         why = {
             "1f1b": "Nanotron's engine asserts nb_microbatches >= pp - 1 and stops",
             "zb1p": "it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as "
-                    "Nanotron's 1F1B engine does",
-        }.get(engine, "it keeps the rule of the 1F1B family it extends (Nanotron's 1F1B engine asserts "
-                      "nb_microbatches >= pp - 1)")
+            "Nanotron's 1F1B engine does",
+        }.get(
+            engine,
+            "it keeps the rule of the 1F1B family it extends (Nanotron's 1F1B engine asserts "
+            "nb_microbatches >= pp - 1)",
+        )
         return MicroBatchShortfall(
             True, f"{name} needs at least pp - 1 = {need} micro-batches, got {n_micro_batches}: {why}", fix
         )
     bubble = ideal_bubble_fraction(pp, n_micro_batches)
-    return MicroBatchShortfall(False, f"{name} with {n_micro_batches} micro-batches on {pp} stages: the pipeline "
-                                      f"never fills (bubble at least {bubble:.0%})", fix)
+    return MicroBatchShortfall(
+        False,
+        f"{name} with {n_micro_batches} micro-batches on {pp} stages: the pipeline "
+        f"never fills (bubble at least {bubble:.0%})",
+        fix,
+    )
 
 
 def too_few_micro_batches(engine: str, pp: int, n_micro_batches: int) -> str | None:

@@ -260,7 +260,9 @@ class _RankProgram:
             if self.grads_to_send:
                 self.program.append(_step(Action.SEND_GRAD, self.grads_to_send.popleft()))
             self.program.append(_step(Action.RECV_GRAD, j))
-        elif not self.last and self.acts_to_send:  # SendTensorWithoutGradient...: run_communication(send_only_activation)
+        elif (
+            not self.last and self.acts_to_send
+        ):  # SendTensorWithoutGradient...: run_communication(send_only_activation)
             self.program.append(_step(Action.SEND_ACT, self.acts_to_send.popleft()))
         self.program.append(_step(Action.BACKWARD, j))
         if held:  # right after the backward (see act_lead)

@@ -45,6 +45,7 @@ __all__ = [
     "step_record",
 ]
 
+
 @dataclass(frozen=True)
 class StageTimes:
     """Times of one pipeline stage, in seconds.
@@ -151,9 +152,7 @@ class SimResult:
             for s in range(self.pp)
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = [
-            "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in [header, *rows]
-        ]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -226,8 +225,9 @@ def per_cut_p2p(p2p_time: float | Sequence[float], pp: int) -> list[float]:
     if scalar:
         times = times * (pp - 1)
     if len(times) != pp - 1:
-        raise ValueError(f"p2p_time has {len(times)} entries for {pp} stages; pass one per cut (pp - 1) or one "
-                         "number for every cut")
+        raise ValueError(
+            f"p2p_time has {len(times)} entries for {pp} stages; pass one per cut (pp - 1) or one number for every cut"
+        )
     return [float(t) for t in times]
 
 
@@ -240,8 +240,14 @@ def format_p2p(p2p_times: Sequence[float]) -> str:
     return "|".join(f"{t * 1e3:.3f}" for t in p2p_times) + " ms per cut"
 
 
-def step_record(engine: Engine, m: int, stages: list[StageTimes], per_stage: list[list[Op]], pipeline_time: float,
-            p2p_times: list[float]) -> SimResult:
+def step_record(
+    engine: Engine,
+    m: int,
+    stages: list[StageTimes],
+    per_stage: list[list[Op]],
+    pipeline_time: float,
+    p2p_times: list[float],
+) -> SimResult:
     """The step's record: the updates after the pipeline, busy and idle time per stage, bubble fractions."""
     pp = len(stages)
     for s in range(pp):
@@ -262,8 +268,7 @@ def step_record(engine: Engine, m: int, stages: list[StageTimes], per_stage: lis
         pipeline_bubble_fraction=_ratio(
             # max, as for idle above.
             math.fsum(
-                max(0.0, pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U"))
-                for ops in per_stage
+                max(0.0, pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U")) for ops in per_stage
             ),
             pp * pipeline_time,
         ),
@@ -335,15 +340,11 @@ def check_stage_times(stages: Sequence[StageTimes], what: str = "stages") -> lis
     stages = list(stages)
     for s, st in enumerate(stages):
         if not isinstance(st, StageTimes):
-            raise ValueError(
-                f"{what}[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects"
-            )
+            raise ValueError(f"{what}[{s}] is {st!r}; pass StageTimes(forward=..., backward=..., update=0.0) objects")
         for name in ("forward", "backward", "update", "weight"):
             value = getattr(st, name)
             if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"{what}[{s}].{name} = {value!r}; times must be finite, non-negative seconds"
-                )
+                raise ValueError(f"{what}[{s}].{name} = {value!r}; times must be finite, non-negative seconds")
         if st.weight > st.backward * (1 + 1e-12):
             raise ValueError(
                 f"{what}[{s}].weight = {st.weight!r} exceeds its backward {st.backward!r}; backward is the whole "
@@ -358,10 +359,6 @@ def _validate(stages: Sequence[StageTimes], n_micro_batches: int, engine: str) -
     if not stages:
         raise ValueError("stages is empty; pass one StageTimes(forward, backward) per pipeline stage")
     check_stage_times(stages)
-    if (
-        isinstance(n_micro_batches, bool)
-        or not isinstance(n_micro_batches, numbers.Integral)
-        or n_micro_batches < 1
-    ):
+    if isinstance(n_micro_batches, bool) or not isinstance(n_micro_batches, numbers.Integral) or n_micro_batches < 1:
         raise ValueError(f"n_micro_batches = {n_micro_batches!r}; pass an integer >= 1")
     return stages

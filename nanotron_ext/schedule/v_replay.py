@@ -53,8 +53,11 @@ class Transfer(NamedTuple):
         return f"{self.kind} {self.op} {'to' if self.kind == 'send' else 'from'} rank {self.peer}"
 
 
-def transfer_order(order: Sequence[Sequence[VOp]], keys_from: Sequence[StageTimes] | None = None,
-                   p2p_time: float | Sequence[float] = 0.0) -> list[list[Transfer]]:
+def transfer_order(
+    order: Sequence[Sequence[VOp]],
+    keys_from: Sequence[StageTimes] | None = None,
+    p2p_time: float | Sequence[float] = 0.0,
+) -> list[list[Transfer]]:
     """Each rank's transfers (rank 0 first) in the one order every rank keeps (see the module docstring): keyed by
     when each taking op starts with every op one unit long or, given ``keys_from``, under those chunks' times and
     ``p2p_time`` (the plan's own: the order its schedule takes them in), where their held step under those times is
@@ -82,8 +85,9 @@ def transfer_order(order: Sequence[Sequence[VOp]], keys_from: Sequence[StageTime
     return planned if ends[0] <= ends[1] else unit
 
 
-def _starts(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes], m: int,
-            cuts: Sequence[float]) -> dict[VOp, float]:
+def _starts(
+    order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes], m: int, cuts: Sequence[float]
+) -> dict[VOp, float]:
     """When each op starts, its sends posted as made."""
     return {op: t[0] for op, t in _op_times(order, chunks, m, cuts, None).items()}
 
@@ -120,8 +124,15 @@ def stuck_when_sends_wait(transfers: Sequence[Sequence[Transfer]]) -> list[Trans
             q = t.peer
             other = transfers[q][pos[q]] if pos[q] < len(transfers[q]) else None
             send, recv = (t, other) if t.kind == "send" else (other, t)
-            if (other is not None and other.peer == r and send is not None and recv is not None
-                    and send.kind == "send" and recv.kind == "recv" and _ready_after(recv.op, pp) == send.op):
+            if (
+                other is not None
+                and other.peer == r
+                and send is not None
+                and recv is not None
+                and send.kind == "send"
+                and recv.kind == "recv"
+                and _ready_after(recv.op, pp) == send.op
+            ):
                 pos[r] += 1
                 pos[q] += 1
                 moved = True
@@ -130,9 +141,15 @@ def stuck_when_sends_wait(transfers: Sequence[Sequence[Transfer]]) -> list[Trans
     return None
 
 
-def replay_v_order(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes], n_micro_batches: int,
-                   p2p_time: float | Sequence[float] = 0.0, *, sends_wait: bool = False,
-                   keys_from: Sequence[StageTimes] | None = None) -> VResult:
+def replay_v_order(
+    order: Sequence[Sequence[VOp]],
+    chunks: Sequence[StageTimes],
+    n_micro_batches: int,
+    p2p_time: float | Sequence[float] = 0.0,
+    *,
+    sends_wait: bool = False,
+    keys_from: Sequence[StageTimes] | None = None,
+) -> VResult:
     """The step of ``order`` (each rank's ops, rank 0 first) under the chunks' times; with ``sends_wait`` (the
     engine's) its sends held as :func:`transfer_order` says, keyed by unit times or by ``keys_from``'s (with the
     same ``p2p_time``).
@@ -149,15 +166,22 @@ def replay_v_order(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes],
     for r, ops in enumerate(order):
         expected = sorted((k, j, s) for k in "FBW" for j in range(m) for s in (r, 2 * pp - 1 - r))
         if sorted(tuple(op) for op in ops) != expected:
-            raise ValueError(f"rank {r}'s order is not each F, B and W of its chunks {r} and {2 * pp - 1 - r} once "
-                             f"for micro-batches 0..{m - 1}")
+            raise ValueError(
+                f"rank {r}'s order is not each F, B and W of its chunks {r} and {2 * pp - 1 - r} once "
+                f"for micro-batches 0..{m - 1}"
+            )
     held = transfer_order(order, keys_from, p2p_time) if sends_wait else None
     times = _op_times(order, chunks, m, per_cut_p2p(p2p_time, 2 * pp), held)
     return v_result(chunks, m, times, order)
 
 
-def _op_times(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes], m: int, cuts: Sequence[float],
-              sends: Sequence[Sequence[Transfer]] | None) -> dict[VOp, tuple[float, float]]:
+def _op_times(
+    order: Sequence[Sequence[VOp]],
+    chunks: Sequence[StageTimes],
+    m: int,
+    cuts: Sequence[float],
+    sends: Sequence[Sequence[Transfer]] | None,
+) -> dict[VOp, tuple[float, float]]:
     """Each op's start and end: a rank runs its ops in order, each once the rank is free and its input is there.
     With ``sends`` (:func:`transfer_order`) an activation or gradient leaves its rank once every transfer before it
     there is done (a receive when its op starts); without, when its op ends."""
@@ -185,8 +209,7 @@ def _op_times(order: Sequence[Sequence[VOp]], chunks: Sequence[StageTimes], m: i
                 op = order[r][nxt[r]]
                 before = _ready_after(op, pp)
                 crosses = before is not None and v_rank(pp, before.stage) != r
-                if before is not None and (before not in times or crosses and sends is not None
-                                           and before not in left):
+                if before is not None and (before not in times or crosses and sends is not None and before not in left):
                     break
                 if before is None:
                     ready = 0.0

@@ -41,8 +41,18 @@ from nanotron_ext.schedule.simulator import (
     step_record,
 )
 
-__all__ = ["POLICIES", "Policy", "VBudget", "VOp", "VResult", "by_rank", "simulate_zbv", "v_rank", "v_result",
-           "zbv_order"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "VBudget",
+    "VOp",
+    "VResult",
+    "by_rank",
+    "simulate_zbv",
+    "v_rank",
+    "v_result",
+    "zbv_order",
+]
 
 Kind = Literal["F", "B", "W"]
 
@@ -150,18 +160,28 @@ class VBudget(NamedTuple):
 
 def _check_budget(budget: VBudget, pp: int) -> None:
     if len(budget.activation) != 2 * pp or len(budget.pending) != 2 * pp or len(budget.budget) != pp:
-        raise ValueError(f"the budget has {len(budget.activation)} activations, {len(budget.pending)} W states and "
-                         f"{len(budget.budget)} ranks; a V over pp={pp} needs {2 * pp}, {2 * pp} and {pp}")
+        raise ValueError(
+            f"the budget has {len(budget.activation)} activations, {len(budget.pending)} W states and "
+            f"{len(budget.budget)} ranks; a V over pp={pp} needs {2 * pp}, {2 * pp} and {pp}"
+        )
     for r in range(pp):
         least = budget.need(r) + budget.need(2 * pp - 1 - r) + budget.overlap(r)
         if budget.budget[r] < least * (1 - 1e-9):
-            raise ValueError(f"rank {r}'s budget of {budget.budget[r]:.4g} bytes is under one micro-batch of both its "
-                             f"chunks ({least:.4g}): no order fits; give it more memory, or move blocks off its chunks")
+            raise ValueError(
+                f"rank {r}'s budget of {budget.budget[r]:.4g} bytes is under one micro-batch of both its "
+                f"chunks ({least:.4g}): no order fits; give it more memory, or move blocks off its chunks"
+            )
 
 
-def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: int | None,
-              policy: Policy = POLICIES[0], eager: frozenset[int] = frozenset(),
-              budget: VBudget | None = None) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
+def _schedule(
+    chunks: Sequence[StageTimes],
+    m: int,
+    cuts: Sequence[float],
+    cap: int | None,
+    policy: Policy = POLICIES[0],
+    eager: frozenset[int] = frozenset(),
+    budget: VBudget | None = None,
+) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
     """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
 
     The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
@@ -192,6 +212,7 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         up = stages - 1 - r
         need = budget.need(r if c == 0 else up) + (budget.need(up) if c == 0 and policy.down_reserve else 0.0)
         return used[r] + need + budget.overlap(r) <= budget.budget[r] * (1 + 1e-9)
+
     order: list[list[VOp]] = [[] for _ in range(pp)]
     total = 3 * stages * m
 
@@ -220,8 +241,11 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
         room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
         # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
         # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
-        ops += [VOp("F", next_op[r][0][c], chunk_of[c]) for c in (1, 0)
-                if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)]
+        ops += [
+            VOp("F", next_op[r][0][c], chunk_of[c])
+            for c in (1, 0)
+            if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)
+        ]
         return [(op, arrival(op)) for op in ops]
 
     waiting: set[int] = set()  # ranks that found nothing to do at their time, while another may still act then
@@ -233,7 +257,9 @@ def _schedule(chunks: Sequence[StageTimes], m: int, cuts: Sequence[float], cap: 
             # rank frees, an input of theirs arrives). Moving one rank alone could skip an arrival that another,
             # free at the same moment, was about to make.
             idle = [q for q in range(pp) if free[q] == now]
-            later = [f for f in free if f > now] + [a for q in idle for _, a in candidates(q) if a is not None and a > now]
+            later = [f for f in free if f > now] + [
+                a for q in idle for _, a in candidates(q) if a is not None and a > now
+            ]
             if not later:  # nothing is under way
                 raise _Stalled(f"ZB-V list scheduling stalled at t={now} (pp={pp}, m={m}, cap={cap}, {policy})")
             for q in idle:
@@ -303,13 +329,21 @@ class VResult:
     order: tuple[tuple[VOp, ...], ...] = ()
 
     def __str__(self) -> str:
-        return (f"zbv: pp={self.pp}, micro-batches={self.n_micro_batches}, step={self.step_time * 1e3:.3f} ms, "
-                f"pipeline bubble={self.pipeline_bubble_fraction:.1%}, peak in flight (chunks, F to B) "
-                f"{max(self.peak_in_flight)}, held to W {max(self.peak_held)}")
+        return (
+            f"zbv: pp={self.pp}, micro-batches={self.n_micro_batches}, step={self.step_time * 1e3:.3f} ms, "
+            f"pipeline bubble={self.pipeline_bubble_fraction:.1%}, peak in flight (chunks, F to B) "
+            f"{max(self.peak_in_flight)}, held to W {max(self.peak_held)}"
+        )
 
 
-def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: float | Sequence[float] = 0.0,
-                 cap: int | None = None, eager: Collection[int] = (), budget: VBudget | None = None) -> VResult:
+def simulate_zbv(
+    chunks: Sequence[StageTimes],
+    n_micro_batches: int,
+    p2p_time: float | Sequence[float] = 0.0,
+    cap: int | None = None,
+    eager: Collection[int] = (),
+    budget: VBudget | None = None,
+) -> VResult:
     """Replay :func:`zbv_order` under real times.
 
     Args:
@@ -345,14 +379,20 @@ def simulate_zbv(chunks: Sequence[StageTimes], n_micro_batches: int, p2p_time: f
         with contextlib.suppress(_Stalled):
             found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now, budget))
     if not found:
-        raise ValueError(f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
-                         f"give the ranks more memory")
+        raise ValueError(
+            f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
+            f"give the ranks more memory"
+        )
     order, times = min(found, key=lambda found: max(end for _, end in found[1].values()))
     return v_result(chunks, n_micro_batches, times, order)
 
 
-def v_result(chunks: Sequence[StageTimes], n_micro_batches: int, times: dict[VOp, tuple[float, float]],
-             order: Sequence[Sequence[VOp]]) -> VResult:
+def v_result(
+    chunks: Sequence[StageTimes],
+    n_micro_batches: int,
+    times: dict[VOp, tuple[float, float]],
+    order: Sequence[Sequence[VOp]],
+) -> VResult:
     """The :class:`VResult` of a V step whose ops ran at ``times`` (start, end) in ``order`` (one home for what a
     simulated step and a replayed order report)."""
     pp = len(chunks) // 2
@@ -362,10 +402,16 @@ def v_result(chunks: Sequence[StageTimes], n_micro_batches: int, times: dict[VOp
     busy = tuple(math.fsum(o.duration for o in ops if v_rank(pp, o.stage) == r) for r in range(pp))
     idle = math.fsum(max(0.0, pipeline - b) for b in busy)
     return VResult(
-        pp=pp, n_micro_batches=n_micro_batches, ops=tuple(ops), step_time=pipeline + max(updates),
-        pipeline_time=pipeline, busy=busy, pipeline_bubble_fraction=idle / (pp * pipeline) if pipeline > 0 else 0.0,
+        pp=pp,
+        n_micro_batches=n_micro_batches,
+        ops=tuple(ops),
+        step_time=pipeline + max(updates),
+        pipeline_time=pipeline,
+        busy=busy,
+        pipeline_bubble_fraction=idle / (pp * pipeline) if pipeline > 0 else 0.0,
         peak_in_flight=tuple(_peak(ops, pp, r, "B") for r in range(pp)),
-        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)), order=tuple(map(tuple, order)),
+        peak_held=tuple(_peak(ops, pp, r, "W") for r in range(pp)),
+        order=tuple(map(tuple, order)),
     )
 
 
@@ -377,10 +423,23 @@ def by_rank(result: VResult, chunks: Sequence[StageTimes], p2p: Sequence[float] 
     for op in sorted(result.ops, key=lambda o: (o.start, o.end)):
         rank = v_rank(pp, op.stage)
         per_rank[rank].append(Op(rank, op.kind, op.micro_batch, op.start, op.end))
-    ranks = [StageTimes(*(getattr(chunks[r], f) + getattr(chunks[2 * pp - 1 - r], f)
-                          for f in ("forward", "backward", "update", "weight"))) for r in range(pp)]
-    return step_record("zbv", result.n_micro_batches, ranks, per_rank, result.pipeline_time,  # type: ignore[arg-type]
-                   list(p2p))
+    ranks = [
+        StageTimes(
+            *(
+                getattr(chunks[r], f) + getattr(chunks[2 * pp - 1 - r], f)
+                for f in ("forward", "backward", "update", "weight")
+            )
+        )
+        for r in range(pp)
+    ]
+    return step_record(
+        "zbv",
+        result.n_micro_batches,
+        ranks,
+        per_rank,
+        result.pipeline_time,  # type: ignore[arg-type]
+        list(p2p),
+    )
 
 
 def _peak(ops: Sequence[Op], pp: int, rank: int, until: str) -> int:

@@ -56,8 +56,9 @@ class FitRow:
         return self.tp * self.pp
 
 
-def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
-               progress: Callable[[int, int], None] | None = None) -> tuple[MemoryLimit | None, list[FitRow]]:
+def fit_search(
+    cfg: PlannerConfig, strategy: str | None = None, *, progress: Callable[[int, int], None] | None = None
+) -> tuple[MemoryLimit | None, list[FitRow]]:
     """Every candidate of the module docstring that can be planned, ordered (fits, GPUs, step); the config as
     it is among them (``change`` "as configured"). ``progress(done, total)`` after each candidate.
 
@@ -65,9 +66,11 @@ def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
         ConfigError: the config's machine profile cannot be read; ``pp_engine: zbv``.
     """
     if cfg.run.engine == V_ENGINE:
-        raise ConfigError("plan --fit plans the changes' contiguous splits; pp_engine zbv searches a V under the "
-                          "memory itself (`nanotron-ext plan CONFIG` says whether one fits): drop --fit, or pass "
-                          "--engine zb1p to see the contiguous fixes")
+        raise ConfigError(
+            "plan --fit plans the changes' contiguous splits; pp_engine zbv searches a V under the "
+            "memory itself (`nanotron-ext plan CONFIG` says whether one fits): drop --fit, or pass "
+            "--engine zb1p to see the contiguous fixes"
+        )
     limit = memory_limit(cfg)
     run, name = cfg.run, strategy or cfg.ext.cost_strategy
     zeros = sorted({run.zero_stage, 1}) if run.dp > 1 else [run.zero_stage]
@@ -82,8 +85,10 @@ def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
             continue
         if too_few_micro_batches(engine, pp, run.n_micro_batches) is not None:
             continue
-        changed = dataclasses.replace(cfg.with_overrides(pp=pp, engine=engine), run=dataclasses.replace(
-            run, tp=tp, pp=pp, zero_stage=zero, engine=engine, recompute_layer=again))
+        changed = dataclasses.replace(
+            cfg.with_overrides(pp=pp, engine=engine),
+            run=dataclasses.replace(run, tp=tp, pp=pp, zero_stage=zero, engine=engine, recompute_layer=again),
+        )
         how = "constrained" if name == "layout" and pp != run.pp else name
         try:
             blocks = inventory_from_config(changed)
@@ -98,18 +103,31 @@ def fit_search(cfg: PlannerConfig, strategy: str | None = None, *,
         except ConfigError:
             step = None
         peak = max(s.memory_bytes for s in plan.stages)
-        rows.append(FitRow(_change(run, changed.run), tp, pp, zero, engine, again, peak, step,
-                           limit is None or peak <= limit.bytes))
+        rows.append(
+            FitRow(
+                _change(run, changed.run), tp, pp, zero, engine, again, peak, step, limit is None or peak <= limit.bytes
+            )
+        )
     # Those that fit: the fewest GPUs, then the fastest. Those that do not: the nearest to fitting.
-    rows.sort(key=lambda r: (0, r.gpus, float("inf") if r.step_time is None else r.step_time, 0.0) if r.fits
-              else (1, 0, 0.0, r.peak))
+    rows.sort(
+        key=lambda r: (
+            (0, r.gpus, float("inf") if r.step_time is None else r.step_time, 0.0) if r.fits else (1, 0, 0.0, r.peak)
+        )
+    )
     return limit, rows
 
 
 def _change(was: RunShape, now: RunShape) -> str:
     """``tp: 4, pp: 8`` in the config's own keys; ``as configured`` for none."""
-    parts = [f"{key}: {str(getattr(now, attr)).lower() if isinstance(getattr(now, attr), bool) else getattr(now, attr)}"
-             for key, attr in (("tp", "tp"), ("pp", "pp"), ("zero_stage", "zero_stage"), ("pp_engine", "engine"),
-                               ("recompute_layer", "recompute_layer"))
-             if getattr(now, attr) != getattr(was, attr)]
+    parts = [
+        f"{key}: {str(getattr(now, attr)).lower() if isinstance(getattr(now, attr), bool) else getattr(now, attr)}"
+        for key, attr in (
+            ("tp", "tp"),
+            ("pp", "pp"),
+            ("zero_stage", "zero_stage"),
+            ("pp_engine", "engine"),
+            ("recompute_layer", "recompute_layer"),
+        )
+        if getattr(now, attr) != getattr(was, attr)
+    ]
     return ", ".join(parts) or "as configured"

@@ -48,8 +48,9 @@ class PlanTimes(NamedTuple):
     grad_cuts: list[bool]
 
 
-def plan_stage_times(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
-                     machine: MachineProfile | None = None) -> PlanTimes:
+def plan_stage_times(
+    plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *, machine: MachineProfile | None = None
+) -> PlanTimes:
     """Per-stage forward/backward/update time of one micro-batch, the p2p time of one transfer per cut, and which cuts
     carry a gradient back. Under zb1p each stage's ``weight`` is the weight-gradient part of its backward (its
     deferred ``W``); under AFAB and 1F1B, which run the whole backward as one op, it is 0.
@@ -90,9 +91,16 @@ def _check_blocks(plan: Plan, blocks: Sequence[BlockInfo]) -> None:
         )
 
 
-def simulate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *,
-                  machine: MachineProfile | None = None, engine: str | None = None, device: str | None = None,
-                  backend: str | None = None) -> SimResult:
+def simulate_plan(
+    plan: Plan,
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+    *,
+    machine: MachineProfile | None = None,
+    engine: str | None = None,
+    device: str | None = None,
+    backend: str | None = None,
+) -> SimResult:
     """Simulate one training step of ``plan`` under the config's engine and micro-batch count, on the config's
     machine (or ``machine``).
 
@@ -114,7 +122,6 @@ def simulate_plan(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, *
         return simulate(times.stages, cfg.run.n_micro_batches, cfg.run.engine, times.p2p, grad_cuts=times.grad_cuts)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-
 
 
 def stage_labels(plan: Plan) -> list[str]:

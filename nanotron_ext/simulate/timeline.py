@@ -72,9 +72,7 @@ def timeline_figure(
         ValueError: if ``stage_labels`` does not have one entry per stage.
     """
     pp = result.pp
-    labels = (
-        list(stage_labels) if stage_labels is not None else [f"stage {s} (PP rank {s})" for s in range(pp)]
-    )
+    labels = list(stage_labels) if stage_labels is not None else [f"stage {s} (PP rank {s})" for s in range(pp)]
     if len(labels) != pp:
         raise ValueError(f"stage_labels has {len(labels)} entries for {pp} stages; pass one label per stage")
     labels = [wrap_label(label) for label in labels]
@@ -159,8 +157,7 @@ def legend_entries(result: SimResult) -> list[tuple[str, str]]:
     """``(colour, label)`` of each legend entry of ``result``'s timeline: forward, backward (zb1p: its
     input-gradient part, then the deferred weight-gradient ``W``), update if any, idle."""
     zero_bubble = any(op.kind == "W" for op in result.ops)
-    entries = [(FORWARD_COLOR, "forward"),
-               (BACKWARD_COLOR, "backward (input gradient)" if zero_bubble else "backward")]
+    entries = [(FORWARD_COLOR, "forward"), (BACKWARD_COLOR, "backward (input gradient)" if zero_bubble else "backward")]
     if zero_bubble:
         entries.append((WEIGHT_COLOR, "weight gradient (deferred W)"))
     if any(op.kind == "U" for op in result.ops):
@@ -171,8 +168,12 @@ def legend_entries(result: SimResult) -> list[tuple[str, str]]:
 def _legend_and_title(fig: Figure, ax: Any, result: SimResult, title: str | None) -> None:
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label=label) if colour == IDLE_FACE
-               else Patch(color=colour, label=label) for colour, label in legend_entries(result)]
+    handles = [
+        Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label=label)
+        if colour == IDLE_FACE
+        else Patch(color=colour, label=label)
+        for colour, label in legend_entries(result)
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     pp = result.pp
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
@@ -276,7 +277,6 @@ def _check_loads(labels: list[str], loads_by_strategy: dict[str, list[float]]) -
             )
         if not all(math.isfinite(x) for x in loads):
             raise ValueError(f"strategy {name!r} has a non-finite load in {list(loads)}; pass finite numbers")
-
 
 
 def _ms(seconds: float) -> str:

@@ -91,15 +91,20 @@ def optimal_assignment(
     flight = in_flight(run.engine, run.pp, run.n_micro_batches)
     reqs, memory = _constraints(blocks, cfg, trainable_per_stage, strategy)
     refuse_when_none_fits(len(blocks), run.pp, reqs, memory)
-    part = under_full_estimate(lambda mem: partition(
-        costs,
-        run.pp,
-        per_in_flight=per_in_flight,
-        in_flight=flight if per_in_flight is not None else None,
-        requirements=reqs,
-        memory=mem,
-        names=[b.short for b in blocks],
-    ), memory, blocks, cfg)
+    part = under_full_estimate(
+        lambda mem: partition(
+            costs,
+            run.pp,
+            per_in_flight=per_in_flight,
+            in_flight=flight if per_in_flight is not None else None,
+            requirements=reqs,
+            memory=mem,
+            names=[b.short for b in blocks],
+        ),
+        memory,
+        blocks,
+        cfg,
+    )
     return Assignment(part.ranks(), list(map(float, costs)), unit)
 
 
@@ -116,8 +121,10 @@ def _constraints(
         # × in flight, zb1p's deferred weight-gradient state) plus the overhead: a lower bound of the full
         # estimate, so no split that fits is lost. The validator then checks the chosen split's full estimate
         # (temporaries, held tensors) against the cap.
-        memory = dataclasses.replace(stage_memory_terms(blocks, cfg, cap=cfg.ext.memory_cap_gib * GIB),
-                                     fix=memory_cap_fix(cfg, strategy or cfg.ext.cost_strategy, len(blocks)))
+        memory = dataclasses.replace(
+            stage_memory_terms(blocks, cfg, cap=cfg.ext.memory_cap_gib * GIB),
+            fix=memory_cap_fix(cfg, strategy or cfg.ext.cost_strategy, len(blocks)),
+        )
     return reqs, memory
 
 
@@ -173,15 +180,22 @@ def step_time_assignment(
         # Ties in step time go to the split whose largest stage holds the least memory (under the additive
         # terms: when the full estimate decides, ties keep the search's own order).
         found = under_full_estimate(
-            lambda mem: step_time_partition(problem, requirements=reqs, memory=mem, seeds=[seed],
-                                            least_memory=None if mem is not None and mem.exact is not None
-                                            else stage_memory_terms(blocks, cfg)), memory, blocks, cfg)
+            lambda mem: step_time_partition(
+                problem,
+                requirements=reqs,
+                memory=mem,
+                seeds=[seed],
+                least_memory=None if mem is not None and mem.exact is not None else stage_memory_terms(blocks, cfg),
+            ),
+            memory,
+            blocks,
+            cfg,
+        )
     except PlanningError:
         # The min-max split raises the error that names the least memory any split needs. When it finds a split
         # instead, the step-time search lost it: its stages may start only where every later start fits too,
         # and a stage that starts at the cast or the loss holds the logits (more than one that starts before).
-        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage,
-                                  strategy=strategy)
+        return optimal_assignment(blocks, cfg, costs, unit, trainable_per_stage=trainable_per_stage, strategy=strategy)
     return Assignment(found.ranks(), list(map(float, costs)), unit)
 
 
@@ -300,8 +314,9 @@ class Constrained:
         def split(c: PlannerConfig) -> Assignment:
             if c.ext.objective == "step_time" and base == "flops":
                 return step_time_assignment(blocks, c, costs, unit, trainable_per_stage=each, strategy=self.name)
-            return optimal_assignment(blocks, c, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each,
-                                      strategy=self.name)
+            return optimal_assignment(
+                blocks, c, costs, unit, per_in_flight=per_in_flight, trainable_per_stage=each, strategy=self.name
+            )
 
         return within_device_memory(split, blocks, cfg)
 

@@ -47,11 +47,17 @@ def frozen_stage_fix(cfg: PlannerConfig, strategy: str, n_trainable: int) -> str
         if n_trainable < pp:
             how = f"unfreeze more blocks (only {n_trainable} train, for pp={pp}) or lower pp to {max(n_trainable, 1)}"
         else:
-            how = or_list([f"{w} with `allow_frozen_stages: false`" for w in strategy_fix(strategy)]
-                          or ["set `allow_frozen_stages: false` under `nanotron_ext:` (constrained then puts a "
-                              "trainable block on every stage)"])
+            how = or_list(
+                [f"{w} with `allow_frozen_stages: false`" for w in strategy_fix(strategy)]
+                or [
+                    "set `allow_frozen_stages: false` under `nanotron_ext:` (constrained then puts a "
+                    "trainable block on every stage)"
+                ]
+            )
         return f"none needed (`allow_frozen_stages: true` allows it); to train on every stage instead, {how}"
     ways = [f"{w} to put a trainable block on every stage" for w in strategy_fix(strategy) if n_trainable >= pp]
-    ways += ["set `allow_frozen_stages: true` under `nanotron_ext:` to run it frozen",
-             f"lower pp{f' to {n_trainable}' if 0 < n_trainable < pp else ''}"]
+    ways += [
+        "set `allow_frozen_stages: true` under `nanotron_ext:` to run it frozen",
+        f"lower pp{f' to {n_trainable}' if 0 < n_trainable < pp else ''}",
+    ]
     return or_list(ways)

@@ -53,12 +53,18 @@ def refuse_when_none_fits(n: int, pp: int, requirements: Sequence[Requirement], 
         return
     if any_split_fits(n, pp, requirements, memory) or Validity.build(n, requirements, memory).any_split(pp):
         return
-    raise PlanningError(f"no split into pp={pp} stages fits {memory.cap / GIB:.4g} GiB per stage by the estimate's "
-                        f"additive part alone; {memory.fix or 'raise the cap or use a larger pp'}")
+    raise PlanningError(
+        f"no split into pp={pp} stages fits {memory.cap / GIB:.4g} GiB per stage by the estimate's "
+        f"additive part alone; {memory.fix or 'raise the cap or use a larger pp'}"
+    )
 
 
-def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: MemoryCap | None,
-                        blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Split:
+def under_full_estimate(
+    search: Callable[[MemoryCap | None], _Split],
+    memory: MemoryCap | None,
+    blocks: Sequence[BlockInfo],
+    cfg: PlannerConfig,
+) -> _Split:
     """``search`` under ``memory``'s additive terms, then, if its split is over the cap by the full estimate
     (temporaries and held tensors added), again with the full estimate of every segment
     (:attr:`MemoryCap.exact`): so a split under the cap is found whenever one exists, and when none does the
@@ -77,8 +83,9 @@ def under_full_estimate(search: Callable[[MemoryCap | None], _Split], memory: Me
     return search(exact)
 
 
-def within_device_memory(split: Callable[[PlannerConfig], Assignment], blocks: Sequence[BlockInfo],
-                         cfg: PlannerConfig) -> Assignment:
+def within_device_memory(
+    split: Callable[[PlannerConfig], Assignment], blocks: Sequence[BlockInfo], cfg: PlannerConfig
+) -> Assignment:
     """``split(cfg)`` with the device's memory as the cap when the config sets none
     (:func:`nanotron_ext.machine.memory_limit`): the fastest split that fits it, with the faster one it ruled
     out (``over_memory``). When none fits, the split without it; the validator then names the stage over and

@@ -101,30 +101,45 @@ def _import_strategy(name: str) -> Strategy:
     refused, never run); an object is used as it is when it has both.
     """
     module_name, _, attr = name.partition(":")
-    fix = "give 'package.module:ClassName', e.g. 'my_pkg.strategies:MyStrategy' (a class with `name` and " \
-          "`assign(blocks, cfg)`)"
-    if not module_name or not attr or module_name.startswith(".") or not all(
-        part.isidentifier() for part in module_name.split(".")
-    ) or not attr.isidentifier():
-        raise ConfigError(f"cost_strategy {name!r} is not an import path: {fix}, or a registered name: "
-                          f"{', '.join(available_strategies())}")
+    fix = (
+        "give 'package.module:ClassName', e.g. 'my_pkg.strategies:MyStrategy' (a class with `name` and "
+        "`assign(blocks, cfg)`)"
+    )
+    if (
+        not module_name
+        or not attr
+        or module_name.startswith(".")
+        or not all(part.isidentifier() for part in module_name.split("."))
+        or not attr.isidentifier()
+    ):
+        raise ConfigError(
+            f"cost_strategy {name!r} is not an import path: {fix}, or a registered name: "
+            f"{', '.join(available_strategies())}"
+        )
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cost_strategy {name!r} cannot be imported ({exc}); {fix}") from None
     if isinstance(obj, type):
-        if not (callable(getattr(obj, "assign", None)) and (
-            isinstance(getattr(obj, "name", None), str) or "name" in getattr(obj, "__annotations__", {})
-        )):
-            raise ConfigError(f"cost_strategy {name!r} is the class {obj.__module__}.{obj.__qualname__}, which "
-                              f"is not a strategy (it has no `name` and `assign(blocks, cfg)`), so it was not "
-                              f"constructed; {fix}")
+        if not (
+            callable(getattr(obj, "assign", None))
+            and (isinstance(getattr(obj, "name", None), str) or "name" in getattr(obj, "__annotations__", {}))
+        ):
+            raise ConfigError(
+                f"cost_strategy {name!r} is the class {obj.__module__}.{obj.__qualname__}, which "
+                f"is not a strategy (it has no `name` and `assign(blocks, cfg)`), so it was not "
+                f"constructed; {fix}"
+            )
         try:
             obj = obj()
         except TypeError as exc:
-            raise ConfigError(f"cost_strategy {name!r}: the class cannot be constructed without arguments "
-                              f"({exc}); give it a constructor without required arguments") from None
+            raise ConfigError(
+                f"cost_strategy {name!r}: the class cannot be constructed without arguments "
+                f"({exc}); give it a constructor without required arguments"
+            ) from None
     if not isinstance(obj, Strategy):
-        raise ConfigError(f"cost_strategy {name!r} is a {type(obj).__name__}, not a strategy (it has no `name` "
-                          f"and `assign(blocks, cfg)`); {fix}")
+        raise ConfigError(
+            f"cost_strategy {name!r} is a {type(obj).__name__}, not a strategy (it has no `name` "
+            f"and `assign(blocks, cfg)`); {fix}"
+        )
     return obj

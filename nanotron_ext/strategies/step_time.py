@@ -21,8 +21,9 @@ from nanotron_ext.partition.schedule_aware import ScheduleProblem
 __all__ = ["schedule_problem"]
 
 
-def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
-                     machine: MachineProfile | None = None, *, v_chunks: bool = False) -> ScheduleProblem:
+def schedule_problem(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, machine: MachineProfile | None = None, *, v_chunks: bool = False
+) -> ScheduleProblem:
     """Per-block forward, backward, update and send times of ``blocks`` under ``cfg``'s engine and micro-batches,
     with the weight-gradient part of each backward (zb1p's ``W``).
 
@@ -45,7 +46,9 @@ def schedule_problem(blocks: Sequence[BlockInfo], cfg: PlannerConfig,
         weight=tuple(map(float, prices.weight)),
         tied_pair=prices.tied_pair,
         tied_saving=tuple(map(float, prices.tied_saving)),
-        positions=tuple((position, tuple(map(float, p.forward)), tuple(map(float, p.backward)),
-                         tuple(map(float, p.weight))) for position, p in prices.positions),
+        positions=tuple(
+            (position, tuple(map(float, p.forward)), tuple(map(float, p.backward)), tuple(map(float, p.weight)))
+            for position, p in prices.positions
+        ),
         v_chunks=v_chunks,
     )

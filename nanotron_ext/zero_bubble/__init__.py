@@ -36,4 +36,3 @@ __all__ = [
     "remove_store",
     "store_of",
 ]
-

@@ -54,7 +54,13 @@ from nanotron_ext.zero_bubble.store import (
     store_of,
 )
 
-__all__ = ["ZERO_BUBBLE_ENGINES", "ZeroBubbleH2PipelineEngine", "ZeroBubblePipelineEngine", "accumulate_into_fp32", "sync_data_parallel"]
+__all__ = [
+    "ZERO_BUBBLE_ENGINES",
+    "ZeroBubbleH2PipelineEngine",
+    "ZeroBubblePipelineEngine",
+    "accumulate_into_fp32",
+    "sync_data_parallel",
+]
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -110,8 +116,10 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             run.execute(program)
             run.state.check_buffers_empty()
         if store.pending():
-            raise RuntimeError(f"{self.schedule} left the weight gradients of micro-batches {store.pending()} deferred after "
-                               f"the step; the program must end with every W")
+            raise RuntimeError(
+                f"{self.schedule} left the weight gradients of micro-batches {store.pending()} deferred after "
+                f"the step; the program must end with every W"
+            )
         sync_data_parallel(model, grad_accumulator)
         self.trace = run.trace
         return run.outputs
@@ -121,8 +129,10 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         context = getattr(getattr(model, "module", model), "parallel_context", None)
         first = context is None or dist.get_rank(context.tp_pg) == dist.get_rank(context.dp_pg) == 0
         if self.say is not None and first:
-            self.say(f"nanotron_ext: {self.schedule} on PP rank {dist.get_rank(pg)}: {len(store.modules)} linear(s) defer "
-                     f"their weight gradient to W")
+            self.say(
+                f"nanotron_ext: {self.schedule} on PP rank {dist.get_rank(pg)}: {len(store.modules)} linear(s) defer "
+                f"their weight gradient to W"
+            )
         return store
 
 
@@ -191,15 +201,17 @@ class _StepRun:
                 after_compute = False
 
     def flush(self, action: Action) -> None:
-        queue = (self.state.microbatches_activations_to_send if action is Action.SEND_ACT
-                 else self.state.microbatches_grads_to_send)
+        queue = (
+            self.state.microbatches_activations_to_send
+            if action is Action.SEND_ACT
+            else self.state.microbatches_grads_to_send
+        )
         while queue:
             queue.popleft()()
 
     def forward(self, micro_batch: int) -> None:
         context = self.engine._get_fwd_context(model=self.model)
-        output = self.engine.forward(context=context, state=self.state, micro_batch=next(self.batch),
-                                     model=self.model)
+        output = self.engine.forward(context=context, state=self.state, micro_batch=next(self.batch), model=self.model)
         if not isinstance(output, dict):
             output = {"loss": output}
         if not isinstance(output["loss"], TensorPointer):

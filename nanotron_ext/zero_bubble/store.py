@@ -132,8 +132,10 @@ class WeightGradStore:
     def push(self, product: WeightGradProduct) -> None:
         """Defer one product (called from a linear's backward while :attr:`deferring`)."""
         if self._open is None:
-            raise RuntimeError(f"{product.module}: a weight gradient was pushed outside a B step; "
-                               f"check WeightGradStore.deferring before pushing")
+            raise RuntimeError(
+                f"{product.module}: a weight gradient was pushed outside a B step; "
+                f"check WeightGradStore.deferring before pushing"
+            )
         self._open.append(product)
 
     def pop(self, micro_batch: int) -> list[WeightGradProduct]:
@@ -144,12 +146,16 @@ class WeightGradStore:
                 engine's W steps must follow its B steps' order).
         """
         if not self._queue:
-            raise RuntimeError(f"W of micro-batch {micro_batch}: no backward's weight gradients are deferred; a W "
-                               f"step must follow the B step of its micro-batch")
+            raise RuntimeError(
+                f"W of micro-batch {micro_batch}: no backward's weight gradients are deferred; a W "
+                f"step must follow the B step of its micro-batch"
+            )
         oldest, products = self._queue[0]
         if oldest != micro_batch:
-            raise RuntimeError(f"W of micro-batch {micro_batch}, but the oldest deferred backward is micro-batch "
-                               f"{oldest}'s; W steps run in the order of their B steps (first in, first out)")
+            raise RuntimeError(
+                f"W of micro-batch {micro_batch}, but the oldest deferred backward is micro-batch "
+                f"{oldest}'s; W steps run in the order of their B steps (first in, first out)"
+            )
         self._queue.popleft()
         return products
 
@@ -167,8 +173,14 @@ class DeferredLinear(torch.autograd.Function):
     """``F.linear(input, weight, bias)`` whose backward defers the weight gradient while its store is open."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                store: WeightGradStore, name: str) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        store: WeightGradStore,
+        name: str,
+    ) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
         ctx.params, ctx.store, ctx.name = (weight, bias), store, name
         return F.linear(input, weight, bias)
@@ -181,19 +193,27 @@ class DeferredLinear(torch.autograd.Function):
         if not (needs_weight or needs_bias):
             return grad_input, None, None, None, None
         product = WeightGradProduct(
-            module=ctx.name, weight=ctx.params[0] if needs_weight else None,
+            module=ctx.name,
+            weight=ctx.params[0] if needs_weight else None,
             bias=ctx.params[1] if needs_bias else None,
-            input=input.reshape(-1, input.shape[-1]), grad_output=grad_output.reshape(-1, grad_output.shape[-1]),
+            input=input.reshape(-1, input.shape[-1]),
+            grad_output=grad_output.reshape(-1, grad_output.shape[-1]),
         )
         if ctx.store.deferring:
             ctx.store.push(product)
             return grad_input, None, None, None, None
-        return (grad_input, product.weight_gradient() if needs_weight else None,
-                product.bias_gradient() if needs_bias else None, None, None)
+        return (
+            grad_input,
+            product.weight_gradient() if needs_weight else None,
+            product.bias_gradient() if needs_bias else None,
+            None,
+            None,
+        )
 
 
-def accumulate_weight_gradients(products: list[WeightGradProduct],
-                                timed: Callable[[str], AbstractContextManager[None]] | None = None) -> None:
+def accumulate_weight_gradients(
+    products: list[WeightGradProduct], timed: Callable[[str], AbstractContextManager[None]] | None = None
+) -> None:
     """One micro-batch's W: each parameter's deferred gradient accumulated through autograd, one parameter at a time
     (as autograd's backward accumulates them: one weight gradient alive at once). A parameter used twice in the
     micro-batch gets the sum of its parts in one accumulation, as in autograd.
@@ -218,8 +238,9 @@ def store_of(module: nn.Module) -> WeightGradStore | None:
     return getattr(module, STORE_ATTR, None)
 
 
-def linear(module: nn.Module, input: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    module: nn.Module, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear``, with the weight gradient deferred when ``module`` has a store (see the module docstring).
 
     A module calling this from its ``forward`` declares ``defers_weight_gradients = True`` on its class.
@@ -247,8 +268,10 @@ def _column_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     elif self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
         x = differentiable_all_gather(x, group=self.pg)
     else:
-        raise ValueError(f"{getattr(self, _NAME_ATTR, 'a column linear')}: tp mode {self.mode} is neither "
-                         f"ALL_REDUCE nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes")
+        raise ValueError(
+            f"{getattr(self, _NAME_ATTR, 'a column linear')}: tp mode {self.mode} is neither "
+            f"ALL_REDUCE nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes"
+        )
     return linear(self, x, self.weight, self.bias)
 
 
@@ -265,8 +288,10 @@ def _row_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         return differentiable_all_reduce_sum(out, group=self.pg)
     if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
         return differentiable_reduce_scatter_sum(out, group=self.pg)
-    raise ValueError(f"{getattr(self, _NAME_ATTR, 'a row linear')}: tp mode {self.mode} is neither ALL_REDUCE "
-                     f"nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes")
+    raise ValueError(
+        f"{getattr(self, _NAME_ATTR, 'a row linear')}: tp mode {self.mode} is neither ALL_REDUCE "
+        f"nor REDUCE_SCATTER; zb1p and zb2p know only Nanotron's two modes"
+    )
 
 
 _FORWARDS = (_plain_linear_forward, _column_forward, _row_forward)
@@ -324,7 +349,8 @@ def install_store(model: nn.Module, store: WeightGradStore | None = None) -> Wei
             f"know compute their weight gradient in B (correct, but that W fills no bubble): {', '.join(unknown)}. "
             f"To defer it, call nanotron_ext.zero_bubble.linear(self, x, weight, bias) in its forward and set "
             f"defers_weight_gradients = True on its class",
-            ZeroBubbleFallbackWarning, stacklevel=2,
+            ZeroBubbleFallbackWarning,
+            stacklevel=2,
         )
     return store
 

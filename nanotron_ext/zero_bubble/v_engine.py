@@ -73,15 +73,21 @@ def mark_v_stages(model: nn.Module, stages: Sequence[int], pp: int) -> None:
     blocks = _blocks(model)
     stages = list(stages)
     if len(stages) != len(blocks):
-        raise ValueError(f"a V plan gives {len(stages)} virtual stages for {len(blocks)} pipeline blocks; give one "
-                         f"per block, in the model's order")
+        raise ValueError(
+            f"a V plan gives {len(stages)} virtual stages for {len(blocks)} pipeline blocks; give one "
+            f"per block, in the model's order"
+        )
     if sorted(set(stages)) != list(range(2 * pp)) or stages != sorted(stages):
-        raise ValueError(f"virtual stages {stages}: a V over pp={pp} ranks needs every stage 0..{2 * pp - 1}, in "
-                         f"order (each chunk at least one block)")
+        raise ValueError(
+            f"virtual stages {stages}: a V over pp={pp} ranks needs every stage 0..{2 * pp - 1}, in "
+            f"order (each chunk at least one block)"
+        )
     for block, stage in zip(blocks, stages):
         if block.rank != v_rank(pp, stage):
-            raise ValueError(f"a block of virtual stage {stage} is built on PP rank {block.rank}; in a V over "
-                             f"pp={pp} it runs on rank {v_rank(pp, stage)}: build the model with the V's ranks")
+            raise ValueError(
+                f"a block of virtual stage {stage} is built on PP rank {block.rank}; in a V over "
+                f"pp={pp} it runs on rank {v_rank(pp, stage)}: build the model with the V's ranks"
+            )
         block.v_stage = stage
 
 
@@ -148,8 +154,10 @@ class _VState(PipelineTrainBatchState):
         self.flush()
         if send_only_activation:
             return
-        for queue, buffer, tag in ((self.microbatches_activations_to_recv, self.activations_buffer, ACTIVATION_TAG),
-                                   (self.microbatches_grads_to_recv, self.grads_buffer, GRADIENT_TAG)):
+        for queue, buffer, tag in (
+            (self.microbatches_activations_to_recv, self.activations_buffer, ACTIVATION_TAG),
+            (self.microbatches_grads_to_recv, self.grads_buffer, GRADIENT_TAG),
+        ):
             while queue:
                 recv = queue.popleft()
                 buffer.append(recv.p2p.recv_tensors(1, from_rank=recv.from_rank, tag=tag)[0])
@@ -166,8 +174,9 @@ class _VState(PipelineTrainBatchState):
         """Take the sends Nanotron queued (made by the op running now), and post those whose turn has come."""
         while self.microbatches_activations_to_send:
             send = self.microbatches_activations_to_send.popleft()
-            self.outbox.append((Transfer("send", self.op("F"), send.to_rank), ACTIVATION_TAG, send.p2p,
-                                send.activation))
+            self.outbox.append(
+                (Transfer("send", self.op("F"), send.to_rank), ACTIVATION_TAG, send.p2p, send.activation)
+            )
         while self.microbatches_grads_to_send:
             send = self.microbatches_grads_to_send.popleft()
             self.outbox.append((Transfer("send", self.op("B"), send.to_rank), GRADIENT_TAG, send.p2p, send.grad))
@@ -221,8 +230,13 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
 
     schedule: Engine = "zbv"  # type: ignore[assignment]
 
-    def __init__(self, order: Callable[[int, int], list[list[VOp]]] = zbv_order, *, sends_wait: bool = False,
-                 transfers: Callable[[int, int], list[list[Transfer]]] | None = None) -> None:
+    def __init__(
+        self,
+        order: Callable[[int, int], list[list[VOp]]] = zbv_order,
+        *,
+        sends_wait: bool = False,
+        transfers: Callable[[int, int], list[list[Transfer]]] | None = None,
+    ) -> None:
         super().__init__()
         self.order = order
         self.sends_wait = sends_wait
@@ -249,15 +263,22 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
         pp, rank = pg.size(), dist.get_rank(pg)
         stages = v_stages_of(model)
         if stages is None or max(stages) != 2 * pp - 1:
-            raise ValueError(f"pp_engine zbv runs a V: each block needs its virtual stage of a V over pp={pp} "
-                             f"(mark_v_stages; got {stages}). Plan a V split, or use pp_engine zb1p")
+            raise ValueError(
+                f"pp_engine zbv runs a V: each block needs its virtual stage of a V over pp={pp} "
+                f"(mark_v_stages; got {stages}). Plan a V split, or use pp_engine zb1p"
+            )
         _check_accumulator(grad_accumulator)
         self.nb_microbatches = nb_microbatches
         store = store_of(model) or install_store(model)
         store.clear()  # a step that failed half-way leaves nothing behind
         order = self.order(pp, nb_microbatches)
-        held = [] if not self.sends_wait else (  # none in the order: each goes at once
-            self.transfers(pp, nb_microbatches) if self.transfers is not None else transfer_order(order))[rank]
+        held = (
+            []
+            if not self.sends_wait
+            else (  # none in the order: each goes at once
+                self.transfers(pp, nb_microbatches) if self.transfers is not None else transfer_order(order)
+            )[rank]
+        )
         run = _VRun(self, model, _VState(held, pp, rank), store, grad_accumulator, iter(batch), pp, rank)
         with attach_pipeline_state_to_model(model=model, pipeline_state=run.state), run.pauses(stages), run.marks():
             try:
@@ -276,8 +297,17 @@ class ZeroBubbleVPipelineEngine(PipelineEngine):
 class _VRun:
     """One ``train_batch_iter`` of the V on one rank: its fibers, the gradients carried at its bottom, its outputs."""
 
-    def __init__(self, engine: ZeroBubbleVPipelineEngine, model: nn.Module, state: _VState, store: WeightGradStore,
-                 grad_accumulator: Any | None, batch: Iterator[dict[str, Any]], pp: int, rank: int) -> None:
+    def __init__(
+        self,
+        engine: ZeroBubbleVPipelineEngine,
+        model: nn.Module,
+        state: _VState,
+        store: WeightGradStore,
+        grad_accumulator: Any | None,
+        batch: Iterator[dict[str, Any]],
+        pp: int,
+        rank: int,
+    ) -> None:
         self.engine, self.model, self.state, self.store = engine, model, state, store
         self.grad_accumulator, self.batch, self.pp, self.rank = grad_accumulator, batch, pp, rank
         self.fibers: dict[int, Fiber] = {}
@@ -288,9 +318,15 @@ class _VRun:
     @contextlib.contextmanager
     def marks(self) -> Iterator[None]:
         """Where sends are held: tell the state when a block of this rank starts its forward (its inputs are in)."""
-        hooks = [] if not self.state.turn else [
-            b.pp_block.register_forward_pre_hook(lambda *_: self.state.inputs_received())
-            for b in _blocks(self.model) if isinstance(getattr(b, "pp_block", None), nn.Module)]
+        hooks = (
+            []
+            if not self.state.turn
+            else [
+                b.pp_block.register_forward_pre_hook(lambda *_: self.state.inputs_received())
+                for b in _blocks(self.model)
+                if isinstance(getattr(b, "pp_block", None), nn.Module)
+            ]
+        )
         try:
             yield
         finally:
@@ -341,9 +377,12 @@ class _VRun:
         self.state.forward_of = (half, j)
         if half == 0:
             micro_batch = next(self.batch)
-            fiber = self.fibers[j] = Fiber(lambda: self.engine.forward(
-                context=ContextManagers([]), state=self.state, micro_batch=micro_batch, model=self.model),
-                name=f"zbv forward of micro-batch {j}")
+            fiber = self.fibers[j] = Fiber(
+                lambda: self.engine.forward(
+                    context=ContextManagers([]), state=self.state, micro_batch=micro_batch, model=self.model
+                ),
+                name=f"zbv forward of micro-batch {j}",
+            )
         else:
             fiber = self.fibers[j]
         # DDP's no_sync is entered and left here, around each piece: fibers pause inside their forward, and a
@@ -351,8 +390,10 @@ class _VRun:
         with self.engine._get_fwd_context(model=self.model):
             fiber.switch()
         if half == 0 and fiber.done:
-            raise RuntimeError(f"micro-batch {j}'s forward ran to its end without reaching PP rank {self.rank}'s up "
-                               f"chunk: the model's blocks do not form the V")
+            raise RuntimeError(
+                f"micro-batch {j}'s forward ran to its end without reaching PP rank {self.rank}'s up "
+                f"chunk: the model's blocks do not form the V"
+            )
         if half == 1:
             output = self.fibers.pop(j).result
             output = output if isinstance(output, dict) else {"loss": output}

@@ -52,8 +52,12 @@ def calibrate_layout(config: str) -> dict[str, Any]:
     r = cfg.run
     with GlooParallelContext(tensor_parallel_size=r.tp, pipeline_parallel_size=r.pp, data_parallel_size=r.dp) as ctx:
         world = _World.current(cfg)
-        same = all(int(ctx.world_rank_matrix[0, s, d, t]) == world.rank_of(s, d, t)
-                   for s in range(r.pp) for d in range(r.dp) for t in range(r.tp))
+        same = all(
+            int(ctx.world_rank_matrix[0, s, d, t]) == world.rank_of(s, d, t)
+            for s in range(r.pp)
+            for d in range(r.dp)
+            for t in range(r.tp)
+        )
         profile = calibrate(cfg, warmup=0, repeats=1, progress=False)
     return {"profile": profile.to_json(), "layout_is_nanotrons": same}
 

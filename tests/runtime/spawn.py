@@ -114,9 +114,20 @@ def run_ranks(
         env = local_env(REPO_ROOT, **(extra_env or {}))
         dump_after = str(max(1.0, timeout - 3.0))
         run = run_local_ranks(
-            lambda rank: [sys.executable, "-c", _BOOTSTRAP, str(payload_path), str(rank),
-                          str(Path(tmp) / f"out{rank}.pkl"), dump_after],
-            world_size, timeout=timeout, grace=grace, env=env, cwd=REPO_ROOT,
+            lambda rank: [
+                sys.executable,
+                "-c",
+                _BOOTSTRAP,
+                str(payload_path),
+                str(rank),
+                str(Path(tmp) / f"out{rank}.pkl"),
+                dump_after,
+            ],
+            world_size,
+            timeout=timeout,
+            grace=grace,
+            env=env,
+            cwd=REPO_ROOT,
         )
         outcomes = []
         for rank_exit in run.ranks:
@@ -155,9 +166,7 @@ def run_distributed(
     Raises:
         DistributedRunError: with every failing rank's error, traceback and last output lines.
     """
-    outcomes = run_ranks(
-        fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace, extra_env=extra_env
-    )
+    outcomes = run_ranks(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace, extra_env=extra_env)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         parts = []

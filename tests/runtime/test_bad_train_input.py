@@ -24,8 +24,14 @@ def _run_train(argv: list[str]) -> tuple[int | None, str, str]:
         key, _, value = arg[4:].partition("=")
         env[key] = value
         argv.remove(arg)
-    run = run_local_ranks([sys.executable, "-m", "nanotron_ext.cli", *argv, "--steps", "1"], 1, timeout=120,
-                          env=env, rendezvous=False, merge_output=False)
+    run = run_local_ranks(
+        [sys.executable, "-m", "nanotron_ext.cli", *argv, "--steps", "1"],
+        1,
+        timeout=120,
+        env=env,
+        rendezvous=False,
+        merge_output=False,
+    )
     return run.ranks[0].returncode, run.ranks[0].stdout, run.ranks[0].stderr
 
 

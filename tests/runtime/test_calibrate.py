@@ -38,8 +38,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """Both ranks' results of the CLI and of ``calibrate`` itself, and the file rank 0 wrote."""
     tmp = tmp_path_factory.mktemp("calibrate")
     out = tmp / "machine.json"
-    results = run_distributed(calibrate_workers.calibrate_world, 2, args=(CONFIG, str(out), str(tmp / "store")),
-                              timeout=90)
+    results = run_distributed(
+        calibrate_workers.calibrate_world, 2, args=(CONFIG, str(out), str(tmp / "store")), timeout=90
+    )
     return results, out
 
 
@@ -54,7 +55,12 @@ def test_under_torchrun_the_profile_has_the_links_and_every_block(world: tuple[l
     profile = load_machine(out)
     assert profile.name == "calibrated: cpu, gloo, pp=2"
     assert (profile.key.pp, profile.key.dp, profile.key.tp, profile.key.backend, profile.key.device) == (
-        2, 1, 1, "gloo", "cpu")
+        2,
+        1,
+        1,
+        "gloo",
+        "cpu",
+    )
     assert sorted((link.src, link.dst) for link in profile.links) == [(0, 1), (1, 0)]
     for link in profile.links:
         assert link.latency > 0 and link.bytes_per_second > 0
@@ -80,8 +86,9 @@ def test_dp_and_tied_syncs_are_measured_in_nanotrons_layout(tmp_path: Path) -> N
     raw["model"]["model_config"]["tie_word_embeddings"] = True
     raw["parallelism"]["dp"] = 2
     (tmp_path / "tied_dp2.yaml").write_text(yaml.safe_dump(raw))
-    results = run_distributed(calibrate_workers.calibrate_layout, 4, args=(str(tmp_path / "tied_dp2.yaml"),),
-                              timeout=90)
+    results = run_distributed(
+        calibrate_workers.calibrate_layout, 4, args=(str(tmp_path / "tied_dp2.yaml"),), timeout=90
+    )
     assert all(r["layout_is_nanotrons"] for r in results)
     assert len({r["profile"] for r in results}) == 1
     profile = MachineProfile.from_json(results[0]["profile"])
@@ -134,8 +141,9 @@ def test_blocks_take_three_rounds_for_each_repeat(monkeypatch: pytest.MonkeyPatc
 
 def test_the_fitted_rates_price_blocks_that_were_not_measured(alone: MachineProfile) -> None:
     rates = dict(alone.rates)
-    lm_head = alone.block(next(s for s in _signatures(inventory_from_config(load_config(CONFIG)))
-                               if s.startswith("lm_head")))
+    lm_head = alone.block(
+        next(s for s in _signatures(inventory_from_config(load_config(CONFIG))) if s.startswith("lm_head"))
+    )
     assert lm_head is not None
     # The lm_head's rate is its training FLOPs over its measured forward + backward; the overall rate lies
     # between the slowest and the fastest role's.
@@ -160,8 +168,9 @@ def test_auto_vocab_shards_measures_every_candidate(tmp_path: Path) -> None:
     assert choice is not None and sorted(choice.step_times) == [1, 2, 3, 4]
 
 
-def test_a_profile_is_refused_for_another_shape(world: tuple[list[dict], Path], alone: MachineProfile,
-                                                tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_profile_is_refused_for_another_shape(
+    world: tuple[list[dict], Path], alone: MachineProfile, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     raw = yaml.safe_load(Path(CONFIG).read_text())
     raw["model"]["model_config"]["hidden_size"] = 32
     wider = tmp_path / "wider.yaml"
@@ -223,13 +232,17 @@ def test_fit_line_recovers_latency_and_bandwidth() -> None:
 
 
 def test_backend_defaults_to_gloo_without_one_gpu_per_rank_and_nccl_is_refused_there(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert choose_backend(None) == choose_backend("gloo") == "gloo"
-    with pytest.raises(ConfigError, match=r"calibrate --backend nccl needs CUDA, but torch sees no CUDA device "
-                                          r"here \(torch .*\); use --backend gloo, the default without a GPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"calibrate --backend nccl needs CUDA, but torch sees no CUDA device "
+        r"here \(torch .*\); use --backend gloo, the default without a GPU",
+    ):
         choose_backend("nccl")
     # Under torchrun's variables the CLI refuses it before any process group exists (no peer to wait for).
     for key, value in rendezvous_env(0, 2, 1).items():
@@ -245,8 +258,9 @@ def test_host_staged_links_and_syncs_are_measured_and_named(tmp_path: Path) -> N
     raw["model"]["model_config"]["tie_word_embeddings"] = True
     (tmp_path / "tied.yaml").write_text(yaml.safe_dump(raw))
     out = tmp_path / "machine.json"
-    results = run_distributed(calibrate_workers.calibrate_host_staged, 2, args=(str(tmp_path / "tied.yaml"),
-                                                                                  str(out)), timeout=90)
+    results = run_distributed(
+        calibrate_workers.calibrate_host_staged, 2, args=(str(tmp_path / "tied.yaml"), str(out)), timeout=90
+    )
     assert [r["code"] for r in results] == [0, 0]
     profile = load_machine(out)
     assert profile.name == "calibrated: cpu, gloo host-staged, pp=2" and profile.key.backend == "gloo"

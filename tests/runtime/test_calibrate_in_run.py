@@ -22,8 +22,12 @@ QUICK = ["--repeats", "1", "--warmup", "0", "--steps", "2", "--warmup-steps", "1
 
 def test_in_run_writes_an_in_run_profile_that_plan_reads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "in_run.json"
-    results = run_distributed(calibrate_workers.calibrate_cli, 2,
-                              args=([CONFIG, "--in-run", "--probes", *QUICK, "--out", str(out)],), timeout=240)
+    results = run_distributed(
+        calibrate_workers.calibrate_cli,
+        2,
+        args=([CONFIG, "--in-run", "--probes", *QUICK, "--out", str(out)],),
+        timeout=240,
+    )
     assert [r["code"] for r in results] == [0, 0], results
     assert "in-run: cpu, gloo, pp=2" in results[0]["stdout"]
     profile = load_machine(out)
@@ -39,8 +43,9 @@ def test_in_run_writes_an_in_run_profile_that_plan_reads(tmp_path: Path, capsys:
     assert "in-run: cpu, gloo, pp=2: 6 measured blocks (in-run)" in capsys.readouterr().out
 
 
-def test_in_run_flags_need_in_run_and_in_run_needs_torchrun(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_run_flags_need_in_run_and_in_run_needs_torchrun(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = str(tmp_path / "m.json")
     assert main(["calibrate", CONFIG, "--out", out, "--steps", "3", "--probes"]) == 2
     assert "calibrate: --probes, --steps only apply with --in-run" in capsys.readouterr().err

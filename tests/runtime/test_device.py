@@ -38,8 +38,11 @@ def test_device_values(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setenv(DEVICE_ENV, value)
         assert device_from_env() == torch.device("cpu")
     monkeypatch.setenv(DEVICE_ENV, "gpu")
-    with pytest.raises(ConfigError, match=r"NANOTRON_EXT_DEVICE='gpu' is not a device nanotron_ext runs on; use "
-                                          r"NANOTRON_EXT_DEVICE=cpu or NANOTRON_EXT_DEVICE=cuda"):
+    with pytest.raises(
+        ConfigError,
+        match=r"NANOTRON_EXT_DEVICE='gpu' is not a device nanotron_ext runs on; use "
+        r"NANOTRON_EXT_DEVICE=cpu or NANOTRON_EXT_DEVICE=cuda",
+    ):
         device_from_env()
 
 
@@ -50,8 +53,10 @@ def test_cuda_without_cuda_names_the_value_the_reason_and_the_fix(monkeypatch: p
         device_from_env()
     message = str(info.value)
     assert message.startswith("NANOTRON_EXT_DEVICE='cuda' asks for CUDA, but torch sees no CUDA device here")
-    assert "run on a machine with an NVIDIA GPU and a CUDA build of torch, or unset NANOTRON_EXT_DEVICE to run on the " \
+    assert (
+        "run on a machine with an NVIDIA GPU and a CUDA build of torch, or unset NANOTRON_EXT_DEVICE to run on the "
         "CPU" in message
+    )
 
 
 def test_host_staging_is_on_for_cuda_and_forced_on_cpu_only_by_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,8 +75,12 @@ def test_host_staging_is_on_for_cuda_and_forced_on_cpu_only_by_its_variable(monk
 def test_cuda_without_cuda_fails_every_rank_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEVICE_ENV, "cuda")
     launch = tw.launch_ranks(["--steps", "1"], 2, timeout=60, outputs=False)
-    assert_every_rank_failed(launch, 2, "NANOTRON_EXT_DEVICE='cuda' asks for CUDA, but torch sees no CUDA device",
-                             "or unset NANOTRON_EXT_DEVICE to run on the CPU")
+    assert_every_rank_failed(
+        launch,
+        2,
+        "NANOTRON_EXT_DEVICE='cuda' asks for CUDA, but torch sees no CUDA device",
+        "or unset NANOTRON_EXT_DEVICE to run on the CPU",
+    )
     assert not any("step 1/1" in r.stdout for r in launch.ranks)
 
 
@@ -115,8 +124,9 @@ def test_host_staged_p2p_copies_at_send_and_keeps_autograd() -> None:
 FAKE_CUDA = Path(__file__).parent / "fake_cuda"
 
 
-def test_a_visible_gpu_does_not_move_a_run_that_asks_for_the_cpu(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_visible_gpu_does_not_move_a_run_that_asks_for_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 41: calibrate timed blocks on CUDA whenever a GPU was visible while the CPU runtime trained on the CPU.
     With a GPU faked visible and ``NANOTRON_EXT_DEVICE=cpu``, calibrate times the blocks on the CPU, train trains
     there, and a profile timed on the GPU is refused by every rank, naming both devices."""
@@ -127,15 +137,35 @@ def test_a_visible_gpu_does_not_move_a_run_that_asks_for_the_cpu(tmp_path: Path,
     from nanotron_ext.machine import load_machine
 
     env = {k: v for k, v in os.environ.items() if k != DEVICE_ENV} | {"PYTHONPATH": str(FAKE_CUDA)}
-    rule = subprocess.run([sys.executable, "-c", "from nanotron_ext.devices import device_type; print(device_type())"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    rule = subprocess.run(
+        [sys.executable, "-c", "from nanotron_ext.devices import device_type; print(device_type())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert rule.stdout.strip() == "cuda", rule.stderr  # the fake is seen: unset, the rule would pick the GPU
 
     monkeypatch.setenv("PYTHONPATH", str(FAKE_CUDA))
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     cpu_profile = tmp_path / "cpu.json"
-    calibrate = subprocess.run([sys.executable, "-m", "nanotron_ext.cli", "calibrate", "--repeats", "1", "--warmup",
-                                "0", "--out", str(cpu_profile)], capture_output=True, text=True, timeout=180)
+    calibrate = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanotron_ext.cli",
+            "calibrate",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(cpu_profile),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert calibrate.returncode == 0, calibrate.stderr
     profile = load_machine(cpu_profile)
     assert (profile.key.device, profile.name) == ("cpu", "calibrated: cpu (compute only)")
@@ -144,8 +174,12 @@ def test_a_visible_gpu_does_not_move_a_run_that_asks_for_the_cpu(tmp_path: Path,
     dataclasses.replace(profile, key=dataclasses.replace(profile.key, device="cuda:Fake GPU")).save(gpu_profile)
     refused = tw.write_config(tmp_path / "gpu.yaml", {"nanotron_ext": {"machine": str(gpu_profile)}})
     launch = tw.launch_ranks(["--config-file", str(refused), "--steps", "1"], 2, timeout=120, outputs=False)
-    assert_every_rank_failed(launch, 2, "was measured on another device or backend than this run (device: "
-                             "'cuda:Fake GPU' vs 'cpu'; profile vs run)", "--device cpu --out FILE")
+    assert_every_rank_failed(
+        launch,
+        2,
+        "was measured on another device or backend than this run (device: 'cuda:Fake GPU' vs 'cpu'; profile vs run)",
+        "--device cpu --out FILE",
+    )
 
     trained = tw.write_config(tmp_path / "cpu.yaml", {"nanotron_ext": {"machine": str(cpu_profile)}})
     launch = tw.launch_ranks(["--config-file", str(trained), "--steps", "1"], 2, timeout=120)

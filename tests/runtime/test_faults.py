@@ -77,10 +77,29 @@ class Run:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "nanotron_ext.cli", "train", "--config-file", str(TINY), "--steps", "5000",
-                 "--metrics-out", str(self.metrics), "--plan-out", str(self.plan)],
-                env=env, stdout=out, stderr=err, start_new_session=True, cwd=tmp,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc_per_node=2",
+                    "-m",
+                    "nanotron_ext.cli",
+                    "train",
+                    "--config-file",
+                    str(TINY),
+                    "--steps",
+                    "5000",
+                    "--metrics-out",
+                    str(self.metrics),
+                    "--plan-out",
+                    str(self.plan),
+                ],
+                env=env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                cwd=tmp,
             )
 
     def output(self) -> str:
@@ -187,8 +206,9 @@ def test_kill_torchrun(run: Run) -> None:
 @pytest.mark.parametrize("op", ["pipeline receive", "pipeline send", "gradient-norm all-reduce"])
 def test_a_silent_peer_is_named_whatever_rank_0_waits_in(tmp_path: Path, op: str) -> None:
     # Each place rank 0 can be blocked in when rank 1 stops, caught deterministically: the same words lead.
-    run = run_local_ranks([sys.executable, "-c", _SILENT_PEER, op, str(TIMEOUT_S)], 2, timeout=60, grace=0,
-                          env=local_env(REPO_ROOT))
+    run = run_local_ranks(
+        [sys.executable, "-c", _SILENT_PEER, op, str(TIMEOUT_S)], 2, timeout=60, grace=0, env=local_env(REPO_ROOT)
+    )
     out = run.ranks[0].stdout
     assert run.ranks[0].returncode == 3, run.describe()
     assert out.startswith(f"rank 0 waited {TIMEOUT_S} s for rank 1, which stopped answering"), out
@@ -215,6 +235,8 @@ def test_stop_a_rank(run: Run) -> None:
     run.check_outputs()
     rank0_lines = [line for line in run.output().splitlines() if "error on rank 0" in line]
     assert rank0_lines and all("Traceback" not in line for line in rank0_lines)
-    print(f"stop a rank: rank 0 failed with the message {noticed:.1f} s after SIGSTOP "
-          f"(bound {STOPPED_PEER_MESSAGE_BOUND_S} s); rank 1 continued, every process gone after {elapsed:.1f} s "
-          f"(bound {STOP_RANK_BOUND_S} s)")
+    print(
+        f"stop a rank: rank 0 failed with the message {noticed:.1f} s after SIGSTOP "
+        f"(bound {STOPPED_PEER_MESSAGE_BOUND_S} s); rank 1 continued, every process gone after {elapsed:.1f} s "
+        f"(bound {STOP_RANK_BOUND_S} s)"
+    )

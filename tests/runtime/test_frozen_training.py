@@ -89,8 +89,10 @@ def head_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     # objective: slowest_stage keeps the FLOP-balanced split this test was written for (frozen stages 0 and 2 at
     # pp=4); the step-time objective picks another split, which the test is not about.
     ext = {**HEAD_AND_LAST, "objective": "slowest_stage"}
-    return {pp: _train(_config(tmp, f"head_pp{pp}", {**ext, "allow_frozen_stages": pp == 4}, pp=pp, lr=0.01), pp)
-            for pp in (2, 4)}
+    return {
+        pp: _train(_config(tmp, f"head_pp{pp}", {**ext, "allow_frozen_stages": pp == 4}, pp=pp, lr=0.01), pp)
+        for pp in (2, 4)
+    }
 
 
 @pytest.mark.parametrize("pp", [2, 4])

@@ -19,8 +19,14 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 
 def _run(out: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **env}, cwd=REPO)
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **env},
+        cwd=REPO,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -43,8 +49,16 @@ def test_rehearsal_on_cpu_runs_the_steps_and_says_it_was_no_gpu_check(tmp_path: 
     assert "REHEARSAL on CPU" in summary and "Result: every step ok" in summary
     steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
     ran = {name for name, rc in steps.items() if rc == "0"}
-    assert ran == {"calibrate_seed_alone", "calibrate_seed_pp2_gloo", "plan_seed", "simulate_seed", "train_seed_cpu",
-                   "train_seed_cuda", "compare_seed_cuda_cpu", "calibrate_seed_in_run"}, steps
+    assert ran == {
+        "calibrate_seed_alone",
+        "calibrate_seed_pp2_gloo",
+        "plan_seed",
+        "simulate_seed",
+        "train_seed_cpu",
+        "train_seed_cuda",
+        "compare_seed_cuda_cpu",
+        "calibrate_seed_in_run",
+    }, steps
     assert set(steps.values()) == {"0", "skipped"}
     in_run = json.loads((out / "profiles" / "seed_pp2_in_run.json").read_text())  # issue 41, on the run's device
     assert in_run["method"] == "in-run" and in_run["key"]["device"] == "cpu"

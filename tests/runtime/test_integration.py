@@ -55,8 +55,8 @@ def test_collective_check_names_a_frozen_only_stage(world: list[dict]) -> None:
     first, *rest = messages[0].splitlines()
     assert first == (
         "nanotron_ext: PP rank(s) [1] would have no gradient — the stage holds only frozen parameters; DDP would "
-        "stop with \"Can't use DDP because model in PP=1 has no gradient\" and the optimizer with \"got an empty "
-        "parameter list\"."
+        'stop with "Can\'t use DDP because model in PP=1 has no gradient" and the optimizer with "got an empty '
+        'parameter list".'
     )
     rows = [line.split() for line in rest if line.strip().startswith(("0", "1"))]
     assert [(r[0], r[1], r[-1]) for r in rows] == [("0", "0", "ok"), ("1", "1", "GRADIENT")]  # "NO GRADIENT"
@@ -103,6 +103,8 @@ def test_inventory_from_model_equals_inventory_from_config(world: list[dict], va
     names = [b["name"] for b in inv["model"]]
     if variant == "gqa_projector":
         assert names[1] == "model.projector"
-        qkv = dict(p[:2] for b in inv["model"] for p in b["parameters"])["model.decoder.0.pp_block.attn.qkv_proj.weight"]
+        qkv = dict(p[:2] for b in inv["model"] for p in b["parameters"])[
+            "model.decoder.0.pp_block.attn.qkv_proj.weight"
+        ]
         assert qkv == (4 + 2 * 2) * 4 * 16  # (q heads + 2 kv heads) x head_dim x hidden
     assert world[1]["inventories"][variant] == inv, "every rank sees the same inventory"

@@ -35,11 +35,14 @@ _ENDINGS = {
 }
 
 
-@pytest.mark.parametrize(("ending", "code", "printed"), [
-    ("clean", 0, "CODE 0 LEFT-OPEN False"),
-    ("error", 4, "CODE 4 LEFT-OPEN False"),
-    ("error, closing blocks", 4, None),  # it exits with the code at once: nothing after main() runs
-])
+@pytest.mark.parametrize(
+    ("ending", "code", "printed"),
+    [
+        ("clean", 0, "CODE 0 LEFT-OPEN False"),
+        ("error", 4, "CODE 4 LEFT-OPEN False"),
+        ("error, closing blocks", 4, None),  # it exits with the code at once: nothing after main() runs
+    ],
+)
 def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp_path, ending, code, printed):
     # Left to the interpreter's exit, gloo's worker threads can abort a rank (seen in CI: "terminate called without
     # an active exception" after a clean run's last checkpoint, and after a refused resume: -6 instead of 0 or 2).
@@ -47,8 +50,13 @@ def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + _ENDINGS[ending])
     env = script_env()
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", _CLOSE_CHILD, str(script), "--config-file", str(bundled_config())],
-                         env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", _CLOSE_CHILD, str(script), "--config-file", str(bundled_config())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == code, out.stdout + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("CODE")]
     assert lines == ([printed] if printed else []), out.stdout
@@ -59,36 +67,50 @@ def test_the_launcher_closes_the_process_groups_before_the_interpreters_exit(tmp
 def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code(tmp_path):
     # `python -m nanotron_ext.run` ends before C++'s static destructors (where gloo aborted ranks), but only after
     # what the interpreter's own exit does: a running thread finishes, then the atexit handlers (wandb, logging) run.
-    out = _launch_script(tmp_path, "import atexit, threading, time\n"
-                                   "atexit.register(lambda: print('ATEXIT', flush=True))\n"
-                                   "threading.Thread(target=lambda: (time.sleep(0.5), print('THREAD', flush=True)))"
-                                   ".start()\n"
-                                   "raise SystemExit(3)\n")
+    out = _launch_script(
+        tmp_path,
+        "import atexit, threading, time\n"
+        "atexit.register(lambda: print('ATEXIT', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('THREAD', flush=True)))"
+        ".start()\n"
+        "raise SystemExit(3)\n",
+    )
     assert out.returncode == 3, out.stdout + out.stderr[-3000:]
-    assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], out.stdout
+    assert [line for line in out.stdout.splitlines() if line in ("THREAD", "ATEXIT")] == ["THREAD", "ATEXIT"], (
+        out.stdout
+    )
 
 
 # Under torchrun the count on its store serves before and after the process groups exist alike; started directly,
 # the ranks meet in a gloo barrier.
-@pytest.mark.parametrize("launch", ["torchrun, before the process groups exist",
-                                    "ranks started directly, on gloo process groups"])
+@pytest.mark.parametrize(
+    "launch", ["torchrun, before the process groups exist", "ranks started directly, on gloo process groups"]
+)
 def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, launch):
     # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone,
     # and in CI a refused resume (checked before any process group exists). Here rank 0 reaches its report 1.5 s
     # after rank 1 (past the old 0.5 s grace); both must print it. Started directly, the ranks get 0.2 s after the
     # first one exits, as a launcher that ends the rest at once would.
     init = "" if "before" in launch else "dist.init_process_group('gloo')\n"
-    source = ("import os, time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
-              + init + "rank = os.environ['RANK']\nif rank == '0':\n    time.sleep(1.5)\n"
-              "raise PlanningError(f'refused on rank {rank}')\n")
+    source = (
+        "import os, time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
+        + init
+        + "rank = os.environ['RANK']\nif rank == '0':\n    time.sleep(1.5)\n"
+        "raise PlanningError(f'refused on rank {rank}')\n"
+    )
     if launch.startswith("torchrun"):
         out = _launch_script(tmp_path, source, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
         codes, text = [out.returncode], out.stderr
     else:
         script = tmp_path / "run_train.py"
         script.write_text(source)
-        ranks = run_local_ranks([sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file",
-                                 str(bundled_config())], 2, timeout=120, grace=0.2, env=script_env()).ranks
+        ranks = run_local_ranks(
+            [sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
+            2,
+            timeout=120,
+            grace=0.2,
+            env=script_env(),
+        ).ranks
         codes, text = [r.returncode for r in ranks], "".join(r.stdout for r in ranks)
     said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in text}
     assert all(code not in (0, None) for code in codes) and said == {"0", "1"}, text[-3000:]
@@ -98,5 +120,10 @@ def _launch_script(tmp_path, source: str, *launcher: str) -> subprocess.Complete
     """``python [LAUNCHER...] -m nanotron_ext.run run_train.py --config-file CONFIG`` on a script of ``source``."""
     script = tmp_path / "run_train.py"
     script.write_text(source)
-    return subprocess.run([sys.executable, *launcher, "-m", "nanotron_ext.run", str(script), "--config-file",
-                           str(bundled_config())], env=script_env(), capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, *launcher, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )

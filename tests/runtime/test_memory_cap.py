@@ -33,12 +33,16 @@ def _raw(dtype: str, engine: str, vocab_shards: int = 1) -> dict[str, Any]:
     return raw
 
 
-@pytest.mark.parametrize("dtype,engine,vocab_shards", [
-    ("float32", "1f1b", 1), ("bfloat16", "afab", 1),
-    ("float32", "1f1b", 3),  # the vocabulary-shard chain: lm_head rows, fp32 exp of the slice, statistics
-    ("bfloat16", "1f1b", 2),
-    ("float32", "zb2p", 1),  # issue 31: more micro-batches in flight, two deferred W's on stage 1
-])
+@pytest.mark.parametrize(
+    "dtype,engine,vocab_shards",
+    [
+        ("float32", "1f1b", 1),
+        ("bfloat16", "afab", 1),
+        ("float32", "1f1b", 3),  # the vocabulary-shard chain: lm_head rows, fp32 exp of the slice, statistics
+        ("bfloat16", "1f1b", 2),
+        ("float32", "zb2p", 1),  # issue 31: more micro-batches in flight, two deferred W's on stage 1
+    ],
+)
 def test_a_plan_accepted_under_a_cap_just_above_its_estimate_stays_under_it(
     dtype: str, engine: str, vocab_shards: int
 ) -> None:
@@ -67,8 +71,11 @@ def test_the_issues_cap_that_did_not_protect_now_refuses_the_plan() -> None:
     raw = _raw("float32", "1f1b")
     raw["nanotron_ext"]["memory_cap_gib"] = 0.025
     cfg = config_from_dict(raw)
-    with pytest.raises(PlanningError, match=r"no split fits memory_cap_gib=0\.025: the least memory any valid split "
-                                            r"needs is 0\.036\d* GiB on stage 1"):
+    with pytest.raises(
+        PlanningError,
+        match=r"no split fits memory_cap_gib=0\.025: the least memory any valid split "
+        r"needs is 0\.036\d* GiB on stage 1",
+    ):
         make_plan(inventory_from_config(cfg), cfg)
     plan = make_plan(inventory_from_config(cfg), cfg, "nanotron")  # a split made without the cap: refused
     assert not plan.ok and ("memory", 1) in [(f.code, f.stage) for f in plan.findings]
@@ -99,8 +106,11 @@ def test_recomputed_layers_hold_what_the_estimate_says() -> None:
         est = plan.stages[r["pp_rank"]].memory
         assert est is not None
         assert 1.0 <= est.peak / r["peak"] <= 1.10, (r["pp_rank"], est.peak, r["peak"])
-        assert 1.0 <= est.pipeline_peak / r["pipeline_peak"] <= 1.10, (r["pp_rank"], est.pipeline_peak,
-                                                                       r["pipeline_peak"])
+        assert 1.0 <= est.pipeline_peak / r["pipeline_peak"] <= 1.10, (
+            r["pp_rank"],
+            est.pipeline_peak,
+            r["pipeline_peak"],
+        )
     # The runtime recomputes: stage 0's measured pipeline peak is under what the same split holds without
     # recomputation by at least half the saving the estimate predicts (without it, the two would be within 1 %).
     assert full.block_ranks == plan.block_ranks
@@ -119,8 +129,10 @@ def test_auto_under_a_cap_between_zb1p_and_zb2p_trains_zb1p_under_the_cap() -> N
     for engine in ("zb1p", "zb2p"):
         raw = _raw("float32", engine)
         raw["parallelism"]["cost_strategy"] = "flops"
-        peaks[engine] = max(s.memory_bytes for s in make_plan(inventory_from_config(config_from_dict(raw)),
-                                                              config_from_dict(raw)).stages)
+        peaks[engine] = max(
+            s.memory_bytes
+            for s in make_plan(inventory_from_config(config_from_dict(raw)), config_from_dict(raw)).stages
+        )
     assert peaks["zb1p"] < peaks["zb2p"]
     raw = _raw("float32", "auto")
     raw["parallelism"]["cost_strategy"] = "flops"

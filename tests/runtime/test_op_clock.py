@@ -12,8 +12,10 @@ from . import timing_workers as w
 from .spawn import run_distributed
 
 TIMEOUT = 120.0
-STAGE = {0: ["model.token_position_embeddings", *(f"model.decoder.{i}" for i in range(3))],
-         1: ["model.decoder.3", "model.final_layer_norm", "model.lm_head", "model.cast_to_fp32", "loss"]}
+STAGE = {
+    0: ["model.token_position_embeddings", *(f"model.decoder.{i}" for i in range(3))],
+    1: ["model.decoder.3", "model.final_layer_norm", "model.lm_head", "model.cast_to_fp32", "loss"],
+}
 DEFERS = ("model.decoder", "model.lm_head")  # the blocks made of linears: zb1p defers their weight gradients
 
 
@@ -35,7 +37,8 @@ def test_the_clock_changes_no_bit_of_the_training(clocked: tuple[str, list[dict[
 
 
 def test_every_block_of_a_rank_is_timed_once_per_micro_batch_where_the_engine_ran_it(
-        clocked: tuple[str, list[dict[str, Any]]]) -> None:
+    clocked: tuple[str, list[dict[str, Any]]],
+) -> None:
     engine, ranks = clocked
     steps = ranks[0]["steps"]
     assert len(steps) == 2 and all(len(rank) == 2 for rank in steps)  # two ranks, two recorded steps each
@@ -59,7 +62,8 @@ def test_every_block_of_a_rank_is_timed_once_per_micro_batch_where_the_engine_ra
 
 
 def test_a_ranks_blocks_add_up_to_no_more_than_its_busy_time_in_the_pipeline(
-        clocked: tuple[str, list[dict[str, Any]]]) -> None:
+    clocked: tuple[str, list[dict[str, Any]]],
+) -> None:
     """The blocks' spans tile the engine's ops without overlapping: together they are inside the rank's own work in
     the pipeline (the step timer's pipeline part less its waits), and the engine's bookkeeping is what is left."""
     _, ranks = clocked

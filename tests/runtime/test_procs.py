@@ -48,8 +48,9 @@ def test_a_free_port_is_bindable_and_outside_the_range_the_kernel_hands_out() ->
 
 def test_without_rendezvous_the_environment_is_left_alone() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")}
-    run = run_local_ranks([PY, "-c", "import os; print('RANK' in os.environ)"], 1, timeout=30, env=env,
-                          rendezvous=False)
+    run = run_local_ranks(
+        [PY, "-c", "import os; print('RANK' in os.environ)"], 1, timeout=30, env=env, rendezvous=False
+    )
     assert run.ranks[0].stdout.strip() == "False", run.describe()
 
 
@@ -63,8 +64,10 @@ def test_stdout_and_stderr_kept_apart_or_merged() -> None:
 
 def test_deadline_kills_the_rank_and_what_it_started() -> None:
     # The rank starts a grandchild and prints its pid; both must be gone when the launch returns.
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-            "print(p.pid, flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        "print(p.pid, flush=True); time.sleep(60)"
+    )
     start = time.monotonic()
     run = run_local_ranks([PY, "-c", code], 1, timeout=2, rendezvous=False)
     assert time.monotonic() - start < 10
@@ -103,8 +106,10 @@ def test_command_per_rank_and_bad_arguments() -> None:
 
 def test_a_rank_that_exits_leaves_no_child_behind() -> None:
     # The rank starts a grandchild and exits at once (status 0): the launch must still kill the grandchild.
-    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-            "print(p.pid, flush=True)")
+    code = (
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        "print(p.pid, flush=True)"
+    )
     run = run_local_ranks([PY, "-c", code], 1, timeout=30, rendezvous=False)
     assert run.ok, run.describe()
     grandchild = int(run.ranks[0].stdout.split()[0])

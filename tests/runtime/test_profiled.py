@@ -104,8 +104,15 @@ def test_what_each_block_times(tmp_path: Path, counting_clock: None) -> None:
     # weights get an optimizer step, the cast and the loss none.
     got = {name: (t.forward, t.backward, t.optimizer) for name, t in timings.items()}
     weighted = (1.0, 1.0, 1.0)
-    assert got == {"embedding": weighted, "decoder.0": weighted, "decoder.1": weighted, "final_norm": weighted,
-                   "lm_head": weighted, "cast": (1.0, 0.0, 0.0), "loss": (1.0, 1.0, 0.0)}
+    assert got == {
+        "embedding": weighted,
+        "decoder.0": weighted,
+        "decoder.1": weighted,
+        "final_norm": weighted,
+        "lm_head": weighted,
+        "cast": (1.0, 0.0, 0.0),
+        "loss": (1.0, 1.0, 0.0),
+    }
 
 
 def test_frozen_prefix_costs_forward_only(tmp_path: Path, counting_clock: None) -> None:
@@ -115,8 +122,15 @@ def test_frozen_prefix_costs_forward_only(tmp_path: Path, counting_clock: None) 
     # Frozen prefix: forward only, nothing to step. The lm_head: its weight gradient, its step. After it the
     # cast passes its input through (no backward) and the loss sends a gradient back.
     frozen = (1.0, 0.0, 0.0)
-    assert got == {"embedding": frozen, "decoder.0": frozen, "decoder.1": frozen, "final_norm": frozen,
-                   "lm_head": (1.0, 1.0, 1.0), "cast": (1.0, 0.0, 0.0), "loss": (1.0, 1.0, 0.0)}
+    assert got == {
+        "embedding": frozen,
+        "decoder.0": frozen,
+        "decoder.1": frozen,
+        "final_norm": frozen,
+        "lm_head": (1.0, 1.0, 1.0),
+        "cast": (1.0, 0.0, 0.0),
+        "loss": (1.0, 1.0, 0.0),
+    }
 
 
 def test_fastest_of_repeats_after_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,7 +171,8 @@ def test_every_timed_section_starts_with_cold_caches(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize(("cache_mib", "flushed_mib"), [(96, 192), (8, 64)])
 def test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib(
-        monkeypatch: pytest.MonkeyPatch, cache_mib: int, flushed_mib: int) -> None:
+    monkeypatch: pytest.MonkeyPatch, cache_mib: int, flushed_mib: int
+) -> None:
     monkeypatch.delenv(block_inputs.FLUSH_MIB_VARIABLE, raising=False)  # tests/conftest.py sets it for the suite
     monkeypatch.setattr(block_inputs, "_last_level_cache_bytes", lambda: cache_mib * 2**20)
     monkeypatch.setattr(block_inputs, "_flush_buffers", {})
@@ -167,7 +182,8 @@ def test_the_flush_is_twice_the_last_level_cache_and_at_least_64_mib(
 
 
 def test_the_flush_size_variable_overrides_the_cache_and_a_bad_value_names_itself(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(block_inputs, "_last_level_cache_bytes", lambda: 480 * 2**20)
     monkeypatch.setenv(block_inputs.FLUSH_MIB_VARIABLE, "16")
     assert block_inputs.flush_bytes("cpu") == block_inputs.flush_bytes("cuda") == 16 * 2**20
@@ -175,8 +191,11 @@ def test_the_flush_size_variable_overrides_the_cache_and_a_bad_value_names_itsel
     assert block_inputs.flush_bytes("cpu") == 960 * 2**20
     for bad in ("0", "1.5", "-3", "lots"):
         monkeypatch.setenv(block_inputs.FLUSH_MIB_VARIABLE, bad)
-        with pytest.raises(ConfigError, match=rf"NANOTRON_EXT_FLUSH_MIB={bad!r} must be a whole number of MiB >= 1 "
-                                              r".*unset it for twice the last-level cache"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"NANOTRON_EXT_FLUSH_MIB={bad!r} must be a whole number of MiB >= 1 "
+            r".*unset it for twice the last-level cache",
+        ):
             block_inputs.flush_bytes("cpu")
 
 
@@ -202,8 +221,9 @@ def test_plan_splits_the_measured_times(tmp_path: Path, monkeypatch: pytest.Monk
     """The strategy plans from what the profiler measures: scripted block times, split worked out by hand."""
     scripted = timing_workers.ScriptedTime(timing_workers.SCRIPT_A)
     monkeypatch.setattr(profiled, "clock", scripted.clock)
-    monkeypatch.setattr(profiled, "measure_blocks",
-                        timing_workers.with_factory(profiled.measure_blocks, scripted.factory))
+    monkeypatch.setattr(
+        profiled, "measure_blocks", timing_workers.with_factory(profiled.measure_blocks, scripted.factory)
+    )
     cfg, blocks = _tiny(tmp_path)
     plan = make_plan(blocks, cfg, "profiled")
     assert plan.ok, plan.table()
@@ -237,8 +257,10 @@ def test_rank0_profiling_failure_raises_on_every_rank(tmp_path: Path) -> None:
     """Building the lm_head fails on rank 0 only: rank 0 broadcasts the error, so no rank is left waiting in the
     broadcast (the spawn helper kills a rank that is, and the test fails), and every rank raises it."""
     results = run_distributed(timing_workers.profiled_fails_on_rank0, 2, args=(str(tmp_path),), timeout=60)
-    expected = ("PlanningError: profiling on global rank 0 failed: RuntimeError: scripted failure on rank 0: "
-                "cannot build model.lm_head")
+    expected = (
+        "PlanningError: profiling on global rank 0 failed: RuntimeError: scripted failure on rank 0: "
+        "cannot build model.lm_head"
+    )
     assert results == [{"rank": 0, "error": expected}, {"rank": 1, "error": expected}]
 
 

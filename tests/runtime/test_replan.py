@@ -55,8 +55,9 @@ def test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_sta
     _same_training(m, reference)  # split changes are exact: the move loses nothing and adds nothing
     assert "moving to the new plan" in out
     assert f"checkpoint {K}: 20 files verified" in out
-    assert (f"checkpoint {K} -> split E,t*2,N|H,C,X (pp=2, tp=1, dp=1): 15 of 15 parameters and 45 of 45 optimizer "
-            "entries") in out
+    assert (
+        f"checkpoint {K} -> split E,t*2,N|H,C,X (pp=2, tp=1, dp=1): 15 of 15 parameters and 45 of 45 optimizer entries"
+    ) in out
     assert f"replan: steps {K + 2}-{STEPS} after the move, on E,t*2,N|H,C,X (1f1b), measured" in out
     assert set(m["replan"]["seconds"]) == {"profile", "plan", "save", "build_and_load"}
 
@@ -64,8 +65,14 @@ def test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_sta
 def test_split_and_engine_move_together_from_1f1b_to_zb1p(tmp_path, reference):
     """Under a cap that zb1p's W store fits and zb2p's activations do not, `replan.engine: auto` moves the run from
     1f1b on the bad split to zb1p on the good one; zb1p computes the same bits as 1f1b."""
-    changes = {"parallelism": BAD["parallelism"], "nanotron_ext": {
-        **BAD["nanotron_ext"], "memory_cap_gib": 1.055, "replan": {"after_steps": K, "engine": "auto"}}}
+    changes = {
+        "parallelism": BAD["parallelism"],
+        "nanotron_ext": {
+            **BAD["nanotron_ext"],
+            "memory_cap_gib": 1.055,
+            "replan": {"after_steps": K, "engine": "auto"},
+        },
+    }
     m = _run(tmp_path, "engine", changes).metrics
     assert (m["replan"]["old"]["engine"], m["replan"]["new"]["engine"], m["engine"]) == ("1f1b", "zb1p", "zb1p")
     assert m["block_ranks"] == reference["block_ranks"]
@@ -101,12 +108,12 @@ def test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why(tmp_path):
 
 
 def test_a_rank_killed_during_the_move_ends_the_run_and_leaves_the_checkpoint_incomplete(tmp_path):
-    config = write_config(tmp_path / "kill.yaml", {**BAD, "nanotron_ext": {**BAD["nanotron_ext"],
-                                                                          "replan": {"after_steps": K}}})
+    config = write_config(
+        tmp_path / "kill.yaml", {**BAD, "nanotron_ext": {**BAD["nanotron_ext"], "replan": {"after_steps": K}}}
+    )
     folder = tmp_path / "tmp"
     folder.mkdir()
-    outcomes = run_ranks(killed_during_the_move, 2, args=(str(config), str(folder), STEPS), timeout=TIMEOUT,
-                         grace=60.0)
+    outcomes = run_ranks(killed_during_the_move, 2, args=(str(config), str(folder), STEPS), timeout=TIMEOUT, grace=60.0)
     assert outcomes[1].returncode == -9 and not outcomes[1].timed_out
     assert not outcomes[0].ok and not outcomes[0].timed_out and outcomes[0].returncode not in (None, 0)
     assert "rank 1" in (outcomes[0].error or "") + (outcomes[0].output or ""), outcomes[0]

@@ -36,9 +36,7 @@ def test_core_attention_matches_naive(n_kv: int) -> None:
         LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=n_kv), None, 0
     )
     full = torch.ones(b, s, dtype=torch.bool)
-    torch.testing.assert_close(
-        attention(q, k, v, full, full), _naive_attention(q, k, v, full), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(attention(q, k, v, full, full), _naive_attention(q, k, v, full), atol=1e-5, rtol=1e-5)
     padded = full.clone()
     padded[0, :2] = False  # left padding
     padded[1, -3:] = False  # right padding

@@ -141,9 +141,7 @@ def test_dp2_ddp_matches_single_replica(two_rank_runs: list[dict], one_rank_refe
     """Both replicas see the same data, so DDP-averaged training must equal the single-replica run."""
     for res in two_rank_runs:
         assert res["dp2"]["is_ddp"]
-        assert all(
-            _rel(a, b) < 1e-5 for a, b in zip(res["dp2"]["losses"], one_rank_reference["plain"]["losses"])
-        )
+        assert all(_rel(a, b) < 1e-5 for a, b in zip(res["dp2"]["losses"], one_rank_reference["plain"]["losses"]))
 
 
 # Cuts before the lm_head and the loss carry one tensor; a cut between decoder layers carries the hidden states
@@ -153,7 +151,11 @@ TRACE_CASES = {
     "pp2-afab": {"pp": 2, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 3},
     "pp2-1f1b-decoder-cut": {"pp": 2, "engine": "1f1b", "block_ranks": BALANCED, "n_micro_batches": 4},
     "pp2-1f1b-frozen-stage0": {
-        "pp": 2, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
+        "pp": 2,
+        "engine": "1f1b",
+        "block_ranks": [0, 0, 0, 0, 1, 1, 1],
+        "n_micro_batches": 4,
+        "freeze_stage0": True,
     },
 }
 TRACE_CASES_PP3 = {
@@ -162,26 +164,45 @@ TRACE_CASES_PP3 = {
 }
 # zb1p and zb2p run the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes, Nanotron's
 # communication included, is that program call by call.
-TRACE_CASES.update({
-    "pp2-zb1p": {"pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
-    "pp2-zb1p-decoder-cut": {"pp": 2, "engine": "zb1p", "block_ranks": BALANCED, "n_micro_batches": 3},
-    "pp2-zb1p-frozen-stage0": {
-        "pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
-    },
-})
-TRACE_CASES_PP3.update({
-    "pp3-zb1p": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 5},
-    "pp3-zb1p-decoder-cuts": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 2},
-    # zb2p: stage 0 runs 4 warm-up forwards (all 4 of them at m=4), stage 1 2; W's deferred by 2 per stage.
-    "pp3-zb2p": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 6},
-    "pp3-zb2p-m4": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 4},
-})
-TRACE_CASES.update({
-    "pp2-zb2p": {"pp": 2, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 5},
-    "pp2-zb2p-frozen-stage0": {
-        "pp": 2, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4, "freeze_stage0": True,
-    },
-})
+TRACE_CASES.update(
+    {
+        "pp2-zb1p": {"pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},
+        "pp2-zb1p-decoder-cut": {"pp": 2, "engine": "zb1p", "block_ranks": BALANCED, "n_micro_batches": 3},
+        "pp2-zb1p-frozen-stage0": {
+            "pp": 2,
+            "engine": "zb1p",
+            "block_ranks": [0, 0, 0, 0, 1, 1, 1],
+            "n_micro_batches": 4,
+            "freeze_stage0": True,
+        },
+    }
+)
+TRACE_CASES_PP3.update(
+    {
+        "pp3-zb1p": {"pp": 3, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 5},
+        "pp3-zb1p-decoder-cuts": {
+            "pp": 3,
+            "engine": "zb1p",
+            "block_ranks": [0, 1, 2, 2, 2, 2, 2],
+            "n_micro_batches": 2,
+        },
+        # zb2p: stage 0 runs 4 warm-up forwards (all 4 of them at m=4), stage 1 2; W's deferred by 2 per stage.
+        "pp3-zb2p": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 6},
+        "pp3-zb2p-m4": {"pp": 3, "engine": "zb2p", "block_ranks": [0, 1, 2, 2, 2, 2, 2], "n_micro_batches": 4},
+    }
+)
+TRACE_CASES.update(
+    {
+        "pp2-zb2p": {"pp": 2, "engine": "zb2p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 5},
+        "pp2-zb2p-frozen-stage0": {
+            "pp": 2,
+            "engine": "zb2p",
+            "block_ranks": [0, 0, 0, 0, 1, 1, 1],
+            "n_micro_batches": 4,
+            "freeze_stage0": True,
+        },
+    }
+)
 
 
 @pytest.mark.parametrize(("world", "cases"), [(2, TRACE_CASES), (3, TRACE_CASES_PP3)])
@@ -210,8 +231,10 @@ def test_every_zb2p_program_runs_to_completion(pp: int) -> None:
     call by call as its program says (zb1p keeps 1F1B's communication, traced above)."""
     from nanotron_ext.simulate import engine_program
 
-    cases = {f"zb2p-m{m}": {"pp": pp, "engine": "zb2p", "block_ranks": FAMILY_RANKS[pp], "n_micro_batches": m}
-             for m in range(pp - 1, 3 * pp + 1)}
+    cases = {
+        f"zb2p-m{m}": {"pp": pp, "engine": "zb2p", "block_ranks": FAMILY_RANKS[pp], "n_micro_batches": m}
+        for m in range(pp - 1, 3 * pp + 1)
+    }
     traces = run_distributed(workers.engine_trace, pp, args=(cases,), timeout=240)
     for name, case in cases.items():
         for rank, trace in enumerate(traces):

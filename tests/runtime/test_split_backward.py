@@ -30,8 +30,15 @@ def test_the_blocks_zero_bubble_splits_time_their_w_and_no_other_does(tmp_path: 
     weights = {b.short: t.weight for b, t in zip(blocks, profiled.profile_blocks(blocks, cfg, **FAST))}
     # The decoders' and the lm_head's linears defer their weight gradient; an embedding, a norm, the cast and the
     # loss keep theirs in B (or have none).
-    assert weights == {"embedding": None, "decoder.0": 1.0, "decoder.1": 1.0, "final_norm": None, "lm_head": 1.0,
-                       "cast": None, "loss": None}
+    assert weights == {
+        "embedding": None,
+        "decoder.0": 1.0,
+        "decoder.1": 1.0,
+        "final_norm": None,
+        "lm_head": 1.0,
+        "cast": None,
+        "loss": None,
+    }
 
 
 def test_a_frozen_block_has_no_w(tmp_path: Path, counting_clock: None) -> None:
@@ -66,12 +73,18 @@ def test_the_w_pass_makes_the_weight_gradients_of_a_whole_backward(tmp_path: Pat
 
 
 def test_the_profile_prices_zero_bubble_w_as_measured_within_the_whole_backward(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg, blocks = _tiny(tmp_path)
-    timing = {"decoder": profiled.BlockTiming(1e-3, 4e-3, 1e-4, weight=1.5e-3),
-              "lm_head": profiled.BlockTiming(2e-3, 3e-3, 1e-4, weight=3.5e-3)}  # a noisy W over its backward
-    monkeypatch.setattr(profiled, "block_timings", lambda blocks, cfg, **kw: [
-        timing.get(b.role, profiled.BlockTiming(1e-3, 1e-3, 0.0)) for b in blocks])
+    timing = {
+        "decoder": profiled.BlockTiming(1e-3, 4e-3, 1e-4, weight=1.5e-3),
+        "lm_head": profiled.BlockTiming(2e-3, 3e-3, 1e-4, weight=3.5e-3),
+    }  # a noisy W over its backward
+    monkeypatch.setattr(
+        profiled,
+        "block_timings",
+        lambda blocks, cfg, **kw: [timing.get(b.role, profiled.BlockTiming(1e-3, 1e-3, 0.0)) for b in blocks],
+    )
     costs = {c.signature.split(":")[0]: c for c in measured_blocks(blocks, cfg)}
     assert costs["decoder"].backward_weight == 1.5e-3
     assert costs["lm_head"].backward_weight == 3e-3  # capped at the backward it is a part of

@@ -63,14 +63,13 @@ def runs(configs: dict[str, Path]) -> dict[str, tw.Launch]:
         # The documented command, through torchrun itself.
         "1f1b": tw.torchrun(["--config-file", str(configs["1f1b"]), "--steps", str(STEPS)], 2, timeout=120),
         "afab": tw.launch_ranks(["--config-file", str(configs["afab"]), "--steps", str(STEPS)], 2, timeout=120),
-        "1f1b_dp2": tw.launch_ranks(["--config-file", str(configs["1f1b_dp2"]), "--steps", str(STEPS)], 4,
-                                    timeout=150),
-        "afab_dp2": tw.launch_ranks(["--config-file", str(configs["afab_dp2"]), "--steps", str(STEPS)], 4,
-                                    timeout=150),
+        "1f1b_dp2": tw.launch_ranks(["--config-file", str(configs["1f1b_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
+        "afab_dp2": tw.launch_ranks(["--config-file", str(configs["afab_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
         # One process, no launcher at all (dp = pp = tp = 1 needs none). Same step count as the pp=2 run:
         # the LR schedule's decay spans the whole run.
-        "pp1": tw.launch_ranks(["--config-file", str(configs["pp1"]), "--steps", str(STEPS)], 1, timeout=90,
-                               torchrun_env=False),
+        "pp1": tw.launch_ranks(
+            ["--config-file", str(configs["pp1"]), "--steps", str(STEPS)], 1, timeout=90, torchrun_env=False
+        ),
         "zbv": tw.launch_ranks(["--config-file", str(configs["zbv"]), "--steps", str(STEPS)], 2, timeout=120),
     }
     for name, launch in out.items():
@@ -84,22 +83,31 @@ def runs(configs: dict[str, Path]) -> dict[str, tw.Launch]:
 @pytest.mark.parametrize("dp", [1, 2])
 def test_nanotron_strategy_fails_on_every_rank(tmp_path: Path, dp: int) -> None:
     config = tw.write_config(tmp_path / "c.yaml", {"parallelism": {"dp": dp}})
-    launch = tw.launch_ranks(["--config-file", str(config), "--cost-strategy", "nanotron"], 2 * dp, timeout=60,
-                             outputs=False)
-    assert_every_rank_failed(launch, 1, "the 'nanotron' plan for pp=2 cannot train; nothing was allocated",
-                             "stage 1 holds no parameters (cast, loss)", "--cost-strategy constrained")
+    launch = tw.launch_ranks(
+        ["--config-file", str(config), "--cost-strategy", "nanotron"], 2 * dp, timeout=60, outputs=False
+    )
+    assert_every_rank_failed(
+        launch,
+        1,
+        "the 'nanotron' plan for pp=2 cannot train; nothing was allocated",
+        "stage 1 holds no parameters (cast, loss)",
+        "--cost-strategy constrained",
+    )
 
 
 def test_nan_loss_stops_with_its_step(tmp_path: Path) -> None:
     """A learning rate of 1e30 in a 1-process run: the weights blow up, the loss turns NaN, the run stops."""
     c = tw.write_config(tmp_path / "nan.yaml", {"parallelism": {"pp": 1}, **tw.constant_lr(1e30)})
-    launch = tw.launch_ranks(["--config-file", str(c), "--steps", "6"], 1, timeout=90, torchrun_env=False,
-                             outputs=False)
+    launch = tw.launch_ranks(
+        ["--config-file", str(c), "--steps", "6"], 1, timeout=90, torchrun_env=False, outputs=False
+    )
     run = launch.ranks[0]
     assert not run.timed_out and run.returncode == 1, launch.describe()
     # The last line is the error; the step lines before it are finite until then.
-    assert re.fullmatch(r"nanotron-ext train: error on rank 0: loss is nan at step [2-6]; lower the learning rate",
-                        run.stderr.strip().splitlines()[-1]), run.stderr
+    assert re.fullmatch(
+        r"nanotron-ext train: error on rank 0: loss is nan at step [2-6]; lower the learning rate",
+        run.stderr.strip().splitlines()[-1],
+    ), run.stderr
     failed_at = int(run.stderr.strip().split("at step ")[-1].split(";")[0])
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == failed_at - 1 and "loss nan" not in run.stdout
@@ -196,20 +204,27 @@ def test_block_map_matches_plan_json(runs: dict[str, tw.Launch], configs: dict[s
 def _bad_yaml(tmp_path: Path, kind: str) -> tuple[list[str], int, tuple[str, ...]]:
     """(train arguments, world size, expected message parts) for one kind of bad input."""
     if kind == "world_size":
-        return ["--config-file", str(tw.TINY_YAML)], 3, ("WORLD_SIZE=3 but", "dp×pp×tp = 1×2×1 = 2",
-                                                         "--nproc_per_node=2")
+        return (
+            ["--config-file", str(tw.TINY_YAML)],
+            3,
+            ("WORLD_SIZE=3 but", "dp×pp×tp = 1×2×1 = 2", "--nproc_per_node=2"),
+        )
     if kind == "few_micro_batches":
-        c = tw.write_config(tmp_path / "m.yaml", {"parallelism": {"pp": 4},
-                                                  "tokens": {"batch_accumulation_per_replica": 2}})
-        return ["--config-file", str(c)], 4, ("needs at least pp - 1 = 3 micro-batches", "got 2",
-                                              "pp_engine: afab")
+        c = tw.write_config(
+            tmp_path / "m.yaml", {"parallelism": {"pp": 4}, "tokens": {"batch_accumulation_per_replica": 2}}
+        )
+        return ["--config-file", str(c)], 4, ("needs at least pp - 1 = 3 micro-batches", "got 2", "pp_engine: afab")
     if kind == "unknown_strategy":
-        return ["--config-file", str(tw.TINY_YAML), "--cost-strategy", "bogus"], 2, (
-            "unknown cost strategy 'bogus'", "known strategies: nanotron")
+        return (
+            ["--config-file", str(tw.TINY_YAML), "--cost-strategy", "bogus"],
+            2,
+            ("unknown cost strategy 'bogus'", "known strategies: nanotron"),
+        )
     if kind == "missing_data":
-        c = tw.write_config(tmp_path / "d.yaml", {"data": {"dataset": {"hf_dataset_or_datasets": "no/such/corpus.txt"}}})
-        return ["--config-file", str(c)], 2, ("data file 'no/such/corpus.txt'", "does not exist",
-                                              "data.dataset: null")
+        c = tw.write_config(
+            tmp_path / "d.yaml", {"data": {"dataset": {"hf_dataset_or_datasets": "no/such/corpus.txt"}}}
+        )
+        return ["--config-file", str(c)], 2, ("data file 'no/such/corpus.txt'", "does not exist", "data.dataset: null")
     if kind == "malformed_yaml":
         c = tmp_path / "bad.yaml"
         c.write_text(tw.TINY_YAML.read_text().replace("  dp: 1\n", "  dp: [1\n", 1))
@@ -311,9 +326,17 @@ def test_a_current_upstream_config_trains_on_the_cpu_runtime(tmp_path: Path) -> 
     from upstream.harness import UPSTREAM_EXAMPLES
 
     raw = yaml.safe_load((UPSTREAM_EXAMPLES / "config_tiny_llama.yaml").read_text())
-    raw["model"]["model_config"].update(hidden_size=16, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=300,
-                                        tie_word_embeddings=False, attention_bias=False, z_loss_enabled=False)
+    raw["model"]["model_config"].update(
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=300,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        z_loss_enabled=False,
+    )
     raw["parallelism"].update(dp=1, pp=1, tp=1)
     raw["tokens"].update(sequence_length=32, micro_batch_size=2, batch_accumulation_per_replica=2)
     c = tmp_path / "upstream_tiny.yaml"

@@ -21,15 +21,25 @@ TOL = 1e-5
 CASES = {
     "pp1_k3_masked": {"pp": 1, "shards": 3, "ranks": [0] * 7, "scale": 1.0, "masked": True},
     "pp2_k3_masked": {"pp": 2, "shards": 3, "ranks": [0, 0, 0, 0, 0, 1, 1], "scale": 1.0, "masked": True},
-    "pp2_k2_large_logits_afab": {"pp": 2, "shards": 2, "ranks": [0, 0, 0, 0, 0, 1], "scale": 1e3, "masked": False,
-                                 "engine": "afab"},
+    "pp2_k2_large_logits_afab": {
+        "pp": 2,
+        "shards": 2,
+        "ranks": [0, 0, 0, 0, 0, 1],
+        "scale": 1e3,
+        "masked": False,
+        "engine": "afab",
+    },
     # One shard per stage: the statistics cross three cuts and the labels are needed on all four ranks.
-    "pp4_k4_spread_masked": {"pp": 4, "shards": 4, "ranks": [0, 0, 0, 0, 0, 1, 2, 3], "scale": 1.0,
-                             "masked": True},
-    "pp4_k3_large_logits_masked": {"pp": 4, "shards": 3, "ranks": [0, 0, 1, 1, 2, 2, 3], "scale": 1e3,
-                                   "masked": True},
-    "pp4_k3_train_5_steps": {"pp": 4, "shards": 3, "ranks": [0, 0, 1, 1, 2, 2, 3], "scale": 1.0, "masked": True,
-                             "steps": 5},
+    "pp4_k4_spread_masked": {"pp": 4, "shards": 4, "ranks": [0, 0, 0, 0, 0, 1, 2, 3], "scale": 1.0, "masked": True},
+    "pp4_k3_large_logits_masked": {"pp": 4, "shards": 3, "ranks": [0, 0, 1, 1, 2, 2, 3], "scale": 1e3, "masked": True},
+    "pp4_k3_train_5_steps": {
+        "pp": 4,
+        "shards": 3,
+        "ranks": [0, 0, 1, 1, 2, 2, 3],
+        "scale": 1.0,
+        "masked": True,
+        "steps": 5,
+    },
 }
 
 
@@ -80,12 +90,14 @@ def test_token_layouts_read_labels_in_the_hidden_states_order(layout: str) -> No
 
     tokens = hidden.reshape(b * s, h) if layout == "flat" else hidden.transpose(0, 1).contiguous()
     tokens.requires_grad_()
-    shards = [VocabShard(h, lo, hi, first=i == 0, last=i == 2, token_layout=layout)
-              for i, (lo, hi) in enumerate(vocab_slices(vocab, 3))]
+    shards = [
+        VocabShard(h, lo, hi, first=i == 0, last=i == 2, token_layout=layout)
+        for i, (lo, hi) in enumerate(vocab_slices(vocab, 3))
+    ]
     out: dict[str, torch.Tensor] = {"hidden_states": tokens}
     for shard in shards:
         with torch.no_grad():
-            shard.weight.copy_(full[shard.lo:shard.hi])
+            shard.weight.copy_(full[shard.lo : shard.hi])
         stats = {k: out[k] for k in STATS if k in out}
         out = shard(out["hidden_states"], labels, mask if shard.last else None, **stats)
     out["loss"].backward()

@@ -21,25 +21,49 @@ TWO_RANKS = {
     # decoder.0 and decoder.1 both on the V's bottom (rank 1): the two chunks meet on one rank.
     "bottom": {"pp": 2, "v_stages": [0, 0, 1, 2, 3, 3, 3], "ref_ranks": PP2},
     # The first chunk wholly frozen, the V's bottom half frozen: frozen weights get no W and no gradient.
-    "frozen": {"pp": 2, "v_stages": V2, "ref_ranks": PP2,
-               "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
+    "frozen": {
+        "pp": 2,
+        "v_stages": V2,
+        "ref_ranks": PP2,
+        "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp",
+    },
     # As "frozen", the sends held to their order (sends_wait): the gradients a frozen chunk never sends or takes
     # must not hold the sends after them.
-    "frozen_held": {"pp": 2, "v_stages": V2, "ref_ranks": PP2, "sends_wait": True,
-                    "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp"},
+    "frozen_held": {
+        "pp": 2,
+        "v_stages": V2,
+        "ref_ranks": PP2,
+        "sends_wait": True,
+        "freeze": "token_position_embeddings,decoder.0,decoder.1.pp_block.mlp",
+    },
     # Tied embeddings: in a V both ends are on rank 0, one tensor used by its two chunks.
-    "tied": {"pp": 2, "v_stages": V2, "ref_ranks": PP2, "config": {"tie_word_embeddings": True},
-             "aliases": {"model.lm_head.pp_block.weight": "model.token_position_embeddings.pp_block.token_embedding.weight"}},
+    "tied": {
+        "pp": 2,
+        "v_stages": V2,
+        "ref_ranks": PP2,
+        "config": {"tie_word_embeddings": True},
+        "aliases": {"model.lm_head.pp_block.weight": "model.token_position_embeddings.pp_block.token_embedding.weight"},
+    },
     # Three vocabulary shards, all in rank 0's second chunk with the loss.
-    "vocab_chain": {"pp": 2, "v_stages": V2, "ref_ranks": [0, 0, 0, 0, 0, 1, 1], "vocab_shards": 3,
-                    "config": {"vocab_size": 1009}},
+    "vocab_chain": {
+        "pp": 2,
+        "v_stages": V2,
+        "ref_ranks": [0, 0, 0, 0, 0, 1, 1],
+        "vocab_shards": 3,
+        "config": {"vocab_size": 1009},
+    },
     # A failed step's products left in the store: the next step starts with none of them.
     "after_failed_step": {"pp": 2, "v_stages": V2, "ref_ranks": PP2, "after_failed_step": True},
 }
 FIVE_LAYERS = {"num_hidden_layers": 5}
 FOUR_RANKS = {
-    "pp4": {"pp": 4, "v_stages": [0, 1, 2, 3, 4, 5, 6, 7, 7, 7], "ref_ranks": [0, 0, 1, 1, 2, 2, 3, 3, 3, 3],
-            "config": FIVE_LAYERS, "n_micro": 8},
+    "pp4": {
+        "pp": 4,
+        "v_stages": [0, 1, 2, 3, 4, 5, 6, 7, 7, 7],
+        "ref_ranks": [0, 0, 1, 1, 2, 2, 3, 3, 3, 3],
+        "config": FIVE_LAYERS,
+        "n_micro": 8,
+    },
     "dp2_pp2": {"pp": 2, "dp": 2, "v_stages": V2, "ref_ranks": PP2},
     "tp2_pp2": {"pp": 2, "tp": 2, "v_stages": V2, "ref_ranks": PP2, "config": {"vocab_size": 50278}},
 }
@@ -94,8 +118,11 @@ def test_each_chunk_defers_only_its_own_linears_even_where_both_meet_on_one_rank
 
 
 #: A V of 2 pp chunks over the tiny model: pp = 2 on 2 layers, 3 on 4, 4 on 5 (the loss chunk ends on rank 0).
-FAMILY = {2: ({}, V2), 3: ({"num_hidden_layers": 4}, [0, 1, 2, 3, 4, 5, 5, 5, 5]),
-          4: (FIVE_LAYERS, [0, 1, 2, 3, 4, 5, 6, 7, 7, 7])}
+FAMILY = {
+    2: ({}, V2),
+    3: ({"num_hidden_layers": 4}, [0, 1, 2, 3, 4, 5, 5, 5, 5]),
+    4: (FIVE_LAYERS, [0, 1, 2, 3, 4, 5, 6, 7, 7, 7]),
+}
 
 
 @pytest.mark.parametrize("pp", sorted(FAMILY))
@@ -111,9 +138,11 @@ def test_every_zbv_order_runs_to_completion_and_each_receive_gets_what_its_peer_
 
     config, stages = FAMILY[pp]
     held = sorted({1, 2, pp, pp + 1, 2 * pp, 2 * pp + 1})
-    cases = {f"m{m}{'_wait' * wait}": {"pp": pp, "config": config, "v_stages": stages, "n_micro": m,
-                                        "sends_wait": wait}
-             for wait, ms in ((False, (1, 2, 2 * pp + 1)), (True, held)) for m in ms}
+    cases = {
+        f"m{m}{'_wait' * wait}": {"pp": pp, "config": config, "v_stages": stages, "n_micro": m, "sends_wait": wait}
+        for wait, ms in ((False, (1, 2, 2 * pp + 1)), (True, held))
+        for m in ms
+    }
     ranks = sorted(run_distributed(zbv_workers.run_orders, pp, args=(cases,), timeout=240), key=lambda r: r["rank"])
     for name, case in cases.items():
         order = zbv_order(pp, case["n_micro"])

@@ -48,8 +48,7 @@ FOUR_RANKS = {
     "tp2_pp2": TP2,
     # Nanotron's async REDUCE_SCATTER linears run their synchronous path under zb1p. The reference is 1F1B on
     # the synchronous path: on gloo, Nanotron 0.2's async REDUCE_SCATTER backward gives other gradients.
-    "tp2_pp2_reduce_scatter_async": {**TP2, "tp_mode": "REDUCE_SCATTER", "tp_async": True,
-                                     "ref": {"tp_async": False}},
+    "tp2_pp2_reduce_scatter_async": {**TP2, "tp_mode": "REDUCE_SCATTER", "tp_async": True, "ref": {"tp_async": False}},
 }
 
 
@@ -89,11 +88,14 @@ def test_zero_bubble_equals_1f1b_four_ranks(four_ranks: list[dict], name: str, e
 EMBEDDING, LM_HEAD = "model.token_position_embeddings.pp_block.token_embedding.weight", "model.lm_head.pp_block.weight"
 
 
-@pytest.mark.parametrize(("name", "rank0", "rank1"), [
-    ("tied_one_stage", {EMBEDDING}, set()),  # one tensor, named once, on the stage that holds both ends
-    ("tied_two_stages", {EMBEDDING}, {LM_HEAD}),  # a copy on each stage, synced by the tied all-reduce
-    ("pp2", set(), set()),
-])
+@pytest.mark.parametrize(
+    ("name", "rank0", "rank1"),
+    [
+        ("tied_one_stage", {EMBEDDING}, set()),  # one tensor, named once, on the stage that holds both ends
+        ("tied_two_stages", {EMBEDDING}, {LM_HEAD}),  # a copy on each stage, synced by the tied all-reduce
+        ("pp2", set(), set()),
+    ],
+)
 def test_the_tied_cases_are_tied(two_ranks: list[dict], name: str, rank0: set, rank1: set) -> None:
     # Their equality with 1F1B above means something only if the embedding and the lm_head are one weight.
     tied = {res["rank"]: set(res[name]["zb2p"]["tied"]) & {EMBEDDING, LM_HEAD} for res in two_ranks}
@@ -130,8 +132,9 @@ def test_cli_trains_with_pp_engine_zb1p_and_auto(tmp_path: Path) -> None:
     losses = {}
     for engine in ("zb1p", "auto"):
         config = tw.write_config(tmp_path / f"{engine}.yaml", {"parallelism": {"pp_engine": engine}})
-        launch = tw.launch_ranks(["--config-file", str(config), "--steps", "3", "--cost-strategy", "flops"], 2,
-                                 timeout=120)
+        launch = tw.launch_ranks(
+            ["--config-file", str(config), "--steps", "3", "--cost-strategy", "flops"], 2, timeout=120
+        )
         assert launch.ok and launch.metrics is not None, launch.describe()
         runs = resolve_engine(load_config(config, cost_strategy="flops"))[0].run.engine if engine == "auto" else engine
         assert launch.metrics["engine"] == runs and f"engine {runs} |" in launch.ranks[0].stdout

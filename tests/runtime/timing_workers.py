@@ -72,8 +72,14 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
 #: Scripted (forward, backward) seconds per block role: blocks cost [2, 6, 6, 1, 2, 1, 2] in the tiny model's
 #: order (embedding, decoder.0-1, final_norm, lm_head, cast, loss). Best pp=2 split, by hand: the prefix sums are
 #: 2, 8, 14, ... of 20, so cutting after decoder.0 gives max(8, 12) = 12, every other cut more: (0,0,1,1,1,1,1).
-SCRIPT_A = {"embedding": (1.0, 1.0), "decoder": (2.0, 4.0), "final_norm": (0.5, 0.5), "lm_head": (1.0, 1.0),
-            "cast": (0.5, 0.5), "loss": (1.0, 1.0)}
+SCRIPT_A = {
+    "embedding": (1.0, 1.0),
+    "decoder": (2.0, 4.0),
+    "final_norm": (0.5, 0.5),
+    "lm_head": (1.0, 1.0),
+    "cast": (0.5, 0.5),
+    "loss": (1.0, 1.0),
+}
 #: The same with a heavy lm_head: [2, 6, 6, 1, 100, 1, 2] of 118; cutting before the lm_head gives
 #: max(15, 103) = 103, after it 115, earlier cuts more: (0,0,0,0,1,1,1).
 SCRIPT_B = {**SCRIPT_A, "lm_head": (40.0, 60.0)}
@@ -258,8 +264,12 @@ def clocked_steps(engine: str, clocked: bool, frozen: tuple[str, ...] = (), step
 
     with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:
         torch.manual_seed(0)
-        model = build_cpu_llama(LlamaConfig(**SMALL), ctx, block_ranks=SPLIT,
-                                freeze=lambda name, _: name.startswith(frozen) if frozen else False)
+        model = build_cpu_llama(
+            LlamaConfig(**SMALL),
+            ctx,
+            block_ranks=SPLIT,
+            freeze=lambda name, _: name.startswith(frozen) if frozen else False,
+        )
         optimizer, grad_acc = build_optimizer(model, ctx, learning_rate=1e-3)
         batches = random_micro_batches(model, ctx, SMALL["vocab_size"], MICRO_BATCH, SEQ_LEN)
         losses, gathered, records = [], None, None
@@ -267,14 +277,21 @@ def clocked_steps(engine: str, clocked: bool, frozen: tuple[str, ...] = (), step
             with OpClock(model, ctx) as clock:
                 for _ in range(steps):
                     with clock.step():
-                        losses.append(train_step(model, ctx, engine, batches, N_MICRO, optimizer,
-                                                 grad_accumulator=grad_acc))
+                        losses.append(
+                            train_step(model, ctx, engine, batches, N_MICRO, optimizer, grad_accumulator=grad_acc)
+                        )
                 gathered = clock.gather()
                 records = clock.timer.gather()
         else:
-            losses = [train_step(model, ctx, engine, batches, N_MICRO, optimizer, grad_accumulator=grad_acc)
-                      for _ in range(steps)]
+            losses = [
+                train_step(model, ctx, engine, batches, N_MICRO, optimizer, grad_accumulator=grad_acc)
+                for _ in range(steps)
+            ]
         weights = {n: p.detach().clone().numpy().tobytes() for n, p in model.named_parameters()}
-    return {"rank": int(os.environ["RANK"]), "losses": losses, "weights": weights,
-            "steps": None if gathered is None else [[dataclasses.asdict(s) for s in rank] for rank in gathered],
-            "records": None if records is None else [[r.to_dict() for r in rank] for rank in records]}
+    return {
+        "rank": int(os.environ["RANK"]),
+        "losses": losses,
+        "weights": weights,
+        "steps": None if gathered is None else [[dataclasses.asdict(s) for s in rank] for rank in gathered],
+        "records": None if records is None else [[r.to_dict() for r in rank] for rank in records],
+    }

@@ -99,12 +99,21 @@ def launch_ranks(
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_train_") as tmp:
         argv, metrics_path, plan_path = _with_outputs(args, Path(tmp)) if outputs else (args, None, None)
         # No grace period: every rank runs to its own end (or the deadline), so each prints its own error.
-        run = run_local_ranks([sys.executable, "-m", "nanotron_ext.cli", "train", *argv], world_size,
-                              timeout=timeout, env=local_env(REPO_ROOT), rendezvous=torchrun_env, merge_output=False,
-                              cwd=REPO_ROOT)
-        return Launch(_rank_runs(run), run.elapsed_s,
-                      _read_json(metrics_path) if metrics_path else None,
-                      _read_json(plan_path) if plan_path else None)
+        run = run_local_ranks(
+            [sys.executable, "-m", "nanotron_ext.cli", "train", *argv],
+            world_size,
+            timeout=timeout,
+            env=local_env(REPO_ROOT),
+            rendezvous=torchrun_env,
+            merge_output=False,
+            cwd=REPO_ROOT,
+        )
+        return Launch(
+            _rank_runs(run),
+            run.elapsed_s,
+            _read_json(metrics_path) if metrics_path else None,
+            _read_json(plan_path) if plan_path else None,
+        )
 
 
 def torchrun(args: list[str], nproc: int, *, timeout: float = 90.0) -> Launch:
@@ -118,8 +127,13 @@ def torchrun(args: list[str], nproc: int, *, timeout: float = 90.0) -> Launch:
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_torchrun_") as tmp:
         argv, metrics_path, plan_path = _with_outputs(args, Path(tmp))
         run = run_local_ranks(
-            [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron_ext.cli", "train", *argv], 1,
-            timeout=timeout, env=local_env(REPO_ROOT), rendezvous=False, merge_output=False, cwd=REPO_ROOT,
+            [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "nanotron_ext.cli", "train", *argv],
+            1,
+            timeout=timeout,
+            env=local_env(REPO_ROOT),
+            rendezvous=False,
+            merge_output=False,
+            cwd=REPO_ROOT,
         )
         return Launch(_rank_runs(run), run.elapsed_s, _read_json(metrics_path), _read_json(plan_path))
 
@@ -149,14 +163,26 @@ def write_config(path: Path, changes: dict[str, Any] | None = None) -> Path:
 def final_weights(metrics: dict[str, Any]) -> dict[str, str]:
     """Every parameter's hash after training (``--metrics-out``), from whichever rank holds it at the end (after a
     re-plan's move that may be another rank than at the start)."""
-    return {name: c["sha256_after"] for rank in metrics["ranks"] for name, c in rank["checksums"].items()
-            if "sha256_after" in c}
+    return {
+        name: c["sha256_after"]
+        for rank in metrics["ranks"]
+        for name, c in rank["checksums"].items()
+        if "sha256_after" in c
+    }
 
 
 def constant_lr(lr: float) -> dict[str, Any]:
     """YAML changes for a constant learning rate (no warm-up, no decay)."""
-    return {"optimizer": {"learning_rate_scheduler": {
-        "learning_rate": lr, "lr_warmup_steps": 0, "lr_warmup_style": "constant", "min_decay_lr": lr}}}
+    return {
+        "optimizer": {
+            "learning_rate_scheduler": {
+                "learning_rate": lr,
+                "lr_warmup_steps": 0,
+                "lr_warmup_style": "constant",
+                "min_decay_lr": lr,
+            }
+        }
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -179,8 +205,16 @@ def _llama_config(cfg):
 
 
 def _inventory_rows(blocks) -> list[dict[str, Any]]:
-    return [{"name": b.name, "role": b.role, "params": b.params, "trainable": b.trainable,
-             "parameters": [(p.name, p.numel, p.trainable) for p in b.parameters]} for b in blocks]
+    return [
+        {
+            "name": b.name,
+            "role": b.role,
+            "params": b.params,
+            "trainable": b.trainable,
+            "parameters": [(p.name, p.numel, p.trainable) for p in b.parameters],
+        }
+        for b in blocks
+    ]
 
 
 def _collective_check(model: Any, ctx: Any) -> tuple[str | None, list[dict]]:
@@ -229,8 +263,9 @@ def integration_world(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         undo = integration.patch_nanotron(cfg)
         out["patched_is_ours"] = nanotron_base.build_model is integration.build_model
         try:
-            model = nanotron_base.build_model(model_builder=builder, parallel_context=ctx, dtype=torch.float32,
-                                              device=torch.device("cpu"))
+            model = nanotron_base.build_model(
+                model_builder=builder, parallel_context=ctx, dtype=torch.float32, device=torch.device("cpu")
+            )
         finally:
             undo()
         out["restored"] = nanotron_base.build_model is original

@@ -30,17 +30,28 @@ def _batches(model, ctx, seed: int, masked: bool, n: int):
     for i in range(n):
         tokens = next(stream)
         if i == 0:
-            tokens[1, 1:1 + len(edges)] = torch.tensor(edges)
+            tokens[1, 1 : 1 + len(edges)] = torch.tensor(edges)
         mask = torch.rand(MICRO_BATCH, SEQ_LEN, generator=gen) > (0.35 if masked else -1.0)
         mask[0, 0] = True
         if i == 0:
-            mask[1, :len(edges)] = True
+            mask[1, : len(edges)] = True
         out.append(make_micro_batch(model, ctx, input_ids=tokens[:, :-1], label_ids=tokens[:, 1:], label_mask=mask))
     return out
 
 
-def _run(pp: int, dp: int, shards: int, ranks: list[int] | None, *, scale: float, masked: bool, steps: int,
-         engine: str, seed: int = 7, sends: str = "nanotron") -> tuple[list[float], dict[str, Any]]:
+def _run(
+    pp: int,
+    dp: int,
+    shards: int,
+    ranks: list[int] | None,
+    *,
+    scale: float,
+    masked: bool,
+    steps: int,
+    engine: str,
+    seed: int = 7,
+    sends: str = "nanotron",
+) -> tuple[list[float], dict[str, Any]]:
     """Build, optionally scale the lm_head rows, train ``steps`` steps (0: one forward/backward, no update) and
     return (losses, every parameter's gradient under the unsplit model's names, gathered from all ranks)."""
     import torch
@@ -59,7 +70,7 @@ def _run(pp: int, dp: int, shards: int, ranks: list[int] | None, *, scale: float
     optimizer = build_optimizer(model, ctx, learning_rate=1e-2)[0] if steps else None
     batches = _batches(model, ctx, seed, masked, N_MICRO * max(1, steps))
     losses = [
-        train_step(model, ctx, engine, batches[i * N_MICRO:(i + 1) * N_MICRO], N_MICRO, optimizer, sends=sends)
+        train_step(model, ctx, engine, batches[i * N_MICRO : (i + 1) * N_MICRO], N_MICRO, optimizer, sends=sends)
         for i in range(max(1, steps))
     ]
     local = {}
@@ -109,7 +120,8 @@ def chain_vs_unsplit(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "ref_losses": ref_losses,
                 "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 "grad_rel": grad_rel,
-                "finite": all(torch.isfinite(torch.tensor(losses))) and all(bool(torch.isfinite(g).all()) for g in grads.values()),
+                "finite": all(torch.isfinite(torch.tensor(losses)))
+                and all(bool(torch.isfinite(g).all()) for g in grads.values()),
             }
         return out if dist.get_rank() == 0 else {}
     finally:
@@ -138,8 +150,9 @@ def send_orders(engine: str) -> dict[str, Any]:
     try:
         for order in ("nanotron", "eager"):
             log.clear()
-            losses, grads = _run(2, 1, 2, [0, 0, 0, 0, 0, 1], scale=1.0, masked=True, steps=0, engine=engine,
-                                 sends=order)
+            losses, grads = _run(
+                2, 1, 2, [0, 0, 0, 0, 0, 1], scale=1.0, masked=True, steps=0, engine=engine, sends=order
+            )
             out[order] = {"losses": losses, "grads": grads, "calls": "".join(log)}
         return out
     finally:

@@ -49,9 +49,7 @@ def _context(tp: int, pp: int, dp: int):
 
     key = (tp, pp, dp)
     if key not in _CONTEXTS:
-        _CONTEXTS[key] = GlooParallelContext(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
-        )
+        _CONTEXTS[key] = GlooParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
     return _CONTEXTS[key]
 
 
@@ -156,9 +154,7 @@ def nanotron_split(pp: int) -> dict[str, Any]:
         }
         for label, ranks in bad_inputs.items():
             try:
-                assign_blocks(
-                    cpu_llama(config, ctx), ctx, ranks
-                )
+                assign_blocks(cpu_llama(config, ctx), ctx, ranks)
             except ValueError as exc:
                 errors[label] = str(exc)
         return {
@@ -264,8 +260,9 @@ def _trace_one_step(
     for (cls, attr), wrapper in wrappers.items():
         setattr(cls, attr, wrapper)
     try:
-        train_step(model, ctx, engine, micro_batches(model, ctx, 0), n_micro_batches, optimizer,
-                   grad_accumulator=grad_acc)
+        train_step(
+            model, ctx, engine, micro_batches(model, ctx, 0), n_micro_batches, optimizer, grad_accumulator=grad_acc
+        )
     finally:
         for (cls, attr), original in originals.items():
             setattr(cls, attr, original)

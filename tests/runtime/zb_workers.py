@@ -23,8 +23,7 @@ class _GradRecorder:
         self.optimizer, self.model, self.steps = optimizer, getattr(model, "module", model), []
 
     def step(self) -> None:
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                           if p.grad is not None})
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
         if self.optimizer is not None:
             self.optimizer.step()
 
@@ -48,8 +47,14 @@ def _parallel_config(tp_mode: str | None, tp_async: bool):
     from nanotron.config import ParallelismArgs
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-    return ParallelismArgs(dp=1, pp=1, tp=1, pp_engine="1f1b", tp_mode=TensorParallelLinearMode[tp_mode],
-                           tp_linear_async_communication=tp_async)
+    return ParallelismArgs(
+        dp=1,
+        pp=1,
+        tp=1,
+        pp_engine="1f1b",
+        tp_mode=TensorParallelLinearMode[tp_mode],
+        tp_linear_async_communication=tp_async,
+    )
 
 
 def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
@@ -68,9 +73,14 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
     ctx = workers._context(tp, pp, dp)
     torch.manual_seed(case.get("seed", 3))
     model = build_cpu_llama(
-        workers.tiny_config(**case.get("config", {})), ctx, block_ranks=case.get("block_ranks"), v_stages=case.get("v_stages"),
+        workers.tiny_config(**case.get("config", {})),
+        ctx,
+        block_ranks=case.get("block_ranks"),
+        v_stages=case.get("v_stages"),
         parallel_config=_parallel_config(case.get("tp_mode"), case.get("tp_async", False)),
-        projector=opaque, freeze=_freeze(case.get("freeze")), vocab_shards=case.get("vocab_shards", 1),
+        projector=opaque,
+        freeze=_freeze(case.get("freeze")),
+        vocab_shards=case.get("vocab_shards", 1),
         recompute_layer=case.get("recompute", False),
     )
     if opaque:
@@ -87,8 +97,12 @@ def _train(engine: str, case: dict[str, Any], opaque: bool) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            losses = [train_step(model, ctx, engine, stream, case.get("n_micro", N_MICRO), recorder,
-                                 grad_accumulator=grad_acc) for _ in range(case.get("steps", 2))]
+            losses = [
+                train_step(
+                    model, ctx, engine, stream, case.get("n_micro", N_MICRO), recorder, grad_accumulator=grad_acc
+                )
+                for _ in range(case.get("steps", 2))
+            ]
     finally:
         WeightGradStore.pop = pop
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, ZeroBubbleFallbackWarning)]
@@ -105,12 +119,18 @@ def _leave_a_failed_steps_w(model: Any) -> None:
     from nanotron_ext.zero_bubble import WeightGradProduct, install_store, store_of
 
     store = install_store(model)  # the engine keeps the model's store (one per model)
-    linear = next(m for m in getattr(model, "module", model).modules()
-                  if store_of(m) is store and getattr(m, "weight", None) is not None and m.weight.requires_grad)
+    linear = next(
+        m
+        for m in getattr(model, "module", model).modules()
+        if store_of(m) is store and getattr(m, "weight", None) is not None and m.weight.requires_grad
+    )
     out_features, in_features = linear.weight.shape
     with store.backward_of(0):
-        store.push(WeightGradProduct("failed step", linear.weight, None, torch.ones(3, in_features),
-                                     torch.ones(3, out_features)))
+        store.push(
+            WeightGradProduct(
+                "failed step", linear.weight, None, torch.ones(3, in_features), torch.ones(3, out_features)
+            )
+        )
     assert store.pending() == [0]
 
 
@@ -148,9 +168,15 @@ def _against(ref: dict[str, Any], zb: dict[str, Any]) -> dict[str, Any]:
             scale = float(g.abs().max()) or 1.0
             worst = max(worst, float((zb_step[name] - g).abs().max()) / scale)
     return {
-        "losses": ref["losses"], "zb_losses": zb["losses"], "grad_rel": worst, "names": names,
-        "steps": len(zb["grads"]), "popped": zb["popped"], "fallbacks": zb["fallbacks"],
-        "ref_fallbacks": ref["fallbacks"], "tied": zb["tied"],
+        "losses": ref["losses"],
+        "zb_losses": zb["losses"],
+        "grad_rel": worst,
+        "names": names,
+        "steps": len(zb["grads"]),
+        "popped": zb["popped"],
+        "fallbacks": zb["fallbacks"],
+        "ref_fallbacks": ref["fallbacks"],
+        "tied": zb["tied"],
     }
 
 

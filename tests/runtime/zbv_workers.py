@@ -39,8 +39,10 @@ def compare_v(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             ref = zb_workers._train("1f1b", {**case, "v_stages": None, "block_ranks": case["ref_ranks"]}, False)
             engine = ZeroBubbleVPipelineEngine(sends_wait=case.get("sends_wait", False))
             v = zb_workers._train(engine, case, False)
-            out[name] = {**zb_workers._against(_gathered(ref, case), _gathered(v, case)),
-                         "trace": [str(op) for op in engine.trace]}
+            out[name] = {
+                **zb_workers._against(_gathered(ref, case), _gathered(v, case)),
+                "trace": [str(op) for op in engine.trace],
+            }
         return out
     finally:
         workers._destroy_contexts()
@@ -69,16 +71,28 @@ def run_orders(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             transfers: list[tuple[str, int, int, int]] = []
             wait = case.get("sends_wait", False)
 
-            def sent(self: Any, tensors: list[Any], to_rank: int, tag: int = 0, transfers: list = transfers,
-                     wait: bool = wait) -> Any:
+            def sent(
+                self: Any,
+                tensors: list[Any],
+                to_rank: int,
+                tag: int = 0,
+                transfers: list = transfers,
+                wait: bool = wait,
+            ) -> Any:
                 transfers.append(("send", tag, to_rank, tensors[0].numel()))
                 result = send(self, tensors, to_rank=to_rank, tag=tag)
                 if wait:
                     recv(self, num_tensors=1, from_rank=to_rank, tag=RECEIPT_TAG)
                 return result
 
-            def received(self: Any, num_tensors: int, from_rank: int, tag: int = 0, transfers: list = transfers,
-                         wait: bool = wait) -> Any:
+            def received(
+                self: Any,
+                num_tensors: int,
+                from_rank: int,
+                tag: int = 0,
+                transfers: list = transfers,
+                wait: bool = wait,
+            ) -> Any:
                 result = recv(self, num_tensors=num_tensors, from_rank=from_rank, tag=tag)
                 transfers.append(("recv", tag, from_rank, result[0].numel()))
                 if wait:
@@ -91,12 +105,22 @@ def run_orders(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             engine = ZeroBubbleVPipelineEngine(sends_wait=wait)
             CPUP2P.send_tensors, CPUP2P.recv_tensors = sent, received
             try:
-                train_step(model, ctx, engine, workers.micro_batches(model, ctx, 0), case["n_micro"], optimizer,
-                           grad_accumulator=grad_acc)
+                train_step(
+                    model,
+                    ctx,
+                    engine,
+                    workers.micro_batches(model, ctx, 0),
+                    case["n_micro"],
+                    optimizer,
+                    grad_accumulator=grad_acc,
+                )
             finally:
                 CPUP2P.send_tensors, CPUP2P.recv_tensors = send, recv
-            out[name] = {"trace": [tuple(op) for op in engine.trace], "transfers": transfers,
-                         "pp_rank": dist.get_rank(ctx.pp_pg)}
+            out[name] = {
+                "trace": [tuple(op) for op in engine.trace],
+                "transfers": transfers,
+                "pp_rank": dist.get_rank(ctx.pp_pg),
+            }
         return out
     finally:
         workers._destroy_contexts()

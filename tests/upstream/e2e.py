@@ -28,27 +28,54 @@ STUBS = ROOT / "tests" / "upstream_stubs"
 SEED_VOCAB = 50277  # the seed case: a tiny model with GPT-NeoX's vocabulary
 
 
-def tiny_config(tmp: Path, example: str = "config_tiny_llama.yaml", *, steps: int = 10, pp: int = 2,
-                ext: dict[str, Any] | None = None, **overrides: Any) -> Path:
+def tiny_config(
+    tmp: Path,
+    example: str = "config_tiny_llama.yaml",
+    *,
+    steps: int = 10,
+    pp: int = 2,
+    ext: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
     """Upstream's example YAML shrunk to CPU size (hidden 16, 2 layers, vocab 50277, fp32, seq 32), with
     our section ``ext`` and dotted ``overrides`` (``checkpoints__save_initial_state=True``)."""
     d = yaml.safe_load((UPSTREAM_EXAMPLES / example).read_text())
     d["model"]["model_config"].update(
-        hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=SEED_VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=SEED_VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     d["model"]["model_config"].pop("moe_config", None)
     d["model"].update(dtype="float32", init_method={"std": 0.5})
-    d["parallelism"].update(dp=1, pp=pp, tp=1, pp_engine="1f1b", tp_mode="ALL_REDUCE",
-                            tp_linear_async_communication=False, context_parallel_size=1, expert_parallel_size=1)
-    d["tokens"].update(micro_batch_size=4, sequence_length=32, train_steps=steps, batch_accumulation_per_replica=2,
-                       limit_val_batches=0)
+    d["parallelism"].update(
+        dp=1,
+        pp=pp,
+        tp=1,
+        pp_engine="1f1b",
+        tp_mode="ALL_REDUCE",
+        tp_linear_async_communication=False,
+        context_parallel_size=1,
+        expert_parallel_size=1,
+    )
+    d["tokens"].update(
+        micro_batch_size=4, sequence_length=32, train_steps=steps, batch_accumulation_per_replica=2, limit_val_batches=0
+    )
     d["optimizer"].update(accumulate_grad_in_fp32=False, zero_stage=0, clip_grad=1.0, weight_decay=0.01)
     d["optimizer"]["optimizer_factory"].update(name="adamW", torch_adam_is_fused=False)
-    d["optimizer"]["learning_rate_scheduler"].update(learning_rate=0.02, min_decay_lr=0.02, lr_warmup_steps=1,
-                                                     lr_warmup_style="linear", lr_decay_steps=None)
-    d["checkpoints"].update(checkpoints_path=str(tmp / "checkpoints"), checkpoint_interval=steps,
-                            save_initial_state=False, resume_checkpoint_path=None)
+    d["optimizer"]["learning_rate_scheduler"].update(
+        learning_rate=0.02, min_decay_lr=0.02, lr_warmup_steps=1, lr_warmup_style="linear", lr_decay_steps=None
+    )
+    d["checkpoints"].update(
+        checkpoints_path=str(tmp / "checkpoints"),
+        checkpoint_interval=steps,
+        save_initial_state=False,
+        resume_checkpoint_path=None,
+    )
     d["general"].update(benchmark_csv_path=None, seed=42)
     for stage in d["data_stages"]:
         stage["data"]["dataset"] = None
@@ -79,8 +106,9 @@ class Run:
         return {int(s): float(v) for s, v in re.findall(r"iteration: (\d+) / \d+ .*?\| lm_loss: ([0-9.]+)", self.out)}
 
 
-def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2, extra_env: dict[str, str] | None = None,
-                     cpu_debug: bool = True) -> tuple[list[str], dict[str, str]]:
+def torchrun_command(
+    config: Path, *launcher_args: str, nproc: int = 2, extra_env: dict[str, str] | None = None, cpu_debug: bool = True
+) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of ``torchrun --nproc_per_node=N -m nanotron_ext.run --cpu-debug [ARGS] run_train.py
     --config-file CONFIG``: upstream's own trainer on CPU, as the docs tell a user to run it (``cpu_debug=False``
     leaves the flag out). The ranks' ``PYTHONPATH`` has the project first and not the test pass's shim
@@ -90,8 +118,20 @@ def torchrun_command(config: Path, *launcher_args: str, nproc: int = 2, extra_en
     env["PYTHONPATH"] = os.pathsep.join([str(STUBS), *paths] if PAUSE_IN_SAVE in (extra_env or {}) else paths)
     run_train = upstream_tree() / "run_train.py"  # skips (or fails, NANOTRON_EXT_REQUIRE_SHARED=1) without it
     flag = [CPU_DEBUG_FLAG] if cpu_debug else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "nanotron_ext.run", *flag, *launcher_args, str(run_train), "--config-file", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "nanotron_ext.run",
+        *flag,
+        *launcher_args,
+        str(run_train),
+        "--config-file",
+        str(config),
+    ]
     return cmd, env
 
 
@@ -103,8 +143,14 @@ DIRECT_GRACE_S = 15.0
 TORCHRUN = os.environ.get("NANOTRON_EXT_TEST_TORCHRUN") == "1"
 
 
-def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 240, cpu_debug: bool = True,
-           torchrun: bool = True) -> Run:
+def launch(
+    config: Path,
+    *launcher_args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    cpu_debug: bool = True,
+    torchrun: bool = True,
+) -> Run:
     """Run :func:`torchrun_command` to its end (at most ``timeout`` seconds).
 
     ``torchrun=False`` starts the ranks directly instead, with the environment torchrun gives them
@@ -115,9 +161,10 @@ def launch(config: Path, *launcher_args: str, nproc: int = 2, timeout: float = 2
     """
     cmd, env = torchrun_command(config, *launcher_args, nproc=nproc, cpu_debug=cpu_debug)
     if not torchrun:
-        direct = [sys.executable, *cmd[cmd.index("-m", 3):]]  # `python -m nanotron_ext.run ...`, torchrun's args gone
-        ranks = run_local_ranks(direct, nproc, timeout=timeout, env=env, merge_output=True, cwd=config.parent,
-                                grace=DIRECT_GRACE_S)
+        direct = [sys.executable, *cmd[cmd.index("-m", 3) :]]  # `python -m nanotron_ext.run ...`, torchrun's args gone
+        ranks = run_local_ranks(
+            direct, nproc, timeout=timeout, env=env, merge_output=True, cwd=config.parent, grace=DIRECT_GRACE_S
+        )
         if ranks.deadline_hit:
             raise subprocess.TimeoutExpired(direct, timeout, "".join(r.stdout for r in ranks.ranks))
         code = next((1 if r.returncode is None else r.returncode for r in ranks.ranks if r.returncode != 0), 0)
@@ -141,14 +188,18 @@ def whole_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted((checkpoint / "model").rglob("*.safetensors")):
         rel = f.relative_to(checkpoint / "model")
-        name = ".".join([*rel.parts[:-1], re.sub(r"(_pp-rank-.*)?\.safetensors$", "", rel.name[len("model_"):])])
+        name = ".".join([*rel.parts[:-1], re.sub(r"(_pp-rank-.*)?\.safetensors$", "", rel.name[len("model_") :])])
         with safe_open(str(f), "pt") as fi:
             tensor, meta = fi.get_tensor("data"), fi.metadata() or {}
         if "unsharded_shape" not in meta:
             out[name] = tensor
             continue
-        whole = out.setdefault(name, torch.full(tuple(int(x) for x in re.findall(r"\d+", meta["unsharded_shape"])),
-                                                float("nan"), dtype=tensor.dtype))
+        whole = out.setdefault(
+            name,
+            torch.full(
+                tuple(int(x) for x in re.findall(r"\d+", meta["unsharded_shape"])), float("nan"), dtype=tensor.dtype
+            ),
+        )
         for pair in SlicesPair.tuple_from_str(meta["local_global_slices_pairs"]):
             whole[pair.global_slices] = tensor[pair.local_slices]
     assert not any(t.isnan().any() for t in out.values() if t.is_floating_point()), "a part of a weight is missing"

@@ -34,8 +34,10 @@ def upstream_tree() -> Path:
     """
     if (UPSTREAM / "run_train.py").is_file():
         return UPSTREAM
-    reason = (f"needs upstream Nanotron's source tree at {UPSTREAM} (../shared/upstream/nanotron beside the "
-              f"project: run_train.py); a plain clone has none")
+    reason = (
+        f"needs upstream Nanotron's source tree at {UPSTREAM} (../shared/upstream/nanotron beside the "
+        f"project: run_train.py); a plain clone has none"
+    )
     if os.environ.get(REQUIRE_SHARED_ENV) == "1":
         pytest.fail(f"{reason}, and {REQUIRE_SHARED_ENV}=1 requires it", pytrace=False)
     pytest.skip(reason)
@@ -49,7 +51,12 @@ class cuda_to(TorchFunctionMode):  # noqa: N801  (used like a function: `with cu
         self.device = torch.device(device)
 
     def _map(self, value: Any) -> Any:
-        if isinstance(value, str) and value.startswith("cuda") or isinstance(value, torch.device) and value.type == "cuda":
+        if (
+            isinstance(value, str)
+            and value.startswith("cuda")
+            or isinstance(value, torch.device)
+            and value.type == "cuda"
+        ):
             return self.device
         return value
 

@@ -57,11 +57,20 @@ def test_the_flag_says_once_that_the_run_is_for_debugging(laptop):
 def test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically(laptop):
     folder, runs = laptop
     assert (folder / "checkpoints" / "train" / "latest.txt").read_text() == "4"
-    assert any(n.startswith("the config asks pp=1, the checkpoint was trained at pp=2: checkpoint 4 (E,t|t,L) moves "
-                            "onto the new plan E,t*2,L") for n in _notes(runs["resume_pp1"])), _notes(runs["resume_pp1"])
-    assert any(n.startswith("the config's layout 'E,t*2,N|H,C,X' asks for another split: checkpoint 4 (E,t|t,L) moves "
-                            "onto the new plan E,t*2,N|H,C,X") for n in _notes(runs["resume_split"])), \
-        _notes(runs["resume_split"])
+    assert any(
+        n.startswith(
+            "the config asks pp=1, the checkpoint was trained at pp=2: checkpoint 4 (E,t|t,L) moves "
+            "onto the new plan E,t*2,L"
+        )
+        for n in _notes(runs["resume_pp1"])
+    ), _notes(runs["resume_pp1"])
+    assert any(
+        n.startswith(
+            "the config's layout 'E,t*2,N|H,C,X' asks for another split: checkpoint 4 (E,t|t,L) moves "
+            "onto the new plan E,t*2,N|H,C,X"
+        )
+        for n in _notes(runs["resume_split"])
+    ), _notes(runs["resume_split"])
     assert any("resuming checkpoint 4 on its recorded split E,t|t,L" in n for n in _notes(runs["resume_pp2"]))
     reference = whole_weights(folder / "checkpoints" / "resume_pp2" / "6")
     start = whole_weights(folder / "checkpoints" / "train" / "4")
@@ -73,10 +82,16 @@ def test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically(l
         assert [k for k in reference if not torch.equal(reference[k], moved[k])] == [], other
     # The docs' comparison, as a user runs it: identical, and a checkpoint that differs is told apart.
     compare = [sys.executable, str(EXAMPLE / "compare_weights.py"), "checkpoints/resume_pp2/6"]
-    same = subprocess.run([*compare, "checkpoints/resume_pp1/6", "checkpoints/resume_split/6"], cwd=folder,
-                          capture_output=True, text=True, timeout=120)
-    assert same.returncode == 0 and same.stdout.count("15 weights, bit-identical to checkpoints/resume_pp2/6") == 2, \
+    same = subprocess.run(
+        [*compare, "checkpoints/resume_pp1/6", "checkpoints/resume_split/6"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert same.returncode == 0 and same.stdout.count("15 weights, bit-identical to checkpoints/resume_pp2/6") == 2, (
         same.stdout + same.stderr
+    )
     differs = subprocess.run([*compare, "checkpoints/train/4"], cwd=folder, capture_output=True, text=True, timeout=120)
     assert differs.returncode == 1 and "max |w - w_ref| = " in differs.stdout, differs.stdout + differs.stderr
 
@@ -90,8 +105,11 @@ def test_the_example_configs_differ_only_where_their_comments_say():
 
     configs = {name: flat(yaml.safe_load((EXAMPLE / f"{name}.yaml").read_text())) for name in RUNS}
     paths = {"checkpoints.checkpoints_path", "checkpoints.resume_checkpoint_path", "tokens.train_steps"}
-    expected = {"resume_pp2": paths, "resume_pp1": paths | {"parallelism.pp", "nanotron_ext.layout"},
-                "resume_split": paths | {"nanotron_ext.layout"}}
+    expected = {
+        "resume_pp2": paths,
+        "resume_pp1": paths | {"parallelism.pp", "nanotron_ext.layout"},
+        "resume_split": paths | {"nanotron_ext.layout"},
+    }
     for name, keys in expected.items():
         assert {k for k in configs[name] if configs[name][k] != configs["train_pp2"][k]} == keys, name
     assert configs["train_pp2"]["optimizer.clip_grad"] == 1.0  # the case Nanotron's own clipping broke
@@ -141,9 +159,17 @@ def test_without_the_flag_no_standin_is_importable_and_with_it_the_script_runs_o
     assert "CODE 3" in plain and "LOADED []" in plain, plain[-20:]
     assert any("importing Nanotron's trainer failed" in line and "--cpu-debug" in line for line in plain), plain[-20:]
     assert not any(line.startswith("FOUND") for line in plain)  # the script never ran
-    found = subprocess.run([sys.executable, "-c", f"import importlib.util as u; print([n for n in {names!r}.split(',') "
-                            f"if u.find_spec(n)])"], env={**local_env(ROOT), "PYTHONPATH": str(ROOT)},
-                           capture_output=True, text=True, timeout=60).stdout
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import importlib.util as u; print([n for n in {names!r}.split(',') if u.find_spec(n)])",
+        ],
+        env={**local_env(ROOT), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert found.strip() == "[]", found
     # With it, one process (no torchrun): the same script runs, on the stand-ins, which win over an installed
     # flash_attn (whose CUDA kernels could not take the CPU's tensors).

@@ -20,12 +20,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_launcher_step_trains_saves_and_verifies_its_checkpoint(tmp_path: Path) -> None:
     run_train = upstream_tree() / "run_train.py"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           str(REPO / "benchmarks" / "gpu_launcher.py"), str(run_train), str(tmp_path), "--cpu-debug"],
-                          capture_output=True, text=True, timeout=300, env=local_env(REPO), cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(REPO / "benchmarks" / "gpu_launcher.py"),
+            str(run_train),
+            str(tmp_path),
+            "--cpu-debug",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=local_env(REPO),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "gpu_launcher: trained through the launcher and saved checkpoint 4, " in done.stdout
     assert " files proved" in done.stdout
     config = yaml.safe_load((tmp_path / "gpu_launcher.yaml").read_text())
-    assert config["parallelism"]["pp"] == 1 and config["checkpoints"]["checkpoints_path"] == str(tmp_path / "checkpoints")
+    assert config["parallelism"]["pp"] == 1 and config["checkpoints"]["checkpoints_path"] == str(
+        tmp_path / "checkpoints"
+    )
     assert (tmp_path / "checkpoints" / "4").is_dir()

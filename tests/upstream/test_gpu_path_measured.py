@@ -20,15 +20,32 @@ def test_upstreams_llama_keeps_what_the_gpu_path_estimate_counts(tmp_path):
     out = tmp_path / "gpu_path_memory.json"
     # The timeout only stops a hang: on this 2-core host the script alone took 7 min 57 s on 2026-11-28 (CI killed it
     # at 300 s with three of its four shapes measured).
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_path_memory.py"), "--device", "cpu",
-                           "--quick", "--out", str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_path_memory.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["attention"]["kernel"].startswith("ScaledDotProductFlashAttention")  # the kernel that keeps lse
     assert result["attention"]["output_copied"] == "False"
     rows = result["rows"]
-    assert {r["shape"]["label"] for r in rows} == {"smollm-135m mb4", "multi-head mb2", "smollm-135m mb4 recompute",
-                                                    "qwen2 mb4 unfused norms"}
+    assert {r["shape"]["label"] for r in rows} == {
+        "smollm-135m mb4",
+        "multi-head mb2",
+        "smollm-135m mb4 recompute",
+        "qwen2 mb4 unfused norms",
+    }
     for r in rows:
         what = f"{r['shape']['label']} {r['what']}: estimated {r['estimated_bytes']:.0f}, measured {r['measured_bytes']:.0f}"
         if r["what"] == "layer" and not r["shape"]["recompute"]:

@@ -46,8 +46,9 @@ def test_seed_model_constrained_trains_ten_steps_and_the_loss_falls(tmp_path):
 
 
 def test_qwen2_trains_at_pp2(tmp_path):
-    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}),
-                 torchrun=TORCHRUN)
+    run = launch(
+        tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}), torchrun=TORCHRUN
+    )
     assert run.rc == 0, run.out[-3000:]
     assert "Qwen2" in run.out or "qwen" in run.out.lower()
     assert sorted(run.losses) == [1, 2, 3, 4, 5]
@@ -74,13 +75,24 @@ def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_che
     assert start.keys() == end.keys() and len(start) == 15
     trained = {k for k in start if k.startswith(("model/decoder/1/", "model/lm_head/"))}
     frozen = set(start) - trained
-    assert {k for k in frozen if "pp-rank-0" in k} and "model/final_layer_norm/pp_block/model_weight.safetensors" in frozen
+    assert {
+        k for k in frozen if "pp-rank-0" in k
+    } and "model/final_layer_norm/pp_block/model_weight.safetensors" in frozen
     assert {k for k in frozen if start[k] != end[k]} == set()  # bit-identical, on rank 0 and rank 1
     assert {k for k in trained if start[k] == end[k]} == set()  # every trained matrix moved
 
     # Resume: the trainer loads weights, optimizer (empty on the frozen rank) and scheduler, trains step 11.
-    resumed = launch(tiny_config(tmp_path, ext=ext, steps=11, checkpoints__resume_checkpoint_path=str(ckpt / "10"),
-                                 checkpoints__checkpoint_interval=1, **BF16), torchrun=TORCHRUN)
+    resumed = launch(
+        tiny_config(
+            tmp_path,
+            ext=ext,
+            steps=11,
+            checkpoints__resume_checkpoint_path=str(ckpt / "10"),
+            checkpoints__checkpoint_interval=1,
+            **BF16,
+        ),
+        torchrun=TORCHRUN,
+    )
     assert resumed.rc == 0, resumed.out[-3000:]
     assert sorted(resumed.losses) == [11]
     after = weight_digests(ckpt / "11")
@@ -102,8 +114,10 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
     # vocab_shards: auto splits the lm_head's rows over both stages of the seed model at pp=2. The launcher
     # puts the chain into upstream's LlamaForTraining, broadcasts each micro-batch's labels to the shard ranks
     # and initialises the shards as the lm_head.
-    run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto",
-                                            "machine": FLOPS_ONLY}), torchrun=TORCHRUN)
+    run = launch(
+        tiny_config(tmp_path, ext={"cost_strategy": "constrained", "vocab_shards": "auto", "machine": FLOPS_ONLY}),
+        torchrun=TORCHRUN,
+    )
     assert run.rc == 0, run.out[-3000:]
     chosen = re.search(r"nanotron_ext: vocab_shards: auto -> (\d+)", run.out)
     assert chosen and int(chosen.group(1)) >= 2, run.out[:3000]
@@ -114,8 +128,10 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
 
 
 def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
-    run = launch(tiny_config(tmp_path, "config_qwen.yaml", steps=3, ext={"cost_strategy": "constrained",
-                                                                           "vocab_shards": 3}), torchrun=TORCHRUN)
+    run = launch(
+        tiny_config(tmp_path, "config_qwen.yaml", steps=3, ext={"cost_strategy": "constrained", "vocab_shards": 3}),
+        torchrun=TORCHRUN,
+    )
     assert run.rc == 0, run.out[-3000:]
     assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
 

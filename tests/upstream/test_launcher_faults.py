@@ -28,7 +28,7 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
     return fields[0], int(fields[1]), int(fields[19])
 
 
@@ -63,8 +63,9 @@ class _Job:
         self.log = tmp / "job.log"
         cmd, env = torchrun_command(config)
         with self.log.open("w") as out:  # its own session: the cleanup's killpg reaches torchrun, never pytest
-            self.torchrun = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+            self.torchrun = subprocess.Popen(
+                cmd, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.ranks: dict[int, int] = {}
 
     def wait_for_training(self, timeout: float = 300) -> None:
@@ -92,8 +93,11 @@ class _Job:
 
     def survivors(self) -> list[str]:
         """The command lines of recorded processes still running, for the failure message."""
-        return [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-                for p, s in self.ranks.items() if _alive(p, s)]
+        return [
+            Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            for p, s in self.ranks.items()
+            if _alive(p, s)
+        ]
 
     def close(self) -> None:
         """SIGKILL whatever is left: torchrun's session, and each recorded process (the ranks lead their own)."""
@@ -119,7 +123,9 @@ def test_every_process_of_the_job_is_gone_within_seconds_of_each_fault(tmp_path)
             left[fault] = job.survivors()
         finally:
             job.close()
-    print("\nlauncher's fault table (seconds until every process is gone): "
-          + " | ".join(f"{fault}: {s:.2f}" for fault, s in seconds.items()))
+    print(
+        "\nlauncher's fault table (seconds until every process is gone): "
+        + " | ".join(f"{fault}: {s:.2f}" for fault, s in seconds.items())
+    )
     slow = {fault: s for fault, s in seconds.items() if s >= GONE_WITHIN_S}
     assert not slow, f"processes outlived the fault by {GONE_WITHIN_S} s or more: {slow}; still running: {left}"

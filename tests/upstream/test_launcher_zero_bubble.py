@@ -40,8 +40,15 @@ def test_zero_bubble_trains_upstreams_trainer_with_1f1bs_weights(tmp_path: Path)
     for engine in ("auto", "1f1b"):
         run_dir = tmp_path / engine
         run_dir.mkdir()
-        config = tiny_config(run_dir, steps=2, ext=EXT, parallelism__pp_engine=engine, parallelism__dp=2,
-                             tokens__batch_accumulation_per_replica=4, **BF16)
+        config = tiny_config(
+            run_dir,
+            steps=2,
+            ext=EXT,
+            parallelism__pp_engine=engine,
+            parallelism__dp=2,
+            tokens__batch_accumulation_per_replica=4,
+            **BF16,
+        )
         if engine == "auto":
             chosen = resolve_engine(load_config(config))[0].run.engine
             assert chosen == "zb2p"  # what this test means to cover; the planner's choice, not ours

@@ -24,14 +24,20 @@ import xxhash
 from nanotron_ext.checkpoint import RECORD_FILE
 from upstream.e2e import Run, launch, tiny_config
 
-SHAPE = {"tokens__micro_batch_size": 2, "tokens__batch_accumulation_per_replica": 4,
-         "model__model_config__vocab_size": 50276, "optimizer__clip_grad": None}
+SHAPE = {
+    "tokens__micro_batch_size": 2,
+    "tokens__batch_accumulation_per_replica": 4,
+    "model__model_config__vocab_size": 50276,
+    "optimizer__clip_grad": None,
+}
 KEPT = {"cost_strategy": "layout", "layout": "E,t|t,L"}
 OTHER_SPLIT = {"cost_strategy": "layout", "layout": "E,t*2|L"}  # pp=2 too: the launcher's loader places the state
 
 LM_HEAD = "model/model/lm_head/pp_block/model_weight_pp-rank-1-of-2_tp-rank-0-of-1.safetensors"
-EMBEDDING = ("model/model/token_position_embeddings/pp_block/token_embedding/"
-             "model_weight_pp-rank-0-of-2_tp-rank-0-of-1.safetensors")
+EMBEDDING = (
+    "model/model/token_position_embeddings/pp_block/token_embedding/"
+    "model_weight_pp-rank-0-of-2_tp-rank-0-of-1.safetensors"
+)
 QKV_0 = "model/model/decoder/0/pp_block/attn/qkv_proj/model_weight_pp-rank-0-of-2_tp-rank-0-of-1.safetensors"
 OPTIMIZER = "optimizer/optimizer_pp-{}-of-2_tp-0-of-1_exp-0-of-1.pt"
 
@@ -64,8 +70,16 @@ DAMAGE: dict[str, Callable[[Path], None]] = {"cut": _cut, "delete": Path.unlink,
 
 
 def _resume(tmp: Path, folder: Path, ext: dict, steps: int = 6) -> Run:
-    return launch(tiny_config(tmp, steps=steps, checkpoints__checkpoint_interval=2, **SHAPE,
-                              checkpoints__resume_checkpoint_path=str(folder), ext=ext))
+    return launch(
+        tiny_config(
+            tmp,
+            steps=steps,
+            checkpoints__checkpoint_interval=2,
+            **SHAPE,
+            checkpoints__resume_checkpoint_path=str(folder),
+            ext=ext,
+        )
+    )
 
 
 def _notes(run: Run) -> list[str]:
@@ -99,12 +113,16 @@ def test_every_file_the_save_wrote_is_listed_with_its_size_and_checksum_and_the_
 
 
 @pytest.mark.parametrize("plan", ["kept", "another split"])
-@pytest.mark.parametrize("damage", [
-    # Each case damages three files at once (every rank reports every file): between them, each of the three
-    # damages hits a weight file and an optimizer file.
-    {LM_HEAD: "cut", QKV_0: "flip", OPTIMIZER.format(1): "delete"},
-    {EMBEDDING: "delete", OPTIMIZER.format(0): "cut", OPTIMIZER.format(1): "flip"},
-], ids=["weights-cut-and-flipped-optimizer-deleted", "weight-deleted-optimizers-cut-and-flipped"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        # Each case damages three files at once (every rank reports every file): between them, each of the three
+        # damages hits a weight file and an optimizer file.
+        {LM_HEAD: "cut", QKV_0: "flip", OPTIMIZER.format(1): "delete"},
+        {EMBEDDING: "delete", OPTIMIZER.format(0): "cut", OPTIMIZER.format(1): "flip"},
+    ],
+    ids=["weights-cut-and-flipped-optimizer-deleted", "weight-deleted-optimizers-cut-and-flipped"],
+)
 def test_damaged_files_stop_every_rank_before_anything_loads_naming_each(saved, tmp_path, plan, damage):
     root = _copy(saved, tmp_path)
     sizes = {path: (root / "4" / path).stat().st_size for path in damage}
@@ -116,16 +134,23 @@ def test_damaged_files_stop_every_rank_before_anything_loads_naming_each(saved, 
         "delete": lambda p: "missing",
         "flip": lambda p: "its bytes differ from those the save wrote, at the same size (xxh3_64:",
     }
-    holds = {LM_HEAD: "the weights of model.lm_head.pp_block.weight",
-             EMBEDDING: "the weights of model.token_position_embeddings.pp_block.token_embedding.weight",
-             QKV_0: "the weights of model.decoder.0.pp_block.attn.qkv_proj.weight",
-             OPTIMIZER.format(0): "the optimizer state of pp rank 0, tp rank 0",
-             OPTIMIZER.format(1): "the optimizer state of pp rank 1, tp rank 0"}
+    holds = {
+        LM_HEAD: "the weights of model.lm_head.pp_block.weight",
+        EMBEDDING: "the weights of model.token_position_embeddings.pp_block.token_embedding.weight",
+        QKV_0: "the weights of model.decoder.0.pp_block.attn.qkv_proj.weight",
+        OPTIMIZER.format(0): "the optimizer state of pp rank 0, tp rank 0",
+        OPTIMIZER.format(1): "the optimizer state of pp rank 1, tp rank 0",
+    }
     _stopped_on_every_rank(
-        run, 2, f"checkpoint 4 ({root / '4'}) does not hold the files its save wrote, so nothing was loaded:",
+        run,
+        2,
+        f"checkpoint 4 ({root / '4'}) does not hold the files its save wrote, so nothing was loaded:",
         [f"  {path} ({holds[path]}): {expected[how](path)}" for path, how in sorted(damage.items())]
-        + [f"cannot be trusted; resume from the last checkpoint that verifies instead: "
-           f"checkpoints.resume_checkpoint_path: {root / '2'}"])
+        + [
+            f"cannot be trusted; resume from the last checkpoint that verifies instead: "
+            f"checkpoints.resume_checkpoint_path: {root / '2'}"
+        ],
+    )
     assert "Total number of parameters" not in run.out  # stopped before the model was built
 
 
@@ -143,14 +168,19 @@ def test_a_record_without_files_still_resumes_and_says_it_could_not_be_verified(
     _unlisted(root)
     run = _resume(tmp_path, root / "4", KEPT, steps=5)
     assert run.rc == 0 and sorted(run.losses) == [5], run.out[-3000:]
-    assert ("checkpoint 4 could not be verified: it was saved before nanotron_ext recorded its files' checksums, so "
-            "a damaged file would show only when it is read") in _notes(run)
+    assert (
+        "checkpoint 4 could not be verified: it was saved before nanotron_ext recorded its files' checksums, so "
+        "a damaged file would show only when it is read"
+    ) in _notes(run)
 
 
-@pytest.mark.parametrize("path, how, error", [
-    (LM_HEAD, "cut", "its weights: {path}: SafetensorError: "),
-    (OPTIMIZER.format(1), "delete", "its optimizer states: {path}: FileNotFoundError: "),
-])
+@pytest.mark.parametrize(
+    "path, how, error",
+    [
+        (LM_HEAD, "cut", "its weights: {path}: SafetensorError: "),
+        (OPTIMIZER.format(1), "delete", "its optimizer states: {path}: FileNotFoundError: "),
+    ],
+)
 def test_a_file_that_fails_to_load_stops_every_rank_with_a_load_failure_naming_it(saved, tmp_path, path, how, error):
     # Without checksums in its record nothing proves the files first: the damage shows while rank 1 loads.
     root = _copy(saved, tmp_path)
@@ -159,7 +189,12 @@ def test_a_file_that_fails_to_load_stops_every_rank_with_a_load_failure_naming_i
     DAMAGE[how](root / "4" / path)
     run = _resume(tmp_path, root / "4", KEPT)
     _stopped_on_every_rank(
-        run, 3, f"loading checkpoint 4 ({root / '4'}) failed, so every rank stops before training on a partly loaded "
-                f"state:", [f"  rank 1, reading {error.format(path=path)}",
-                            f"the file is most likely damaged; resume from the last checkpoint that verifies instead: "
-                            f"checkpoints.resume_checkpoint_path: {root / '2'}"])
+        run,
+        3,
+        f"loading checkpoint 4 ({root / '4'}) failed, so every rank stops before training on a partly loaded state:",
+        [
+            f"  rank 1, reading {error.format(path=path)}",
+            f"the file is most likely damaged; resume from the last checkpoint that verifies instead: "
+            f"checkpoints.resume_checkpoint_path: {root / '2'}",
+        ],
+    )

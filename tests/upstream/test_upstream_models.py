@@ -46,12 +46,19 @@ CASES = {
     "config_tiny_llama": _raw("config_tiny_llama"),
     "config_qwen": _raw("config_qwen"),
     "config_qwen_with_moe": _raw("config_qwen_with_moe"),
-    "qwen_qkv_bias_untied": _variant("config_qwen", attention_bias=True, tie_word_embeddings=False,
-                                     num_hidden_layers=4),
+    "qwen_qkv_bias_untied": _variant(
+        "config_qwen", attention_bias=True, tie_word_embeddings=False, num_hidden_layers=4
+    ),
     "qwen_partial_moe_no_shared": _variant(
-        "config_qwen_with_moe", num_hidden_layers=4,
-        moe_config={"num_experts": 4, "top_k": 2, "moe_intermediate_size": 96, "layers": [1, 3],
-                    "enable_shared_expert": False},
+        "config_qwen_with_moe",
+        num_hidden_layers=4,
+        moe_config={
+            "num_experts": 4,
+            "top_k": 2,
+            "moe_intermediate_size": 96,
+            "layers": [1, 3],
+            "enable_shared_expert": False,
+        },
     ),
     "llama_plain_dict_no_marker": _variant("config_tiny_llama", num_hidden_layers=3),
 }
@@ -65,8 +72,12 @@ def _upstream_model(raw: dict, parallel_context):
 
     def builder():
         with cuda_to("meta"):  # its P2P buffers are allocated on "cuda"
-            return cls(config=model_config, parallel_context=parallel_context, parallel_config=config.parallelism,
-                       random_states=None)
+            return cls(
+                config=model_config,
+                parallel_context=parallel_context,
+                parallel_config=config.parallelism,
+                random_states=None,
+            )
 
     return builder
 
@@ -80,8 +91,14 @@ def _upstream_blocks(model) -> list[tuple[str, str, dict[str, int], float]]:
         with torch.device("meta"), cuda_to("meta"):
             module = block.module_builder(**block.module_kwargs)
         params = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}
-        out.append((name, block.module_builder.__name__, {n: p.numel() for n, p in params.items()},
-                    float(costs.get(block.module_builder, 0))))
+        out.append(
+            (
+                name,
+                block.module_builder.__name__,
+                {n: p.numel() for n, p in params.items()},
+                float(costs.get(block.module_builder, 0)),
+            )
+        )
     return out
 
 
@@ -114,8 +131,13 @@ def test_nanotron_strategy_is_upstreams_build_model(case, pp, parallel_context, 
         self.rank = pp_rank
 
     monkeypatch.setattr(PipelineBlock, "build_and_set_rank", record)
-    model = build_model(_upstream_model(raw, parallel_context), parallel_context, dtype=torch.float32,
-                        target_pp_ranks=list(range(pp)), device=torch.device("meta"))
+    model = build_model(
+        _upstream_model(raw, parallel_context),
+        parallel_context,
+        dtype=torch.float32,
+        target_pp_ranks=list(range(pp)),
+        device=torch.device("meta"),
+    )
     upstream = [ranks[id(b)] for _, b in model.named_modules() if isinstance(b, PipelineBlock)]
     assert list(make_plan(blocks, cfg, "nanotron").block_ranks) == upstream
 

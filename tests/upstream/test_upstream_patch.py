@@ -16,9 +16,15 @@ from upstream.workers import build_through_patched_trainer
 def _seed_config(tmp_path: Path, strategy: str) -> Path:
     """Upstream's tiny-Llama example, shrunk, with GPT-NeoX's 50277-token vocabulary, at pp=2."""
     raw = yaml.safe_load((UPSTREAM_EXAMPLES / "config_tiny_llama.yaml").read_text())
-    raw["model"]["model_config"].update(hidden_size=16, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=50277,
-                                        tie_word_embeddings=False)
+    raw["model"]["model_config"].update(
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=50277,
+        tie_word_embeddings=False,
+    )
     raw["parallelism"].update(dp=1, pp=2, tp=1)
     raw["tokens"]["batch_accumulation_per_replica"] = 4  # one micro-batch would make every split equally fast
     raw["nanotron_ext"] = {"cost_strategy": strategy}
@@ -28,8 +34,9 @@ def _seed_config(tmp_path: Path, strategy: str) -> Path:
 
 
 def test_each_rank_builds_exactly_its_planned_blocks(tmp_path):
-    out = run_distributed(build_through_patched_trainer, 2, args=(str(_seed_config(tmp_path, "constrained")), None),
-                          timeout=120)
+    out = run_distributed(
+        build_through_patched_trainer, 2, args=(str(_seed_config(tmp_path, "constrained")), None), timeout=120
+    )
     assert out[0]["plan_ranks"] == out[1]["plan_ranks"] == [0, 0, 0, 0, 1, 1, 1]  # lm_head gets its own stage
     for r in out:
         planned = [n for n, s in zip(r["names"], r["plan_ranks"]) if s == r["rank"]]
@@ -38,8 +45,9 @@ def test_each_rank_builds_exactly_its_planned_blocks(tmp_path):
 
 
 def test_nanotron_rule_on_the_seed_shape_stops_both_ranks_before_anything_is_built(tmp_path):
-    out = run_distributed(build_through_patched_trainer, 2, args=(str(_seed_config(tmp_path, "nanotron")), None),
-                          timeout=120)
+    out = run_distributed(
+        build_through_patched_trainer, 2, args=(str(_seed_config(tmp_path, "nanotron")), None), timeout=120
+    )
     for r in out:
         assert r["anything_built"] is False
         assert r["error"].startswith("nanotron_ext: the 'nanotron' plan for pp=2 cannot train; nothing was allocated.")

@@ -27,8 +27,16 @@ from nanotron_ext.models.vocab_chain import label_pp_ranks, replace_lm_head_with
 from upstream.harness import UPSTREAM_EXAMPLES, cuda_to
 
 K, VOCAB = 3, 1009  # a prime vocabulary: uneven shards
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64, "tie_word_embeddings": False}
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 CASES = {"llama": ("config_tiny_llama", LlamaForTraining), "qwen2": ("config_qwen", Qwen2ForTraining)}
 
 
@@ -48,13 +56,18 @@ def _build(case: str, parallel_context, shards: int, device: str):
 
     def builder():
         with cuda_to(device):
-            model = CASES[case][1](config=config.model.model_config, parallel_context=parallel_context,
-                                   parallel_config=config.parallelism, random_states=None)
+            model = CASES[case][1](
+                config=config.model.model_config,
+                parallel_context=parallel_context,
+                parallel_config=config.parallelism,
+                random_states=None,
+            )
         return replace_lm_head_with_vocab_chain(model, shards) if shards > 1 else model
 
     with cuda_to(device):
-        return build_model(builder, parallel_context, dtype=torch.float32, target_pp_ranks=[0],
-                           device=torch.device(device))
+        return build_model(
+            builder, parallel_context, dtype=torch.float32, target_pp_ranks=[0], device=torch.device(device)
+        )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -107,8 +120,9 @@ def test_chain_loss_and_gradients_equal_upstreams_unsplit_model(case, parallel_c
     assert losses[0].item() > 88.0  # exp of the largest logit alone would overflow fp32
     assert abs(losses[1].item() - losses[0].item()) / losses[0].item() < 1e-5
     grads = {n: p.grad for n, p in chain.named_parameters()}
-    grads["model.lm_head.pp_block.weight"] = torch.cat([grads.pop(f"model.vocab_shards.{i}.pp_block.weight")
-                                                        for i in range(K)])
+    grads["model.lm_head.pp_block.weight"] = torch.cat(
+        [grads.pop(f"model.vocab_shards.{i}.pp_block.weight") for i in range(K)]
+    )
     for name, p in whole.named_parameters():
         assert float((grads[name] - p.grad).norm() / p.grad.norm()) < 1e-5, name
 
@@ -118,7 +132,11 @@ def test_refused_with_tied_embeddings(parallel_context):
     raw["model"]["model_config"]["tie_word_embeddings"] = True
     config = get_config_from_dict(raw)
     with cuda_to("meta"):
-        model = LlamaForTraining(config=config.model.model_config, parallel_context=parallel_context,
-                                 parallel_config=config.parallelism, random_states=None)
+        model = LlamaForTraining(
+            config=config.model.model_config,
+            parallel_context=parallel_context,
+            parallel_config=config.parallelism,
+            random_states=None,
+        )
     with pytest.raises(ValueError, match="tie_word_embeddings: false to untie, or vocab_shards: 1"):
         replace_lm_head_with_vocab_chain(model, K)

@@ -33,16 +33,23 @@ def build_through_patched_trainer(config_path: str, strategy: str | None) -> dic
     built: list[Any] = []
 
     def builder():
-        built.append(LlamaForTraining(config=nanotron_cfg.model.model_config, parallel_context=ctx,
-                                      parallel_config=nanotron_cfg.parallelism, random_states=None))
+        built.append(
+            LlamaForTraining(
+                config=nanotron_cfg.model.model_config,
+                parallel_context=ctx,
+                parallel_config=nanotron_cfg.parallelism,
+                random_states=None,
+            )
+        )
         return built[-1]
 
     rank = torch.distributed.get_rank(ctx.pp_pg)
     undo = patch_nanotron(cfg, strategy)
     try:
         with cuda_to("cpu"):
-            model = nanotron.trainer.build_model(model_builder=builder, parallel_context=ctx, dtype=torch.float32,
-                                                 device=torch.device("cpu"))
+            model = nanotron.trainer.build_model(
+                model_builder=builder, parallel_context=ctx, dtype=torch.float32, device=torch.device("cpu")
+            )
     except NanotronExtError as exc:
         blocks = [b for _, b in built[0].named_modules() if isinstance(b, PipelineBlock)]
         return {"error": str(exc), "anything_built": any(hasattr(b, "pp_block") for b in blocks)}

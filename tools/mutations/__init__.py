@@ -5,5 +5,11 @@ from __future__ import annotations
 from mutations import checkpoints_cli, planning, replan, runtime, v_schedule, zbv
 from mutations.base import Mutation
 
-MUTATIONS: tuple[Mutation, ...] = (planning.MUTATIONS + v_schedule.MUTATIONS + runtime.MUTATIONS + checkpoints_cli.MUTATIONS
-                                   + replan.MUTATIONS + zbv.MUTATIONS)
+MUTATIONS: tuple[Mutation, ...] = (
+    planning.MUTATIONS
+    + v_schedule.MUTATIONS
+    + runtime.MUTATIONS
+    + checkpoints_cli.MUTATIONS
+    + replan.MUTATIONS
+    + zbv.MUTATIONS
+)

@@ -34,9 +34,11 @@ MISSING_MODULES = Path(__file__).resolve().parent / "missing_modules"
 #: The packages in :data:`MISSING_MODULES`, each standing in for the package of that name.
 STANDIN_PACKAGES = ("flash_attn", "triton", "grouped_gemm")
 #: What rank 0 prints when the flag is given: what runs, and that it is for debugging.
-BANNER = (f"{FLAG}: upstream Nanotron's own trainer on CPU over gloo, with CPU stand-ins for flash-attn, Triton, "
-          f"grouped_gemm and the trainer's CUDA calls (docs/stand-ins.md). For debugging a split, a checkpoint or a "
-          f"resume, not for speed (plain-torch kernels on the CPU); a run without {FLAG} uses none of them")
+BANNER = (
+    f"{FLAG}: upstream Nanotron's own trainer on CPU over gloo, with CPU stand-ins for flash-attn, Triton, "
+    f"grouped_gemm and the trainer's CUDA calls (docs/stand-ins.md). For debugging a split, a checkpoint or a "
+    f"resume, not for speed (plain-torch kernels on the CPU); a run without {FLAG} uses none of them"
+)
 
 
 def put_missing_modules_on_path() -> None:
@@ -71,7 +73,8 @@ def enable(say: Callable[[str], None] | None = None) -> None:
             f"{FLAG} runs upstream Nanotron main's own trainer on CPU, but the installed nanotron is not upstream main "
             f"(no nanotron/models/qwen.py; nanotron==0.2?); install Nanotron from its repository "
             f"(pip install git+https://github.com/huggingface/nanotron), or use `nanotron-ext train`, the CPU runtime "
-            f"on Nanotron 0.2's engines")
+            f"on Nanotron 0.2's engines"
+        )
     if not any(name in os.environ for name in RENDEZVOUS_VARIABLES):
         os.environ.update(rendezvous_env(0, 1, free_port()))
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -99,8 +99,11 @@ def install() -> None:
 
     for module in (llama, qwen):
         module.P2P = lambda pg, device: GlooP2P(pg, _CPU)
-    engines = (engine.AllForwardAllBackwardPipelineEngine, engine.OneForwardOneBackwardPipelineEngine,
-               ZeroBubblePipelineEngine)
+    engines = (
+        engine.AllForwardAllBackwardPipelineEngine,
+        engine.OneForwardOneBackwardPipelineEngine,
+        ZeroBubblePipelineEngine,
+    )
     for cls in engines:
         cls.train_batch_iter = _waiting_for_sends(cls.train_batch_iter, wait_pending_sends)
 

@@ -165,9 +165,7 @@ def flash_attn_func(
 
 def _not_here(name):
     def fn(*args, **kwargs):
-        raise NotImplementedError(
-            f"flash_attn stand-in: {name} (ring attention / KV-cache inference) is not available"
-        )
+        raise NotImplementedError(f"flash_attn stand-in: {name} (ring attention / KV-cache inference) is not available")
 
     fn.__name__ = name
     return fn

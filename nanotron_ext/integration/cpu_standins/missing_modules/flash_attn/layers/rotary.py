@@ -18,9 +18,7 @@ import torch
 from torch import nn
 
 
-def apply_rotary_emb(
-    x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None
-):
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
     """x: (batch, seqlen, heads, dim), or (total, heads, dim) with cu_seqlens; cos/sin: (seqlen_ro, rotary_dim / 2).
     seqlen_offsets: int or (batch,) tensor added to the positions."""
     rd = 2 * cos.shape[-1]
@@ -28,9 +26,7 @@ def apply_rotary_emb(
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         pos = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(cu_seqlens[:-1], lens)
         pos = pos + (
-            seqlen_offsets
-            if isinstance(seqlen_offsets, int)
-            else torch.repeat_interleave(seqlen_offsets, lens)
+            seqlen_offsets if isinstance(seqlen_offsets, int) else torch.repeat_interleave(seqlen_offsets, lens)
         )
     else:
         pos = torch.arange(x.shape[1], device=x.device)[None, :]
@@ -47,9 +43,7 @@ def apply_rotary_emb(
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(
-        self, dim: int, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None
-    ):
+    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None):
         super().__init__()
         self.dim = dim
         self.base = float(base)
@@ -67,9 +61,7 @@ class RotaryEmbedding(nn.Module):
         self._cos_cached = self._sin_cached = self._cos_k_cached = self._sin_k_cached = None
 
     def _compute_inv_freq(self, device=None):
-        return 1.0 / (
-            self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
-        )
+        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
 
     def _update_cos_sin_cache(self, seqlen, device=None, dtype=None):
         if (
@@ -82,9 +74,7 @@ class RotaryEmbedding(nn.Module):
             self._seq_len_cached = seqlen
             if self.pos_idx_in_fp32:
                 t = torch.arange(seqlen, device=device, dtype=torch.float32)
-                inv_freq = (
-                    self._compute_inv_freq(device) if self.inv_freq.dtype != torch.float32 else self.inv_freq
-                )
+                inv_freq = self._compute_inv_freq(device) if self.inv_freq.dtype != torch.float32 else self.inv_freq
             else:
                 t = torch.arange(seqlen, device=device, dtype=self.inv_freq.dtype)
                 inv_freq = self.inv_freq
@@ -111,9 +101,7 @@ class RotaryEmbedding(nn.Module):
             raise NotImplementedError("flash_attn stand-in: xPos (scale_base) is not supported")
 
         def rot(x):
-            return apply_rotary_emb(
-                x, self._cos_cached, self._sin_cached, self.interleaved, True, seqlen_offset
-            )
+            return apply_rotary_emb(x, self._cos_cached, self._sin_cached, self.interleaved, True, seqlen_offset)
 
         if kv is None:
             return torch.stack((rot(qkv[:, :, 0]), rot(qkv[:, :, 1]), qkv[:, :, 2]), dim=2)
