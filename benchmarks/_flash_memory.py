@@ -5,9 +5,10 @@ Nanotron's GPU path where flash-attn is not installed (the lent GPU machines hav
 import stand-ins of ``--cpu-debug`` (``nanotron_ext/integration/cpu_standins/missing_modules/flash_attn``, which
 compute the same values with plain torch autograd, and so keep far more):
 
-* ``flash_attn_varlen_func`` (``models/llama.py:290``; the packed form of ``models/qwen.py:309`` too): torch's ``scaled_dot_product_attention`` restricted to its
-  flash kernel, which keeps what flash-attn 2 keeps: q, k and v as given (views: no copy), the output and an fp32
-  log-sum-exp per head and token. Sequences of one length only (what the trainer's packed data gives).
+* ``flash_attn_varlen_func`` (``models/llama.py:290``; the packed form of ``models/qwen.py:309`` too): torch's
+  ``scaled_dot_product_attention`` restricted to its flash kernel, which keeps what flash-attn 2 keeps: q, k and v as
+  given (views: no copy), the output and an fp32 log-sum-exp per head and token. Sequences of one length only (what
+  the trainer's packed data gives).
 * ``RotaryEmbedding.forward`` (``flash_attn/layers/rotary.py``, called at ``models/llama.py:683``): q and the k
   half of kv rotated in place, keeping only the cos/sin tables (flash's ``ApplyRotaryEmb`` with
   ``inplace=True``).

@@ -163,7 +163,8 @@ def verdict(checks: dict[str, Any] | None) -> str:
     ratios = [r for rs in checks["ratios"].values() for r in rs]
     return (
         f"; calibrations' spread (max ÷ min) ≤ {REPEATABLE} on {', '.join(checks['repeatable'])}: "
-        f"{'yes' if worst <= REPEATABLE else 'no'} (worst {worst:.4f}); each calibration's pred ÷ meas within {list(ACCURATE)}: "
+        f"{'yes' if worst <= REPEATABLE else 'no'} (worst {worst:.4f}); "
+        f"each calibration's pred ÷ meas within {list(ACCURATE)}: "
         f"{'yes' if all(ACCURATE[0] <= r <= ACCURATE[1] for r in ratios) else 'no'} "
         f"({min(ratios):.3f}–{max(ratios):.3f}); the engine's own steps spread "
         f"{min(checks['engine'].values()):.3f}–{max(checks['engine'].values()):.3f} (max ÷ min)"

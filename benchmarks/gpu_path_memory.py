@@ -1,15 +1,15 @@
-"""Upstream Nanotron's own Llama and Qwen2 against the estimate of their GPU path (issue 30, item 2): what it keeps per decoder
-layer, one micro-batch's activations, and the peak of a forward and backward, estimated and measured.
+"""Upstream Nanotron's own Llama and Qwen2 against the estimate of their GPU path (issue 30, item 2): what it keeps per
+decoder layer, one micro-batch's activations, and the peak of a forward and backward, estimated and measured.
 
 One process builds upstream main's ``LlamaForTraining`` or ``Qwen2ForTraining`` (with ``build_model``, at pp = tp =
 dp = 1) and runs one micro-batch forward and backward after a warm-up, reading the allocator between marks
 (:class:`~nanotron_ext.runtime.memory_measure.CudaMemoryRecorder` on a GPU, the CPU profiler's
 :class:`~nanotron_ext.runtime.memory_measure.MemoryRecorder` on CPU). flash-attn is not installed on the lent GPU
 machines: the import stand-ins of ``--cpu-debug`` (``nanotron_ext/integration/cpu_standins``) let upstream import,
-and ``benchmarks/_flash_memory.py`` replaces its three kernels by ones that keep what flash-attn's keep (SDPA's flash kernel, in-place rotary, RMSNorm
-keeping its input and rstd). The estimate is :func:`nanotron_ext.costs.memory_estimate.stage_memory` with
-``runtime="gpu"`` for the same shape, untied (upstream ties weights in its trainer, not in ``build_model``). The Qwen2
-runs have ``log_attn_probs`` off (see ``_model``).
+and ``benchmarks/_flash_memory.py`` replaces its three kernels by ones that keep what flash-attn's keep (SDPA's flash
+kernel, in-place rotary, RMSNorm keeping its input and rstd). The estimate is
+:func:`nanotron_ext.costs.memory_estimate.stage_memory` with ``runtime="gpu"`` for the same shape, untied (upstream ties
+weights in its trainer, not in ``build_model``). The Qwen2 runs have ``log_attn_probs`` off (see ``_model``).
 
 Compared, in bytes above what is allocated just before the micro-batch (weights, inputs, rotary caches):
 

@@ -368,9 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if worst >= res["cap"]:
                 bad.append(f"{res['label']}: measured peak {_mib(worst)} MiB over the cap")
     if args.device == "cuda":
+        ratios = [r["ratio"] for res in results for r in res["rows"]]
         print(
-            f"\non CUDA (finding, not a check): est ÷ meas from {min(r['ratio'] for res in results for r in res['rows']):.3f} "
-            f"to {max(r['ratio'] for res in results for r in res['rows']):.3f}; the estimate is the CPU path's"
+            f"\non CUDA (finding, not a check): est ÷ meas from {min(ratios):.3f} to {max(ratios):.3f}; the estimate "
+            "is the CPU path's"
         )
         bad = []
     else:

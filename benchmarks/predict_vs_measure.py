@@ -57,8 +57,9 @@ the profiles (``calibration``), the splits (``splits``), the training in rounds 
 (``predictions``); back in this launcher, the rows and order checks (``analysis``) and the tables (``report``).
 
 Usage: ``python benchmarks/predict_vs_measure.py [--quick] [--scenario LABEL ...] [--rounds R]
-[--calibrate-every N] [--system-malloc] [--device cpu|cuda]``. Exit status 1 when a check fails: predicted ÷ measured outside [0.95, 1.05] on any split,
-a significant misordered pair, or the default not measured fastest (within the fastest one's interval).
+[--calibrate-every N] [--system-malloc] [--device cpu|cuda]``. Exit status 1 when a check fails: predicted ÷ measured
+outside [0.95, 1.05] on any split, a significant misordered pair, or the default not measured fastest (within the
+fastest one's interval).
 """
 
 from __future__ import annotations

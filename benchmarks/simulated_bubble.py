@@ -49,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print_command()
     machine = machine_overrides(args)
+    described = machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()
     print(
-        f"{machine_for(load_config(CONFIGS / SHAPES[0][1]).with_overrides(**machine)).describe()}, {ENGINE.upper()}, the config's "
+        f"{described}, {ENGINE.upper()}, the config's "
         f"micro-batches. Cells: step ÷ fastest valid plan · bubble; ✗ = plan cannot train.\n"
     )
 

@@ -4,10 +4,10 @@ zb1p and zb2p, on Nanotron's engine, next to the step the simulator predicts for
 Two real processes (gloo, one thread each) at pp=2 run the CPU runtime on the SmolLM-135M shape of
 ``zb_measured_cpu.py`` (fewer layers, a shorter sequence, fp32). Every engine trains its own split under the profile
 ``calibrate`` takes in the same processes: 1F1B, zb1p and zb2p the planner's default for that engine and ``m`` (as
-``plan --engine E --machine`` gives it); zbv four chunks folded into a V (rank 0 holds chunks 0 and 3, the embedding and the loss;
-rank 1 chunks 1 and 2): the plan ``make_v_plan`` makes under the same profile, whose order the engine runs. For each micro-batch count ``m``
-one model per engine, all alive in the same processes, trained in interleaved turns (the engines' order alternates
-every round), so load from other processes slows every engine alike. Reported per engine:
+``plan --engine E --machine`` gives it); zbv four chunks folded into a V (rank 0 holds chunks 0 and 3, the embedding and
+the loss; rank 1 chunks 1 and 2): the plan ``make_v_plan`` makes under the same profile, whose order the engine runs.
+For each micro-batch count ``m`` one model per engine, all alive in the same processes, trained in interleaved turns
+(the engines' order alternates every round), so load from other processes slows every engine alike. Reported per engine:
 
 * measured step (slowest rank, ``StepTimer``) and gain over 1F1B within a round: median over rounds with a
   distribution-free 95 % interval;

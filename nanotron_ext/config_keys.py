@@ -329,7 +329,8 @@ def not_a_mapping(
 
     Example:
         >>> str(not_a_mapping("nanotron_ext.freeze", "decoder", "freeze: {modules: [decoder]}"))
-        "nanotron_ext.freeze is text ('decoder'), but it must be a mapping; write it like `freeze: {modules: [decoder]}`"
+        "nanotron_ext.freeze is text ('decoder'), but it must be a mapping; write it like \
+`freeze: {modules: [decoder]}`"
     """
     kind = _YAML_TYPES.get(type(value), type(value).__name__)
     return ConfigError(

@@ -1,4 +1,5 @@
-"""What the launcher's tests run their scripts with (tests/test_launcher_cli.py, tests/runtime/test_launcher_exit.py)."""
+"""What the launcher's tests run their scripts with (tests/test_launcher_cli.py,
+tests/runtime/test_launcher_exit.py)."""
 
 from __future__ import annotations
 

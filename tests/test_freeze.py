@@ -122,7 +122,8 @@ def test_flops_prices_frozen_work():
         ({"modules": ["decoder"], "unfreeze": ["lm_head"]}, r"unfreeze 'lm_head': it is not frozen"),
         (
             {"modules": ["decoder"], "unfreeze": ["decoder.7"]},
-            r"^unfreeze pattern 'decoder.7' matches no module; modules are: embedding, decoder.0-1, final_norm, lm_head$",
+            r"^unfreeze pattern 'decoder.7' matches no module; "
+            r"modules are: embedding, decoder.0-1, final_norm, lm_head$",
         ),
         ({"modules": ["*"]}, "freezes every parameter"),
         ({"modules": ["*"], "unfreeze_last_decoder_layers": 3}, "has 2 decoder layers"),

@@ -1,6 +1,7 @@
 """The estimate of Nanotron's GPU path (issue 30, item 2): a Llama's and a Qwen2's decoder layer and final norm
 counted for what upstream's code keeps (fused RMSNorm, flash-attn), by hand on tiny shapes; the other families and
-the CPU runtime keep the CPU runtime's count. Measured against upstream's own model in tests/upstream/test_gpu_path_measured.py."""
+the CPU runtime keep the CPU runtime's count. Measured against upstream's own model in
+tests/upstream/test_gpu_path_measured.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``replay_v_order`` (``nanotron_ext.schedule.v_replay``): the step of the V order the engine runs, under real times."""
+"""``replay_v_order`` (``nanotron_ext.schedule.v_replay``): the step of the V order the engine runs, under real
+times."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def _ops(text: str) -> list[VOp]:
 
 
 def test_a_two_rank_micro_batch_by_hand() -> None:
-    """F 1, B 1 (of a backward of 2), W 1, every crossing 0.5; the cut at the V's bottom (stage 1 to 2) costs nothing."""
+    """F 1, B 1 (of a backward of 2), W 1, every crossing 0.5; the cut at the V's bottom (stage 1 to 2) costs
+    nothing."""
     order = [_ops("F0@0 F0@3 B0@3 W0@3 B0@0 W0@0"), _ops("F0@1 F0@2 B0@2 W0@2 B0@1 W0@1")]
     result = replay_v_order(order, [UNIT] * 4, 1, p2p_time=0.5)
     starts = {(o.kind, o.stage): o.start for o in result.ops}

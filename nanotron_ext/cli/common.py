@@ -179,8 +179,8 @@ def report_error(exc: BaseException, prefix: str = "nanotron-ext: ", *, tag: boo
         traceback.print_exception(exc, file=sys.stderr)
     detail = " ".join(str(exc).split()) or "(no message)"
     print(
-        f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; rerun with {TRACEBACK_ENV}=1 for the "
-        f"traceback and report it if it is not an environment problem",
+        f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; "
+        f"rerun with {TRACEBACK_ENV}=1 for the traceback and report it if it is not an environment problem",
         file=sys.stderr,
         flush=True,
     )

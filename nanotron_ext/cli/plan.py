@@ -375,8 +375,8 @@ def _compare(cfg: PlannerConfig, blocks: Sequence[BlockInfo], *, as_json: bool) 
     else:
         print(
             titled_table(
-                f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; simulated step time on "
-                f"{machine_for(cfg, blocks).describe()}",
+                f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches; "
+                f"simulated step time on {machine_for(cfg, blocks).describe()}",
                 [
                     "strategy",
                     "stages (block ranges)",
@@ -474,7 +474,8 @@ def compare_engines(cfg: PlannerConfig, *, as_json: bool) -> int:
         print(
             titled_table(
                 f"{cfg.source}: pp={cfg.run.pp}, {cfg.run.n_micro_batches} micro-batches, strategy "
-                f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on {machine_for(cfg).describe()}",
+                f"{cfg.ext.cost_strategy!r} planned under each engine; simulated step time on "
+                f"{machine_for(cfg).describe()}",
                 [
                     "engine",
                     "stages (block ranges)",

@@ -2,8 +2,8 @@
 stage holds, and the bytes per parameter of weights, gradients and optimizer state.
 
 Each block's forward / input-gradient / weight-gradient FLOPs are inventory facts
-(:mod:`nanotron_ext.inventory.flops`). Training work of a block depends on what is trainable: a frozen block pays no weight-gradient
-work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
+(:mod:`nanotron_ext.inventory.flops`). Training work of a block depends on what is trainable: a frozen block pays no
+weight-gradient work, and a block with nothing trainable before it pays no input-gradient work (autograd never asks for
 it), so a fully frozen prefix costs forward only.
 """
 

@@ -172,8 +172,9 @@ def stage_memory(
     input, what blocks ``0..i`` saved, its own input (when not saved), temporaries and output; in its backward,
     what blocks ``0..i`` saved, the stage's output, the gradient it receives and its backward temporaries. The other
     ``in_flight − 1`` micro-batches hold their full activations. Under zb1p (zb2p) the stage also keeps the state
-    of up to ``stage`` (``2 · stage``) deferred weight-gradient passes (:func:`pending_tensors`), counted at every moment of the pipeline;
-    the W that runs is counted as 1F1B's backward of its micro-batch (it keeps less than that backward held).
+    of up to ``stage`` (``2 · stage``) deferred weight-gradient passes (:func:`pending_tensors`), counted at every
+    moment of the pipeline; the W that runs is counted as 1F1B's backward of its micro-batch (it keeps less than that
+    backward held).
 
     Args:
         blocks: the stage's blocks.

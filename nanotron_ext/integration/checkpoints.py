@@ -166,7 +166,8 @@ class ResumeState:
             f"under the new plan ({_where(now)}); nothing was loaded."
         )
         if recorded is None:
-            return f"{head}\n  {listed}\n  fix: resume under the plan it was saved with, or change what the lines above name"
+            fix = "resume under the plan it was saved with, or change what the lines above name"
+            return f"{head}\n  {listed}\n  fix: {fix}"
         differs = "; ".join(str(d) for d in recorded.differences(now)) or "nothing in the plan"
         return (
             f"{head} What differs: {differs}.\n  {listed}\n  fix: keep the recorded plan (pp={recorded.pp}, "

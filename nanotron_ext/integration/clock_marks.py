@@ -1,5 +1,5 @@
-"""The marks the engine's clock (:mod:`nanotron_ext.integration.op_clock`) takes, and the tensors it marks: a wall clock on
-CPU, CUDA events on a GPU."""
+"""The marks the engine's clock (:mod:`nanotron_ext.integration.op_clock`) takes, and the tensors it marks: a wall clock
+on CPU, CUDA events on a GPU."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ What it measures, and how (torch and Nanotron are imported only here, inside the
   so a block that was not measured (another K, another role) is priced at this machine's rate.
 * **engine overhead**: ``block_call`` is what Nanotron's ``PipelineBlock`` adds to one forward call: a
   ``Linear(1, 1)`` wrapped in a ``PipelineBlock`` on a one-process group, timed against the bare module (batches
-  of 100 calls of each, interleaved; the median difference of their per-call means). ``send`` / ``recv`` are measured, not folded into the links: under torchrun, what
-  Nanotron's P2P protocol (two metadata messages before the data; the receiver runs Nanotron's own
-  ``P2P.recv_tensors``) adds to a bare transfer of the same small tensor between stages 0 and 1, split evenly
-  between sender and receiver; 0 alone (one process cannot post a send).
+  of 100 calls of each, interleaved; the median difference of their per-call means). ``send`` / ``recv`` are measured,
+  not folded into the links: under torchrun, what Nanotron's P2P protocol (two metadata messages before the data; the
+  receiver runs Nanotron's own ``P2P.recv_tensors``) adds to a bare transfer of the same small tensor between stages 0
+  and 1, split evenly between sender and receiver; 0 alone (one process cannot post a send).
 * **links** (under torchrun): for each direction between neighbouring stages, a message of ``n`` bytes answered
   by one byte, timed by the sender, for ``n`` from 4 KiB by fourfold steps to the largest tensor a block sends;
   ``round trip(n) = c + n / B`` fitted by least squares on relative error, ``latency = c / 2`` (each way's

@@ -3,8 +3,8 @@
 A calibration keeps each figure over its rounds (a block's fastest, a link's median) and how far it could move
 between two calibrations (its spread: :func:`nanotron_ext.stats.fastest_spread`,
 :func:`nanotron_ext.stats.relative_spread`). Two calibrations of one machine agree within 3 % on a step when
-neither moves it by more than half of that, so a figure is flagged when its uncertainty alone could move a stage's step, taken
-as the config's whole training work ÷ pp, by more than :data:`STEP_SHARE_LIMIT`: each block's forward and
+neither moves it by more than half of that, so a figure is flagged when its uncertainty alone could move a stage's step,
+taken as the config's whole training work ÷ pp, by more than :data:`STEP_SHARE_LIMIT`: each block's forward and
 backward count once per micro-batch and block with that signature, its update once per block; a link carries
 the largest tensor a block sends once per micro-batch.
 """
@@ -39,8 +39,8 @@ class Uncertain:
     def message(self) -> str:
         return (
             f"{self.what} could move by ±{self.spread:.1%} (its spread over the calibration's rounds), a "
-            f"stage's step by ±{self.step_share:.1%}: over the {STEP_SHARE_LIMIT:.1%} that keeps two calibrations within "
-            f"{2 * STEP_SHARE_LIMIT:.0%} of each other. Calibrate again on an idle machine, or with more "
+            f"stage's step by ±{self.step_share:.1%}: over the {STEP_SHARE_LIMIT:.1%} that keeps two calibrations "
+            f"within {2 * STEP_SHARE_LIMIT:.0%} of each other. Calibrate again on an idle machine, or with more "
             f"rounds (--repeats)"
         )
 

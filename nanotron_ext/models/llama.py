@@ -241,7 +241,8 @@ class CPULlamaForTraining(NanotronModel):
         projector: add a trainable ``model.projector`` block right after the embedding.
         p2p: the pipeline's point-to-point channel (the runtime's ``CPUP2P`` over ``parallel_context.pp_pg``).
         vocab_shards: K > 1 replaces ``model.lm_head``, ``model.cast_to_fp32`` and ``loss`` with
-            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.models.vocab_chain`); the loss and gradients are the same.
+            ``model.vocab_shards.{0..K-1}`` (:mod:`nanotron_ext.models.vocab_chain`); the loss and gradients are the
+            same.
         recompute_layer: recompute every decoder layer in its backward (upstream's ``parallelism.recompute_layer``).
 
     Raises:

@@ -180,7 +180,8 @@ def route_labels(block: PipelineBlock, labels: TensorOrPointer, pp_pg: dist.Proc
     if here and not isinstance(labels, torch.Tensor):
         raise RuntimeError(
             f"pipeline rank {block.rank} runs a vocabulary shard but its micro-batch has no labels; hand labels to "
-            f"every rank in nanotron_ext.models.vocab_chain.label_pp_ranks(model) (nanotron_ext.runtime.make_micro_batch does)"
+            "every rank in nanotron_ext.models.vocab_chain.label_pp_ranks(model) "
+            "(nanotron_ext.runtime.make_micro_batch does)"
         )
     return labels if here else TensorPointer(group_rank=block.rank)
 

@@ -5,9 +5,9 @@ rank's memory, with the order the engine runs. Plain data that prints (two chunk
 FLOP-balanced ``2 pp`` stages), every chunk priced as the config prices a stage (its machine profile, or the analytic
 model), each rank's peak in bytes (both chunks at the moments they coincide) held to the config's memory limit.
 Every chunk must train something: as a contiguous stage must (DDP refuses a rank without a gradient), and a chunk
-of frozen or weightless blocks alone (the cast, the loss) only adds a crossing, one of the logits at that. The loss chunk's ``W``
-is tried deferred and at once, and the faster kept. The plan keeps the order the simulator chose: the program
-``ZeroBubbleVPipelineEngine`` runs.
+of frozen or weightless blocks alone (the cast, the loss) only adds a crossing, one of the logits at that. The loss
+chunk's ``W`` is tried deferred and at once, and the faster kept. The plan keeps the order the simulator chose: the
+program ``ZeroBubbleVPipelineEngine`` runs.
 """
 
 from __future__ import annotations

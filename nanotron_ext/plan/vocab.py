@@ -33,8 +33,8 @@ def resolve_vocab_shards(cfg: PlannerConfig) -> tuple[PlannerConfig, VocabChoice
     """Replace ``vocab_shards: auto`` by the K whose plan has the smallest simulated step.
 
     Each candidate is planned with the config's strategy (by default ``constrained``) and priced by the
-    step-time objective on the config's machine (:func:`nanotron_ext.machine.machine_for`). A larger K wins only if it is at least :data:`MIN_GAIN` faster. Candidates that
-    cannot be planned are skipped.
+    step-time objective on the config's machine (:func:`nanotron_ext.machine.machine_for`). A larger K wins only if it
+    is at least :data:`MIN_GAIN` faster. Candidates that cannot be planned are skipped.
 
     Args:
         cfg: a loaded config.

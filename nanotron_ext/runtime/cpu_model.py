@@ -2,8 +2,9 @@
 
 On the device ``NANOTRON_EXT_DEVICE`` names (CPU by default; :mod:`nanotron_ext.runtime.device`).
 Blocks are placed by the adapter's ``assign_blocks`` (:mod:`nanotron_ext.integration.adapter`);
-``nanotron_block_ranks`` reports what Nanotron's own ``build_model`` would choose, for comparison. ``mark_tied_parameters`` is a copy of the
-trainer's function of the same name (``nanotron.trainer`` imports flash-attn and cannot be imported on CPU).
+``nanotron_block_ranks`` reports what Nanotron's own ``build_model`` would choose, for comparison.
+``mark_tied_parameters`` is a copy of the trainer's function of the same name (``nanotron.trainer`` imports flash-attn
+and cannot be imported on CPU).
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ def make_micro_batch(
     """A micro-batch as Nanotron's data loader hands it to the engine.
 
     Inputs live only on ``model.input_pp_rank`` and labels only on ``model.output_pp_rank`` (or, with a
-    vocabulary-shard chain, on every rank holding a shard: ``nanotron_ext.models.vocab_chain.label_pp_ranks``); every other rank
-    gets ``TensorPointer``s (a real tensor on a rank that does not own its block would be *sent* to that
+    vocabulary-shard chain, on every rank holding a shard: ``nanotron_ext.models.vocab_chain.label_pp_ranks``); every
+    other rank gets ``TensorPointer``s (a real tensor on a rank that does not own its block would be *sent* to that
     block).
 
     Args:

@@ -74,7 +74,8 @@ def calibrate_in_run(
         progress: a progress bar on rank 0.
 
     Raises:
-        ConfigError: ``pp_engine: zbv``, not under torchrun, the world is not ``pp × dp × tp``, bad counts, a base for another setup.
+        ConfigError: ``pp_engine: zbv``, not under torchrun, the world is not ``pp × dp × tp``, bad counts, a base
+            for another setup.
         PlanningError: the config's plan cannot train.
         RunFailure: a rank failed (every rank raises).
     """

@@ -110,7 +110,9 @@ def micro_batch_shortfall(engine: str, pp: int, n_micro_batches: int) -> MicroBa
         1F1B needs at least pp - 1 = 3 micro-batches, got 2: Nanotron's engine asserts nb_microbatches >= pp - 1 \
 and stops; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp_engine: afab
         >>> print(micro_batch_shortfall("zb1p", 4, 2))
-        zb1p (ZB-H1, 1F1B's program with deferred weight gradients) needs at least pp - 1 = 3 micro-batches, got 2: it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as Nanotron's 1F1B engine does; set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp_engine: afab
+        zb1p (ZB-H1, 1F1B's program with deferred weight gradients) needs at least pp - 1 = 3 micro-batches, got 2: \
+it runs 1F1B's pp - stage - 1 warm-up forwards and asserts nb_microbatches >= pp - 1 as Nanotron's 1F1B engine does; \
+set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp_engine: afab
     """
     if fills_pipeline(engine, pp, n_micro_batches):
         return None

@@ -271,8 +271,9 @@ class _RankProgram:
             self.grads_to_send.append(j)
 
     def weight(self, j: int, defer: int | None) -> None:
-        """After backward ``j`` under zb1p or zb2p (``defer``: :func:`deferred_weights`): defer its W, and run the oldest deferred W
-        once ``j >= defer``. Nothing under AFAB/1F1B (``defer`` None), where a backward is B and W in one."""
+        """After backward ``j`` under zb1p or zb2p (``defer``: :func:`deferred_weights`): defer its W, and run the
+        oldest deferred W once ``j >= defer``. Nothing under AFAB/1F1B (``defer`` None), where a backward is B and W in
+        one."""
         if defer is None:
             return
         self.weights_pending.append(j)

@@ -105,8 +105,8 @@ class SimResult:
     """Outcome of :func:`simulate`; times in seconds, per-stage lists indexed by PP rank.
 
     ``ops`` is grouped by stage, each stage's ops in execution order. ``p2p_times[c]`` is one transfer across the cut
-    between stages ``c`` and ``c + 1`` (an activation forward or its gradient back). ``pipeline_time`` is when the last of the
-    stages to finish is done with its forwards, backwards and receives; ``step_time`` adds the slowest stage's
+    between stages ``c`` and ``c + 1`` (an activation forward or its gradient back). ``pipeline_time`` is when the last
+    of the stages to finish is done with its forwards, backwards and receives; ``step_time`` adds the slowest stage's
     update. ``bubble_fraction`` is Σ idle ÷ (pp × step time); ``pipeline_bubble_fraction`` the same over the
     pipeline part alone (updates left out), comparable with :func:`ideal_bubble_fraction`.
     """

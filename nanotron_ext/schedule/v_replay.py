@@ -24,8 +24,8 @@ when the plan's schedule takes it: the argument above holds as it stands (each o
 its rank, and a transfer is taken after it is made), and the transfers keep the order the plan's schedule takes them
 in. That holds less, not nothing: a receive is done only when its op starts, so a send keyed after it still waits
 for that op; where it holds longer than the unit keys (rarely), the unit keys serve, and so they do where ops of no
-length tie keys into an order that would not get through. The CPU runtime's sends do not wait: there the engine and the replay post each send
-as soon as it is made.
+length tie keys into an order that would not get through. The CPU runtime's sends do not wait: there the engine and the
+replay post each send as soon as it is made.
 """
 
 from __future__ import annotations

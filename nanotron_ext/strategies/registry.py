@@ -29,8 +29,8 @@ class Assignment:
     ranks: list[int]
     costs: list[float]
     unit: str
-    #: The faster split the device's memory ruled out (:func:`~nanotron_ext.strategies.memory_fit.within_device_memory`);
-    #: None when the chosen split is the fastest.
+    #: The faster split the device's memory ruled out
+    #: (:func:`~nanotron_ext.strategies.memory_fit.within_device_memory`); None when the chosen split is the fastest.
     over_memory: list[int] | None = None
 
 

@@ -345,8 +345,8 @@ def install_store(model: nn.Module, store: WeightGradStore | None = None) -> Wei
     setattr(model, STORE_ATTR, store)
     if unknown:
         warnings.warn(
-            f"pp_engine zb1p/zb2p: {len(unknown)} trainable linear(s) with a forward the weight-gradient store does not "
-            f"know compute their weight gradient in B (correct, but that W fills no bubble): {', '.join(unknown)}. "
+            f"pp_engine zb1p/zb2p: {len(unknown)} trainable linear(s) with a forward the weight-gradient store does "
+            f"not know compute their weight gradient in B (correct, but that W fills no bubble): {', '.join(unknown)}. "
             f"To defer it, call nanotron_ext.zero_bubble.linear(self, x, weight, bias) in its forward and set "
             f"defers_weight_gradients = True on its class",
             ZeroBubbleFallbackWarning,

@@ -162,8 +162,8 @@ TRACE_CASES_PP3 = {
     "pp3-1f1b": {"pp": 3, "engine": "1f1b", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 4},
     "pp3-afab": {"pp": 3, "engine": "afab", "block_ranks": [0, 0, 0, 0, 1, 1, 2], "n_micro_batches": 2},
 }
-# zb1p and zb2p run the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes, Nanotron's
-# communication included, is that program call by call.
+# zb1p and zb2p run the simulator's own program (nanotron_ext.zero_bubble): these check that what it executes,
+# Nanotron's communication included, is that program call by call.
 TRACE_CASES.update(
     {
         "pp2-zb1p": {"pp": 2, "engine": "zb1p", "block_ranks": [0, 0, 0, 0, 1, 1, 1], "n_micro_batches": 4},

@@ -1,4 +1,5 @@
-"""Functions run inside spawned ranks by ``test_timing.py``, ``test_profiled.py`` and ``test_op_clock.py`` (see ``runtime/spawn.py``).
+"""Functions run inside spawned ranks by ``test_timing.py``, ``test_profiled.py`` and ``test_op_clock.py`` (see
+``runtime/spawn.py``).
 
 Free of pytest imports: each rank loads this file by path and calls one function. Return values are plain
 dicts so they unpickle in the test process without this module.
@@ -242,7 +243,8 @@ def malloc_policy_in_the_runtime() -> dict[str, Any]:
     return {"before": before, "inside": inside}
 
 
-#: OpClock's cases (``test_op_clock.py``). SMALL's blocks: embedding, decoder.0-3, final_norm, lm_head, cast, loss; four and five on the two stages.
+#: OpClock's cases (``test_op_clock.py``). SMALL's blocks: embedding, decoder.0-3, final_norm, lm_head, cast, loss; four
+#: and five on the two stages.
 SPLIT = [0, 0, 0, 0, 1, 1, 1, 1, 1]
 
 

@@ -180,8 +180,8 @@ def engine_trace(cases: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, 
     (an activation goes to a higher PP rank, a gradient to a lower one); the boolean ``sequence_mask`` that
     travels with a decoder's hidden states is left out, as the simulator counts one transfer per micro-batch
     and cut. Forwards and backwards are recorded when the engine's ``forward`` / ``backward`` return (a
-    forward's receive happens inside it), zb1p's W steps when they take their micro-batch from the store. The k-th record of a kind is micro-batch k: every queue in
-    Nanotron's engine is first-in-first-out.
+    forward's receive happens inside it), zb1p's W steps when they take their micro-batch from the store. The k-th
+    record of a kind is micro-batch k: every queue in Nanotron's engine is first-in-first-out.
     """
     try:
         return {name: _trace_one_step(**case) for name, case in cases.items()}

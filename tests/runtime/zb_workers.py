@@ -181,8 +181,8 @@ def _against(ref: dict[str, Any], zb: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_engines(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each case under 1F1B, zb1p and zb2p on this rank (keyed by engine): the worst gradient difference (relative to each
-    gradient's largest entry), both engines' losses, how many products each W applied, the warnings."""
+    """Each case under 1F1B, zb1p and zb2p on this rank (keyed by engine): the worst gradient difference (relative to
+    each gradient's largest entry), both engines' losses, how many products each W applied, the warnings."""
     try:
         return {"rank": int(os.environ["RANK"]), **{name: _compare(case) for name, case in cases.items()}}
     finally:

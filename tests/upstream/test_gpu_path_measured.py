@@ -4,7 +4,8 @@
 ``Qwen2ForTraining`` in a fresh process
 (its CPU stand-ins, flash-attn's three kernels replaced by ones that keep what flash-attn's keep:
 ``benchmarks/_flash_memory.py``) and reads the CPU allocator around one micro-batch's forward and backward. On an
-H200 the same script gives estimate ÷ the tensors' requested bytes 1.000–1.001 (benchmarks/results/gpu/2026-11-26b_h200)."""
+H200 the same script gives estimate ÷ the tensors' requested bytes 1.000–1.001
+(benchmarks/results/gpu/2026-11-26b_h200)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def test_upstreams_llama_keeps_what_the_gpu_path_estimate_counts(tmp_path):
         "qwen2 mb4 unfused norms",
     }
     for r in rows:
-        what = f"{r['shape']['label']} {r['what']}: estimated {r['estimated_bytes']:.0f}, measured {r['measured_bytes']:.0f}"
+        what = (
+            f"{r['shape']['label']} {r['what']}: estimated {r['estimated_bytes']:.0f}, "
+            f"measured {r['measured_bytes']:.0f}"
+        )
         if r["what"] == "layer" and not r["shape"]["recompute"]:
             assert r["estimated_bytes"] == r["measured_bytes"], what  # a decoder layer, to the byte
         elif r["what"] == "layer":

@@ -1,9 +1,10 @@
 """``pp_engine: zb2p``, chosen by ``pp_engine: auto``, in upstream Nanotron's own ``DistributedTrainer`` through
 ``python -m nanotron_ext.run``: the launcher installs our engine (Nanotron has none), and training matches Nanotron's
-own 1F1B engine. zb1p is the same engine class with another program: the CPU runtime's tests cover its gradients. dp=2 × pp=2 (four processes), bf16 weights with fp32 gradient accumulation: each B's and W's gradients go
-through Nanotron's ``FP32GradientAccumulator``, and DDP's reduction through Nanotron's fp32 communication hook
-(the trainer asserts that hook's all-reduce happened); the weights after two optimizer steps (from the step-2
-checkpoint) are what the gradients made of them, under both engines."""
+own 1F1B engine. zb1p is the same engine class with another program: the CPU runtime's tests cover its gradients. dp=2 ×
+pp=2 (four processes), bf16 weights with fp32 gradient accumulation: each B's and W's gradients go through Nanotron's
+``FP32GradientAccumulator``, and DDP's reduction through Nanotron's fp32 communication hook (the trainer asserts that
+hook's all-reduce happened); the weights after two optimizer steps (from the step-2 checkpoint) are what the gradients
+made of them, under both engines."""
 
 from __future__ import annotations
 
