@@ -26,6 +26,7 @@ __all__ = [
     "ResumePlan",
     "VOCAB_SHARDS_AUTO",
     "check_choice",
+    "replan_after_steps",
 ]
 
 #: Where the memory estimate's plan runs: Nanotron's trainer on CUDA, or this package's CPU runtime.
@@ -51,37 +52,65 @@ VOCAB_SHARDS_AUTO = "auto"
 OBJECTIVES: tuple[str, ...] = ("step_time", "slowest_stage")
 
 
+def replan_after_steps(value: object, name: str) -> int:
+    """The one rule of K, the step after which a run re-plans, for the YAML's key and the flag alike (``name``: what
+    the user wrote, ``nanotron_ext.replan.after_steps`` or ``--replan-after``): a whole number of at least 2.
+
+    Raises:
+        ConfigError: anything else, naming ``name`` and the value, with an example.
+    """
+    flag = name.startswith("-")  # a flag's value is its text; the YAML's is typed
+    k = int(value) if flag and isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        typed = f"{name} {value}" if flag else f"{name}={value!r}"
+        example = "--replan-after 20" if flag else "replan: {after_steps: 20}"
+        raise ConfigError(
+            f"{typed} must be a whole number of at least 2 (step 1 pays one-off costs and is not timed; the steps "
+            f"after it price the run), e.g. {example}"
+        )
+    return k
+
+
 @dataclass(frozen=True)
 class ReplanConfig:
-    """``nanotron_ext.replan``: after ``after_steps`` steps a run prices itself from its own steps, plans again and
-    moves to the faster plan (``docs/replan.md``).
+    """``nanotron_ext.replan``: after ``after_steps`` steps a run prices itself from its own steps, tries the plans
+    worth trying against its own in turns and keeps the one it measured faster (``docs/replan.md``).
 
     Attributes:
         after_steps: the step after which the run re-plans; None: never (the default).
-        min_gain: the least predicted gain (a fraction of the step) worth a move.
+        min_gain: the least gain, a fraction of the step, worth a move: a plan is tried where the profile, at its
+            error, could reach it, and kept where the trial measured it.
         engine: ``keep`` the run's engine, or let the re-plan pick among the contiguous engines (``auto``);
             None: ``auto`` where the config's ``pp_engine`` is ``auto``, else ``keep``.
+        trials: the most plans tried against the run's own (the fastest first, then those within the profile's
+            error of it).
+        turn_steps: timed steps per turn of the trial (each after one untimed step; twice as many in the middle).
     """
 
     after_steps: int | None = None
     min_gain: float = 0.03
     engine: ReplanEngine | None = None
+    trials: int = 2
+    turn_steps: int = 2
 
     def __post_init__(self) -> None:
-        k = self.after_steps
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
-            raise ConfigError(
-                f"{EXT_SECTION}.replan.after_steps={k!r} must be an integer >= 2 (step 1 pays one-off "
-                f"costs and is not timed; the steps after it price the run), or null to never re-plan"
-            )
+        if self.after_steps is not None:
+            replan_after_steps(self.after_steps, f"{EXT_SECTION}.replan.after_steps")
         g = self.min_gain
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and 0 <= g < 1):
             raise ConfigError(
                 f"{EXT_SECTION}.replan.min_gain={g!r} must be a fraction of the step in [0, 1), "
-                f"e.g. 0.03 to move only for a predicted gain of 3 % or more"
+                f"e.g. 0.03 to move only for a gain of 3 % or more"
             )
         if self.engine is not None:
             check_choice(f"{EXT_SECTION}.replan.engine", self.engine, ReplanEngine)
+        for key, example in (("trials", "trials: 2"), ("turn_steps", "turn_steps: 2")):
+            n = getattr(self, key)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(
+                    f"{EXT_SECTION}.replan.{key}={n!r} must be a whole number of at least 1 (a plan is kept only "
+                    f"where a trial measured it), e.g. {example}"
+                )
 
     @classmethod
     def from_yaml(cls, value: Any) -> ReplanConfig:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.checkpoint import ResumeSource, check_same_model, kept_vocab_shards, locate_checkpoint
-from nanotron_ext.cli.common import EXIT_OK, positive_int, report_error
+from nanotron_ext.cli.common import EXIT_OK, report_error
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
@@ -86,7 +86,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--replan-after",
         dest="replan_after",
-        type=positive_int,
         metavar="K",
         default=None,
         help="after K steps, price the run from its own steps, plan split and engine again under the "

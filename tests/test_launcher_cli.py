@@ -202,8 +202,14 @@ def test_a_replan_of_a_v_or_after_one_step_is_refused_by_the_launcher_before_the
     text = bundled_config_text().replace("pp_engine: 1f1b", "pp_engine: zbv")
     err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 5}\n", text=text)
     assert "nanotron_ext.replan re-plans contiguous splits, not a V yet" in err and "1f1b, zb1p, zb2p or auto" in err
-    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n", "--replan-after", "1")
-    assert "nanotron_ext.replan.after_steps=1 must be an integer >= 2" in err
+    for typed in ("1", "0"):  # one rule for the flag and the key; the error names the flag, no usage block
+        err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n", "--replan-after", typed)
+        assert err == (
+            f"nanotron_ext.run [rank 0]: error: --replan-after {typed} must be a whole number of at least 2 (step 1 "
+            f"pays one-off costs and is not timed; the steps after it price the run), e.g. --replan-after 20\n"
+        )
+    err = _refused(tmp_path, capsys, "\nnanotron_ext:\n", "\nnanotron_ext:\n  replan: {after_steps: 1}\n")
+    assert "nanotron_ext.replan.after_steps=1 must be a whole number of at least 2" in err
 
 
 def bundled_config_text() -> str:

@@ -62,7 +62,6 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument(
         "--replan-after",
         dest="replan_after",
-        type=positive_int,
         metavar="K",
         help="after step K, price the run from its own steps, plan again under the same memory and move "
         "to the faster plan (nanotron_ext.replan.after_steps; docs/replan.md)",

@@ -1,25 +1,25 @@
-"""``nanotron_ext.replan`` in Nanotron's own trainer (``python -m nanotron_ext.run``): after K steps of a launch the
-run prices itself from its own steps, plans again under the same memory and, where the new plan is worth it, moves
-there by a re-launch the launcher drives in the same processes (``docs/replan.md``).
+"""``nanotron_ext.replan`` in Nanotron's own trainer (``python -m nanotron_ext.run``): the launcher's clock and
+moves for the run's re-plan (:class:`~nanotron_ext.integration.replan_session.ReplanSession` holds the decision, the
+trial and the report, as it does for the CPU runtime).
 
-1. Steps 2..K of the launch run under the engine's clock (:class:`~nanotron_ext.integration.op_clock.OpClock` inside
-   :class:`TrainerStepTimer`); Nanotron's P2P and tied sync are not timed, so links, the tied all-reduce and the
-   engine's overhead keep the base profile's figures (the config's ``machine``, else a standalone calibration).
-2. When the trainer calls for step K + 1, the in-run profile and :func:`~nanotron_ext.plan.replan.choose_replan`
-   decide, on every rank alike. A move saves step K with Nanotron's own ``save_checkpoint`` (the plan record, every
-   file hashed; reused where the checkpoint interval already saved it) and raises :class:`MoveTo` out of the script.
-3. The launcher (:mod:`nanotron_ext.run`) frees the trainer, installs the new plan (``layout`` of the new split, its
-   engine, ``resume_plan: replan``) and runs the script again, resuming that checkpoint: the launcher's resume under
-   another plan proves the files and the mapping and moves every weight, Adam state and the schedule.
-4. The re-launched trainer's steps are timed on the wall clock; after the script ends rank 0 prints the measured
-   step after the move against the prediction.
+What is the launcher's own:
+
+* the clock: steps 2..K of the launch run under :class:`~nanotron_ext.integration.op_clock.OpClock` inside
+  :class:`TrainerStepTimer`; Nanotron's P2P and tied sync are not timed, so links, the tied all-reduce and the
+  engine's overhead keep the base profile's figures (the config's ``machine``, else a standalone calibration);
+* the move, a re-launch in the same processes: when the trainer calls for a step the session puts on another plan,
+  Nanotron's own ``save_checkpoint`` saves the step before (the plan record, every file hashed; reused where the
+  checkpoint interval saved it already) and :class:`MoveTo` leaves the script; the launcher (:mod:`nanotron_ext.run`)
+  frees the trainer, installs the new plan (``layout`` of the new split, its engine, ``resume_plan: replan``) and
+  runs the script again on that checkpoint, whose state the launcher's resume proves and moves. A checkpoint saved
+  only for a move is removed once the run has resumed a later one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import tempfile
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,15 +29,8 @@ import torch.distributed as torch_dist
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.devices import synchronize
-from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan.replan import (
-    ReplanChoice,
-    choose_replan,
-    measured_lines,
-    replan_engines,
-    replan_profiles,
-    short_run_note,
-)
+from nanotron_ext.integration.replan_session import Move, ReplanSession
+from nanotron_ext.plan.replan import short_run_note
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.procs import peak_rss_mib
 
@@ -46,13 +39,11 @@ __all__ = ["LauncherReplan", "MoveTo", "TrainerStepTimer"]
 
 class MoveTo(Exception):  # noqa: N818 (a signal to the launcher, not an error)
     """Raised out of the training script once the move's checkpoint is saved: the launcher runs the script again on
-    ``choice.new``, resuming ``checkpoint``."""
+    ``plan``, resuming ``checkpoint``."""
 
-    def __init__(self, choice: ReplanChoice, checkpoint: Path) -> None:
-        super().__init__(
-            f"replan: moving to {choice.new.split_text} ({choice.new.engine}) from checkpoint {checkpoint}"
-        )
-        self.choice, self.checkpoint = choice, checkpoint
+    def __init__(self, plan: Plan, checkpoint: Path) -> None:
+        super().__init__(f"replan: moving to {plan.split_text} ({plan.engine}) from checkpoint {checkpoint}")
+        self.plan, self.checkpoint = plan, checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +103,8 @@ class TrainerStepTimer:
 
 
 class LauncherReplan:
-    """The re-plan of a launcher run, across its launches: the first times its steps and may raise :class:`MoveTo`;
-    after a move, the re-launch times its steps for the measured lines.
+    """The re-plan of a launcher run, across its launches (a move is a re-launch): the clock of the first launch's
+    steps 2..K, and the moves the session's trial asks for.
 
     Args:
         cfg: the launch's planner config (engine and vocabulary shards resolved; ``replan.after_steps`` set).
@@ -122,27 +113,21 @@ class LauncherReplan:
     """
 
     def __init__(self, cfg: PlannerConfig, *, engine_was_auto: bool, say: Callable[[str], None]) -> None:
-        self.after_steps = cfg.ext.replan.after_steps
-        self.engines = replan_engines(cfg, engine_was_auto=engine_was_auto)
-        self.say = say
-        self.choice: ReplanChoice | None = None
-        self.seconds: dict[str, float] = {}
-        self.timed: list[float] = []  # this rank's wall time of each timed step before the re-plan
-        self.after: list[float] = []  # and of each step after it
-        self.first_step: int | None = None  # the launch's first step (global)
-        self.peak_rss: tuple[float, float] | None = None  # rank 0's peak resident MiB before and after the move
-        self._rss_before = 0.0
+        self.cfg, self.engine_was_auto, self.say = cfg, engine_was_auto, say
+        self.session: ReplanSession | None = None
+        self.first_step: int | None = None  # the first launch's first step (global)
         self._clock: Any = None
         self._timer: TrainerStepTimer | None = None
-        self._trained = 0  # steps this launch trained
-        self._skip = 0  # steps after the re-plan not to count: the next is a new build's first, or on one already
-        self._moved_at: float | None = None
+        self._move: Move | None = None  # the move under way: its re-launch's first step ends it
+        self._moved_at = 0.0
+        self._rss_before = 0.0
+        self._move_only: list[Path] = []  # checkpoints saved for a move alone, removed once superseded
 
     def relaunch_config(self, cfg: PlannerConfig) -> PlannerConfig:
         """``cfg`` on the plan the run moves to: its split as a layout, its engine, the checkpoint's state moved onto
-        it; no second re-plan."""
-        assert self.choice is not None
-        new = self.choice.new
+        it."""
+        assert self.session is not None
+        new = self.session.plan
         return cfg.with_overrides(
             cost_strategy="layout",
             layout=new.split_text,
@@ -155,47 +140,55 @@ class LauncherReplan:
         """Wrap ``DistributedTrainer.training_step`` of ``trainer_module`` (``plan_of``: the built plan)."""
         trainer_cls = trainer_module.DistributedTrainer
         original = trainer_cls.training_step
-        self._trained = 0
+        first = [True]  # this launch's first step
 
         def training_step(trainer: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._trained == 0:
-                self._start(trainer, cfg)
-            if self.choice is None and self.after_steps is not None and self._trained == self.after_steps:
-                self._replan(trainer, plan_of(), cfg)
+            step = trainer.iteration_step
+            if first[0]:
+                first[0] = False
+                self._launched(trainer, plan_of())
+            session = self.session
+            if session is not None:
+                target = session.next_move(step - 1)
+                if target is not None:
+                    self._leave(trainer, step - 1, target)
             start = time.perf_counter()
-            if self._clock is not None:
-                with self._clock.step(record=self._trained >= 1):
+            if self._clock is not None and session is not None and session.clocked(step):
+                with self._clock.step(record=session.recorded(step)):
                     out = original(trainer, *args, **kwargs)
             else:
                 out = original(trainer, *args, **kwargs)
-            seconds = time.perf_counter() - start
-            if self._clock is not None and self._trained >= 1:
-                self.timed.append(seconds)
-            elif self.choice is not None:  # after the re-plan
-                if self._skip:
-                    self._skip -= 1
-                else:
-                    self.after.append(seconds)
-            self._trained += 1
+            if session is not None:
+                session.record(step, time.perf_counter() - start)
+                if step == session.decide_after and session.choice is None:
+                    self._decide(trainer, step)
+                session.turn_done(step, lambda obj: _gather(trainer, obj))
             return out
 
         patches.set(trainer_cls, "training_step", training_step)
 
-    def _start(self, trainer: Any, cfg: PlannerConfig) -> None:
-        """The launch's first step: a move's restart ends here; the clock starts where a re-plan is to come."""
-        if self.first_step is None:
-            self.first_step = trainer.metadata.last_train_step + 1
-        if self._moved_at is not None:
-            self.seconds["restart"] = time.perf_counter() - self._moved_at
-            self.peak_rss = (self._rss_before, peak_rss_mib())
-            self._moved_at = None
-        if self.choice is not None or self.after_steps is None:
+    def _launched(self, trainer: Any, plan: Plan) -> None:
+        """A launch's first step: a move's re-launch ends here; the first launch starts the session and its clock."""
+        if self._move is not None and self.session is not None:
+            self._move.seconds["restart"] = time.perf_counter() - self._moved_at
+            self._move.peak_rss_mib = (self._rss_before, peak_rss_mib())
+            self.session.moved(self._move.after_step, self.session.plan, self._move)
+            self._move = None
+            self._remove_superseded(trainer)
             return
-        steps = trainer.config.tokens.train_steps - trainer.metadata.last_train_step
-        if steps <= self.after_steps:
-            self.say(f"nanotron_ext: {short_run_note(self.after_steps, steps)}")
-            self.after_steps = None
+        if self.session is not None:
             return
+        step = trainer.iteration_step
+        self.first_step = step
+        last = trainer.config.tokens.train_steps
+        after = self.cfg.ext.replan.after_steps
+        if after is None or last - step + 1 <= after:
+            if after is not None:
+                self.say(f"nanotron_ext: {short_run_note(after, last - step + 1)}")
+            return
+        self.session = ReplanSession(
+            self.cfg, plan, first_step=step, last_step=last, engine_was_auto=self.engine_was_auto, say=self.say
+        )
         from nanotron_ext.integration.op_clock import OpClock
 
         self._timer = TrainerStepTimer(trainer.parallel_context.world_pg)
@@ -203,7 +196,7 @@ class LauncherReplan:
             getattr(trainer, "unwrapped_model", trainer.model),
             trainer.parallel_context,
             timer=self._timer,
-            engine_name=lambda _: cfg.run.engine,
+            engine_name=lambda _: plan.engine,
             overhead=False,
         ).__enter__()
         engine = trainer.pipeline_engine
@@ -217,32 +210,18 @@ class LauncherReplan:
 
         engine.train_batch_iter = timed_train_batch_iter
 
-    def _replan(self, trainer: Any, plan: Plan, cfg: PlannerConfig) -> None:
-        """After the launch's K-th step: price, decide and, on a move, save the step and raise :class:`MoveTo`."""
-        start = time.perf_counter()
+    def _decide(self, trainer: Any, step: int) -> None:
+        """After the launch's K-th step: price and decide on every rank alike."""
+        assert self.session is not None
         gathered = self._clock.gather()
         self._clock.__exit__(None, None, None)
         self._clock = self._timer = None
         trainer.pipeline_engine.__dict__.pop("train_batch_iter", None)
-        step = trainer.metadata.last_train_step
-        with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            whole, *halves = [
-                cfg.with_overrides(machine=str(path))
-                for path in replan_profiles(
-                    cfg, plan.block_ranks, gathered, len(self.timed), torch_dist.get_rank(), Path(tmp)
-                )
-            ]
-            self.seconds["profile"] = time.perf_counter() - start
-            start = time.perf_counter()
-            self.choice = choose_replan(
-                whole, inventory_from_config(whole), plan, step=step, engines=self.engines, halves=halves
-            )
-            self.seconds["plan"] = time.perf_counter() - start
-        for line in self.choice.lines():
-            self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
-        self._skip = 1  # step K + 1, as the run's first step was: the first of a new build, or beside the re-plan
-        if not self.choice.moves:
-            return
+        self.session.decide(step, gathered, torch_dist.get_rank())
+
+    def _leave(self, trainer: Any, step: int, target: Plan) -> None:
+        """Save step ``step`` for the move to ``target`` and raise :class:`MoveTo` out of the script."""
+        assert self.session is not None
         start = time.perf_counter()
         checkpoints = trainer.config.checkpoints
         folder = Path(checkpoints.checkpoints_path) / str(step)
@@ -252,25 +231,30 @@ class LauncherReplan:
                 folder = Path(trainer.save_checkpoint() or folder)
             finally:
                 trainer.iteration_step = iteration
-        self.seconds["save"] = time.perf_counter() - start
+            self._move_only.append(folder)
+        self._move = Move(step, target.split_text, target.engine, {"save": time.perf_counter() - start})
+        self.session.plan = target  # what the re-launch trains (the move is recorded once it has started)
         self._rss_before = peak_rss_mib()
         self._moved_at = time.perf_counter()
-        raise MoveTo(self.choice, folder)
+        raise MoveTo(target, folder)
+
+    def _remove_superseded(self, trainer: Any) -> None:
+        """Remove the checkpoints saved for a move alone, but the one this launch resumed (rank 0)."""
+        keep = self._move_only[-1:] if self._move_only else []
+        if torch_dist.get_rank() == 0:
+            for folder in self._move_only[:-1]:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._move_only = keep
 
     def measured_lines(self) -> list[str]:
-        """After the last launch: the move's cost, and the measured steps against the predictions (rank 0)."""
-        if self.choice is None:
+        """After the last launch: the trial's cost, the measured steps against the predictions (rank 0)."""
+        if self.session is None:
             return []
-        lines = []
-        if self.choice.moves and "restart" in self.seconds:
-            s = self.seconds
-            before, after = self.peak_rss or (float("nan"), float("nan"))
-            lines.append(
-                f"nanotron_ext: replan: the move took {s['save'] + s['restart']:.2f} s (save "
-                f"{s['save']:.2f} s, re-launch, build and load {s['restart']:.2f} s); re-plan "
-                f"{s['profile'] + s['plan']:.2f} s; rank 0's peak memory {before:.0f} -> {after:.0f} MiB"
-            )
-        return lines + [
-            f"nanotron_ext: {line}"
-            for line in measured_lines(self.choice, self.timed, self.after, first_timed=(self.first_step or 1) + 1)
-        ]
+        return [f"nanotron_ext: {line}" for line in self.session.after_lines(first_timed=(self.first_step or 1) + 1)]
+
+
+def _gather(trainer: Any, obj: Any) -> list[Any]:
+    group = trainer.parallel_context.world_pg
+    out: list[Any] = [None] * torch_dist.get_world_size(group)
+    torch_dist.all_gather_object(out, obj, group=group)
+    return out

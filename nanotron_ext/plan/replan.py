@@ -1,43 +1,59 @@
-"""A run's re-plan after K steps: the plan it trains and the fastest one under the same memory, both priced by the
-run's own steps (the in-run profile), and whether the gap is worth a move.
+"""A run's re-plan after K steps: the plan it trains, priced by the run's own steps (the in-run profile), and the
+plans worth trying against it under the same memory.
 
-The new plan is the config's own strategy when it prices steps (``constrained``, ``profiled``), else
-``constrained``: a fixed rule (``layout``, ``nanotron``, ``uniform``, ...) would return the split the run already
-has. Its engine is the run's own, or the fastest contiguous one where ``replan.engine`` (or ``pp_engine: auto``)
-allows it. The memory is the run's: ``memory_cap_gib`` where set, else the largest stage peak of the plan it
-trains, so a move never makes a stage hold more than the run already asks of its largest one.
+The prices decide what to try, never what to keep: every plan the re-plan proposes is tried against the run's own
+in turns (:mod:`nanotron_ext.plan.replan_trial`), and the run keeps the one it measured faster. What to try:
 
-Entry point: :func:`choose_replan`; the CPU runtime (:mod:`nanotron_ext.runtime.replan`) makes the move.
+1. The fastest plan under each engine the re-plan may pick: the config's own strategy where it prices steps
+   (``constrained``, ``profiled``), else ``constrained`` (a fixed rule, ``layout`` or ``nanotron``, would return the
+   split the run already has); then the splits around the fastest one (each cut moved by up to
+   :data:`NEIGHBOUR_REACH` blocks, and theirs in turn), priced by the same simulator.
+2. The profile's error: the larger of :data:`PROFILE_ERROR`, the held-out error the in-run profile is measured to
+   have, and the run's own noise (the gain priced by the first and by the second half of its timed steps, half their
+   gap: :func:`gain_noise`).
+3. A plan is a candidate when it is within that error of the fastest (a close call between them is measured, not
+   guessed) and could, at that error, gain ``min_gain`` over the run's plan; the fastest first, at most
+   ``replan.trials`` of them.
+
+The memory is the run's: ``memory_cap_gib`` where set, else the largest stage peak of the plan it trains, so a move
+never makes a stage hold more than the run already asks of its largest one.
+
+Entry point: :func:`choose_replan`; :class:`nanotron_ext.integration.replan_session.ReplanSession` runs the trial.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import statistics
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nanotron_ext.config import PlannerConfig
+from nanotron_ext.config_ext import replan_after_steps
 from nanotron_ext.costs.analytic import GIB
-from nanotron_ext.errors import ConfigError
+from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.inventory.model import BlockInfo
+from nanotron_ext.partition import bounds_from_ranks, ranks_from_bounds
 from nanotron_ext.plan.engine_choice import CONTIGUOUS_AUTO_ENGINES, choose_engine, predicted_step
 from nanotron_ext.plan.make import plan_with_ranks
+from nanotron_ext.plan.replan_trial import trial_length
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import format_seconds, human_bytes
 from nanotron_ext.schedule import V_ENGINE
 
 __all__ = [
+    "NEIGHBOUR_REACH",
     "PRICED_STRATEGIES",
+    "PROFILE_ERROR",
     "REPLAN_CALIBRATE_REPEATS",
+    "Candidate",
     "ReplanChoice",
     "Verdict",
     "choose_replan",
     "gain_noise",
-    "measured_lines",
     "replan_engines",
     "replan_profiles",
     "short_run_note",
@@ -49,85 +65,138 @@ __all__ = [
 REPLAN_CALIBRATE_REPEATS = 1
 #: Strategies whose split is the fastest simulated step on the config's machine: a re-plan keeps them.
 PRICED_STRATEGIES: tuple[str, ...] = ("constrained", "profiled")
+#: The in-run profile's held-out error: how far its price of a split it did not train lands from that split's
+#: measured median step (±3 % on the SmolLM shape at pp = 2 in three quiet runs, docs/in-run.md#measured).
+PROFILE_ERROR = 0.03
+#: How far (in blocks) a cut of the fastest split moves to make the splits around it.
+NEIGHBOUR_REACH = 2
+#: The most splits the search around the fastest one prices.
+NEIGHBOUR_BUDGET = 400
 
 
 class Verdict(enum.Enum):
-    """What a re-plan decides."""
+    """What a re-plan decides before any trial."""
 
-    MOVE = "move"
+    TRY = "trying plans against the run's in turns"
     BEST = "already on the fastest plan"
     SMALL = "gain below min_gain"
-    NOISY = "gain within the run's noise"
+    SHORT = "too few steps left to try a plan"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the run may try, and its simulated step (s) under the in-run profile."""
+
+    plan: Plan
+    step: float
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], str]:
+        return tuple(self.plan.block_ranks), self.plan.engine
 
 
 @dataclass(frozen=True)
 class ReplanChoice:
-    """The plan a run trains and the fastest one under its memory, each with its predicted step (seconds).
+    """The plan a run trains and the plans it will try against it, each with its predicted step (s).
 
     Attributes:
         step: the step after which the run re-planned.
-        old / new: the two plans (``new`` is ``old`` when nothing is faster).
-        old_step / new_step: their simulated steps under the in-run profile.
+        old / old_step: the run's plan and its simulated step under the in-run profile.
+        candidates: the plans to try, fastest first (none unless the verdict is ``TRY``).
+        fastest: the fastest plan found (the run's own where nothing is faster).
         noise: how far the predicted gain moves between the halves of the run's timed steps (:func:`gain_noise`).
-        min_gain: ``replan.min_gain``.
-        cap_bytes: the memory every stage of the new plan fits in.
-        verdict: what the run does.
-        engine_lines: how the engines compared, where the re-plan could change the engine.
+        error: the profile's error: the larger of :data:`PROFILE_ERROR` and ``noise``.
+        min_gain: ``replan.min_gain``; cap_bytes: the memory every stage of a candidate fits in.
+        verdict: what the run does; engine_lines: how the engines compared, where the re-plan could change it.
+        trial_steps: the steps the trial takes (0 without one).
     """
 
     step: int
     old: Plan
-    new: Plan
     old_step: float
-    new_step: float
+    candidates: tuple[Candidate, ...]
+    fastest: Candidate
     noise: float
+    error: float
     min_gain: float
     cap_bytes: float
     verdict: Verdict
     engine_lines: tuple[str, ...] = ()
+    trial_steps: int = 0
 
     @property
     def gain(self) -> float:
-        """The predicted gain of the new plan, a fraction of the old step."""
-        return _gain(self.old_step, self.new_step)
+        """The fastest plan's predicted gain over the run's, a fraction of the run's step."""
+        return _gain(self.old_step, self.fastest.step)
 
     @property
-    def moves(self) -> bool:
-        return self.verdict is Verdict.MOVE
+    def tries(self) -> bool:
+        return self.verdict is Verdict.TRY
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """The trial's plans: the run's first, then the candidates."""
+        return (self.old, *(c.plan for c in self.candidates))
 
     def lines(self) -> list[str]:
-        """What rank 0 prints: both plans and their predicted steps, and what the run does."""
+        """What rank 0 prints: the run's plan, each candidate, and what the run does."""
 
-        def plan_line(title: str, plan: Plan, step: float) -> str:
-            peak = max(s.memory_bytes for s in plan.stages)
+        def plan_line(title: str, c: Candidate) -> str:
+            peak = max(s.memory_bytes for s in c.plan.stages)
+            speed = "" if c.plan is self.old else f"  {self.old_step / c.step:.3f}x as fast"
             return (
-                f"  {title} {plan.split_text}  {plan.engine}  predicted {format_seconds(step)}  "
-                f"peak {human_bytes(peak)}"
+                f"  {title:<6} {c.plan.split_text}  {c.plan.engine}  predicted {format_seconds(c.step)}  "
+                f"peak {human_bytes(peak)}{speed}"
             )
 
         head = f"replan after step {self.step}, priced by the run's own steps (in-run profile):"
-        body = [plan_line("now: ", self.old, self.old_step)]
-        if self.new is not self.old:
-            body.append(plan_line("best:", self.new, self.new_step))
+        shown = self.candidates or ((self.fastest,) if self.fastest.plan is not self.old else ())
+        body = [plan_line("now:", Candidate(self.old, self.old_step))]
+        body += [plan_line(f"try {i}:" if self.tries else "best:", c) for i, c in enumerate(shown, 1)]
         cap = f"every stage within {human_bytes(self.cap_bytes)}"
-        gain = f"predicted gain {self.gain:.1%} ({cap}), min_gain {self.min_gain:.1%}, run's noise {self.noise:.1%}"
+        gain = (
+            f"predicted gain {self.gain:.1%} ({cap}), min_gain {self.min_gain:.1%}, the profile's error "
+            f"{self.error:.1%} (held-out {PROFILE_ERROR:.1%}, run's noise {self.noise:.1%})"
+        )
         what = {
-            Verdict.MOVE: f"{gain}: moving to the new plan",
+            Verdict.TRY: f"{gain}: trying {len(self.candidates)} plan(s) against the run's in turns, "
+            f"{self.trial_steps} steps",
             Verdict.BEST: f"the run is on the fastest plan under its memory ({cap}): staying",
-            Verdict.SMALL: f"{gain}: below min_gain, staying",
-            Verdict.NOISY: f"{gain}: the gain is within the noise of the run's own steps, staying",
+            Verdict.SMALL: f"{gain}: below min_gain even at the profile's error, staying",
+            Verdict.SHORT: f"{gain}: a trial takes {self.trial_steps} steps, more than the run has left: staying "
+            f"(a plan is kept only where it is measured)",
         }[self.verdict]
         return [head, *body, *(f"  {line}" for line in self.engine_lines), f"  {what}"]
 
+    def to_dict(self) -> dict[str, Any]:
+        def plan(p: Plan, step: float) -> dict[str, Any]:
+            return {"split": p.split_text, "engine": p.engine, "predicted_step_s": step}
 
-def with_replan_after(cfg: PlannerConfig, after_steps: int | None) -> PlannerConfig:
-    """``cfg`` with ``--replan-after K`` applied (the YAML's other replan keys stay); a V with a re-plan refused.
+        return {
+            "after_step": self.step,
+            "verdict": self.verdict.value,
+            "old": plan(self.old, self.old_step),
+            "fastest": plan(self.fastest.plan, self.fastest.step),
+            "candidates": [plan(c.plan, c.step) for c in self.candidates],
+            "predicted_gain": self.gain,
+            "noise": self.noise,
+            "profile_error": self.error,
+            "min_gain": self.min_gain,
+            "cap_bytes": self.cap_bytes,
+            "trial_steps": self.trial_steps,
+        }
+
+
+def with_replan_after(cfg: PlannerConfig, after_steps: object) -> PlannerConfig:
+    """``cfg`` with ``--replan-after K`` applied (the flag's text or number, checked by the rule the YAML's key has,
+    naming the flag); the YAML's other replan keys stay. A V with a re-plan refused.
 
     Raises:
-        ConfigError: the run re-plans and trains a V.
+        ConfigError: K is not a whole number of at least 2; the run re-plans and trains a V.
     """
     if after_steps is not None:
-        cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=after_steps))
+        k = replan_after_steps(after_steps, "--replan-after")
+        cfg = cfg.with_overrides(replan=dataclasses.replace(cfg.ext.replan, after_steps=k))
     if cfg.ext.replan.after_steps is not None and cfg.run.engine == V_ENGINE:
         raise ConfigError(
             "nanotron_ext.replan re-plans contiguous splits, not a V yet: drop replan, or train under "
@@ -159,17 +228,19 @@ def choose_replan(
     step: int,
     engines: Sequence[str],
     halves: Sequence[PlannerConfig] = (),
+    steps_left: int | None = None,
 ) -> ReplanChoice:
-    """Price ``trained`` and the fastest plan among ``engines`` on ``cfg``'s machine (the in-run profile), under
-    the run's memory, and decide.
+    """Price ``trained`` and the plans around the fastest among ``engines`` on ``cfg``'s machine (the in-run
+    profile), under the run's memory, and decide what to try (see the module docstring).
 
     Args:
         cfg: the run's config with ``machine`` set to the in-run profile.
         blocks: its inventory; trained: the plan the run trains.
         step: the step after which it re-plans.
-        engines: the engines the new plan may use.
+        engines: the engines a candidate may use.
         halves: ``cfg`` priced by the first and by the second half of the timed steps, for the gain's noise
             (:func:`gain_noise`); none where the run timed fewer than two steps.
+        steps_left: the steps the run has after ``step`` (None: as many as a trial needs).
 
     Raises:
         ConfigError: the run's engine is not among ``engines`` and none of them fits (it then stays).
@@ -182,37 +253,103 @@ def choose_replan(
     )
     capped = priced.with_overrides(memory_cap_gib=cap / GIB)
     old_step = predicted_step(capped, blocks, old.block_ranks)
-    engine_lines: tuple[str, ...] = ()
+    bests, engine_lines = _engine_bests(capped, engines, trained.engine)
+    own = Candidate(old, old_step)
+    fastest = min((c for c in bests if c.key != own.key), key=lambda c: c.step, default=own)
+    noise = (
+        gain_noise([h.with_overrides(cost_strategy=strategy) for h in halves], blocks, old, fastest.plan)
+        if fastest is not own
+        else 0.0
+    )
+    error = max(PROFILE_ERROR, noise)
+    replan = cfg.ext.replan
+    args = (step, old, old_step)
+    if fastest is own or fastest.step >= old_step:
+        return ReplanChoice(*args, (), own, noise, error, replan.min_gain, cap, Verdict.BEST, engine_lines)
+    pool = _around(capped, blocks, fastest, bests, error, strategy)
+    worth = [c for c in pool if c.key != own.key and _gain(old_step, c.step) + error >= replan.min_gain]
+    if not worth:
+        return ReplanChoice(*args, (), fastest, noise, error, replan.min_gain, cap, Verdict.SMALL, engine_lines)
+    tried = worth[: replan.trials]
+    while tried and steps_left is not None and trial_length(len(tried) + 1, replan.turn_steps) > steps_left:
+        tried.pop()  # the runner-ups first: the fastest is tried where anything is
+    if not tried:
+        needed = trial_length(2, replan.turn_steps)
+        return ReplanChoice(*args, (), fastest, noise, error, replan.min_gain, cap, Verdict.SHORT, engine_lines, needed)
+    length = trial_length(len(tried) + 1, replan.turn_steps)
+    return ReplanChoice(
+        *args, tuple(tried), fastest, noise, error, replan.min_gain, cap, Verdict.TRY, engine_lines, length
+    )
+
+
+def _engine_bests(
+    capped: PlannerConfig, engines: Sequence[str], own_engine: str
+) -> tuple[list[Candidate], tuple[str, ...]]:
+    """Each engine's fastest plan that fits (the strategy's own search under that engine), and the engines' lines."""
     try:
         choice = choose_engine(capped, engines)
-        best = choice.chosen
-        engine_lines = tuple(choice.lines(head="engines: ")) if len(engines) > 1 else ()
     except ConfigError:
-        if trained.engine not in engines:
+        if own_engine not in engines:
             raise
-        best = None
-    new, new_step = old, old_step
-    if (
-        best is not None
-        and best.ok
-        and isinstance(best.plan, Plan)
-        and best.step_time is not None
-        and best.step_time < old_step
-        and (best.plan.block_ranks != old.block_ranks or best.engine != old.engine)
-    ):
-        new, new_step = best.plan, best.step_time
-    gain = _gain(old_step, new_step)
-    noise = gain_noise([h.with_overrides(cost_strategy=strategy) for h in halves], blocks, old, new)
-    verdict = (
-        Verdict.BEST
-        if new is old
-        else Verdict.SMALL
-        if gain < cfg.ext.replan.min_gain
-        else Verdict.NOISY
-        if noise >= gain
-        else Verdict.MOVE
-    )
-    return ReplanChoice(step, old, new, old_step, new_step, noise, cfg.ext.replan.min_gain, cap, verdict, engine_lines)
+        return [], ()
+    bests = [
+        Candidate(o.plan, o.step_time)
+        for o in choice.options
+        if o.ok and isinstance(o.plan, Plan) and o.step_time is not None
+    ]
+    return bests, tuple(choice.lines(head="engines: ")) if len(engines) > 1 else ()
+
+
+def _around(
+    capped: PlannerConfig,
+    blocks: Sequence[BlockInfo],
+    fastest: Candidate,
+    bests: Sequence[Candidate],
+    error: float,
+    strategy: str,
+) -> list[Candidate]:
+    """Every plan found within ``error`` of ``fastest``'s step, fastest first: the engines' bests, and the splits
+    around the fastest under its engine (each cut moved by up to :data:`NEIGHBOUR_REACH` blocks, then around those
+    within the error, at most :data:`NEIGHBOUR_BUDGET` priced), each valid under the run's memory."""
+    bound = fastest.step * (1 + error)
+    found = {c.key: c for c in bests if c.step <= bound}
+    cfg = capped.with_overrides(engine=fastest.plan.engine)
+    pp = cfg.run.pp
+    seen = {tuple(fastest.plan.block_ranks)}
+    frontier = [(fastest.step, tuple(fastest.plan.block_ranks))]
+    priced = 0
+    while frontier and priced < NEIGHBOUR_BUDGET:
+        _, ranks = heapq.heappop(frontier)
+        for other in _neighbours(ranks, pp):
+            if other in seen or priced >= NEIGHBOUR_BUDGET:
+                continue
+            seen.add(other)
+            priced += 1
+            step = predicted_step(cfg, blocks, other)
+            if step > bound:
+                continue
+            try:
+                plan = plan_with_ranks(blocks, cfg, other, strategy, suggest_fixes=False)
+            except PlanningError:
+                continue
+            if plan.ok:
+                found.setdefault((other, plan.engine), Candidate(plan, step))
+                heapq.heappush(frontier, (step, other))
+    return sorted(found.values(), key=lambda c: (c.step, c.key))
+
+
+def _neighbours(ranks: tuple[int, ...], pp: int) -> list[tuple[int, ...]]:
+    """The contiguous splits with one cut of ``ranks`` moved by 1 to :data:`NEIGHBOUR_REACH` blocks, no stage
+    emptied."""
+    bounds = bounds_from_ranks(list(ranks), pp)
+    out = []
+    for cut in range(1, pp):
+        for delta in range(-NEIGHBOUR_REACH, NEIGHBOUR_REACH + 1):
+            moved = list(bounds)
+            moved[cut] += delta
+            if delta and all(a < b for a, b in zip(moved, moved[1:])):
+                out.append(tuple(ranks_from_bounds(moved)))
+    return out
 
 
 def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old: Plan, new: Plan) -> float:
@@ -220,7 +357,7 @@ def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old
     two halves.
 
     The noise of the decision, not of the steps: a half that ran uniformly slower (another job on the node, a
-    throttled clock) moves both predicted steps alike and leaves the gain where it was, so it is no reason to stay.
+    throttled clock) moves both predicted steps alike and leaves the gain where it was.
     """
     if len(halves) != 2:
         return 0.0
@@ -237,36 +374,6 @@ def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old
 def _gain(old_step: float, new_step: float) -> float:
     """The gain of a step of ``new_step`` over ``old_step``: a fraction of the old step."""
     return 1.0 - new_step / old_step if old_step > 0 else 0.0
-
-
-def measured_lines(
-    choice: ReplanChoice, before: Sequence[float], after: Sequence[float], *, first_timed: int
-) -> list[str]:
-    """Rank 0's measured steps against what the re-plan predicted.
-
-    Args:
-        choice: the re-plan's decision (``choice.step``: the last step before it).
-        before: the wall time of each timed step before the re-plan, from step ``first_timed`` to ``choice.step``.
-        after: each step from ``choice.step + 2`` on (step ``choice.step + 1`` is the first of a new build, as the
-            run's first step was; not timed).
-    """
-    k, mean_before = choice.step, statistics.fmean(before)
-    lines = [
-        f"replan: steps {first_timed}-{k} on {choice.old.split_text} ({choice.old.engine}) measured "
-        f"{format_seconds(mean_before)} a step, predicted {format_seconds(choice.old_step)} "
-        f"({mean_before / choice.old_step:.3f}x of predicted)"
-    ]
-    if after:
-        mean_after = statistics.fmean(after)
-        plan, predicted = (choice.new, choice.new_step) if choice.moves else (choice.old, choice.old_step)
-        what = "after the move" if choice.moves else "after the re-plan"
-        lines.append(
-            f"replan: steps {k + 2}-{k + 1 + len(after)} {what}, on {plan.split_text} ({plan.engine}), "
-            f"measured {format_seconds(mean_after)} a step, predicted {format_seconds(predicted)} "
-            f"({mean_after / predicted:.3f}x of predicted; {mean_after / mean_before:.3f}x of the steps "
-            f"before)"
-        )
-    return lines
 
 
 def replan_profiles(

@@ -1,18 +1,16 @@
-"""``nanotron_ext.replan`` in ``nanotron-ext train``: after K steps the run prices itself from its own steps, plans
-again under the same memory, and moves to the faster plan in the same processes (``docs/replan.md``).
+"""``nanotron_ext.replan`` in ``nanotron-ext train``: the CPU runtime's clock and moves for the run's re-plan
+(:class:`~nanotron_ext.integration.replan_session.ReplanSession` holds the decision, the trial and the report).
 
-1. Steps 2..K run under the engine's clock (:class:`~nanotron_ext.runtime.op_clock.OpClock`, which changes no bit of
-   the training; step 1 pays one-off costs and is not timed).
-2. After step K: the in-run profile of those steps (:func:`nanotron_ext.machine.in_run.in_run_profile`) on top of
-   the config's machine profile, or of a standalone calibration taken now where the config has none; then
-   :func:`nanotron_ext.plan.replan.choose_replan` prices the plan the run trains and the fastest one under its
-   memory, and decides. Every rank reaches the same decision (rank 0's profile and noise, broadcast).
-3. A move to another engine on the same split swaps the engine between two steps: no state moves. A move to another
-   split is a resume under another plan, in the same processes, through the launcher's resume path
-   (:class:`nanotron_ext.integration.checkpoints.ResumeState`): Nanotron's serializers save step K with the plan
-   record and every file hashed as written; the new split is built and checked (every rank trains); the files are
-   proved and the state is proved to map completely onto the new split before anything loads; then weights, Adam's
-   moments and step, and the schedule load by name, and the old model is freed.
+What is the runtime's own:
+
+* the clock: steps 2..K run under :class:`~nanotron_ext.runtime.op_clock.OpClock` (the engine's clock with the
+  runtime's P2P transfers and tied sync), which changes no bit of the training;
+* the move, in the same processes: to another engine on the same split, the engine is swapped between two steps (no
+  state moves); to another split, a resume under another plan through the launcher's resume path
+  (:class:`nanotron_ext.integration.checkpoints.ResumeState`): Nanotron's serializers save the step with the plan
+  record and every file hashed as written; the new split is built and checked (every rank trains); the files are
+  proved and the state is proved to map completely onto the new split before anything loads; then weights, Adam's
+  moments and step, and the schedule load by name, and the old model is freed.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import contextlib
 import dataclasses
 import gc
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -29,19 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from nanotron_ext.errors import ConfigError
-from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan.replan import (
-    ReplanChoice,
-    choose_replan,
-    measured_lines,
-    replan_engines,
-    replan_profiles,
-)
+from nanotron_ext.integration.replan_session import Move, ReplanSession
+from nanotron_ext.plan.types import Plan
 from nanotron_ext.procs import peak_rss_mib
 from nanotron_ext.report import human_bytes
 from nanotron_ext.runtime.train_settings import TrainSettings
 
-__all__ = ["ReplanOutcome", "Replanner", "Trainee", "load_optimizer", "load_weights", "save_for_move"]
+__all__ = ["Replanner", "Trainee", "load_optimizer", "load_weights", "save_for_move"]
 
 
 @dataclasses.dataclass
@@ -61,37 +52,8 @@ class Trainee:
         return getattr(self.model, "module", self.model)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplanOutcome:
-    """What the re-plan decided, and what each part of it took (seconds, this rank's clock)."""
-
-    choice: ReplanChoice
-    seconds: dict[str, float]
-    timed_steps: int | None = None  # the steps the clock recorded (rank 0; None elsewhere)
-    checkpoint_bytes: int | None = None  # the move's checkpoint, every rank's files
-    peak_rss_mib: tuple[float, float] | None = None  # this process's peak resident memory before and after the move
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.choice
-        return {
-            "after_step": c.step,
-            "verdict": c.verdict.value,
-            "moved": c.moves,
-            "old": {"split": c.old.split_text, "engine": c.old.engine, "predicted_step_s": c.old_step},
-            "new": {"split": c.new.split_text, "engine": c.new.engine, "predicted_step_s": c.new_step},
-            "predicted_gain": c.gain,
-            "noise": c.noise,
-            "min_gain": c.min_gain,
-            "cap_bytes": c.cap_bytes,
-            "seconds": self.seconds,
-            "timed_steps": self.timed_steps,
-            "checkpoint_bytes": self.checkpoint_bytes,
-            "peak_rss_mib": None if self.peak_rss_mib is None else list(self.peak_rss_mib),
-        }
-
-
 class Replanner:
-    """Times the first K steps of a run, re-plans after step K and moves (see the module docstring).
+    """The CPU runtime's side of a run's re-plan (see the module docstring).
 
     Args:
         settings: the run's settings (``cfg.ext.replan.after_steps`` set).
@@ -111,94 +73,78 @@ class Replanner:
         engine_was_auto: bool,
         say: Callable[[str], None],
     ) -> None:
-        self.after_steps = settings.cfg.ext.replan.after_steps
         self.ctx, self.rebuild, self.say = ctx, rebuild, say
-        self.engines = replan_engines(settings.cfg, engine_was_auto=engine_was_auto)
+        self.session = ReplanSession(
+            settings.cfg,
+            settings.plan,
+            first_step=1,
+            last_step=settings.steps,
+            engine_was_auto=engine_was_auto,
+            say=say,
+        )
         self.clock: Any = None
-        self.timed: list[float] = []  # this rank's wall time of each timed step
-        self.outcome: ReplanOutcome | None = None
 
     @contextlib.contextmanager
     def step(self, step: int, trainee: Trainee) -> Iterator[None]:
-        """Run training step ``step`` under the clock until the re-plan (step 1 untimed)."""
-        if self.after_steps is None or step > self.after_steps:
+        """Run training step ``step``, under the clock until the re-plan."""
+        if not self.session.clocked(step):
             yield
             return
         if self.clock is None:
             from nanotron_ext.runtime.op_clock import OpClock
 
             self.clock = OpClock(trainee.model, self.ctx).__enter__()
-        start = time.perf_counter()
-        with self.clock.step(record=step > 1):
+        with self.clock.step(record=self.session.recorded(step)):
             yield
-        if step > 1:
-            self.timed.append(time.perf_counter() - start)
 
-    def after(self, step: int, trainee: Trainee) -> Trainee:
-        """After step ``step``: at K, re-plan and return what the next steps train with (a new trainee after a move
-        to another split, the same one otherwise)."""
-        if step != self.after_steps:
+    def after(self, step: int, trainee: Trainee, seconds: float) -> Trainee:
+        """After step ``step`` (``seconds`` on this rank): at K re-plan; in the trial, share each turn's times; move
+        where the next step runs on another plan. Returns what the next step trains with."""
+        session = self.session
+        session.record(step, seconds)
+        if step == session.decide_after and session.choice is None:
+            gathered = self.clock.gather()
+            self.clock.__exit__(None, None, None)
+            self.clock = None
+            session.decide(step, gathered, trainee.settings.rank)
+        session.turn_done(step, self._gather)
+        target = session.next_move(step)
+        if target is None:
             return trainee
-        seconds: dict[str, float] = {}
-        start = time.perf_counter()
-        gathered = self.clock.gather()
-        self.clock.__exit__(None, None, None)
-        self.clock = None
-        s = trainee.settings
-        with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            whole, *halves = [
-                s.cfg.with_overrides(machine=str(path))
-                for path in replan_profiles(s.cfg, s.plan.block_ranks, gathered, len(self.timed), s.rank, Path(tmp))
-            ]
-            seconds["profile"] = time.perf_counter() - start
-            start = time.perf_counter()
-            choice = choose_replan(
-                whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines, halves=halves
-            )
-            seconds["plan"] = time.perf_counter() - start
-        for line in choice.lines():
-            self.say(f"nanotron_ext: {line}" if line.startswith("replan") else line)
-        outcome = ReplanOutcome(choice, seconds, None if gathered is None else len(gathered[0]))
-        if choice.moves and list(choice.new.block_ranks) == list(s.plan.block_ranks):  # the engine only
-            self.say(f"  the engine changes to {choice.new.engine} on the same split: no state moves")
-            trainee = dataclasses.replace(trainee, settings=_settings_for(s, choice))
-        elif choice.moves:
+        move = Move(step, target.split_text, target.engine)
+        if list(target.block_ranks) == list(trainee.settings.plan.block_ranks):  # the engine only
+            self.say(f"  the engine changes to {target.engine} on the same split: no state moves")
+            trainee = dataclasses.replace(trainee, settings=_settings_for(trainee.settings, target))
+        else:
             before = peak_rss_mib()
-            trainee, size = self._move(trainee, _settings_for(s, choice), step, seconds)
-            outcome = dataclasses.replace(outcome, checkpoint_bytes=size, peak_rss_mib=(before, peak_rss_mib()))
+            trainee, move.checkpoint_bytes = self._move(trainee, _settings_for(trainee.settings, target), step, move)
+            move.peak_rss_mib = (before, peak_rss_mib())
+            s = move.seconds
             self.say(
-                f"  moved in {seconds['save'] + seconds['build_and_load']:.2f} s (save {seconds['save']:.2f} s, "
-                f"build and load {seconds['build_and_load']:.2f} s; checkpoint {human_bytes(size)}); re-plan "
-                f"{seconds['profile'] + seconds['plan']:.2f} s; rank 0's peak memory {before:.0f} -> "
-                f"{outcome.peak_rss_mib[1]:.0f} MiB"
+                f"  moved to {target.split_text} ({target.engine}) after step {step} in "
+                f"{s['save'] + s['build_and_load']:.2f} s (save {s['save']:.2f} s, build and load "
+                f"{s['build_and_load']:.2f} s; checkpoint {human_bytes(move.checkpoint_bytes)}); rank 0's peak "
+                f"memory {before:.0f} -> {move.peak_rss_mib[1]:.0f} MiB"
             )
-        self.outcome = outcome
+        session.moved(step, target, move)
         return trainee
 
-    def measured(self, times: list[float]) -> tuple[list[float], list[float]]:
-        """This rank's timed steps before the re-plan, and its steps after it from K + 2 on (step K + 1 is the first
-        on a new build, as step 1 was)."""
-        return self.timed, times[(self.after_steps or 0) + 1 :]
+    def report(self) -> dict[str, Any]:
+        """The metrics' ``replan`` record."""
+        return self.session.to_dict()
 
-    def report(self, times: list[float]) -> dict[str, Any]:
-        """The metrics' ``replan`` entry: the decision, what each part took, and the measured steps."""
-        assert self.outcome is not None
-        before, after = self.measured(times)
-        return {
-            **self.outcome.to_dict(),
-            "measured_step_s_before": statistics.fmean(before),
-            "measured_step_s_after": statistics.fmean(after) if after else None,
-        }
+    def measured_lines(self) -> list[str]:
+        """Rank 0's lines after the last step: the trial's cost, the measured steps against the predictions."""
+        return [f"nanotron_ext: {line}" for line in self.session.after_lines(first_timed=2)]
 
-    def measured_lines(self, times: list[float]) -> list[str]:
-        """Rank 0's measured steps against what the re-plan predicted."""
-        assert self.outcome is not None
-        return [
-            f"nanotron_ext: {line}"
-            for line in measured_lines(self.outcome.choice, *self.measured(times), first_timed=2)
-        ]
+    def _gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
 
-    def _move(self, old: Trainee, settings: TrainSettings, step: int, seconds: dict[str, float]) -> tuple[Trainee, int]:
+        out: list[Any] = [None] * dist.get_world_size(self.ctx.world_pg)
+        dist.all_gather_object(out, obj, group=self.ctx.world_pg)
+        return out
+
+    def _move(self, old: Trainee, settings: TrainSettings, step: int, move: Move) -> tuple[Trainee, int]:
         """Save step ``step``, build the new split and load the state onto it (a resume under another plan).
 
         Returns:
@@ -211,7 +157,7 @@ class Replanner:
         try:
             start = time.perf_counter()
             save_for_move(old, self.ctx, folder, step, self.say)
-            seconds["save"] = time.perf_counter() - start
+            move.seconds["save"] = time.perf_counter() - start
             start = time.perf_counter()
             source = locate_checkpoint(folder)
             assert source is not None and source.record is not None  # complete: every rank wrote its part
@@ -219,7 +165,7 @@ class Replanner:
             state = ResumeState(settings.cfg, source, mode="replan", say=self.say)
             _release(old)  # the old split's weights and moments go before the new ones are built
             new = self.rebuild(settings, self.ctx, state)
-            seconds["build_and_load"] = time.perf_counter() - start
+            move.seconds["build_and_load"] = time.perf_counter() - start
         finally:
             _barrier(self.ctx)
             if settings.rank == 0:
@@ -287,16 +233,13 @@ def _release(trainee: Trainee) -> None:
     gc.collect()
 
 
-def _settings_for(s: TrainSettings, choice: ReplanChoice) -> TrainSettings:
-    """The run's settings on the new plan: its engine and split (the config's other keys unchanged)."""
+def _settings_for(s: TrainSettings, plan: Plan) -> TrainSettings:
+    """The run's settings on ``plan``: its engine and split (the config's other keys unchanged)."""
     from nanotron_ext.runtime.engine import engine_for
 
-    cfg = s.cfg.with_overrides(engine=choice.new.engine)
+    cfg = s.cfg.with_overrides(engine=plan.engine)
     return dataclasses.replace(
-        s,
-        cfg=cfg,
-        plan=choice.new,
-        parallel_config=dataclasses.replace(s.parallel_config, pp_engine=engine_for(choice.new)),
+        s, cfg=cfg, plan=plan, parallel_config=dataclasses.replace(s.parallel_config, pp_engine=engine_for(plan))
     )
 
 

@@ -74,7 +74,7 @@ def run_training(
     metrics_out: str | Path | None = None,
     plan_out: str | Path | None = None,
     progress: bool | None = None,
-    replan_after: int | None = None,
+    replan_after: int | str | None = None,
 ) -> dict[str, Any]:
     """Train on this rank; collective, so every rank of the world must call it.
 
@@ -154,12 +154,12 @@ def _train(
         {**row, **{k: v for k, v in g.items() if k != "world_rank"}} for row, g in zip(trainee.rank_rows, gathered)
     ]
     metrics = _metrics(s, s.plan, trainee.unwrapped, per_rank, losses, grad_norms, times, lrs)
-    if replanner is not None and replanner.outcome is not None:
-        metrics["replan"] = replanner.report(times)
+    if replanner is not None and replanner.session.choice is not None:
+        metrics["replan"] = replanner.report()
     if s.rank == 0:
         print(summary(metrics), flush=True)
-        if replanner is not None and replanner.outcome is not None:
-            for line in replanner.measured_lines(times):
+        if replanner is not None:
+            for line in replanner.measured_lines():
                 print(line, flush=True)
         if metrics_out:
             write_json(metrics_out, metrics)
@@ -365,7 +365,7 @@ def _optimise(
             else:
                 print(line, flush=True)
         if replanner is not None:
-            trainee = replanner.after(step, trainee)
+            trainee = replanner.after(step, trainee, elapsed)
     if bar is not None:
         bar.close()
     return losses, grad_norms, times, lrs, trainee

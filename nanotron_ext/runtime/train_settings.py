@@ -84,7 +84,7 @@ def preflight(
     cost_strategy: str | None = None,
     steps: int | None = None,
     seed: int | None = None,
-    replan_after: int | None = None,
+    replan_after: int | str | None = None,
 ) -> TrainSettings:
     """Every check that needs no process group, in the order a user would fix them.
 

@@ -23,3 +23,34 @@ def killed_during_the_move(config: str, folder: str, steps: int) -> None:
 
     ResumeState.complete = die_first
     run_training(config, steps=steps)
+
+
+def trained_under_a_transient_load(config: str, steps: int, metrics_out: str) -> None:
+    """Train ``config`` with rank r on core r and a CPU hog on rank 0's core from the start until the re-plan
+    decides: the profile sees rank 0 at half speed, the trial runs on a quiet machine."""
+    import subprocess
+    import sys
+
+    from nanotron_ext.integration.replan_session import ReplanSession
+    from nanotron_ext.runtime.train import run_training
+
+    rank = int(os.environ["RANK"])
+    os.sched_setaffinity(0, {rank})
+    hog = None
+    if rank == 0:
+        spin = "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"
+        hog = subprocess.Popen([sys.executable, "-c", spin])
+    decide = ReplanSession.decide
+
+    def quiet_first(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        return decide(self, *args, **kwargs)
+
+    ReplanSession.decide = quiet_first
+    try:
+        run_training(config, steps=steps, metrics_out=metrics_out)
+    finally:
+        if hog is not None and hog.poll() is None:
+            hog.kill()
