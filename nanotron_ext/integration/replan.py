@@ -122,6 +122,7 @@ class LauncherReplan:
         self._moved_at = 0.0
         self._rss_before = 0.0
         self._move_only: list[Path] = []  # checkpoints saved for a move alone, removed once superseded
+        self._resumed: Path | None = None  # the checkpoint the move under way resumes
 
     def relaunch_config(self, cfg: PlannerConfig) -> PlannerConfig:
         """``cfg`` on the plan the run moves to: its split as a layout, its engine, the checkpoint's state moved onto
@@ -232,6 +233,7 @@ class LauncherReplan:
             finally:
                 trainer.iteration_step = iteration
             self._move_only.append(folder)
+        self._resumed = folder
         self._move = Move(step, target.split_text, target.engine, {"save": time.perf_counter() - start})
         self.session.plan = target  # what the re-launch trains (the move is recorded once it has started)
         self._rss_before = peak_rss_mib()
@@ -239,12 +241,13 @@ class LauncherReplan:
         raise MoveTo(target, folder)
 
     def _remove_superseded(self, trainer: Any) -> None:
-        """Remove the checkpoints saved for a move alone, but the one this launch resumed (rank 0)."""
-        keep = self._move_only[-1:] if self._move_only else []
+        """Remove the checkpoints saved for a move alone, but the one this launch resumed (rank 0): a later complete
+        checkpoint exists for each, so a resume loses nothing."""
         if torch_dist.get_rank() == 0:
-            for folder in self._move_only[:-1]:
-                shutil.rmtree(folder, ignore_errors=True)
-        self._move_only = keep
+            for folder in self._move_only:
+                if folder != self._resumed:
+                    shutil.rmtree(folder, ignore_errors=True)
+        self._move_only = [f for f in self._move_only if f == self._resumed]
 
     def measured_lines(self) -> list[str]:
         """After the last launch: the trial's cost, the measured steps against the predictions (rank 0)."""
