@@ -136,14 +136,11 @@ class TrialOutcome:
     estimates: tuple[PlanEstimate, ...]  # by plan index
     drift: float
     scatter: float
+    noise: float  # the larger of the two
     min_gain: float
     fastest: int
     kept: int
     verdict: TrialVerdict
-
-    @property
-    def noise(self) -> float:
-        return max(self.drift, self.scatter)
 
     @property
     def own(self) -> float:
@@ -191,15 +188,16 @@ def trial_outcome(schedule: TrialSchedule, seconds: Mapping[int, float], *, min_
     first, last = estimates[0].turns[0], estimates[0].turns[-1]
     drift = abs(first - last) / (first + last) if first + last > 0 else 0.0
     scatter = statistics.median(deviations) if deviations else 0.0
+    noise = max(drift, scatter)
     fastest = min(range(schedule.n_plans), key=lambda p: (estimates[p].estimate, p))
     gain = 1.0 - estimates[fastest].estimate / estimates[0].estimate
     if fastest == 0:
         verdict = TrialVerdict.OWN_FASTEST
-    elif gain <= max(drift, scatter):
+    elif gain <= noise:
         verdict = TrialVerdict.WITHIN_NOISE
     elif gain < min_gain:
         verdict = TrialVerdict.BELOW_MIN_GAIN
     else:
         verdict = TrialVerdict.KEEP
     kept = fastest if verdict is TrialVerdict.KEEP else 0
-    return TrialOutcome(estimates, drift, scatter, min_gain, fastest, kept, verdict)
+    return TrialOutcome(estimates, drift, scatter, noise, min_gain, fastest, kept, verdict)

@@ -94,6 +94,10 @@ def test_a_close_call_is_tried_in_turns_and_the_run_trains_the_bits_of_a_run_tha
         {"save", "build_and_load"}
     ]
     _verdict_of_its_own_steps(r)
+    for turn in r["trial"]["turns"]:  # a step's time is its slowest rank's
+        for step in turn["timed_steps"]:
+            slowest = max(rank["step_times_s"][step - 1] for rank in m["ranks"])
+            assert r["step_seconds"][str(step)] == slowest
     kept = (r["kept"]["split"], r["kept"]["engine"])
     assert len(moves) == 4 + (kept != (BAD_SPLIT, "1f1b")) and moves[-1][1:] == kept
     assert (m["engine"], m["block_ranks"] == [0, 1, 1, 1, 1, 1, 1]) == (kept[1], kept[0] == BAD_SPLIT)

@@ -1,68 +1,101 @@
-"""Mutations of a run's re-plan after K steps (issue 42): the choice, and the move in the same processes."""
+"""Mutations of a run's re-plan after K steps (issues 42 and 53): what it tries, the trial in turns, the verdict, and
+the moves in the same processes (the CPU runtime) and by re-launch (the launcher)."""
 
 from __future__ import annotations
 
 from mutations.base import M, Mutation
 
 CHOICE = "nanotron_ext/plan/replan.py"
+TRIAL = "nanotron_ext/plan/replan_trial.py"
+SESSION = "nanotron_ext/integration/replan_session.py"
 MOVE = "nanotron_ext/runtime/replan.py"
 CHOICE_TESTS = "tests/test_replan.py"
+TRIAL_TESTS = "tests/test_replan_trial.py"
 MOVE_TESTS = "tests/runtime/test_replan.py"
 LAUNCHER = "nanotron_ext/integration/replan.py"
 LAUNCHER_TESTS = "tests/upstream/test_launcher_replan.py"
+CLOSE_CALL = f"{MOVE_TESTS}::test_a_close_call_is_tried_in_turns_and_the_run_trains_the_bits_of_a_run_that_never_moved"
+TURNS = f"{LAUNCHER_TESTS}::test_a_run_tries_the_candidate_in_turns_and_trains_the_bits_of_the_run_that_stayed"
+TRIED_WHERE = f"{CHOICE_TESTS}::test_a_plan_is_tried_where_its_gain_at_the_profiles_error_reaches_min_gain"
+CLOSE = f"{CHOICE_TESTS}::test_a_close_call_tries_every_plan_within_the_error_of_the_fastest_up_to_trials_and_the_steps_left"
+VERDICT = f"{TRIAL_TESTS}::test_the_run_goes_back_unless_a_candidate_beats_its_plan_beyond_the_noise_and_min_gain"
 
-MUTATIONS: tuple[Mutation, ...] = (
+CHOICE_ROWS: tuple[Mutation, ...] = (
     M(
-        "a gain below min_gain moves",
+        "a plan is tried whatever its gain at the profile's error",
         CHOICE,
+        "_gain(old_step, c.step) + error >= replan.min_gain",
+        "True",
+        (TRIED_WHERE,),
+    ),
+    M(
+        "a plan is tried only where its predicted gain reaches min_gain",
+        CHOICE,
+        "_gain(old_step, c.step) + error >= replan.min_gain",
+        "_gain(old_step, c.step) >= replan.min_gain",
+        (TRIED_WHERE,),
+    ),
+    M(
+        "the profile's error leaves out the run's noise",
+        CHOICE,
+        "    error = max(PROFILE_ERROR, noise)\n",
+        "    error = PROFILE_ERROR\n",
+        (TRIED_WHERE,),
+    ),
+    M(
+        "the profile's error leaves out the held-out error",
+        CHOICE,
+        "    error = max(PROFILE_ERROR, noise)\n",
+        "    error = noise\n",
         (
-            "        Verdict.BEST\n"
-            "        if new is old\n"
-            "        else Verdict.SMALL\n"
-            "        if gain < cfg.ext.replan.min_gain\n"
-            "        else Verdict.NOISY\n"
-            "        if noise >= gain\n"
-            "        else Verdict.MOVE\n"
+            f"{CHOICE_TESTS}::test_without_two_halves_or_a_faster_plan_there_is_no_noise_and_the_error_is_the_held_out_one",
         ),
-        "        Verdict.BEST if new is old else Verdict.SMALL if False else Verdict.NOISY if noise >= gain else Verdict.MOVE\n",
-        (f"{CHOICE_TESTS}::test_min_gain_and_the_noise_of_the_gain_decide",),
-    ),
-    M(
-        "a gain within the run's noise moves",
-        CHOICE,
-        "        if noise >= gain\n",
-        "        if noise > gain\n",
-        (f"{CHOICE_TESTS}::test_noise_equal_to_the_gain_stays",),
-    ),
-    M(
-        "the noise is not looked at",
-        CHOICE,
-        "        if noise >= gain\n",
-        "        if False\n",
-        (f"{CHOICE_TESTS}::test_min_gain_and_the_noise_of_the_gain_decide",),
     ),
     M(
         "the noise is the halves' whole gap",
         CHOICE,
         "return abs(gains[0] - gains[1]) / 2",
         "return abs(gains[0] - gains[1])",
-        (f"{CHOICE_TESTS}::test_min_gain_and_the_noise_of_the_gain_decide",),
+        (TRIED_WHERE,),
     ),
     M(
         "one half is enough for a noise",
         CHOICE,
         "    if len(halves) != 2:\n        return 0.0\n",
         "",
-        (f"{CHOICE_TESTS}::test_without_two_halves_or_a_move_there_is_no_noise",),
+        (
+            f"{CHOICE_TESTS}::test_without_two_halves_or_a_faster_plan_there_is_no_noise_and_the_error_is_the_held_out_one",
+        ),
     ),
     M(
-        "the run's halves are not priced",
-        MOVE,
-        "                whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines, halves=halves\n",
-        "                whole, inventory_from_config(whole), s.plan, step=step, engines=self.engines, halves=()\n",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
-        "0.2",
+        "a close call tries the fastest alone",
+        CHOICE,
+        "    pool = _around(capped, blocks, fastest, bests, error, strategy)\n",
+        "    pool = [fastest]\n",
+        (CLOSE,),
     ),
+    M(
+        "replan.trials does not cap what is tried",
+        CHOICE,
+        "    tried = worth[: replan.trials]\n",
+        "    tried = worth\n",
+        (CLOSE,),
+    ),
+    M(
+        "a trial longer than the steps left runs anyway",
+        CHOICE,
+        "trial_length(len(tried) + 1, replan.turn_steps) > steps_left",
+        "False",
+        (CLOSE,),
+    ),
+    M(
+        "a split beyond the error of the fastest is tried",
+        CHOICE,
+        "    bound = fastest.step * (1 + error)\n",
+        "    bound = fastest.step * (1 + 10 * error)\n",
+        (CLOSE,),
+    ),
+    M("a split that cannot train is tried", CHOICE, "            if plan.ok:\n", "            if True:\n", (CLOSE,)),
     M(
         "without a cap a move may raise the largest stage",
         CHOICE,
@@ -85,11 +118,112 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{CHOICE_TESTS}::test_the_engines_a_replan_may_pick",),
     ),
     M(
+        "--replan-after takes 1",
+        "nanotron_ext/config_ext.py",
+        "not isinstance(k, int) or k < 2:",
+        "not isinstance(k, int) or k < 1:",
+        (f"{CHOICE_TESTS}::test_replan_after_has_the_keys_rule_and_names_the_flag",),
+    ),
+)
+
+TRIAL_ROWS: tuple[Mutation, ...] = (
+    M(
+        "the middle turn is not doubled",
+        TRIAL,
+        "n = turn_steps * (2 if i == n_plans - 1 else 1)",
+        "n = turn_steps",
+        (f"{TRIAL_TESTS}::test_a_linear_drift_moves_every_plans_estimate_alike",),
+    ),
+    M(
+        "the turns go out and do not come back",
+        TRIAL,
+        "order = [*range(n_plans - 1), n_plans - 1, *range(n_plans - 2, -1, -1)]",
+        "order = [*range(n_plans - 1), n_plans - 1, 0]",
+        (f"{TRIAL_TESTS}::test_a_linear_drift_moves_every_plans_estimate_alike",),
+    ),
+    M(
+        "a turn's first step, on a new build, is timed",
+        TRIAL,
+        "TURN_WARMUP_STEPS = 1\n",
+        "TURN_WARMUP_STEPS = 0\n",
+        (f"{TRIAL_TESTS}::test_two_plans_run_a_then_a_double_turn_of_b_then_a",),
+    ),
+    M(
+        "a plan's estimate is its first turn",
+        TRIAL,
+        "        return statistics.fmean(self.turns)\n",
+        "        return self.turns[0]\n",
+        (f"{TRIAL_TESTS}::test_a_linear_drift_moves_every_plans_estimate_alike",),
+    ),
+    M(
+        "the drift is the whole gap",
+        TRIAL,
+        "drift = abs(first - last) / (first + last)",
+        "drift = 2 * abs(first - last) / (first + last)",
+        (VERDICT,),
+    ),
+    M(
+        "the steps' scatter is not noise",
+        TRIAL,
+        "    noise = max(drift, scatter)\n",
+        "    noise = drift\n",
+        (f"{TRIAL_TESTS}::test_the_scatter_is_the_median_deviation_of_a_step_from_its_turns_median",),
+    ),
+    M(
+        "the run plan's drift is not noise",
+        TRIAL,
+        "    noise = max(drift, scatter)\n",
+        "    noise = scatter\n",
+        (VERDICT,),
+    ),
+    M("a gain equal to the noise is kept", TRIAL, "    elif gain <= noise:\n", "    elif gain < noise:\n", (VERDICT,)),
+    M(
+        "the measured gain is not held to min_gain",
+        TRIAL,
+        "    elif gain < min_gain:\n",
+        "    elif False:\n",
+        (VERDICT,),
+    ),
+    M(
+        "the run keeps the fastest within the noise",
+        TRIAL,
+        "    kept = fastest if verdict is TrialVerdict.KEEP else 0\n",
+        "    kept = fastest\n",
+        (VERDICT,),
+    ),
+)
+
+MOVE_ROWS: tuple[Mutation, ...] = (
+    M(
+        "a step's time is this rank's, not its slowest rank's",
+        SESSION,
+        "            self.times[s] = max(rank_times[s] for rank_times in every)\n",
+        "            self.times[s] = every[0][s]\n",
+        (CLOSE_CALL,),
+        "0.2",
+    ),
+    M(
+        "the CPU runtime never makes the trial's moves",
+        MOVE,
+        "        target = session.next_move(step)\n",
+        "        target = None\n",
+        (CLOSE_CALL,),
+        "0.2",
+    ),
+    M(
+        "the trial's verdict is not the plan the run trains after it",
+        SESSION,
+        "                return self.choice.plans[self.outcome.kept]\n",
+        "                return self.choice.plans[self.outcome.fastest]\n",
+        (CLOSE_CALL,),
+        "0.2",
+    ),
+    M(
         "the schedule steps once more after the move",
         MOVE,
         "state.load_lr_scheduler(scheduler, initial_step=False)",
         "state.load_lr_scheduler(scheduler)",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
@@ -97,7 +231,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         MOVE,
         "if trainee.scheduler is not None and dist.get_rank(ctx.dp_pg) == 0:",
         "if trainee.scheduler is not None and dist.get_rank(ctx.world_pg) == 0:",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
@@ -105,7 +239,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         MOVE,
         "    state.load_weights(model, ctx, state.source.folder, load_optimizer=True)\n",
         "",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
@@ -113,15 +247,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         MOVE,
         "    state.optimizer = optimizer\n    state.load_optimizer(optimizer)\n",
         "    state.optimizer = optimizer\n",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
         "step 1 is timed into the run's prices",
-        MOVE,
-        "with self.clock.step(record=step > 1):",
-        "with self.clock.step(record=True):",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        SESSION,
+        "        return self.first_step < step <= self.decide_after\n",
+        "        return step <= self.decide_after\n",
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
@@ -129,7 +263,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         MOVE,
         "                shutil.rmtree(folder.parent, ignore_errors=True)\n",
         "                pass\n",
-        (f"{MOVE_TESTS}::test_a_bad_split_moves_after_k_steps_and_trains_as_the_new_plan_from_the_start",),
+        (CLOSE_CALL,),
         "0.2",
     ),
     M(
@@ -137,7 +271,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         MOVE,
         "    state.mark(folder, step, complete=False)\n",
         "    state.mark(folder, step, complete=True)\n",
-        (f"{MOVE_TESTS}::test_a_rank_killed_during_the_move_ends_the_run_and_leaves_the_checkpoint_incomplete",),
+        (f"{MOVE_TESTS}::test_a_rank_killed_during_a_move_ends_the_run_and_leaves_the_checkpoint_incomplete",),
         "0.2",
     ),
     M(
@@ -148,22 +282,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{MOVE_TESTS}::test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why",),
         "0.2",
     ),
-    M(
-        "the launcher counts a new build's first step after the re-plan",
-        LAUNCHER,
-        "        self._skip = 1  # step K + 1",
-        "        self._skip = 0  # step K + 1",
-        (f"{LAUNCHER_TESTS}::test_a_run_that_stays_says_why_and_trains_its_plan_to_the_end",),
-        "upstream",
-    ),
+)
+
+LAUNCHER_ROWS: tuple[Mutation, ...] = (
     M(
         "the launcher's move keeps the recorded split",
         LAUNCHER,
         '            resume_plan="replan",\n',
         '            resume_plan="keep",\n',
-        (
-            f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",
-        ),
+        (TURNS,),
         "upstream",
     ),
     M(
@@ -171,9 +298,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         LAUNCHER,
         "if step % checkpoints.checkpoint_interval != 0:",
         "if False:",
-        (
-            f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",
-        ),
+        (TURNS,),
+        "upstream",
+    ),
+    M(
+        "a checkpoint saved for a move alone stays once superseded",
+        LAUNCHER,
+        "                if folder != self._resumed:\n",
+        "                if False:\n",
+        (TURNS,),
+        "upstream",
+    ),
+    M(
+        "the launcher never makes the trial's moves",
+        LAUNCHER,
+        "                target = session.next_move(step - 1)\n",
+        "                target = None\n",
+        (TURNS,),
         "upstream",
     ),
     M(
@@ -186,19 +327,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the launcher re-plans a run of at most K steps",
         LAUNCHER,
-        "        if steps <= self.after_steps:",
-        "        if False:",
+        "        if after is None or last - step + 1 <= after:\n",
+        "        if after is None or last - step + 1 < after:\n",
         (f"{LAUNCHER_TESTS}::test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why",),
         "upstream",
     ),
-    M(
-        "the re-launch's first step is taken for the run's",
-        LAUNCHER,
-        "        if self.first_step is None:\n",
-        "        if True:\n",
-        (
-            f"{LAUNCHER_TESTS}::test_a_run_on_a_bad_split_moves_after_k_steps_and_trains_the_bits_of_the_run_that_stayed",
-        ),
-        "upstream",
-    ),
 )
+
+MUTATIONS: tuple[Mutation, ...] = CHOICE_ROWS + TRIAL_ROWS + MOVE_ROWS + LAUNCHER_ROWS
