@@ -129,7 +129,7 @@ def test_a_close_call_tries_every_plan_within_the_error_of_the_fastest_up_to_tri
     ``replan.trials`` allows, and as many as the steps left allow."""
     cfg, blocks, bad = _setup(machine=str(DATA / "machine_flops_only.json"))
     found = {}
-    for trials in (1, 2, 3):
+    for trials in (1, 2, 3, 10):
         choice = choose_replan(
             cfg.with_overrides(replan=ReplanConfig(trials=trials)), blocks, bad, step=5, engines=("1f1b",)
         )
@@ -140,7 +140,12 @@ def test_a_close_call_tries_every_plan_within_the_error_of_the_fastest_up_to_tri
         1: ["E,t*2,N|H,C,X"],
         2: ["E,t*2,N|H,C,X", "E,t*2|L"],
         3: ["E,t*2,N|H,C,X", "E,t*2|L", "E,t|t,L"],
+        10: ["E,t*2,N|H,C,X", "E,t*2|L", "E,t|t,L"],  # no other split is within the error
     }
+    # At 1 TFLOP/s the other valid splits are 3.5 % and 3.9 % slower than the fastest: beyond the error, not tried.
+    slow = load_config(bundled_config()).with_overrides(tflops=1.0, replan=ReplanConfig(trials=10))
+    far = choose_replan(slow, blocks, bad, step=5, engines=("1f1b",))
+    assert [c.plan.split_text for c in far.candidates] == ["E,t*2,N|H,C,X"] and far.error == PROFILE_ERROR
     three = cfg.with_overrides(replan=ReplanConfig(trials=3))
     for left, tried in ((23, 3), (22, 2), (17, 2), (16, 1), (11, 1)):
         choice = choose_replan(three, blocks, bad, step=5, engines=("1f1b",), steps_left=left)

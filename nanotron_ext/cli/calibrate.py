@@ -1,11 +1,14 @@
 """``nanotron-ext calibrate``: measure this machine into a profile that ``plan`` and ``simulate`` read (``--machine``).
 
-Alone it measures the compute (every distinct block of the config); under torchrun, with the config's
-``pp × dp × tp`` ranks, also the links between pipeline neighbours, Nanotron's per-transfer overhead and the
-gradient all-reduces::
+Under torchrun with the config's ``pp × dp × tp`` ranks and ``pp >= 2`` it takes the in-run profile by default: the
+config's split trained for a few steps through Nanotron's engine (the CPU runtime), every block priced from the
+engine's own clock (:mod:`nanotron_ext.runtime.in_run_calibrate`). ``--standalone`` (and wherever the in-run profile
+cannot be taken: alone, at ``pp = 1``, under ``pp_engine: zbv``, beside a Nanotron the CPU runtime does not run)
+measures every distinct block alone, and under torchrun the links between pipeline neighbours, Nanotron's
+per-transfer overhead and the gradient all-reduces; it says which profile it took and why::
 
-    nanotron-ext calibrate CONFIG --out machine.json
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m nanotron_ext.cli calibrate CONFIG --out machine.json
+    nanotron-ext calibrate CONFIG --standalone --out machine.json
 
 Under torchrun ``--backend`` picks the process group's backend: by default NCCL when CUDA gives every local
 rank a GPU of its own, else gloo (NCCL refuses two ranks on one GPU); gloo on CUDA times host-staged links.
@@ -35,8 +38,9 @@ from nanotron_ext.machine.spread import uncertain_figures
 from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.procs import RENDEZVOUS_VARIABLES, exit_with_torchrun
 from nanotron_ext.report import compact_names, table
+from nanotron_ext.schedule import V_ENGINE
 
-__all__ = ["BACKENDS", "add_subcommand", "choose_backend", "cmd_calibrate", "summary"]
+__all__ = ["BACKENDS", "add_subcommand", "choose_backend", "cmd_calibrate", "profile_method", "summary"]
 
 #: The process-group backends ``--backend`` accepts.
 BACKENDS = ("gloo", "nccl")
@@ -63,13 +67,20 @@ def add_subcommand(subparsers: Any) -> None:
         f"{LINK_ROUNDS_PER_REPEAT}× and keep their median",
     )
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--in-run",
         dest="in_run",
         action="store_true",
         help="price blocks from real training steps of the config's split through Nanotron's engine (under "
-        "torchrun, the CPU runtime): each block's mean forward, backward and W inside the pipeline, waits "
-        "left out (docs/machine.md#two-ways-to-price-a-block)",
+        "torchrun, the CPU runtime): each block's forward, backward and W inside the pipeline, waits left out; "
+        "the default under torchrun at pp >= 2 (docs/machine.md#two-ways-to-price-a-block)",
+    )
+    which.add_argument(
+        "--standalone",
+        action="store_true",
+        help="time each block alone (and under torchrun the links and all-reduces) instead of training steps: "
+        "the way to price a machine you cannot train on yet",
     )
     p.add_argument(
         "--probes",
@@ -126,8 +137,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if rank in (None, "0"):
             check_outputs((args.out, "--out"))
         cfg = load_config(args.config or bundled_config())
-        _check_in_run_flags(args)
-        if args.in_run:
+        in_run, why = profile_method(cfg, args)
+        _check_in_run_flags(args, in_run)
+        if in_run:
             from nanotron_ext.runtime.in_run_calibrate import calibrate_in_run  # trains: the CPU runtime
 
             profile = calibrate_in_run(
@@ -144,6 +156,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 profile = calibrate(cfg, warmup=args.warmup, repeats=args.repeats)
         if rank in (None, "0"):
             atomic_write_text(args.out, profile.to_json() + "\n")
+            print(f"profile: {why}\n")
             print(summary(cfg, profile))
             print(f"\nwrote {args.out}: `nanotron-ext plan CONFIG --machine {args.out}` plans with it")
     except Exception as exc:  # one message and the documented exit code, never a traceback
@@ -151,14 +164,58 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_in_run_flags(args: argparse.Namespace) -> None:
-    """Refuse the flags that only ``--in-run`` reads without it, and a backend it cannot use (the CPU runtime's
-    pipeline is gloo)."""
+def profile_method(cfg: PlannerConfig, args: argparse.Namespace) -> tuple[bool, str]:
+    """Whether this calibration takes the in-run profile, and a line saying which profile and why: ``--in-run`` and
+    ``--standalone`` as asked; by default in-run under torchrun at ``pp >= 2`` wherever the CPU runtime can train the
+    config, else standalone, with the reason."""
     if args.in_run:
+        return True, IN_RUN_TAKEN + " (--in-run)"
+    if args.standalone:
+        return False, STANDALONE_TAKEN + " (--standalone)"
+    if args.backend == "nccl":
+        why = "--backend nccl: the in-run steps run over gloo"
+    elif not all(v in os.environ for v in RENDEZVOUS_VARIABLES):
+        why = "not under torchrun: the in-run profile trains the config's split with its pp*dp*tp ranks"
+    elif cfg.run.pp < 2:
+        why = "pp = 1: there is no pipeline to price from its steps"
+    elif cfg.run.engine == V_ENGINE:
+        why = "pp_engine: zbv: the CPU runtime's in-run steps train contiguous splits"
+    elif _installed_nanotron() != "0.2":
+        why = (
+            "the in-run profile trains on the CPU runtime, which runs Nanotron 0.2's engines, and the Nanotron "
+            "installed here is upstream main; its own trainer prices a run from its steps with the launcher's "
+            "--replan-after K (docs/replan.md)"
+        )
+    else:
+        return True, IN_RUN_TAKEN + " (the default under torchrun at pp >= 2; --standalone times blocks alone)"
+    return False, f"{STANDALONE_TAKEN}: {why}; blocks alone price a step a few to 15 % fast (docs/machine.md)"
+
+
+#: What each profile is, as ``calibrate`` says it took it.
+IN_RUN_TAKEN = "in-run: the config's split trained through Nanotron's engine, each block priced from its clock"
+STANDALONE_TAKEN = "standalone: each block timed alone"
+
+
+def _installed_nanotron() -> str:
+    """``0.2`` or ``upstream`` (main ships Qwen2), from the installed package's files, without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nanotron")
+    if spec is None or not spec.submodule_search_locations:
+        return "none"
+    package = Path(next(iter(spec.submodule_search_locations)))
+    return "upstream" if (package / "models" / "qwen.py").is_file() else "0.2"
+
+
+def _check_in_run_flags(args: argparse.Namespace, in_run: bool) -> None:
+    """Refuse the flags that only the in-run profile reads without it, and a backend it cannot use (the CPU
+    runtime's pipeline is gloo)."""
+    if in_run:
         if args.backend == "nccl":
             raise ConfigError(
                 "calibrate --in-run trains on the CPU runtime, whose pipeline runs over gloo: drop "
-                "--backend nccl (or calibrate without --in-run for NCCL's links)"
+                "--backend nccl (or calibrate with --standalone for NCCL's links)"
             )
         return
     given = [
@@ -173,8 +230,8 @@ def _check_in_run_flags(args: argparse.Namespace) -> None:
     ]
     if given:
         raise ConfigError(
-            f"calibrate: {', '.join(given)} only apply with --in-run (training steps priced in the "
-            f"engine); add --in-run, or drop them"
+            f"calibrate: {', '.join(given)} only apply to the in-run profile (training steps priced in the "
+            f"engine), which this calibration does not take; drop them, or take it (--in-run, under torchrun)"
         )
 
 

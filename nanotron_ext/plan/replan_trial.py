@@ -4,9 +4,10 @@ After the re-plan's choice (:mod:`nanotron_ext.plan.replan`) the run tries each 
 through the same move (a resume in the same processes, bit for bit). The turns form a palindrome, the run's plan
 first and last, each candidate on the way out and back, the last one once for a double turn in the middle
 (``A B C C B A`` runs as ``A B CC B A``): every plan's turns are centred on the same moment, so a machine whose speed
-drifts linearly during the trial moves every plan's estimate alike. Each turn runs :data:`TURN_WARMUP_STEPS`
-untimed step (a move's new build pays one-off costs, as a run's first step does), then ``turn_steps`` timed ones
-(twice as many in the middle). A plan's estimate is the mean of its turns' median steps.
+drifts linearly during the trial moves every plan's estimate alike, and every plan is timed for as many steps. Each
+turn runs :data:`TURN_WARMUP_STEPS` untimed step (a move's new build pays one-off costs, as a run's first step does),
+then ``turn_steps`` timed ones (twice as many in the middle). A plan's estimate is the mean of its turns' median
+steps.
 
 The run keeps the fastest plan it tried: its own unless another measured faster by more than the noise and by at
 least ``min_gain``. The noise is the larger of the run's plan's drift across the trial (half the relative gap
@@ -101,7 +102,8 @@ def trial_schedule(n_plans: int, turn_steps: int, start: int) -> TrialSchedule:
     order = [*range(n_plans - 1), n_plans - 1, *range(n_plans - 2, -1, -1)]
     turns, step = [], start
     for i, plan in enumerate(order):
-        n = turn_steps * (2 if i == n_plans - 1 else 1)  # the middle turn stands for the way out and back
+        n = turn_steps * (2 if i == n_plans - 1 else 1)  # the middle turn stands for the way out and back:
+        # every plan is timed for 2 * turn_steps steps
         timed = tuple(range(step + TURN_WARMUP_STEPS, step + TURN_WARMUP_STEPS + n))
         turns.append(Turn(plan, step, timed))
         step = timed[-1] + 1

@@ -27,7 +27,7 @@ def calibrate_world(config: str, out: str, store: str, repeats: int = 2) -> dict
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = main(["calibrate", config, "--out", out, "--repeats", str(repeats), "--warmup", "1"])
+        code = main(["calibrate", config, "--standalone", "--out", out, "--repeats", str(repeats), "--warmup", "1"])
     assert not dist.is_initialized(), "the CLI tears down the group it made"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
@@ -82,7 +82,9 @@ def calibrate_host_staged(config: str, out: str) -> dict[str, Any]:
     cli_calibrate.host_staged = staged
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = main(["calibrate", config, "--out", out, "--backend", "gloo", "--repeats", "1", "--warmup", "0"])
+        code = main(
+            ["calibrate", config, "--standalone", "--out", out, "--backend", "gloo", "--repeats", "1", "--warmup", "0"]
+        )
     return {"code": code, "stdout": text.getvalue()}
 
 

@@ -48,7 +48,7 @@ def test_in_run_flags_need_in_run_and_in_run_needs_torchrun(
 ) -> None:
     out = str(tmp_path / "m.json")
     assert main(["calibrate", CONFIG, "--out", out, "--steps", "3", "--probes"]) == 2
-    assert "calibrate: --probes, --steps only apply with --in-run" in capsys.readouterr().err
+    assert "calibrate: --probes, --steps only apply to the in-run profile" in capsys.readouterr().err
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     assert main(["calibrate", CONFIG, "--out", out, "--in-run"]) == 2

@@ -132,7 +132,7 @@ TRIAL_ROWS: tuple[Mutation, ...] = (
         TRIAL,
         "n = turn_steps * (2 if i == n_plans - 1 else 1)",
         "n = turn_steps",
-        (f"{TRIAL_TESTS}::test_a_linear_drift_moves_every_plans_estimate_alike",),
+        (f"{TRIAL_TESTS}::test_two_plans_run_a_then_a_double_turn_of_b_then_a",),
     ),
     M(
         "the turns go out and do not come back",
