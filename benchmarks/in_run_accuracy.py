@@ -126,6 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "else cuda when torch sees a GPU, else cpu); on one GPU the ranks share it, host-staged",
     )
     parser.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/in_run_accuracy.json)")
+    parser.add_argument(
+        "--raw",
+        default=None,
+        help="also write every scenario's raw results (every clocked step, every run's steps) to this JSON, for "
+        "benchmarks/in_run/estimators.py",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -135,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("$ " + shlex.join(["python", *sys.argv]) + f"  (device: {args.device})")
     chosen = [s for s in SCENARIOS if not args.scenario or s.label in args.scenario]
     folder = Path(tempfile.mkdtemp(prefix="in_run_accuracy_"))
-    results, failed = {}, []
+    results, failed, raw = {}, [], {}
     for sc in chosen:
         sc = sc.quick() if args.quick else sc
         start = time.perf_counter()
@@ -145,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdicts = report.checks(result, found, clock)
         failed += [f"{sc.label}: {name}" for name, ok in verdicts.items() if not ok]
         profiles = {name: json.loads(Path(path).read_text()) for name, path in result["profiles"].items()}
+        raw[sc.label] = {**result, "profiles_json": profiles, "config_yaml": Path(result["spec"]["config"]).read_text()}
         results[sc.label] = {
             "rows": [r.__dict__ for r in found],
             "clock": clock,
@@ -157,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS / f"{stem}.json"
     out.write_text(json.dumps({"command": sys.argv, "scenarios": results}, indent=1))
     print(f"\nwrote {out}")
+    if args.raw:
+        Path(args.raw).write_text(json.dumps(raw))
+        print(f"wrote {args.raw}")
     if failed:
         print("\nFAILED:\n" + "\n".join(f"  {f}" for f in failed))
     return 0 if args.quick or not failed else 1

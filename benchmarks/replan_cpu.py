@@ -1,261 +1,134 @@
-"""Issue 42: a run that re-plans itself after K steps, measured on Nanotron's engine (``nanotron-ext train``: the CPU
-runtime, gloo processes).
+"""Issues 42 and 53: a run that re-plans itself after K steps and keeps only a plan it measured faster, on Nanotron's
+engine (``nanotron-ext train``: the CPU runtime, gloo processes, each rank on a core of its own).
 
-The SmolLM-135M shape of ``in_run_accuracy.py`` (8 layers, sequence 128, micro-batch 1, fp32), m = 4, 1F1B. Each
-*start* trains ``--steps`` steps with ``--replan-after K``: Nanotron's rule (``cost_strategy: nanotron``) and a
-deliberately bad layout, at pp = 2 (2 processes) and pp = 3 (3 processes on this VM's 2 cores: oversubscribed, its
-times are not a claim). Each start is followed by its *reference*: the plan it ended on (its layout string), trained
-from step 1 with the same ``--replan-after K``, so that it is also the run *started on the best plan*, which must stay.
-In ``--rounds`` interleaved rounds (each round trains every run once, in turn) it prints per run:
+Three cases (``replan_trial/cases.py``) on the SmolLM-135M shape at pp = 2, each run beside its *twin* (the same run
+with ``min_gain: 0.99``: it re-plans at the same step and stays), in ``--rounds`` rounds, each round every case once:
 
-A third start is Nanotron's rule with ``min_gain: 0.02``: on this shape its predicted gain (2.9 %) is below the
-default 3 %, so the run with the default stays.
+* **transient load**: started on the split measured fastest, a CPU hog on rank 0's core during the profiled steps only;
+  the run must end no slower than its twin (the median of the steps after its trial, within the twin's noise: its
+  median's 95 % half-interval), so its report never calls a slower plan faster;
+* **bad start**: most layers on the last stage, a quiet machine; the run must move and end faster than its twin;
+* **close call**: the balanced split, where the profile's fastest splits lie within its error; the run must try at
+  least two and keep the one measured fastest, or one inside the fastest one's interval, when the plans it tried
+  are measured apart afterwards (``--apart-rounds`` interleaved rounds of each).
 
-* the verdict, the predicted step of the plan it started on and of the plan it moved to (the in-run profile's);
-* the measured step before the re-plan (steps 2..K), after it (K+2..N), after ÷ predicted and after ÷ before;
-* whether losses, gradient norms and final weights equal its reference's, bit for bit;
-* the move's cost: the re-plan (profile + plan), the save, the build and load, the checkpoint's size and rank 0's
-  peak resident memory before and after the move.
-
-Checks (exit 1 when one fails, pp = 2 only for the times): every moved run trains its reference's bits; its
-measured step after the move is within 5 % of the prediction (median over rounds) and at or under the step before;
-every reference stays.
+Per case and round it prints what was tried (each candidate's predicted speed), the trial's verdict, the plan kept,
+its speed in the trial, the run's and the twin's median step after the trial, and the trial's cost (moves, their
+seconds, the steps run on plans not kept, the re-plan's own seconds). Exit 1 unless every case holds in every round.
 
 Usage::
 
-    python benchmarks/replan_cpu.py [--rounds 3] [--steps 16] [--after 6] [--pp 2,3] [--starts A,B] [--out PATH]
+    python benchmarks/replan_cpu.py [--rounds 3] [--steps 32] [--after 6] [--cases A,B] [--out PATH]
 
-About 50 s a run at pp = 2 on two cores (its standalone calibration included), 1.5 min at pp = 3.
+About 2.5 minutes a case and round on the 2-core VM (the close call 4).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
+import json
 import sys
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import yaml  # noqa: E402
-from _common import RESULTS, check_moves, finish, print_command  # noqa: E402
-from in_run.scenarios import SCENARIOS  # noqa: E402
-from runtime.train_workers import final_weights, launch_ranks  # noqa: E402
+from _common import RESULTS, finish, print_command  # noqa: E402
+from replan_trial import ranks, report  # noqa: E402
+from replan_trial.cases import CASES, Case, Check  # noqa: E402
 
-from nanotron_ext.report import table  # noqa: E402
+from nanotron_ext.allocator import MALLOC_ENV  # noqa: E402
+from nanotron_ext.procs import local_env, run_local_ranks  # noqa: E402
 
-#: Measured after the move ÷ predicted must lie within 1 ± this (median over rounds).
-TOLERANCE = 0.05
-#: The starts at each pp: Nanotron's rule, and a layout that puts most decoder layers on the last stage.
-BAD = {2: "E,t*2|t*6,N,H,C,X", 3: "E|t*2|t*6,N,H,C,X"}
+PP = 2
+WORLD_TIMEOUT_S = 1800.0
 
 
-@dataclass(frozen=True)
-class Start:
-    """A run: its label, pp and the ``cost_strategy`` / ``layout`` it starts on."""
+def _launch(kind: str, spec: dict[str, Any], folder: Path, name: str) -> dict[str, Any]:
+    """``ranks.<kind>`` in PP fresh processes; what rank 0 wrote.
 
-    label: str
-    pp: int
-    strategy: str
-    layout: str | None = None
-    min_gain: float | None = None
-
-    def config(self, folder: Path) -> Path:
-        raw = copy.deepcopy(SCENARIOS[0].raw_config())  # smollm-pp2: the shape, fp32, m = 4, 1F1B
-        raw["parallelism"].update(pp=self.pp, cost_strategy=self.strategy)
-        ext: dict[str, Any] = {}
-        if self.layout is not None:
-            ext["layout"] = self.layout
-        if self.min_gain is not None:
-            ext["replan"] = {"min_gain": self.min_gain}
-        if ext:
-            raw["nanotron_ext"] = ext
-        path = folder / f"{self.label.replace(' ', '_').replace('|', '_')}_pp{self.pp}.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        return path
-
-
-def _train(start: Start, folder: Path, steps: int, after: int) -> dict[str, Any]:
-    launch = launch_ranks(
-        ["--config-file", str(start.config(folder)), "--steps", str(steps), "--replan-after", str(after)],
-        start.pp,
-        timeout=900.0,
+    Raises:
+        SystemExit: a rank failed or the run passed :data:`WORLD_TIMEOUT_S`.
+    """
+    spec_path, out_path = folder / f"{name}.spec.json", folder / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    run = run_local_ranks(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(spec_path), str(out_path)],
+        PP,
+        timeout=WORLD_TIMEOUT_S,
+        grace=0,
+        env={**MALLOC_ENV, **local_env(ROOT)},  # the malloc settings every CPU benchmark trains with
+        cwd=ROOT,
     )
-    if not launch.ok:
-        raise SystemExit("\n".join(f"rank {r.rank}: {r.stderr[-2000:]}" for r in launch.ranks))
-    return launch.metrics
+    if not run.ok or not out_path.exists():
+        raise SystemExit(f"{name} {'timed out' if run.deadline_hit else 'failed'}:\n" + run.describe())
+    return json.loads(out_path.read_text())
 
 
-def _trains(start: Start, folder: Path) -> bool:
-    """Whether the start's plan can train at all (Nanotron's rule at pp = 3 leaves the last stage without
-    parameters: the run refuses before a weight exists)."""
-    from nanotron_ext.config import load_config
-    from nanotron_ext.inventory import inventory_from_config
-    from nanotron_ext.plan import make_plan
-
-    cfg = load_config(start.config(folder))
-    return make_plan(inventory_from_config(cfg), cfg).ok
-
-
-def _same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (a["losses"], a["grad_norms"], final_weights(a)) == (b["losses"], b["grad_norms"], final_weights(b))
-
-
-def _row(label: str, m: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
-    r = m["replan"]
-    moved = r["moved"]
-    predicted = r["new"]["predicted_step_s"] if moved else r["old"]["predicted_step_s"]
-    after = r["measured_step_s_after"]
-    return {
-        "run": label,
-        "verdict": r["verdict"],
-        "from": f"{r['old']['split']} {r['old']['engine']}",
-        "to": f"{r['new']['split']} {r['new']['engine']}" if moved else "-",
-        "predicted_from_ms": r["old"]["predicted_step_s"] * 1e3,
-        "predicted_to_ms": r["new"]["predicted_step_s"] * 1e3,
-        "before_ms": r["measured_step_s_before"] * 1e3,
-        "after_ms": after * 1e3,
-        "after_vs_predicted": after / predicted,
-        "after_vs_before": after / r["measured_step_s_before"],
-        "bits_equal_reference": None if ref is None else _same_bits(m, ref),
-        "replan_s": r["seconds"]["profile"] + r["seconds"]["plan"],
-        "save_s": r["seconds"].get("save"),
-        "build_load_s": r["seconds"].get("build_and_load"),
-        "checkpoint_mib": (r["checkpoint_bytes"] or 0) / 2**20,
-        "rss_mib": r["peak_rss_mib"],
-        "moved": moved,
-        "reference_split": m["block_ranks"],
+def _case_round(case: Case, k: int, args: argparse.Namespace, folder: Path) -> tuple[report.Row, dict[str, Any]]:
+    """The case's run and twin (their order alternating by round), and for a close call its plans measured apart."""
+    label = case.label.split()[0]
+    specs = {
+        twin: {"config": str(case.config(folder, twin=twin, after=args.after)), "steps": args.steps, "hog": case.hog}
+        for twin in (False, True)
+    }
+    out: dict[bool, dict[str, Any]] = {}
+    for twin in (k % 2 == 1, k % 2 == 0):
+        print(f"  {case.label}, round {k + 1}: {'twin' if twin else 'run'}", flush=True)
+        out[twin] = _launch("train", specs[twin], folder, f"{label}_{k}_{'twin' if twin else 'run'}")
+    apart = None
+    r = out[False]["replan"]
+    if case.check is Check.KEEPS_FASTEST and len(r["candidates"]) >= 2:
+        layouts = [r["old"]["split"], *(c["split"] for c in r["candidates"])]
+        spec = {"config": specs[True]["config"], "layouts": layouts, "rounds": args.apart_rounds, "steps": 2}
+        print(f"  {case.label}, round {k + 1}: the {len(layouts)} plans it tried, measured apart", flush=True)
+        apart = _launch("measure", spec, folder, f"{label}_{k}_apart")
+    return report.row(case, k + 1, out[False], out[True], apart), {
+        "run": out[False]["replan"],
+        "run_steps_s": out[False]["step_times_s"],
+        "twin_steps_s": out[True]["step_times_s"],
+        "apart": apart,
     }
 
 
-def _print(rows: list[dict[str, Any]]) -> None:
-    def f(x: Any, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    print(
-        table(
-            [
-                "run",
-                "verdict",
-                "from",
-                "to",
-                "pred. from",
-                "pred. to",
-                "before",
-                "after",
-                "after/pred",
-                "after/before",
-                "bits = ref",
-                "re-plan",
-                "save",
-                "build+load",
-                "ckpt",
-                "peak RSS",
-            ],
-            [
-                [
-                    r["run"],
-                    r["verdict"],
-                    r["from"],
-                    r["to"],
-                    f(r["predicted_from_ms"], ".0f"),
-                    f(r["predicted_to_ms"], ".0f"),
-                    f(r["before_ms"], ".0f"),
-                    f(r["after_ms"], ".0f"),
-                    f(r["after_vs_predicted"], ".3f"),
-                    f(r["after_vs_before"], ".3f"),
-                    "-" if r["bits_equal_reference"] is None else ("yes" if r["bits_equal_reference"] else "NO"),
-                    f(r["replan_s"], ".1f"),
-                    f(r["save_s"], ".2f"),
-                    f(r["build_load_s"], ".2f"),
-                    f(r["checkpoint_mib"], ".0f") if r["moved"] else "-",
-                    "-" if r["rss_mib"] is None else f"{r['rss_mib'][0]:.0f}->{r['rss_mib'][1]:.0f}",
-                ]
-                for r in rows
-            ],
-        ),
-        flush=True,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--after", type=int, default=6)
-    parser.add_argument("--pp", default="2,3")
+    parser.add_argument("--apart-rounds", dest="apart_rounds", type=int, default=6)
     parser.add_argument(
-        "--starts",
+        "--cases",
         type=lambda text: text.split(","),
-        default=["nanotron", "bad layout", "nanotron at min_gain 2%"],
-        help="comma-separated: nanotron, bad layout, and nanotron with min_gain 2 %% (Nanotron's rule is "
-        "2.9 %% from the best on this shape, below the default 3 %%)",
+        default=[c.label.split()[0] for c in CASES],
+        help="comma-separated first words of the cases: transient, bad, close",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "replan_cpu.json")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        getattr(ranks, args.worker[0])(*args.worker[1:])
+        return 0
     print_command(argv)
-    import tempfile
-
-    results: dict[str, list[dict[str, Any]]] = {}
-    failures: list[str] = []
+    cases = [c for c in CASES if c.label.split()[0] in args.cases]
+    rows: list[report.Row] = []
+    raw: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="replan_cpu_") as tmp:
-        folder = Path(tmp)
-        for pp in (int(p) for p in args.pp.split(",")):
-            starts = [
-                start
-                for start in (
-                    Start("nanotron", pp, "nanotron"),
-                    Start("bad layout", pp, "layout", BAD[pp]),
-                    Start("nanotron at min_gain 2%", pp, "nanotron", min_gain=0.02),
-                )
-                if start.label in args.starts
-            ]
-            for start in [s for s in starts if not _trains(s, folder)]:
-                print(
-                    f"\npp={pp}: {start.label}'s plan cannot train (a stage without parameters): the run stops "
-                    f"before a weight exists, so it has nothing to re-plan",
-                    flush=True,
-                )
-                results.setdefault(f"pp{pp}", []).append({"run": start.label, "verdict": "cannot train"})
-            starts = [s for s in starts if _trains(s, folder)]
-            rounds = args.rounds if pp == 2 else 1
-            for k in range(rounds):
-                rows = []
-                for start in starts:  # each start, then the run started on where it ended
-                    m = _train(start, folder, args.steps, args.after)
-                    ref_start = Start(
-                        f"{start.label}: its end",
-                        pp,
-                        "layout",
-                        m["replan"]["new"]["split"] if m["replan"]["moved"] else m["replan"]["old"]["split"],
-                    )
-                    ref = _train(ref_start, folder, args.steps, args.after)
-                    rows += [_row(f"{start.label} (pp={pp})", m, ref), _row("  started on its end", ref, None)]
-                    if m["replan"]["moved"] and not _same_bits(m, ref):
-                        failures.append(
-                            f"pp={pp} round {k + 1}: {start.label} moved but did not train its reference's bits"
-                        )
-                    if ref["replan"]["moved"]:
-                        failures.append(f"pp={pp} round {k + 1}: the run started on {start.label}'s end moved again")
-                print(
-                    f"\npp={pp}, round {k + 1} of {rounds}"
-                    + (" (3 processes on 2 cores: times not a claim)" if pp > 2 else ""),
-                    flush=True,
-                )
-                _print(rows)
-                results.setdefault(f"pp{pp}", []).extend(rows)
-    moved_rows = [r for r in results.get("pp2", []) if r.get("moved")]
-    for label in sorted({r["run"] for r in moved_rows}):
-        failures += check_moves(
-            label,
-            [r["after_vs_predicted"] for r in moved_rows if r["run"] == label],
-            [r["after_vs_before"] for r in moved_rows if r["run"] == label],
-            TOLERANCE,
-        )
-    return finish(args.out, results, failures)
+        for k in range(args.rounds):
+            print(f"\nround {k + 1} of {args.rounds}", flush=True)
+            done = [_case_round(case, k, args, Path(tmp)) for case in cases]
+            report.print_round([row for row, _ in done])
+            rows += [row for row, _ in done]
+            raw += [{"case": row.case, "round": row.round, **data} for row, data in done]
+    failures = [f"{r.case}, round {r.round}: {r.why}" for r in rows if not r.ok]
+    for case in cases:
+        held = sum(r.ok for r in rows if r.case == case.label)
+        print(f"{case.label}: {case.check.value}: {held} of {args.rounds} rounds")
+    return finish(args.out, {"rows": [dataclasses.asdict(r) for r in rows], "runs": raw}, failures)
 
 
 if __name__ == "__main__":

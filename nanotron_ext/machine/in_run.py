@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo, tied_pair
@@ -82,17 +82,24 @@ class InRunSplit:
 
 @dataclass
 class Ops:
-    """One signature's figures per micro-batch: forward, backward (``B + W`` where W is measured) and W."""
+    """One signature's figures per micro-batch: forward, backward (``B + W`` where W is measured) and W, each with
+    the step it was taken in (``*_step``), so that a price is a statistic over steps."""
 
     forward: list[float] = dataclasses.field(default_factory=list)
     backward: list[float] = dataclasses.field(default_factory=list)
     weight: list[float] = dataclasses.field(default_factory=list)
+    forward_step: list[int] = dataclasses.field(default_factory=list)
+    backward_step: list[int] = dataclasses.field(default_factory=list)
+    weight_step: list[int] = dataclasses.field(default_factory=list)
 
-    def add(self, ops: BlockOps) -> None:
+    def add(self, ops: BlockOps, step: int) -> None:
         w = ops.weight if len(ops.weight) == len(ops.backward) else (0.0,) * len(ops.backward)
         self.forward += ops.forward
         self.backward += [b + x for b, x in zip(ops.backward, w)]
         self.weight += ops.weight
+        self.forward_step += [step] * len(ops.forward)
+        self.backward_step += [step] * len(ops.backward)
+        self.weight_step += [step] * len(ops.weight)
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Samples(Ops):
     """Every figure one signature got, its share of its ranks' updates, and its figures by stage position."""
 
     update: list[float] = dataclasses.field(default_factory=list)
+    update_step: list[int] = dataclasses.field(default_factory=list)
     positions: dict[str, Ops] = dataclasses.field(default_factory=lambda: defaultdict(Ops))
 
 
@@ -114,9 +122,11 @@ def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[I
     signature = [block_signature(b, input_grad=g) for b, g in zip(blocks, trainable_before(blocks))]
     tie = tied_pair(blocks, cfg.model.tie_word_embeddings)
     out: dict[str, Samples] = defaultdict(Samples)
+    n = 0  # every step of every run, numbered
     for run in runs:
         pp = max(run.block_ranks) + 1
         for step in run.steps:
+            n += 1
             for rank in step:
                 held = []
                 for ops in rank.blocks:
@@ -127,13 +137,14 @@ def samples_of(blocks: Sequence[BlockInfo], cfg: PlannerConfig, runs: Sequence[I
                         )
                     i = index[ops.block]
                     s = out[signature[i]]
-                    s.add(ops)
+                    s.add(ops, n)
                     position = stage_position(run.block_ranks[i], pp)
                     if position is not None:
-                        s.positions[position].add(ops)
+                        s.positions[position].add(ops, n)
                     held.append(i)
                 for i, share in _update_shares(blocks, held, tie, rank.update):
                     out[signature[i]].update.append(share)
+                    out[signature[i]].update_step.append(n)
     return dict(out)
 
 
@@ -148,33 +159,62 @@ def _update_shares(
     return [(i, update * w / total) for i, w in weights.items() if w > 0] if total > 0 else []
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return statistics.fmean(xs) if xs else 0.0
+#: How a figure's samples, grouped by the step they were taken in, make its price.
+Statistic = Callable[[Sequence[Sequence[float]]], float]
 
 
-def _weight(ops: Ops, backward: float, base: BlockCost | None) -> float | None:
+def mean_of_samples(by_step: Sequence[Sequence[float]]) -> float:
+    """The mean of every sample, whatever its step."""
+    return statistics.fmean(x for step in by_step for x in step)
+
+
+def median_of_steps(by_step: Sequence[Sequence[float]]) -> float:
+    """The median over steps of each step's mean: a step the machine slowed moves it no more than any other."""
+    return statistics.median(statistics.fmean(step) for step in by_step)
+
+
+#: The in-run profile's statistic.
+STEP_STATISTIC: Statistic = mean_of_samples
+
+
+def step_price(values: Sequence[float], steps: Sequence[int], statistic: Statistic = STEP_STATISTIC) -> float:
+    """One figure's price from its samples (``steps[i]``: the step ``values[i]`` was taken in); 0 without samples."""
+    if not values:
+        return 0.0
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for value, step in zip(values, steps):
+        by_step[step].append(value)
+    return statistic(list(by_step.values()))
+
+
+def _weight(ops: Ops, backward: float, base: BlockCost | None, statistic: Statistic) -> float | None:
     """W as measured (zb1p, zb2p); from a run under AFAB or 1F1B, which measure none, the backward split as the
     standalone calibration split it; None where neither says (then the FLOPs split it)."""
     if ops.weight:
-        return min(_mean(ops.weight), backward)
+        return min(step_price(ops.weight, ops.weight_step, statistic), backward)
     if base is not None and base.backward_weight is not None and base.backward > 0:
         return backward * base.backward_weight / base.backward
     return None
 
 
-def _block_cost(sig: str, s: Samples, base: BlockCost | None) -> BlockCost:
-    backward = _mean(s.backward)
+def _block_cost(sig: str, s: Samples, base: BlockCost | None, statistic: Statistic) -> BlockCost:
+    def forward(ops: Ops) -> float:
+        return step_price(ops.forward, ops.forward_step, statistic)
+
+    def backward(ops: Ops) -> float:
+        return step_price(ops.backward, ops.backward_step, statistic)
+
     positions = tuple(
-        PositionCost(p, _mean(ops.forward), _mean(ops.backward), _weight(ops, _mean(ops.backward), base))
+        PositionCost(p, forward(ops), backward(ops), _weight(ops, backward(ops), base, statistic))
         for p, ops in sorted(s.positions.items(), key=lambda item: POSITIONS.index(item[0]))
         if ops.forward
     )
     return BlockCost(
         sig,
-        _mean(s.forward),
-        backward,
-        _mean(s.update),
-        backward_weight=_weight(s, backward, base),
+        forward(s),
+        backward(s),
+        step_price(s.update, s.update_step, statistic),
+        backward_weight=_weight(s, backward(s), base, statistic),
         spread=(mean_spread(s.forward), mean_spread(s.backward), mean_spread(s.update)),
         positions=positions,
     )
@@ -219,7 +259,11 @@ def position_spread(samples: dict[str, Samples]) -> dict[str, float]:
     and backward per micro-batch together."""
     out = {}
     for sig, s in samples.items():
-        means = [_mean(ops.forward) + _mean(ops.backward) for ops in s.positions.values() if ops.forward]
+        means = [
+            statistics.fmean(ops.forward) + (statistics.fmean(ops.backward) if ops.backward else 0.0)
+            for ops in s.positions.values()
+            if ops.forward
+        ]
         if len(means) > 1 and min(means) > 0:
             out[sig] = max(means) / min(means) - 1
     return out
@@ -310,10 +354,16 @@ def _tied(
 
 
 def in_run_profile(
-    cfg: PlannerConfig, blocks: Sequence[BlockInfo], runs: Sequence[InRunSplit], base: MachineProfile, *, source: str
+    cfg: PlannerConfig,
+    blocks: Sequence[BlockInfo],
+    runs: Sequence[InRunSplit],
+    base: MachineProfile,
+    *,
+    source: str,
+    statistic: Statistic = STEP_STATISTIC,
 ) -> MachineProfile:
     """The profile ``runs`` make, on top of ``base`` (the standalone calibration of the same processes), for
-    ``cfg``'s blocks (see the module docstring).
+    ``cfg``'s blocks (see the module docstring); ``statistic``: how a figure's per-step means make its price.
 
     Raises:
         ConfigError: no run timed any block, or a run timed a block of another model.
@@ -322,7 +372,7 @@ def in_run_profile(
     if not any(s.forward for s in samples.values()):
         raise ConfigError("the in-run steps timed no block; run at least one recorded step of a built model")
     role = {sig: sig.split(":", 1)[0] for sig in samples}
-    measured = {sig: _block_cost(sig, s, base.block(sig)) for sig, s in samples.items() if s.forward}
+    measured = {sig: _block_cost(sig, s, base.block(sig), statistic) for sig, s in samples.items() if s.forward}
     costs = {c.signature: c for c in (*measured.values(), *_unseen(base, measured, role))}
     rates, overall = fit_rates([(cfg, list(blocks))], costs)
     return dataclasses.replace(
