@@ -61,8 +61,9 @@ class TrainerStep:
 
 
 class TrainerStepTimer:
-    """The clock's step timer in Nanotron's trainer: steps start together (a barrier), end when the rank's kernels
-    do; when the engine has finished (:meth:`pipeline_done`) the ranks wait for each other once more, so that the
+    """The clock's step timer in Nanotron's trainer (not the CPU runtime's ``StepTimer``, which hooks that runtime's
+    own P2P to time its waits; the trainer's P2P is Nanotron's): steps start together (a barrier), end when the rank's
+    kernels do; when the engine has finished (:meth:`pipeline_done`) the ranks wait for each other once more, so that the
     update after the pipeline (the tied and loss all-reduces, the optimizer) is timed without waiting on a rank whose
     pipeline ends later. The waits inside the pipeline are not measured (``waited`` is 0)."""
 

@@ -1,4 +1,5 @@
-"""The CPU runtime's engine clock: :class:`nanotron_ext.integration.op_clock.OpClock` inside a
+"""The CPU runtime's engine clock: :class:`nanotron_ext.integration.op_clock.OpClock` (the one clock of both ways to
+train) plus what only this runtime can hook, its own P2P and tied sync, inside a
 :class:`~nanotron_ext.runtime.timing.StepTimer` (aligned steps; receive, send and collective waits), with the
 transfers of its ``CPUP2P`` (when posted, when waited for, what crossed) and the tied-gradient all-reduce (when
 entered and left), from which the in-run profile prices links and the tied sync.
