@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if code == EXIT_OK and replan is not None:
         for line in replan.measured_lines():
             say(line)
+        if rank0 and (written := replan.write_record()) is not None:
+            say(f"nanotron_ext: replan: its record (every turn, the verdict, the moves) written to {written}")
     close_process_groups(code)
     return code
 

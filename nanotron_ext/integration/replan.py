@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -30,11 +31,15 @@ import torch.distributed as torch_dist
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.devices import synchronize
 from nanotron_ext.integration.replan_session import Move, ReplanSession
+from nanotron_ext.outputs import atomic_write_text
 from nanotron_ext.plan.replan import short_run_note
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.procs import peak_rss_mib
 
-__all__ = ["LauncherReplan", "MoveTo", "TrainerStepTimer"]
+__all__ = ["RECORD_NAME", "LauncherReplan", "MoveTo", "TrainerStepTimer"]
+
+#: The re-plan's record beside the checkpoints (the launcher has no ``--metrics-out``).
+RECORD_NAME = "nanotron_ext_replan.json"
 
 
 class MoveTo(Exception):  # noqa: N818 (a signal to the launcher, not an error)
@@ -62,10 +67,10 @@ class TrainerStep:
 
 class TrainerStepTimer:
     """The clock's step timer in Nanotron's trainer (not the CPU runtime's ``StepTimer``, which hooks that runtime's
-    own P2P to time its waits; the trainer's P2P is Nanotron's): steps start together (a barrier), end when the rank's
-    kernels do; when the engine has finished (:meth:`pipeline_done`) the ranks wait for each other once more, so that the
-    update after the pipeline (the tied and loss all-reduces, the optimizer) is timed without waiting on a rank whose
-    pipeline ends later. The waits inside the pipeline are not measured (``waited`` is 0)."""
+    own P2P to time its waits; the trainer's P2P is Nanotron's): steps start together (a barrier), end when the
+    rank's kernels do; when the engine has finished (:meth:`pipeline_done`) the ranks wait for each other once more,
+    so that the update after the pipeline (the tied and loss all-reduces, the optimizer) is timed without waiting on a
+    rank whose pipeline ends later. The waits inside the pipeline are not measured (``waited`` is 0)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -124,6 +129,7 @@ class LauncherReplan:
         self._rss_before = 0.0
         self._move_only: list[Path] = []  # checkpoints saved for a move alone, removed once superseded
         self._resumed: Path | None = None  # the checkpoint the move under way resumes
+        self.record_path: Path | None = None  # where rank 0 writes the session's record after the last launch
 
     def relaunch_config(self, cfg: PlannerConfig) -> PlannerConfig:
         """``cfg`` on the plan the run moves to: its split as a layout, its engine, the checkpoint's state moved onto
@@ -182,6 +188,7 @@ class LauncherReplan:
             return
         step = trainer.iteration_step
         self.first_step = step
+        self.record_path = Path(trainer.config.checkpoints.checkpoints_path) / RECORD_NAME
         last = trainer.config.tokens.train_steps
         after = self.cfg.ext.replan.after_steps
         if after is None or last - step + 1 <= after:
@@ -255,6 +262,14 @@ class LauncherReplan:
         if self.session is None:
             return []
         return [f"nanotron_ext: {line}" for line in self.session.after_lines(first_timed=(self.first_step or 1) + 1)]
+
+    def write_record(self) -> Path | None:
+        """After the last launch, on rank 0: the session's record (what ``--metrics-out`` holds under ``train``) as
+        JSON beside the checkpoints; the path written, or None."""
+        if self.session is None or self.session.choice is None or self.record_path is None:
+            return None
+        atomic_write_text(self.record_path, json.dumps(self.session.to_dict(), indent=1) + "\n")
+        return self.record_path
 
 
 def _gather(trainer: Any, obj: Any) -> list[Any]:

@@ -91,6 +91,9 @@ def test_a_run_tries_the_candidate_in_turns_and_trains_the_bits_of_the_run_that_
     assert (folder / "checkpoints" / "8").is_dir()
     assert any(n.startswith(f"replan: steps 12-{STEPS} after the trial, on {kept} (1f1b)") for n in notes), notes
     assert any(re.fullmatch(r"replan: \d move\(s\) took .* s in all; \d+ steps ran on plans .*", n) for n in notes)
+    written = json.loads((folder / "checkpoints" / "nanotron_ext_replan.json").read_text())  # every turn, the verdict
+    assert [t["first_step"] for t in written["trial"]["turns"]] == [4, 6, 9]
+    assert written["kept"]["split"] == kept and written["outcome"]["verdict"] in ("keep", "own_fastest", "within_noise")
 
 
 def test_a_kill_during_a_move_leaves_the_last_complete_checkpoint_the_one_a_resume_takes(tmp_path):
