@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.checkpoint import ResumeSource, check_same_model, kept_vocab_shards, locate_checkpoint
+from nanotron_ext.checkpoint.resume import launch_engine
 from nanotron_ext.cli.common import EXIT_OK, positive_int, report_error
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
-from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import resolve_vocab_shards
 from nanotron_ext.plan.replan import with_replan_after
 from nanotron_ext.procs import exit_with_torchrun, exit_without_teardown
 from nanotron_ext.strategies import get_strategy
@@ -238,10 +239,7 @@ def _prepare(
     kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
     if kept is not None:
         cfg = cfg.with_overrides(vocab_shards=kept)
-    # A V in Nanotron's trainer holds its sends to one order (a GPU's send waits for its receive): auto prices it so.
-    # A re-plan moves between contiguous splits, so under one auto starts on one.
-    engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES
-    cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=True)
+    cfg, engine_choice = launch_engine(cfg)  # a V priced as Nanotron's trainer runs it; contiguous under a re-plan
     if engine_choice is not None:
         say("nanotron_ext: " + "\n  ".join(engine_choice.lines()))
     cfg, choice = resolve_vocab_shards(cfg)
