@@ -334,13 +334,40 @@ CASES = [
         "malformed layout",
         lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))],
         EXIT_USAGE,
-        ("malformed layout at character 7: empty item or stage", "separate items with ','", "'E,t*5|t*6,L'"),
+        (
+            "c.yaml: nanotron_ext.layout: malformed layout at character 7: empty item or stage",  # its source
+            "separate items with ','",
+            "'E,t*5|t*6,L'",
+        ),
     ),
     Case(
         "layout with the wrong stage count",
         lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
         EXIT_USAGE,
-        ("layout 'E,t*2,L' has 1 stages but pp=2", "give one '|'-separated stage per pipeline rank", "set pp to 1"),
+        (
+            "c.yaml: nanotron_ext.layout: layout 'E,t*2,L' has 1 stages but pp=2",
+            "give one '|'-separated stage per pipeline rank",
+            "set pp to 1",
+        ),
+    ),
+    Case(
+        "layout short of the model's blocks",
+        lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t|t"))],
+        EXIT_USAGE,
+        ("c.yaml: nanotron_ext.layout: layout 'E,t|t' stops before block 3 (final_norm)", "add the remaining"),
+    ),
+    Case(
+        "zbv layout of too few chunks",
+        lambda t: [
+            "plan",
+            "--engine",
+            "zbv",
+            "--cost-strategy",
+            "layout",
+            _edit(t, _set("nanotron_ext.layout", "E,t|t,L")),
+        ],
+        EXIT_USAGE,
+        ("c.yaml: nanotron_ext.layout: layout 'E,t|t,L' writes 2 stages; a V over pp=2 ranks takes 4", "write 4"),
     ),
     # --- plans that cannot train, and misleading messages
     Case(
