@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
 
     Returns:
-        The exit code of :mod:`nanotron_ext.cli.common`: 0 trained, 1 the plan cannot train, 2 a config or
+        The exit code of :mod:`nanotron_ext.cli.failure`: 0 trained, 1 the plan cannot train, 2 a config or
         usage error (output paths are checked before anything runs), 3 a runtime failure (a peer rank died
         or stopped answering for ``$NANOTRON_EXT_TIMEOUT_S`` seconds).
     """
