@@ -19,7 +19,9 @@ from nanotron_ext.cli.failure import (
     EXIT_USAGE,
     TRACEBACK_ENV,
     exit_code_for,
+    on_a_job,
     report_error,
+    report_once_a_job,
     report_rank_error,
 )
 from nanotron_ext.config import BlockTimes, PlannerConfig, bundled_config, load_config
@@ -86,7 +88,10 @@ class Parser(argparse.ArgumentParser):
             if self._subparsers is not None
             else f"`{self.prog} --help` lists every flag"
         )
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\n")
+        line = f"{self.prog}: error: {message} ({where})"
+        if on_a_job():  # every rank parses the same flags: said once a job, and torchrun's root cause
+            self.exit(report_once_a_job(line, EXIT_USAGE))
+        self.exit(EXIT_USAGE, line + "\n")
 
 
 def positive_int(text: str) -> int:

@@ -60,6 +60,7 @@ __all__ = [
     "exit_code_for",
     "on_a_job",
     "report_error",
+    "report_once_a_job",
     "report_rank_error",
     "wait_for_peers_to_report",
 ]
@@ -123,12 +124,21 @@ def on_a_job() -> bool:
 
 
 def report_rank_error(exc: BaseException, prefix: str, *, tag: bool = True) -> int:
-    """:func:`report_error` on a rank of a job: the message in the rank's error file, printed once a job, then a
-    wait for the peers' reports (the module docstring); alone, :func:`report_error`. Returns the exit code."""
+    """:func:`report_error` on a rank of a job (:func:`report_once_a_job`); alone, :func:`report_error`. Returns the
+    exit code."""
     if not on_a_job() or (isinstance(exc, BrokenPipeError) and reader_left()):
         return report_error(exc, prefix, tag=tag)
-    message = error_message(exc, prefix, tag=tag)
-    written = _write_error_file(message, exc)
+    callstack = None
+    if not isinstance(exc, NanotronExtError) and os.environ.get(TRACEBACK_ENV) == "1":
+        callstack = "".join(traceback.format_exception(exc))
+    return report_once_a_job(error_message(exc, prefix, tag=tag), exit_code_for(exc), callstack=callstack)
+
+
+def report_once_a_job(message: str, code: int, *, callstack: str | None = None) -> int:
+    """On a rank of a job: ``message`` in the rank's error file (``callstack``, the traceback torchrun shows, is the
+    message itself unless given), printed once a job, then a wait for the peers' reports (the module docstring).
+    Returns ``code``."""
+    written = _write_error_file(message, callstack or message)
     store = _agent_store()
     if store is None or _first_to_say(store):
         head, *rest = message.splitlines() or [""]
@@ -137,7 +147,7 @@ def report_rank_error(exc: BaseException, prefix: str, *, tag: bool = True) -> i
         else:
             _say(message)
     wait_for_peers_to_report(store)
-    return exit_code_for(exc)
+    return code
 
 
 def wait_for_peers_to_report(store: Any = None) -> None:
@@ -180,22 +190,16 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def _write_error_file(message: str, exc: BaseException) -> bool:
+def _write_error_file(message: str, callstack: str) -> bool:
     """Write ``message`` where torchrun reads this rank's error, as torch's ``ErrorHandler.record_exception`` does
     (``{"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}``; torchrun prints ``py_callstack`` as
-    the failure's traceback: our message, or the real traceback of an unexpected error under
-    ``NANOTRON_EXT_TRACEBACK=1``). Returns whether it was written."""
+    the failure's traceback). Returns whether it was written."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return False
-    callstack = message
-    if not isinstance(exc, NanotronExtError) and os.environ.get(TRACEBACK_ENV) == "1":
-        callstack = "".join(traceback.format_exception(exc))
-    data = {
-        "message": {"message": message, "extraInfo": {"py_callstack": callstack, "timestamp": str(int(time.time()))}}
-    }
+    extra = {"py_callstack": callstack, "timestamp": str(int(time.time()))}
     try:
-        atomic_write_text(path, json.dumps(data))
+        atomic_write_text(path, json.dumps({"message": {"message": message, "extraInfo": extra}}))
     except OSError:
         return False  # the summary then says <N/A>; the message is still printed
     return True

@@ -114,3 +114,9 @@ def test_a_message_of_several_lines_prints_its_first_and_torchruns_summary_holds
     root = job.out[job.out.index("Root Cause (first observed failure):") :]
     assert "\n    model/a.safetensors: missing\n    resume from 2" in root, root  # torchrun indents them by 2
     assert job.out.count("model/a.safetensors: missing") == 2  # in each rank's failure, never printed by a rank
+
+
+def test_a_flag_error_on_every_rank_is_one_message_named_as_torchruns_root_cause(tmp_path):
+    job = _torchrun(tmp_path, "-m", "nanotron_ext.cli", "train", "--steps", "0")
+    line = _one_message(job, r"nanotron-ext train: error: ", "argument --steps: '0' is not a whole number", 2)
+    assert line.endswith("(`nanotron-ext train --help` lists every flag)"), line  # one line, no usage block

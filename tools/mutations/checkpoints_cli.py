@@ -366,8 +366,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a usage error prints the usage first",
         "nanotron_ext/cli/common.py",
-        '        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\\n")',
-        "        super().error(message)",
+        '        line = f"{self.prog}: error: {message} ({where})"\n',
+        "        super().error(message)\n",
         ("tests/test_user_errors.py::test_usage_errors_are_one_line_with_where_the_flags_are",),
     ),
     M(
@@ -572,8 +572,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a rank stopped by our error in the script exits without waiting for its peers",
         "nanotron_ext/cli/failure.py",
-        "    wait_for_peers_to_report(store)\n    return exit_code_for(exc)\n",
-        "    return exit_code_for(exc)\n",
+        "    wait_for_peers_to_report(store)\n    return code\n",
+        "    return code\n",
         ("tests/runtime/test_launcher_exit.py::test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it",),
     ),
     M(
@@ -635,7 +635,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "no rank writes torchelastic's error file",
         "nanotron_ext/cli/failure.py",
-        "    written = _write_error_file(message, exc)\n",
+        "    written = _write_error_file(message, callstack or message)\n",
         "    written = False\n",
         (
             "tests/runtime/test_job_errors.py::test_a_config_error_on_the_ranks_of_train_is_one_message_named_as_torchruns_root_cause",
