@@ -207,7 +207,8 @@ class ExtConfig:
             raise ConfigError(
                 f"nanotron_ext.vocab_shards={k!r} is neither a positive integer nor 'auto'; "
                 f"{suggest(k, [VOCAB_SHARDS_AUTO]) if isinstance(k, str) else ''}write 1 to keep "
-                f"one lm_head block, K > 1 to split the vocabulary into K blocks, or auto to let the planner pick"
+                f"one lm_head block, K > 1 to split the vocabulary into K blocks (e.g. vocab_shards: 2), or auto to "
+                f"let the planner pick"
             )
         if self.memory_runtime not in get_args(MemoryRuntime):
             raise ConfigError(
@@ -222,21 +223,27 @@ class ExtConfig:
             and self.memory_overhead_gib >= 0
         ):
             raise ConfigError(
-                f"nanotron_ext.memory_overhead_gib={self.memory_overhead_gib!r} must be a number of GiB >= 0, or null "
-                f"for the default ({DEFAULT_MEMORY_OVERHEAD_GIB['gpu']:g} GiB on gpu)"
+                f"nanotron_ext.memory_overhead_gib={self.memory_overhead_gib!r} must be a number of GiB >= 0, e.g. "
+                f"memory_overhead_gib: 1.5, or null for the default ({DEFAULT_MEMORY_OVERHEAD_GIB['gpu']:g} GiB on gpu)"
             )
         check_choice(f"{EXT_SECTION}.objective", self.objective, OBJECTIVES)
         if self.p2p_gbps is not None and not (
             isinstance(self.p2p_gbps, (int, float)) and math.isfinite(self.p2p_gbps) and self.p2p_gbps > 0
         ):
-            raise ConfigError(f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, or null")
+            raise ConfigError(
+                f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, e.g. p2p_gbps: 50, or "
+                f"null for the machine profile's links"
+            )
         if self.tflops is not None and not (
             isinstance(self.tflops, (int, float))
             and not isinstance(self.tflops, bool)
             and math.isfinite(self.tflops)
             and self.tflops > 0
         ):
-            raise ConfigError(f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, or null")
+            raise ConfigError(
+                f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, e.g. tflops: 400, or "
+                f"null for the machine profile's block times"
+            )
         check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
         check_choice(f"{EXT_SECTION}.resume_plan", self.resume_plan, ResumePlan)
         if self.times == "profiled" and self.tflops is not None:
@@ -258,7 +265,10 @@ class ExtConfig:
             and math.isfinite(self.memory_cap_gib)
             and self.memory_cap_gib > 0
         ):
-            raise ConfigError(f"nanotron_ext.memory_cap_gib={self.memory_cap_gib!r} must be a positive number of GiB")
+            raise ConfigError(
+                f"nanotron_ext.memory_cap_gib={self.memory_cap_gib!r} must be a positive number of GiB, e.g. "
+                f"memory_cap_gib: 70, or null for the machine's device memory"
+            )
         for name in ("allow_frozen_stages", "projector"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"nanotron_ext.{name}={getattr(self, name)!r} must be true or false")

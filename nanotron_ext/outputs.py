@@ -37,8 +37,9 @@ def check_output_path(
 ) -> Path:
     """Fail now, before any work, if ``path`` cannot be written later.
 
-    Creates missing parent folders (the write would create them too) and writes and removes a probe file
-    next to ``path``, which also catches read-only folders and full disks that permission bits do not show.
+    Its folder must exist: a missing one is an error naming it, never made silently (a typo in a folder name would
+    otherwise put the output where nobody looks). A probe file is written and removed next to ``path``, which also
+    catches read-only folders and full disks that permission bits do not show.
 
     Args:
         path: the output file.
@@ -50,8 +51,8 @@ def check_output_path(
         ``path`` as a ``Path``.
 
     Raises:
-        ConfigError: the path is a folder, its parent is a file, the folder cannot be written, or the suffix
-        is not one of ``suffixes``.
+        ConfigError: the path is a folder, its folder is missing or a file, the folder cannot be written, or the
+        suffix is not one of ``suffixes``.
     """
     out = Path(path)
     if suffixes is not None:
@@ -73,8 +74,12 @@ def check_output_path(
             f"{flag} {str(out)!r} cannot be written: {str(blocker)!r} is a file, not a folder; "
             f"choose a path in a folder you can write"
         )
+    if not parent.is_dir():
+        raise ConfigError(
+            f"{flag} {str(out)!r} cannot be written: its folder {str(parent)!r} does not exist; create it first "
+            f"(mkdir -p {parent}) or choose a path in an existing folder"
+        )
     try:
-        parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)

@@ -14,25 +14,23 @@ it and are stripped before Nanotron's loader reads it. What is installed is desc
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import gc
 import os
 import runpy
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.checkpoint import ResumeSource, check_same_model, kept_vocab_shards, locate_checkpoint
-from nanotron_ext.cli.common import EXIT_OK, report_error
+from nanotron_ext.checkpoint.resume import launch_engine
+from nanotron_ext.cli.common import EXIT_OK, report_rank_error
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
-from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, resolve_engine, resolve_vocab_shards
+from nanotron_ext.plan import resolve_vocab_shards
 from nanotron_ext.plan.replan import with_replan_after
 from nanotron_ext.procs import exit_with_torchrun, exit_without_teardown
 from nanotron_ext.strategies import get_strategy
@@ -97,55 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Seconds a rank that stops with our error waits, where it has no way to hear from its peers (neither torchrun's
-#: store nor gloo process groups), before exiting, so that their messages are printed too.
-PEER_REPORT_GRACE_S = 0.5
-#: The most seconds a rank that stops with our error waits for its peers to report theirs.
-PEER_REPORT_BARRIER_S = 3.0
-
-
-def wait_for_peers_to_report() -> None:
-    """After our error, before exiting: let every peer print its own. Each rank stops with the same message (the
-    YAML, the checkpoint, the plan, the collective gradient check), but torchrun ends the others as soon as one
-    exits: a refused plan, and in CI a refused resume, were printed by rank 1 alone, rank 0 ended before it reached
-    its report.
-
-    Under torchrun each rank counts itself in on the agent's own store and waits until all have (any backend, before
-    or after the process groups exist); elsewhere, on gloo process groups, a monitored barrier. Either gives up after
-    :data:`PEER_REPORT_BARRIER_S` (a peer that stopped otherwise never comes); with neither, a moment
-    (:data:`PEER_REPORT_GRACE_S`).
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return
-    import torch.distributed as dist
-
-    deadline = time.monotonic() + PEER_REPORT_BARRIER_S
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.is_available():
-        with contextlib.suppress(Exception):  # the agent gone or slow: this rank's own message is out, exit anyway
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S),
-            )
-            # One count per launch of the job: a torchrun restart starts a fresh one.
-            key = (
-                f"nanotron_ext/reported/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            )
-            reported = store.add(key, 1)
-            while reported < world and time.monotonic() < deadline:
-                time.sleep(0.05)
-                reported = store.add(key, 0)
-            return
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        with contextlib.suppress(Exception):
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=PEER_REPORT_BARRIER_S), wait_all_ranks=True)
-        return
-    time.sleep(PEER_REPORT_GRACE_S)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit code (0, or 1/2/3 as ``nanotron-ext``'s for our own errors)."""
     exit_with_torchrun()
@@ -159,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, resume, replan = _prepare(opts, rank0, prefix, say)
         undo = install_launcher(cfg, opts.cost_strategy, resume=resume, replan=replan)
-    except NanotronExtError as exc:
-        code = report_error(exc, prefix)
-        wait_for_peers_to_report()
-        return code
+    except NanotronExtError as exc:  # one message a job, in every rank's error file (cli.failure)
+        return report_rank_error(exc, prefix)
     script = Path(opts.script)
     sys.argv = [str(script), *opts.script_args]
     sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT` would
@@ -173,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         except MoveTo as exc:  # a re-plan's move: run the script again on the new plan, resuming its checkpoint
             move = exc.checkpoint
         except NanotronExtError as exc:  # the plan, the freeze spec or the gradient check: one message, no traceback
-            code = report_error(exc, prefix)
-            wait_for_peers_to_report()
+            code = report_rank_error(exc, prefix)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         else:
@@ -188,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replan.relaunch_config(cfg)
             undo = install_launcher(cfg, opts.cost_strategy, resume=locate_checkpoint(move), replan=replan, moved=True)
         except NanotronExtError as exc:
-            code = report_error(exc, prefix)
-            wait_for_peers_to_report()
+            code = report_rank_error(exc, prefix)
             break
     if code == EXIT_OK and replan is not None:
         for line in replan.measured_lines():
@@ -239,10 +184,7 @@ def _prepare(
     kept = kept_vocab_shards(resume, cfg, cfg.ext.resume_plan)
     if kept is not None:
         cfg = cfg.with_overrides(vocab_shards=kept)
-    # A V in Nanotron's trainer holds its sends to one order (a GPU's send waits for its receive): auto prices it so.
-    # A re-plan moves between contiguous splits, so under one auto starts on one.
-    engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES
-    cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=True)
+    cfg, engine_choice = launch_engine(cfg)  # a V priced as Nanotron's trainer runs it; contiguous under a re-plan
     if engine_choice is not None:
         say("nanotron_ext: " + "\n  ".join(engine_choice.lines()))
     cfg, choice = resolve_vocab_shards(cfg)

@@ -334,13 +334,40 @@ CASES = [
         "malformed layout",
         lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,|L"))],
         EXIT_USAGE,
-        ("malformed layout at character 7: empty item or stage", "separate items with ','", "'E,t*5|t*6,L'"),
+        (
+            "c.yaml: nanotron_ext.layout: malformed layout at character 7: empty item or stage",  # its source
+            "separate items with ','",
+            "'E,t*5|t*6,L'",
+        ),
     ),
     Case(
         "layout with the wrong stage count",
         lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t*2,L"))],
         EXIT_USAGE,
-        ("layout 'E,t*2,L' has 1 stages but pp=2", "give one '|'-separated stage per pipeline rank", "set pp to 1"),
+        (
+            "c.yaml: nanotron_ext.layout: layout 'E,t*2,L' has 1 stages but pp=2",
+            "give one '|'-separated stage per pipeline rank",
+            "set pp to 1",
+        ),
+    ),
+    Case(
+        "layout short of the model's blocks",
+        lambda t: ["plan", "--cost-strategy", "layout", _edit(t, _set("nanotron_ext.layout", "E,t|t"))],
+        EXIT_USAGE,
+        ("c.yaml: nanotron_ext.layout: layout 'E,t|t' stops before block 3 (final_norm)", "add the remaining"),
+    ),
+    Case(
+        "zbv layout of too few chunks",
+        lambda t: [
+            "plan",
+            "--engine",
+            "zbv",
+            "--cost-strategy",
+            "layout",
+            _edit(t, _set("nanotron_ext.layout", "E,t|t,L")),
+        ],
+        EXIT_USAGE,
+        ("c.yaml: nanotron_ext.layout: layout 'E,t|t,L' writes 2 stages; a V over pp=2 ranks takes 4", "write 4"),
     ),
     # --- plans that cannot train, and misleading messages
     Case(
@@ -391,6 +418,18 @@ CASES = [
         ("--loads-out", "cannot be written", "choose a path"),
     ),
     Case(
+        "simulate --out into a missing folder",
+        lambda t: ["simulate", "--out", str(t / "nope" / "deeper" / "t.png")],
+        EXIT_USAGE,
+        ("--out", "its folder", "nope/deeper' does not exist", "create it first (mkdir -p"),
+    ),
+    Case(
+        "simulate --loads-out into a missing folder",
+        lambda t: ["simulate", "--compare", "--out", str(t / "t.png"), "--loads-out", str(t / "nope" / "l.png")],
+        EXIT_USAGE,
+        ("--loads-out", "its folder", "nope' does not exist", "create it first"),
+    ),
+    Case(
         "simulate --out x.bmp",
         lambda t: ["simulate", "--out", str(t / "x.bmp")],
         EXIT_USAGE,
@@ -402,6 +441,12 @@ CASES = [
         lambda t: ["train", "--metrics-out", str(t)],
         EXIT_USAGE,
         ("error on rank 0: --metrics-out", "is a directory", "give a file path"),
+    ),
+    Case(
+        "train --metrics-out into a missing folder",
+        lambda t: ["train", "--metrics-out", str(t / "nope" / "m.json")],
+        EXIT_USAGE,
+        ("error on rank 0: --metrics-out", "its folder", "nope' does not exist", "create it first"),
     ),
     Case(
         "train --plan-out under a file",
@@ -486,6 +531,27 @@ def check_reply(case: Case, code: int, out: str, err: str) -> None:
     assert "nanx" not in out
     # (a bound well above one message with its config path, which the test runner chooses, well below thousands)
     assert max(map(len, lines), default=0) < 1000, "a line thousands of characters wide"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--out", "{missing}/t.png"],
+        ["simulate", "--compare", "--out", "{tmp}/t.png", "--loads-out", "{missing}/l.png"],
+        ["calibrate", "--out", "{missing}/m.json"],
+    ],
+    ids=["simulate --out", "simulate --loads-out", "calibrate --out"],
+)
+def test_an_output_into_a_missing_folder_is_refused_and_no_folder_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # One rule for every output flag (train's --metrics-out and --plan-out: TRAIN_CASES): the folder must exist; a
+    # typo in its name would otherwise put the output where nobody looks.
+    missing = tmp_path / "typo" / "deeper"
+    code = main([a.format(missing=missing, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"its folder {str(missing)!r} does not exist; create it first" in err, err
+    assert not (tmp_path / "typo").exists() and err.count("\n") == 1
 
 
 def test_simulate_pdf_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ recorded split cannot be, or where the user asks to re-plan."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -334,14 +335,77 @@ def test_plan_checkpoint_prints_the_recorded_plan_beside_the_resumes(tiny, tmp_p
     assert {d["what"] for d in data["differences"]} == {"split", "strategy"}
 
 
+def _zbv_config(tmp: Path) -> str:
+    path = tmp / "zbv.yaml"
+    text = bundled_config().read_text()
+    assert "pp_engine: 1f1b" in text
+    path.write_text(text.replace("pp_engine: 1f1b", "pp_engine: zbv"))
+    return str(path)
+
+
+def test_plan_checkpoint_of_a_v_under_zbv_keeps_its_chunks_or_replans_them(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    v_cfg = cfg.with_overrides(engine="zbv")
+    today = make_v_plan(blocks, v_cfg)  # E|t*2|N|H,C,X
+    other = make_v_plan(blocks, v_cfg.with_overrides(cost_strategy="layout", layout="E,t|t|N|H,C,X"))
+    _checkpoint(tmp_path / "ckpt", 4, record=replace(record_for(other, v_cfg, machine_for(v_cfg)), complete=True))
+    config = _zbv_config(tmp_path)
+    code, out, err = _cli("plan", config, "--checkpoint", str(tmp_path / "ckpt" / "4"))
+    assert code == 0 and err == "", err
+    assert re.search(r"^split +E,t\|t\|N\|H,C,X +E,t\|t\|N\|H,C,X *$", out, re.M), out  # the V's chunks, kept
+    assert re.search(r"^engine +zbv +zbv *$", out, re.M), out
+    assert (
+        "resuming checkpoint 4 on its recorded split E,t|t|N|H,C,X (layout, pp=2); today 'v-search' would choose "
+        "E|t*2|N|H,C,X: set nanotron_ext.resume_plan: replan (or --replan) to move to it"
+    ) in out
+    assert "what differs: nothing" in out
+    code, out, _ = _cli("plan", config, "--checkpoint", str(tmp_path / "ckpt" / "4"), "--replan", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["kept"] is False
+    assert data["resume"]["v_stages"] == list(today.stages) and data["resume"]["stages"] == list(today.block_ranks)
+    assert {d["what"] for d in data["differences"]} == {"split", "strategy"}
+    assert data["note"].startswith("re-planning as asked (resume_plan: replan): checkpoint 4 was trained on E,t|t|N")
+
+
+def test_plan_checkpoint_of_a_contiguous_split_resumed_as_a_v_says_what_moves(tiny, tmp_path):
+    cfg, blocks, _ = tiny
+    _checkpoint(tmp_path, 4, record=_record(cfg, blocks, "E,t*2|L"))
+    today = make_v_plan(blocks, cfg.with_overrides(engine="zbv"))
+    code, out, err = _cli("plan", _zbv_config(tmp_path), "--checkpoint", str(tmp_path / "4"))
+    assert code == 0 and err == "", err
+    assert (
+        "the config asks pp_engine zbv, the checkpoint was trained on a contiguous split (1f1b): checkpoint 4 "
+        "(E,t*2|L) moves onto the new plan E|t*2|N|H,C,X; its weights, optimizer states and learning-rate schedule "
+        "go to their new owners"
+    ) in out
+    assert "  split: E,t*2|L -> E|t*2|N|H,C,X\n  engine: 1f1b -> zbv\n  strategy: layout -> v-search" in out
+    code, out, _ = _cli("plan", _zbv_config(tmp_path), "--checkpoint", str(tmp_path / "4"), "--json")
+    data = json.loads(out)
+    assert data["kept"] is False and data["resume"]["v_stages"] == list(today.stages)
+
+
+def test_plan_checkpoint_without_a_plan_record_notes_how_the_launcher_resumes_it(tiny, tmp_path):
+    cfg, _, today = tiny
+    _checkpoint(tmp_path, 4, record=None)
+    code, out, err = _cli("plan", str(bundled_config()), "--checkpoint", str(tmp_path / "4"))
+    assert code == 0 and err == "", err  # the launcher resumes it: a note, not an error
+    assert "checkpoint 4 could not be verified: it was saved by Nanotron alone" in out
+    assert re.search(r"^split +not recorded +E,t\*2,N\|H,C,X *$", out, re.M), out
+    assert "differs" not in out.split("note:")[0]
+    assert (
+        "note: checkpoint 4 has no nanotron_ext plan record (Nanotron saved it alone): its state is placed by name "
+        "onto today's split E,t*2,N|H,C,X"
+    ) in out
+    code, out, _ = _cli("plan", str(bundled_config()), "--checkpoint", str(tmp_path / "4"), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["recorded"] is None and data["differences"] is None and data["kept"] is False
+    assert data["resume"]["stages"] == list(today.block_ranks)
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda root, record: None, "no checkpoint there"),
-        (
-            lambda root, record: _checkpoint(root, 4, record=None),
-            "has no nanotron_ext plan record: Nanotron saved it alone",
-        ),
         (lambda root, record: _checkpoint(root, 4, record=replace(record, complete=False)), "says complete: false"),
     ],
 )

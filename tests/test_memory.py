@@ -205,7 +205,12 @@ def test_overhead_and_runtime_from_the_config():
 @pytest.mark.parametrize(
     "key,value,says",
     [
-        ("memory_overhead_gib", -1, r"memory_overhead_gib=-1 must be a number of GiB >= 0, or null for the default"),
+        (
+            "memory_overhead_gib",
+            -1,
+            r"memory_overhead_gib=-1 must be a number of GiB >= 0, e.g. memory_overhead_gib: 1.5, or null for the "
+            r"default",
+        ),
         ("memory_overhead_gib", "lots", r"memory_overhead_gib='lots' must be a number of GiB"),
         ("memory_runtime", "gpus", r"memory_runtime='gpus' is unknown; did you mean 'gpu'\? use gpu .* or cpu"),
     ],

@@ -65,6 +65,39 @@ def test_bad_config_values(raw, edit, match):
         config_from_dict(raw)
 
 
+#: Every number a config holds, set wrong: its error gives an example of a good value (issue 55).
+BAD_NUMBERS = [
+    ("nanotron_ext", "memory_cap_gib", -1),
+    ("nanotron_ext", "memory_cap_gib", "lots"),
+    ("nanotron_ext", "memory_overhead_gib", -1),
+    ("nanotron_ext", "tflops", 0),
+    ("nanotron_ext", "p2p_gbps", -5),
+    ("nanotron_ext", "vocab_shards", 0),
+    ("nanotron_ext.replan", "min_gain", 2),
+    ("model.model_config", "num_hidden_layers", 0),
+    ("model.model_config", "hidden_size", -16),
+    ("model.model_config", "vocab_size", 0),
+    ("model.model_config", "rms_norm_eps", -1),
+    ("parallelism", "pp", 0),
+    ("parallelism", "dp", -1),
+    ("tokens", "batch_accumulation_per_replica", 0),
+    ("tokens", "micro_batch_size", 0),
+]
+
+
+@pytest.mark.parametrize("section, key, value", BAD_NUMBERS, ids=[f"{k}={v}" for _, k, v in BAD_NUMBERS])
+def test_every_number_error_gives_an_example_value(raw, section, key, value):
+    raw = copy.deepcopy(raw)
+    node = raw
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node[key] = value
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(raw)
+    message = str(exc.value)
+    assert f"{key}={value!r}" in message and "e.g." in message, message
+
+
 # --- strategies --------------------------------------------------------------------------------------------
 
 
@@ -235,6 +268,7 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, command, flag, bad
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"nanotron-ext {command}: error: argument {flag}: {bad!r} is not a ")
+    assert "; give e.g. " in err  # an example of a good value
     assert f"`nanotron-ext {command} --help` lists every flag" in err
     assert not any(name in err for name in INTERNAL_NAMES), err
 

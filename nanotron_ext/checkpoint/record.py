@@ -30,7 +30,16 @@ from nanotron_ext.plan import Plan
 from nanotron_ext.plan.v_plan import VPlan
 from nanotron_ext.report import table
 
-__all__ = ["RECORD_FILE", "RECORD_FORMAT", "Difference", "ModelKey", "PlanRecord", "read_record", "record_for"]
+__all__ = [
+    "RECORD_FILE",
+    "RECORD_FORMAT",
+    "Difference",
+    "ModelKey",
+    "PlanRecord",
+    "read_record",
+    "record_for",
+    "side_by_side",
+]
 
 RECORD_FILE = "nanotron_ext_plan.json"
 RECORD_FORMAT = 1
@@ -159,20 +168,20 @@ class PlanRecord:
 
     def side_by_side(self, now: PlanRecord, *, now_title: str = "now") -> str:
         """The two plans in one table, one row per field, with a mark where they differ."""
-        rows = []
-        for what, a, b in (
-            ("step", self.step, "-"),
-            ("split", self.layout, now.layout),
-            ("pp / tp / dp", f"{self.pp} / {self.tp} / {self.dp}", f"{now.pp} / {now.tp} / {now.dp}"),
-            ("ZeRO stage", self.zero_stage, now.zero_stage),
-            ("vocabulary shards", self.vocab_shards, now.vocab_shards),
-            ("engine", self.engine, now.engine),
-            ("strategy", self.strategy, now.strategy),
-            ("machine", f"{self.machine} ({self.machine_digest[:12]})", f"{now.machine} ({now.machine_digest[:12]})"),
-        ):
-            mark = "" if what == "step" or str(a) == str(b) else "differs"
-            rows.append([what, str(a), str(b), mark])
-        return table(["", "checkpoint", now_title, ""], rows)
+        return side_by_side(self, now, now_title=now_title)
+
+    def fields_shown(self) -> list[tuple[str, str]]:
+        """``(field, value)`` as a person reads the plan: its split, parallelism, engine, strategy and machine."""
+        return [
+            ("step", "-" if self.step is None else str(self.step)),
+            ("split", self.layout),
+            ("pp / tp / dp", f"{self.pp} / {self.tp} / {self.dp}"),
+            ("ZeRO stage", str(self.zero_stage)),
+            ("vocabulary shards", str(self.vocab_shards)),
+            ("engine", self.engine),
+            ("strategy", self.strategy),
+            ("machine", f"{self.machine} ({self.machine_digest[:12]})"),
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -224,6 +233,19 @@ class PlanRecord:
     def write(self, folder: Path) -> Path:
         """Write (atomically) into a checkpoint folder; returns the file."""
         return atomic_write_text(Path(folder) / RECORD_FILE, self.to_json() + "\n")
+
+
+def side_by_side(recorded: PlanRecord | None, now: PlanRecord, *, now_title: str = "now") -> str:
+    """A checkpoint's recorded plan beside ``now`` in one table, one row per field, marked where they differ; a
+    checkpoint without a record (Nanotron saved it alone) shows ``not recorded``."""
+    shown = recorded.fields_shown() if recorded is not None else [(w, "not recorded") for w, _ in now.fields_shown()]
+    rows = []
+    for (what, a), (_, b) in zip(shown, now.fields_shown()):
+        if what == "step":
+            b = "-"
+        mark = "" if what == "step" or recorded is None or a == b else "differs"
+        rows.append([what, a, b, mark])
+    return table(["", "checkpoint", now_title, ""], rows)
 
 
 def record_for(

@@ -16,10 +16,18 @@ from nanotron_ext.checkpoint.record import ModelKey, PlanRecord, record_for
 from nanotron_ext.config import PlannerConfig, ResumePlan
 from nanotron_ext.errors import CheckpointError, PlanningError
 from nanotron_ext.machine import MachineProfile
-from nanotron_ext.plan import Plan, plan_with_ranks
+from nanotron_ext.plan import AUTO_ENGINES, CONTIGUOUS_AUTO_ENGINES, EngineChoice, Plan, plan_with_ranks, resolve_engine
 from nanotron_ext.plan.v_plan import VPlan, make_v_plan
 
-__all__ = ["RESUME_PLANS", "ResumeChoice", "ResumePlan", "check_same_model", "choose_plan", "kept_vocab_shards"]
+__all__ = [
+    "RESUME_PLANS",
+    "ResumeChoice",
+    "ResumePlan",
+    "check_same_model",
+    "choose_plan",
+    "kept_vocab_shards",
+    "launch_engine",
+]
 
 RESUME_PLANS: tuple[str, ...] = get_args(ResumePlan)
 
@@ -61,6 +69,18 @@ def kept_vocab_shards(source: ResumeSource | None, cfg: PlannerConfig, mode: Res
     if source is None or source.record is None or mode == "replan" or cfg.ext.vocab_shards != "auto":
         return None
     return source.record.vocab_shards
+
+
+def launch_engine(cfg: PlannerConfig) -> tuple[PlannerConfig, EngineChoice | None]:
+    """``pp_engine: auto`` resolved as a launch resolves it (the launcher, and the resume ``plan --checkpoint``
+    describes): among every engine, the V priced with its sends held as Nanotron's trainer runs them; only among the
+    contiguous ones under a re-plan after K steps, which moves between contiguous splits.
+
+    Raises:
+        ConfigError: as :func:`~nanotron_ext.plan.resolve_engine`.
+    """
+    engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES
+    return resolve_engine(cfg, engines, sends_wait=True)
 
 
 def _why_not_kept(record: PlanRecord, now: PlanRecord, cfg: PlannerConfig) -> str | None:

@@ -7,7 +7,7 @@
 * ``nanotron-ext calibrate CONFIG --out machine.json`` — measure this machine (its links: under ``torchrun``) into
   the profile ``plan``/``simulate --machine`` read.
 
-Exit codes (:mod:`nanotron_ext.cli.common`): 0 OK, 1 the plan cannot train, 2 bad usage or config, 3 a
+Exit codes (:mod:`nanotron_ext.cli.failure`): 0 OK, 1 the plan cannot train, 2 bad usage or config, 3 a
 runtime failure, 141 the reader of the output closed it before the command could write it, quietly
 (:mod:`nanotron_ext.cli.output`).
 """
@@ -89,7 +89,7 @@ def _run(argv: Sequence[str] | None, output: WholeOutput) -> int:
     warnings.formatwarning = _one_line_warning
     try:
         return int(args.func(args))
-    except Exception as exc:  # one message and the documented exit code (cli.common; 141 for a reader that left)
+    except Exception as exc:  # one message and the documented exit code (cli.failure; 141 for a reader that left)
         return report_error(exc)
 
 

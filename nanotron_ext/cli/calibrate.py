@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nanotron_ext.cli.common import EXIT_OK, check_outputs, legend, report_error
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, legend, report_rank_error
 from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, bundled_config, load_config
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.profiled import DEFAULT_REPEATS
@@ -159,8 +159,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"profile: {why}\n")
             print(summary(cfg, profile))
             print(f"\nwrote {args.out}: `nanotron-ext plan CONFIG --machine {args.out}` plans with it")
-    except Exception as exc:  # one message and the documented exit code, never a traceback
-        return report_error(exc, prefix, tag=rank is None)
+    except Exception as exc:  # one message a job and the documented exit code, never a traceback
+        return report_rank_error(exc, prefix, tag=rank is None)
     return EXIT_OK
 
 

@@ -1,39 +1,31 @@
-"""What every subcommand shares: exit codes, error reporting, and the config arguments and how they are read.
-
-Exit codes, the same for ``plan``, ``simulate`` and ``train`` (this module is their one home):
-
-* ``0`` (``EXIT_OK``): done; the plan can train (and, for ``train``, it trained);
-* ``1`` (``EXIT_INVALID``): the plan cannot train (a stage without a gradient, no split under the constraints);
-* ``2`` (``EXIT_USAGE``): bad usage or config: a flag, a YAML key or value, a layout string, an output path;
-* ``3`` (``EXIT_RUNTIME``): a runtime failure: a peer rank died or timed out, or an unexpected error;
-* ``141`` (``EXIT_CLOSED_PIPE``): the reader closed the output before the command could write it; nothing is
-  printed, and the code is the shell's for a tool that SIGPIPE stopped (128 + 13), so ``set -o pipefail`` sees an
-  output cut short and never mistakes it for a verdict. The output is written in one piece at the end
-  (:mod:`nanotron_ext.cli.output`), so which of 141 and the verdict a reader gets depends on the reader, never on
-  timing.
+"""What every subcommand shares: how flags are parsed and checked (a choice's "did you mean", a count's and a
+rate's types), the config arguments and how they are read, and how tables, their notes, verdicts and ratios are
+printed. Exit codes and error reporting live in :mod:`nanotron_ext.cli.failure` (re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
-import traceback
 from typing import Any, NoReturn, get_args
 
-from nanotron_ext.cli.output import reader_left
-from nanotron_ext.config import BlockTimes, PlannerConfig, bundled_config, load_config
-from nanotron_ext.errors import (
-    ConfigError,
-    LayoutError,
-    NanotronExtError,
-    PipelineValidationError,
-    PlanningError,
-    RunFailure,
-    suggest,
+from nanotron_ext.cli.failure import (
+    EXIT_CLOSED_PIPE,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    TRACEBACK_ENV,
+    exit_code_for,
+    on_a_job,
+    report_error,
+    report_once_a_job,
+    report_rank_error,
 )
+from nanotron_ext.config import BlockTimes, PlannerConfig, bundled_config, load_config
+from nanotron_ext.errors import ConfigError, suggest
 from nanotron_ext.plan import EngineChoice, Plan
 from nanotron_ext.plan.compare import why_invalid
 from nanotron_ext.report import table
@@ -67,6 +59,7 @@ __all__ = [
     "positive_number",
     "titled_table",
     "report_error",
+    "report_rank_error",
     "speed_cell",
     "stage_cell",
     "verdict_cell",
@@ -74,11 +67,6 @@ __all__ = [
     "version_line",
     "warn_memory",
 ]
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
-EXIT_CLOSED_PIPE = 128 + 13  # SIGPIPE
-#: Set to 1 to see the traceback of an unexpected error (otherwise one line is printed).
-TRACEBACK_ENV = "NANOTRON_EXT_TRACEBACK"
 
 
 class Parser(argparse.ArgumentParser):
@@ -100,7 +88,10 @@ class Parser(argparse.ArgumentParser):
             if self._subparsers is not None
             else f"`{self.prog} --help` lists every flag"
         )
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\n")
+        line = f"{self.prog}: error: {message} ({where})"
+        if on_a_job():  # every rank parses the same flags: said once a job, and torchrun's root cause
+            self.exit(report_once_a_job(line, EXIT_USAGE))
+        self.exit(EXIT_USAGE, line + "\n")
 
 
 def positive_int(text: str) -> int:
@@ -147,44 +138,6 @@ def version_line() -> str:
     ours = installed("nanotron-ext") or "unknown (not installed; run pip install -e .)"
     theirs = installed("nanotron")
     return f"nanotron-ext {ours} ({f'Nanotron {theirs}' if theirs else 'Nanotron not installed'})"
-
-
-def exit_code_for(exc: BaseException) -> int:
-    """The exit code of an error: 2 for config/usage (layout strings included), 1 for a plan that cannot
-    train, 3 for everything else (runtime failures, unexpected errors)."""
-    if isinstance(exc, (ConfigError, LayoutError)):
-        return EXIT_USAGE
-    if isinstance(exc, (PlanningError, PipelineValidationError)):
-        return EXIT_INVALID
-    if isinstance(exc, NanotronExtError) and not isinstance(exc, RunFailure):
-        return EXIT_INVALID
-    return EXIT_RUNTIME
-
-
-def report_error(exc: BaseException, prefix: str = "nanotron-ext: ", *, tag: bool = True) -> int:
-    """Print ``exc`` as one message on stderr, after ``prefix``; returns its exit code.
-
-    Our own errors print as they are (with ``tag``, ``error: `` first for usage and runtime errors); an
-    unexpected one prints its type and message in one line, with its traceback only when
-    ``NANOTRON_EXT_TRACEBACK=1``. A broken pipe on standard output whose reader left prints nothing: 141.
-    """
-    if isinstance(exc, BrokenPipeError) and reader_left():  # a command's own catch-all met a reader that left
-        return EXIT_CLOSED_PIPE
-    code = exit_code_for(exc)
-    if isinstance(exc, NanotronExtError):
-        word = "error: " if tag and code != EXIT_INVALID else ""
-        print(f"{prefix}{word}{exc}", file=sys.stderr, flush=True)
-        return code
-    if os.environ.get(TRACEBACK_ENV) == "1":
-        traceback.print_exception(exc, file=sys.stderr)
-    detail = " ".join(str(exc).split()) or "(no message)"
-    print(
-        f"{prefix}{'error: ' if tag else ''}unexpected {type(exc).__name__}: {detail}; "
-        f"rerun with {TRACEBACK_ENV}=1 for the traceback and report it if it is not an environment problem",
-        file=sys.stderr,
-        flush=True,
-    )
-    return code
 
 
 def check_outputs(*paths: tuple[str | None, str], suffixes: tuple[str, ...] | None = None) -> None:

@@ -6,9 +6,10 @@ Launch one process per rank (``dp × pp × tp`` of them) with torchrun::
         --config-file nanotron_ext/configs/tiny_llama_large_vocab.yaml --steps 20
 
 (``torchrun --nproc_per_node=2 --no-python nanotron-ext train ...`` runs the console script instead; a
-one-process config, ``dp = pp = tp = 1``, also runs without torchrun.) Any error prints
-``nanotron-ext train: error on rank R: <message>`` on that rank's stderr and exits with the code of
-:mod:`nanotron_ext.cli.common` (1 the plan cannot train, 2 config/usage, 3 runtime failure). Under torchrun a
+one-process config, ``dp = pp = tp = 1``, also runs without torchrun.) Any error is
+``nanotron-ext train: error on rank R: <message>``, printed once a job and written to each rank's torchelastic error
+file (:func:`~nanotron_ext.cli.failure.report_rank_error`); the rank exits with the code of
+:mod:`nanotron_ext.cli.failure` (1 the plan cannot train, 2 config/usage, 3 runtime failure). Under torchrun a
 rank dies with its launcher; a silent peer fails the run after ``$NANOTRON_EXT_TIMEOUT_S`` seconds (default
 60). The loop itself is :mod:`nanotron_ext.runtime.train`.
 """
@@ -20,7 +21,7 @@ import os
 import warnings
 from typing import Any
 
-from nanotron_ext.cli.common import EXIT_OK, check_outputs, non_negative_int, positive_int, report_error
+from nanotron_ext.cli.common import EXIT_OK, check_outputs, non_negative_int, positive_int, report_rank_error
 from nanotron_ext.config import bundled_config
 from nanotron_ext.config_keys import DuplicateKeyWarning, UnreadKeyWarning
 from nanotron_ext.devices import DEVICE_ENV, DEVICE_TYPES, use_device
@@ -87,7 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run :func:`run_training` from parsed arguments; print any error with this rank's number.
 
     Returns:
-        The exit code of :mod:`nanotron_ext.cli.common`: 0 trained, 1 the plan cannot train, 2 a config or
+        The exit code of :mod:`nanotron_ext.cli.failure`: 0 trained, 1 the plan cannot train, 2 a config or
         usage error (output paths are checked before anything runs), 3 a runtime failure (a peer rank died
         or stopped answering for ``$NANOTRON_EXT_TIMEOUT_S`` seconds).
     """
@@ -111,5 +112,5 @@ def cmd_train(args: argparse.Namespace) -> int:
             replan_after=args.replan_after,
         )
     except Exception as exc:  # every failure must end this rank with one message, never a hang
-        return report_error(exc, f"nanotron-ext train: error on rank {rank}: ", tag=False)
+        return report_rank_error(exc, f"nanotron-ext train: error on rank {rank}: ", tag=False)
     return EXIT_OK

@@ -1,6 +1,7 @@
 """Checkpoints through Nanotron's own trainer: what the launcher adds to its saves and resumes.
 
-Saving (every checkpoint):
+Saving (every checkpoint, once: Nanotron's trainer saves its last step twice where it is also an interval's, the
+launcher once):
 
 * the plan record (:mod:`nanotron_ext.checkpoint.record`) is written with ``complete: false`` before Nanotron writes
   a file, and with ``complete: true`` once every rank has written all of its files (before ``latest.txt`` moves),
@@ -87,6 +88,7 @@ class ResumeState:
         self.world_pg: Any = None  # the world group, once Nanotron has made it
         self.verified = False  # the resumed checkpoint's files were proved before loading
         self.recorder: SaveRecorder | None = None  # this rank's files of the save under way
+        self.last_saved: int | None = None  # the step this run saved last
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -341,6 +343,10 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
 
     def save_checkpoint_with_record(self: Any) -> Any:
         folder = Path(self.config.checkpoints.checkpoints_path) / str(self.iteration_step)
+        if state.last_saved == self.iteration_step:
+            # save_final_state after the last interval's save: the same state (every rank alike), written and
+            # logged once, and never cut off half-rewritten where a whole checkpoint stood.
+            return folder
         state.mark(folder, self.iteration_step, complete=False)
         state.recorder = SaveRecorder(folder)
         try:
@@ -350,6 +356,7 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
             state.complete(folder, self.iteration_step, self.parallel_context.world_pg, last=True)
         finally:
             state.recorder = None
+        state.last_saved = self.iteration_step
         return out
 
     patches.set(trainer.DistributedTrainer, "save_checkpoint", save_checkpoint_with_record)

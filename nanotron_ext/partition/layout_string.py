@@ -8,7 +8,8 @@ Syntax:
   ``N`` final norm, ``H`` lm_head, ``C`` cast to fp32, ``X`` loss;
 * ``V`` one vocabulary shard, ``V*K`` K of them (``nanotron_ext.vocab_shards``), e.g. ``"E,t*8,N,V|V*3"``.
 
-Every block of the model must appear exactly once, in forward order.
+Every block of the model must appear exactly once, in forward order. Every error names the layout's source where
+the caller gives it (``c.yaml: nanotron_ext.layout``: the file and the key it came from).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
 _ITEM = re.compile(r"\s*([A-Za-z])\s*(?:\*\s*(\d*))?\s*")
 
 
-def parse_layout(layout: str) -> list[list[str]]:
+def parse_layout(layout: str, *, source: str | None = None) -> list[list[str]]:
     """Parse a layout string into the roles of each stage.
 
     Args:
         layout: e.g. ``"E,t*5|t*6,L"``.
+        source: where it came from, named first in every error (``c.yaml: nanotron_ext.layout``).
 
     Returns:
         One list of roles per stage, e.g. ``[["embedding", "decoder", ...], [..., "loss"]]``.
@@ -49,7 +51,7 @@ def parse_layout(layout: str) -> list[list[str]]:
         LayoutError: unknown symbol, bad repeat count or empty stage; the message points at the character.
     """
     if not isinstance(layout, str) or not layout.strip():
-        raise LayoutError(f"layout={layout!r} is empty; write one stage per '|', e.g. 'E,t*5|t*6,L'")
+        raise LayoutError(f"{_at(source)}layout={layout!r} is empty; write one stage per '|', e.g. 'E,t*5|t*6,L'")
     stages: list[list[str]] = []
     pos = 0
     for stage_text in layout.split("|"):
@@ -57,17 +59,19 @@ def parse_layout(layout: str) -> list[list[str]]:
         item_pos = pos
         for item in stage_text.split(","):
             if not item.strip():
-                raise _error(layout, item_pos + len(item) - len(item.lstrip()), "empty item or stage")
+                raise _error(layout, item_pos + len(item) - len(item.lstrip()), "empty item or stage", source)
             match = _ITEM.fullmatch(item)
             if match is None:
                 bad = item_pos + _first_bad(item)
-                raise _error(layout, bad, "expected a symbol (E, P, t, N, H, C, X, L, V) optionally followed by *K")
+                raise _error(
+                    layout, bad, "expected a symbol (E, P, t, N, H, C, X, L, V) optionally followed by *K", source
+                )
             symbol, count = match.group(1), match.group(2)
             at = item_pos + match.start(1)
             if symbol not in SYMBOLS:
-                raise _error(layout, at, f"unknown symbol {symbol!r}; known: {', '.join(SYMBOLS)}")
+                raise _error(layout, at, f"unknown symbol {symbol!r}; known: {', '.join(SYMBOLS)}", source)
             if count is not None and (count == "" or int(count) < 1):
-                raise _error(layout, item_pos + item.index("*") + 1, "a repeat count after '*' must be >= 1")
+                raise _error(layout, item_pos + item.index("*") + 1, "a repeat count after '*' must be >= 1", source)
             roles += list(SYMBOLS[symbol]) * (int(count) if count else 1)
             item_pos += len(item) + 1
         stages.append(roles)
@@ -75,12 +79,13 @@ def parse_layout(layout: str) -> list[list[str]]:
     return stages
 
 
-def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
+def layout_ranks(layout: str, roles: Sequence[str], *, source: str | None = None) -> list[int]:
     """Stage of each block for a layout.
 
     Args:
         layout: the layout string.
         roles: the model's block roles in forward order.
+        source: where it came from, named first in every error (``c.yaml: nanotron_ext.layout``).
 
     Returns:
         The stage of each block.
@@ -88,25 +93,26 @@ def layout_ranks(layout: str, roles: Sequence[str]) -> list[int]:
     Raises:
         LayoutError: the layout does not name the model's blocks in order (says which block differs).
     """
-    stages = parse_layout(layout)
+    stages = parse_layout(layout, source=source)
+    named = f"{_at(source)}layout {layout!r}"
     flat = [(stage, role) for stage, rs in enumerate(stages) for role in rs]
     want_dec, got_dec = sum(r == "decoder" for r in roles), sum(r == "decoder" for _, r in flat)
     if want_dec != got_dec:
         raise LayoutError(
-            f"layout {layout!r} has {got_dec} decoder layers but the model has {want_dec}; make its t and t*K "
+            f"{named} has {got_dec} decoder layers but the model has {want_dec}; make its t and t*K "
             f"items add up to {want_dec}"
         )
     for i, role in enumerate(roles):
         if i >= len(flat):
-            raise LayoutError(f"layout {layout!r} stops before block {i} ({role}); add the remaining blocks")
+            raise LayoutError(f"{named} stops before block {i} ({role}); add the remaining blocks")
         if flat[i][1] != role:
             raise LayoutError(
-                f"layout {layout!r}: block {i} of the model is {role!r} but the layout says {flat[i][1]!r}; "
+                f"{named}: block {i} of the model is {role!r} but the layout says {flat[i][1]!r}; "
                 f"the model's blocks in order are {compact_roles(roles)}"
             )
     if len(flat) > len(roles):
         raise LayoutError(
-            f"layout {layout!r} names {len(flat)} blocks but the model has {len(roles)}; drop the items past "
+            f"{named} names {len(flat)} blocks but the model has {len(roles)}; drop the items past "
             f"block {len(roles) - 1} ({roles[-1]})"
         )
     return [stage for stage, _ in flat]
@@ -162,8 +168,13 @@ def _first_bad(item: str) -> int:
     return offset
 
 
-def _error(layout: str, at: int, why: str) -> LayoutError:
+def _at(source: str | None) -> str:
+    """``c.yaml: nanotron_ext.layout: ``, what every message starts with where the layout's source is known."""
+    return f"{source}: " if source else ""
+
+
+def _error(layout: str, at: int, why: str, source: str | None) -> LayoutError:
     return LayoutError(
-        f"malformed layout at character {at + 1}: {why}; separate items with ',' and stages with '|', e.g. "
-        f"'E,t*5|t*6,L'\n  {layout}\n  {' ' * at}^"
+        f"{_at(source)}malformed layout at character {at + 1}: {why}; separate items with ',' and stages with '|', "
+        f"e.g. 'E,t*5|t*6,L'\n  {layout}\n  {' ' * at}^"
     )

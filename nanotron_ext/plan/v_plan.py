@@ -35,7 +35,7 @@ from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.schedule.v_replay import Transfer, replay_v_order, transfer_order
 from nanotron_ext.schedule.zbv import VOp, by_rank, v_rank
-from nanotron_ext.strategies.builtin import layout_of
+from nanotron_ext.strategies.builtin import layout_of, layout_source
 from nanotron_ext.strategies.step_time import schedule_problem
 
 __all__ = ["V_SEARCH_EVALS", "V_STRATEGY", "VPlan", "make_v_plan", "plan_for", "strategy_note", "v_plan_timeline"]
@@ -318,12 +318,13 @@ def _chunk_bounds(
         PlanningError: a chunk that trains nothing.
     """
     pp = cfg.run.pp
-    stages = list(v_stages) if v_stages is not None else layout_ranks(layout_of(cfg), [b.role for b in blocks])
+    roles = [b.role for b in blocks]
+    stages = list(v_stages) if v_stages is not None else layout_ranks(layout_of(cfg), roles, source=layout_source(cfg))
     n = max(stages) + 1
     if n != 2 * pp:
         fold = "an odd number cannot fold into two per rank" if n % 2 else f"or set pp to {n // 2}"
         raise ConfigError(
-            f"layout {cfg.ext.layout!r} writes {n} stages; a V over pp={pp} ranks takes {2 * pp} "
+            f"{layout_source(cfg)}: layout {cfg.ext.layout!r} writes {n} stages; a V over pp={pp} ranks takes {2 * pp} "
             f"chunks, rank r holding chunk r and chunk {2 * pp - 1} - r: write {2 * pp} '|'-separated "
             f"chunks, {fold}"
         )

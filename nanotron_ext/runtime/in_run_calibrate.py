@@ -81,7 +81,7 @@ def calibrate_in_run(
     """
     for name, value, least in (("--steps", steps, 1), ("--warmup-steps", warmup_steps, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"calibrate --in-run: {name}={value!r} must be an integer >= {least}")
+            raise ConfigError(f"calibrate --in-run: {name}={value!r} must be an integer >= {least}, e.g. {name} 4")
     if cfg.run.engine == V_ENGINE:
         raise ConfigError(
             "calibrate --in-run times contiguous splits, not a V yet: calibrate the config under "

@@ -178,7 +178,7 @@ def _steps_and_seeds(raw: dict[str, Any], steps: int | None, seed: int | None) -
     seed = seed if seed is not None else general_seed
     for name, value in (("seed", seed), ("data.seed", data_seed)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+            raise ConfigError(f"{name}={value!r} must be a non-negative integer, e.g. {name.rsplit('.', 1)[-1]}: 42")
     return steps, seed, data_seed
 
 
@@ -200,7 +200,7 @@ def _optimizer_settings(cfg: PlannerConfig) -> tuple[dict[str, Any], Any, list[s
         raise ConfigError(f"{cfg.source}: invalid optimizer.learning_rate_scheduler: {exc}") from exc
     clip = opt.get("clip_grad")
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number or null")
+        raise ConfigError(f"optimizer.clip_grad={clip!r} must be a positive number, e.g. clip_grad: 1.0, or null")
     return opt, lr_schedule, unused_lr, clip
 
 

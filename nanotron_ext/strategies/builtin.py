@@ -321,6 +321,11 @@ class Constrained:
         return within_device_memory(split, blocks, cfg)
 
 
+def layout_source(cfg: PlannerConfig) -> str:
+    """Where the config's ``layout`` came from, named first in its errors: ``c.yaml: nanotron_ext.layout``."""
+    return f"{cfg.source}: nanotron_ext.layout"
+
+
 def layout_of(cfg: PlannerConfig) -> str:
     """The config's ``layout`` string.
 
@@ -339,11 +344,11 @@ class Layout:
     name = "layout"
 
     def assign(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Assignment:
-        ranks = layout_ranks(layout_of(cfg), [b.role for b in blocks])
+        ranks = layout_ranks(layout_of(cfg), [b.role for b in blocks], source=layout_source(cfg))
         if max(ranks) + 1 != cfg.run.pp:
             raise ConfigError(
-                f"layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}; give one '|'-separated "
-                f"stage per pipeline rank, or set pp to {max(ranks) + 1}"
+                f"{layout_source(cfg)}: layout {cfg.ext.layout!r} has {max(ranks) + 1} stages but pp={cfg.run.pp}; "
+                f"give one '|'-separated stage per pipeline rank, or set pp to {max(ranks) + 1}"
             )
         return Assignment(ranks, training_flops(blocks), "FLOPs")
 

@@ -72,6 +72,7 @@ class Run:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.metrics, self.plan = tmp / "out" / "metrics.json", tmp / "out" / "plan.json"
+        self.metrics.parent.mkdir()  # an output's folder must exist
         self.out_path, self.err_path = tmp / "torchrun.out", tmp / "torchrun.err"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NANOTRON_EXT_TIMEOUT_S=str(TIMEOUT_S))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -3,6 +3,7 @@ closed before the interpreter's exit, the script's exit code, and every rank's o
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -86,11 +87,13 @@ def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code
 @pytest.mark.parametrize(
     "launch", ["torchrun, before the process groups exist", "ranks started directly, on gloo process groups"]
 )
-def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, launch):
-    # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once printed by rank 1 alone,
+def test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, launch):
+    # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once reported by rank 1 alone,
     # and in CI a refused resume (checked before any process group exists). Here rank 0 reaches its report 1.5 s
-    # after rank 1 (past the old 0.5 s grace); both must print it. Started directly, the ranks get 0.2 s after the
-    # first one exits, as a launcher that ends the rest at once would.
+    # after rank 1 (past the old 0.5 s grace); both must report it. Under torchrun the first (rank 1) prints it, once
+    # a job, and each rank's error file holds its own, which torchrun's summary shows; started directly (no store to
+    # share, no error file) each rank prints its own, and the ranks get 0.2 s after the first one exits, as a
+    # launcher that ends the rest at once would.
     init = "" if "before" in launch else "dist.init_process_group('gloo')\n"
     source = (
         "import os, time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
@@ -100,18 +103,24 @@ def test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, 
     )
     if launch.startswith("torchrun"):
         out = _launch_script(tmp_path, source, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-        codes, text = [out.returncode], out.stderr
-    else:
-        script = tmp_path / "run_train.py"
-        script.write_text(source)
-        ranks = run_local_ranks(
-            [sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
-            2,
-            timeout=120,
-            grace=0.2,
-            env=script_env(),
-        ).ranks
-        codes, text = [r.returncode for r in ranks], "".join(r.stdout for r in ranks)
+        text = out.stdout + out.stderr
+        printed = re.findall(r"^nanotron_ext\.run \[rank (\d)\]: refused on rank \1$", text, re.M)
+        assert out.returncode == 1 and printed == ["1"], text[-3000:]  # once, by the first rank that had it
+        root = text[text.index("Root Cause (first observed failure):") :]
+        assert "traceback : nanotron_ext.run [rank 1]: refused on rank 1" in root, text[-3000:]  # the first
+        said = set(re.findall(r"traceback : nanotron_ext\.run \[rank (\d)\]: refused on rank \1$", text, re.M))
+        assert said == {"0", "1"}, text[-3000:]  # the slow rank wrote its own too, before torchrun ended the job
+        return
+    script = tmp_path / "run_train.py"
+    script.write_text(source)
+    ranks = run_local_ranks(
+        [sys.executable, "-m", "nanotron_ext.run", str(script), "--config-file", str(bundled_config())],
+        2,
+        timeout=120,
+        grace=0.2,
+        env=script_env(),
+    ).ranks
+    codes, text = [r.returncode for r in ranks], "".join(r.stdout for r in ranks)
     said = {rank for rank in ("0", "1") if f"nanotron_ext.run [rank {rank}]: refused on rank {rank}" in text}
     assert all(code not in (0, None) for code in codes) and said == {"0", "1"}, text[-3000:]
 

@@ -178,6 +178,18 @@ def launch(
     return Run(only.returncode, only.stdout + only.stderr)
 
 
+def one_message(out: str, text: str, code: int) -> None:
+    """Under torchrun, our error starting with ``text`` (after ``nanotron_ext.run [rank R]: ``) is printed once, by
+    one rank; every rank wrote it to its torchelastic error file, which torchrun's summary shows (its root cause with
+    exit code ``code``); no traceback is ours (cli.md#one-job-one-message)."""
+    head = r"nanotron_ext\.run \[rank (\d)\]: " + re.escape(text)
+    assert len(re.findall("^" + head, out, re.M)) == 1, out[-4000:]
+    assert set(re.findall("traceback : " + head, out)) == {"0", "1"}, out[-4000:]
+    root = out[out.index("Root Cause (first observed failure):") :]
+    assert re.search(rf"exitcode\s*: {code} \(pid", root) and "traceback : nanotron_ext.run [rank" in root, root
+    assert "error_file: <N/A>" not in out and not re.search(r'File "[^"]*nanotron_ext/', out), out[-4000:]
+
+
 def whole_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Each saved parameter of a checkpoint folder as one whole tensor: tensor-parallel shards and vocabulary shards
     put together by the slices in their headers, read with Nanotron's own ``SlicesPair`` (the reference for what the

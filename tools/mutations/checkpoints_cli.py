@@ -300,7 +300,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a closed pipe is an unexpected error",
-        "nanotron_ext/cli/common.py",
+        "nanotron_ext/cli/failure.py",
         "    if isinstance(exc, BrokenPipeError) and reader_left():",
         "    if False:",
         (f"{CLOSED_PIPE}::test_a_broken_pipe_is_a_closed_output_only_when_the_reader_of_stdout_left",),
@@ -308,7 +308,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- issue 44: exit codes and messages that hold every time ------------------------------------------------
     M(
         "any broken pipe is a reader that left",
-        "nanotron_ext/cli/common.py",
+        "nanotron_ext/cli/failure.py",
         "    if isinstance(exc, BrokenPipeError) and reader_left():",
         "    if isinstance(exc, BrokenPipeError):",
         (f"{CLOSED_PIPE}::test_a_broken_pipe_is_a_closed_output_only_when_the_reader_of_stdout_left",),
@@ -366,8 +366,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a usage error prints the usage first",
         "nanotron_ext/cli/common.py",
-        '        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({where})\\n")',
-        "        super().error(message)",
+        '        line = f"{self.prog}: error: {message} ({where})"\n',
+        "        super().error(message)\n",
         ("tests/test_user_errors.py::test_usage_errors_are_one_line_with_where_the_flags_are",),
     ),
     M(
@@ -571,31 +571,31 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a rank stopped by our error in the script exits without waiting for its peers",
-        "nanotron_ext/run.py",
-        "            code = report_error(exc, prefix)\n            wait_for_peers_to_report()\n        except SystemExit",
-        "            code = report_error(exc, prefix)\n        except SystemExit",
-        ("tests/runtime/test_launcher_exit.py::test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it",),
+        "nanotron_ext/cli/failure.py",
+        "    wait_for_peers_to_report(store)\n    return code\n",
+        "    return code\n",
+        ("tests/runtime/test_launcher_exit.py::test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it",),
     ),
     M(
         "under torchrun the peers' report is not counted on the agent's store",
-        "nanotron_ext/run.py",
-        '    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.is_available():',
-        "    if False:",
-        ("tests/runtime/test_launcher_exit.py::test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it",),
+        "nanotron_ext/cli/failure.py",
+        '    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":\n        return None',
+        "    if True:\n        return None",
+        ("tests/runtime/test_launcher_exit.py::test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it",),
     ),
     M(
         "a rank waits for the first report only, not for every peer's",
-        "nanotron_ext/run.py",
+        "nanotron_ext/cli/failure.py",
         "            while reported < world and",
         "            while reported < 1 and",
-        ("tests/runtime/test_launcher_exit.py::test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it",),
+        ("tests/runtime/test_launcher_exit.py::test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it",),
     ),
     M(
         "the peers' report is a fixed grace, not a barrier",
-        "nanotron_ext/run.py",
+        "nanotron_ext/cli/failure.py",
         '    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":',
         "    if False:",
-        ("tests/runtime/test_launcher_exit.py::test_every_rank_says_why_it_stops_even_when_one_is_slow_to_say_it",),
+        ("tests/runtime/test_launcher_exit.py::test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it",),
     ),
     M(
         "a free port is drawn from the ephemeral range",
@@ -604,5 +604,81 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    for _ in range(0):",
         ("tests/runtime/test_procs.py::test_a_free_port_is_bindable_and_outside_the_range_the_kernel_hands_out",),
         "0.2",
+    ),
+    # --- issue 55: a V's checkpoint explained, one job one message, small things ---------------------------------
+    M(
+        "plan --checkpoint refuses a checkpoint without a plan record",
+        "nanotron_ext/cli/resume.py",
+        "    verdict = verify_checkpoint(source)  # the resume's own check, in one process\n",
+        "    if source.record is None:\n        raise CheckpointError('no plan record')\n"
+        "    verdict = verify_checkpoint(source)  # the resume's own check, in one process\n",
+        (
+            "tests/test_checkpoint_record.py::test_plan_checkpoint_without_a_plan_record_notes_how_the_launcher_resumes_it",
+        ),
+    ),
+    M(
+        "plan --checkpoint plans the resume as contiguous stages under zbv",
+        "nanotron_ext/cli/resume.py",
+        "choose_plan(plan_for(blocks, cfg),",
+        "choose_plan(plan_for(blocks, cfg.with_overrides(engine='zb1p')),",
+        ("tests/test_checkpoint_record.py::test_plan_checkpoint_of_a_v_under_zbv_keeps_its_chunks_or_replans_them",),
+    ),
+    M(
+        "every rank prints our error under torchrun",
+        "nanotron_ext/cli/failure.py",
+        "    if store is None or _first_to_say(store):\n",
+        "    if True:\n",
+        (
+            "tests/runtime/test_job_errors.py::test_a_replan_setting_the_launcher_refuses_is_one_message_named_as_torchruns_root_cause",
+        ),
+    ),
+    M(
+        "no rank writes torchelastic's error file",
+        "nanotron_ext/cli/failure.py",
+        "    written = _write_error_file(message, callstack or message)\n",
+        "    written = False\n",
+        (
+            "tests/runtime/test_job_errors.py::test_a_config_error_on_the_ranks_of_train_is_one_message_named_as_torchruns_root_cause",
+        ),
+    ),
+    M(
+        "a message of several lines is printed whole under torchrun",
+        "nanotron_ext/cli/failure.py",
+        "        if written and rest:\n",
+        "        if False:\n",
+        (
+            "tests/runtime/test_job_errors.py::test_a_message_of_several_lines_prints_its_first_and_torchruns_summary_holds_the_rest",
+        ),
+    ),
+    M(
+        "an output's missing folder is made silently",
+        "nanotron_ext/outputs.py",
+        "    if not parent.is_dir():\n",
+        "    parent.mkdir(parents=True, exist_ok=True)\n    if not parent.is_dir():\n",
+        ("tests/test_bad_input.py::test_an_output_into_a_missing_folder_is_refused_and_no_folder_is_made",),
+    ),
+    M(
+        "a number's error gives no example",
+        "nanotron_ext/config_ext.py",
+        'must be a positive number of GiB, e.g. "\n                f"memory_cap_gib: 70, or null',
+        'must be a positive number of GiB, "\n                f"or null',
+        ("tests/test_user_errors.py::test_every_number_error_gives_an_example_value",),
+    ),
+    M(
+        "a layout error does not name its source",
+        "nanotron_ext/strategies/builtin.py",
+        "        ranks = layout_ranks(layout_of(cfg), [b.role for b in blocks], source=layout_source(cfg))",
+        "        ranks = layout_ranks(layout_of(cfg), [b.role for b in blocks])",
+        ("tests/test_bad_input.py::test_bad_input",),
+    ),
+    M(
+        "the launcher writes a checkpoint twice where Nanotron saves it twice",
+        "nanotron_ext/integration/checkpoints.py",
+        "        if state.last_saved == self.iteration_step:\n",
+        "        if False:\n",
+        (
+            "tests/upstream/test_resume_files.py::test_every_file_the_save_wrote_is_listed_with_its_size_and_checksum_and_the_record_is_written_last",
+        ),
+        "upstream",
     ),
 )

@@ -112,16 +112,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "the launcher's auto prices the V with its sends posted as made",
-        "nanotron_ext/run.py",
-        "cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=True)",
-        "cfg, engine_choice = resolve_engine(cfg, engines, sends_wait=False)",
+        RESUME,
+        "    return resolve_engine(cfg, engines, sends_wait=True)",
+        "    return resolve_engine(cfg, engines, sends_wait=False)",
         (
             "tests/test_launcher_cli.py::test_the_launchers_auto_prices_the_v_with_its_sends_held_and_a_replan_starts_contiguous",
         ),
     ),
     M(
         "the launcher's auto starts a re-planning run on a V",
-        "nanotron_ext/run.py",
+        RESUME,
         "engines = CONTIGUOUS_AUTO_ENGINES if cfg.ext.replan.after_steps is not None else AUTO_ENGINES",
         "engines = AUTO_ENGINES",
         (
