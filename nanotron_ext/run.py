@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanotron_ext.checkpoint import ResumeSource, check_same_model, kept_vocab_shards, locate_checkpoint
 from nanotron_ext.checkpoint.resume import launch_engine
-from nanotron_ext.cli.common import EXIT_OK, report_rank_error
+from nanotron_ext.cli.common import EXIT_OK, Parser, report_rank_error
 from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.config_keys import installed_nanotron_keys
 from nanotron_ext.errors import ConfigError, NanotronExtError
@@ -55,7 +55,7 @@ def config_file_of(script_args: list[str]) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m nanotron_ext.run",
         description="Run a Nanotron training script (e.g. run_train.py) with nanotron_ext's plan, freezing and "
         "gradient check. Start it with torchrun where the script would go.",
