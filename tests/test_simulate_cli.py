@@ -189,6 +189,14 @@ def test_format_seconds():
         "3 ns",
         "0 s",
     ]
+    # Rounded up to 1000 of a unit, a time moves to the next one; above 999 s, whole seconds.
+    assert [format_seconds(x) for x in (0.9997e-3, 999.4e-6, 999.96e-9, 1234.4, -0.002)] == [
+        "1 ms",
+        "999 µs",
+        "1 µs",
+        "1234 s",
+        "-2 ms",
+    ]
 
 
 # --- the command, in process -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from nanotron_ext.simulate import StageTimes, loads_chart, simulate, timeline
 from nanotron_ext.simulate.figure import INVALID_COLOR
 from nanotron_ext.simulate.loads_chart import plot_stage_loads
 from nanotron_ext.simulate.timeline import plot_timeline
-from nanotron_ext.simulate.timeline_marks import MIN_WIDTH, boxes, v_chunks
+from nanotron_ext.simulate.timeline_marks import MIN_WIDTH, boxes, hops, v_chunks
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -262,3 +262,17 @@ def test_a_vs_two_chunks_are_told_apart_and_a_sliver_of_work_is_drawn_with_its_t
     right = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert right[1].startswith("idle 99.8%") and "drawn wider: F" in right[1]
     assert all(b.width >= MIN_WIDTH * result.step_time for b in drawn)
+
+
+def test_a_frozen_prefix_is_drawn_without_the_gradients_it_never_receives(tmp_path, monkeypatch, capsys):
+    from nanotron_ext.cli import main
+    from nanotron_ext.config import bundled_config
+
+    drawn: dict = {}
+    monkeypatch.setattr(timeline, "plot_timeline", lambda result, path, **k: drawn.update(k, result=result) or path)
+    config = str(bundled_config("last_layer_lm_head_pp4.yaml"))  # only the last stage trains
+    assert main(["simulate", config, "--out", str(tmp_path / "t.png")]) in (0, 1)
+    capsys.readouterr()
+    assert drawn["grad_cuts"] == [False] * 3
+    transfers = hops(drawn["result"], boxes(drawn["result"]), drawn["grad_cuts"])
+    assert transfers and {h.what for h in transfers} == {"activation"}
