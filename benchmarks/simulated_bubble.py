@@ -36,8 +36,9 @@ from nanotron_ext.machine import machine_for
 from nanotron_ext.plan import make_plan
 from nanotron_ext.report import table
 from nanotron_ext.simulate import ideal_bubble_fraction
+from nanotron_ext.simulate.loads_chart import plot_stage_loads
 from nanotron_ext.simulate.stage_times import simulate_plan, stage_labels
-from nanotron_ext.simulate.timeline import plot_stage_loads, plot_timeline
+from nanotron_ext.simulate.timeline import plot_timeline
 
 ENGINE = "1f1b"
 PICTURE = ("Llama-3.2-1B", 8, ("nanotron", "constrained"))

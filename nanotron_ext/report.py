@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_names", "format_seconds", "human_bytes", "human_count", "int_ranges", "table"]
+__all__ = [
+    "compact_names",
+    "format_seconds",
+    "human_bytes",
+    "human_count",
+    "int_ranges",
+    "percent",
+    "table",
+    "time_unit",
+]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, markdown: bool = False) -> str:
@@ -54,12 +63,42 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def format_seconds(seconds: float) -> str:
-    """``0.0123`` → ``12.3 ms``: three significant digits in s, ms or µs."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+#: The units a time is written in, largest first: every table's times and every picture's time axis.
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit ``seconds`` reads best in and its size in seconds: the largest of s, ms, µs and ns it is at least
+    one of (``0.0123`` → ``("ms", 1e-3)``; ns below a nanosecond, s for 0). The one rule :func:`format_seconds` and
+    the pictures' axes follow."""
+    for unit, scale in _TIME_UNITS:
         if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns" if seconds else "0 s"
+            return unit, scale
+    return ("ns", 1e-9) if seconds else ("s", 1.0)
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0123`` → ``12.3 ms``: three significant digits in the unit of :func:`time_unit` (``999.9 µs`` rounds
+    up to ``1 ms``, never ``1e+03 µs``; above 999 s, whole seconds)."""
+    if not seconds:
+        return "0 s"
+    unit, scale = time_unit(seconds)
+    if abs(float(f"{seconds / scale:.3g}")) >= 1000:  # rounded up into the next unit
+        if unit == "s":
+            return f"{seconds:.0f} s"
+        unit, scale = _TIME_UNITS[[u for u, _ in _TIME_UNITS].index(unit) - 1]
+    return f"{seconds / scale:.3g} {unit}"
+
+
+def percent(fraction: float, digits: int = 0) -> str:
+    """``fraction`` as a percentage with ``digits`` decimals, more where that would round a share that is not
+    exactly 0 or 1 to ``0%`` or ``100%`` (``0.998`` → ``99.8%``): a stage that works 0.2 % of the step is never
+    called idle all of it."""
+    for d in range(digits, digits + 4):
+        text = f"{fraction:.{d}%}"
+        if float(text.rstrip("%")) not in (0.0, 100.0) or fraction in (0.0, 1.0):
+            return text
+    return text
 
 
 def human_bytes(n: float) -> str:

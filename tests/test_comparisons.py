@@ -82,11 +82,11 @@ def test_a_comparison_with_a_plan_that_can_train_adds_nothing(capsys):
 
 def test_compare_engines_says_when_the_1f1b_plan_it_compares_with_does_not_fit(capsys, monkeypatch):
     # The contiguous engines only: the V's row plays no part in this line, and its search on Llama-3-8B takes 28 s.
-    from nanotron_ext.cli import plan as plan_cli
+    from nanotron_ext.cli import plan_compare
     from nanotron_ext.plan import CONTIGUOUS_AUTO_ENGINES
 
-    every = plan_cli.engine_rows
-    monkeypatch.setattr(plan_cli, "engine_rows", lambda cfg: every(cfg, CONTIGUOUS_AUTO_ENGINES))
+    every = plan_compare.engine_rows
+    monkeypatch.setattr(plan_compare, "engine_rows", lambda cfg: every(cfg, CONTIGUOUS_AUTO_ENGINES))
     argv = ["plan", LLAMA_8B, "--pp", "2", "--micro-batches", "2", "--compare-engines"]
     text = _run(capsys, *argv)
     row = _line(text, "1f1b ")
@@ -170,7 +170,7 @@ def test_simulate_vs_best_is_the_fastest_plan_that_can_train(tmp_path, capsys):
     assert min(t for t, _ in steps.values()) < fastest_ok  # Nanotron's split is faster and does not fit
     text = _run(capsys, "simulate", LLAMA_8B, "--compare", *_pictures(tmp_path))
     for name, (step, ok) in steps.items():
-        cell = re.search(rf"^{name} +\S+ +\S+ +\S+ +(\S+) ", text, re.M)[1]
+        cell = re.search(rf"^{name} +\S+ +\S+ \S+ +\S+ \S+ +(\S+) ", text, re.M)[1]  # times: value and unit
         assert cell == f"{fastest_ok / step:.3f}x", (name, cell)
         assert not ok or fastest_ok / step <= 1.0
     assert not steps["nanotron"][1] and fastest_ok / steps["nanotron"][0] > 1.0  # faster, and it cannot train

@@ -205,7 +205,7 @@ def test_plan_fit_prints_the_table_and_says_when_nothing_fits(capsys, tmp_path):
 
 
 def test_plan_fit_says_how_many_candidates_it_left_out_and_all_prints_every_one(capsys):
-    from nanotron_ext.cli.plan import FIT_ROWS
+    from nanotron_ext.cli.plan_fit import FIT_ROWS
     from nanotron_ext.simulate.fit_search import fit_search
 
     config = str(bundled_config("llama_3_8b.yaml"))

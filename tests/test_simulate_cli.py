@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -188,6 +189,14 @@ def test_format_seconds():
         "3 ns",
         "0 s",
     ]
+    # Rounded up to 1000 of a unit, a time moves to the next one; above 999 s, whole seconds.
+    assert [format_seconds(x) for x in (0.9997e-3, 999.4e-6, 999.96e-9, 1234.4, -0.002)] == [
+        "1 ms",
+        "999 µs",
+        "1 µs",
+        "1234 s",
+        "-2 ms",
+    ]
 
 
 # --- the command, in process -------------------------------------------------------------------
@@ -208,7 +217,9 @@ def test_simulate_prints_table_bubble_and_writes_timeline(tmp_path, capsys):
     # forward 2·t·h·V + t·V + 5·t·V = 122,273,664 FLOPs; backward 4·t·h·V + t·V + 3·t·V = 218,805,504.
     row = next(line for line in text.splitlines() if "lm_head, cast, loss" in line)
     # The update: the lm_head's 804,432 fp32 parameters, 28 bytes each through fused AdamW at 3.0 TB/s.
-    assert row.split()[0] == "1" and row.split()[-3:] == ["122.3", "218.8", "0.007508"]  # ms
+    cells = re.split(r"\s{2,}", row.strip())
+    assert cells[0] == "1" and cells[-3:] == ["122 ms", "219 ms", "7.51 µs"]  # as plan prints times
+    assert cells[-3:] == [format_seconds(x) for x in (122_273_664e-9, 218_805_504e-9, 804_432 * 28 / 3e12)]
     lines = text.splitlines()
     assert lines[-2:] == ["VALID: every stage has parameters to train", f"timeline: {out}"]
     assert _png(out)
@@ -422,15 +433,15 @@ def test_the_summary_lines_print_the_simulations_own_step_and_bubbles(tmp_path, 
     assert main(argv) == 0
     text = capsys.readouterr().out
     head = re.search(
-        r"^1f1b: pp=4, micro-batches=8, p2p=[^,]+, step=([\d.]+) ms \(pipeline ([\d.]+) ms \+ update\), "
-        r"bubble=([\d.]+)% \(pipeline part ([\d.]+)%, ideal ([\d.]+)%\)$",
+        r"^1f1b: pp=4, micro-batches=8, p2p [^,]+, step (\S+ \S+) \(pipeline (\S+ \S+) \+ update\), "
+        r"bubble ([\d.]+)% \(pipeline bubble ([\d.]+)%, ideal ([\d.]+)%\)$",
         text,
         re.M,
     )
     assert head, text
     assert head.groups() == (
-        f"{1e3 * sim['step_time']:.3f}",
-        f"{1e3 * sim['pipeline_time']:.3f}",
+        format_seconds(sim["step_time"]),
+        format_seconds(sim["pipeline_time"]),
         pct["bubble"],
         pct["pipeline"],
         pct["ideal"],
@@ -444,3 +455,49 @@ def test_the_summary_lines_print_the_simulations_own_step_and_bubbles(tmp_path, 
     assert line, text
     points = f"{100 * (sim['pipeline_bubble_fraction'] - ideal):+.1f}"
     assert line.groups() == (pct["pipeline"], pct["ideal"], points, pct["bubble"], format_seconds(sim["step_time"]))
+
+
+@pytest.mark.parametrize("engine", ["1f1b", "zbv"])
+def test_bubble_is_the_steps_and_pipeline_bubble_the_pipeline_parts_in_every_output(
+    engine, tmp_path, capsys, monkeypatch
+):
+    """docs/simulator.md: "bubble" is always the whole step's idle share, "pipeline bubble" always the pipeline
+    part's; plan, simulate, the V's lines, the picture's title and --json keep to it."""
+    from nanotron_ext.simulate import timeline
+
+    titles: list[str] = []
+
+    def draw(result, path, **kwargs):
+        titles.append(timeline.timeline_figure(result, **kwargs).axes[0].title.get_text())
+        return Path(path)
+
+    monkeypatch.setattr(timeline, "plot_timeline", draw)
+    picture = ["--engine", engine, "--out", str(tmp_path / "t.png")]
+    assert main(["simulate", *picture, "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulation"]
+    assert sim["step_time"] > sim["pipeline_time"]  # an update follows: the two figures differ
+    assert main(["simulate", *picture]) == 0
+    text = capsys.readouterr().out
+    assert main(["plan", "--engine", engine]) == 0
+    text += capsys.readouterr().out + "\n".join(titles)
+    figures = re.findall(r"(pipeline bubble|bubble)[ =]([\d.]+)%", text)
+    assert {name for name, _ in figures} == {"bubble", "pipeline bubble"}, figures
+    for name, value in figures:
+        share = sim["pipeline_bubble_fraction"] if name == "pipeline bubble" else sim["bubble_fraction"]
+        assert value == f"{100 * share:.1f}", (name, value, text)
+    assert main(["plan", "--engine", engine, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["bubble_fraction"] == pytest.approx(sim["bubble_fraction"], abs=1e-12)
+
+
+def test_simulate_prints_every_time_as_plan_does(tmp_path, capsys):
+    # µs, ms or s by size, three significant digits: never 3.331e-06 or 0.0003057 (of ms).
+    for engine in ("1f1b", "zb1p", "zbv"):
+        compare = ["--compare", "--loads-out", str(tmp_path / "l.png")] if engine != "zbv" else []
+        assert main(["simulate", "--engine", engine, *compare, "--out", str(tmp_path / "t.png")]) == 0
+        text = capsys.readouterr().out
+        assert not re.search(r"\d[eE][-+]\d", text), text
+        assert not re.search(r"ms/mb|ms/step|step ms|busy ms|idle ms|F\+B ms", text, re.M), text  # no unit in a header
+        times = re.findall(r"(\d+(?:\.\d+)?) (ns|µs|ms|s)\b", text)
+        scale = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+        assert len(times) >= 8 and all(format_seconds(float(v) * scale[u]) == f"{v} {u}" for v, u in times), times

@@ -537,7 +537,7 @@ def test_plan_and_simulate_take_engine(tmp_path, capsys) -> None:
     kinds = {op["kind"] for op in data["simulation"]["ops"]}
     assert kinds == {"F", "B", "W", "U"}  # U: each stage's optimizer step after the pipeline
     assert main(["simulate", "--engine", "zb1p", "--tflops", "0.001", "--out", str(tmp_path / "t.png")]) == 0
-    assert "of which W ms/mb" in capsys.readouterr().out
+    assert "of which W/mb" in capsys.readouterr().out
 
 
 def test_zb1p_with_too_few_micro_batches_is_refused_on_the_command_line(tmp_path, capsys) -> None:

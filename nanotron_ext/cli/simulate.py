@@ -40,6 +40,7 @@ from nanotron_ext.cli.common import (
     verdict_line,
     warn_memory,
 )
+from nanotron_ext.cli.step_report import stage_table, step_lines
 from nanotron_ext.cli.v_plan import simulate_v_plan
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import ConfigError, PlanningError
@@ -47,12 +48,12 @@ from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine import machine_for
 from nanotron_ext.outputs import PICTURE_SUFFIXES
 from nanotron_ext.plan import Plan, make_plan, plan_every_strategy, resolve_engine, resolve_vocab_shards
-from nanotron_ext.report import table
-from nanotron_ext.schedule import V_ENGINE, ZERO_BUBBLE
+from nanotron_ext.report import format_seconds, time_unit
+from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.simulate import (
     SimResult,
-    format_seconds,
     ideal_bubble_fraction,
+    plan_stage_times,
     simulate_plan,
     stage_labels,
 )
@@ -167,15 +168,16 @@ def _simulate_chosen(
         stage_labels=stage_labels(plan),
         title=f"{model_name(cfg)}: {plan.strategy}, {cfg.run.engine.upper()}, "
         f"pp={plan.pp}, {cfg.run.n_micro_batches} micro-batches",
-        verdict=None if plan.ok else f"INVALID, cannot train: {plan.verdict.partition(' (')[2].rstrip(')')}",
+        verdict=None if plan.ok else f"INVALID, cannot train: {_codes(plan)}",
+        grad_cuts=plan_stage_times(plan, blocks, cfg).grad_cuts,
     )
     out.update(ok=plan.ok, plan=plan.to_dict(), simulation=result.to_dict(), timeline=str(png))
     ideal = out["ideal_bubble_fraction"]
     text += [
         f"strategy: {plan.strategy}",
-        _stage_table(plan, result),
+        stage_table(plan, result),
         "",
-        str(result),
+        step_lines(result),
         "",
         f"pipeline bubble {result.pipeline_bubble_fraction:.1%} vs ideal (p-1)/(m+p-1) = {ideal:.1%} "
         f"({100 * (result.pipeline_bubble_fraction - ideal):+.1f} points); "
@@ -197,7 +199,7 @@ def _simulate_every_strategy(
     text: list[str],
 ) -> None:
     """``--compare``: every strategy's step and bubble in a table, and the stage-load picture."""
-    from nanotron_ext.simulate.timeline import plot_stage_loads
+    from nanotron_ext.simulate.loads_chart import plot_stage_loads
 
     notes = Notes()
     rows, loads, entries, plans = _compare(cfg, blocks, notes)
@@ -208,8 +210,8 @@ def _simulate_every_strategy(
         "",
         titled_table(
             f"every strategy ({cfg.run.engine}, {cfg.run.n_micro_batches} micro-batches, "
-            f"ideal bubble {out['ideal_bubble_fraction']:.1%}):",
-            ["strategy", "stages (block ranges)", "slowest stage F+B ms", "step ms", "vs best", "bubble", "verdict"],
+            f"the pipeline bubble's equal-stage ideal {out['ideal_bubble_fraction']:.1%}):",
+            ["strategy", "stages (block ranges)", "slowest stage F+B", "step", "vs best", "bubble", "verdict"],
             rows,
             notes,
         ),
@@ -218,17 +220,20 @@ def _simulate_every_strategy(
         out["gain_over_nanotron"] = rule / chosen
         caveat = against("Nanotron's split", plans.get("nanotron"))
         text.append(
-            f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {_ms(chosen)} ms vs {_ms(rule)} ms, "
+            f"{cfg.ext.cost_strategy} vs Nanotron's rule: step {format_seconds(chosen)} vs {format_seconds(rule)}, "
             f"{speed_cell(rule, chosen)} as fast{'; ' + caveat if caveat else ''}"
         )
     if loads:
         n = len(next(iter(loads.values())))
+        unit, scale = time_unit(max(max(v) for v in loads.values()))
         png = plot_stage_loads(
             [f"stage {k}" for k in range(n)],
-            loads,
+            {name: [t / scale for t in v] for name, v in loads.items()},
             args.loads_out,
-            title=f"{model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per micro-batch ({model_text})",
-            ylabel="ms per micro-batch (F + B)",
+            title=f"{model_name(cfg)}, pp={cfg.run.pp}: forward + backward time per micro-batch\non {model_text}",
+            ylabel=f"{unit} per micro-batch (F + B)",
+            invalid={name: _codes(plan) for name, plan in plans.items() if name in loads and not plan.ok},
+            unit=unit,
         )
         out["stage_loads"] = str(png)
         text.append(f"stage loads: {png}")
@@ -259,14 +264,14 @@ def _compare(
             [
                 name,
                 stage_cell(plan.stage_map()),
-                _ms(max(per_stage)),
-                _ms(result.step_time),
+                format_seconds(max(per_stage)),
+                format_seconds(result.step_time),
                 speed_cell(best, result.step_time),
                 f"{result.bubble_fraction:.1%}",
                 verdict_cell(plan.verdict, notes),
             ]
         )
-        loads[name] = [1e3 * t for t in per_stage]
+        loads[name] = per_stage
         entries.append(
             {
                 "strategy": name,
@@ -280,17 +285,6 @@ def _compare(
     return rows, loads, entries, {name: plan for name, plan, _, _ in runs if plan is not None}
 
 
-def _stage_table(plan: Plan, result: SimResult) -> str:
-    rows = [
-        [s.stage, s.label, _ms(t.forward), _ms(t.backward), _ms(t.update)] for s, t in zip(plan.stages, result.stages)
-    ]
-    head = ["stage", "blocks", "forward ms/mb", "backward ms/mb", "update ms/step"]
-    if result.engine in ZERO_BUBBLE:  # the backward's weight-gradient part, run later as W
-        head.insert(4, "of which W ms/mb")
-        for row, t in zip(rows, result.stages):
-            row.insert(4, _ms(t.weight))
-    return table(head, rows)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g}"
+def _codes(plan: Plan) -> str:
+    """``no-params@1``: the findings' codes of a plan's verdict, what a picture says of a plan that cannot train."""
+    return plan.verdict.partition(" (")[2].rstrip(")")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from nanotron_ext.blocks import BlockInfo, short_name
 from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, choice_lines, model_name
+from nanotron_ext.cli.step_report import step_lines
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.machine import machine_for
@@ -50,13 +51,15 @@ def print_v_plan(
         return EXIT_INVALID
     note = strategy_note(cfg)
     if as_json:
+        step = v_plan_timeline(plan, blocks, cfg)  # the bubble of the step, as every other --json carries it
         print(
             json.dumps(
                 {
                     **plan.to_dict(),
                     "ok": True,
                     "simulated_step_time": plan.step_time,
-                    "bubble_fraction": plan.bubble,
+                    "bubble_fraction": step.bubble_fraction,
+                    "pipeline_bubble_fraction": plan.bubble,
                     "notes": [note] if note else [],
                     **_choice_fields(engine_choice),
                 },
@@ -95,6 +98,7 @@ def simulate_v_plan(
     """``simulate`` of a V: the plan, its step per rank, and its timeline drawn to ``out``; returns 0, or 1 when
     no V can train."""
     from nanotron_ext.simulate.timeline import plot_timeline
+    from nanotron_ext.simulate.timeline_marks import v_chunks
 
     plan = _v_plan_or_say_why(cfg, blocks, as_json, engine_choice)
     if plan is None:
@@ -111,6 +115,7 @@ def simulate_v_plan(
         out,
         stage_labels=labels,
         title=f"{model_name(cfg)}: zbv (two chunks per rank), pp={pp}, {m} micro-batches",
+        chunks=v_chunks(result, plan.order),
     )
     if as_json:
         print(
@@ -133,5 +138,5 @@ def simulate_v_plan(
         f"machine: {machine_for(cfg, blocks).describe()}\n"
     )
     print(plan.table())
-    print(f"\n{result}\n\ntimeline: {png}")
+    print(f"\n{step_lines(result)}\n\ntimeline: {png}")
     return EXIT_OK

@@ -30,7 +30,7 @@ from nanotron_ext.partition.v_search import search_v_split
 from nanotron_ext.partition.v_split import simulate_within, v_budget, v_floors, v_peaks, v_simulate
 from nanotron_ext.plan.make import make_plan
 from nanotron_ext.plan.types import Plan
-from nanotron_ext.report import compact_names, table
+from nanotron_ext.report import compact_names, format_seconds, table
 from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult
 from nanotron_ext.schedule.v_replay import Transfer, replay_v_order, transfer_order
@@ -159,8 +159,8 @@ class VPlan:
         limit = f"{self.limit / GIB:.2f} GiB" if self.limit is not None else "no limit known"
         return (
             table(["rank", "chunk down", "chunk up", "peak GiB"], rows)
-            + f"\nzbv: pp={self.pp}, m={self.n_micro_batches}, simulated step {self.step_time * 1e3:.1f} ms, "
-            f"bubble {self.bubble:.1%}; each rank under {limit}"
+            + f"\nzbv: pp={self.pp}, m={self.n_micro_batches}, simulated step {format_seconds(self.step_time)}, "
+            f"pipeline bubble {self.bubble:.1%}; each rank under {limit}"
             + ("" if self.proven else " (the search's budget ran out: the best found, not proven best)")
         )
 

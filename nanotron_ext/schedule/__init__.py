@@ -136,7 +136,7 @@ set tokens.batch_accumulation_per_replica >= 4 (>= pp fills the pipeline), or pp
     return MicroBatchShortfall(
         False,
         f"{name} with {n_micro_batches} micro-batches on {pp} stages: the pipeline "
-        f"never fills (bubble at least {bubble:.0%})",
+        f"never fills (pipeline bubble at least {bubble:.0%})",
         fix,
     )
 

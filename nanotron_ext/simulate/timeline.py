@@ -1,36 +1,52 @@
-"""PNG pictures of simulated pipeline schedules and of per-stage loads.
+"""The timeline picture of a simulated step: one row per stage (or per rank of a V), each op a box over a hatched
+idle background, the transfers a rank waits on under them.
 
-matplotlib is imported inside the functions, so importing this module stays cheap; figures are drawn on
-an Agg canvas directly (no pyplot), which leaves the caller's backend and pyplot state alone.
+What is drawn comes from :mod:`nanotron_ext.simulate.timeline_marks` (boxes, transfers, numbers, floors); this
+module only draws it. matplotlib is imported inside the functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
-import io
-import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanotron_ext.outputs import atomic_write_bytes, picture_format
+from nanotron_ext.report import format_seconds, percent, time_unit
+from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult, ideal_bubble_fraction
+from nanotron_ext.simulate.figure import INVALID_COLOR, keep_title_inside, new_figure, save
+from nanotron_ext.simulate.timeline_marks import (
+    Box,
+    Hop,
+    boxes,
+    hops,
+    numbered_kinds,
+    ops_per_row,
+    row_note,
+    transfer_wait,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["legend_entries", "plot_stage_loads", "plot_timeline", "timeline_figure", "wrap_label"]
+__all__ = ["legend_entries", "plot_timeline", "shade", "timeline_figure", "wrap_label"]
 
-DPI = 150
 FORWARD_COLOR = "#4C72B0"
 BACKWARD_COLOR = "#DD8452"
 WEIGHT_COLOR = "#8172B3"  # zb1p's deferred weight-gradient pass
 UPDATE_COLOR = "#55A868"
+TRANSFER_COLOR = "#F6E3A1"  # a transfer in flight into a rank that waits on it
 IDLE_FACE = "#F2F2F2"
 IDLE_HATCH = "#C8C8C8"
-INVALID_COLOR = "#C44E52"
-_LABEL_PT = 8
+_OP_COLORS = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR, "W": WEIGHT_COLOR, "U": UPDATE_COLOR}
+#: How much white a V's second chunk (the way up) mixes into its kind's colour.
+SECOND_CHUNK_WHITE = 0.5
+_LABEL_PT = 7
 #: Characters per line of a stage label; a longer one is wrapped at its commas, never cut.
 LABEL_WIDTH = 34
+#: Inches: the default width, and the most a picture with many ops per row widens to (0.3 in an op).
+WIDTH, MAX_WIDTH = 11.0, 16.0
 
 
 def plot_timeline(
@@ -39,17 +55,16 @@ def plot_timeline(
     title: str | None = None,
     stage_labels: list[str] | None = None,
     verdict: str | None = None,
+    *,
+    chunks: Sequence[int | None] | None = None,
+    grad_cuts: Sequence[bool] | None = None,
 ) -> Path:
-    """Draw one row per stage (stage 0 on top): forward, backward, weight-gradient (zb1p's ``W``) and update
-    boxes over a hatched idle background; see :func:`timeline_figure` for the arguments.
-
-    Returns:
-        The path written (parent folders are created).
+    """Draw :func:`timeline_figure` to ``path`` (parent folders are created); returns the path written.
 
     Raises:
-        ValueError: if ``stage_labels`` does not have one entry per stage.
+        ValueError: as :func:`timeline_figure`.
     """
-    return _save(timeline_figure(result, title, stage_labels, verdict), path)
+    return save(timeline_figure(result, title, stage_labels, verdict, chunks=chunks, grad_cuts=grad_cuts), path)
 
 
 def timeline_figure(
@@ -57,38 +72,51 @@ def timeline_figure(
     title: str | None = None,
     stage_labels: list[str] | None = None,
     verdict: str | None = None,
+    *,
+    chunks: Sequence[int | None] | None = None,
+    grad_cuts: Sequence[bool] | None = None,
 ) -> Figure:
-    """The timeline of :func:`plot_timeline` as a figure.
+    """One row per stage (stage 0 on top): forward, backward, weight-gradient (zb1p's ``W``) and update boxes,
+    each at least :data:`~nanotron_ext.simulate.timeline_marks.MIN_WIDTH` of the step wide (the times of those
+    drawn wider printed on the right), the transfers a rank waits on, and the idle time hatched.
 
     Args:
-        result: output of :func:`nanotron_ext.schedule.simulator.simulate`.
-        title: first title line; the bubble fraction and step time are always added below it.
+        result: output of :func:`nanotron_ext.schedule.simulator.simulate` (or a V's, one row per rank).
+        title: first title line; the bubble and step time are always added below it.
         stage_labels: one label per stage, wrapped at commas when long (:func:`wrap_label`), never cut; default
             ``"stage s (PP rank s)"``.
         verdict: for a plan that cannot train, what is wrong (``INVALID, cannot train: no-params@1``): a red
             title line of its own, so the picture is never taken for a plan that runs.
+        chunks: a V's virtual stage of each op (:func:`~nanotron_ext.simulate.timeline_marks.v_chunks`): its
+            second chunk is drawn lighter, and its transfers are the V's.
+        grad_cuts: per cut, whether a gradient crosses it back (default every cut).
 
     Raises:
-        ValueError: if ``stage_labels`` does not have one entry per stage.
+        ValueError: if ``stage_labels`` does not have one entry per stage, or ``chunks`` one per op.
     """
     pp = result.pp
     labels = list(stage_labels) if stage_labels is not None else [f"stage {s} (PP rank {s})" for s in range(pp)]
     if len(labels) != pp:
         raise ValueError(f"stage_labels has {len(labels)} entries for {pp} stages; pass one label per stage")
     labels = [wrap_label(label) for label in labels]
-    lines = max(label.count("\n") + 1 for label in labels)
-    fig = _new_figure(width=11.0, height=1.6 + (0.5 + 0.15 * (lines - 1)) * pp + (0.3 if verdict else 0.0))
+    drawn = boxes(result, chunks)
+    transfers = hops(result, drawn, grad_cuts)
+    right = _right_labels(result, drawn, transfers)
+    lines = max(text.count("\n") + 1 for text in labels + right)
+    fig = new_figure(
+        width=min(MAX_WIDTH, max(WIDTH, 0.3 * ops_per_row(drawn))),
+        height=1.6 + (0.5 + 0.15 * (lines - 1)) * pp + (0.3 if verdict else 0.0),
+    )
     ax = fig.add_subplot()
-    span = result.step_time * 1e3 or 1.0  # ms; a zero-length step still gets a visible axis
-    _draw_ops(ax, result, span)
-    _stage_axes(ax, labels, span)
-    _idle_shares(ax, result, span)
-    _legend_and_title(fig, ax, result, title)
+    unit, scale = time_unit(result.step_time)
+    _draw(ax, pp, drawn, transfers, scale, span=result.step_time / scale or 1.0)
+    _stage_axes(ax, labels, result.step_time / scale or 1.0, unit)
+    _right_axis(ax, right)
+    _legend(fig, result, drawn, bool(transfers))
     if verdict:
         fig.suptitle(verdict, color=INVALID_COLOR, fontweight="bold")
-    # Numbers go in only once the layout is final, so box widths in pixels are known.
-    fig.canvas.draw()
-    _number_the_boxes(ax, result, span)
+    keep_title_inside(fig, ax, _title(result, title))  # lays the figure out: box widths in pixels are known now
+    _number_the_boxes(fig, ax, drawn, scale)
     return fig
 
 
@@ -112,189 +140,147 @@ def wrap_label(label: str, width: int = LABEL_WIDTH) -> str:
     return "\n".join(lines)
 
 
-_OP_COLORS = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR, "W": WEIGHT_COLOR}
+def shade(colour: str, second: bool) -> str:
+    """The face of a box of ``colour``: as it is, or for a V's second chunk (``second``) lighter, mixed with
+    :data:`SECOND_CHUNK_WHITE` of white."""
+    if not second:
+        return colour
+    from matplotlib.colors import to_hex, to_rgb
+
+    return to_hex(tuple(c + (1 - c) * SECOND_CHUNK_WHITE for c in to_rgb(colour)))
 
 
-def _draw_ops(ax: Any, result: SimResult, span: float) -> None:
-    """One box per forward, backward, weight-gradient pass (zb1p) and update, over a hatched row: idle is what
-    the boxes leave uncovered."""
-    ax.barh(range(result.pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0)
-    for op in result.ops:
+def _draw(ax: Any, pp: int, drawn: Sequence[Box], transfers: Sequence[Hop], scale: float, span: float) -> None:
+    """The hatched idle rows, the transfers over them, and the boxes over both; each box's patch is named by
+    :attr:`Box.gid`."""
+    ax.barh(range(pp), span, height=0.8, color=IDLE_FACE, hatch="///", edgecolor=IDLE_HATCH, linewidth=0, zorder=1)
+    if transfers:
         ax.barh(
-            op.stage,
-            op.duration * 1e3,
-            left=op.start * 1e3,
+            [h.row for h in transfers],
+            [(h.end - h.start) / scale for h in transfers],
+            left=[h.start / scale for h in transfers],
             height=0.8,
-            color=_OP_COLORS.get(op.kind, UPDATE_COLOR),
-            edgecolor="white",
-            linewidth=0.6,
+            color=TRANSFER_COLOR,
+            linewidth=0,
+            zorder=1.5,
         )
+    if not drawn:
+        return
+    bars = ax.barh(
+        [b.row for b in drawn],
+        [b.width / scale for b in drawn],
+        left=[b.start / scale for b in drawn],
+        height=0.8,
+        color=[shade(_OP_COLORS[b.kind], b.second) for b in drawn],
+        edgecolor=["none" if b.floored else "white" for b in drawn],
+        linewidth=0.6,
+        zorder=2,
+    )
+    for patch, box in zip(bars.patches, drawn):
+        patch.set_gid(box.gid)
 
 
-def _stage_axes(ax: Any, labels: list[str], span: float) -> None:
+def _stage_axes(ax: Any, labels: list[str], span: float, unit: str) -> None:
     pp = len(labels)
     ax.set_ylim(pp - 0.5, -0.5)  # stage 0 on top, like the usual pipeline diagrams
     ax.set_yticks(range(pp), labels)
     ax.set_xlim(0, span)
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
 
 
-def _idle_shares(ax: Any, result: SimResult, span: float) -> None:
-    """Each stage's idle share on a right-hand axis, next to the row it describes."""
+def _right_labels(result: SimResult, drawn: Sequence[Box], transfers: Sequence[Hop]) -> list[str]:
+    """Each row's idle share of the step, the share it waits on transfers, and the times of its ops drawn wider
+    than they are."""
+    out = []
+    for row in range(result.pp):
+        step = result.step_time or 1.0
+        wait = transfer_wait(row, drawn, transfers) / step
+        lines = [f"idle {percent(result.idle[row] / step)}" + (f", {percent(wait)} on p2p" if wait >= 0.005 else "")]
+        note = row_note(row, drawn)
+        if note:
+            lines.append(wrap_label(f"drawn wider: {note}", 28))
+        out.append("\n".join(lines))
+    return out
+
+
+def _right_axis(ax: Any, labels: list[str]) -> None:
     right = ax.twinx()
     right.set_ylim(ax.get_ylim())
-    right.set_yticks(range(result.pp), [f"idle {result.idle[s] / span * 1e3:.0%}" for s in range(result.pp)])
+    right.set_yticks(range(len(labels)), labels)
     right.tick_params(length=0, labelsize=8, labelcolor="#555555")
     for side in ("top", "right", "left", "bottom"):
         right.spines[side].set_visible(False)
 
 
-def legend_entries(result: SimResult) -> list[tuple[str, str]]:
+def legend_entries(result: SimResult, *, transfers: bool = False) -> list[tuple[str, str]]:
     """``(colour, label)`` of each legend entry of ``result``'s timeline: forward, backward (zb1p: its
-    input-gradient part, then the deferred weight-gradient ``W``), update if any, idle."""
+    input-gradient part, then the deferred weight-gradient ``W``), update if any, a V's second chunk, transfers
+    (``transfers``: any is drawn), idle."""
     zero_bubble = any(op.kind == "W" for op in result.ops)
     entries = [(FORWARD_COLOR, "forward"), (BACKWARD_COLOR, "backward (input gradient)" if zero_bubble else "backward")]
     if zero_bubble:
         entries.append((WEIGHT_COLOR, "weight gradient (deferred W)"))
     if any(op.kind == "U" for op in result.ops):
         entries.append((UPDATE_COLOR, "update (gradient sync + optimizer)"))
+    if result.engine == V_ENGINE:
+        entries.append((shade(FORWARD_COLOR, True), "lighter: the rank's 2nd chunk (way up)"))
+    if transfers:
+        entries.append((TRANSFER_COLOR, "waiting on a transfer (bubble)"))
     return [*entries, (IDLE_FACE, "idle (bubble)")]
 
 
-def _legend_and_title(fig: Figure, ax: Any, result: SimResult, title: str | None) -> None:
+def _legend(fig: Figure, result: SimResult, drawn: Sequence[Box], transfers: bool) -> None:
     from matplotlib.patches import Patch
 
     handles = [
         Patch(facecolor=IDLE_FACE, edgecolor=IDLE_HATCH, hatch="///", label=label)
         if colour == IDLE_FACE
         else Patch(color=colour, label=label)
-        for colour, label in legend_entries(result)
+        for colour, label in legend_entries(result, transfers=transfers)
     ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
+    # One row where it fits, else two: the legend never runs off the figure.
+    columns = len(handles) if len(handles) <= 5 else (len(handles) + 1) // 2
+    fig.legend(handles=handles, loc="outside lower center", ncols=columns, frameon=False, fontsize=9)
+
+
+def _title(result: SimResult, title: str | None) -> str:
+    """The title's lines: ``title`` (or the engine and shape), then the bubble and the step."""
     pp = result.pp
     head = title or (f"{result.engine.upper()} schedule: {pp} stages, {result.n_micro_batches} micro-batches")
     ideal = ideal_bubble_fraction(pp, result.n_micro_batches)
-    ax.set_title(
-        f"{head}\nbubble {result.bubble_fraction:.1%} ("
-        + (f"pipeline part {result.pipeline_bubble_fraction:.1%}, " if result.step_time > result.pipeline_time else "")
-        + f"equal-stage ideal {ideal:.1%}), "
-        f"step {_ms(result.step_time)} ms"
+    pipeline = (
+        f"pipeline bubble {result.pipeline_bubble_fraction:.1%}, " if result.step_time > result.pipeline_time else ""
+    )
+    return (
+        f"{head}\nbubble {result.bubble_fraction:.1%} ({pipeline}equal-stage ideal {ideal:.1%}), "
+        f"step {format_seconds(result.step_time)}"
     )
 
 
-def _number_the_boxes(ax: Any, result: SimResult, span: float) -> None:
-    """The micro-batch number inside every forward, backward and weight-gradient box wide enough to hold it."""
-    px_per_ms = ax.get_window_extent().width / span
-    digit_px = 0.62 * _LABEL_PT * DPI / 72
-    for op in result.ops:
-        if op.kind == "U":
-            continue
-        text = str(op.micro_batch)
-        if op.duration * 1e3 * px_per_ms >= digit_px * len(text) + 4:
-            ax.text(
-                (op.start + op.end) / 2 * 1e3,
-                op.stage,
-                text,
-                ha="center",
-                va="center",
-                fontsize=_LABEL_PT,
-                color="white",
-                fontweight="bold",
-            )
-
-
-def plot_stage_loads(
-    labels: list[str],
-    loads_by_strategy: dict[str, list[float]],
-    path: str | os.PathLike[str],
-    title: str | None = None,
-    ylabel: str = "load per stage",
-) -> Path:
-    """Grouped bar chart of per-stage load for each strategy, with a dashed line at each strategy's max.
-
-    Args:
-        labels: one x-axis label per stage.
-        loads_by_strategy: strategy name -> one load per stage (same order as ``labels``).
-        path: where to write the PNG (parent folders are created).
-        title: figure title; a generic one by default.
-        ylabel: y-axis label, e.g. with the unit of the loads.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ValueError: on no labels, no strategy, a load list of the wrong length, or a non-finite load.
-    """
-    _check_loads(labels, loads_by_strategy)
-    from matplotlib import colormaps
-
-    n_stages, n_strats = len(labels), len(loads_by_strategy)
-    fig = _new_figure(width=max(8.0, 0.35 * n_stages * n_strats + 2.5), height=4.8)
-    ax = fig.add_subplot()
-    colors = colormaps["tab10"].colors
-    width = 0.8 / n_strats
-    for i, (name, loads) in enumerate(loads_by_strategy.items()):
-        color = colors[i % len(colors)]
-        xs = [s - 0.4 + width * (i + 0.5) for s in range(n_stages)]
-        peak = max(loads)
-        ax.bar(xs, loads, width=width, color=color, label=f"{name} (max {peak:.4g})")
-        ax.axhline(peak, color=color, linestyle="--", linewidth=1.2)
-
-    crowded = n_stages > 8  # long rows of labels overlap unless slanted
-    ax.set_xticks(range(n_stages), labels, rotation=30 if crowded else 0, ha="right" if crowded else "center")
-    ax.set_xlim(-0.6, n_stages - 0.4)
-    ax.set_xlabel("pipeline stage")
-    ax.set_ylabel(ylabel)
-    ax.grid(axis="y", color="#DDDDDD", linewidth=0.5)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(
-        title="strategy\n(dashed: its slowest stage)",
-        fontsize=8,
-        title_fontsize=8,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        frameon=False,
-    )
-    ax.set_title(title or "Per-stage load by strategy")
-    return _save(fig, path)
-
-
-def _check_loads(labels: list[str], loads_by_strategy: dict[str, list[float]]) -> None:
-    if not labels:
-        raise ValueError("labels is empty; pass one label per stage")
-    if not loads_by_strategy:
-        raise ValueError("loads_by_strategy is empty; pass {strategy name: [load per stage]}")
-    for name, loads in loads_by_strategy.items():
-        if len(loads) != len(labels):
-            raise ValueError(
-                f"strategy {name!r} has {len(loads)} loads for {len(labels)} labels; pass one load per stage"
-            )
-        if not all(math.isfinite(x) for x in loads):
-            raise ValueError(f"strategy {name!r} has a non-finite load in {list(loads)}; pass finite numbers")
-
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.4g}" if ms < 1e3 else f"{ms:.0f}"  # 4 significant digits, never scientific notation
-
-
-def _new_figure(width: float, height: float) -> Figure:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    # The format follows the suffix (.png, .pdf, .svg); written whole to a temporary file, then renamed.
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=DPI, format=picture_format(path))
-    return atomic_write_bytes(path, buffer.getvalue())
+def _number_the_boxes(fig: Figure, ax: Any, drawn: Sequence[Box], scale: float) -> None:
+    """The micro-batch number inside every box of the kinds :func:`numbered_kinds` says hold theirs (the widest
+    number, bold, with a margin), on every row alike."""
+    if not drawn:
+        return
+    widest = ax.text(0, 0, str(max(b.micro_batch for b in drawn)), fontsize=_LABEL_PT, fontweight="bold")
+    label_px = widest.get_window_extent(fig.canvas.get_renderer()).width + 3
+    widest.remove()
+    span = ax.get_xlim()[1] * scale  # seconds across the axes
+    kinds = numbered_kinds(drawn, ax.get_window_extent().width / span, label_px)
+    for box in (b for b in drawn if b.kind in kinds):
+        ax.text(
+            (box.start + box.width / 2) / scale,
+            box.row,
+            str(box.micro_batch),
+            ha="center",
+            va="center",
+            fontsize=_LABEL_PT,
+            color="#222222" if box.second else "white",
+            fontweight="bold",
+            zorder=3,
+            gid=f"n{box.gid}",
+        )

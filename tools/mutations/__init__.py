@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mutations import checkpoints_cli, planning, replan, runtime, v_schedule, zbv
+from mutations import checkpoints_cli, pictures, planning, replan, runtime, v_schedule, zbv
 from mutations.base import Mutation
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -12,4 +12,5 @@ MUTATIONS: tuple[Mutation, ...] = (
     + checkpoints_cli.MUTATIONS
     + replan.MUTATIONS
     + zbv.MUTATIONS
+    + pictures.MUTATIONS
 )

@@ -428,7 +428,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "plan's Nanotron line keeps quiet about a split that does not fit",
-        "nanotron_ext/cli/plan.py",
+        "nanotron_ext/cli/plan_step.py",
         "                f\"{speed_cell(rule.step_time, result.step_time)} as fast{'; ' + caveat if caveat else ''}\"\n",
         '                f"{speed_cell(rule.step_time, result.step_time)} as fast"\n',
         (f"{COMPARISONS}::test_the_nanotron_line_says_that_nanotrons_split_does_not_fit",),
@@ -449,14 +449,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "--compare-engines keeps quiet about a 1f1b plan that does not fit",
-        "nanotron_ext/cli/plan.py",
+        "nanotron_ext/cli/plan_compare.py",
         "        if base is not None and caveat:\n",
         "        if False:\n",
         (f"{COMPARISONS}::test_compare_engines_says_when_the_1f1b_plan_it_compares_with_does_not_fit",),
     ),
     M(
         "the frozen tradeoff keeps quiet about a plan that does not fit",
-        "nanotron_ext/cli/plan.py",
+        "nanotron_ext/cli/plan_compare.py",
         (
             "    return (\n"
             '        "\\n"\n'
@@ -483,7 +483,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "vs optimum is the FLOP optimum of any split",
-        "nanotron_ext/cli/plan.py",
+        "nanotron_ext/cli/plan_compare.py",
         "                best_valid_cell(best, plan),\n",
         "                speed_cell(plan.optimum_flops, plan.slowest_flops),\n",
         (f"{COMPARISONS}::test_vs_best_valid_is_the_lightest_slowest_stage_of_any_split_that_can_train",),
@@ -504,7 +504,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "plan prints the bubble formula, not the simulated bubble",
-        "nanotron_ext/cli/plan.py",
+        "nanotron_ext/cli/plan_step.py",
         'bubble {result.bubble_fraction:.1%} "',
         'bubble {plan.bubble_estimate:.1%} "',
         ("tests/test_cli.py::test_plan_and_simulate_give_the_same_step_and_bubble",),
