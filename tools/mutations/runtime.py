@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mutations.base import (
     CHAIN,
-    CONFIG_KEYS,
+    CONFIG_VALUES,
     ENGINE,
     IN_RUN,
     IN_RUN_TESTS,
@@ -276,7 +276,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "tp need not divide the KV heads",
-        CONFIG_KEYS,
+        CONFIG_VALUES,
         'for heads_key in ("num_attention_heads", "num_key_value_heads"):',
         'for heads_key in ("num_attention_heads",):',
         ("tests/test_bad_input.py::test_bad_input[tp: 4 with 2 KV heads]",),
