@@ -542,7 +542,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a link's latency is a whole round trip",
-        "nanotron_ext/machine/calibrate_comm.py",
+        "nanotron_ext/machine/comm_fit.py",
         "links.append(Link(src, dst, c / 2, 1.0 / slope, spread))",
         "links.append(Link(src, dst, c, 1.0 / slope, spread))",
         (f"{MACHINE_TESTS}::test_a_links_one_way_latency_is_half_its_fitted_round_trip",),
