@@ -687,7 +687,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "zbv sends gradients on the activations' tag",
-        "nanotron_ext/zero_bubble/v_engine.py",
+        "nanotron_ext/zero_bubble/v_state.py",
         "GRADIENT_TAG = 2",
         "GRADIENT_TAG = 1",
         (
@@ -715,7 +715,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "zbv keeps one list of roots per micro-batch",
-        "nanotron_ext/zero_bubble/v_engine.py",
+        "nanotron_ext/zero_bubble/v_state.py",
         "        self.roots[self.forward_of].append(activation)",
         "        self.roots[(0, self.forward_of[1])].append(activation)",
         ("tests/runtime/test_zbv_engine.py::test_zbv_equals_1f1b_two_ranks",),
