@@ -28,11 +28,12 @@ Usage: ``python benchmarks/zbv_simulated.py [--auto-only]``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from _common import CONFIGS, SHAPES, print_command, progress
 
 from nanotron_ext.blocks import BlockInfo
-from nanotron_ext.config import load_config
+from nanotron_ext.config import PlannerConfig, load_config
 from nanotron_ext.costs.analytic import GIB
 from nanotron_ext.errors import NanotronExtError
 from nanotron_ext.inventory import inventory_from_config
@@ -180,90 +181,89 @@ def under_memory() -> None:
     rows = []
     cases = [(name, file, pp) for name, file in SHAPES for pp in PPS]
     for name, file, pp in progress(cases, desc="under memory"):
-        m = 2 * pp
-        peaks: dict[str, float] = {}
-        steps: dict[str, float] = {}
-        for engine in ONE_F_ONE_B_FAMILY:
-            cfg = load_config(CONFIGS / file, pp=pp).with_overrides(n_micro_batches=m, engine=engine)
-            blocks = inventory_from_config(cfg)
-            try:
-                plan = make_plan(blocks, cfg, suggest_fixes=False)
-            except NanotronExtError:
-                continue
-            peaks[engine] = max(stage.memory.peak for stage in plan.stages)
-            steps[engine] = simulate_plan(plan, blocks, cfg).step_time
-        chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(
-            n_micro_batches=m, engine="zb1p", cost_strategy="flops"
-        )
-        blocks = inventory_from_config(chunked)
-        plan = make_plan(blocks, chunked, suggest_fixes=False)
-        flops = tuple(bounds_from_ranks(plan.block_ranks, 2 * pp))
-        problem = schedule_problem(blocks, chunked)
-        flops_peak = max(x.peak for x in v_peaks(blocks, chunked, flops, v_simulate(problem, flops)))
-        cap = peaks["1f1b"]
+        peaks, steps = _family_peaks(file, pp)
+        rows.append(_v_under_memory(name, file, pp, peaks["1f1b"], _against(steps)))
+    _print_under_memory(rows)
 
-        def fits(bounds, result, cap=cap, blocks=blocks, chunked=chunked):
-            return max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
 
-        weights = _weights_on_every_chunk(blocks)
-
-        def valid(bounds, cap=cap, blocks=blocks, chunked=chunked, weights=weights):
-            return weights(bounds) and max(v_floors(blocks, chunked, bounds)) <= cap
-
-        def budgets(bounds, cap=cap, blocks=blocks, chunked=chunked):
-            return v_budget(blocks, chunked, bounds, cap)
-
-        # The scheduler under each rank's budget in bytes, the loss chunk's W deferred or run at once.
-        tries = {
-            eager: search_v_split(
-                problem, flops, valid=valid, fits=fits, max_evals=SEARCH_EVALS[pp], eager=eager, budgets=budgets
-            )
-            for eager in ((), (2 * pp - 1,))
-        }
-        eager, found = min(tries.items(), key=lambda kv: kv[1].step)
-        against = _against(steps)
-        if found.bounds is None:
-            rows.append(
-                [
-                    name,
-                    pp,
-                    m,
-                    f"{cap / GIB:.1f}",
-                    f"{flops_peak / GIB:.1f}",
-                    "none fits",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    sum(t.evaluated for t in tries.values()),
-                ]
-            )
+def _family_peaks(file: str, pp: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The largest stage peak and the simulated step of each 1F1B-family engine's default plan, m = 2·pp (an engine
+    with no plan left out)."""
+    peaks: dict[str, float] = {}
+    steps: dict[str, float] = {}
+    for engine in ONE_F_ONE_B_FAMILY:
+        cfg = load_config(CONFIGS / file, pp=pp).with_overrides(n_micro_batches=2 * pp, engine=engine)
+        blocks = inventory_from_config(cfg)
+        try:
+            plan = make_plan(blocks, cfg, suggest_fixes=False)
+        except NanotronExtError:
             continue
-        result = v_simulate(problem, found.bounds, eager, budgets(found.bounds))
-        v_peak = max(x.peak for x in v_peaks(blocks, chunked, found.bounds, result))
-        rows.append(
-            [
-                name,
-                pp,
-                m,
-                f"{cap / GIB:.1f}",
-                f"{flops_peak / GIB:.1f}",
-                f"{v_peak / GIB:.1f}",
-                f"{found.step * 1e3:.1f}",
-                against("zb1p", found.step),
-                against("zb2p", found.step),
-                f"{found.step / v_lower_bound(problem, found.bounds):.3f}",
-                f"{result.pipeline_bubble_fraction:.1%}",
-                max(result.peak_held),
-                "at once" if eager else "deferred",
-                "proven" if found.proven else f"≤ {found.gap:.1%}",
-                sum(t.evaluated for t in tries.values()),
-            ]
+        peaks[engine] = max(stage.memory.peak for stage in plan.stages)
+        steps[engine] = simulate_plan(plan, blocks, cfg).step_time
+    return peaks, steps
+
+
+def _v_under_memory(name: str, file: str, pp: int, cap: float, against: Callable[[str, float], str]) -> list[Any]:
+    """The table's row of one shape: the V's best split under ``cap`` bytes a rank, from the FLOP chunks."""
+    m = 2 * pp
+    chunked = load_config(CONFIGS / file, pp=2 * pp).with_overrides(
+        n_micro_batches=m, engine="zb1p", cost_strategy="flops"
+    )
+    blocks = inventory_from_config(chunked)
+    plan = make_plan(blocks, chunked, suggest_fixes=False)
+    flops = tuple(bounds_from_ranks(plan.block_ranks, 2 * pp))
+    problem = schedule_problem(blocks, chunked)
+    flops_peak = max(x.peak for x in v_peaks(blocks, chunked, flops, v_simulate(problem, flops)))
+    tries = _search_under(problem, blocks, chunked, flops, cap, pp)
+    eager, found = min(tries.items(), key=lambda kv: kv[1].step)
+    head = [name, pp, m, f"{cap / GIB:.1f}", f"{flops_peak / GIB:.1f}"]
+    timed = sum(t.evaluated for t in tries.values())
+    if found.bounds is None:
+        return [*head, "none fits", *["-"] * 8, timed]
+    result = v_simulate(problem, found.bounds, eager, v_budget(blocks, chunked, found.bounds, cap))
+    v_peak = max(x.peak for x in v_peaks(blocks, chunked, found.bounds, result))
+    return [
+        *head,
+        f"{v_peak / GIB:.1f}",
+        f"{found.step * 1e3:.1f}",
+        against("zb1p", found.step),
+        against("zb2p", found.step),
+        f"{found.step / v_lower_bound(problem, found.bounds):.3f}",
+        f"{result.pipeline_bubble_fraction:.1%}",
+        max(result.peak_held),
+        "at once" if eager else "deferred",
+        "proven" if found.proven else f"≤ {found.gap:.1%}",
+        timed,
+    ]
+
+
+def _search_under(
+    problem: Any, blocks: Sequence[BlockInfo], chunked: PlannerConfig, flops: tuple[int, ...], cap: float, pp: int
+) -> dict[tuple[int, ...], Any]:
+    """``search_v_split`` from ``flops`` with every rank under ``cap`` bytes, by whether the loss chunk's W runs at
+    once (the key: the chunks whose W is eager)."""
+
+    def fits(bounds: Sequence[int], result: Any) -> bool:
+        return max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
+
+    weights = _weights_on_every_chunk(blocks)
+
+    def valid(bounds: Sequence[int]) -> bool:
+        return weights(bounds) and max(v_floors(blocks, chunked, bounds)) <= cap
+
+    def budgets(bounds: Sequence[int]) -> Any:
+        return v_budget(blocks, chunked, bounds, cap)
+
+    # The scheduler under each rank's budget in bytes, the loss chunk's W deferred or run at once.
+    return {
+        eager: search_v_split(
+            problem, flops, valid=valid, fits=fits, max_evals=SEARCH_EVALS[pp], eager=eager, budgets=budgets
         )
+        for eager in ((), (2 * pp - 1,))
+    }
+
+
+def _print_under_memory(rows: list[list[Any]]) -> None:
     print(
         "\nUnder 1F1B's peak, analytic H100 (GiB: the largest rank's estimate): ZB-V's best split found by "
         "search_v_split from the FLOP chunks, each rank scheduled under its budget in bytes (v_budget), the loss "

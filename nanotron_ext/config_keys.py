@@ -1,8 +1,8 @@
 """Reading a config file: a misspelt key or a bad value is an error before any work; a key no Nanotron we
 know reads is a warning, because forks and examples read keys of their own.
 
-A leaf (it imports only :mod:`nanotron_ext.errors` and the standard library, plus PyYAML), called from
-:mod:`nanotron_ext.config`:
+A leaf (it imports only :mod:`nanotron_ext.errors`, :mod:`nanotron_ext.config_values` and the standard library, plus
+PyYAML), called from :mod:`nanotron_ext.config`:
 
 * :func:`read_config_text` — the file itself: a folder, an unreadable file or bytes that are not UTF-8 get a
   message that says which;
@@ -15,9 +15,8 @@ A leaf (it imports only :mod:`nanotron_ext.errors` and the standard library, plu
   ``parallelism.moe_layer_recompute`` from the Nanotron branch that trained it, upstream's DoReMi example a
   ``doremi:`` section its own config class reads): the plan goes on, and the Nanotron that loads the file has
   the final word;
-* :func:`check_values` — the values the planner reads as numbers, under their YAML names, and the tensor-
-  parallel degree against the head counts, so that neither an ``int("abc")`` traceback nor an internal field
-  name reaches the user.
+* :func:`check_values` — the values (:mod:`nanotron_ext.config_values`, re-exported here with
+  :func:`get_dotted` and :func:`not_a_mapping`).
 
 ``NANOTRON_SCHEMA`` is the config layout of Nanotron 0.2 and of upstream main together (``nanotron.config.Config``
 and its nested dataclasses; the model config is the union of the model families' keys), stored in
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import typing
 import warnings
 from importlib import resources
@@ -42,7 +40,8 @@ from typing import Any
 
 import yaml
 
-from nanotron_ext.errors import ConfigError, check_positive_int, did_you_mean, near_miss
+from nanotron_ext.config_values import REQUIRED, check_values, get_dotted, not_a_mapping
+from nanotron_ext.errors import ConfigError, did_you_mean, near_miss
 
 __all__ = [
     "FREEZE_KEYS",
@@ -290,82 +289,6 @@ def installed_nanotron_keys() -> dict[str, Any] | None:
     return dataclass_keys(Config)
 
 
-_POSITIVE_INTS = (
-    "parallelism.dp",
-    "parallelism.pp",
-    "parallelism.tp",
-    "tokens.sequence_length",
-    "tokens.micro_batch_size",
-    "tokens.batch_accumulation_per_replica",
-    "tokens.train_steps",
-    "model.make_vocab_size_divisible_by",
-    "model.model_config.hidden_size",
-    "model.model_config.intermediate_size",
-    "model.model_config.num_hidden_layers",
-    "model.model_config.num_attention_heads",
-    "model.model_config.num_key_value_heads",
-    "model.model_config.vocab_size",
-    "model.model_config.max_position_embeddings",
-)
-_POSITIVE_NUMBERS = ("model.model_config.rms_norm_eps",)
-_EXT_STRINGS = ("cost_strategy", "base_strategy", "layout", "profile_cache")
-
-#: YAML's names of the types a value parses to (the words a user reads in the file, not Python's).
-_YAML_TYPES: dict[type, str] = {
-    str: "text",
-    bool: "true/false",
-    int: "a number",
-    float: "a number",
-    list: "a list",
-    dict: "a mapping",
-    type(None): "null (empty)",
-}
-
-
-def not_a_mapping(
-    where: str, value: Any, example: str, *, source: str | None = None, see: str | None = None
-) -> ConfigError:
-    """The one message of a value that must be a mapping and is not: what it is, and an example of the right form.
-
-    Example:
-        >>> str(not_a_mapping("nanotron_ext.freeze", "decoder", "freeze: {modules: [decoder]}"))
-        "nanotron_ext.freeze is text ('decoder'), but it must be a mapping; write it like \
-`freeze: {modules: [decoder]}`"
-    """
-    kind = _YAML_TYPES.get(type(value), type(value).__name__)
-    return ConfigError(
-        f"{source + ': ' if source else ''}{where} is {kind} ({value!r}), but it must be a mapping; "
-        f"write it like `{example}`" + (f" (see {see})" if see else "")
-    )
-
-
-#: ``get_dotted``'s default: the key must be there.
-REQUIRED: Any = object()
-
-
-def get_dotted(raw: dict[str, Any], dotted: str, default: Any = REQUIRED, *, source: str = "<dict>") -> Any:
-    """``raw["a"]["b"]`` for ``"a.b"``; ``default`` where a part is missing or null.
-
-    Raises:
-        ConfigError: a part is missing or null and no ``default`` was given; the message names the key and the file.
-    """
-    node: Any = raw
-    parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        if node is not None and not isinstance(node, dict):  # `parallelism: 2`: say so, not "dp is missing"
-            where = ".".join(parts[:i])
-            raise not_a_mapping(where, node, f"{parts[i - 1]}: {{{part}: ...}}", source=source)
-        if node is None or node.get(part) is None:
-            if default is not REQUIRED:
-                return default
-            raise ConfigError(
-                f"{source}: required key '{dotted}' is missing; add it to the YAML "
-                f"(see examples/configs/tiny_llama_large_vocab.yaml)"
-            )
-        node = node[part]
-    return node
-
-
 def dataclass_keys(cls: type) -> dict[str, Any]:
     """Keys of a config dataclass such as Nanotron's ``Config``: a nested dataclass (also inside a union or a
     list) becomes a mapping of its keys, unions merged; anything else None. How the stored tables were made."""
@@ -387,55 +310,3 @@ def dataclass_keys(cls: type) -> dict[str, Any]:
         else:
             out[f.name] = None
     return out
-
-
-def _positive_number(value: Any) -> bool:
-    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as text; Nanotron's float() accepts it
-        try:
-            value = float(value)
-        except ValueError:
-            return False
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-
-def check_values(raw: dict[str, Any], source: str, *, ext_section: str = "nanotron_ext") -> None:
-    """Type-check the values the planner turns into numbers, under the names the YAML gives them.
-
-    Raises:
-        ConfigError: a count that is not a positive integer, ``rms_norm_eps`` that is not a positive number,
-        one of our string options given as something else, or a tensor-parallel degree that does not divide
-        the attention head counts.
-    """
-    for dotted in _POSITIVE_INTS:
-        value = get_dotted(raw, dotted, None, source=source)
-        if value is not None:
-            check_positive_int(dotted, value, source=source, fix=f"write e.g. {dotted.rsplit('.', 1)[-1]}: 1")
-    for dotted in _POSITIVE_NUMBERS:
-        value = get_dotted(raw, dotted, None, source=source)
-        if value is not None and not _positive_number(value):
-            raise ConfigError(f"{source}: {dotted}={value!r} must be a positive number, e.g. 1.0e-5")
-    section = raw.get(ext_section)
-    if isinstance(section, dict):
-        for key in _EXT_STRINGS:
-            value = section.get(key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(
-                    f"{source}: {ext_section}.{key}={value!r} must be a non-empty string"
-                    + (
-                        ' such as "E,t*5|t*6,L"'
-                        if key == "layout"
-                        else ", a folder path"
-                        if key == "profile_cache"
-                        else ""
-                    )
-                )
-    tp = get_dotted(raw, "parallelism.tp", None, source=source)
-    for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = get_dotted(raw, f"model.model_config.{heads_key}", None, source=source)
-        if isinstance(tp, int) and isinstance(heads, int) and tp > 1 and heads % tp:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ConfigError(
-                f"{source}: parallelism.tp={tp} does not divide model_config.{heads_key}={heads}: tensor "
-                f"parallelism gives every rank the same number of heads (Nanotron asserts it). Use tp in "
-                f"{{{', '.join(map(str, divisors))}}}"
-            )

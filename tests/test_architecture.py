@@ -32,8 +32,10 @@ ORDER = (
     "blocks",
     "schedule",
     "families",
+    "config_values",
     "config_keys",
     "config_ext",
+    "config_shapes",
     "config",
     "inventory",
     "zero_bubble",
@@ -172,7 +174,7 @@ def test_graph_sees_the_package():
     # A parser that found nothing would pass every check below.
     assert {"nanotron_ext.plan.make", "nanotron_ext.runtime.train", "nanotron_ext.cli.simulate"} <= set(MODULES)
     assert "nanotron_ext.strategies" in GRAPH["nanotron_ext.plan.make"][0]
-    assert "nanotron_ext.models.profiled_blocks" in GRAPH["nanotron_ext.costs.profiled"][0]
+    assert "nanotron_ext.models.profiled_blocks" in GRAPH["nanotron_ext.costs.standalone"][0]
     # Lazy imports inside functions count: cli.train imports the runtime only when training.
     assert "nanotron_ext.runtime.train" in GRAPH["nanotron_ext.cli.train"][0]
 

@@ -86,6 +86,31 @@ class Scenario:
 
 def scenarios(quick: bool) -> list[Scenario]:
     """The scenarios; ``quick``: smaller models and fewer rounds (a minute or two on a busy 2-core machine)."""
+    return [_seed_pp2(quick), *_smol_scenarios(quick), _seed_pp4(quick)]
+
+
+def _seed_pp2(quick: bool) -> Scenario:
+    # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
+    return Scenario(
+        "seed-pp2",
+        "tiny_llama_large_vocab.yaml",
+        2,
+        4,
+        SEED_SPLITS,
+        "seed model as shipped, pp=2, m=4",
+        rounds=3 if quick else 10,
+        steps_per_turn=2 if quick else 3,
+        rewarm=1,
+        # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
+        calibrate_every=0 if quick else 2,
+        auto=True,
+        decompose=("default", "chain K=2"),
+        eager_sends=("default", "chain K=2", "chain K=4"),
+    )
+
+
+def _smol_scenarios(quick: bool) -> list[Scenario]:
+    """The SmolLM shape at m = 2 and 4, at pp=3, and issue 32's hand layouts."""
     layers, seq = (4, 32) if quick else (8, 128)
     smol = dict(
         yaml_name="smollm_135m.yaml",
@@ -101,23 +126,6 @@ def scenarios(quick: bool) -> list[Scenario]:
     )
     shape = f"SmolLM-135M shape, {layers} layers, seq {seq}, micro-batch 1"
     return [
-        # Millisecond, memory-bound blocks: a turn starts with an untimed step that re-warms the caches.
-        Scenario(
-            "seed-pp2",
-            "tiny_llama_large_vocab.yaml",
-            2,
-            4,
-            SEED_SPLITS,
-            "seed model as shipped, pp=2, m=4",
-            rounds=3 if quick else 10,
-            steps_per_turn=2 if quick else 3,
-            rewarm=1,
-            # Its calibration takes ~3 s: every 2 rounds, 6 in all (a single one wanders by tens of % here).
-            calibrate_every=0 if quick else 2,
-            auto=True,
-            decompose=("default", "chain K=2"),
-            eager_sends=("default", "chain K=2", "chain K=4"),
-        ),
         Scenario("smollm-m2", n_micro_batches=2, notes=f"{shape}, m=2", **smol),
         Scenario(
             "smollm-m4",
@@ -154,20 +162,23 @@ def scenarios(quick: bool) -> list[Scenario]:
             tied=False,
             repeatable=tuple(name for name, _ in LAYOUTS[:3]),
         ),
-        Scenario(
-            "seed-pp4",
-            "tiny_llama_large_vocab.yaml",
-            4,
-            4,
-            ("default", "flop-optimal", "uniform", "nanotron"),
-            "seed model, 6 layers, pp=4, m=4",
-            num_hidden_layers=6,
-            rounds=2 if quick else 6,
-            steps_per_turn=2 if quick else 3,
-            rewarm=1,
-            calibrate_every=0 if quick else 2,
-        ),
     ]
+
+
+def _seed_pp4(quick: bool) -> Scenario:
+    return Scenario(
+        "seed-pp4",
+        "tiny_llama_large_vocab.yaml",
+        4,
+        4,
+        ("default", "flop-optimal", "uniform", "nanotron"),
+        "seed model, 6 layers, pp=4, m=4",
+        num_hidden_layers=6,
+        rounds=2 if quick else 6,
+        steps_per_turn=2 if quick else 3,
+        rewarm=1,
+        calibrate_every=0 if quick else 2,
+    )
 
 
 @dataclass(frozen=True)

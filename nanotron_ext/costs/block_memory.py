@@ -75,76 +75,107 @@ def block_memory(block: BlockInfo, m: ModelShape, run: RunShape, runtime: Memory
     tl = tn if (seq_parallel and keeps_shard) else t
     grad_temp = largest_param(block, m, run) * w  # a weight gradient, made fresh before it is added to .grad
     role = block.role
-    if role == "embedding":
-        ids = t * 8.0
-        # The dense gradient of the table is made fresh (embedding_dense_backward) before it joins .grad, from a
-        # contiguous copy of the incoming [seq, batch, hidden] gradient.
-        return BlockMemory(
-            saved=ids,
-            forward_temp=0.0,
-            backward_temp=grad_temp + tn * h * w,
-            persistent=0.0,
-            input=ids + t,
-            input_saved=False,
-            output=tn * h * w + t,
-        )
     if role == "decoder":
         whole, largest_part = (gpu_decoder if gpu else _decoder)(block, m, run, t, tn, tl, grad_temp)
         return _recomputed(whole, largest_part) if run.recompute_layer else whole
     if role == "final_norm" and gpu and fused_final_norm(m):
         return gpu_final_norm(tn, h, w, grad_temp)
-    if role == "final_norm":
-        # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
-        return BlockMemory(
-            saved=norm_saved(tn, h, w),
-            forward_temp=tn * h * 4.0,
-            backward_temp=2 * tn * h * 4.0 + grad_temp,
-            persistent=0.0,
-            input=tn * h * w,
-            input_saved=w == 4,
-            output=tn * h * w,
-        )
-    v = m.vocab_size / tp
-    if role == "lm_head":
-        # Saves its input; backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
-        return BlockMemory(
-            saved=tl * h * w,
-            forward_temp=0.0,
-            backward_temp=grad_temp + 2 * tl * h * w,
-            persistent=0.0,
-            input=tn * h * w,
-            input_saved=not seq_parallel or run.tp_async,
-            output=t * v * w,
-        )
-    if role == "cast":
-        # x.float(): a copy in 16-bit, the tensor itself in fp32; backward: the gradient cast back to 16-bit.
-        return BlockMemory(
-            saved=0.0,
-            forward_temp=0.0,
-            backward_temp=t * v * w if w < 4 else 0.0,
-            persistent=0.0,
-            input=t * v * w,
-            input_saved=False,
-            output=t * v * 4.0,
-        )
-    if role == "loss":
-        # sharded_cross_entropy saves exp(logits - max) normalised in place (fp32), the int64 targets, the
-        # target mask; Loss keeps the float label mask. Its backward turns the saved softmax into the logits'
-        # gradient in place. Without a cast_to_fp32 block (Qwen2) the logits arrive in the model dtype and
-        # its .to(float) copy is alive next to them while it shifts.
-        logits = 4.0 if m.family != "qwen2" else float(w)
-        return BlockMemory(
-            saved=t * v * 4.0 + t * (8 + 1 + 4),
-            forward_temp=t * v * 4.0 if logits < 4 else 0.0,
-            backward_temp=0.0,
-            persistent=0.0,
-            input=t * v * logits,
-            input_saved=False,
-            output=0.0,
-        )
     if role == "vocab_shard":
         return _vocab_shard(block, m, run, t, tn, tl, grad_temp)
-    # projector / other: a linear layer on the hidden states.
+    v = m.vocab_size / tp
+    if role == "embedding":
+        return _embedding(t, tn, h, w, grad_temp)
+    if role == "final_norm":
+        return _final_norm(tn, h, w, grad_temp)
+    if role == "lm_head":
+        return _lm_head(t, tn, tl, h, w, v, grad_temp, input_saved=not seq_parallel or run.tp_async)
+    if role == "cast":
+        return _cast(t, v, w)
+    if role == "loss":
+        return _loss(t, v, w, m.family)
+    return _linear(t, h, w, grad_temp)  # projector / other: a linear layer on the hidden states
+
+
+def _embedding(t: int, tn: float, h: int, w: int, grad_temp: float) -> BlockMemory:
+    """The token embedding: ``t`` int64 ids in (and the mask), hidden states out."""
+    ids = t * 8.0
+    # The dense gradient of the table is made fresh (embedding_dense_backward) before it joins .grad, from a
+    # contiguous copy of the incoming [seq, batch, hidden] gradient.
+    return BlockMemory(
+        saved=ids,
+        forward_temp=0.0,
+        backward_temp=grad_temp + tn * h * w,
+        persistent=0.0,
+        input=ids + t,
+        input_saved=False,
+        output=tn * h * w + t,
+    )
+
+
+def _final_norm(tn: float, h: int, w: int, grad_temp: float) -> BlockMemory:
+    """The final RMSNorm as the CPU runtime runs it."""
+    # Backward: the fp32 gradients of the normalisation (input-sized, twice) and the weight's.
+    return BlockMemory(
+        saved=norm_saved(tn, h, w),
+        forward_temp=tn * h * 4.0,
+        backward_temp=2 * tn * h * 4.0 + grad_temp,
+        persistent=0.0,
+        input=tn * h * w,
+        input_saved=w == 4,
+        output=tn * h * w,
+    )
+
+
+def _lm_head(
+    t: int, tn: float, tl: float, h: int, w: int, v: float, grad_temp: float, *, input_saved: bool
+) -> BlockMemory:
+    """Nanotron's column-parallel lm_head: ``v`` logits a token on this TP rank."""
+    # Saves its input; backward: the weight's fresh gradient, the input gradient in 2D and reshaped back.
+    return BlockMemory(
+        saved=tl * h * w,
+        forward_temp=0.0,
+        backward_temp=grad_temp + 2 * tl * h * w,
+        persistent=0.0,
+        input=tn * h * w,
+        input_saved=input_saved,
+        output=t * v * w,
+    )
+
+
+def _cast(t: int, v: float, w: int) -> BlockMemory:
+    """Nanotron's ``cast_to_fp32`` of the logits."""
+    # x.float(): a copy in 16-bit, the tensor itself in fp32; backward: the gradient cast back to 16-bit.
+    return BlockMemory(
+        saved=0.0,
+        forward_temp=0.0,
+        backward_temp=t * v * w if w < 4 else 0.0,
+        persistent=0.0,
+        input=t * v * w,
+        input_saved=False,
+        output=t * v * 4.0,
+    )
+
+
+def _loss(t: int, v: float, w: int, family: str) -> BlockMemory:
+    """``sharded_cross_entropy`` over the logits of this TP rank."""
+    # sharded_cross_entropy saves exp(logits - max) normalised in place (fp32), the int64 targets, the
+    # target mask; Loss keeps the float label mask. Its backward turns the saved softmax into the logits'
+    # gradient in place. Without a cast_to_fp32 block (Qwen2) the logits arrive in the model dtype and
+    # its .to(float) copy is alive next to them while it shifts.
+    logits = 4.0 if family != "qwen2" else float(w)
+    return BlockMemory(
+        saved=t * v * 4.0 + t * (8 + 1 + 4),
+        forward_temp=t * v * 4.0 if logits < 4 else 0.0,
+        backward_temp=0.0,
+        persistent=0.0,
+        input=t * v * logits,
+        input_saved=False,
+        output=0.0,
+    )
+
+
+def _linear(t: int, h: int, w: int, grad_temp: float) -> BlockMemory:
+    """A linear layer on the hidden states (the projector, any other role)."""
     return BlockMemory(
         saved=t * h * w,
         forward_temp=0.0,

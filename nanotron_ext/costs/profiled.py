@@ -2,8 +2,9 @@
 
 Analytic FLOPs miss what real kernels do: a thin ``[t, h] × [h, V]`` lm_head is memory-bound, attention and
 the loss are slower per FLOP than large matmuls, the embedding's backward fills a dense ``V × h`` gradient.
-The ``profiled`` strategy builds each block's module standalone (by default the CPU Llama modules of
-:mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a one-process group), feeds it
+The ``profiled`` strategy builds each block's module standalone (:mod:`nanotron_ext.costs.standalone`; by default
+the CPU Llama modules of :mod:`nanotron_ext.models.profiled_blocks`, with Nanotron's tensor-parallel layers on a
+one-process group), feeds it
 inputs of the shape one micro-batch has (``micro_batch_size × sequence_length``, Nanotron's ``[seq, batch,
 hidden]`` layout), and times forward and backward separately: warm-up rounds, then the fastest of ``repeats``
 rounds (:func:`nanotron_ext.stats.fastest`: what moves least on a shared machine), every block taking its turn
@@ -28,11 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import trainable_before
 from nanotron_ext.costs.block_inputs import _make_inputs, _outputs_needing_backward, _sync, flush_caches
 from nanotron_ext.costs.split_backward import splits, time_weight_pass
+from nanotron_ext.costs.standalone import ModuleFactory, _groups, _local_group, _standalone_module
 from nanotron_ext.costs.timing_cache import (
     DEFAULT_CACHE_DIR,
     PROFILE_VERSION,
@@ -50,7 +51,6 @@ from nanotron_ext.costs.timing_cache import (
     _device,
     _hash,
     _read_cache,
-    _trainable_flags,
     _write_cache,
     cache_dir_for,
     profile_key,
@@ -78,26 +78,12 @@ __all__ = [
 DEFAULT_WARMUP = 2
 #: Timed rounds: each figure is their fastest, its spread the gap between the fastest of the first 5 and of the last 6.
 DEFAULT_REPEATS = 11
-#: ``factory(block, cfg, tp_pg)`` builds the module (or callable) that one block runs, for timing.
-ModuleFactory = Callable[[BlockInfo, PlannerConfig, Any], Callable[..., Any]]
 
 #: The clock every measurement reads (a module attribute so that tests can substitute a fake one).
 clock: Callable[[], float] = time.perf_counter
 
 
 # --- building and measuring one block ------------------------------------------------------------------
-
-
-def _module_factory(factory: ModuleFactory | None) -> ModuleFactory:
-    """``factory``, or the CPU Llama's blocks (torch SDPA attention runs on CPU and GPU).
-
-    Imported here, not at the top: they need torch and Nanotron, which planning loads only when it measures.
-    """
-    if factory is not None:
-        return factory
-    from nanotron_ext.models.profiled_blocks import build_block_module
-
-    return build_block_module
 
 
 def measure_block(
@@ -182,39 +168,6 @@ def measure_blocks(
     return out
 
 
-#: Bytes a block's parameter holds while it is timed: the weight, its gradient and AdamW's two moments.
-HELD_BYTES_PER_PARAM = 4 * 4
-
-
-def _groups(blocks: Sequence[BlockInfo], device: Any) -> list[list[int]]:
-    """Indices of ``blocks`` in consecutive groups whose parameters' :data:`HELD_BYTES_PER_PARAM` fit in half of
-    the device's free memory (one group when they all do; a block larger than that alone)."""
-    budget = _free_bytes(device) / 2
-    groups: list[list[int]] = [[]]
-    held = 0.0
-    for i, b in enumerate(blocks):
-        need = b.params * HELD_BYTES_PER_PARAM
-        if groups[-1] and held + need > budget:
-            groups.append([])
-            held = 0.0
-        groups[-1].append(i)
-        held += need
-    return groups
-
-
-def _free_bytes(device: Any) -> float:
-    """Free memory on ``device``: CUDA's free bytes, or Linux's MemAvailable (unbounded where unknown)."""
-    import torch
-
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    return math.inf
-
-
 class _Run:
     """One block's module, optimizer and timings while :func:`measure_blocks` takes its rounds."""
 
@@ -289,36 +242,7 @@ class _Run:
         return BlockTiming(*best, spread, weight)  # type: ignore[arg-type]
 
 
-def _standalone_module(
-    block: BlockInfo, cfg: PlannerConfig, tp_pg: Any, device: Any, factory: ModuleFactory | None
-) -> Any:
-    """The block's module on ``device`` in the config's dtype, its parameters trainable as the block's are."""
-    import torch
-
-    module = _module_factory(factory)(block, cfg, tp_pg)
-    if isinstance(module, torch.nn.Module):
-        module = module.to(device=device, dtype=getattr(torch, cfg.run.dtype))
-        trainable = dict(_trainable_flags(block))
-        for name, param in module.named_parameters():
-            param.requires_grad_(trainable.get(name, trainable.get("*", block.trainable > 0)))
-    return module
-
-
 # --- many blocks, cache, distributed -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _local_group() -> Iterator[Any]:
-    """A one-process gloo group when no process group exists; torn down afterwards."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("_local_group is only for processes without a process group")
-    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def profile_blocks(

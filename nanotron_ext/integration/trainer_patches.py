@@ -85,19 +85,7 @@ def install_launcher(
     Raises:
         RunFailure: Nanotron's trainer cannot be imported (flash-attn missing, say); nothing is installed.
     """
-    try:
-        import nanotron.config.config as nanotron_config
-        import nanotron.trainer as trainer
-        from nanotron.models.base import NanotronModel
-    except Exception as exc:  # ImportError, or upstream's RuntimeError when grouped_gemm is missing
-        raise RunFailure(
-            f"importing Nanotron's trainer failed ({type(exc).__name__}: {exc}); the launcher runs Nanotron's own "
-            f"trainer, which needs what it imports: on a GPU machine `pip install flash-attn` (and grouped_gemm "
-            f"for MoE models); without a GPU, add --cpu-debug (python -m nanotron_ext.run --cpu-debug SCRIPT ...) "
-            f"to run upstream Nanotron main's trainer on CPU with stand-ins, for debugging, or use "
-            f"`nanotron-ext train`, the CPU runtime on Nanotron 0.2"
-        ) from exc
-
+    nanotron_config, trainer, NanotronModel = _nanotron_trainer()
     shards = cfg.vocab_shards  # raises while still 'auto'
     checkpoints = ResumeState(cfg, resume, mode=cfg.ext.resume_plan, say=say)
 
@@ -145,6 +133,27 @@ def install_launcher(
         undo_build()
 
     return undo
+
+
+def _nanotron_trainer() -> tuple[Any, Any, Any]:
+    """Nanotron's config module, its trainer module and ``NanotronModel``, imported.
+
+    Raises:
+        RunFailure: any of them cannot be imported, naming what to install or the launcher's ``--cpu-debug``.
+    """
+    try:
+        import nanotron.config.config as nanotron_config
+        import nanotron.trainer as trainer
+        from nanotron.models.base import NanotronModel
+    except Exception as exc:  # ImportError, or upstream's RuntimeError when grouped_gemm is missing
+        raise RunFailure(
+            f"importing Nanotron's trainer failed ({type(exc).__name__}: {exc}); the launcher runs Nanotron's own "
+            f"trainer, which needs what it imports: on a GPU machine `pip install flash-attn` (and grouped_gemm "
+            f"for MoE models); without a GPU, add --cpu-debug (python -m nanotron_ext.run --cpu-debug SCRIPT ...) "
+            f"to run upstream Nanotron main's trainer on CPU with stand-ins, for debugging, or use "
+            f"`nanotron-ext train`, the CPU runtime on Nanotron 0.2"
+        ) from exc
+    return nanotron_config, trainer, NanotronModel
 
 
 def _one_config_file(patches: Patches, nanotron_config: Any, engine: str, *, always: bool = False) -> None:

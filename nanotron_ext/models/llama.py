@@ -7,12 +7,12 @@ a plain RMSNorm, while everything parallel is Nanotron's own: ``PipelineBlock``,
 ``sharded_cross_entropy``. Module and parameter names match Nanotron's, e.g.
 ``model.decoder.0.pp_block.attn.qkv_proj.weight`` and ``model.lm_head.pp_block.weight``, so a plan computed
 from this model applies unchanged to Nanotron's ``LlamaForTraining`` on GPUs. Its layers live in
-``llama_attention`` and ``llama_layers``. Training only: no KV cache, no ``AttachableStore``.
+``llama_attention`` and ``llama_layers``, its initialisation in ``llama_init``. Training only: no KV cache, no
+``AttachableStore``.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,18 +20,14 @@ import torch
 from nanotron.config import LlamaConfig, ParallelismArgs
 from nanotron.models import NanotronModel
 from nanotron.parallel import ParallelContext
-from nanotron.parallel.parameters import NanotronParameter
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock, TensorPointer
 from nanotron.parallel.pipeline_parallel.p2p import P2P
 from nanotron.parallel.tensor_parallel.nn import (
     TensorParallelColumnLinear,
-    TensorParallelEmbedding,
-    TensorParallelRowLinear,
 )
 from nanotron.random import RandomStates
 from torch import nn
 
-from nanotron_ext.blocks import vocab_slices
 from nanotron_ext.inventory.family_blocks import llama_class_costs
 from nanotron_ext.models.llama_attention import (
     CausalSelfAttention,
@@ -41,6 +37,7 @@ from nanotron_ext.models.llama_attention import (
     linear_async,
     linear_mode,
 )
+from nanotron_ext.models.llama_init import init_randomly
 from nanotron_ext.models.llama_layers import (
     MLP,
     Embedding,
@@ -221,12 +218,6 @@ class CPULlamaModel(nn.Module):
         return costs
 
 
-def _name_seed(base_seed: int, name: str) -> int:
-    # crc32 is stable across processes and Python runs (unlike hash()), so every rank and every PP layout
-    # derives the same stream for the same parameter name.
-    return (base_seed * 1_000_003 + zlib.crc32(name.encode("utf-8"))) % (2**63 - 1)
-
-
 class CPULlamaForTraining(NanotronModel):
     """Nanotron's ``LlamaForTraining`` block layout, runnable on CPU.
 
@@ -342,62 +333,10 @@ class CPULlamaForTraining(NanotronModel):
             init_method: in-place initialiser, e.g. ``nanotron.utils.init_method_normal(std)``.
             scaled_init_method: in-place initialiser for output projections,
                 e.g. ``scaled_init_method_normal(std, num_layers)``.
+
+        See :func:`nanotron_ext.models.llama_init.init_randomly`.
         """
-        base_seed = torch.initial_seed()
-        module_id_to_prefix = {id(module): f"{name}." for name, module in self.named_modules()}
-        module_id_to_prefix[id(self)] = ""
-        initialized: set[str] = set()
-        for module_name, module in self.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                if isinstance(param, NanotronParameter) and param.is_tied:
-                    full_name = param.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix)
-                else:
-                    full_name = f"{module_name}.{param_name}"
-                if full_name in initialized:
-                    continue
-                if param_name == "bias":
-                    param.zero_()
-                elif isinstance(module, VocabShard):
-                    self._init_vocab_shard(param, module, init_method, base_seed)
-                elif isinstance(module, RMSNorm):
-                    param.fill_(1.0)
-                elif isinstance(module, TensorParallelRowLinear):
-                    self._seeded_init(param, full_name, scaled_init_method, base_seed)
-                elif isinstance(module, (TensorParallelColumnLinear, TensorParallelEmbedding, nn.Linear)):
-                    self._seeded_init(param, full_name, init_method, base_seed)
-                else:
-                    raise ValueError(
-                        f"init_model_randomly does not know how to initialise {full_name} "
-                        f"(module {type(module).__name__})."
-                    )
-                initialized.add(full_name)
-
-    def _init_vocab_shard(
-        self, param: torch.Tensor, shard: VocabShard, init: Callable[[torch.Tensor], Any], base_seed: int
-    ) -> None:
-        # The rows the unsplit lm_head would get: same stream, same full draw, so K shards start from exactly
-        # the weights of vocab_shards: 1 and the two models can be compared step for step.
-        vocab = self.config.vocab_size
-        assert (shard.lo, shard.hi) in vocab_slices(vocab, self.model.n_vocab_shards)
-        full = torch.empty(vocab, self.config.hidden_size)
-        self._seeded_init(full, "model.lm_head.pp_block.weight", init, base_seed)
-        param.copy_(full[shard.lo : shard.hi].to(dtype=param.dtype))
-
-    @staticmethod
-    def _seeded_init(param: torch.Tensor, name: str, init: Callable[[torch.Tensor], Any], base_seed: int) -> None:
-        sharded = isinstance(param, NanotronParameter) and param.is_sharded
-        shape = tuple(param.get_sharded_info().unsharded_shape) if sharded else tuple(param.shape)
-        # fork_rng keeps the caller's global RNG untouched (init methods draw from the global generator).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_name_seed(base_seed, name))
-            full = torch.empty(shape, dtype=torch.float32, device="cpu")
-            init(full)
-        full = full.to(device=param.device, dtype=param.dtype)
-        if not sharded:
-            param.copy_(full)
-            return
-        for pair in param.get_sharded_info().local_global_slices_pairs:
-            param[pair.local_slices].copy_(full[pair.global_slices])
+        init_randomly(self, init_method, scaled_init_method)
 
     def get_embeddings_lm_head_tied_names(self) -> list[str]:
         """Names tied when ``config.tie_word_embeddings`` is True (same as Nanotron)."""

@@ -12,7 +12,7 @@ from nanotron_ext.config import PlannerConfig
 from nanotron_ext.machine.memory_limit import MemoryLimit
 from nanotron_ext.partition import nanotron_greedy_ranks
 from nanotron_ext.plan.fit import MemoryFix, fix_text, overrun
-from nanotron_ext.plan.types import Finding, Plan, Severity
+from nanotron_ext.plan.types import Finding, Plan, Severity, StagePlan
 from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import micro_batch_shortfall
 from nanotron_ext.strategies.fixes import frozen_stage_fix, memory_cap_fix, or_list, strategy_fix
@@ -46,47 +46,9 @@ def validate_plan(
     Returns:
         Findings, errors first; an empty list means the plan can train.
     """
-    findings: list[Finding] = []
     any_trainable = any(b.trainable for b in blocks)
     n_trainable = sum(b.trainable > 0 for b in blocks)
-    for s in plan.stages:
-        if not s.blocks:
-            findings.append(
-                Finding(
-                    "error",
-                    "empty-stage",
-                    s.stage,
-                    f"stage {s.stage} holds no block",
-                    or_list([*strategy_fix(plan.strategy), "lower pp"]),
-                )
-            )
-        elif s.params == 0:
-            findings.append(
-                Finding(
-                    "error",
-                    "no-params",
-                    s.stage,
-                    f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
-                    f'"Can\'t use DDP because model in PP={s.stage} has no gradient" (dp>1) or "optimizer got an '
-                    f'empty parameter list" (dp=1). Cause: {_cause(plan, blocks, cfg)}',
-                    "; or ".join(
-                        [f"{w} — every stage then gets a block with parameters" for w in strategy_fix(plan.strategy)]
-                        + [f"lower pp to {_largest_working_pp(plan, blocks)}"]
-                    ),
-                )
-            )
-        elif s.trainable == 0 and any_trainable:
-            severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"
-            findings.append(
-                Finding(
-                    severity,
-                    "no-trainable",
-                    s.stage,
-                    f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
-                    + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
-                    frozen_stage_fix(cfg, plan.strategy, n_trainable),
-                )
-            )
+    findings = [f for s in plan.stages if (f := _stage_finding(s, plan, blocks, cfg, any_trainable, n_trainable))]
     over = [o for s in plan.stages if s.memory is not None and (o := overrun(s.stage, s.memory, limit, cfg))]
     if over and limit is not None:
         fix = fix_text(limit, memory_fixes, memory_cap_fix(cfg, plan.strategy, len(blocks)))
@@ -103,6 +65,44 @@ def validate_plan(
             )
         )
     return sorted(findings, key=lambda f: (f.severity != "error", f.stage if f.stage is not None else -1))
+
+
+def _stage_finding(
+    s: StagePlan, plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig, any_trainable: bool, n_trainable: int
+) -> Finding | None:
+    """What keeps stage ``s`` from training: no block, no parameter, or (while some block trains) nothing to train."""
+    if not s.blocks:
+        return Finding(
+            "error",
+            "empty-stage",
+            s.stage,
+            f"stage {s.stage} holds no block",
+            or_list([*strategy_fix(plan.strategy), "lower pp"]),
+        )
+    if s.params == 0:
+        return Finding(
+            "error",
+            "no-params",
+            s.stage,
+            f"stage {s.stage} holds no parameters ({s.label}), so it has no gradient: Nanotron stops with "
+            f'"Can\'t use DDP because model in PP={s.stage} has no gradient" (dp>1) or "optimizer got an '
+            f'empty parameter list" (dp=1). Cause: {_cause(plan, blocks, cfg)}',
+            "; or ".join(
+                [f"{w} — every stage then gets a block with parameters" for w in strategy_fix(plan.strategy)]
+                + [f"lower pp to {_largest_working_pp(plan, blocks)}"]
+            ),
+        )
+    if s.trainable == 0 and any_trainable:
+        severity: Severity = "warning" if cfg.ext.allow_frozen_stages else "error"
+        return Finding(
+            severity,
+            "no-trainable",
+            s.stage,
+            f"stage {s.stage} holds only frozen parameters ({s.label}); it has nothing to optimise"
+            + (" (allowed: it runs without optimizer and DDP)" if cfg.ext.allow_frozen_stages else ""),
+            frozen_stage_fix(cfg, plan.strategy, n_trainable),
+        )
+    return None
 
 
 def _cause(plan: Plan, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from mutations.base import (
     CHAIN,
-    CONFIG_KEYS,
+    CONFIG_VALUES,
     ENGINE,
     IN_RUN,
     IN_RUN_TESTS,
     LAUNCHER,
-    LLAMA,
+    LLAMA_INIT,
     MACHINE_TESTS,
     MEASURED,
     MEMORY,
@@ -192,9 +192,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "shard rows start from fresh draws, not the lm_head's",
-        LLAMA,
-        "        param.copy_(full[shard.lo : shard.hi].to(dtype=param.dtype))\n",
-        "        param.copy_(full[: shard.hi - shard.lo].to(dtype=param.dtype))\n",
+        LLAMA_INIT,
+        "    param.copy_(full[shard.lo : shard.hi].to(dtype=param.dtype))\n",
+        "    param.copy_(full[: shard.hi - shard.lo].to(dtype=param.dtype))\n",
         (CHAIN,),
         "0.2",
     ),
@@ -276,7 +276,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "tp need not divide the KV heads",
-        CONFIG_KEYS,
+        CONFIG_VALUES,
         'for heads_key in ("num_attention_heads", "num_key_value_heads"):',
         'for heads_key in ("num_attention_heads",):',
         ("tests/test_bad_input.py::test_bad_input[tp: 4 with 2 KV heads]",),
@@ -542,7 +542,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a link's latency is a whole round trip",
-        "nanotron_ext/machine/calibrate_comm.py",
+        "nanotron_ext/machine/comm_fit.py",
         "links.append(Link(src, dst, c / 2, 1.0 / slope, spread))",
         "links.append(Link(src, dst, c, 1.0 / slope, spread))",
         (f"{MACHINE_TESTS}::test_a_links_one_way_latency_is_half_its_fitted_round_trip",),
@@ -687,7 +687,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "zbv sends gradients on the activations' tag",
-        "nanotron_ext/zero_bubble/v_engine.py",
+        "nanotron_ext/zero_bubble/v_state.py",
         "GRADIENT_TAG = 2",
         "GRADIENT_TAG = 1",
         (
@@ -715,7 +715,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "zbv keeps one list of roots per micro-batch",
-        "nanotron_ext/zero_bubble/v_engine.py",
+        "nanotron_ext/zero_bubble/v_state.py",
         "        self.roots[self.forward_of].append(activation)",
         "        self.roots[(0, self.forward_of[1])].append(activation)",
         ("tests/runtime/test_zbv_engine.py::test_zbv_equals_1f1b_two_ranks",),

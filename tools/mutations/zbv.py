@@ -8,6 +8,7 @@ from mutations.base import M, Mutation
 
 ORDER = "nanotron_ext/schedule/v_replay.py"
 ENGINE = "nanotron_ext/zero_bubble/v_engine.py"
+STATE = "nanotron_ext/zero_bubble/v_state.py"
 ORDER_TESTS = "tests/test_v_replay.py"
 ENGINE_TESTS = "tests/runtime/test_zbv_engine.py"
 PROBLEM = "nanotron_ext/partition/schedule_problem.py"
@@ -43,7 +44,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a transfer that never happens holds the sends after it",
-        ENGINE,
+        STATE,
         "        for t in [t for t in self.turn if t.op == op]:\n            self._finish(t)\n",
         "",
         (f"{ENGINE_TESTS}::test_zbv_equals_1f1b_two_ranks",),

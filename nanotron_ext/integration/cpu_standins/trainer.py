@@ -65,9 +65,15 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    _gloo_process_groups()
+    _cpu_devices()
+    _gloo_p2p()
+    _gloo_all_reduce()
+    _cpu_bookkeeping()
+
+
+def _gloo_process_groups() -> None:
     import nanotron.distributed as ndist
-    import nanotron.logging.timers as timers
-    from nanotron.data import dataloader
     from nanotron.parallel import context
 
     # 1. No GPU to select; the process groups stay upstream's own, made over gloo.
@@ -81,11 +87,17 @@ def install() -> None:
 
     ndist.initialize_torch_distributed = init_gloo
 
+
+def _cpu_devices() -> None:
+    from nanotron.data import dataloader
+
     # 3. "cuda" written into upstream's code becomes "cpu" (a mode for the whole process; it does not see
     # class constructors, hence the generator of the dummy data).
     _CudaToCpu().__enter__()
     dataloader.torch = _torch_with_cpu_generator()
 
+
+def _gloo_p2p() -> None:
     # 4. Pipeline P2P: NCCL sends never block the host; gloo's do until the peer receives, and 1F1B then
     # deadlocks (stage 0 sends micro-batch k+1 while stage 1 sends micro-batch k's gradient) as soon as a cut
     # carries two tensors. The models get GlooP2P: Nanotron's wire format, sends posted with isend and waited for
@@ -107,6 +119,10 @@ def install() -> None:
     for cls in engines:
         cls.train_batch_iter = _waiting_for_sends(cls.train_batch_iter, wait_pending_sends)
 
+
+def _gloo_all_reduce() -> None:
+    import nanotron.distributed as ndist
+
     # 5. gloo runs AVG as a sum and an in-place divide, which autograd refuses on a leaf that needs a gradient
     # (NCCL reduces in place outside autograd); the values are the same.
     original_all_reduce = ndist.all_reduce
@@ -117,6 +133,10 @@ def install() -> None:
             return original_all_reduce(tensor, *args, **kwargs)
 
     ndist.all_reduce = all_reduce
+
+
+def _cpu_bookkeeping() -> None:
+    import nanotron.logging.timers as timers
 
     # 6. CUDA-only bookkeeping: the peak-memory reset, and CUDA timers (which turn into CPU timers on first use
     # and then fail the next lookup by type).
