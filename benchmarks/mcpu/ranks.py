@@ -229,7 +229,7 @@ def _step(run: dict[str, Any], ctx: Any, cfg: Any, record: bool) -> None:
 
 def _summaries(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every run's losses and timing summary, on rank 0 (collective: every rank gathers its timers)."""
-    from nanotron_ext.runtime.timing import summarize
+    from nanotron_ext.runtime.timing_summary import summarize
 
     summaries = {}
     for key, run in runs.items():

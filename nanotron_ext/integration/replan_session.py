@@ -27,7 +27,8 @@ from typing import Any
 
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.inventory import inventory_from_config
-from nanotron_ext.plan.replan import ReplanChoice, choose_replan, replan_engines, replan_profiles
+from nanotron_ext.machine.in_run_shared import run_profiles
+from nanotron_ext.plan.replan import ReplanChoice, choose_replan, replan_engines
 from nanotron_ext.plan.replan_trial import TrialOutcome, TrialSchedule, trial_outcome, trial_schedule
 from nanotron_ext.plan.types import Plan
 from nanotron_ext.report import format_seconds
@@ -139,7 +140,7 @@ class ReplanSession:
         n_timed = sum(1 for s in self.times if self.recorded(s))
         self.timed_steps = None if gathered is None else len(gathered[0])
         with tempfile.TemporaryDirectory(prefix="nanotron-ext-replan-profile-") as tmp:
-            paths = replan_profiles(self.cfg, self.plan.block_ranks, gathered, n_timed, rank, Path(tmp))
+            paths = run_profiles(self.cfg, self.plan.block_ranks, gathered, n_timed, rank, Path(tmp))
             whole, *halves = [self.cfg.with_overrides(machine=str(p)) for p in paths]
             self.seconds["profile"] = time.perf_counter() - start
             start = time.perf_counter()

@@ -41,9 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import shlex
-import socket
 import sys
 import tempfile
 from collections import defaultdict
@@ -56,7 +53,7 @@ from nanotron_ext.config import VOCAB_SHARDS_AUTO, PlannerConfig, vocab_shard_ca
 from nanotron_ext.costs.analytic import trainable_before, training_flops
 from nanotron_ext.costs.profiled import DEFAULT_REPEATS
 from nanotron_ext.devices import device_type
-from nanotron_ext.errors import ConfigError, RunFailure
+from nanotron_ext.errors import ConfigError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.machine.calibrate_comm import (
     _Comm,
@@ -75,6 +72,7 @@ from nanotron_ext.machine.profile import (
     block_signature,
     key_for,
 )
+from nanotron_ext.machine.profile_share import profile_source, share_profile
 
 __all__ = [
     "BLOCK_ROUNDS_PER_REPEAT",
@@ -83,8 +81,6 @@ __all__ = [
     "fit_line",
     "fit_rates",
     "host_staged",
-    "profile_source",
-    "share_profile",
 ]
 
 #: Block rounds per ``repeats``: each block keeps its fastest round, and a longer window lets it escape a slow
@@ -377,28 +373,6 @@ def _deferred(world: _World | None, fn: Callable[[], float]) -> float | BaseExce
         return exc
 
 
-def share_profile(build: Callable[[], MachineProfile], rank: int | None, *, what: str = "calibrate") -> MachineProfile:
-    """Global rank 0 builds the profile and broadcasts it; every rank returns it, or raises rank 0's error
-    (``rank=None``: no process group, just build it)."""
-    if rank is None:
-        return build()
-    import torch.distributed as dist
-
-    payload: list[Any] = [None]
-    error: Exception | None = None
-    if rank == 0:
-        try:
-            payload[0] = {"ok": build().to_json()}
-        except Exception as exc:
-            error, payload[0] = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    dist.broadcast_object_list(payload, src=0)
-    if error is not None:
-        raise error
-    if "error" in payload[0]:
-        raise RunFailure(f"{what} failed on global rank 0: {payload[0]['error']}")
-    return MachineProfile.from_json(payload[0]["ok"], origin="(broadcast by rank 0)")
-
-
 def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -> str:
     """``calibrated: cpu, gloo, pp=2`` (``, dp=2`` and ``, tp=2`` where > 1; ``cuda, gloo host-staged`` for CUDA
     over gloo), or ``calibrated: cpu (compute only)``."""
@@ -408,13 +382,3 @@ def _name(cfg: PlannerConfig, world: _World | None, device: str, backend: str) -
     extra = "".join(f", {k}={v}" for k, v in (("dp", world.dp), ("tp", world.tp)) if v > 1)
     transport = f"{backend} host-staged" if host_staged(device, backend) else backend
     return f"calibrated: {where}, {transport}, pp={world.pp}{extra}"
-
-
-def profile_source(cfg: PlannerConfig) -> str:
-    """The command line, the config, the date, torch's version and the host."""
-    import torch
-
-    argv = list(getattr(sys, "orig_argv", sys.argv)) or ["python"]
-    command = shlex.join([Path(argv[0]).name, *argv[1:]])
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"`{command}` ({cfg.source}) on {when}, torch {torch.__version__}, host {socket.gethostname()}"

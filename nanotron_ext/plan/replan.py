@@ -28,7 +28,6 @@ import enum
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nanotron_ext.config import PlannerConfig
@@ -48,21 +47,16 @@ __all__ = [
     "NEIGHBOUR_REACH",
     "PRICED_STRATEGIES",
     "PROFILE_ERROR",
-    "REPLAN_CALIBRATE_REPEATS",
     "Candidate",
     "ReplanChoice",
     "Verdict",
     "choose_replan",
     "gain_noise",
     "replan_engines",
-    "replan_profiles",
     "short_run_note",
     "with_replan_after",
 ]
 
-#: Repeats of the standalone calibration a re-plan takes where the config names no machine profile: it prices only
-#: the links, the all-reduces and what the run's own steps did not time.
-REPLAN_CALIBRATE_REPEATS = 1
 #: Strategies whose split is the fastest simulated step on the config's machine: a re-plan keeps them.
 PRICED_STRATEGIES: tuple[str, ...] = ("constrained", "profiled")
 #: The in-run profile's held-out error: how far its price of a split it did not train lands from that split's
@@ -374,34 +368,3 @@ def gain_noise(halves: Sequence[PlannerConfig], blocks: Sequence[BlockInfo], old
 def _gain(old_step: float, new_step: float) -> float:
     """The gain of a step of ``new_step`` over ``old_step``: a fraction of the old step."""
     return 1.0 - new_step / old_step if old_step > 0 else 0.0
-
-
-def replan_profiles(
-    cfg: PlannerConfig, block_ranks: Sequence[int], gathered: Any, n_timed: int, rank: int, folder: Path
-) -> list[Path]:
-    """The in-run profile of a run's timed steps, then (from two timed steps) those of their first and second halves,
-    for the gain's noise; written to ``folder`` on every rank, the same on each (collective).
-
-    Args:
-        cfg: the run's config; its ``machine`` profile is the base, else a standalone calibration taken now.
-        block_ranks: the split the steps ran on; gathered: the clock's ``gather()`` (None off rank 0).
-        n_timed: the steps every rank timed; rank: this process's global rank.
-    """
-    from nanotron_ext.machine import load_machine
-    from nanotron_ext.machine.calibrate import calibrate
-    from nanotron_ext.machine.in_run_shared import shared_in_run_profile, split_steps
-
-    base = (
-        load_machine(cfg.ext.machine)
-        if cfg.ext.machine is not None
-        else calibrate(cfg, warmup=1, repeats=REPLAN_CALIBRATE_REPEATS, progress=False)
-    )
-    half = n_timed // 2  # every rank timed the same steps: the same calls on each
-    parts = [slice(None)] + ([slice(None, half), slice(half, None)] if n_timed >= 2 else [])
-    paths = []
-    for i, part in enumerate(parts):
-        steps = None if gathered is None else [rank_steps[part] for rank_steps in gathered]
-        profile = shared_in_run_profile(cfg, [split_steps(block_ranks, steps)], base, rank, what="replan")
-        paths.append(folder / f"in_run_profile_{i}.json")
-        paths[-1].write_text(profile.to_json())
-    return paths

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from nanotron_ext.runtime.timing import StepRecord, summarize
+from nanotron_ext.runtime.timing import StepRecord
+from nanotron_ext.runtime.timing_summary import summarize
 
 from . import timing_workers
 from .spawn import run_distributed

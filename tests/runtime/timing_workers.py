@@ -43,7 +43,7 @@ def timing_cases(cases: dict[str, list[int]], n_steps: int = 5, warmup: int = 2)
         build_optimizer,
         random_micro_batches,
     )
-    from nanotron_ext.runtime.timing import summarize, timed_train_steps
+    from nanotron_ext.runtime.timing_summary import summarize, timed_train_steps
 
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     with GlooParallelContext(tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1) as ctx:

@@ -587,8 +587,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the in-run profile keeps no position",
         "nanotron_ext/machine/in_run.py",
-        "                    if position is not None:\n                        s.positions[position].add(ops)",
-        "                    if position is None:\n                        s.positions[position].add(ops)",
+        "                    if position is not None:\n                        s.positions[position].add(ops, n)",
+        "                    if position is None:\n                        s.positions[position].add(ops, n)",
         ("tests/test_in_run.py::test_each_signature_keeps_its_means_by_stage_position",),
     ),
     M(
