@@ -216,34 +216,11 @@ class ExtConfig:
                 f"{suggest(self.memory_runtime, get_args(MemoryRuntime))}use gpu (Nanotron's trainer) or cpu "
                 f"(nanotron-ext train)"
             )
-        if self.memory_overhead_gib is not None and not (
-            isinstance(self.memory_overhead_gib, (int, float))
-            and not isinstance(self.memory_overhead_gib, bool)
-            and math.isfinite(self.memory_overhead_gib)
-            and self.memory_overhead_gib >= 0
-        ):
-            raise ConfigError(
-                f"nanotron_ext.memory_overhead_gib={self.memory_overhead_gib!r} must be a number of GiB >= 0, e.g. "
-                f"memory_overhead_gib: 1.5, or null for the default ({DEFAULT_MEMORY_OVERHEAD_GIB['gpu']:g} GiB on gpu)"
-            )
+        default = f"the default ({DEFAULT_MEMORY_OVERHEAD_GIB['gpu']:g} GiB on gpu)"
+        _check_amount("memory_overhead_gib", self.memory_overhead_gib, "GiB", 1.5, default, zero_ok=True)
         check_choice(f"{EXT_SECTION}.objective", self.objective, OBJECTIVES)
-        if self.p2p_gbps is not None and not (
-            isinstance(self.p2p_gbps, (int, float)) and math.isfinite(self.p2p_gbps) and self.p2p_gbps > 0
-        ):
-            raise ConfigError(
-                f"nanotron_ext.p2p_gbps={self.p2p_gbps!r} must be a positive number of GB/s, e.g. p2p_gbps: 50, or "
-                f"null for the machine profile's links"
-            )
-        if self.tflops is not None and not (
-            isinstance(self.tflops, (int, float))
-            and not isinstance(self.tflops, bool)
-            and math.isfinite(self.tflops)
-            and self.tflops > 0
-        ):
-            raise ConfigError(
-                f"nanotron_ext.tflops={self.tflops!r} must be a positive number of TFLOP/s, e.g. tflops: 400, or "
-                f"null for the machine profile's block times"
-            )
+        _check_amount("p2p_gbps", self.p2p_gbps, "GB/s", 50, "the machine profile's links")
+        _check_amount("tflops", self.tflops, "TFLOP/s", 400, "the machine profile's block times")
         check_choice(f"{EXT_SECTION}.times", self.times, BlockTimes)
         check_choice(f"{EXT_SECTION}.resume_plan", self.resume_plan, ResumePlan)
         if self.times == "profiled" and self.tflops is not None:
@@ -260,15 +237,7 @@ class ExtConfig:
             raise ConfigError(f"cost_strategy={self.cost_strategy!r} must be a non-empty strategy name")
         if self.base_strategy == "constrained":
             raise ConfigError("nanotron_ext.base_strategy='constrained' would recurse; use flops, memory or uniform")
-        if self.memory_cap_gib is not None and not (
-            isinstance(self.memory_cap_gib, (int, float))
-            and math.isfinite(self.memory_cap_gib)
-            and self.memory_cap_gib > 0
-        ):
-            raise ConfigError(
-                f"nanotron_ext.memory_cap_gib={self.memory_cap_gib!r} must be a positive number of GiB, e.g. "
-                f"memory_cap_gib: 70, or null for the machine's device memory"
-            )
+        _check_amount("memory_cap_gib", self.memory_cap_gib, "GiB", 70, "the machine's device memory")
         for name in ("allow_frozen_stages", "projector"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"nanotron_ext.{name}={getattr(self, name)!r} must be true or false")
@@ -281,6 +250,19 @@ class ExtConfig:
                 f"freeze: {{modules: [{word}], unfreeze: [lm_head]}}",
                 see="docs/freezing.md",
             )
+
+
+def _check_amount(key: str, value: Any, unit: str, example: float, otherwise: str, *, zero_ok: bool = False) -> None:
+    """The one check of an amount one of our keys takes (GiB, GB/s, TFLOP/s): null, or a finite number above 0 (at or
+    above 0 with ``zero_ok``), never true or false; the error gives an example and what null means."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (value == 0 and not zero_ok):
+        kind = f"a number of {unit} >= 0" if zero_ok else f"a positive number of {unit}"
+        raise ConfigError(
+            f"{EXT_SECTION}.{key}={value!r} must be {kind}, e.g. {key}: {example:g}, or null for {otherwise}"
+        )
 
 
 #: Keys of our ``nanotron_ext:`` section: the fields of :class:`ExtConfig`, so a new option is a new field only.

@@ -91,6 +91,21 @@ def test_missing_file(tmp_path):
         (lambda r: r["parallelism"].update(pp=0), r"pp=0 must be a positive integer"),
         (lambda r: r["parallelism"].update(pp_engine="zigzag"), r"pp_engine='zigzag' is not one of 1f1b, afab"),
         (lambda r: r["nanotron_ext"].update(memory_cap_gib=-1), "memory_cap_gib=-1 must be a positive"),
+        # one check for every amount of our keys: a number, never true/false, with an example and what null means
+        (
+            lambda r: r["nanotron_ext"].update(memory_cap_gib=True),
+            r"^nanotron_ext.memory_cap_gib=True must be a positive number of GiB, e.g. memory_cap_gib: 70, or null "
+            r"for the machine's device memory$",
+        ),
+        (
+            lambda r: r["nanotron_ext"].update(p2p_gbps=0),
+            r"p2p_gbps=0 must be a positive number of GB/s, e.g. p2p_gbps: 50",
+        ),
+        (
+            lambda r: r["nanotron_ext"].update(memory_overhead_gib=-0.5),
+            r"memory_overhead_gib=-0.5 must be a number of GiB >= 0, e.g. memory_overhead_gib: 1.5, or null for the "
+            r"default \(1 GiB on gpu\)",
+        ),
     ],
 )
 def test_bad_values(raw, edit, match):

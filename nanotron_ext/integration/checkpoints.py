@@ -285,8 +285,12 @@ def _rank() -> int:
 
 def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> None:
     """Install the save and load hooks of the module docstring into ``nanotron.trainer``."""
-    import nanotron.serialize.main as serialize_main
+    _install_loads(patches, trainer, state)
+    _install_saves(patches, trainer, state)
 
+
+def _install_loads(patches: Patches, trainer: Any, state: ResumeState) -> None:
+    """The resume's hooks: the checked folder to Nanotron, the state placed by plan, a failure stopping every rank."""
     if state.source is not None:
         parse = trainer.parse_ckpt_path
 
@@ -338,6 +342,11 @@ def install_checkpoints(patches: Patches, trainer: Any, state: ResumeState) -> N
                         getattr(trainer, name), what, state.source, lambda: state.world_pg, lambda: state.verified
                     ),
                 )
+
+
+def _install_saves(patches: Patches, trainer: Any, state: ResumeState) -> None:
+    """The save's hooks: the plan record first (incomplete), every file hashed as written, the record completed."""
+    import nanotron.serialize.main as serialize_main
 
     save_checkpoint = trainer.DistributedTrainer.save_checkpoint
 
