@@ -35,7 +35,8 @@ from nanotron_ext.checkpoint import ResumeSource
 from nanotron_ext.config import EXT_SECTION, PlannerConfig, split_ext_keys
 from nanotron_ext.errors import RunFailure
 from nanotron_ext.integration.adapter import patch_nanotron
-from nanotron_ext.integration.checkpoints import ResumeState, install_checkpoints
+from nanotron_ext.integration.checkpoint_hooks import install_checkpoints
+from nanotron_ext.integration.checkpoints import ResumeState
 from nanotron_ext.integration.checks import apply_freeze_to_model, check_every_rank_trains
 from nanotron_ext.integration.clipping import install_split_independent_clipping
 from nanotron_ext.integration.dummy_data import install_dummy_data

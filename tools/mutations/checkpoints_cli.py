@@ -146,7 +146,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "a chain is saved under vocab_shards/",
-        "nanotron_ext/integration/checkpoints.py",
+        "nanotron_ext/integration/checkpoint_hooks.py",
         "        state.save_chain_as_lm_head(model, parallel_context, Path(root_folder))\n",
         "",
         (f"{RESUME_E2E}::test_a_chain_checkpoint_is_a_nanotron_checkpoint",),
@@ -163,7 +163,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- issue 44: a checkpoint proves its files before anything loads --------------------------------------------
     M(
         "a resume skips the check of the checkpoint's files",
-        "nanotron_ext/integration/checkpoints.py",
+        "nanotron_ext/integration/checkpoint_hooks.py",
         "state.verified = verify_on_every_rank(state.source, state.world_pg, state.say).verified",
         "state.verified = False",
         (f"{FILES_E2E}::test_damaged_files_stop_every_rank_before_anything_loads_naming_each",),
@@ -206,7 +206,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "the record is written before model_config.json",
-        "nanotron_ext/integration/checkpoints.py",
+        "nanotron_ext/integration/checkpoint_hooks.py",
         "            state.complete(folder, self.iteration_step, self.parallel_context.world_pg, last=True)\n",
         "",
         (
@@ -660,8 +660,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a number's error gives no example",
         "nanotron_ext/config_ext.py",
-        'must be a positive number of GiB, e.g. "\n                f"memory_cap_gib: 70, or null',
-        'must be a positive number of GiB, "\n                f"or null',
+        '{key}: {example:g}, or null for {otherwise}',
+        'or null for {otherwise}',
         ("tests/test_user_errors.py::test_every_number_error_gives_an_example_value",),
     ),
     M(
@@ -673,7 +673,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "the launcher writes a checkpoint twice where Nanotron saves it twice",
-        "nanotron_ext/integration/checkpoints.py",
+        "nanotron_ext/integration/checkpoint_hooks.py",
         "        if state.last_saved == self.iteration_step:\n",
         "        if False:\n",
         (
