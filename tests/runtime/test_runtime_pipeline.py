@@ -13,6 +13,8 @@ import pytest
 from . import workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 BALANCED = [0, 0, 1, 1, 1, 1, 1]  # embedding, decoder.0 | decoder.1, final norm, lm_head, cast, loss
 BLOCK_NAMES = [
     "model.token_position_embeddings",

@@ -31,6 +31,8 @@ from nanotron_cpu import PAUSE_IN_SAVE
 from nanotron_ext.procs import kill_process_group
 from upstream.e2e import TORCHRUN, Run, launch, tiny_config, torchrun_command, whole_weights
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 #: The shared shape: 8 samples a step as 4 micro-batches of 2 (1F1B needs pp - 1 of them at pp=4), a vocabulary
 #: that tp=2 splits without padding, no gradient clipping (see the module docstring).
 SHAPE = {

@@ -24,6 +24,8 @@ import xxhash
 from nanotron_ext.checkpoint import RECORD_FILE
 from upstream.e2e import Run, launch, tiny_config
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 SHAPE = {
     "tokens__micro_batch_size": 2,
     "tokens__batch_accumulation_per_replica": 4,

@@ -12,6 +12,8 @@ import pytest
 from nanotron_ext.checkpoint import RECORD_FILE
 from upstream.test_resume import LAYOUT_A, _notes, _placed, _same, _train
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 #: The V the planner searches for the tiny model at pp=2: embedding | decoders | final norm | lm_head, cast, loss.
 V_SPLIT = "E|t*2|N|H,C,X"
 ZBV = {"parallelism__pp_engine": "zbv", "ext": {"cost_strategy": "constrained"}}
