@@ -19,9 +19,9 @@ then change its outcome:
 * ``tests/upstream/``: upstream main's models, loader and launcher: the upstream pass;
 * ``tests/*.py`` named in :data:`BOTH_PASSES`: they import Nanotron in the test process (directly, or through
   nanotron_ext's engines, launcher or runtime): both passes;
-* the other ``tests/*.py``, the planner's own tests: the 0.2 pass, which is also what a plain clone installs.
-  They import no Nanotron, nor does a test of theirs unless marked ``nanotron02`` (``tests/test_suite_layout.py``
-  checks both).
+* the other ``tests/*.py``, the planner's own tests, which import no Nanotron (``tests/test_suite_layout.py``
+  checks it): one pass, the 0.2 pass unless ``NANOTRON_EXT_TEST_PLANNER_PASS=upstream`` names the other. A plain
+  clone installs 0.2 and runs them; ``.ci/run`` gives them to the upstream pass, whose slow set is the lighter.
 
 A plain ``git clone`` has no ``../shared``: upstream's example configs are read from their copies under
 ``tests/data``, and a test that needs upstream's source tree itself (``tests/upstream/e2e.py``: its
@@ -69,18 +69,40 @@ BOTH_PASSES = (
     "test_user_errors.py",
     "test_v_plan.py",
     "test_v_stages.py",
+    "test_vocab_shards.py",
     "test_zero_bubble_store.py",
 )
 
 
-def collected_here(path: Path, nanotron: str) -> bool:
+#: Names the pass that runs the planner's own tests: ``0.2`` (unset) or ``upstream``.
+PLANNER_PASS_ENV = "NANOTRON_EXT_TEST_PLANNER_PASS"
+
+
+def planner_pass() -> str:
+    """The pass that runs the planner's own tests (see the module docstring).
+
+    Raises:
+        pytest.UsageError: :data:`PLANNER_PASS_ENV` holds another value.
+    """
+    value = os.environ.get(PLANNER_PASS_ENV, "0.2")
+    if value not in ("0.2", "upstream"):
+        raise pytest.UsageError(
+            f"{PLANNER_PASS_ENV}={value!r} is not a pass: set it to 0.2 or upstream (the pass that runs the "
+            "planner's tests), or unset it for 0.2"
+        )
+    return value
+
+
+def collected_here(path: Path, nanotron: str, planner: str = "0.2") -> bool:
     """Whether a pass against ``nanotron`` ("0.2" or "upstream") collects ``path``, a folder or module right under
-    ``tests/``."""
+    ``tests/``, when ``planner`` is the pass that runs the planner's own tests."""
     if path.name == "runtime":
         return nanotron == "0.2"
     if path.name == "upstream":
         return nanotron == "upstream"
-    return nanotron == "0.2" or not path.name.startswith("test_") or path.name in BOTH_PASSES
+    if not path.name.startswith("test_") or path.name in BOTH_PASSES:
+        return True
+    return nanotron == planner
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -92,14 +114,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """Leave out what the other pass runs (a path named on the command line is collected whatever this says)."""
-    if collection_path.parent == TESTS and not collected_here(collection_path, NANOTRON):
+    if collection_path.parent == TESTS and not collected_here(collection_path, NANOTRON, planner_pass()):
         return True
     return None  # not False: pytest's own --ignore and collect_ignore still apply
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    other = "tests/runtime/ and the planner's tests" if NANOTRON == "upstream" else "tests/upstream/"
-    return f"nanotron under test: {NANOTRON} (not collected here: {other}; the other pass runs them)"
+    here = ["tests/runtime/" if NANOTRON == "0.2" else "tests/upstream/", "the modules of BOTH_PASSES"]
+    if planner_pass() == NANOTRON:
+        here.append("the planner's tests")
+    return f"nanotron under test: {NANOTRON}; this pass collects {', '.join(here)} (tests/conftest.py)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

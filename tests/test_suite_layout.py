@@ -4,6 +4,7 @@ the quick set and the slow one, and a root conftest that collects the planner's 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import BOTH_PASSES, SLOW_COMMAND, collected_here
+from conftest import BOTH_PASSES, PLANNER_PASS_ENV, SLOW_COMMAND, collected_here, planner_pass
 
 TESTS = Path(__file__).resolve().parent
 
@@ -53,25 +54,24 @@ def test_only_tests_under_runtime_start_ranks() -> None:
 
 
 def _function_imports(tree: ast.Module) -> list[str]:
-    """Modules imported inside the module's test functions not marked ``nanotron02`` (a marked one runs in the 0.2
-    pass only), and names passed to ``pytest.importorskip`` there."""
+    """Modules imported inside the module's functions, and names passed to ``pytest.importorskip`` there."""
     names = []
-    for node in tree.body:
-        if not isinstance(node, ast.FunctionDef) or any("nanotron02" in ast.unparse(d) for d in node.decorator_list):
-            continue
-        for inner in ast.walk(node):
-            if isinstance(inner, ast.Import):
-                names += [alias.name for alias in inner.names]
-            elif isinstance(inner, ast.ImportFrom) and inner.module and not inner.level:
-                names.append(inner.module)
-            elif isinstance(inner, ast.Call) and ast.unparse(inner.func) == "pytest.importorskip" and inner.args:
-                names.append(ast.literal_eval(inner.args[0]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    names += [alias.name for alias in inner.names]
+                elif isinstance(inner, ast.ImportFrom) and inner.module and not inner.level:
+                    names.append(inner.module)
+                elif isinstance(inner, ast.Call) and ast.unparse(inner.func) == "pytest.importorskip" and inner.args:
+                    names.append(ast.literal_eval(inner.args[0]))
     return names
 
 
 def test_the_planners_tests_import_no_nanotron_so_one_pass_runs_them() -> None:
-    # Each top-level module outside BOTH_PASSES, and every module its unmarked tests import, in a fresh interpreter:
-    # none may bring in Nanotron, or the upstream pass, which leaves these modules out, would miss a difference.
+    # Each top-level module outside BOTH_PASSES, and every module its functions import, in a fresh interpreter: none
+    # may bring in Nanotron, or the pass that leaves these modules out would miss a difference (a test marked
+    # nanotron02 too: CI may run the planner's tests in the upstream pass, where it would never run).
     one_pass = sorted(p for p in TESTS.glob("test_*.py") if p.name not in BOTH_PASSES)
     importers = {p.stem: p.name for p in one_pass}
     for p in one_pass:
@@ -98,17 +98,33 @@ def test_the_planners_tests_import_no_nanotron_so_one_pass_runs_them() -> None:
     found = sorted({importers[name] for name in out.stdout.split()})
     assert found == [], (
         f"{found} import Nanotron (directly or through nanotron_ext): name them in tests/conftest.py's BOTH_PASSES "
-        "(both passes run them), or mark the tests that import it nanotron02"
+        "(both passes run them)"
     )
 
 
-def test_a_pass_collects_its_folders_and_the_planners_tests_once() -> None:
+@pytest.mark.parametrize("planner", ["0.2", "upstream"])
+def test_a_pass_collects_its_folders_and_the_planners_tests_once(planner) -> None:
     top = TESTS / "test_zb1p.py"
-    assert collected_here(top, "0.2") and not collected_here(top, "upstream")
-    assert all(collected_here(TESTS / name, nanotron) for name in BOTH_PASSES for nanotron in ("0.2", "upstream"))
-    assert collected_here(TESTS / "runtime", "0.2") and not collected_here(TESTS / "runtime", "upstream")
-    assert collected_here(TESTS / "upstream", "upstream") and not collected_here(TESTS / "upstream", "0.2")
-    assert all((TESTS / name).is_file() for name in BOTH_PASSES)
+    assert [collected_here(top, nanotron, planner) for nanotron in ("0.2", "upstream")] == [
+        planner == "0.2",
+        planner == "upstream",
+    ]
+    both = [TESTS / name for name in BOTH_PASSES]
+    assert all(collected_here(p, nanotron, planner) for p in both for nanotron in ("0.2", "upstream"))
+    assert all(p.is_file() for p in both)
+    runtime, upstream = TESTS / "runtime", TESTS / "upstream"
+    assert collected_here(runtime, "0.2", planner) and not collected_here(runtime, "upstream", planner)
+    assert collected_here(upstream, "upstream", planner) and not collected_here(upstream, "0.2", planner)
+
+
+def test_the_planners_pass_is_0_2_or_upstream_and_a_typo_is_named(monkeypatch) -> None:
+    monkeypatch.delenv(PLANNER_PASS_ENV, raising=False)
+    assert planner_pass() == "0.2"
+    monkeypatch.setenv(PLANNER_PASS_ENV, "upstream")
+    assert planner_pass() == "upstream"
+    monkeypatch.setenv(PLANNER_PASS_ENV, "main")
+    with pytest.raises(pytest.UsageError, match=rf"{PLANNER_PASS_ENV}='main' is not a pass: set it to 0.2 or upstream"):
+        planner_pass()
 
 
 _SLOW_CASE = """
@@ -140,12 +156,15 @@ def test_the_quick_run_leaves_slow_tests_out_and_says_how_to_run_them(tmp_path, 
         (folder / helper).write_text((TESTS / helper).read_text())
     (folder / "test_case.py").write_text(textwrap.dedent(_SLOW_CASE))
     (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+    from installed_nanotron import NANOTRON
+
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env={**os.environ, PLANNER_PASS_ENV: NANOTRON},  # test_case.py is a planner's test: this pass runs it
     )
     assert out.returncode == 0 and f"{ran} in" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     left = re.findall(r"^left out .*$", out.stdout, re.M)
