@@ -113,10 +113,7 @@ def _close(ref: tuple[Run, Path], new: tuple[Run, Path], name: str) -> None:
     assert max(share.values()) > 0  # the arithmetic does differ here: a zero would belong in an exact test
 
 
-@pytest.fixture(scope="module")
-def plan_a(tmp_path_factory):
-    """A: pp=2, E,t|t,L, six uninterrupted steps."""
-    return _train(tmp_path_factory.mktemp("a"), ext=LAYOUT_A)
+# plan_a, A's six uninterrupted steps, is tests/upstream/conftest.py's (other modules resume from it too).
 
 
 def test_the_plan_travels_with_every_checkpoint(plan_a):

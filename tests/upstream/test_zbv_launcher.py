@@ -20,10 +20,11 @@ ZBV = {"parallelism__pp_engine": "zbv", "ext": {"cost_strategy": "constrained"}}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Plan A (contiguous, 1f1b) and its step-2 checkpoint resumed under zbv with --replan (steps 3-6)."""
+def runs(plan_a, tmp_path_factory):
+    """Plan A (contiguous, 1f1b: tests/upstream/conftest.py's) and its step-2 checkpoint resumed under zbv with
+    --replan (steps 3-6)."""
     tmp = tmp_path_factory.mktemp("zbv_launcher")
-    a = _train(tmp / "a", 2, ext=LAYOUT_A)
+    a = plan_a
     v = _train(tmp / "v", 2, "--replan", checkpoints__resume_checkpoint_path=str(a[1] / "checkpoints" / "2"), **ZBV)
     return a, v
 
