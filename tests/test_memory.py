@@ -136,6 +136,32 @@ def test_two_micro_batches_peak_in_the_second_backward_with_every_gradient_alive
     assert mem.pipeline_temporaries == (t * h * 4 + t) + 50277 * 16 * 4 + t * h * 4
 
 
+@pytest.mark.parametrize("sequence, moment", [(512, "start"), (1, "end")])
+def test_a_recomputed_layers_first_backward_holds_what_it_recomputed_or_its_gradients_never_both(
+    tiny, sequence, moment
+):
+    # One recomputed decoder layer alone on a stage, AFAB, one micro-batch (fp32: no fresh copy of a gradient on a
+    # first backward). The start of its backward holds what it recomputed and none of its gradients; its end, its
+    # gradients and none of that (measured on upstream's Llama: docs/memory.md, "Nanotron's GPU path").
+    cfg, blocks = tiny
+    run = _run(cfg, engine="afab", n_micro_batches=1, recompute_layer=True, sequence_length=sequence)
+    decoder = blocks[1]
+    plain = block_memory(decoder, cfg.model, dataclasses.replace(run, recompute_layer=False))
+    again = block_memory(decoder, cfg.model, run)
+    recomputed = plain.saved + plain.output
+    assert again.backward_temp == recomputed + plain.backward_temp
+    fresh = 2 * 64 * 16 * 4  # the largest weight's gradient (the merged gate|up), made in place of .grad
+    mem = stage_memory([decoder], cfg.model, run, stage=1)
+    assert mem.pipeline_activations == again.saved + again.output  # its input, and its output held to its backward
+    if moment == "start":  # a long sequence: what it recomputed outweighs its gradients
+        assert recomputed > decoder.trainable * 4
+        assert (mem.pipeline_gradients, mem.pipeline_temporaries) == (0, again.output + again.backward_temp - fresh)
+    else:  # one token: its gradients outweigh what it recomputed
+        assert recomputed < decoder.trainable * 4
+        assert mem.pipeline_gradients == decoder.trainable * 4
+        assert mem.pipeline_temporaries == again.output + again.backward_temp - fresh - recomputed
+
+
 def test_the_overhead_allowance_counts_at_both_moments():
     # Gemma-2B's first stage (the 256k x 2048 embedding) peaks in the optimizer step; the allowance belongs there
     # as much as in the pipeline.

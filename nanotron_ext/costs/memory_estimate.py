@@ -12,7 +12,8 @@ Under zb1p the pipeline moment adds, on stage ``r``, ``min(r, m - 1)`` deferred 
 ``min(2r, m - 1)``), each keeping each trainable weight's input and output gradient (:func:`pending_tensors`);
 zb2p also holds up to ``2(pp - r) - 1`` micro-batches in flight where 1F1B holds ``pp - r``.
 
-What each block saves, temporarily holds and sends is :mod:`nanotron_ext.costs.block_memory`'s. Static bytes
+What each block saves, temporarily holds and sends is :mod:`nanotron_ext.costs.block_memory`'s; the pipeline's worst
+moment, followed block by block, :mod:`nanotron_ext.costs.pipeline_moment`'s. Static bytes
 per parameter follow Nanotron's optimizer and gradient accumulator (:func:`nanotron_ext.costs.analytic.param_bytes`).
 Runtime overhead (CUDA context, communication buffers, fragmentation) is not a tensor: it is the config's
 ``memory_overhead_gib``.
@@ -22,19 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-from nanotron_ext.blocks import BlockInfo, held_parameters, tied_copy
+from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import MemoryRuntime, ModelShape, PlannerConfig, RunShape
-from nanotron_ext.costs.analytic import GIB, ParamBytes, in_flight, param_bytes
-from nanotron_ext.costs.block_memory import (
-    BlockMemory,
-    block_memory,
-    deferred_at_once,
-    largest_param,
-    weight_pending,
-)
-from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
+from nanotron_ext.costs.analytic import GIB, in_flight, param_bytes
+from nanotron_ext.costs.block_memory import deferred_at_once
+from nanotron_ext.costs.pipeline_moment import PerBlock, per_block, pipeline_moment, stage_parameters
+from nanotron_ext.schedule import ZERO_BUBBLE
 
 __all__ = [
     "RUNTIME_TENSORS_BYTES",
@@ -202,7 +198,7 @@ def stage_memory(
     deferred = deferred_at_once(run.engine, pp, run.n_micro_batches)[stage] if blocks else 0
     return _stage_memory(
         blocks,
-        _per_block(blocks, m, run, runtime),
+        per_block(blocks, m, run, runtime),
         m,
         run,
         stage,
@@ -215,27 +211,9 @@ def stage_memory(
     )
 
 
-class _PerBlock(NamedTuple):
-    """What a stage's estimate reads of each of its blocks: what it saves and holds, its largest trainable tensor
-    (elements), what one deferred W keeps (0 outside zb1p and zb2p)."""
-
-    memory: list[BlockMemory]
-    largest: list[int]
-    pending: list[float]
-
-
-def _per_block(blocks: Sequence[BlockInfo], m: ModelShape, run: RunShape, runtime: MemoryRuntime) -> _PerBlock:
-    zero_bubble = run.engine in ZERO_BUBBLE
-    return _PerBlock(
-        [block_memory(b, m, run, runtime) for b in blocks],
-        [largest_param(b, m, run) for b in blocks],
-        [weight_pending(b, m, run) if zero_bubble else 0.0 for b in blocks],
-    )
-
-
 def _stage_memory(
     blocks: Sequence[BlockInfo],
-    per_block: _PerBlock,
+    per: PerBlock,
     m: ModelShape,
     run: RunShape,
     stage: int,
@@ -248,129 +226,25 @@ def _stage_memory(
 ) -> StageMemory:
     """:func:`stage_memory` of ``blocks`` with what it reads of each block given, ``n`` micro-batches in flight
     and ``deferred`` W's."""
-    per = param_bytes(run)
-    held = _stage_parameters(blocks, m, per)
-    mems = per_block.memory
-    activations, worst = _pipeline_moment(blocks, per_block, run, stage, pp, n, held, retain_sends)
+    bytes_per = param_bytes(run)
+    held = stage_parameters(blocks, m, bytes_per)
+    mems = per.memory
+    activations, worst = pipeline_moment(per, run, stage, pp, n, held, retain_sends)
     return StageMemory(
-        weights=held.params * per.weights,
+        weights=held.params * bytes_per.weights,
         gradients=sum(held.grads) + held.allocated,
-        optimizer=sum(held.trainable) * per.optimizer,
+        optimizer=sum(held.trainable) * bytes_per.optimizer,
         buffers=sum(x.persistent for x in mems) + (RUNTIME_TENSORS_BYTES if blocks else 0.0),
         activations=activations,
         in_flight=n,
         pipeline_activations=worst[0],
         pipeline_gradients=worst[1],
         pipeline_temporaries=worst[2],
-        optimizer_temporaries=_optimizer_temporaries(per_block.largest, held.trainable, per.state, optimizer),
+        optimizer_temporaries=_optimizer_temporaries(per.largest, held.trainable, bytes_per.state, optimizer),
         overhead=overhead_gib * GIB,
-        weight_pending=sum(per_block.pending) if run.engine in ZERO_BUBBLE else 0.0,
+        weight_pending=sum(per.pending) if run.engine in ZERO_BUBBLE else 0.0,
         deferred=deferred,
     )
-
-
-@dataclass(frozen=True)
-class _StageParameters:
-    """The static terms of a stage, per block where the moments need them.
-
-    Attributes:
-        params: parameters held on the rank (a tied weight held twice counted once).
-        trainable: trainable parameters per block (a tied ``lm_head`` counts 0: the embedding holds the tensor).
-        grads: ``.grad`` bytes per block, alive once a backward has made them.
-        allocated: gradient bytes allocated before training and kept (fp32 accumulation, DDP buckets).
-    """
-
-    params: int
-    trainable: list[int]
-    grads: list[float]
-    allocated: float
-
-
-def _stage_parameters(blocks: Sequence[BlockInfo], m: ModelShape, per: ParamBytes) -> _StageParameters:
-    """Parameters, trainable counts and gradient bytes of the stage's blocks (see :class:`_StageParameters`)."""
-    params = held_parameters(blocks, m.tie_word_embeddings)[0]
-    trainable = [b.trainable for b in blocks]
-    copy = tied_copy(blocks, m.tie_word_embeddings)
-    if copy is not None:  # one tensor on this rank: its gradient and state belong to the embedding
-        trainable[copy] = 0
-    # Buffers made before training (fp32 accumulation, DDP buckets) are alive throughout; .grad only once a
-    # backward has made it.
-    allocated = sum(trainable) * per.gradients_allocated
-    grads = [x * (per.gradients - per.gradients_allocated) for x in trainable]
-    return _StageParameters(params=params, trainable=trainable, grads=grads, allocated=allocated)
-
-
-def _pipeline_moment(
-    blocks: Sequence[BlockInfo],
-    per_block: _PerBlock,
-    run: RunShape,
-    stage: int,
-    pp: int,
-    n: int,
-    held: _StageParameters,
-    retain_sends: bool,
-) -> tuple[float, tuple[float, float, float]]:
-    """One micro-batch's activations, and the (activations, gradients, temporaries) alive at the pipeline's
-    worst moment (zeros for an empty stage)."""
-    mems = per_block.memory
-    if not mems:
-        return 0.0, (0.0, 0.0, 0.0)
-    held_in = 0.0 if mems[0].input_saved else mems[0].input
-    held_out = mems[-1].output
-    activations = held_in + sum(x.saved for x in mems) + held_out
-    sent = 0.0
-    if retain_sends:
-        # CPUP2P keeps every sent tensor until the step ends: outputs beyond those still held, and the
-        # gradients sent back for the stage's input.
-        sent = (run.n_micro_batches - n) * held_out * (stage < pp - 1) + run.n_micro_batches * mems[0].input * (
-            stage > 0
-        )
-    worst = max(_pipeline_candidates(per_block, run, n, held, held_in, held_out, activations), key=sum)
-    return activations, (worst[0], worst[1] + held.allocated, worst[2] + sent)
-
-
-def _pipeline_candidates(
-    per_block: _PerBlock,
-    run: RunShape,
-    n: int,
-    held: _StageParameters,
-    held_in: float,
-    held_out: float,
-    activations: float,
-) -> list[tuple[float, float, float]]:
-    """Every moment of the micro-batch being computed, block by block, forward then backward, as (activations,
-    gradients, temporaries); the worst is the stage's pipeline peak."""
-    trainable, grads = held.trainable, held.grads
-    weight_bytes = param_bytes(run).weights
-    # 1F1B with more micro-batches than it holds runs a backward before its next forward: from then on every
-    # gradient exists during forwards too. Otherwise (AFAB, or all forwards first) the first backward makes
-    # them block by block from the last, each in place (no fresh copy to add), while every micro-batch is held.
-    grads_early = run.engine in ONE_F_ONE_B_FAMILY and run.n_micro_batches > n  # zb1p: counted as 1F1B (more)
-    g_all = sum(grads)
-    saved_so_far = held_in
-    # zb1p: during a micro-batch's B, the products of every block already back-propagated (and the one in
-    # progress) wait in the store for its W, besides the deferred W's of earlier micro-batches.
-    pending = per_block.pending
-    candidates = []
-    for i, (x, largest) in enumerate(zip(per_block.memory, per_block.largest)):
-        saved_so_far += x.saved
-        current = sum(pending[i:])
-        own_input = x.input if i > 0 and not x.input_saved else 0.0
-        others = (n - 1) * activations
-        fresh = largest * weight_bytes if trainable[i] else 0.0
-        candidates.append((others + saved_so_far, g_all if grads_early else 0.0, own_input + x.forward_temp + x.output))
-        if grads_early:
-            candidates.append((others + saved_so_far + held_out + current, g_all, x.output + x.backward_temp))
-        else:
-            # The first backward: the block's gradient is made in place of .grad (no fresh copy).
-            candidates.append(
-                (others + saved_so_far + held_out + current, sum(grads[i:]), x.output + x.backward_temp - fresh)
-            )
-            if n >= 2:  # a later backward: every gradient exists, one micro-batch fewer held
-                candidates.append(
-                    ((n - 2) * activations + saved_so_far + held_out + current, g_all, x.output + x.backward_temp)
-                )
-    return candidates
 
 
 def _optimizer_temporaries(
@@ -431,19 +305,18 @@ class SegmentMemory:
     def __init__(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> None:
         self.blocks, self.cfg = list(blocks), cfg
         run = cfg.run
-        self._per = _per_block(self.blocks, cfg.model, run, cfg.ext.memory_runtime)
+        self._per = per_block(self.blocks, cfg.model, run, cfg.ext.memory_runtime)
         self._flight = in_flight(run.engine, run.pp, run.n_micro_batches)
         self._deferred = deferred_at_once(run.engine, run.pp, run.n_micro_batches)
         self._optimizer, self._retain_sends = _config_runtime(cfg)
 
     def __call__(self, stage: int, s: int, e: int) -> StageMemory:
         """The estimate of blocks ``[s, e)`` on ``stage``: equal to ``config_stage_memory(blocks[s:e], cfg, stage)``."""
-        cfg, per = self.cfg, self._per
-        part = _PerBlock(per.memory[s:e], per.largest[s:e], per.pending[s:e])
+        cfg = self.cfg
         held = e > s
         return _stage_memory(
             self.blocks[s:e],
-            part,
+            self._per.part(s, e),
             cfg.model,
             cfg.run,
             stage,

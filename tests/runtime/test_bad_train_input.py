@@ -13,6 +13,8 @@ from test_bad_input import TRAIN_CASES, Case, check_reply
 from nanotron_ext.cli.common import EXIT_USAGE
 from nanotron_ext.procs import free_port, local_env, rendezvous_env, run_local_ranks
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

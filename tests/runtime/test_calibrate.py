@@ -24,6 +24,8 @@ from nanotron_ext.procs import rendezvous_env
 from . import calibrate_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 CONFIG = str(bundled_config())  # the tiny Llama, pp=2 dp=1 tp=1
 FAST = {"warmup": 0, "repeats": 1, "progress": False}
 LLAMOE = Path(__file__).resolve().parents[1] / "data" / "nanotron_examples" / "moe" / "config_llamoe.yaml"

@@ -16,6 +16,8 @@ from nanotron_ext.machine import block_signature, load_machine
 from . import calibrate_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 CONFIG = str(bundled_config())  # the tiny Llama, pp=2 dp=1 tp=1
 QUICK = ["--repeats", "1", "--warmup", "0", "--steps", "2", "--warmup-steps", "1"]
 

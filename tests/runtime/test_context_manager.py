@@ -3,8 +3,12 @@ may be dead or stuck), and the error still propagates."""
 
 from __future__ import annotations
 
+import pytest
+
 from . import workers
 from .spawn import run_distributed
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
 HOLD_S = 3.0
 

@@ -27,6 +27,8 @@ from . import train_workers as tw
 from .spawn import run_distributed
 from .test_train_cli import assert_every_rank_failed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 NO_CUDA = not torch.cuda.is_available()
 
 

@@ -37,7 +37,10 @@ KILL_TORCHRUN_BOUND_S = 5.0
 STOPPED_PEER_MESSAGE_BOUND_S = TIMEOUT_S + 10.0
 STOP_RANK_BOUND_S = 15.0
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG"),
+    pytest.mark.slow,  # tests/conftest.py: left out of the quick run
+]
 
 #: One rank of a two-rank gloo world, through the runtime's own code: both ranks build the context, then rank 1
 #: stops itself (SIGSTOP) right before OP; rank 0 runs OP inside the `with` and prints the message its timeout

@@ -19,6 +19,8 @@ import pytest
 
 from . import train_workers as tw
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 STEPS = 10
 #: Priced by compute alone, so the projector lands on stage 0 and the frozen stage 1 still sends gradients back
 #: (on the analytic H100 the tiny model is latency-bound and a frozen prefix on stage 0 is as fast).

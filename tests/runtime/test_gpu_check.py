@@ -14,6 +14,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 

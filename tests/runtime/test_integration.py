@@ -13,6 +13,8 @@ from nanotron_ext.config import load_config
 from . import train_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 VARIANTS = {
     "tiny": {},
     # GQA (4 query heads, 2 KV heads) + the projector block, tp=1.

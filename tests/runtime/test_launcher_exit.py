@@ -15,6 +15,8 @@ from launcher_scripts import ONE_RANK, script_env
 from nanotron_ext.config import bundled_config
 from nanotron_ext.procs import run_local_ranks
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 _CLOSE_CHILD = ONE_RANK + textwrap.dedent(
     """
     import torch.distributed as dist

@@ -23,6 +23,8 @@ from nanotron_ext.plan import make_plan
 from . import workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 
 def _raw(dtype: str, engine: str, vocab_shards: int = 1) -> dict[str, Any]:
     raw = yaml.safe_load(bundled_config().read_text())

@@ -11,6 +11,8 @@ import pytest
 from . import timing_workers as w
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 TIMEOUT = 120.0
 STAGE = {
     0: ["model.token_position_embeddings", *(f"model.decoder.{i}" for i in range(3))],

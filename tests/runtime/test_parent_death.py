@@ -26,7 +26,10 @@ RANK = (
     "print('hooked', flush=True); time.sleep(60); print('outlived', flush=True)"
 )
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG"),
+    pytest.mark.slow,  # tests/conftest.py: left out of the quick run
+]
 
 
 def _gone(pid: int) -> bool:

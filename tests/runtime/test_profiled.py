@@ -239,6 +239,7 @@ def test_unbuildable_block_is_a_clear_error(tmp_path: Path) -> None:
         profiled.profile_blocks(odd, cfg, **FAST)
 
 
+@pytest.mark.slow  # real processes
 def test_same_plan_on_every_rank_when_one_rank_measures_differently(tmp_path: Path) -> None:
     """Rank 1's blocks take other times (a heavy lm_head); rank 0 measures and broadcasts."""
     r0, r1 = run_distributed(timing_workers.profiled_plan, 2, args=(str(tmp_path),), timeout=60)
@@ -253,6 +254,7 @@ def test_same_plan_on_every_rank_when_one_rank_measures_differently(tmp_path: Pa
     assert not (tmp_path / "rank1").exists(), "only rank 0 touches the timing cache"
 
 
+@pytest.mark.slow  # real processes
 def test_rank0_profiling_failure_raises_on_every_rank(tmp_path: Path) -> None:
     """Building the lm_head fails on rank 0 only: rank 0 broadcasts the error, so no rank is left waiting in the
     broadcast (the spawn helper kills a rank that is, and the test fails), and every rank raises it."""
@@ -264,6 +266,7 @@ def test_rank0_profiling_failure_raises_on_every_rank(tmp_path: Path) -> None:
     assert results == [{"rank": 0, "error": expected}, {"rank": 1, "error": expected}]
 
 
+@pytest.mark.slow  # real processes
 def test_the_cpu_runtime_keeps_freed_memory_as_calibration_does() -> None:
     (result,) = run_distributed(timing_workers.malloc_policy_in_the_runtime, 1, timeout=60)
     assert result == {"before": "system defaults", "inside": "freed memory kept"}

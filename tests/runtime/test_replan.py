@@ -21,6 +21,8 @@ from .replan_workers import killed_during_the_move, trained_under_a_transient_lo
 from .spawn import run_ranks
 from .train_workers import final_weights, launch_ranks, write_config
 
+pytestmark = pytest.mark.slow  # real processes, minutes: the slow set (python -m pytest -m slow)
+
 STEPS, K = 18, 4
 BAD_SPLIT = "E|t*2,L"
 #: One timed step a turn keeps the trials short; the tiny model's blocks are a millisecond.

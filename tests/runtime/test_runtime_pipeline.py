@@ -13,6 +13,8 @@ import pytest
 from . import workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 BALANCED = [0, 0, 1, 1, 1, 1, 1]  # embedding, decoder.0 | decoder.1, final norm, lm_head, cast, loss
 BLOCK_NAMES = [
     "model.token_position_embeddings",
@@ -205,16 +207,45 @@ TRACE_CASES.update(
 )
 
 
+FAMILY_RANKS = {2: [0, 0, 0, 0, 1, 1, 1], 3: [0, 0, 0, 0, 1, 1, 2], 4: [0, 1, 2, 3, 3, 3, 3]}
+
+
+def _zb2p_family(pp: int) -> dict[str, dict]:
+    """zb2p at every m from pp - 1 to 3·pp on ``FAMILY_RANKS[pp]``."""
+    return {
+        f"zb2p-m{m}": {"pp": pp, "engine": "zb2p", "block_ranks": FAMILY_RANKS[pp], "n_micro_batches": m}
+        for m in range(pp - 1, 3 * pp + 1)
+    }
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[int, list[dict]]:
+    """Each rank's trace of every case below, one world per size: both tests' cases of a size share its launch."""
+    cases = {2: {**TRACE_CASES, **_zb2p_family(2)}, 3: {**TRACE_CASES_PP3, **_zb2p_family(3)}, 4: _zb2p_family(4)}
+    return _Worlds(cases)
+
+
+class _Worlds(dict):
+    """world size -> every rank's traces, run when a test first asks for that size."""
+
+    def __init__(self, cases: dict[int, dict[str, dict]]) -> None:
+        super().__init__()
+        self.cases = cases
+
+    def __missing__(self, world: int) -> list[dict]:
+        self[world] = run_distributed(workers.engine_trace, world, args=(self.cases[world],), timeout=240)
+        return self[world]
+
+
 @pytest.mark.parametrize(("world", "cases"), [(2, TRACE_CASES), (3, TRACE_CASES_PP3)])
-def test_simulator_program_is_what_nanotron_engine_runs(world: int, cases: dict) -> None:
+def test_simulator_program_is_what_nanotron_engine_runs(traces: _Worlds, world: int, cases: dict) -> None:
     """The simulator's per-rank order of forwards, backwards, sends and receives is Nanotron's, call by call."""
     from nanotron_ext.simulate import engine_program
 
-    traces = run_distributed(workers.engine_trace, world, args=(cases,), timeout=120)
     for name, case in cases.items():
         pp = case["pp"]
         grad_cuts = [not case.get("freeze_stage0", False)] + [True] * (pp - 2)
-        for rank, trace in enumerate(traces):
+        for rank, trace in enumerate(traces[world]):
             expected = engine_program(
                 case["engine"], pp, rank, case["n_micro_batches"],
                 grad_in=rank == 0 or grad_cuts[rank - 1], grad_out=rank == pp - 1 or grad_cuts[rank],
@@ -222,21 +253,13 @@ def test_simulator_program_is_what_nanotron_engine_runs(world: int, cases: dict)
             assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"
 
 
-FAMILY_RANKS = {2: [0, 0, 0, 0, 1, 1, 1], 3: [0, 0, 0, 0, 1, 1, 2], 4: [0, 1, 2, 3, 3, 3, 3]}
-
-
 @pytest.mark.parametrize("pp", sorted(FAMILY_RANKS))
-def test_every_zb2p_program_runs_to_completion(pp: int) -> None:
+def test_every_zb2p_program_runs_to_completion(traces: _Worlds, pp: int) -> None:
     """Issue 31: zb2p at every m from pp - 1 to 3·pp runs on Nanotron's machinery over gloo without a deadlock,
     call by call as its program says (zb1p keeps 1F1B's communication, traced above)."""
     from nanotron_ext.simulate import engine_program
 
-    cases = {
-        f"zb2p-m{m}": {"pp": pp, "engine": "zb2p", "block_ranks": FAMILY_RANKS[pp], "n_micro_batches": m}
-        for m in range(pp - 1, 3 * pp + 1)
-    }
-    traces = run_distributed(workers.engine_trace, pp, args=(cases,), timeout=240)
-    for name, case in cases.items():
-        for rank, trace in enumerate(traces):
+    for name, case in _zb2p_family(pp).items():
+        for rank, trace in enumerate(traces[pp]):
             expected = engine_program(case["engine"], pp, rank, case["n_micro_batches"])
             assert [tuple(x) for x in trace[name]] == expected, f"{name}, PP rank {rank}"

@@ -16,6 +16,8 @@ from nanotron_ext.runtime.send_order import EagerSendState, send_order, state_ty
 from . import vocab_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 #: Tensors PP0 sends per micro-batch (hidden states and the three softmax statistics), and PP1 sends back.
 ACTIVATIONS, GRADIENTS = 4, 3
 

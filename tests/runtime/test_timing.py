@@ -17,6 +17,8 @@ from nanotron_ext.runtime.timing_summary import summarize
 from . import timing_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 # 9 blocks: embedding, decoder.0-3, final_norm, lm_head, cast, loss (small vocabulary: decoders dominate).
 CASES = {
     "light_rank0": [0, 1, 1, 1, 1, 1, 1, 1, 1],  # rank 0 holds only the embedding

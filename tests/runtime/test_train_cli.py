@@ -3,7 +3,8 @@
 The bundled tiny large-vocab example at pp=2: Nanotron's own split cannot train and every rank says so within
 seconds; ``constrained`` trains with both engines at dp=1 and dp=2; pp=1 and pp=2 give the same losses; the
 run's block→rank map is the one ``nanotron-ext plan --json`` prints; bad inputs fail on every rank with a
-clear message. Each launch has a hard timeout (see ``train_workers``).
+clear message. Each launch has a hard timeout (see ``train_workers``). The documented run (1f1b through torchrun)
+is the quick run's end-to-end test of the CPU runtime: the quick run launches it alone; the other runs are slow.
 """
 
 from __future__ import annotations
@@ -56,30 +57,46 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def runs(configs: dict[str, Path]) -> dict[str, tw.Launch]:
-    """Every successful training run of this module, each launched once."""
-    out = {
-        # The documented command, through torchrun itself.
-        "1f1b": tw.torchrun(["--config-file", str(configs["1f1b"]), "--steps", str(STEPS)], 2, timeout=120),
-        "afab": tw.launch_ranks(["--config-file", str(configs["afab"]), "--steps", str(STEPS)], 2, timeout=120),
-        "1f1b_dp2": tw.launch_ranks(["--config-file", str(configs["1f1b_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
-        "afab_dp2": tw.launch_ranks(["--config-file", str(configs["afab_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
-        # One process, no launcher at all (dp = pp = tp = 1 needs none). Same step count as the pp=2 run:
-        # the LR schedule's decay spans the whole run.
-        "pp1": tw.launch_ranks(
-            ["--config-file", str(configs["pp1"]), "--steps", str(STEPS)], 1, timeout=90, torchrun_env=False
-        ),
-        "zbv": tw.launch_ranks(["--config-file", str(configs["zbv"]), "--steps", str(STEPS)], 2, timeout=120),
-    }
-    for name, launch in out.items():
+#: How each successful training run of this module is launched.
+_LAUNCHES = {
+    # The documented command, through torchrun itself.
+    "1f1b": lambda c: tw.torchrun(["--config-file", str(c["1f1b"]), "--steps", str(STEPS)], 2, timeout=120),
+    "afab": lambda c: tw.launch_ranks(["--config-file", str(c["afab"]), "--steps", str(STEPS)], 2, timeout=120),
+    "1f1b_dp2": lambda c: tw.launch_ranks(["--config-file", str(c["1f1b_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
+    "afab_dp2": lambda c: tw.launch_ranks(["--config-file", str(c["afab_dp2"]), "--steps", str(STEPS)], 4, timeout=150),
+    # One process, no launcher at all (dp = pp = tp = 1 needs none). Same step count as the pp=2 run: the LR
+    # schedule's decay spans the whole run.
+    "pp1": lambda c: tw.launch_ranks(
+        ["--config-file", str(c["pp1"]), "--steps", str(STEPS)], 1, timeout=90, torchrun_env=False
+    ),
+    "zbv": lambda c: tw.launch_ranks(["--config-file", str(c["zbv"]), "--steps", str(STEPS)], 2, timeout=120),
+}
+
+
+class _Runs(dict):
+    """Every successful training run of this module, each launched once, when a test first asks for it (the quick
+    run's tests ask for the documented one alone)."""
+
+    def __init__(self, configs: dict[str, Path]) -> None:
+        super().__init__()
+        self.configs = configs
+
+    def __missing__(self, name: str) -> tw.Launch:
+        launch = _LAUNCHES[name](self.configs)
         assert launch.ok and launch.metrics is not None, f"{name}:\n{launch.describe()}"
-    return out
+        self[name] = launch
+        return launch
+
+
+@pytest.fixture(scope="module")
+def runs(configs: dict[str, Path]) -> _Runs:
+    return _Runs(configs)
 
 
 # --- Nanotron's own split fails fast, everywhere ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_nanotron_strategy_fails_on_every_rank(tmp_path: Path, dp: int) -> None:
     config = tw.write_config(tmp_path / "c.yaml", {"parallelism": {"dp": dp}})
@@ -95,6 +112,7 @@ def test_nanotron_strategy_fails_on_every_rank(tmp_path: Path, dp: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_its_step(tmp_path: Path) -> None:
     """A learning rate of 1e30 in a 1-process run: the weights blow up, the loss turns NaN, the run stops."""
     c = tw.write_config(tmp_path / "nan.yaml", {"parallelism": {"pp": 1}, **tw.constant_lr(1e30)})
@@ -113,6 +131,7 @@ def test_nan_loss_stops_with_its_step(tmp_path: Path) -> None:
     assert len(steps) == failed_at - 1 and "loss nan" not in run.stdout
 
 
+@pytest.mark.slow
 def test_nanotron_strategy_fails_under_torchrun() -> None:
     launch = tw.torchrun(["--cost-strategy", "nanotron"], 2, timeout=60)
     run = launch.ranks[0]
@@ -125,7 +144,10 @@ def test_nanotron_strategy_fails_under_torchrun() -> None:
 # --- constrained trains -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["1f1b", "afab", "1f1b_dp2", "afab_dp2"])
+# The documented run (1f1b, through torchrun) is the quick run's end-to-end test of the CPU runtime.
+@pytest.mark.parametrize(
+    "name", ["1f1b", *(pytest.param(name, marks=pytest.mark.slow) for name in ("afab", "1f1b_dp2", "afab_dp2"))]
+)
 def test_constrained_trains_and_loss_falls(runs: dict[str, tw.Launch], name: str) -> None:
     m = runs[name].metrics
     engine, dp = name.split("_")[0], 2 if name.endswith("dp2") else 1
@@ -142,12 +164,14 @@ def test_constrained_trains_and_loss_falls(runs: dict[str, tw.Launch], name: str
     assert m["tokens_per_step"] == dp * 4 * 2 * 32
 
 
+@pytest.mark.slow
 def test_engines_agree(runs: dict[str, tw.Launch]) -> None:
     for dp in ("", "_dp2"):
         a, b = runs["1f1b" + dp].metrics["losses"], runs["afab" + dp].metrics["losses"]
         assert all(_rel(x, y) < 1e-5 for x, y in zip(a, b)), (a, b)
 
 
+@pytest.mark.slow
 def test_zbv_trains_its_v_plan_to_1f1bs_losses_and_weights_bit_for_bit(runs: dict[str, tw.Launch]) -> None:
     """``pp_engine: zbv``: the V plan's two chunks per rank, run in the plan's order, give 1F1B's run (on its own
     contiguous split) exactly: every loss, and every parameter after 20 steps."""
@@ -166,6 +190,7 @@ def test_zbv_trains_its_v_plan_to_1f1bs_losses_and_weights_bit_for_bit(runs: dic
     assert "block -> rank: [0, 1, 1, 1, 0, 0, 0]; virtual stage: [0, 1, 1, 2, 3, 3, 3]" in out
 
 
+@pytest.mark.slow
 def test_rank0_prints_progress_and_summary(runs: dict[str, tw.Launch]) -> None:
     out = runs["afab"].ranks[0].stdout
     assert "step 20/20  loss " in out and "tokens/s" in out and "grad-norm" in out
@@ -174,6 +199,7 @@ def test_rank0_prints_progress_and_summary(runs: dict[str, tw.Launch]) -> None:
     assert runs["afab"].ranks[1].stdout == "", "only rank 0 prints"
 
 
+@pytest.mark.slow
 def test_pp1_and_pp2_losses_are_equal(runs: dict[str, tw.Launch]) -> None:
     """Same config, seed and data: the pipeline split does not change the numbers (fp32 tolerance)."""
     pp1, pp2 = runs["pp1"].metrics["losses"][:5], runs["1f1b"].metrics["losses"][:5]
@@ -234,6 +260,7 @@ def _bad_yaml(tmp_path: Path, kind: str) -> tuple[list[str], int, tuple[str, ...
     raise AssertionError(kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind", ["world_size", "few_micro_batches", "unknown_strategy", "missing_data", "malformed_yaml", "no_torchrun"]
 )
@@ -243,6 +270,7 @@ def test_bad_input_fails_on_every_rank(tmp_path: Path, kind: str) -> None:
     assert_every_rank_failed(launch, 2, *needles)
 
 
+@pytest.mark.slow
 def test_one_f_one_b_with_pp_minus_one_micro_batches_warns_and_trains(tmp_path: Path) -> None:
     """m = pp - 1 under 1F1B: Nanotron's engine accepts it (it asserts m >= pp - 1), so the run trains, and
     rank 0 warns that the pipeline never fills."""
@@ -321,6 +349,7 @@ def test_data_files_from_config(tmp_path: Path) -> None:
         data_files_from_config({"data": {"dataset": {"hf_dataset_or_datasets": str(tmp_path / "empty")}}})
 
 
+@pytest.mark.slow
 def test_a_current_upstream_config_trains_on_the_cpu_runtime(tmp_path: Path) -> None:
     """Upstream main's config_tiny_llama.yaml, shrunk: its new sections and keys are read, not refused."""
     from upstream.harness import UPSTREAM_EXAMPLES

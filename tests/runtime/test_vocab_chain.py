@@ -16,6 +16,8 @@ from nanotron_ext.models.vocab_chain import STATS, VocabShard
 from . import vocab_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 TOL = 1e-5
 # Blocks: embedding, decoder.0, decoder.1, final_norm, vocab.0 .. vocab.{K-1}.
 CASES = {

@@ -13,6 +13,8 @@ import pytest
 from . import zbv_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 # embedding | decoder.0 | decoder.1 | final norm, lm_head, cast, loss: rank 0 holds the first chunk and the last.
 V2 = [0, 1, 2, 3, 3, 3, 3]
 PP2 = [0, 0, 1, 1, 1, 1, 1]

@@ -18,6 +18,8 @@ from . import train_workers as tw
 from . import zb_workers
 from .spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 TOL = 1e-5
 PP2 = [0, 0, 1, 1, 1, 1, 1]  # embedding, decoder.0 | decoder.1, final norm, lm_head, cast, loss
 TP2 = {"tp": 2, "pp": 2, "config": {"vocab_size": 50278}, "block_ranks": PP2}

@@ -21,3 +21,13 @@ def parallel_context():
     finally:
         ParallelContext.set_device = original
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def plan_a(tmp_path_factory):
+    """Plan A of ``test_resume.py``: pp=2 on E,t|t,L, six uninterrupted steps saving at 2, 4 and 6; trained once for
+    every module that resumes from it (``test_resume.py``, ``test_zbv_launcher.py``, ``test_resume_files.py``).
+    Returns (the run, its folder); its checkpoints are read, never written, by the tests."""
+    from upstream.test_resume import LAYOUT_A, _train
+
+    return _train(tmp_path_factory.mktemp("plan_a"), ext=LAYOUT_A)

@@ -25,6 +25,8 @@ from nanotron_ext.integration.cpu_standins import BANNER, STANDIN_PACKAGES
 from nanotron_ext.procs import local_env
 from upstream.e2e import ROOT, STUBS, Run, launch, tiny_config, whole_weights
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 EXAMPLE = ROOT / "examples" / "cpu_debug"
 #: The example's runs: config -> ranks (the commands of docs/checkpoints.md).
 RUNS = {"train_pp2": 2, "resume_pp2": 2, "resume_pp1": 1, "resume_split": 2}

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from nanotron_ext.procs import local_env
 
 from .harness import upstream_tree
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
 REPO = Path(__file__).resolve().parents[2]
 

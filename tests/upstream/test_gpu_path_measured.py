@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

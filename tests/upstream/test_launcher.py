@@ -1,11 +1,14 @@
 """End to end: upstream Nanotron's own ``run_train.py`` and ``DistributedTrainer`` through
 ``torchrun -m nanotron_ext.run`` on two CPU processes over gloo, on dummy data (see ``e2e.py``); the tests of what a
-run trains start the ranks directly (``e2e.TORCHRUN``)."""
+run trains start the ranks directly (``e2e.TORCHRUN``). The seed model's training through torchrun is the quick run's
+end-to-end test of the launcher; the others are marked slow."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 from upstream.e2e import TORCHRUN, launch, one_message, tiny_config, weight_digests
 
@@ -22,6 +25,7 @@ FROZEN_FIRST_STAGE = {"cost_strategy": "layout", "layout": "E,t|t,L", "freeze": 
 BF16 = {"model__dtype": "bfloat16", "optimizer__accumulate_grad_in_fp32": True}
 
 
+@pytest.mark.slow
 def test_seed_model_nanotron_rule_is_refused_on_every_rank_before_any_weight(tmp_path):
     run = launch(tiny_config(tmp_path, ext={"cost_strategy": "constrained"}), "--cost-strategy", "nanotron")
     assert run.rc != 0
@@ -41,6 +45,7 @@ def test_seed_model_constrained_trains_ten_steps_and_the_loss_falls(tmp_path):
     assert run.losses[10] < run.losses[1] - 0.5, run.losses
 
 
+@pytest.mark.slow
 def test_qwen2_trains_at_pp2(tmp_path):
     run = launch(
         tiny_config(tmp_path, "config_qwen.yaml", steps=5, ext={"cost_strategy": "constrained"}), torchrun=TORCHRUN
@@ -51,6 +56,7 @@ def test_qwen2_trains_at_pp2(tmp_path):
     assert run.losses[5] < run.losses[1]
 
 
+@pytest.mark.slow
 def test_frozen_first_stage_is_refused_without_allow_frozen_stages(tmp_path):
     run = launch(tiny_config(tmp_path, ext=FROZEN_FIRST_STAGE))
     assert run.rc != 0
@@ -59,6 +65,7 @@ def test_frozen_first_stage_is_refused_without_allow_frozen_stages(tmp_path):
     assert not run.losses
 
 
+@pytest.mark.slow
 def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_checkpoint(tmp_path):
     ext = {**FROZEN_FIRST_STAGE, "allow_frozen_stages": True}
     run = launch(tiny_config(tmp_path, ext=ext, checkpoints__save_initial_state=True, **BF16), torchrun=TORCHRUN)
@@ -96,6 +103,7 @@ def test_frozen_first_stage_trains_keeps_frozen_weights_and_resumes_from_its_che
     assert {k for k in trained if after[k] == end[k]} == set()
 
 
+@pytest.mark.slow
 def test_frozen_first_stage_at_dp2_runs_without_ddp_there_and_with_ddp_on_the_trained_stage(tmp_path):
     # 4 processes: dp=2 x pp=2. Upstream would stop in check_model_has_grad ("Can't use DDP because model in
     # PP=0 has no gradient"); the frozen rank runs unwrapped, stage 1's replicas sync through DDP.
@@ -106,6 +114,7 @@ def test_frozen_first_stage_at_dp2_runs_without_ddp_there_and_with_ddp_on_the_tr
     assert sorted(run.losses) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(tmp_path):
     # vocab_shards: auto splits the lm_head's rows over both stages of the seed model at pp=2. The launcher
     # puts the chain into upstream's LlamaForTraining, broadcasts each micro-batch's labels to the shard ranks
@@ -123,6 +132,7 @@ def test_seed_model_with_the_vocabulary_chain_trains_through_nanotrons_trainer(t
     assert run.losses[10] < run.losses[1] - 0.5, run.losses
 
 
+@pytest.mark.slow
 def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
     run = launch(
         tiny_config(tmp_path, "config_qwen.yaml", steps=3, ext={"cost_strategy": "constrained", "vocab_shards": 3}),
@@ -132,6 +142,7 @@ def test_qwen2_with_the_vocabulary_chain_trains_at_pp2(tmp_path):
     assert "vocab.0" in run.out and sorted(run.losses) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_key_no_nanotron_reads_is_left_to_nanotrons_own_loader(tmp_path):
     # DoReMi's section: not a near miss, so the launcher only warns (once, rank 0) and runs the script, whose own
     # loader has the final word; upstream main's strict loader refuses it, and the user sees its message.
@@ -143,6 +154,7 @@ def test_a_key_no_nanotron_reads_is_left_to_nanotrons_own_loader(tmp_path):
     assert "unknown key(s)" not in run.out  # not refused by us
 
 
+@pytest.mark.slow
 def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_rank(tmp_path):
     # 4 processes: dp=2 x pp=2, a vocabulary shard on each stage. Upstream lays ranks out pp-major, so the
     # pipeline groups are {0, 2} and {1, 3}: each replica's labels are broadcast from global rank 2 or 3 (its
@@ -157,6 +169,7 @@ def test_vocabulary_chain_at_dp2_takes_each_replicas_labels_from_its_own_output_
     assert sorted(run.losses) == [1, 2, 3] and all(10.8 < v < 1e3 for v in run.losses.values()), run.losses
 
 
+@pytest.mark.slow
 def test_lm_head_in_the_freeze_spec_trains_every_vocabulary_shard_under_auto(tmp_path):
     # `unfreeze: [lm_head]` with vocab_shards: auto: the launcher plans, builds and freezes with the chain's
     # shards standing for the lm_head; every shard's weight moves, every frozen weight is bit-identical.

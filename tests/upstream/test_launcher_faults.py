@@ -13,8 +13,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from nanotron_ext.procs import kill_process_group
 from upstream.e2e import tiny_config, torchrun_command
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
 #: The most seconds every process of the job may take to be gone after the fault.
 GONE_WITHIN_S = 5.0

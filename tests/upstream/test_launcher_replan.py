@@ -21,6 +21,8 @@ from nanotron_ext.errors import ConfigError
 from upstream.e2e import TORCHRUN, launch, tiny_config, whole_weights
 from upstream.test_resume import SHAPE, _notes, _placed, kill_inside_save
 
+pytestmark = pytest.mark.slow  # real processes, minutes: the slow set (python -m pytest -m slow)
+
 #: Stage 0 holds the embedding alone: the tiny model's slowest split at pp = 2 (docs/replan.md).
 BAD = {"cost_strategy": "layout", "layout": "E|t*2,L"}
 #: One timed step a turn: steps 4-5 on the run's plan, 6-8 on the candidate, 9-10 back on the run's plan.

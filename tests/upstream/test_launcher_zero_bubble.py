@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from upstream.e2e import launch, tiny_config
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
 BF16 = {"model__dtype": "bfloat16", "optimizer__accumulate_grad_in_fp32": True}
 # The default, schedule-aware strategy may split differently per engine; flops places the blocks alike for both.

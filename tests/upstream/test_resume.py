@@ -31,6 +31,8 @@ from nanotron_cpu import PAUSE_IN_SAVE
 from nanotron_ext.procs import kill_process_group
 from upstream.e2e import TORCHRUN, Run, launch, one_message, tiny_config, torchrun_command, whole_weights
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 #: The shared shape: 8 samples a step as 4 micro-batches of 2 (1F1B needs pp - 1 of them at pp=4), a vocabulary
 #: that tp=2 splits without padding, no gradient clipping (see the module docstring).
 SHAPE = {
@@ -111,10 +113,7 @@ def _close(ref: tuple[Run, Path], new: tuple[Run, Path], name: str) -> None:
     assert max(share.values()) > 0  # the arithmetic does differ here: a zero would belong in an exact test
 
 
-@pytest.fixture(scope="module")
-def plan_a(tmp_path_factory):
-    """A: pp=2, E,t|t,L, six uninterrupted steps."""
-    return _train(tmp_path_factory.mktemp("a"), ext=LAYOUT_A)
+# plan_a, A's six uninterrupted steps, is tests/upstream/conftest.py's (other modules resume from it too).
 
 
 def test_the_plan_travels_with_every_checkpoint(plan_a):

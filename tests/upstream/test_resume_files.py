@@ -6,8 +6,8 @@ each file, what it holds and what is wrong with it, and the step-2 checkpoint, w
 before records listed their files resumes with a line saying it could not be verified; a file that then fails to
 load stops every rank with a load failure (exit code 3) naming it.
 
-One training run is shared by every case; a refused resume stops before the model is built (about as long as
-starting the two processes).
+One training run is shared by every case, the resume tests' plan A; a refused resume stops before the model is built
+(about as long as starting the two processes).
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ import xxhash
 
 from nanotron_ext.checkpoint import RECORD_FILE
 from upstream.e2e import Run, launch, one_message, tiny_config
+from upstream.test_resume import LAYOUT_A, SHAPE
 
-SHAPE = {
-    "tokens__micro_batch_size": 2,
-    "tokens__batch_accumulation_per_replica": 4,
-    "model__model_config__vocab_size": 50276,
-    "optimizer__clip_grad": None,
-}
-KEPT = {"cost_strategy": "layout", "layout": "E,t|t,L"}
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
+KEPT = LAYOUT_A  # plan A's own split (SHAPE and plan A: test_resume.py's)
 OTHER_SPLIT = {"cost_strategy": "layout", "layout": "E,t*2|L"}  # pp=2 too: the launcher's loader places the state
 
 LM_HEAD = "model/model/lm_head/pp_block/model_weight_pp-rank-1-of-2_tp-rank-0-of-1.safetensors"
@@ -43,14 +40,18 @@ OPTIMIZER = "optimizer/optimizer_pp-{}-of-2_tp-0-of-1_exp-0-of-1.pt"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """Checkpoints 2 and 4 of four steps under E,t|t,L."""
-    tmp = tmp_path_factory.mktemp("saved")
-    run = launch(tiny_config(tmp, steps=4, checkpoints__checkpoint_interval=2, **SHAPE, ext=KEPT))
-    assert run.rc == 0, run.out[-4000:]
-    # Nanotron's trainer saves step 4 twice (its interval, then save_final_state): written and logged once.
-    assert re.findall(r"Saving checkpoint at (\S+)", run.out) == [str(tmp / "checkpoints" / s) for s in ("2", "4")]
-    return tmp / "checkpoints"
+def saved(plan_a, tmp_path_factory) -> Path:
+    """Checkpoints 2 and 4 under E,t|t,L: those of plan A (tests/upstream/conftest.py; this module's shape, saving
+    every 2 steps), copied as they were written (files and times) into a folder whose latest is 4."""
+    run, base = plan_a
+    # Nanotron's trainer saves step 6 twice (its interval, then save_final_state): written and logged once.
+    once = [str(base / "checkpoints" / step) for step in ("2", "4", "6")]
+    assert re.findall(r"Saving checkpoint at (\S+)", run.out) == once
+    folder = tmp_path_factory.mktemp("saved") / "checkpoints"
+    for step in (2, 4):
+        shutil.copytree(base / "checkpoints" / str(step), folder / str(step))
+    (folder / "latest.txt").write_text("4")
+    return folder
 
 
 def _copy(saved: Path, tmp: Path) -> Path:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from runtime.spawn import run_distributed
 
 from upstream.harness import UPSTREAM_EXAMPLES
 from upstream.workers import build_through_patched_trainer
+
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
 
 def _seed_config(tmp_path: Path, strategy: str) -> Path:

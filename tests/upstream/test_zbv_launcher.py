@@ -12,16 +12,19 @@ import pytest
 from nanotron_ext.checkpoint import RECORD_FILE
 from upstream.test_resume import LAYOUT_A, _notes, _placed, _same, _train
 
+pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
+
 #: The V the planner searches for the tiny model at pp=2: embedding | decoders | final norm | lm_head, cast, loss.
 V_SPLIT = "E|t*2|N|H,C,X"
 ZBV = {"parallelism__pp_engine": "zbv", "ext": {"cost_strategy": "constrained"}}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Plan A (contiguous, 1f1b) and its step-2 checkpoint resumed under zbv with --replan (steps 3-6)."""
+def runs(plan_a, tmp_path_factory):
+    """Plan A (contiguous, 1f1b: tests/upstream/conftest.py's) and its step-2 checkpoint resumed under zbv with
+    --replan (steps 3-6)."""
     tmp = tmp_path_factory.mktemp("zbv_launcher")
-    a = _train(tmp / "a", 2, ext=LAYOUT_A)
+    a = plan_a
     v = _train(tmp / "v", 2, "--replan", checkpoints__resume_checkpoint_path=str(a[1] / "checkpoints" / "2"), **ZBV)
     return a, v
 

@@ -660,8 +660,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a number's error gives no example",
         "nanotron_ext/config_ext.py",
-        '{key}: {example:g}, or null for {otherwise}',
-        'or null for {otherwise}',
+        "{key}: {example:g}, or null for {otherwise}",
+        "or null for {otherwise}",
         ("tests/test_user_errors.py::test_every_number_error_gives_an_example_value",),
     ),
     M(

@@ -14,6 +14,7 @@ from mutations.base import (
     MACHINE_TESTS,
     MEASURED,
     MEMORY,
+    MOMENT,
     OPTIMAL,
     PRICING,
     PROFILE,
@@ -233,10 +234,28 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "2 micro-batches in flight skip the later backward",
-        MEMORY,
-        "            if n >= 2:  # a later backward",
-        "            if n >= 3:  # a later backward",
+        MOMENT,
+        "        if n >= 2:  # a later backward",
+        "        if n >= 3:  # a later backward",
         ("tests/test_memory.py::test_two_micro_batches_peak_in_the_second_backward_with_every_gradient_alive",),
+    ),
+    M(
+        "a recomputed layer's backward starts with its own gradients made",
+        MOMENT,
+        "            candidates.append((backward, made - grads[i], temporaries))",
+        "            candidates.append((backward, made, temporaries))",
+        (
+            "tests/test_memory.py::test_a_recomputed_layers_first_backward_holds_what_it_recomputed_or_its_gradients_never_both",
+        ),
+    ),
+    M(
+        "a recomputed layer's backward ends with what it recomputed still held",
+        MOMENT,
+        "            candidates.append((backward, made, temporaries - per.recomputed[i]))",
+        "            candidates.append((backward, made, temporaries))",
+        (
+            "tests/test_memory.py::test_a_recomputed_layers_first_backward_holds_what_it_recomputed_or_its_gradients_never_both",
+        ),
     ),
     M(
         "chain flattens Qwen2's labels seq-major",
@@ -305,7 +324,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- zb1p (issue 23) ---------------------------------------------------------------------------------------
     M(
         "a B's own products are not counted while they wait for its W",
-        MEMORY,
+        MOMENT,
         "        current = sum(pending[i:])\n",
         "        current = 0.0\n",
         ("tests/test_zb1p.py::test_stage_peak_adds_rank_times_the_deferred_state_under_zb1p_only",),
