@@ -4,7 +4,8 @@ No hub and no download: the tokenizer is the 256 byte values plus a few special 
 files on disk — by default the corpus bundled in ``nanotron_ext/data/`` (about 150 KB of simple English,
 written and generated for this project). Files are read with ``datasets.load_dataset("text", ...)`` one
 paragraph per row, tokenised (bytes, then ``EOS`` after each paragraph), concatenated and cut into windows of
-``sequence_length + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``).
+``sequence_length + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``); the packed windows are kept
+between runs (:mod:`nanotron_ext.runtime.data_cache`).
 
 Order is deterministic given a seed: epoch ``e`` visits the windows in ``permutation(seed, e)`` and DP rank
 ``r`` of ``d`` takes every ``d``-th window of that order starting at ``r``, so DP replicas see disjoint data
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from nanotron_ext.errors import ConfigError
+from nanotron_ext.runtime.data_cache import cached_windows
 
 __all__ = [
     "ByteTokenizer",
@@ -162,13 +164,18 @@ def load_packed_windows(
     Raises:
         ConfigError: the files are empty or too small for one window.
     """
-    import datasets
-
     tokenizer = tokenizer or ByteTokenizer()
     window = sequence_length + 1
     _check_text_files(files)
     if all(Path(f).stat().st_size == 0 for f in files):  # datasets cannot even infer a schema from them
         raise _too_little_text(files, window)
+    return cached_windows(files, window, tokenizer, lambda: _pack(files, window, tokenizer))
+
+
+def _pack(files: Sequence[str | Path], window: int, tokenizer: ByteTokenizer) -> np.ndarray:
+    """The windows of :func:`load_packed_windows`, read with ``datasets`` and packed."""
+    import datasets
+
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     # A private cache folder per process: no lock contention between ranks, nothing left behind.
