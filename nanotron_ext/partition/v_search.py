@@ -194,7 +194,7 @@ def search_v_split(
                 break
             if bounds == best or not ok(bounds):
                 continue
-            result = simulate_within(problem, bounds, eager, budgets)
+            result = simulate_within(problem, bounds, eager, budgets, under=best_step)
             evaluated += 1
             if result is not None and result.step_time < best_step and fit(bounds, result):
                 best, best_step = bounds, result.step_time

@@ -13,6 +13,7 @@ PP 4 and 8 (``benchmarks/zbv_simulated.py``) this turns the FLOP-balanced chunks
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from nanotron_ext.costs.v_memory import VRankMemory, v_rank_at, v_rank_terms
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule.v_moments import v_moments
-from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv
+from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv, simulate_zbv_under
 
 __all__ = [
     "Budgets",
@@ -71,11 +72,19 @@ Budgets = Callable[[Sequence[int]], VBudget]
 
 
 def simulate_within(
-    problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (), budgets: Budgets | None = None
+    problem: ScheduleProblem,
+    bounds: Sequence[int],
+    eager: Collection[int] = (),
+    budgets: Budgets | None = None,
+    *,
+    under: float = math.inf,
 ) -> VResult | None:
-    """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it."""
+    """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it or where its
+    step is not under ``under`` (a search's best so far: such a schedule is not finished)."""
     try:
-        return v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
+        stages, p2p, _ = problem.simulator_inputs(bounds)
+        budget = None if budgets is None else budgets(bounds)
+        return simulate_zbv_under(stages, problem.n_micro_batches, p2p, eager=eager, budget=budget, under=under)
     except ValueError:
         return None
 
@@ -216,7 +225,10 @@ def descend_v_split(
                 trial[cut] += move
                 if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
                     continue
-                result = simulate_within(problem, trial, eager, budgets)
+                # A split slower than the best is not finished, but for the last one the budget allows: there a
+                # split no order fits skips the budget's check (the descent's walk as it always was).
+                under = best_step * (1 - 1e-12) if evaluated + 1 < max_evals else math.inf
+                result = simulate_within(problem, trial, eager, budgets, under=under)
                 evaluated += 1
                 if result is None:
                     continue

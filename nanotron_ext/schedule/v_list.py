@@ -14,7 +14,8 @@ hundred splits under eight rules, a few hundred ops each, so the per-op work is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from nanotron_ext.schedule.simulator import StageTimes
@@ -33,6 +34,10 @@ __all__ = [
 
 class Stalled(RuntimeError):
     """Every rank waits and nothing is under way: the rule's memory reserve was too small for these times."""
+
+
+class _Beyond(Exception):
+    """The schedule's pipeline is sure to end after its ``stop``: what it would be is not needed."""
 
 
 class Policy(NamedTuple):
@@ -135,11 +140,15 @@ def fastest_schedule(
     cap: int | None,
     eager: frozenset[int] = frozenset(),
     budget: VBudget | None = None,
+    stop: float = math.inf,
 ) -> ListSchedule | None:
-    """The fastest of :data:`POLICIES`' list schedules (the earlier rule of equals), None where every rule stalls.
+    """The fastest of :data:`POLICIES`' list schedules (the earlier rule of equals), None where every rule stalls
+    or ends after ``stop``.
 
     A rule is scheduled only where no earlier one made its every decision: while two rules agree at every choice
     (the same forwards let in, at most one ``B`` ready when their orders of chunks differ) their schedules are one.
+    A rule stops once its pipeline is sure to end after ``stop`` or after the fastest rule's so far: a rank's clock
+    is its work done and its idle time, so its end is at least its idle time so far plus all its work.
 
     Raises:
         ValueError: a cap below 2.
@@ -151,8 +160,8 @@ def fastest_schedule(
         if policy not in known:
             state = _State(chunks, m, cuts, cap, policy, eager, budget, twins=POLICIES[k + 1 :])
             try:
-                found: ListSchedule | None = state.run()
-            except Stalled:
+                found: ListSchedule | None = state.run(stop if best is None else min(stop, best.pipeline))
+            except (Stalled, _Beyond):
                 found = None
             known.update(dict.fromkeys(state.twins, found))
         else:
@@ -209,6 +218,8 @@ class _State:
         self.held = [0] * pp
         self.used = [0.0] * pp  # bytes reserved under the budget
         self.free = [0.0] * pp
+        self.idle = [0.0] * pp  # each rank's time waiting so far
+        self.work = [m * sum(d[s] for d in self.duration.values() for s in self.stage_of[r]) for r in range(pp)]
         self.known: list[list[tuple[tuple[str, int, int], float | None]] | None] = [None] * pp
         self.reserve = (policy.down_reserve, 0)  # per chunk: the slots a forward leaves free
         #: The rules whose every decision so far was this one's: their schedules are this one (:meth:`same_so_far`).
@@ -292,9 +303,14 @@ class _State:
             later += [a for _, a in self.candidates(q) if a is not None and a > now]
         return min(later) if later else None
 
-    def run(self) -> ListSchedule:
-        """Schedule every op (module docstring)."""
+    def run(self, stop: float = math.inf) -> ListSchedule:
+        """Schedule every op (module docstring).
+
+        Raises:
+            _Beyond: the pipeline is sure to end after ``stop`` (:func:`fastest_schedule`).
+        """
         pp, free = self.pp, self.free
+        self.beyond(range(pp), stop)
         total = 3 * 2 * pp * self.m
         ops: list[tuple[str, int, int, float, float]] = []
         waiting = [False] * pp  # ranks that found nothing to do at their time, while another may still act then
@@ -316,6 +332,8 @@ class _State:
                     )
                 for q in idle:
                     free[q] = moment
+                    self.idle[q] += moment - now
+                self.beyond(idle, stop)
                 waiting = [False] * pp
                 continue
             op = self.next_op(r, now)
@@ -325,6 +343,12 @@ class _State:
             waiting = [False] * pp
             pipeline = max(pipeline, self.start(r, op, now, ops))
         return ListSchedule(ops, pipeline)
+
+    def beyond(self, ranks: Iterable[int], stop: float) -> None:
+        """Raises :class:`_Beyond` where one of ``ranks`` is sure to end after ``stop``: its idle time so far and all
+        its work (with room for the float sums' rounding, far under 1e-9 of a step)."""
+        if stop < math.inf and any((self.idle[q] + self.work[q]) * (1 - 1e-9) > stop for q in ranks):
+            raise _Beyond
 
     def start(
         self, r: int, op: tuple[str, int, int], now: float, ops: list[tuple[str, int, int, float, float]]

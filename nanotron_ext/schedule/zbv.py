@@ -57,6 +57,7 @@ __all__ = [
     "VResult",
     "by_rank",
     "simulate_zbv",
+    "simulate_zbv_under",
     "v_rank",
     "v_result",
     "zbv_order",
@@ -203,6 +204,31 @@ def simulate_zbv(
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
             ``backward``, a cut count other than ``2 pp - 1``.
     """
+    found = simulate_zbv_under(chunks, n_micro_batches, p2p_time, cap, eager, budget)
+    if found is None:
+        raise ValueError(
+            f"no ZB-V order of pp={len(chunks) // 2}, m={n_micro_batches} fits its cap and budget under any rule; "
+            f"give the ranks more memory"
+        )
+    return found
+
+
+def simulate_zbv_under(
+    chunks: Sequence[StageTimes],
+    n_micro_batches: int,
+    p2p_time: float | Sequence[float] = 0.0,
+    cap: int | None = None,
+    eager: Collection[int] = (),
+    budget: VBudget | None = None,
+    *,
+    under: float = math.inf,
+) -> VResult | None:
+    """:func:`simulate_zbv`'s step where its step time is under ``under`` (a search's best so far), else None, as
+    where no rule keeps to the cap and budget: a schedule sure to end later is not finished.
+
+    Raises:
+        ValueError: as :func:`simulate_zbv`'s bad input.
+    """
     chunks = check_stage_times(chunks, "chunks")
     if not chunks or len(chunks) % 2:
         raise ValueError(f"{len(chunks)} chunks; a V needs two per rank (2 pp), stage 0 first")
@@ -214,14 +240,14 @@ def simulate_zbv(
         raise ValueError(f"eager stages {sorted(now)} are not all virtual stages of 0..{2 * pp - 1}")
     if budget is not None:
         check_budget(budget, pp)
+    update = max(chunks[r].update + chunks[2 * pp - 1 - r].update for r in range(pp))
+    # A pipeline past this makes a step past ``under`` (the margin covers the subtraction's rounding).
+    stop = under - update + 1e-12 * abs(under) if under < math.inf else math.inf
     # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
     # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
-    best = fastest_schedule(chunks, n_micro_batches, cuts, cap, now, budget)
-    if best is None:
-        raise ValueError(
-            f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
-            f"give the ranks more memory"
-        )
+    best = fastest_schedule(chunks, n_micro_batches, cuts, cap, now, budget, stop)
+    if best is None or best.pipeline + update >= under:
+        return None
     order, times = _order_and_times(best, pp)
     return v_result(chunks, n_micro_batches, times, order)
 
