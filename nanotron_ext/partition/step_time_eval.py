@@ -20,7 +20,8 @@ import numpy as np
 
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
-from nanotron_ext.schedule.programs import Action, Step, engine_program
+from nanotron_ext.schedule.programs import Action, Step
+from nanotron_ext.schedule.simulator import pipeline_programs
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]  # ScheduleProblem: re-exported from its module
 
@@ -60,10 +61,7 @@ class _Graph:
 @lru_cache(maxsize=64)
 def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Graph:
     """Compile the per-rank programs into a graph, in the order ``simulate`` would process them."""
-    programs = [
-        engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])  # type: ignore[arg-type]
-        for s in range(pp)
-    ]
+    programs = pipeline_programs(engine, pp, m, cuts)  # type: ignore[arg-type]
     nodes, last = _nodes(programs)
     return _levelled(nodes, last, pp, n_actions=sum(len(p) for p in programs))
 
@@ -95,7 +93,7 @@ _STEP_INFO = {
 }
 
 
-def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
+def _nodes(programs: Sequence[Sequence[Step]]) -> tuple[_Nodes, list[int]]:
     """Replay the programs as ``simulate`` does, making one node per compute (fused into the receive before it
     when nothing else waits on that receive) and one per receive; returns the nodes and each rank's last."""
     pp = len(programs)
