@@ -20,9 +20,11 @@ pipeline part alone, the one to compare with that ideal.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -85,7 +87,7 @@ class StageTimes:
         return max(0.0, self.backward - self.weight)
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One forward (``F``), backward (``B``) or, under zb1p, deferred weight-gradient pass (``W``) of one
     micro-batch on one stage, or the stage's update (``U``, micro-batch ``-1``), with its simulated start and
@@ -203,8 +205,23 @@ def simulate(
     cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
     if len(cuts) != pp - 1:
         raise ValueError(f"grad_cuts has {len(cuts)} entries for {pp} stages; pass one per cut (pp - 1)")
-    per_stage, clock = _replay(pipeline_programs(engine, pp, m, tuple(cuts)), stages, p2p, engine)
-    return step_record(engine, m, stages, per_stage, max(clock), p2p)
+    with _no_cycle_collection():
+        per_stage, clock = _replay(pipeline_programs(engine, pp, m, tuple(cuts)), stages, p2p, engine)
+        return step_record(engine, m, stages, per_stage, max(clock), p2p)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused while a step's ops are made: they form no cycles, and with many objects alive
+    (a plan's earlier results) each of the collector's passes walks them all, up to half a large step's time (pp
+    128 with 512 micro-batches: 131k ops)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @lru_cache(maxsize=8)
