@@ -222,7 +222,7 @@ class _State:
         self.work = [m * sum(d[s] for d in self.duration.values() for s in self.stage_of[r]) for r in range(pp)]
         self.known: list[list[tuple[tuple[str, int, int], float | None]] | None] = [None] * pp
         self.reserve = (policy.down_reserve, 0)  # per chunk: the slots a forward leaves free
-        #: The rules whose every decision so far was this one's: their schedules are this one (:meth:`same_so_far`).
+        #: The rules whose every decision so far was this one's: their schedules are this one.
         self.twins = [t for t in twins if t != policy]
         if budget is not None:
             self.need = [budget.need(s) for s in range(last + 1)]
