@@ -21,8 +21,7 @@ import numpy as np
 
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
-from nanotron_ext.schedule.programs import Action, Step
-from nanotron_ext.schedule.simulator import pipeline_programs
+from nanotron_ext.schedule.programs import Action, Step, pipeline_programs
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]  # ScheduleProblem: re-exported from its module
 

@@ -26,11 +26,10 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any, Literal
 
 from nanotron_ext.schedule import ZERO_BUBBLE, Engine, ideal_bubble_fraction
-from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program
+from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program, pipeline_programs
 
 __all__ = [
     "Action",
@@ -44,7 +43,6 @@ __all__ = [
     "format_p2p",
     "ideal_bubble_fraction",
     "per_cut_p2p",
-    "pipeline_programs",
     "simulate",
     "step_record",
 ]
@@ -222,18 +220,6 @@ def _no_cycle_collection() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-@lru_cache(maxsize=8)
-def pipeline_programs(engine: Engine, pp: int, m: int, grad_cuts: tuple[bool, ...]) -> tuple[list[Step], ...]:
-    """Every rank's program (:func:`~nanotron_ext.schedule.programs.engine_program`), no gradient back across a cut
-    whose ``grad_cuts`` entry is False. Kept for the next caller (read them, do not change them): a plan simulates
-    its split and Nanotron's rule's, and the step-time search compiles the same programs (a third of a large
-    pipeline's simulation was building them)."""
-    return tuple(
-        engine_program(engine, pp, s, m, grad_in=s == 0 or grad_cuts[s - 1], grad_out=s == pp - 1 or grad_cuts[s])
-        for s in range(pp)
-    )
 
 
 def per_cut_p2p(p2p_time: float | Sequence[float], pp: int) -> list[float]:
