@@ -186,3 +186,19 @@ def test_scheduled_under_its_byte_budget_every_split_keeps_each_ranks_estimate_u
     # The budget alone keeps the search's split under the cap (no check of the peaks after simulating).
     got = search_v_split(problem, _even(len(blocks), 2 * case[1]), valid=valid, budgets=budgets)
     assert got.proven and got.step == min(scheduled.values()) and scheduled[got.bounds] == got.step
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-pp{c[1]}")
+@pytest.mark.parametrize("quantile", [0.1, 0.5, 0.9])
+def test_the_walk_keeps_every_split_whose_bound_is_under_the_threshold_and_no_other(case, quantile):
+    from nanotron_ext.partition.v_search import _leaves, _Prices
+
+    _, blocks, problem, _, _ = _case(*case)
+    n, chunks = len(blocks), problem.pp
+    bounds = {(0, *c, n): v_lower_bound(problem, (0, *c, n)) for c in itertools.combinations(range(1, n), chunks - 1)}
+    threshold = sorted(bounds.values())[int(quantile * (len(bounds) - 1))]
+    leaves, dropped = _leaves(_Prices(problem), problem.n_micro_batches, n, threshold, 10**6, 10**7)
+    assert dropped == math.inf
+    assert {split for _, split in leaves} == {split for split, lb in bounds.items() if lb < threshold}
+    for lb, split in leaves:
+        assert math.isclose(lb, bounds[split], rel_tol=1e-12)
