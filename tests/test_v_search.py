@@ -202,3 +202,14 @@ def test_the_walk_keeps_every_split_whose_bound_is_under_the_threshold_and_no_ot
     assert {split for _, split in leaves} == {split for split, lb in bounds.items() if lb < threshold}
     for lb, split in leaves:
         assert math.isclose(lb, bounds[split], rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("cap", ["the tenth percentile peak", "just under the fastest split's peak"])
+def test_from_any_seed_that_fits_the_descent_ends_on_a_split_that_fits(cap):
+    cfg, blocks, problem, valid, splits = _case(*CASES[1])
+    peaks = sorted(peak for _, peak in splits.values())
+    fastest = min(splits, key=lambda b: splits[b][0])
+    limit = peaks[len(peaks) // 10] if cap.startswith("the tenth") else splits[fastest][1] * (1 - 1e-9)
+    for seed in [b for b, (_, peak) in splits.items() if peak <= limit]:
+        moved = descend_v_split(problem, seed, valid=valid, fits=_fits(blocks, cfg, limit))
+        assert splits[moved.bounds][1] <= limit, (seed, moved.bounds)
