@@ -266,7 +266,9 @@ def step_record(
         if stages[s].update > 0:
             per_stage[s].append(Op(s, "U", -1, pipeline_time, pipeline_time + stages[s].update))
     step_time = pipeline_time + max(st.update for st in stages)
-    busy = [math.fsum(op.duration for op in ops) for ops in per_stage]
+    # Each op's duration read once, as ``Op.duration`` computes it (a large step has 131k ops).
+    durations = [[op.end - op.start for op in ops] for ops in per_stage]
+    busy = [math.fsum(d) for d in durations]
     # max: float sums of a stage that never waits can round a hair above the step; idle is never negative.
     idle = [max(0.0, step_time - b) for b in busy]
     return SimResult(
@@ -280,7 +282,8 @@ def step_record(
         pipeline_bubble_fraction=_ratio(
             # max, as for idle above.
             math.fsum(
-                max(0.0, pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U")) for ops in per_stage
+                max(0.0, pipeline_time - math.fsum(d for op, d in zip(ops, took) if op.kind != "U"))
+                for ops, took in zip(per_stage, durations)
             ),
             pp * pipeline_time,
         ),
@@ -344,9 +347,13 @@ def _peak_in_flight(ops: list[Op]) -> int:
     # A stage's ops never overlap, so walking them in order sees every change of the count.
     count = peak = 0
     for op in ops:
-        count += {"F": 1, "B": -1}.get(op.kind, 0)
+        count += _IN_FLIGHT.get(op.kind, 0)
         peak = max(peak, count)
     return peak
+
+
+#: How an op changes the micro-batches a stage holds.
+_IN_FLIGHT = {"F": 1, "B": -1}
 
 
 def _ratio(num: float, den: float) -> float:
