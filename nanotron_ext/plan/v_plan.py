@@ -42,9 +42,9 @@ from nanotron_ext.strategies.step_time import schedule_problem
 __all__ = ["V_SEARCH_EVALS", "V_STRATEGY", "VPlan", "make_v_plan", "plan_for", "strategy_note", "v_plan_timeline"]
 
 #: The most splits :func:`make_v_plan` simulates per search (two searches: the loss chunk's ``W`` deferred, and at
-#: once). Each costs a simulated V step (0.1-0.2 s at pp 4, m 16): 40 keeps a plan of Llama-3-8B at pp 4 near 7 s,
-#: where 300 (walk unbounded) took 109 s for a step 3.5 % shorter. A plan is a function of its config: the same
-#: budget everywhere.
+#: once). Each costs a simulated V step (milliseconds at pp 4, m 16, less where it is stopped past the best): 40
+#: keep a plan of Llama-3-8B at pp 4 near 0.6 s of CPU (7 s before issue 55), where 300 (walk unbounded) took 109 s
+#: then for a step 3.5 % shorter. A plan is a function of its config: the same budget everywhere.
 V_SEARCH_EVALS = 40
 
 
