@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -177,3 +179,71 @@ def test_stage_dependent_costs_match_brute_force(instance):
     ref = brute_force(costs, pp, act=act, flight=flight)
     got = partition(costs, pp, per_in_flight=act, in_flight=flight)
     assert math.isclose(got.max_cost, ref[0], rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _every_start_programme(costs, pp, flags=None, static=None, act=None, flight=None, cap=None):
+    """The partitioner's two programmes over every start of every stage (``O(pp · n²)``, as before it looked only
+    at the stages a trial cost admits): the split it chooses, ties to the earliest start."""
+    n = len(costs)
+    flight = flight or [1] * pp
+    scale = float(sum(costs) + (sum(act) * max(flight) if act and not static else 0.0)) or 1.0
+    cp = np.concatenate([[0.0], np.cumsum(np.asarray(costs) / scale)])
+    ap = np.concatenate([[0.0], np.cumsum(np.asarray(act if act and not static else [0.0] * n) / scale)])
+    idx = np.arange(n + 1)
+    valid = idx[:, None] < idx[None, :]
+    if flags is not None:
+        fp = np.concatenate([[0], np.cumsum(np.asarray(flags, dtype=np.int64))])
+        valid = valid & ((fp[None, :] - fp[:, None]) >= 1)
+
+    def ok(k):
+        if cap is None:
+            return valid
+        q = np.concatenate([[0.0], np.cumsum(static)]) + flight[k] * np.concatenate([[0.0], np.cumsum(act)])
+        return valid & ((q[None, :] - q[:, None]) <= cap + cap * 1e-9)
+
+    def programme(combine, limit=None):
+        value, choices = np.full(n + 1, np.inf), []
+        value[0] = 0.0
+        for k in range(pp):
+            mult = float(flight[k]) if act and not static else 1.0
+            s = (cp[None, :] - cp[:, None]) + mult * (ap[None, :] - ap[:, None])
+            good = ok(k) if limit is None else ok(k) & (s <= limit)
+            cand = np.where(good, np.maximum(value[:, None], s) if combine == "max" else value[:, None] + s * s, np.inf)
+            choices.append(np.argmin(cand, axis=0))
+            value = cand.min(axis=0)
+        return float(value[n]), choices
+
+    best, _ = programme("max")
+    if not math.isfinite(best):
+        return None
+    _, choices = programme("sumsq", best * (1 + 1e-9) + 1e-15)
+    bounds = [n]
+    for k in range(pp - 1, -1, -1):
+        bounds.append(int(choices[k][bounds[-1]]))
+    return tuple(bounds[::-1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_programme_over_admitted_stages_chooses_the_split_of_the_one_over_every_start(seed):
+    """The partitioner looks only at stages whose cost a trial admits (doubled until a split is found): the same
+    split as the programme over every start, ties included (integer costs, zero-cost runs, flags, a memory cap)."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = rng.randint(1, 90)
+        pp = rng.randint(1, min(n, 24))
+        costs = [float(rng.choice([0, 0, 1, 2, 3, rng.randint(0, 50)])) for _ in range(n)]
+        flags = [rng.random() < 0.6 for _ in range(n)] if rng.random() < 0.5 else None
+        reqs = [Requirement("flagged blocks", tuple(flags))] if flags is not None else []
+        flight = [pp - k for k in range(pp)]
+        cap, static, act = None, None, None
+        if rng.random() < 0.5:
+            static = [float(rng.randint(0, 9)) for _ in range(n)]
+            act = [float(rng.randint(0, 3)) for _ in range(n)]
+            cap = float(rng.randint(5, 20) + sum(static) / pp)
+        memory = None if cap is None else MemoryCap(tuple(static), tuple(act), tuple(flight), cap)
+        ref = _every_start_programme(costs, pp, flags, static, act, flight, cap)
+        if ref is None:
+            with pytest.raises(PlanningError):
+                partition(costs, pp, requirements=reqs, memory=memory)
+            continue
+        assert partition(costs, pp, requirements=reqs, memory=memory).bounds == ref

@@ -275,3 +275,30 @@ def test_splits_within_a_bound_are_those_a_plain_enumeration_keeps(seed):
         limit = lb * rng.uniform(1.0, 1.3)
         every = [sp for sp in _splits(n, problem.pp) if bound.value(sp) <= limit]
         assert sorted(splits_within(bound, limit, 10**6)) == sorted(every)
+
+
+def test_a_split_simulated_for_an_equal_problem_is_not_simulated_again_but_counts_as_evaluated():
+    from nanotron_ext.schedule.simulator import StageTimes, simulate
+
+    rng = random.Random(55)
+    n, pp, m = 12, 3, 4
+    times = [tuple(rng.uniform(0.5, 2.0) for _ in range(n)) for _ in range(3)]
+    make = lambda f: ScheduleProblem(f, times[1], times[2], tuple([0.01] * n), (True,) * (n + 1), pp, m, "1f1b")  # noqa: E731
+    splits = _splits(n, pp)[::7]
+    first = StepTimeEvaluator(make(times[0]))
+    expected = first(splits)
+    again = StepTimeEvaluator(make(times[0]))  # an equal problem, a new evaluator: every split known
+    simulated = []
+    plain = again._simulate
+    again._simulate = lambda bounds: simulated.append(len(bounds)) or plain(bounds)  # type: ignore[method-assign]
+    assert np.array_equal(again(splits), expected) and simulated == []
+    assert (again.evaluated, again.work) == (first.evaluated, first.work)  # the budgets run as before
+    other = make(tuple(t * 2 for t in times[0]))  # other times: nothing known, each simulated as simulate does
+    got = StepTimeEvaluator(other)(splits[:3])
+    for split, step in zip(splits[:3], got):
+        stages = [
+            StageTimes(sum(other.forward[a:b]), sum(other.backward[a:b]), sum(other.update[a:b]))
+            for a, b in zip(split, split[1:])
+        ]
+        ref = simulate(stages, m, "1f1b", [0.01] * (pp - 1)).step_time
+        assert math.isclose(step, ref, rel_tol=1e-12), (split, step, ref)

@@ -86,7 +86,7 @@ def test_the_list_schedules_own_times_are_what_its_order_replays_to() -> None:
     another rank, free at the same moment, was about to make would start its op late)."""
     import random
 
-    from nanotron_ext.schedule.zbv import POLICIES, _Stalled
+    from nanotron_ext.schedule.v_list import POLICIES, Stalled
 
     rng = random.Random(7)
     for _ in range(60):
@@ -100,7 +100,7 @@ def test_the_list_schedules_own_times_are_what_its_order_replays_to() -> None:
         for policy in POLICIES:
             try:
                 order, times = _schedule(chunks, m, cuts, cap, policy)
-            except _Stalled:
+            except Stalled:
                 continue
             replayed = replay_v_order(order, chunks, m, p2p_time=cuts)
             got = {(o.kind, o.micro_batch, o.stage): (o.start, o.end) for o in replayed.ops}

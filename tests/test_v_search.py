@@ -186,3 +186,30 @@ def test_scheduled_under_its_byte_budget_every_split_keeps_each_ranks_estimate_u
     # The budget alone keeps the search's split under the cap (no check of the peaks after simulating).
     got = search_v_split(problem, _even(len(blocks), 2 * case[1]), valid=valid, budgets=budgets)
     assert got.proven and got.step == min(scheduled.values()) and scheduled[got.bounds] == got.step
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-pp{c[1]}")
+@pytest.mark.parametrize("quantile", [0.1, 0.5, 0.9])
+def test_the_walk_keeps_every_split_whose_bound_is_under_the_threshold_and_no_other(case, quantile):
+    from nanotron_ext.partition.v_search import _leaves, _Prices
+
+    _, blocks, problem, _, _ = _case(*case)
+    n, chunks = len(blocks), problem.pp
+    bounds = {(0, *c, n): v_lower_bound(problem, (0, *c, n)) for c in itertools.combinations(range(1, n), chunks - 1)}
+    threshold = sorted(bounds.values())[int(quantile * (len(bounds) - 1))]
+    leaves, dropped = _leaves(_Prices(problem), problem.n_micro_batches, n, threshold, 10**6, 10**7)
+    assert dropped == math.inf
+    assert {split for _, split in leaves} == {split for split, lb in bounds.items() if lb < threshold}
+    for lb, split in leaves:
+        assert math.isclose(lb, bounds[split], rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("cap", ["the tenth percentile peak", "just under the fastest split's peak"])
+def test_from_any_seed_that_fits_the_descent_ends_on_a_split_that_fits(cap):
+    cfg, blocks, problem, valid, splits = _case(*CASES[1])
+    peaks = sorted(peak for _, peak in splits.values())
+    fastest = min(splits, key=lambda b: splits[b][0])
+    limit = peaks[len(peaks) // 10] if cap.startswith("the tenth") else splits[fastest][1] * (1 - 1e-9)
+    for seed in [b for b, (_, peak) in splits.items() if peak <= limit]:
+        moved = descend_v_split(problem, seed, valid=valid, fits=_fits(blocks, cfg, limit))
+        assert splits[moved.bounds][1] <= limit, (seed, moved.bounds)

@@ -72,3 +72,33 @@ def test_a_split_that_is_no_v_or_no_valid_seed_is_refused():
     )
     with pytest.raises(PlanningError, match="3 chunks; a V has two per rank"):
         descend_v_split(schedule_problem(inventory_from_config(cfg), cfg), (0, 1, 2, 7))
+
+
+def _plain_descent(problem, seed, valid, max_evals):
+    """The descent with every trial simulated to its end (no budget in bytes: every trial has a step)."""
+    best, evaluated, improved = tuple(seed), 1, True
+    best_step = v_step(problem, best)
+    while improved and evaluated < max_evals:
+        improved = False
+        for cut in range(1, len(best) - 1):
+            for move in MOVES:
+                trial = list(best)
+                trial[cut] += move
+                if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not valid(trial):
+                    continue
+                step, evaluated = v_step(problem, trial), evaluated + 1
+                if step < best_step * (1 - 1e-12):
+                    best, best_step, improved = tuple(trial), step, True
+                if evaluated >= max_evals:
+                    break
+            if evaluated >= max_evals:
+                break
+    return best, best_step, evaluated
+
+
+@pytest.mark.parametrize("max_evals", range(2, 14))
+def test_a_descent_that_stops_slower_trials_early_walks_as_one_that_simulates_them_to_the_end(max_evals):
+    problem, valid, splits = _case("smollm_135m.yaml", 2, 6)
+    for seed in splits[::9]:
+        found = descend_v_split(problem, seed, valid=valid, max_evals=max_evals)
+        assert (found.bounds, found.step, found.evaluated) == _plain_descent(problem, seed, valid, max_evals)

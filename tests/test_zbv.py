@@ -98,7 +98,7 @@ def test_no_rule_with_the_reserve_for_the_way_up_stalls_whatever_the_times_the_p
         cuts = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(2 * pp - 1)]
         m, cap = rng.randint(1, 4 * pp), rng.choice([None, 2, 3, 2 * pp + 2])
         for policy in (p for p in POLICIES if p.down_reserve):
-            _schedule(chunks, m, cuts, cap, policy)  # raises _Stalled if it stalls
+            _schedule(chunks, m, cuts, cap, policy)  # raises Stalled if it stalls
         assert max(simulate_zbv(chunks, m, cuts, cap).peak_held) <= (2 * pp if cap is None else cap)
 
 

@@ -27,7 +27,15 @@ from nanotron_ext.costs.memory_estimate import PeakOfTwoMoments, StageMemory, co
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.schedule.v_moments import VMoment
 
-__all__ = ["FIRST_BACKWARD", "VRankMemory", "v_least_largest_rank", "v_rank_floor", "v_rank_memory"]
+__all__ = [
+    "FIRST_BACKWARD",
+    "VRankMemory",
+    "v_least_largest_rank",
+    "v_rank_at",
+    "v_rank_floor",
+    "v_rank_memory",
+    "v_rank_terms",
+]
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,11 @@ class VRankMemory(PeakOfTwoMoments):
         }
 
 
+#: A moment every rank of a V reaches, whatever the schedule: micro-batch 0's B starting on the way up, with its F
+#: of the way down still held (that chunk's B comes later) and the way up's W state counted from the B's start.
+FIRST_BACKWARD = VMoment((1, 1), (0, 1), 1, "B")
+
+
 def v_rank_memory(
     chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], moments: Sequence[VMoment], cfg: PlannerConfig, rank: int
 ) -> VRankMemory:
@@ -107,12 +120,23 @@ def v_rank_memory(
     """
     if not moments:
         raise PlanningError(f"rank {rank} of the V has no ops: pass the moments of a simulated step (v_moments)")
+    return v_rank_at(v_rank_terms(chunks, cfg, rank), moments)
+
+
+def v_rank_terms(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], cfg: PlannerConfig, rank: int) -> VRankMemory:
+    """Rank ``rank``'s terms, whatever the schedule (its ``worst`` is :data:`FIRST_BACKWARD` until
+    :func:`v_rank_at` puts the schedule's there): what a split search keeps for each pair of chunks.
+
+    Raises:
+        PlanningError: a chunk without blocks.
+    """
     if not (chunks[0] and chunks[1]):
         raise PlanningError(f"rank {rank} of the V has an empty chunk; every chunk needs a block")
-    cfg = cfg.with_overrides(engine="zb1p")
+    if cfg.run.engine != "zb1p":
+        cfg = cfg.with_overrides(engine="zb1p")
     whole = _estimate([*chunks[0], *chunks[1]], cfg)
     parts = (_estimate(chunks[0], cfg), _estimate(chunks[1], cfg))
-    base = VRankMemory(
+    return VRankMemory(
         rank=rank,
         weights=whole.weights,
         gradients=whole.gradients,
@@ -123,20 +147,19 @@ def v_rank_memory(
         activations=(parts[0].activations, parts[1].activations),
         weight_pending=(parts[0].weight_pending, parts[1].weight_pending),
         temporaries=(parts[0].pipeline_temporaries, parts[1].pipeline_temporaries),
-        worst=moments[0],
+        worst=FIRST_BACKWARD,
     )
+
+
+def v_rank_at(base: VRankMemory, moments: Sequence[VMoment]) -> VRankMemory:
+    """``base``'s terms with the worst of ``moments`` (what the rank holds at each of its ops' starts)."""
     return replace(base, worst=max(moments, key=base.pipeline_at))
-
-
-#: A moment every rank of a V reaches, whatever the schedule: micro-batch 0's B starting on the way up, with its F
-#: of the way down still held (that chunk's B comes later) and the way up's W state counted from the B's start.
-FIRST_BACKWARD = VMoment((1, 1), (0, 1), 1, "B")
 
 
 def v_rank_floor(chunks: tuple[Sequence[BlockInfo], Sequence[BlockInfo]], cfg: PlannerConfig, rank: int) -> float:
     """A lower bound of :func:`v_rank_memory`'s peak under any schedule (its terms at :data:`FIRST_BACKWARD`, or
     the optimizer step): what a split search checks before simulating a split."""
-    return v_rank_memory(chunks, [FIRST_BACKWARD], cfg, rank).peak
+    return v_rank_terms(chunks, cfg, rank).peak
 
 
 def v_least_largest_rank(blocks: Sequence[BlockInfo], cfg: PlannerConfig, pp: int) -> float:

@@ -187,41 +187,95 @@ def partition(
         _check_requirement(req, pp, names)
 
     flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
-    valid = _segment_validity(n, pp, flag_prefix, memory)
+    valid = _segment_validity(n, flag_prefix, memory)
 
     # Normalise so that tolerances are relative and squares stay in range.
     scale = float(c.sum() + a.sum() * max(mult)) or 1.0
     cp = np.concatenate([[0.0], np.cumsum(c / scale)])
     ap = np.concatenate([[0.0], np.cumsum(a / scale)])
 
-    def seg(k: int) -> np.ndarray:
-        return (cp[None, :] - cp[:, None]) + mult[k] * (ap[None, :] - ap[:, None])
+    def seg(k: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        return (cp[e] - cp[s]) + mult[k] * (ap[e] - ap[s])
 
-    best, _ = _dp(pp, n, seg, valid, combine="max")
+    def width(limit: float) -> int:
+        return _longest_stage(n, lambda s, e: seg(int(np.argmin(mult)), s, e), limit)
+
+    best = _least_slowest_stage(
+        pp, n, seg, valid, width, start=2.0 * max(1.0 / pp, float(np.max(c + a * max(mult)) / scale))
+    )
     if not math.isfinite(best):
         raise _infeasible(costs, pp, requirements, memory, names, in_flight)
     bound = best * (1 + _RTOL) + 1e-15
-    _, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound)
+    _, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound, width=width(bound))
     stage_costs = tuple(
         float(c[bounds[k] : bounds[k + 1]].sum() + mult[k] * a[bounds[k] : bounds[k + 1]].sum()) for k in range(pp)
     )
     return Partition(tuple(bounds), stage_costs)
 
 
-def _dp(pp, n, seg, valid, combine: str, cap: float | None = None) -> tuple[float, list[int]]:
+#: ``seg(k, s, e)``, ``valid(k, s, e)``: a stage ``k`` of blocks ``[s, e)`` (arrays of starts and ends, broadcast).
+Segments = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _least_slowest_stage(
+    pp: int, n: int, seg: Segments, valid: Segments, width: Callable[[float], int], start: float
+) -> float:
+    """The least slowest stage of any valid split (``inf``: none), by the programme over stages of cost at most a
+    trial ``t``, doubled from ``start`` until a split is found: exact, since every split whose slowest stage is at
+    most ``t`` is among those, and the others are slower than the one found (once ``t`` admits every stage, the
+    programme over all of them)."""
+    t = start
+    while True:
+        w = width(t)
+        if w >= n:
+            return _dp(pp, n, seg, valid, combine="max")[0]
+        best = _dp(pp, n, seg, valid, combine="max", cap=t, width=w)[0]
+        if math.isfinite(best):
+            return best
+        t *= 2
+
+
+def _longest_stage(n: int, seg: Callable[[np.ndarray, np.ndarray], np.ndarray], limit: float) -> int:
+    """The most blocks a stage of cost at most ``limit`` holds, by ``seg`` (non-increasing in the start: costs are
+    not negative), found per end by bisection on the very comparison the programme makes; at least 1."""
+    ends = np.arange(n + 1)
+    lo, hi = np.zeros(n + 1, dtype=np.int64), ends.copy()  # the first start within the limit is in [lo, hi]
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        within = seg(mid, ends) <= limit
+        active = lo < hi
+        hi = np.where(active & within, mid, hi)
+        lo = np.where(active & ~within, mid + 1, lo)
+    return max(1, int(np.max(ends - lo)))
+
+
+def _dp(
+    pp: int, n: int, seg: Segments, valid: Segments, combine: str, cap: float | None = None, width: int | None = None
+) -> tuple[float, list[int]]:
+    """The programme over stages: per end ``e``, the best of its starts ``e - width .. e - 1`` (every start by
+    default; callers narrow it only where the stages left out cost more than ``cap``, so none of them is chosen).
+    Ties go to the smallest start."""
     inf = math.inf
+    width = n if width is None else max(1, min(width, n))
+    ends = np.arange(n + 1)
+    starts = ends[:, None] - width + np.arange(width)[None, :]  # increasing: the first minimum is the earliest
+    inside = starts >= 0
+    starts = np.where(inside, starts, 0)
+    ends = ends[:, None]
+    rows = np.arange(n + 1)
     value = np.full(n + 1, inf)
     value[0] = 0.0
     choices = []
     for k in range(pp):
-        s = seg(k)
-        ok = valid(k)
+        s = seg(k, starts, ends)
+        ok = inside & valid(k, starts, ends)
         if cap is not None:
             ok = ok & (s <= cap)
-        cand = np.maximum(value[:, None], s) if combine == "max" else value[:, None] + s * s
+        cand = np.maximum(value[starts], s) if combine == "max" else value[starts] + s * s
         cand = np.where(ok, cand, inf)
-        choices.append(np.argmin(cand, axis=0))  # first minimum: deterministic tie-break
-        value = cand.min(axis=0)
+        pick = np.argmin(cand, axis=1)  # first minimum: deterministic tie-break
+        choices.append(starts[rows, pick])
+        value = cand[rows, pick]
     total = float(value[n])
     if not math.isfinite(total):
         return total, []
@@ -231,20 +285,25 @@ def _dp(pp, n, seg, valid, combine: str, cap: float | None = None) -> tuple[floa
     return total, bounds[::-1]
 
 
-def _segment_validity(n: int, pp: int, flag_prefix: list[np.ndarray], memory: MemoryCap | None):
-    idx = np.arange(n + 1)
-    base = idx[:, None] < idx[None, :]  # non-empty
-    for fp in flag_prefix:
-        base = base & ((fp[None, :] - fp[:, None]) >= 1)
+def _segment_validity(n: int, flag_prefix: list[np.ndarray], memory: MemoryCap | None) -> Segments:
+    """``valid(k, s, e)``: blocks ``[s, e)`` (``s < e``) hold a flagged block of every requirement and fit the
+    memory on stage ``k``."""
+
+    def flagged(s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        out = np.ones(np.broadcast(s, e).shape, dtype=bool)
+        for fp in flag_prefix:
+            out = out & ((fp[e] - fp[s]) >= 1)
+        return out
+
     if memory is None:
-        return lambda k: base
+        return lambda k, s, e: flagged(s, e)
     if memory.exact is not None:
-        return lambda k: base & memory.fits(k, n)
+        return lambda k, s, e: flagged(s, e) & memory.fits(k, n)[s, e]
     limit = memory.slack_room
 
-    def valid(k: int) -> np.ndarray:
+    def valid(k: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:
         q = memory.prefix(k)
-        return base & ((q[None, :] - q[:, None]) <= limit)
+        return flagged(s, e) & ((q[e] - q[s]) <= limit)
 
     return valid
 
@@ -297,10 +356,10 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
     # Which peak memory is reachable at all under the other constraints?
     n = len(names)
     flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
-    valid = _segment_validity(n, pp, flag_prefix, None)
+    valid = _segment_validity(n, flag_prefix, None)
     # The full estimate of every segment when the cap holds on it (exact), else the additive part's.
     least, bounds = _dp(
-        pp, n, lambda k: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n)), valid, combine="max"
+        pp, n, lambda k, s, e: np.where(np.isinf(memory.table(k, n)), 0.0, memory.table(k, n))[s, e], valid, "max"
     )
     if not bounds:  # the requirements alone leave no split, whatever the memory
         return no_split

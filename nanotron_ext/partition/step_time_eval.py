@@ -11,6 +11,7 @@ in ``tests/test_schedule_aware.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,7 +21,7 @@ import numpy as np
 
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
-from nanotron_ext.schedule.programs import Action, Step, engine_program
+from nanotron_ext.schedule.programs import Action, Step, pipeline_programs
 
 __all__ = ["ScheduleProblem", "StepTimeEvaluator", "schedule_graph"]  # ScheduleProblem: re-exported from its module
 
@@ -60,10 +61,7 @@ class _Graph:
 @lru_cache(maxsize=64)
 def schedule_graph(engine: str, pp: int, m: int, cuts: tuple[bool, ...]) -> _Graph:
     """Compile the per-rank programs into a graph, in the order ``simulate`` would process them."""
-    programs = [
-        engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])  # type: ignore[arg-type]
-        for s in range(pp)
-    ]
+    programs = pipeline_programs(engine, pp, m, cuts)  # type: ignore[arg-type]
     nodes, last = _nodes(programs)
     return _levelled(nodes, last, pp, n_actions=sum(len(p) for p in programs))
 
@@ -95,7 +93,7 @@ _STEP_INFO = {
 }
 
 
-def _nodes(programs: list[list[Step]]) -> tuple[_Nodes, list[int]]:
+def _nodes(programs: Sequence[Sequence[Step]]) -> tuple[_Nodes, list[int]]:
     """Replay the programs as ``simulate`` does, making one node per compute (fused into the receive before it
     when nothing else waits on that receive) and one per receive; returns the nodes and each rank's last."""
     pp = len(programs)
@@ -183,6 +181,23 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
     return _Graph(levels=tuple(levels), last=new[np.asarray(prev)], n_nodes=len(order), n_actions=n_actions)
 
 
+#: Each recent problem's simulated splits (bounds as bytes → step time): a plan searches one model and schedule
+#: under no cap, then under the device's memory, then under the full estimate, and most splits come up again.
+_KNOWN: dict[ScheduleProblem, dict[bytes, float]] = {}
+_KNOWN_PROBLEMS = 4
+
+
+def _known_steps(problem: ScheduleProblem) -> dict[bytes, float]:
+    """The simulated splits of problems equal to ``problem`` (the last few problems kept)."""
+    known = _KNOWN.pop(problem, None)
+    if known is None:
+        known = {}
+        while len(_KNOWN) >= _KNOWN_PROBLEMS:
+            _KNOWN.pop(next(iter(_KNOWN)))
+    _KNOWN[problem] = known  # the newest last
+    return known
+
+
 class StepTimeEvaluator:
     """Step time of many splits of one :class:`ScheduleProblem` at once (equal to ``simulate``'s)."""
 
@@ -202,12 +217,35 @@ class StepTimeEvaluator:
         self._send = np.asarray(problem.send, dtype=np.float64)  # (cuts, n)
         self._grad = np.asarray(problem.grad_after, dtype=bool)
         self._table = np.empty(0)
+        self._known = _known_steps(problem)
 
     def __call__(self, splits: Sequence[Sequence[int]]) -> np.ndarray:
-        """Step time of each split (``bounds``: ``pp + 1`` increasing cut positions from 0 to n)."""
+        """Step time of each split (``bounds``: ``pp + 1`` increasing cut positions from 0 to n). A split already
+        simulated for an equal problem (the same model and schedule searched again under a memory cap, say) is
+        not simulated again, but counts as evaluated, as the work budgets have always counted it."""
         if len(splits) == 0:
             return np.zeros(0)
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
+        keys = [row.tobytes() for row in bounds]
+        known = self._known
+        out = np.array([known.get(key, math.nan) for key in keys])
+        todo = np.flatnonzero(np.isnan(out))
+        if len(todo):
+            out[todo] = self._simulate(bounds[todo])
+            known.update(zip((keys[i] for i in todo), out[todo].tolist()))
+        self.work += sum(self._actions(key) * len(rows) for key, rows in self._by_cuts(bounds))
+        self.evaluated += len(bounds)
+        return out
+
+    def _actions(self, cuts: np.ndarray) -> int:
+        """Program actions of the schedule graph of these cut flags."""
+        problem = self.problem
+        return schedule_graph(
+            problem.engine, problem.pp, problem.n_micro_batches, tuple(bool(x) for x in cuts)
+        ).n_actions
+
+    def _simulate(self, bounds: np.ndarray) -> np.ndarray:
+        """Step time of each row of ``bounds``, simulated."""
         pp = self.problem.pp
         out = np.empty(len(bounds))
         for key, rows in self._by_cuts(bounds):
@@ -216,8 +254,6 @@ class StepTimeEvaluator:
             chunk = max(1, int(_CHUNK_FLOATS // graph.n_nodes))  # bounds the (nodes × splits) time table
             for i in range(0, len(rows), chunk):
                 out[rows[i : i + chunk]] = self._run(bounds[rows[i : i + chunk]], cuts_key)
-            self.work += graph.n_actions * len(rows)
-        self.evaluated += len(bounds)
         return out
 
     def charge(self, splits: Sequence[Sequence[int]] | np.ndarray) -> None:

@@ -64,27 +64,30 @@ class VSearch:
 
 class _Prices:
     """Prefix sums of each chunk's forward and whole backward by its position (first, middle, last of the ``2 pp``
-    stages), the p2p of each cut position, and the updates: every chunk's times in O(1)."""
+    stages), the p2p of each cut position, and the updates: every chunk's times in O(1), as Python floats (the walk
+    asks tens of thousands of times; a float's difference is numpy's)."""
 
     def __init__(self, problem: ScheduleProblem) -> None:
         self.problem = problem
-        chunks = problem.pp
-        self.forward, self.work = [], []
+        chunks, n = problem.pp, problem.n
+        self.forward: list[list[float]] = []
+        self.work: list[list[float]] = []
         for c in range(chunks):
             f, b, _ = problem.at(c)
-            self.forward.append(np.concatenate([[0.0], np.cumsum(f)]))
-            self.work.append(np.concatenate([[0.0], np.cumsum(np.add(f, b))]))
+            self.forward.append(np.concatenate([[0.0], np.cumsum(f)]).tolist())
+            self.work.append(np.concatenate([[0.0], np.cumsum(np.add(f, b))]).tolist())
         lowest = np.min([np.add(*problem.at(c)[:2]) for c in range(chunks)], axis=0)
-        self._least = np.concatenate([[0.0], np.cumsum(lowest)])
+        self._least = np.concatenate([[0.0], np.cumsum(lowest)]).tolist()
+        ends = np.arange(n + 1)
+        self._updates = problem.segment_updates(ends[:, None], ends[None, :]).tolist()  # [s][e], each as alone
 
     def least_work(self, s: int, e: int) -> float:
         """The least forward + backward of blocks ``[s, e)`` wherever they land."""
-        return float(self._least[e] - self._least[s])
+        return self._least[e] - self._least[s]
 
     def chunk(self, c: int, s: int, e: int) -> tuple[float, float, float]:
         """(forward, forward + backward, update) of blocks ``[s, e)`` as chunk ``c``."""
-        update = float(self.problem.segment_updates(np.asarray([s]), np.asarray([e]))[0])
-        return (float(self.forward[c][e] - self.forward[c][s]), float(self.work[c][e] - self.work[c][s]), update)
+        return (self.forward[c][e] - self.forward[c][s], self.work[c][e] - self.work[c][s], self._updates[s][e])
 
     def cut(self, c: int, e: int) -> float:
         """The p2p of the cut after chunk ``c`` ending before block ``e``."""
@@ -194,7 +197,7 @@ def search_v_split(
                 break
             if bounds == best or not ok(bounds):
                 continue
-            result = simulate_within(problem, bounds, eager, budgets)
+            result = simulate_within(problem, bounds, eager, budgets, under=best_step)
             evaluated += 1
             if result is not None and result.step_time < best_step and fit(bounds, result):
                 best, best_step = bounds, result.step_time

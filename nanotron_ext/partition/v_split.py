@@ -13,19 +13,21 @@ PP 4 and 8 (``benchmarks/zbv_simulated.py``) this turns the FLOP-balanced chunks
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
-from nanotron_ext.costs.v_memory import FIRST_BACKWARD, VRankMemory, v_rank_floor, v_rank_memory
+from nanotron_ext.costs.v_memory import VRankMemory, v_rank_at, v_rank_terms
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule.v_moments import v_moments
-from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv
+from nanotron_ext.schedule.zbv import VBudget, VResult, simulate_zbv, simulate_zbv_under
 
 __all__ = [
     "Budgets",
+    "VMemory",
     "VSplit",
     "descend_v_split",
     "simulate_within",
@@ -70,27 +72,80 @@ Budgets = Callable[[Sequence[int]], VBudget]
 
 
 def simulate_within(
-    problem: ScheduleProblem, bounds: Sequence[int], eager: Collection[int] = (), budgets: Budgets | None = None
+    problem: ScheduleProblem,
+    bounds: Sequence[int],
+    eager: Collection[int] = (),
+    budgets: Budgets | None = None,
+    *,
+    under: float = math.inf,
 ) -> VResult | None:
-    """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it."""
+    """:func:`v_simulate` of ``bounds`` under its budget, None where no order keeps a rank under it or where its
+    step is not under ``under`` (a search's best so far: such a schedule is not finished)."""
     try:
-        return v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
+        stages, p2p, _ = problem.simulator_inputs(bounds)
+        budget = None if budgets is None else budgets(bounds)
+        return simulate_zbv_under(stages, problem.n_micro_batches, p2p, eager=eager, budget=budget, under=under)
     except ValueError:
         return None
 
 
+class VMemory:
+    """Each rank's memory of the Vs that cut ``blocks`` under ``cfg``: its terms estimated once for each pair of
+    chunks it can hold (:func:`~nanotron_ext.costs.v_memory.v_rank_terms`), then read by the floors, budgets and
+    peaks of every split a search tries (a descent moves one cut: the other ranks keep theirs)."""
+
+    def __init__(self, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> None:
+        self.blocks = blocks
+        self.cfg = cfg if cfg.run.engine == "zb1p" else cfg.with_overrides(engine="zb1p")
+        self._terms: dict[tuple[int, int, int, int, int], VRankMemory] = {}
+
+    def terms(self, bounds: Sequence[int]) -> list[VRankMemory]:
+        """Each rank's terms (their ``worst`` the first backward) of the V that cuts the blocks at ``bounds``: rank
+        ``r`` holds chunk ``r`` (the way down) and chunk ``2 pp - 1 - r`` (the way up)."""
+        chunks, out = len(bounds) - 1, []
+        for r in range(chunks // 2):
+            up = chunks - 1 - r
+            key = (r, bounds[r], bounds[r + 1], bounds[up], bounds[up + 1])
+            found = self._terms.get(key)
+            if found is None:
+                pair = (self.blocks[key[1] : key[2]], self.blocks[key[3] : key[4]])
+                found = self._terms[key] = v_rank_terms(pair, self.cfg, r)
+            out.append(found)
+        return out
+
+    def floors(self, bounds: Sequence[int]) -> list[float]:
+        """Each rank's least peak (:func:`~nanotron_ext.costs.v_memory.v_rank_floor`), whatever the schedule."""
+        return [x.peak for x in self.terms(bounds)]
+
+    def budget(self, bounds: Sequence[int], cap: float) -> VBudget:
+        """The bytes each rank may hold in activations and W state, for its estimated peak to stay under ``cap``:
+        the cap less what the rank holds throughout and its chunks' largest temporaries (a negative budget no
+        order fits)."""
+        chunks = len(bounds) - 1
+        mems = self.terms(bounds)
+        activation, pending = [0.0] * chunks, [0.0] * chunks
+        for r, mem in enumerate(mems):
+            for c, stage in enumerate((r, chunks - 1 - r)):
+                activation[stage], pending[stage] = mem.activations[c], mem.weight_pending[c]
+        room = [cap - mem.throughout - max(mem.temporaries) for mem in mems]
+        return VBudget(tuple(activation), tuple(pending), tuple(room))
+
+    def peaks(self, bounds: Sequence[int], result: VResult) -> list[VRankMemory]:
+        """Each rank's peak, scheduled as ``result`` (:func:`v_simulate` of the same bounds).
+
+        Raises:
+            PlanningError: bounds that are not ``2 pp`` chunks of the blocks for ``result``'s ``pp``.
+        """
+        pp, n = result.pp, len(self.blocks)
+        if len(bounds) != 2 * pp + 1 or bounds[0] != 0 or bounds[-1] != n:
+            raise PlanningError(f"bounds {list(bounds)} are not {2 * pp} chunks of {n} blocks (pp={pp})")
+        return [v_rank_at(terms, v_moments(result, r)) for r, terms in enumerate(self.terms(bounds))]
+
+
 def v_budget(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int], cap: float) -> VBudget:
     """The bytes each rank of the V that cuts ``blocks`` at ``bounds`` may hold in activations and W state, for its
-    estimated peak to stay under ``cap``: the cap less what the rank holds throughout and its chunks' largest
-    temporaries (:class:`~nanotron_ext.costs.v_memory.VRankMemory`'s terms; a negative budget no order fits)."""
-    chunks = len(bounds) - 1
-    mems = [v_rank_memory(pair, [FIRST_BACKWARD], cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
-    activation, pending = [0.0] * chunks, [0.0] * chunks
-    for r, mem in enumerate(mems):
-        for c, stage in enumerate((r, chunks - 1 - r)):
-            activation[stage], pending[stage] = mem.activations[c], mem.weight_pending[c]
-    room = [cap - mem.throughout - max(mem.temporaries) for mem in mems]
-    return VBudget(tuple(activation), tuple(pending), tuple(room))
+    estimated peak to stay under ``cap`` (:meth:`VMemory.budget`)."""
+    return VMemory(blocks, cfg).budget(bounds, cap)
 
 
 def v_step(problem: ScheduleProblem, bounds: Sequence[int]) -> float:
@@ -102,28 +157,18 @@ def v_peaks(
     blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int], result: VResult
 ) -> list[VRankMemory]:
     """Each rank's peak memory of the V that cuts ``blocks`` at ``bounds`` (``2 pp + 1`` positions), scheduled as
-    ``result`` (:func:`v_simulate` of the same bounds).
+    ``result`` (:func:`v_simulate` of the same bounds; :meth:`VMemory.peaks`).
 
     Raises:
         PlanningError: bounds that are not ``2 pp`` chunks of the blocks for ``result``'s ``pp``.
     """
-    pp = result.pp
-    if len(bounds) != 2 * pp + 1 or bounds[0] != 0 or bounds[-1] != len(blocks):
-        raise PlanningError(f"bounds {list(bounds)} are not {2 * pp} chunks of {len(blocks)} blocks (pp={pp})")
-    return [v_rank_memory(pair, v_moments(result, r), cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
+    return VMemory(blocks, cfg).peaks(bounds, result)
 
 
 def v_floors(blocks: Sequence[BlockInfo], cfg: PlannerConfig, bounds: Sequence[int]) -> list[float]:
     """Each rank's least peak (:func:`~nanotron_ext.costs.v_memory.v_rank_floor`) for the V that cuts ``blocks`` at
     ``bounds``, whatever its schedule: no simulation."""
-    return [v_rank_floor(pair, cfg, r) for r, pair in enumerate(_rank_chunks(blocks, bounds))]
-
-
-def _rank_chunks(blocks: Sequence[BlockInfo], bounds: Sequence[int]) -> list[tuple[list[BlockInfo], list[BlockInfo]]]:
-    """Each rank's two chunks of the V that cuts ``blocks`` at ``bounds``: rank ``r`` holds chunk ``r`` (the way
-    down) and chunk ``2 pp - 1 - r`` (the way up)."""
-    chunk = [list(blocks[s:e]) for s, e in zip(bounds, bounds[1:])]
-    return [(chunk[r], chunk[len(chunk) - 1 - r]) for r in range(len(chunk) // 2)]
+    return VMemory(blocks, cfg).floors(bounds)
 
 
 def descend_v_split(
@@ -180,7 +225,10 @@ def descend_v_split(
                 trial[cut] += move
                 if not trial[cut - 1] < trial[cut] < trial[cut + 1] or not ok(trial):
                     continue
-                result = simulate_within(problem, trial, eager, budgets)
+                # A split slower than the best is not finished, but for the last one the budget allows: there a
+                # split no order fits skips the budget's check (the descent's walk as it always was).
+                under = best_step * (1 - 1e-12) if evaluated + 1 < max_evals else math.inf
+                result = simulate_within(problem, trial, eager, budgets, under=under)
                 evaluated += 1
                 if result is None:
                     continue

@@ -1,5 +1,6 @@
-"""A V plan (issue 43): the blocks cut into ``2 pp`` chunks, two per rank, for the simulated ZB-V step under each
-rank's memory, with the order the engine runs. Plain data that prints (two chunks per rank), compares and serialises.
+"""Making a V plan (issue 43): the blocks cut into ``2 pp`` chunks, two per rank, for the simulated ZB-V step under
+each rank's memory, with the order the engine runs (the record, :class:`~nanotron_ext.plan.v_types.VPlan`, is
+re-exported here).
 
 :func:`make_v_plan` searches the split (:func:`~nanotron_ext.partition.v_search.search_v_split`, from the
 FLOP-balanced ``2 pp`` stages), every chunk priced as the config prices a stage (its machine profile, or the analytic
@@ -14,161 +15,37 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass
 
 from nanotron_ext.blocks import BlockInfo, short_name
 from nanotron_ext.config import DEFAULT_STRATEGY, PlannerConfig
 from nanotron_ext.costs.v_memory import v_least_largest_rank
 from nanotron_ext.errors import ConfigError, PlanningError
 from nanotron_ext.machine import machine_for
-from nanotron_ext.machine.memory_limit import memory_limit
+from nanotron_ext.machine.memory_limit import MemoryLimit, memory_limit
 from nanotron_ext.partition.layout_string import layout_ranks
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.partition.split import bounds_from_ranks
 from nanotron_ext.partition.v_search import search_v_split
-from nanotron_ext.partition.v_split import simulate_within, v_budget, v_floors, v_peaks, v_simulate
+from nanotron_ext.partition.v_split import Budgets, VMemory, simulate_within, v_simulate
 from nanotron_ext.plan.make import make_plan
 from nanotron_ext.plan.types import Plan
-from nanotron_ext.report import compact_names, format_seconds, table
+from nanotron_ext.plan.v_types import GIB, V_STRATEGY, VPlan
+from nanotron_ext.report import compact_names
 from nanotron_ext.schedule import V_ENGINE
 from nanotron_ext.schedule.simulator import SimResult
-from nanotron_ext.schedule.v_replay import Transfer, replay_v_order, transfer_order
-from nanotron_ext.schedule.zbv import VOp, by_rank, v_rank
+from nanotron_ext.schedule.v_replay import replay_v_order, transfer_order
+from nanotron_ext.schedule.zbv import VResult, by_rank
 from nanotron_ext.strategies.builtin import layout_of, layout_source
 from nanotron_ext.strategies.step_time import schedule_problem
 
 __all__ = ["V_SEARCH_EVALS", "V_STRATEGY", "VPlan", "make_v_plan", "plan_for", "strategy_note", "v_plan_timeline"]
 
-GIB = 2**30
 #: The most splits :func:`make_v_plan` simulates per search (two searches: the loss chunk's ``W`` deferred, and at
-#: once). Each costs a simulated V step (0.1-0.2 s at pp 4, m 16): 40 keeps a plan of Llama-3-8B at pp 4 near 7 s,
-#: where 300 (walk unbounded) took 109 s for a step 3.5 % shorter. A plan is a function of its config: the same
-#: budget everywhere.
+#: once). Each costs a simulated V step (milliseconds at pp 4, m 16, less where it is stopped past the best): 40
+#: keep a plan of Llama-3-8B at pp 4 near 0.6 s of CPU (7 s before issue 55), where 300 (walk unbounded) took 109 s
+#: then for a step 3.5 % shorter. A plan is a function of its config: the same budget everywhere.
 V_SEARCH_EVALS = 40
-#: What chose a V's split (a V plan's ``strategy``): the config's ``cost_strategy`` prices contiguous stages only.
-V_STRATEGY = "v-search"
-
-
-@dataclass(frozen=True)
-class VPlan:
-    """A V over ``pp`` ranks: ``bounds`` cut the blocks into ``2 pp`` chunks; chunk ``s`` runs on rank
-    ``v_rank(pp, s)``.
-
-    Attributes:
-        pp, n_micro_batches: the pipeline.
-        blocks: the blocks' names, in order.
-        bounds: ``2 pp + 1`` positions, 0 to the number of blocks.
-        step_time, bubble: the simulated ZB-V step (s) and its pipeline bubble.
-        peaks: each rank's estimated peak (bytes), both chunks at the moments they coincide.
-        limit: the bytes each rank was held to (None: no limit known).
-        p2p: each of the ``2 pp - 1`` cuts' transfer (s), as priced (the cut at the V's bottom stays on its rank).
-        eager: the chunks whose ``W`` runs right after its ``B``.
-        proven: whether the search proved the split the best under its rules (else its budget ran out); True for a
-            layout's split, which is not searched.
-        order: each rank's ops, in the order the engine runs them.
-        strategy: what chose the split: :data:`V_STRATEGY`, or ``layout`` (the config's ``layout`` string).
-        transfers: each rank's transfers in the order its sends are held to where they wait for their receive,
-            keyed by the plan's own times (:func:`~nanotron_ext.schedule.v_replay.transfer_order`).
-    """
-
-    pp: int
-    n_micro_batches: int
-    blocks: tuple[str, ...]
-    bounds: tuple[int, ...]
-    step_time: float
-    bubble: float
-    peaks: tuple[float, ...]
-    limit: float | None
-    p2p: tuple[float, ...]
-    eager: tuple[int, ...]
-    proven: bool
-    order: tuple[tuple[VOp, ...], ...]
-    strategy: str = V_STRATEGY
-    transfers: tuple[tuple[Transfer, ...], ...] = ()
-
-    engine = V_ENGINE
-    #: A V plan that exists trains: :func:`make_v_plan` raises where no split puts a trainable block on every
-    #: chunk within the memory, so it carries no findings.
-    findings: ClassVar[tuple[()]] = ()
-    ok = True
-
-    @property
-    def stages(self) -> list[int]:
-        """Each block's virtual stage (what ``build_cpu_llama(v_stages=...)`` and ``mark_v_stages`` take)."""
-        return [s for s in range(2 * self.pp) for _ in range(self.bounds[s + 1] - self.bounds[s])]
-
-    @property
-    def block_ranks(self) -> list[int]:
-        """Each block's PP rank: down the ranks and back up."""
-        return [v_rank(self.pp, s) for s in self.stages]
-
-    @property
-    def verdict(self) -> str:
-        """``OK``: a V plan that exists trains (as :attr:`Plan.verdict <nanotron_ext.plan.types.Plan.verdict>`)."""
-        return "OK"
-
-    def stage_map(self) -> str:
-        """``0-5+32-34|6-10+27-31``: per rank, the block index ranges of its chunk down and its chunk up."""
-
-        def span(stage: int) -> str:
-            a, b = self.bounds[stage], self.bounds[stage + 1] - 1
-            return f"{a}" if a == b else f"{a}-{b}"
-
-        return "|".join(f"{span(r)}+{span(2 * self.pp - 1 - r)}" for r in range(self.pp))
-
-    def order_for(self, pp: int, n_micro_batches: int) -> list[list[VOp]]:
-        """Each rank's ops, for ``ZeroBubbleVPipelineEngine(order=plan.order_for)``.
-
-        Raises:
-            ValueError: a step of another pp or micro-batch count than the plan's.
-        """
-        if (pp, n_micro_batches) != (self.pp, self.n_micro_batches):
-            raise ValueError(
-                f"this V plan's order is for pp={self.pp}, m={self.n_micro_batches}; the step has "
-                f"pp={pp}, m={n_micro_batches}: plan the V for the step's own pipeline"
-            )
-        return [list(ops) for ops in self.order]
-
-    def transfers_for(self, pp: int, n_micro_batches: int) -> list[list[Transfer]]:
-        """Each rank's transfers in their held order, for ``ZeroBubbleVPipelineEngine(transfers=plan.transfers_for)``.
-
-        Raises:
-            ValueError: as :meth:`order_for`.
-        """
-        order = self.order_for(pp, n_micro_batches)
-        return [list(t) for t in self.transfers] if self.transfers else transfer_order(order)
-
-    def chunk(self, stage: int) -> tuple[str, ...]:
-        """The blocks of virtual stage ``stage``."""
-        return self.blocks[self.bounds[stage] : self.bounds[stage + 1]]
-
-    def table(self) -> str:
-        """Two chunks per rank: the way down, the way up, the rank's peak."""
-        rows = []
-        for r in range(self.pp):
-            up = 2 * self.pp - 1 - r
-            rows.append(
-                [
-                    r,
-                    f"{r}: {compact_names([short_name(b) for b in self.chunk(r)])}",
-                    f"{up}: {compact_names([short_name(b) for b in self.chunk(up)])}",
-                    f"{self.peaks[r] / GIB:.2f}",
-                ]
-            )
-        limit = f"{self.limit / GIB:.2f} GiB" if self.limit is not None else "no limit known"
-        return (
-            table(["rank", "chunk down", "chunk up", "peak GiB"], rows)
-            + f"\nzbv: pp={self.pp}, m={self.n_micro_batches}, simulated step {format_seconds(self.step_time)}, "
-            f"pipeline bubble {self.bubble:.1%}; each rank under {limit}"
-            + ("" if self.proven else " (the search's budget ran out: the best found, not proven best)")
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"engine": self.engine, **asdict(self)}
-        out["order"] = [[str(op) for op in ops] for ops in self.order]
-        out["transfers"] = [[str(t) for t in ts] for ts in self.transfers]
-        return out
 
 
 def make_v_plan(
@@ -189,115 +66,148 @@ def make_v_plan(
         PlanningError: fewer blocks than ``2 pp`` chunks, or no split trains in every chunk within the memory limit
             (naming the limit and the least peak a rank can have), or a layout's V that does not.
     """
-    pp = cfg.run.pp
-    if len(blocks) < 2 * pp:
-        raise PlanningError(
-            f"a V over pp={pp} ranks cuts the model into {2 * pp} chunks, but it has {len(blocks)} "
-            f"pipeline blocks; lower pp to {len(blocks) // 2} or less, or use pp_engine zb1p"
-        )
-    chunked, problem = _chunk_problem(blocks, cfg)
-    limit = memory_limit(cfg)
-    cap = None if limit is None else limit.bytes
-    trains = [b.trainable > 0 for b in blocks]
-    if sum(trains) < 2 * pp:
-        names = compact_names([short_name(b.name) for b in blocks if b.trainable > 0])
-        raise PlanningError(
-            f"a V over pp={pp} ranks needs a trainable block in each of its {2 * pp} chunks; "
-            f"{sum(trains)} blocks train ({names}): unfreeze one, lower pp or use pp_engine zb1p"
-        )
-
-    least = v_least_largest_rank(blocks, chunked, pp)
-    if cap is not None and least > cap:
-        raise PlanningError(
-            f"no V split of {len(blocks)} blocks over pp={pp} ranks fits under {limit}: the "
-            f"weights, gradients and optimizer state alone put at least {least / GIB:.2f} GiB on "
-            f"one rank; use pp_engine zb1p, or raise pp, tp or the memory"
-        )
-
-    def fits(bounds: Sequence[int], result: Any) -> bool:
-        return cap is None or max(x.peak for x in v_peaks(blocks, chunked, bounds, result)) <= cap
-
-    budgets = None if cap is None else (lambda bounds: v_budget(blocks, chunked, bounds, cap))
+    space = _VSpace.of(blocks, cfg)
     if cfg.ext.cost_strategy == "layout" or v_stages is not None:
         what = f"layout {cfg.ext.layout!r}" if v_stages is None else "the recorded V"
-        bounds = _chunk_bounds(blocks, cfg, trains, v_stages, what)
+        bounds = _chunk_bounds(blocks, cfg, space.trains, v_stages, what)
         ways = [
             (e, r)
-            for e in ((), (2 * pp - 1,))
-            for r in [simulate_within(problem, bounds, e, budgets)]
-            if r is not None and fits(bounds, r)
+            for e in ((), (2 * cfg.run.pp - 1,))
+            for r in [simulate_within(space.problem, bounds, e, space.budgets)]
+            if r is not None and space.fits(bounds, r)
         ]
         if not ways:
-            floor = max(v_floors(blocks, chunked, bounds))
+            floor = max(space.memory.floors(bounds))
             raise PlanningError(
-                f"the V of {what} does not fit {limit}: one of its ranks needs at least "
+                f"the V of {what} does not fit {space.limit}: one of its ranks needs at least "
                 f"{floor / GIB:.2f} GiB whatever the order; move blocks off rank 0's chunks (the "
                 f"first and the last), or drop the layout to let zbv search a split"
             )
         eager, _ = min(ways, key=lambda way: way[1].step_time)
-        return _v_plan(
-            blocks, chunked, problem, bounds, eager, budgets, cap, proven=True, strategy=strategy or "layout"
-        )
+        return _v_plan(space, bounds, eager, proven=True, strategy=strategy or "layout")
+    return _searched_v_plan(space, max_evals)
+
+
+@dataclass
+class _VSpace:
+    """What a V's split is searched under: the blocks, the config as ``2 pp`` chunks and their prices, the memory
+    limit, which chunks train, each rank's memory (estimated once per pair of chunks), and the split's budget for the
+    scheduler under the limit."""
+
+    blocks: Sequence[BlockInfo]
+    chunked: PlannerConfig
+    problem: ScheduleProblem
+    limit: MemoryLimit | None
+    trains: list[bool]
+    memory: VMemory
+
+    @classmethod
+    def of(cls, blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _VSpace:
+        """The search space of ``blocks`` under ``cfg``.
+
+        Raises:
+            PlanningError: fewer blocks than ``2 pp`` chunks or than trainable ones, or weights, gradients and
+                optimizer state that put more than the limit on some rank whatever the split.
+        """
+        pp = cfg.run.pp
+        if len(blocks) < 2 * pp:
+            raise PlanningError(
+                f"a V over pp={pp} ranks cuts the model into {2 * pp} chunks, but it has {len(blocks)} "
+                f"pipeline blocks; lower pp to {len(blocks) // 2} or less, or use pp_engine zb1p"
+            )
+        chunked, problem = _chunk_problem(blocks, cfg)
+        limit = memory_limit(cfg)
+        trains = [b.trainable > 0 for b in blocks]
+        if sum(trains) < 2 * pp:
+            names = compact_names([short_name(b.name) for b in blocks if b.trainable > 0])
+            raise PlanningError(
+                f"a V over pp={pp} ranks needs a trainable block in each of its {2 * pp} chunks; "
+                f"{sum(trains)} blocks train ({names}): unfreeze one, lower pp or use pp_engine zb1p"
+            )
+        least = v_least_largest_rank(blocks, chunked, pp)
+        if limit is not None and least > limit.bytes:
+            raise PlanningError(
+                f"no V split of {len(blocks)} blocks over pp={pp} ranks fits under {limit}: the "
+                f"weights, gradients and optimizer state alone put at least {least / GIB:.2f} GiB on "
+                f"one rank; use pp_engine zb1p, or raise pp, tp or the memory"
+            )
+        return cls(blocks, chunked, problem, limit, trains, VMemory(blocks, chunked))
+
+    @property
+    def cap(self) -> float | None:
+        """The bytes each rank is held to (None: no limit known)."""
+        return None if self.limit is None else self.limit.bytes
+
+    @property
+    def budgets(self) -> Budgets | None:
+        """Each split's byte budget for the scheduler under the limit (None without one)."""
+        cap = self.cap
+        return None if cap is None else (lambda bounds: self.memory.budget(bounds, cap))
+
+    def fits(self, bounds: Sequence[int], result: VResult) -> bool:
+        """Whether every rank's peak of ``bounds`` scheduled as ``result`` is within the limit."""
+        return self.cap is None or max(x.peak for x in self.memory.peaks(bounds, result)) <= self.cap
+
+    def valid(self, bounds: Sequence[int]) -> bool:
+        """Whether every chunk of ``bounds`` trains and every rank's least peak is within the limit."""
+        every_chunk = all(any(self.trains[a:b]) for a, b in zip(bounds, bounds[1:]))
+        return every_chunk and (self.cap is None or max(self.memory.floors(bounds)) <= self.cap)
+
+
+def _searched_v_plan(space: _VSpace, max_evals: int) -> VPlan:
+    """The searched V: the split of the least simulated step that fits, the loss chunk's ``W`` deferred or at once.
+
+    Raises:
+        PlanningError: no split trains in every chunk within the memory limit.
+    """
+    blocks, pp = space.blocks, space.chunked.run.pp // 2
     # The seed need not fit (the search keeps only splits that do): planned under a cap every split meets.
-    unbounded = chunked.with_overrides(memory_cap_gib=1e6)
+    unbounded = space.chunked.with_overrides(memory_cap_gib=1e6)
     seed = tuple(bounds_from_ranks(make_plan(blocks, unbounded, "flops", suggest_fixes=False).block_ranks, 2 * pp))
-
-    def valid(bounds: Sequence[int]) -> bool:
-        every_chunk = all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:]))
-        return every_chunk and (cap is None or max(v_floors(blocks, chunked, bounds)) <= cap)
-
     # The walk is bounded with the simulations: where no split fits, every leaf is checked before it is simulated.
     tries = {
         eager: search_v_split(
-            problem,
+            space.problem,
             seed,
-            valid=valid,
-            fits=fits,
+            valid=space.valid,
+            fits=space.fits,
             max_evals=max_evals,
             eager=eager,
             max_leaves=50 * max_evals,
             max_nodes=500 * max_evals,
-            budgets=budgets,
+            budgets=space.budgets,
         )
         for eager in ((), (2 * pp - 1,))
     }
     eager, found = min(tries.items(), key=lambda kv: kv[1].step)
     if found.bounds is None:
-        floor = max(v_floors(blocks, chunked, seed))
-        where = f"under {limit}" if limit is not None else "with a trainable block in every chunk"
+        floor = max(space.memory.floors(seed))
+        where = f"under {space.limit}" if space.limit is not None else "with a trainable block in every chunk"
         raise PlanningError(
             f"no V split of {len(blocks)} blocks over pp={pp} ranks fits {where}: the FLOP-balanced "
             f"chunks need at least {floor / GIB:.2f} GiB on one rank; use pp_engine zb1p, or raise "
             f"pp, tp or the memory"
         )
-    return _v_plan(blocks, chunked, problem, found.bounds, eager, budgets, cap, proven=found.proven)
+    return _v_plan(space, found.bounds, eager, proven=found.proven)
 
 
 def _v_plan(
-    blocks: Sequence[BlockInfo],
-    chunked: PlannerConfig,
-    problem: ScheduleProblem,
-    bounds: Sequence[int],
-    eager: Sequence[int],
-    budgets: Any,
-    cap: float | None,
-    *,
-    proven: bool,
-    strategy: str = V_STRATEGY,
+    space: _VSpace, bounds: Sequence[int], eager: Sequence[int], *, proven: bool, strategy: str = V_STRATEGY
 ) -> VPlan:
     """The :class:`VPlan` of one split: simulated under its budget, with each rank's peak and each cut's p2p."""
-    result = v_simulate(problem, bounds, eager, None if budgets is None else budgets(bounds))
-    chunks, p2p, _ = problem.simulator_inputs(bounds)
-    peaks = tuple(x.peak for x in v_peaks(blocks, chunked, bounds, result))
+    budgets = space.budgets
+    result = v_simulate(space.problem, bounds, eager, None if budgets is None else budgets(bounds))
+    chunks, p2p, _ = space.problem.simulator_inputs(bounds)
+    peaks = tuple(x.peak for x in space.memory.peaks(bounds, result))
     return VPlan(
-        pp=chunked.run.pp // 2,
-        n_micro_batches=chunked.run.n_micro_batches,
-        blocks=tuple(b.name for b in blocks),
+        pp=space.chunked.run.pp // 2,
+        n_micro_batches=space.chunked.run.n_micro_batches,
+        blocks=tuple(b.name for b in space.blocks),
         bounds=tuple(bounds),
         step_time=result.step_time,
         bubble=result.pipeline_bubble_fraction,
         peaks=peaks,
-        limit=cap,
+        limit=space.cap,
         p2p=tuple(float(t) for t in p2p),
         eager=tuple(eager),
         proven=proven,

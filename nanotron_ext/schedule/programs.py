@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cache
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 from nanotron_ext.schedule import (
@@ -38,7 +38,16 @@ from nanotron_ext.schedule import (
     too_few_micro_batches,
 )
 
-__all__ = ["Action", "Step", "check_engine", "deferred_weights", "engine_order", "engine_program", "warmup_forwards"]
+__all__ = [
+    "Action",
+    "Step",
+    "check_engine",
+    "deferred_weights",
+    "engine_order",
+    "engine_program",
+    "pipeline_programs",
+    "warmup_forwards",
+]
 
 
 class Action(str, Enum):
@@ -297,3 +306,15 @@ def engine_order(engine: Engine, pp: int, stage: int, n_micro_batches: int) -> l
         ValueError: as :func:`engine_program`.
     """
     return [(str(a), j) for a, j in engine_program(engine, pp, stage, n_micro_batches) if a.is_compute]
+
+
+@lru_cache(maxsize=8)
+def pipeline_programs(engine: Engine, pp: int, m: int, grad_cuts: tuple[bool, ...]) -> tuple[list[Step], ...]:
+    """Every rank's program (:func:`~nanotron_ext.schedule.programs.engine_program`), no gradient back across a cut
+    whose ``grad_cuts`` entry is False. Kept for the next caller (read them, do not change them): a plan simulates
+    its split and Nanotron's rule's, and the step-time search compiles the same programs (a third of a large
+    pipeline's simulation was building them)."""
+    return tuple(
+        engine_program(engine, pp, s, m, grad_in=s == 0 or grad_cuts[s - 1], grad_out=s == pp - 1 or grad_cuts[s])
+        for s in range(pp)
+    )

@@ -20,14 +20,16 @@ pipeline part alone, the one to compare with that ideal.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from nanotron_ext.schedule import ZERO_BUBBLE, Engine, ideal_bubble_fraction
-from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program
+from nanotron_ext.schedule.programs import Action, Step, check_engine, engine_order, engine_program, pipeline_programs
 
 __all__ = [
     "Action",
@@ -83,7 +85,7 @@ class StageTimes:
         return max(0.0, self.backward - self.weight)
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One forward (``F``), backward (``B``) or, under zb1p, deferred weight-gradient pass (``W``) of one
     micro-batch on one stage, or the stage's update (``U``, micro-batch ``-1``), with its simulated start and
@@ -201,13 +203,23 @@ def simulate(
     cuts = [True] * (pp - 1) if grad_cuts is None else [bool(c) for c in grad_cuts]
     if len(cuts) != pp - 1:
         raise ValueError(f"grad_cuts has {len(cuts)} entries for {pp} stages; pass one per cut (pp - 1)")
-    programs = [
-        engine_program(engine, pp, s, m, grad_in=s == 0 or cuts[s - 1], grad_out=s == pp - 1 or cuts[s])
-        for s in range(pp)
-    ]
+    with _no_cycle_collection():
+        per_stage, clock = _replay(pipeline_programs(engine, pp, m, tuple(cuts)), stages, p2p, engine)
+        return step_record(engine, m, stages, per_stage, max(clock), p2p)
 
-    per_stage, clock = _replay(programs, stages, p2p, engine)
-    return step_record(engine, m, stages, per_stage, max(clock), p2p)
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused while a step's ops are made: they form no cycles, and with many objects alive
+    (a plan's earlier results) each of the collector's passes walks them all, up to half a large step's time (pp
+    128 with 512 micro-batches: 131k ops)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def per_cut_p2p(p2p_time: float | Sequence[float], pp: int) -> list[float]:
@@ -254,7 +266,9 @@ def step_record(
         if stages[s].update > 0:
             per_stage[s].append(Op(s, "U", -1, pipeline_time, pipeline_time + stages[s].update))
     step_time = pipeline_time + max(st.update for st in stages)
-    busy = [math.fsum(op.duration for op in ops) for ops in per_stage]
+    # Each op's duration read once, as ``Op.duration`` computes it (a large step has 131k ops).
+    durations = [[op.end - op.start for op in ops] for ops in per_stage]
+    busy = [math.fsum(d) for d in durations]
     # max: float sums of a stage that never waits can round a hair above the step; idle is never negative.
     idle = [max(0.0, step_time - b) for b in busy]
     return SimResult(
@@ -268,7 +282,8 @@ def step_record(
         pipeline_bubble_fraction=_ratio(
             # max, as for idle above.
             math.fsum(
-                max(0.0, pipeline_time - math.fsum(op.duration for op in ops if op.kind != "U")) for ops in per_stage
+                max(0.0, pipeline_time - math.fsum(d for op, d in zip(ops, took) if op.kind != "U"))
+                for ops, took in zip(per_stage, durations)
             ),
             pp * pipeline_time,
         ),
@@ -292,25 +307,37 @@ def _replay(
     per_stage: list[list[Op]] = [[] for _ in range(pp)]
     clock = [0.0] * pp
     pos = [0] * pp
+    # What each action is, and each stage's compute times, read once: enum properties and ``duration`` per step
+    # were most of a large pipeline's replay (pp 128, 512 micro-batches: 262k steps).
+    # (0 compute, 1 send, 2 receive; carries a gradient; the peer a receive hears from; its cut, from this stage)
+    info = {
+        a.value: (0 if a.is_compute else 1 if a.is_send else 2, a.carries_gradient, a.peer, min(0, a.peer))
+        for a in Action
+    }
+    times = [{a.value: st.duration(a, engine) for a in Action if a.is_compute} for st in stages]
     while any(pos[s] < len(programs[s]) for s in range(pp)):
         progressed = False
         for s in range(pp):
-            while pos[s] < len(programs[s]):
-                action, j = programs[s][pos[s]]
-                if action.is_compute:
-                    dur = stages[s].duration(action, engine)
-                    op = Op(stage=s, kind=action.value, micro_batch=j, start=clock[s], end=clock[s] + dur)
-                    per_stage[s].append(op)
-                    clock[s] = op.end
-                elif action.is_send:
-                    posted[(action.carries_gradient, s, j)] = clock[s]
+            program, i, now, ops, took = programs[s], pos[s], clock[s], per_stage[s], times[s]
+            start, stop = i, len(program)
+            while i < stop:
+                action, j = program[i]
+                value = action._value_  # the enum's own hash is a Python call: look its value up
+                what, gradient, peer, cut = info[value]
+                if what == 0:  # compute
+                    end = now + took[value]
+                    ops.append(Op(s, value, j, now, end))
+                    now = end
+                elif what == 1:  # send
+                    posted[(gradient, s, j)] = now
                 else:
-                    sent = posted.get((action.carries_gradient, s + action.peer, j))
+                    sent = posted.get((gradient, s + peer, j))
                     if sent is None:
                         break  # the sender has not got there yet
-                    clock[s] = max(clock[s], sent) + p2p_times[min(s, s + action.peer)]
-                pos[s] += 1
-                progressed = True
+                    now = (now if now >= sent else sent) + p2p_times[s + cut]  # max(now, sent); cut min(s, s + peer)
+                i += 1
+            progressed = progressed or i > start
+            pos[s], clock[s] = i, now
         if not progressed:  # pragma: no cover - Nanotron's engine orders cannot deadlock
             raise RuntimeError(f"schedule deadlocked at positions {pos}; this is a bug in engine_program")
     return per_stage, clock
@@ -320,9 +347,13 @@ def _peak_in_flight(ops: list[Op]) -> int:
     # A stage's ops never overlap, so walking them in order sees every change of the count.
     count = peak = 0
     for op in ops:
-        count += {"F": 1, "B": -1}.get(op.kind, 0)
+        count += _IN_FLIGHT.get(op.kind, 0)
         peak = max(peak, count)
     return peak
+
+
+#: How an op changes the micro-batches a stage holds.
+_IN_FLIGHT = {"F": 1, "B": -1}
 
 
 def _ratio(num: float, den: float) -> float:

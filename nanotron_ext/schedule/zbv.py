@@ -26,7 +26,6 @@ slower than zb1p in some cases (pp 2-8, ``m`` from ``pp`` to ``4 pp``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,15 @@ from nanotron_ext.schedule.simulator import (
     per_cut_p2p,
     step_record,
 )
+from nanotron_ext.schedule.v_list import (
+    POLICIES,
+    ListSchedule,
+    Policy,
+    VBudget,
+    check_budget,
+    fastest_schedule,
+    list_schedule,
+)
 
 __all__ = [
     "POLICIES",
@@ -49,6 +57,7 @@ __all__ = [
     "VResult",
     "by_rank",
     "simulate_zbv",
+    "simulate_zbv_under",
     "v_rank",
     "v_result",
     "zbv_order",
@@ -79,10 +88,6 @@ class VOp(NamedTuple):
         return f"{self.kind}{self.micro_batch}@{self.stage}"
 
 
-class _Stalled(RuntimeError):
-    """Every rank waits and nothing is under way: the rule's memory reserve was too small for these times."""
-
-
 def _check(pp: int, m: int) -> None:
     for name, value in (("pp", pp), ("micro-batches", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -110,69 +115,6 @@ def zbv_order(pp: int, m: int, cap: int | None = None) -> list[list[VOp]]:
     return _schedule([StageTimes(1.0, 2.0, weight=1.0)] * (2 * pp), m, [0.0] * (2 * pp - 1), cap)[0]
 
 
-class Policy(NamedTuple):
-    """A list-scheduling rule: which chunk's ready B goes first; how many activations below the cap a rank with a
-    deferred W stops starting forwards (runs its W first); and whether the way down (chunk 0) leaves the last slot
-    to the way up (a rank full of first-chunk activations can wait forever for backwards that need its own
-    second-chunk forwards: with p2p delays the rules without it can stall, and are then passed over)."""
-
-    b_chunks: tuple[int, int] = (0, 1)
-    w_reserve: int = 0
-    down_reserve: int = 1
-
-
-#: The rules :func:`simulate_zbv` tries: the earlier stage's B first (what reaches the floor when W is half the
-#: backward) or the later one's, each with and without stopping forwards one activation early for a deferred W.
-POLICIES = tuple(Policy(b, w, down) for down in (1, 0) for w in (0, 1) for b in ((0, 1), (1, 0)))
-
-
-class VBudget(NamedTuple):
-    """The bytes each rank of a V may hold in activations and deferred weight-gradient state, which the list
-    scheduler keeps it under (a cap in bytes; the count cap treats unequal chunks alike).
-
-    A micro-batch holds its activations from its ``F`` to the end of its ``B``, its W state from the start of its
-    ``B`` to the end of its ``W``: both only while its ``B`` runs, and one ``B`` runs on a rank at a time. So a
-    forward reserves the larger of the two (:meth:`need`) until its ``W``, and every rank keeps room for the
-    smaller of the two of one micro-batch (:meth:`overlap`) besides. At every op's start a rank then holds no more
-    than :func:`~nanotron_ext.costs.v_memory.v_rank_memory` counts then. (Reserving both from the ``F`` held every
-    rank to about half the micro-batches its memory takes, where W state is near the activations' size.)
-
-    Attributes:
-        activation: per virtual stage, one micro-batch's activations.
-        pending: per virtual stage, one deferred ``W``'s state.
-        budget: per rank, the most bytes of both at once.
-    """
-
-    activation: tuple[float, ...]
-    pending: tuple[float, ...]
-    budget: tuple[float, ...]
-
-    def need(self, stage: int) -> float:
-        """What one micro-batch of ``stage`` reserves from its F to its W: the larger of what it holds before its
-        ``B`` and after."""
-        return max(self.activation[stage], self.pending[stage])
-
-    def overlap(self, rank: int) -> float:
-        """The room rank ``rank`` keeps for the ``B`` that runs, whose micro-batch holds both at once."""
-        pp = len(self.budget)
-        return max(min(self.activation[s], self.pending[s]) for s in (rank, 2 * pp - 1 - rank))
-
-
-def _check_budget(budget: VBudget, pp: int) -> None:
-    if len(budget.activation) != 2 * pp or len(budget.pending) != 2 * pp or len(budget.budget) != pp:
-        raise ValueError(
-            f"the budget has {len(budget.activation)} activations, {len(budget.pending)} W states and "
-            f"{len(budget.budget)} ranks; a V over pp={pp} needs {2 * pp}, {2 * pp} and {pp}"
-        )
-    for r in range(pp):
-        least = budget.need(r) + budget.need(2 * pp - 1 - r) + budget.overlap(r)
-        if budget.budget[r] < least * (1 - 1e-9):
-            raise ValueError(
-                f"rank {r}'s budget of {budget.budget[r]:.4g} bytes is under one micro-batch of both its "
-                f"chunks ({least:.4g}): no order fits; give it more memory, or move blocks off its chunks"
-            )
-
-
 def _schedule(
     chunks: Sequence[StageTimes],
     m: int,
@@ -182,122 +124,23 @@ def _schedule(
     eager: frozenset[int] = frozenset(),
     budget: VBudget | None = None,
 ) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
-    """List scheduling of the V (see the module docstring): each rank's order, and each op's start and end.
+    """One rule's list schedule (:func:`~nanotron_ext.schedule.v_list.list_schedule`): each rank's order, and each
+    op's start and end.
 
-    The rank that is free first decides next (ties: the lower rank), among its ops whose input has arrived by then;
-    when every rank free at that moment has none, they all wait until the next moment anything changes (a rank
-    frees, an input arrives). So each op starts as soon as its rank and its input allow, and the order replays
-    (``replay_v_order``) to these very times.
+    Raises:
+        Stalled: every rank waits and nothing is under way.
     """
-    pp = len(chunks) // 2
-    if cap is None:
-        # The count cap is 1F1B's memory only where the chunks are equal; under a budget in bytes the bytes bound a
-        # rank, and the count is one no rank reaches (every micro-batch of both chunks, and the way up's reserve).
-        cap = 2 * pp if budget is None else 2 * m + 1
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
-        raise ValueError(f"cap = {cap!r}; a rank holds both chunks of a micro-batch at once: pass 2 or more")
-    stages = 2 * pp
-    times: dict[VOp, tuple[float, float]] = {}
-    next_op = [[[0, 0], [0, 0]] for _ in range(pp)]  # per rank, kind (F, B), chunk: the next micro-batch
-    deferred: list[list[VOp]] = [[] for _ in range(pp)]
-    held = [0] * pp
-    used = [0.0] * pp  # bytes reserved under the budget
-    free = [0.0] * pp
+    return _order_and_times(list_schedule(chunks, m, cuts, cap, policy, eager, budget), len(chunks) // 2)
 
-    def fits(r: int, c: int) -> bool:
-        """Whether rank ``r``'s budget takes a forward of its chunk ``c`` (the way down keeps room for one of the
-        way up, as the count cap's reserve does)."""
-        if budget is None:
-            return True
-        up = stages - 1 - r
-        need = budget.need(r if c == 0 else up) + (budget.need(up) if c == 0 and policy.down_reserve else 0.0)
-        return used[r] + need + budget.overlap(r) <= budget.budget[r] * (1 + 1e-9)
 
+def _order_and_times(found: ListSchedule, pp: int) -> tuple[list[list[VOp]], dict[VOp, tuple[float, float]]]:
+    """A list schedule as each rank's order of :class:`VOp` and each op's (start, end), in the order scheduled."""
     order: list[list[VOp]] = [[] for _ in range(pp)]
-    total = 3 * stages * m
-
-    def arrival(op: VOp) -> float | None:
-        """When ``op``'s input is on its rank: None while the op making it is not scheduled."""
-        before = _ready_after(op, pp)
-        if before is None:
-            return 0.0
-        if before not in times:
-            return None
-        crossing = v_rank(pp, before.stage) != v_rank(pp, op.stage)
-        return times[before][1] + (cuts[min(op.stage, before.stage)] if crossing else 0.0)
-
-    known: dict[int, list[tuple[VOp, float | None]]] = {}  # each rank's candidates since the last op scheduled
-
-    def candidates(r: int) -> list[tuple[VOp, float | None]]:
-        """Rank ``r``'s next ops in the policy's preference, each with its input's arrival (what they depend on
-        changes only when an op is scheduled: kept until then)."""
-        if r not in known:
-            known[r] = _candidates(r)
-        return known[r]
-
-    def _candidates(r: int) -> list[tuple[VOp, float | None]]:
-        chunk_of = (r, stages - 1 - r)
-        ops = [VOp("B", next_op[r][1][c], chunk_of[c]) for c in policy.b_chunks if next_op[r][1][c] < m]
-        room = cap - held[r] - (policy.w_reserve if deferred[r] else 0)
-        # The way up (chunk 1) may take the last slot, the way down (chunk 0) not: a rank full of first-chunk
-        # activations waits for backwards that need its own second-chunk forwards (a deadlock under p2p delays).
-        ops += [
-            VOp("F", next_op[r][0][c], chunk_of[c])
-            for c in (1, 0)
-            if next_op[r][0][c] < m and room > (policy.down_reserve if c == 0 else 0) and fits(r, c)
-        ]
-        return [(op, arrival(op)) for op in ops]
-
-    waiting: set[int] = set()  # ranks that found nothing to do at their time, while another may still act then
-    while len(times) < total:
-        r = min(range(pp), key=lambda q: (free[q], q in waiting, q))
-        now = free[r]
-        if r in waiting:
-            # Every rank free now found nothing to do: all of them move to the next moment anything changes (a
-            # rank frees, an input of theirs arrives). Moving one rank alone could skip an arrival that another,
-            # free at the same moment, was about to make.
-            idle = [q for q in range(pp) if free[q] == now]
-            later = [f for f in free if f > now] + [
-                a for q in idle for _, a in candidates(q) if a is not None and a > now
-            ]
-            if not later:  # nothing is under way
-                raise _Stalled(f"ZB-V list scheduling stalled at t={now} (pp={pp}, m={m}, cap={cap}, {policy})")
-            for q in idle:
-                free[q] = min(later)
-            waiting.clear()
-            continue
-        op = next((o for o, a in candidates(r) if a is not None and a <= now), None)
-        if op is None and deferred[r]:
-            op = deferred[r].pop(0)
-        if op is None:
-            waiting.add(r)
-            continue
-        waiting.clear()
-        known.clear()
-        st = chunks[op.stage]
-        duration = {"F": st.forward, "B": st.backward - st.weight, "W": st.weight}[op.kind]
-        times[op] = (now, now + duration)
-        free[r] = now + duration
-        order[r].append(op)
-        c = 0 if op.stage < pp else 1
-        if op.kind == "W":
-            held[r] -= 1
-            used[r] -= budget.need(op.stage) if budget else 0.0
-            continue
-        next_op[r][0 if op.kind == "F" else 1][c] += 1
-        if op.kind == "F":
-            held[r] += 1
-            used[r] += budget.need(op.stage) if budget else 0.0
-            continue
-        if op.stage in eager:  # its W runs at once: nothing of it waits in the store
-            w = VOp("W", op.micro_batch, op.stage)
-            times[w] = (free[r], free[r] + st.weight)
-            free[r] += st.weight
-            order[r].append(w)
-            held[r] -= 1
-            used[r] -= budget.need(op.stage) if budget else 0.0
-        else:
-            deferred[r].append(VOp("W", op.micro_batch, op.stage))
+    times: dict[VOp, tuple[float, float]] = {}
+    for kind, j, s, start, end in found.ops:
+        op = VOp(kind, j, s)  # type: ignore[arg-type]
+        times[op] = (start, end)
+        order[s if s < pp else 2 * pp - 1 - s].append(op)
     return order, times
 
 
@@ -361,6 +204,31 @@ def simulate_zbv(
         ValueError: an odd number of chunks, a time or p2p figure that is negative or not finite, ``weight`` above
             ``backward``, a cut count other than ``2 pp - 1``.
     """
+    found = simulate_zbv_under(chunks, n_micro_batches, p2p_time, cap, eager, budget)
+    if found is None:
+        raise ValueError(
+            f"no ZB-V order of pp={len(chunks) // 2}, m={n_micro_batches} fits its cap and budget under any rule; "
+            f"give the ranks more memory"
+        )
+    return found
+
+
+def simulate_zbv_under(
+    chunks: Sequence[StageTimes],
+    n_micro_batches: int,
+    p2p_time: float | Sequence[float] = 0.0,
+    cap: int | None = None,
+    eager: Collection[int] = (),
+    budget: VBudget | None = None,
+    *,
+    under: float = math.inf,
+) -> VResult | None:
+    """:func:`simulate_zbv`'s step where its step time is under ``under`` (a search's best so far), else None, as
+    where no rule keeps to the cap and budget: a schedule sure to end later is not finished.
+
+    Raises:
+        ValueError: as :func:`simulate_zbv`'s bad input.
+    """
     chunks = check_stage_times(chunks, "chunks")
     if not chunks or len(chunks) % 2:
         raise ValueError(f"{len(chunks)} chunks; a V needs two per rank (2 pp), stage 0 first")
@@ -371,19 +239,16 @@ def simulate_zbv(
     if not now <= set(range(2 * pp)):
         raise ValueError(f"eager stages {sorted(now)} are not all virtual stages of 0..{2 * pp - 1}")
     if budget is not None:
-        _check_budget(budget, pp)
+        check_budget(budget, pp)
+    update = max(chunks[r].update + chunks[2 * pp - 1 - r].update for r in range(pp))
+    # A pipeline past this makes a step past ``under`` (the margin covers the subtraction's rounding).
+    stop = under - update + 1e-12 * abs(under) if under < math.inf else math.inf
     # The fastest of a few list-scheduling rules: none is best for every ratio of W to B (module docstring); those
     # with a reserve for the way up never stall (checked on random times, p2p and caps in tests/test_zbv.py).
-    found = []
-    for policy in POLICIES:
-        with contextlib.suppress(_Stalled):
-            found.append(_schedule(chunks, n_micro_batches, cuts, cap, policy, now, budget))
-    if not found:
-        raise ValueError(
-            f"no ZB-V order of pp={pp}, m={n_micro_batches} fits its cap and budget under any rule; "
-            f"give the ranks more memory"
-        )
-    order, times = min(found, key=lambda found: max(end for _, end in found[1].values()))
+    best = fastest_schedule(chunks, n_micro_batches, cuts, cap, now, budget, stop)
+    if best is None or best.pipeline + update >= under:
+        return None
+    order, times = _order_and_times(best, pp)
     return v_result(chunks, n_micro_batches, times, order)
 
 

@@ -21,6 +21,7 @@ M = Mutation
 VALIDATE = "nanotron_ext/plan/validate.py"
 MAKE = "nanotron_ext/plan/make.py"
 ZBV = "nanotron_ext/schedule/zbv.py"
+V_LIST = "nanotron_ext/schedule/v_list.py"
 ZBV_TESTS = "tests/test_zbv.py"
 V_MEMORY = "nanotron_ext/costs/v_memory.py"
 V_SEARCH = "nanotron_ext/partition/v_search.py"

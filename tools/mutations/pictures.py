@@ -118,7 +118,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "the V's header calls its pipeline bubble the bubble",
-        "nanotron_ext/plan/v_plan.py",
+        "nanotron_ext/plan/v_types.py",
         'f"pipeline bubble {self.bubble:.1%}; each rank under {limit}"',
         'f"bubble {self.bubble:.1%}; each rank under {limit}"',
         (f"{SIMULATE_CLI}::test_bubble_is_the_steps_and_pipeline_bubble_the_pipeline_parts_in_every_output",),

@@ -64,29 +64,29 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "partitioner allows empty stages",
         OPTIMAL,
-        "base = idx[:, None] < idx[None, :]  # non-empty",
-        "base = idx[:, None] <= idx[None, :]  # non-empty",
+        "starts = ends[:, None] - width + np.arange(width)[None, :]",
+        "starts = ends[:, None] - width + 1 + np.arange(width)[None, :]",
         ("tests/test_partition.py",),
     ),
     M(
         "partitioner ignores per-stage requirements",
         OPTIMAL,
-        "base = base & ((fp[None, :] - fp[:, None]) >= 1)",
-        "base = base & ((fp[None, :] - fp[:, None]) >= 0)",
+        "out = out & ((fp[e] - fp[s]) >= 1)",
+        "out = out & ((fp[e] - fp[s]) >= 0)",
         ("tests/test_partition.py",),
     ),
     M(
         "partitioner skips the evenness tie-break",
         OPTIMAL,
-        '_, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound)',
-        '_, bounds = _dp(pp, n, seg, valid, combine="max", cap=bound)',
+        '_, bounds = _dp(pp, n, seg, valid, combine="sumsq", cap=bound, width=width(bound))',
+        '_, bounds = _dp(pp, n, seg, valid, combine="max", cap=bound, width=width(bound))',
         ("tests/test_partition.py",),
     ),
     M(
         "partitioner ignores the memory cap",
         OPTIMAL,
-        "        return base & ((q[None, :] - q[:, None]) <= limit)\n",
-        "        return base\n",
+        "        return flagged(s, e) & ((q[e] - q[s]) <= limit)\n",
+        "        return flagged(s, e)\n",
         ("tests/test_partition.py", "tests/test_strategies.py"),
     ),
     # --- Nanotron's rule -----------------------------------------------------------------------------------
@@ -151,8 +151,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a receive does not wait for its send",
         SIMULATOR,
-        "clock[s] = max(clock[s], sent) + p2p_times[min(s, s + action.peer)]",
-        "clock[s] = clock[s] + p2p_times[min(s, s + action.peer)]",
+        "now = (now if now >= sent else sent) + p2p_times[s + cut]",
+        "now = now + p2p_times[s + cut]",
         ("tests/test_simulate.py",),
     ),
     M(
@@ -301,8 +301,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the simulator prices every message as cut 0's",
         SIMULATOR,
-        "+ p2p_times[min(s, s + action.peer)]",
-        "+ p2p_times[0]",
+        "else sent) + p2p_times[s + cut]",
+        "else sent) + p2p_times[0]",
         ("tests/test_simulate.py", "tests/test_simulate_cli.py"),
     ),
     M(
@@ -827,5 +827,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return n_tensors * per_tensor + n_bytes / slowest.bytes_per_second",
         "return per_tensor + n_bytes / slowest.bytes_per_second",
         (MACHINE_TESTS,),
+    ),
+    M(
+        "the partitioner's programme leaves out the longest admitted stage",
+        OPTIMAL,
+        "    return max(1, int(np.max(ends - lo)))",
+        "    return max(1, int(np.max(ends - lo)) - 1)",
+        ("tests/test_partition.py",),
+    ),
+    M(
+        "the evaluator reads another problem's known splits",
+        "nanotron_ext/partition/step_time_eval.py",
+        "    known = _KNOWN.pop(problem, None)",
+        "    known = _KNOWN.pop(next(iter(_KNOWN)), None) if _KNOWN else None",
+        (SHORTCUTS,),
     ),
 )

@@ -781,7 +781,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a V chunk may train nothing",
         "nanotron_ext/plan/v_plan.py",
-        "every_chunk = all(any(trains[a:b]) for a, b in zip(bounds, bounds[1:]))",
+        "every_chunk = all(any(self.trains[a:b]) for a, b in zip(bounds, bounds[1:]))",
         "every_chunk = True",
         ("tests/test_v_plan.py",),
     ),
