@@ -20,7 +20,16 @@ from nanotron_ext.machine import (
     block_signature,
     key_for,
 )
-from nanotron_ext.machine.in_run import InRunSplit, in_run_profile, position_spread, samples_of
+from nanotron_ext.machine.in_run import (
+    STEP_STATISTIC,
+    InRunSplit,
+    in_run_profile,
+    mean_of_samples,
+    median_of_steps,
+    position_spread,
+    samples_of,
+    step_price,
+)
 from nanotron_ext.machine.in_run_records import BlockOps, RankStep, Receive, Send
 from nanotron_ext.machine.pricing import tied_weight_bytes
 
@@ -240,7 +249,7 @@ def test_kendall_tau_counts_concordant_and_discordant_pairs() -> None:
 def test_each_signature_keeps_its_means_by_stage_position() -> None:
     first = _run([_two_ranks()])
     later = _run([_two_ranks()], split=(0, 0, 1, 1, 1, 1, 1))  # decoder.1 on the last stage in the second run
-    profile = in_run_profile(SEED, BLOCKS, [first, later], _base(), source="test")
+    profile = in_run_profile(SEED, BLOCKS, [first, later], _base(), source="test", statistic=mean_of_samples)
     decoder = profile.block(SIG["model.decoder.0"])
     # first stage: decoder.0 twice (4, 4 | 8, 6) and decoder.1 in the first run (6, 6 | 10, 12); last: decoder.1
     assert [p.position for p in decoder.positions] == ["first", "last"]
@@ -288,3 +297,29 @@ def test_a_bad_position_figure_is_refused_naming_it() -> None:
         costs = tuple(dataclasses.replace(c, positions=(bad,)) if c.signature == sig else c for c in _base().blocks)
         with pytest.raises(ConfigError, match=why):
             _base(blocks=costs)
+
+
+def test_a_figure_is_the_median_over_steps_of_each_steps_mean_so_one_slow_step_moves_it_no_more_than_another() -> None:
+    """Steps 1-3 of one figure: 10 and 12 (mean 11), 11, then a slow step 30 and 31 (mean 30.5). The median of the
+    steps' means is 11; the mean of every sample, 18.8, prices the slow step into every step."""
+    values, steps = [10.0, 12.0, 11.0, 30.0, 31.0], [1, 1, 2, 3, 3]
+    assert STEP_STATISTIC is median_of_steps
+    assert step_price(values, steps) == 11.0
+    assert step_price(values, steps, mean_of_samples) == pytest.approx(94 / 5)
+    assert step_price([], []) == 0.0
+
+
+def test_the_profile_prices_each_block_by_the_median_of_its_steps() -> None:
+    """Three steps of the seed model's two ranks, the last one twice as slow: the profile keeps the typical step's
+    prices (a mean would land between)."""
+    quick, slow = _two_ranks(), _two_ranks()
+    slow = tuple(
+        dataclasses.replace(
+            r, blocks=tuple(dataclasses.replace(b, forward=tuple(2 * x for x in b.forward)) for b in r.blocks)
+        )
+        for r in slow
+    )
+    profile = in_run_profile(SEED, BLOCKS, [_run([quick, quick, slow])], _base(), source="test")
+    typical = in_run_profile(SEED, BLOCKS, [_run([quick])], _base(), source="test")
+    for name in ("model.decoder.0", "model.lm_head"):
+        assert profile.block(SIG[name]).forward == typical.block(SIG[name]).forward > 0

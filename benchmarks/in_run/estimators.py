@@ -1,6 +1,6 @@
 """The in-run profile priced again from a scenario's own clocked steps under each statistic over steps
-(``nanotron_ext.machine.in_run``: the mean of every sample, the median of each step's mean), and every held-out
-split predicted under each, against its measured median step: offline, from what ``in_run_accuracy.py --raw`` keeps.
+(``nanotron_ext.machine.in_run``: the mean of every sample, the median of each step's mean), and every split
+predicted under each, against its measured median step: offline, from what ``in_run_accuracy.py --raw`` keeps.
 
 Usage: ``python benchmarks/in_run/estimators.py RAW.json [RAW.json ...]``.
 """
@@ -51,7 +51,8 @@ def rank_step(d: dict[str, Any]) -> RankStep:
 
 
 def ratios(result: dict[str, Any]) -> list[list[str]]:
-    """One row per held-out run: its layout, measured median, and predicted ÷ measured under each statistic."""
+    """One row per run (the profile's own marked): its layout, measured median and predicted ÷ measured under each
+    statistic."""
     spec = result["spec"]
     with tempfile.TemporaryDirectory() as tmp:  # the run's config and standalone profile, as it kept them
         config, standalone = Path(tmp) / "config.yaml", Path(tmp) / "standalone.json"
@@ -69,7 +70,7 @@ def ratios(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for run in result["runs"].values():
         ranks = tuple(run["block_ranks"])
-        if run["clocked"] or (ranks, run["engine"], run["m"]) == own:
+        if run["clocked"]:
             continue
         c = cfg.with_overrides(engine=run["engine"], n_micro_batches=run["m"])
         plan = plan_with_ranks(blocks, c, ranks, "measured", suggest_fixes=False)
@@ -78,7 +79,9 @@ def ratios(result: dict[str, Any]) -> list[list[str]]:
             simulate_plan(plan, blocks, c, machine=p, device=spec["device"], backend="gloo").step_time
             for p in profiles.values()
         ]
-        name = layout_string([b.role for b in blocks], ranks) or "?"
+        name = (layout_string([b.role for b in blocks], ranks) or "?") + (
+            " (profile's run)" if (ranks, run["engine"], run["m"]) == own else ""
+        )
         rows.append(
             [name, run["engine"], str(run["m"]), f"{measured * 1e3:.0f}", *(f"{p / measured:.3f}" for p in predicted)]
         )
@@ -88,7 +91,7 @@ def ratios(result: dict[str, Any]) -> list[list[str]]:
 def main(argv: list[str]) -> int:
     for path in argv:
         for label, result in json.loads(Path(path).read_text()).items():
-            print(f"\n{path}: {label} (held-out splits, predicted ÷ measured median step)")
+            print(f"\n{path}: {label} (predicted ÷ measured median step)")
             print(table(["split", "engine", "m", "measured ms", *STATISTICS], ratios(result)))
     return 0
 

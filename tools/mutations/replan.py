@@ -334,4 +334,25 @@ LAUNCHER_ROWS: tuple[Mutation, ...] = (
     ),
 )
 
-MUTATIONS: tuple[Mutation, ...] = CHOICE_ROWS + TRIAL_ROWS + MOVE_ROWS + LAUNCHER_ROWS
+IN_RUN = "nanotron_ext/machine/in_run.py"
+IN_RUN_TESTS = "tests/test_in_run.py"
+PRICE_ROWS: tuple[Mutation, ...] = (
+    M(
+        "the in-run profile prices by the mean of every sample",
+        IN_RUN,
+        "STEP_STATISTIC: Statistic = median_of_steps",
+        "STEP_STATISTIC: Statistic = mean_of_samples",
+        (f"{IN_RUN_TESTS}::test_the_profile_prices_each_block_by_the_median_of_its_steps",),
+    ),
+    M(
+        "the median of steps is the median of every sample",
+        IN_RUN,
+        "    return statistics.median(statistics.fmean(step) for step in by_step)\n",
+        "    return statistics.median(x for step in by_step for x in step)\n",
+        (
+            f"{IN_RUN_TESTS}::test_a_figure_is_the_median_over_steps_of_each_steps_mean_so_one_slow_step_moves_it_no_more_than_another",
+        ),
+    ),
+)
+
+MUTATIONS: tuple[Mutation, ...] = CHOICE_ROWS + TRIAL_ROWS + MOVE_ROWS + LAUNCHER_ROWS + PRICE_ROWS
