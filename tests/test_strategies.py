@@ -16,6 +16,7 @@ from nanotron_ext.strategies import (
     available_strategies,
     get_strategy,
     register_strategy,
+    registry,
 )
 
 
@@ -135,8 +136,10 @@ def test_unknown_strategy_lists_the_known_ones():
         get_strategy("flop")
 
 
-def test_register_and_import_path(tiny):
+def test_register_and_import_path(tiny, monkeypatch):
     cfg, blocks = tiny
+    # a registry of its own, so the test strategy does not leak into later tests' comparisons
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
     @register_strategy("test-last-block-alone")
     class LastAlone:
