@@ -156,6 +156,21 @@ def test_a_close_call_tries_every_plan_within_the_error_of_the_fastest_up_to_tri
     assert "a trial takes 11 steps, more than the run has left: staying" in short.lines()[-1]
 
 
+def test_a_run_on_the_fastest_priced_plan_tries_the_plans_within_the_error_of_it_that_min_gain_allows():
+    """A close call does not need the run to be off the fastest plan: started on the fastest priced split, the plans
+    within the error of it are tried where min_gain allows (at 0, each; at the default, a slower one cannot reach
+    it). A cap every split fits: without one, a neighbour holding more than the run's largest stage is no move."""
+    cfg, blocks, _ = _setup(machine=str(DATA / "machine_flops_only.json"), memory_cap_gib=100.0)
+    best = make_plan(blocks, cfg.with_overrides(cost_strategy="layout", layout="E,t*2,N|H,C,X"))
+    tried = cfg.with_overrides(replan=ReplanConfig(trials=10, min_gain=0.0))
+    choice = choose_replan(tried, blocks, best, step=5, engines=("1f1b",))
+    assert choice.verdict is Verdict.TRY and choice.fastest.plan is choice.old
+    assert [c.plan.split_text for c in choice.candidates] == ["E,t*2|L", "E,t|t,L", "E|t*2,L"]
+    assert all(choice.old_step <= c.step <= choice.old_step * (1 + choice.error) for c in choice.candidates)
+    stays = choose_replan(cfg, blocks, best, step=5, engines=("1f1b",))
+    assert stays.verdict is Verdict.BEST and not stays.candidates
+
+
 def test_without_a_cap_a_move_never_raises_the_largest_stage_above_the_runs():
     """zb1p and zb2p are faster on the good split but hold more than 1F1B's largest stage: without a cap the run
     tries 1F1B only; with a cap between zb1p's need and zb2p's it tries zb1p."""

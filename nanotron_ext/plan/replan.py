@@ -12,8 +12,8 @@ in turns (:mod:`nanotron_ext.plan.replan_trial`), and the run keeps the one it m
    have, and the run's own noise (the gain priced by the first and by the second half of its timed steps, half their
    gap: :func:`gain_noise`).
 3. A plan is a candidate when it is within that error of the fastest (a close call between them is measured, not
-   guessed) and could, at that error, gain ``min_gain`` over the run's plan; the fastest first, at most
-   ``replan.trials`` of them.
+   guessed; where the run's own plan is the fastest priced, within that error of it) and could, at that error, gain
+   ``min_gain`` over the run's plan; the fastest first, at most ``replan.trials`` of them.
 
 The memory is the run's: ``memory_cap_gib`` where set, else the largest stage peak of the plan it trains, so a move
 never makes a stage hold more than the run already asks of its largest one.
@@ -258,12 +258,13 @@ def choose_replan(
     error = max(PROFILE_ERROR, noise)
     replan = cfg.ext.replan
     args = (step, old, old_step)
-    if fastest is own or fastest.step >= old_step:
-        return ReplanChoice(*args, (), own, noise, error, replan.min_gain, cap, Verdict.BEST, engine_lines)
+    if fastest.step >= old_step:
+        fastest = own  # the run's plan is the fastest priced: the close calls are the plans within the error of it
     pool = _around(capped, blocks, fastest, bests, error, strategy)
     worth = [c for c in pool if c.key != own.key and _gain(old_step, c.step) + error >= replan.min_gain]
     if not worth:
-        return ReplanChoice(*args, (), fastest, noise, error, replan.min_gain, cap, Verdict.SMALL, engine_lines)
+        verdict = Verdict.BEST if fastest is own else Verdict.SMALL
+        return ReplanChoice(*args, (), fastest, noise, error, replan.min_gain, cap, verdict, engine_lines)
     tried = worth[: replan.trials]
     while tried and steps_left is not None and trial_length(len(tried) + 1, replan.turn_steps) > steps_left:
         tried.pop()  # the runner-ups first: the fastest is tried where anything is

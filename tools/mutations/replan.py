@@ -22,6 +22,17 @@ VERDICT = f"{TRIAL_TESTS}::test_the_run_goes_back_unless_a_candidate_beats_its_p
 
 CHOICE_ROWS: tuple[Mutation, ...] = (
     M(
+        "a run on the fastest priced plan tries nothing, however close the others",
+        CHOICE,
+        "        fastest = own  # the run's plan is the fastest priced",
+        "        return ReplanChoice(*args, (), own, noise, error, replan.min_gain, cap, Verdict.BEST, engine_lines)\n"
+        "        fastest = own  # the run's plan is the fastest priced",
+        (
+            f"{CHOICE_TESTS}::test_a_run_on_the_fastest_priced_plan_tries_the_plans_within_the_error_of_it_that_min_gain"
+            "_allows",
+        ),
+    ),
+    M(
         "a plan is tried whatever its gain at the profile's error",
         CHOICE,
         "_gain(old_step, c.step) + error >= replan.min_gain",
