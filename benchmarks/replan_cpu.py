@@ -4,13 +4,15 @@ engine (``nanotron-ext train``: the CPU runtime, gloo processes, each rank on a 
 Three cases (``replan_trial/cases.py``) on the SmolLM-135M shape at pp = 2, each run beside its *twin* (the same run
 with ``min_gain: 0.99``: it re-plans at the same step and stays), in ``--rounds`` rounds, each round every case once:
 
-* **transient load**: started on the split measured fastest, a CPU hog on rank 0's core during the profiled steps only;
-  the run must end no slower than its twin (the median of the steps after its trial, within the twin's noise: its
-  median's 95 % half-interval), so its report never calls a slower plan faster;
+* **transient load**: started on the split measured fastest, a CPU hog on rank 0's core during the profiled steps only,
+  timed between two twins (twin, run, twin); the run must end no slower than the twins (the median of the steps after
+  its trial against the mean of theirs, within the machine's noise: half the gap between the two twins, or a twin's
+  median's 95 % half-interval where larger), so its report never calls a slower plan faster;
 * **bad start**: most layers on the last stage, a quiet machine; the run must move and end faster than its twin;
-* **close call**: the balanced split, where the profile's fastest splits lie within its error; the run must try at
-  least two and keep the one measured fastest, or one inside the fastest one's interval, when the plans it tried
-  are measured apart afterwards (``--apart-rounds`` interleaved rounds of each).
+* **close call**: one of the two splits that measured fastest in turn (``E,t*7|t,L``; ``E,t*8,N|H,C,X`` is the
+  other), at ``min_gain: 0``; the run must try the plans within the profile's error and keep the one measured
+  fastest, or one inside the fastest one's interval, when the plans it tried (its own among them) are measured apart
+  afterwards (``--apart-rounds`` interleaved rounds of each).
 
 Per case and round it prints what was tried (each candidate's predicted speed), the trial's verdict, the plan kept,
 its speed in the trial, the run's and the twin's median step after the trial, and the trial's cost (moves, their
@@ -70,27 +72,35 @@ def _launch(kind: str, spec: dict[str, Any], folder: Path, name: str) -> dict[st
 
 
 def _case_round(case: Case, k: int, args: argparse.Namespace, folder: Path) -> tuple[report.Row, dict[str, Any]]:
-    """The case's run and twin (their order alternating by round), and for a close call its plans measured apart."""
+    """The case's run and its twins (see ``order``), and for a close call its plans measured apart."""
     label = case.label.split()[0]
     specs = {
         twin: {"config": str(case.config(folder, twin=twin, after=args.after)), "steps": args.steps, "hog": case.hog}
         for twin in (False, True)
     }
-    out: dict[bool, dict[str, Any]] = {}
-    for twin in (k % 2 == 1, k % 2 == 0):
+    # A run that must end no slower is timed between two twins (twin, run, twin): the machine's drift between runs,
+    # which no run's own steps show, is then the twins' gap and the reference is their mean.
+    # A close call is judged by its plans measured apart, not by a twin: it runs none.
+    order = {Check.NO_SLOWER: [True, False, True], Check.KEEPS_FASTEST: [False]}.get(
+        case.check, [k % 2 == 1, k % 2 == 0]
+    )
+    runs: list[tuple[bool, dict[str, Any]]] = []
+    for i, twin in enumerate(order):
         print(f"  {case.label}, round {k + 1}: {'twin' if twin else 'run'}", flush=True)
-        out[twin] = _launch("train", specs[twin], folder, f"{label}_{k}_{'twin' if twin else 'run'}")
+        runs.append((twin, _launch("train", specs[twin], folder, f"{label}_{k}_{i}_{'twin' if twin else 'run'}")))
+    out = {False: next(o for t, o in runs if not t)}
+    twins = [o for t, o in runs if t]
     apart = None
     r = out[False]["replan"]
-    if case.check is Check.KEEPS_FASTEST and len(r["candidates"]) >= 2:
+    if case.check is Check.KEEPS_FASTEST and r["candidates"]:
         layouts = [r["old"]["split"], *(c["split"] for c in r["candidates"])]
         spec = {"config": specs[True]["config"], "layouts": layouts, "rounds": args.apart_rounds, "steps": 2}
         print(f"  {case.label}, round {k + 1}: the {len(layouts)} plans it tried, measured apart", flush=True)
         apart = _launch("measure", spec, folder, f"{label}_{k}_apart")
-    return report.row(case, k + 1, out[False], out[True], apart), {
+    return report.row(case, k + 1, out[False], twins, apart), {
         "run": out[False]["replan"],
         "run_steps_s": out[False]["step_times_s"],
-        "twin_steps_s": out[True]["step_times_s"],
+        "twin_steps_s": [t["step_times_s"] for t in twins],
         "apart": apart,
     }
 

@@ -3,6 +3,7 @@ plans it tried measured apart), the check, and the table printed."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ class Row:
     window: tuple[int, int]  # the steps compared with the twin: after the trial
     run_ms: float  # the run's median step in the window
     twin_ms: float
-    noise: float  # the twin's median's relative half-interval in the window
+    noise: float  # the machine's: half the twins' gap, or a twin's median's relative half-interval where larger
     apart: dict[str, tuple[float, float, float]]  # the tried plans measured apart: median, low, high (s)
     moves: int
     move_s: float
@@ -42,17 +43,24 @@ class Row:
         return self.run_ms / self.twin_ms
 
 
-def row(case: Case, k: int, run: dict[str, Any], twin: dict[str, Any], apart: dict[str, Any] | None) -> Row:
-    """The round's row of ``case``: its run's and its twin's metrics, the plans it tried measured apart."""
+def row(case: Case, k: int, run: dict[str, Any], twins: Sequence[dict[str, Any]], apart: dict[str, Any] | None) -> Row:
+    """The round's row of ``case``: its run's and its twins' metrics, the plans it tried measured apart.
+
+    The twins' step is the mean of their medians; the noise the larger of half their gap (relative to that mean)
+    and each one's median's 95 % half-interval."""
     r = run["replan"]
     start = r["old"]["split"]
     last = r["trial"]["turns"][-1]["timed_steps"][-1] if r["trial"] else r["after_step"]
     window = (last + 2, len(run["step_times_s"]))
     steps = slice(window[0] - 1, window[1])
     run_ms = statistics.median(run["step_times_s"][steps]) * 1e3
-    twin_steps = twin["step_times_s"][steps]
-    twin_ms = statistics.median(twin_steps) * 1e3
-    noise = relative_spread(twin_steps)
+    medians = [statistics.median(t["step_times_s"][steps]) * 1e3 for t in twins]
+    twin_ms = statistics.fmean(medians) if medians else math.nan  # a close call runs no twin
+    noise = max(
+        [(max(medians) - min(medians)) / 2 / twin_ms, *(relative_spread(t["step_times_s"][steps]) for t in twins)]
+        if medians
+        else [math.nan]
+    )
     outcome = r["outcome"]
     kept = r["kept"]["split"]
     speed = (
@@ -100,11 +108,11 @@ def _check(
 ) -> tuple[bool, str]:
     """Whether the case's check holds this round, and why not."""
     if case.check is Check.NO_SLOWER:
-        return ratio <= 1 + noise, f"ended {ratio:.3f}x the twin's step, noise {noise:.1%}"
+        return ratio <= 1 + noise, f"ended {ratio:.3f}x the twins' step, noise {noise:.1%}"
     if case.check is Check.MOVES_FASTER:
         return kept != start and ratio < 1, f"kept {kept}, {ratio:.3f}x the twin's step"
-    if len(r["candidates"]) < 2:
-        return False, f"no close call: {len(r['candidates'])} candidate(s) within the profile's error"
+    if not r["candidates"]:
+        return False, "no close call: no plan within the profile's error was tried"
     fastest = min(apart, key=lambda layout: apart[layout][0])
     inside = apart[kept][1] <= apart[fastest][2]  # the kept plan's interval reaches the fastest one's
     return kept == fastest or inside, f"kept {kept}; measured apart the fastest is {fastest}"
@@ -142,9 +150,11 @@ def print_round(rows: Sequence[Row]) -> None:
                     f"{r.trial_speed:.3f}x",
                     f"{r.window[0]}-{r.window[1]}",
                     f"{r.run_ms:.0f}",
-                    f"{r.twin_ms:.0f}",
-                    f"{r.ratio:.3f}",
-                    f"{r.noise:.1%}",
+                    *(
+                        ("-", "-", "-")
+                        if math.isnan(r.twin_ms)
+                        else (f"{r.twin_ms:.0f}", f"{r.ratio:.3f}", f"{r.noise:.1%}")
+                    ),
                     str(r.moves),
                     f"{r.move_s:.1f}",
                     str(r.other_steps),
