@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 __all__ = [
     "LocalRun",
@@ -37,6 +37,7 @@ __all__ = [
     "kill_process_group",
     "local_env",
     "peak_rss_mib",
+    "popen_rank",
     "rendezvous_env",
     "run_local_ranks",
 ]
@@ -241,6 +242,7 @@ def run_local_ranks(
     merge_output: bool = True,
     cwd: str | Path | None = None,
     poll_s: float = 0.05,
+    start: Callable[..., Any] | None = None,
 ) -> LocalRun:
     """Start ``world_size`` processes on this machine and wait for them, never longer than ``timeout`` seconds.
 
@@ -258,6 +260,9 @@ def run_local_ranks(
         merge_output: stderr into stdout (one interleaved log per rank); False keeps them apart.
         cwd: working directory of the processes.
         poll_s: seconds between two looks at the processes.
+        start: starts one rank, ``(argv, env, cwd, stdout file, stderr file or None)`` -> a process with ``pid``
+            (the leader of its own session), ``poll()``, ``wait()`` and ``returncode``; default
+            :func:`popen_rank` (the test suite forks its ranks from a server, ``tests/runtime/forkserver.py``).
 
     Returns:
         Every rank's exit status and output, in rank order.
@@ -270,6 +275,7 @@ def run_local_ranks(
     if not timeout > 0:
         raise ValueError(f"timeout={timeout}: give a positive number of seconds (a launch never waits forever)")
     argv_of = command if callable(command) else (lambda rank: command)
+    start_rank = start or popen_rank
     base = dict(os.environ if env is None else env)
     port = free_port() if rendezvous else None
     procs: list[subprocess.Popen] = []
@@ -280,7 +286,7 @@ def run_local_ranks(
         try:
             for rank in range(world_size):
                 rank_env = dict(base, **rendezvous_env(rank, world_size, port)) if port is not None else base
-                procs.append(_start(argv_of(rank), rank_env, cwd, *logs[rank]))
+                procs.append(start_rank(argv_of(rank), rank_env, cwd, *logs[rank]))
             killed, deadline_hit = _wait(procs, deadline, grace, poll_s)
         finally:
             for proc in procs:  # also on an exception here (KeyboardInterrupt): no rank outlives the launch
@@ -307,7 +313,7 @@ def _log_files(
     ]
 
 
-def _start(
+def popen_rank(
     argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, out: IO[bytes], err: IO[bytes] | None
 ) -> subprocess.Popen:
     """One rank, leading its own session (so that its group can be killed whole), its output in files."""

@@ -1,11 +1,11 @@
 """Run a function in N real processes with torchrun's environment, with a hard timeout (through
 ``nanotron_ext.procs.run_local_ranks``, the launcher the benchmarks and ``train_workers`` use too).
 
-Each rank is a fresh ``python`` subprocess (no fork of the pytest process, so no inherited process group or
-thread state) that loads the function's source file by path, calls it, and pickles back the return value or
-the traceback. A rank that hangs is killed at the deadline and reported, so a deadlock fails the test instead
-of hanging it. When one rank fails, the others usually block in a collective; they are killed after a short
-grace period.
+Each rank is a fresh interpreter (forked from the server of ``forkserver.py``, which has imported torch; never a fork
+of the pytest process, so no inherited process group, thread or test state) that loads the function's source
+file by path, calls it, and pickles back the return value or the traceback. A rank that hangs is killed at the
+deadline and reported, so a deadlock fails the test instead of hanging it. When one rank fails, the others usually
+block in a collective; they are killed after a short grace period.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from nanotron_ext.procs import local_env, run_local_ranks
+
+from .forkserver import start as fork_start
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,6 +130,7 @@ def run_ranks(
             grace=grace,
             env=env,
             cwd=REPO_ROOT,
+            start=fork_start,
         )
         outcomes = []
         for rank_exit in run.ranks:

@@ -99,6 +99,10 @@ def launch_ranks(
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_train_") as tmp:
         argv, metrics_path, plan_path = _with_outputs(args, Path(tmp)) if outputs else (args, None, None)
         # No grace period: every rank runs to its own end (or the deadline), so each prints its own error.
+        from runtime.forkserver import (
+            start,
+        )  # here, not at the top: ranks load this file by path, without tests/ on sys.path
+
         run = run_local_ranks(
             [sys.executable, "-m", "nanotron_ext.cli", "train", *argv],
             world_size,
@@ -107,6 +111,7 @@ def launch_ranks(
             rendezvous=torchrun_env,
             merge_output=False,
             cwd=REPO_ROOT,
+            start=start,
         )
         return Launch(
             _rank_runs(run),

@@ -162,8 +162,17 @@ def launch(
     cmd, env = torchrun_command(config, *launcher_args, nproc=nproc, cpu_debug=cpu_debug)
     if not torchrun:
         direct = [sys.executable, *cmd[cmd.index("-m", 3) :]]  # `python -m nanotron_ext.run ...`, torchrun's args gone
+        from runtime.forkserver import start
+
         ranks = run_local_ranks(
-            direct, nproc, timeout=timeout, env=env, merge_output=True, cwd=config.parent, grace=DIRECT_GRACE_S
+            direct,
+            nproc,
+            timeout=timeout,
+            env=env,
+            merge_output=True,
+            cwd=config.parent,
+            grace=DIRECT_GRACE_S,
+            start=start,
         )
         if ranks.deadline_hit:
             raise subprocess.TimeoutExpired(direct, timeout, "".join(r.stdout for r in ranks.ranks))
