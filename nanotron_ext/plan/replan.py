@@ -59,8 +59,9 @@ __all__ = [
 
 #: Strategies whose split is the fastest simulated step on the config's machine: a re-plan keeps them.
 PRICED_STRATEGIES: tuple[str, ...] = ("constrained", "profiled")
-#: The in-run profile's held-out error: how far its price of a split it did not train lands from that split's
-#: measured median step (±3 % on the SmolLM shape at pp = 2 in three quiet runs, docs/in-run.md#measured).
+#: The least error the re-plan grants the in-run profile's price of a split it did not train: the aim for its
+#: held-out error. Measured wider on the SmolLM shape at pp = 2 (0.920-1.108 over three quiet runs, docs/in-run.md), so
+#: a plan beyond it may go untried; what is tried is still measured before it is kept.
 PROFILE_ERROR = 0.03
 #: How far (in blocks) a cut of the fastest split moves to make the splits around it.
 NEIGHBOUR_REACH = 2
