@@ -127,10 +127,18 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
     }
     config = write_config(tmp_path / "load.yaml", changes)
     metrics = tmp_path / "metrics.json"
-    outcomes = run_ranks(trained_under_a_transient_load, 2, args=(str(config), STEPS, str(metrics)), timeout=TIMEOUT)
-    assert all(o.ok for o in outcomes), outcomes
-    r = json.loads(metrics.read_text())["replan"]
-    layers_on_rank_0 = [sum(int(n) for n in re.findall(r"t\*(\d+)", c["split"].split("|")[0])) for c in r["candidates"]]
+    # The hog must make a move look good first. On a machine loaded on both cores already (CI runs two passes side
+    # by side), it once did not show in the profile: that launch tests nothing, so it is taken once more.
+    for _ in range(2):
+        outcomes = run_ranks(
+            trained_under_a_transient_load, 2, args=(str(config), STEPS, str(metrics)), timeout=TIMEOUT
+        )
+        assert all(o.ok for o in outcomes), outcomes
+        r = json.loads(metrics.read_text())["replan"]
+        if r["candidates"]:
+            break
+    split = r"t\*(\d+)"
+    layers_on_rank_0 = [sum(int(n) for n in re.findall(split, c["split"].split("|")[0])) for c in r["candidates"]]
     assert layers_on_rank_0 and max(layers_on_rank_0) < 4, r  # the profile moves work off the loaded rank
     _verdict_of_its_own_steps(r)
     assert r["outcome"]["kept"] == 0 and r["kept"]["split"] == "E,t*4|t*4,L", r["outcome"]

@@ -195,7 +195,10 @@ def one_message(out: str, text: str, code: int) -> None:
     assert len(re.findall("^" + head, out, re.M)) == 1, out[-4000:]
     assert set(re.findall("traceback : " + head, out)) == {"0", "1"}, out[-4000:]
     root = out[out.index("Root Cause (first observed failure):") :]
-    assert re.search(rf"exitcode\s*: {code} \(pid", root) and "traceback : nanotron_ext.run [rank" in root, root
+    # The root cause is the rank whose report came first. Its exit code is ours, or -15 where torchrun's agent
+    # stopped it (SIGTERM, once a peer had exited) while it still waited for the others' reports (seen under CI's
+    # load): the message is ours either way (docs/cli.md#one-job-one-message).
+    assert re.search(rf"exitcode\s*: ({code}|-15) \(pid", root) and "traceback : nanotron_ext.run [rank" in root, root
     assert "error_file: <N/A>" not in out and not re.search(r'File "[^"]*nanotron_ext/', out), out[-4000:]
 
 
