@@ -236,8 +236,7 @@ class ReplanSession:
             median = statistics.median(before)
             out.append(
                 f"replan: steps {first_timed}-{c.step} on {c.old.split_text} ({c.old.engine}), under the clock, "
-                f"measured {format_seconds(median)} a step (median), predicted {format_seconds(c.old_step)} "
-                f"(predicted ÷ measured {c.old_step / median:.3f})"
+                + _against(median, c.old_step)
             )
         if self.moves:
             cost = self.cost()
@@ -255,8 +254,7 @@ class ReplanSession:
             what = "after the trial" if self.schedule is not None else "after the re-plan"
             out.append(
                 f"replan: steps {start}-{start + len(after) - 1} {what}, on {kept.split_text} ({kept.engine}), "
-                f"measured {format_seconds(median)} a step (median), predicted {format_seconds(predicted)} "
-                f"(predicted ÷ measured {predicted / median:.3f})"
+                + _against(median, predicted)
             )
         return out
 
@@ -301,3 +299,11 @@ def _same_plan(a: Plan, b: Plan) -> bool:
 def _legend(plans: Sequence[Plan]) -> str:
     """``A: E|t*2,L (1f1b), B: ...``."""
     return ", ".join(f"{chr(ord('A') + i)}: {p.split_text} ({p.engine})" for i, p in enumerate(plans))
+
+
+def _against(median: float, predicted: float) -> str:
+    """A measured median step beside its prediction, in the re-plan's report."""
+    return (
+        f"measured {format_seconds(median)} a step (median), predicted {format_seconds(predicted)} "
+        f"(predicted ÷ measured {predicted / median:.3f})"
+    )
