@@ -323,3 +323,19 @@ def test_the_profile_prices_each_block_by_the_median_of_its_steps() -> None:
     typical = in_run_profile(SEED, BLOCKS, [_run([quick])], _base(), source="test")
     for name in ("model.decoder.0", "model.lm_head"):
         assert profile.block(SIG[name]).forward == typical.block(SIG[name]).forward > 0
+
+
+def test_a_backward_the_standalone_profile_deferred_whole_stays_whole_in_run_not_one_rounding_over() -> None:
+    """Standalone, the lm_head's W was its whole backward: in-run it is the whole in-run backward, where
+    ``backward × W ÷ B`` rounds one ulp above it for these figures (CI's run refused its own profile)."""
+    whole = 0.0033302507526366703
+    base = _base()
+    head = dataclasses.replace(base.block(SIG["model.lm_head"]), backward=whole, backward_weight=whole)
+    base = dataclasses.replace(base, blocks=tuple(head if b.signature == head.signature else b for b in base.blocks))
+    rank0, rank1 = _two_ranks()
+    x = 0.004785144227477606
+    assert x * whole / whole > x  # the rounding the rule must not let through
+    ops = [o if o.block != "model.lm_head" else _ops("model.lm_head", (7.0, 9.0), (x, x)) for o in rank1.blocks]
+    rank1 = dataclasses.replace(rank1, blocks=tuple(ops))
+    lm_head = in_run_profile(SEED, BLOCKS, [_run([(rank0, rank1)])], base, source="test").block(SIG["model.lm_head"])
+    assert lm_head.backward_weight == lm_head.backward == x

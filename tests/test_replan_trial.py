@@ -89,6 +89,19 @@ def test_the_scatter_is_the_median_deviation_of_a_step_from_its_turns_median():
     assert o.noise == pytest.approx(0.03)
 
 
+def test_the_noise_is_the_drift_plus_the_scatter_so_a_load_gone_before_the_candidate_is_no_gain():
+    """CI's case: the run's first turn was slowed by a load gone by the candidate's turn, two equal plans. The gain
+    over the run's mean (7.9 %) beats the drift (7.5 %) alone but not the drift plus the scatter (1.2 %)."""
+    s = trial_schedule(2, 2, start=1)  # timed: A 2, 3 | B 5, 6, 7, 8 | A 10, 11
+    times = {1: 0.0, 4: 0.0, 9: 0.0, 2: 0.29, 3: 0.31, 10: 0.256, 11: 0.260}
+    times.update({5: 0.254, 6: 0.260, 7: 0.254, 8: 0.260})  # B: 0.257, as fast as A once the load went
+    o = trial_outcome(s, times, min_gain=0.0)
+    assert o.drift == pytest.approx(0.042 / 0.558) and o.scatter == pytest.approx(0.003 / 0.257)
+    assert o.gain == pytest.approx(1 - 0.257 / 0.279) and o.drift < o.gain < o.noise
+    assert o.noise == pytest.approx(o.drift + o.scatter)
+    assert (o.verdict, o.kept) == (TrialVerdict.WITHIN_NOISE, 0)
+
+
 @pytest.mark.parametrize(
     ("b", "min_gain", "verdict", "kept"),
     [

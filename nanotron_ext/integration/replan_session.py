@@ -206,7 +206,7 @@ class ReplanSession:
             )
         kept = c.plans[o.kept]
         lines.append(
-            f"  noise {o.noise:.1%} (drift of the run's plan {o.drift:.1%}, steps' scatter {o.scatter:.1%}), "
+            f"  noise {o.noise:.1%} (drift of the run's plan {o.drift:.1%} + steps' scatter {o.scatter:.1%}), "
             f"min_gain {o.min_gain:.1%}: {chr(ord('A') + o.fastest)} {o.verdict.value}; the run trains "
             f"{kept.split_text} ({kept.engine}) from step {self.schedule.last + 1 if self.schedule else '?'}"
         )

@@ -195,7 +195,8 @@ def _weight(ops: Ops, backward: float, base: BlockCost | None, statistic: Statis
     if ops.weight:
         return min(step_price(ops.weight, ops.weight_step, statistic), backward)
     if base is not None and base.backward_weight is not None and base.backward > 0:
-        return backward * base.backward_weight / base.backward
+        # the share first: at most 1, so the product never rounds above the backward (x·w/b can, by one ulp)
+        return backward * (base.backward_weight / base.backward)
     return None
 
 

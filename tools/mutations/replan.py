@@ -176,16 +176,25 @@ TRIAL_ROWS: tuple[Mutation, ...] = (
     M(
         "the steps' scatter is not noise",
         TRIAL,
-        "    noise = max(drift, scatter)\n",
+        "    noise = drift + scatter\n",
         "    noise = drift\n",
         (f"{TRIAL_TESTS}::test_the_scatter_is_the_median_deviation_of_a_step_from_its_turns_median",),
     ),
     M(
         "the run plan's drift is not noise",
         TRIAL,
-        "    noise = max(drift, scatter)\n",
+        "    noise = drift + scatter\n",
         "    noise = scatter\n",
         (VERDICT,),
+    ),
+    M(
+        "the noise is the larger of the drift and the scatter, not their sum",
+        TRIAL,
+        "    noise = drift + scatter\n",
+        "    noise = max(drift, scatter)\n",
+        (
+            f"{TRIAL_TESTS}::test_the_noise_is_the_drift_plus_the_scatter_so_a_load_gone_before_the_candidate_is_no_gain",
+        ),
     ),
     M("a gain equal to the noise is kept", TRIAL, "    elif gain <= noise:\n", "    elif gain < noise:\n", (VERDICT,)),
     M(
@@ -362,6 +371,15 @@ PRICE_ROWS: tuple[Mutation, ...] = (
         "    return statistics.median(x for step in by_step for x in step)\n",
         (
             f"{IN_RUN_TESTS}::test_a_figure_is_the_median_over_steps_of_each_steps_mean_so_one_slow_step_moves_it_no_more_than_another",
+        ),
+    ),
+    M(
+        "the in-run W is the backward times W over B, multiplied first",
+        IN_RUN,
+        "        return backward * (base.backward_weight / base.backward)\n",
+        "        return backward * base.backward_weight / base.backward\n",
+        (
+            f"{IN_RUN_TESTS}::test_a_backward_the_standalone_profile_deferred_whole_stays_whole_in_run_not_one_rounding_over",
         ),
     ),
 )
