@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fo
 _SHOW = (
     "import json, os, sys; print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(), "
     "'x': os.environ.get('X'), 'rank': os.environ['RANK'], 'hash': hash('a'), 'torch': 'torch' in sys.modules, "
-    "'main': __name__, 'sid': os.getsid(0) == os.getpid()}))"
+    "'main': __name__, 'sid': os.getsid(0) == os.getpid(), "
+    "'ours': sorted({m.split('.')[0] for m in sys.modules} & {'nanotron', 'nanotron_ext', 'flash_attn', 'triton'})}))"
 )
 
 
@@ -42,6 +43,8 @@ def test_a_forked_rank_sees_its_argv_environment_folder_and_session(tmp_path: Pa
         assert s["argv"] == ["-c", "one", "two"] and s["path0"] == "" and s["cwd"] == str(tmp_path)
         assert s["x"] == "x" and s["rank"] == str(rank) and s["main"] == "__main__" and s["sid"]
         assert s["torch"], "the server did not preload torch"
+        # Nanotron and this package import in the rank, after the launcher's stand-ins are on the path
+        assert s["ours"] == [], s["ours"]
     assert seen[0]["hash"] != seen[1]["hash"], "two ranks of a launch share a hash seed"
 
 

@@ -116,7 +116,7 @@ def test_a_kill_during_a_move_leaves_the_last_complete_checkpoint_the_one_a_resu
 
 
 def test_a_run_of_at_most_k_steps_trains_its_plan_and_says_why(tmp_path):
-    run = launch(tiny_config(tmp_path, steps=3, **SHAPE, ext=BAD), "--replan-after", "3")
+    run = launch(tiny_config(tmp_path, steps=3, **SHAPE, ext=BAD), "--replan-after", "3", torchrun=TORCHRUN)
     assert run.rc == 0 and sorted(run.losses) == [1, 2, 3], run.out[-3000:]
     assert "replan after step 3: the run has 3 steps, so it trains its plan to the end without re-planning" in _notes(
         run

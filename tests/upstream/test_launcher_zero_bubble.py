@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from upstream.e2e import launch, tiny_config
+from upstream.e2e import TORCHRUN, launch, tiny_config
 
 pytestmark = pytest.mark.slow  # tests/conftest.py: left out of the quick run
 
@@ -56,7 +56,7 @@ def test_zero_bubble_trains_upstreams_trainer_with_1f1bs_weights(tmp_path: Path)
         if engine == "auto":
             chosen = resolve_engine(load_config(config))[0].run.engine
             assert chosen == "zb2p"  # what this test means to cover; the planner's choice, not ours
-        run = launch(config, nproc=4)
+        run = launch(config, nproc=4, torchrun=TORCHRUN)  # what it trains, not how torchrun runs it
         assert run.rc == 0, run.out[-3000:]
         assert sorted(run.losses) == [1, 2], run.out[-3000:]
         engine = "zb2p" if engine == "auto" else engine
