@@ -115,7 +115,7 @@ def test_a_close_call_is_tried_in_turns_and_the_run_trains_the_bits_of_a_run_tha
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one loaded rank, one quiet")
 def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path):
-    """Rank 0's core is shared with a CPU hog until the re-plan decides: the profile prices rank 0's layers slow
+    """Rank 0's core is shared with two CPU hogs until the re-plan decides: the profile prices rank 0's layers slow
     and the re-plan proposes moving work to rank 1; the trial, on a quiet machine, measures the run's balanced split
     no slower, the run goes back, and its report calls nothing faster than what it measured."""
     shape = {"num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 512, "vocab_size": 1024}
@@ -127,9 +127,10 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
     }
     config = write_config(tmp_path / "load.yaml", changes)
     metrics = tmp_path / "metrics.json"
-    # The hog must make a move look good first. On a machine loaded on both cores already (CI runs two passes side
-    # by side), it did not show in the profile in 3 of 4 CI launches: such a launch tests nothing, so it is taken
-    # again, and where it never shows the test says so instead of passing or failing on a premise that did not hold.
+    # The hogs must make a move look good first. On a machine loaded on both cores already (CI runs two passes side
+    # by side), one hog did not show in the profile in 3 of 4 CI launches (hence two): a launch where they do not
+    # show tests nothing, so it is taken again, and where they never show the test says so instead of passing or
+    # failing on a premise that did not hold.
     for _ in range(3):
         outcomes = run_ranks(
             trained_under_a_transient_load, 2, args=(str(config), STEPS, str(metrics)), timeout=TIMEOUT
@@ -139,7 +140,7 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
         if r["candidates"]:
             break
     else:
-        pytest.skip("the hog did not show in the profile in 3 launches (both cores already loaded): no move to undo")
+        pytest.skip("the hogs did not show in the profile in 3 launches (both cores already loaded): no move to undo")
     split = r"t\*(\d+)"
     layers_on_rank_0 = [sum(int(n) for n in re.findall(split, c["split"].split("|")[0])) for c in r["candidates"]]
     assert layers_on_rank_0 and max(layers_on_rank_0) < 4, r  # the profile moves work off the loaded rank
