@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 from launcher_scripts import script_env
+from torchrun_summary import exit_code, root_cause
 
 from nanotron_ext.checkpoint import record_for
 from nanotron_ext.config import bundled_config, load_config
@@ -61,13 +62,12 @@ def _one_message(job: Job, prefix: str, text: str, code: int) -> str:
     assert len(printed) == 1, job.out[-4000:]
     assert job.rc == 1, job.out[-4000:]  # torchrun's own code when a rank failed
     assert "error_file: <N/A>" not in job.out, job.out[-4000:]
-    root = job.out[job.out.index("Root Cause (first observed failure):") :]
-    assert re.search(rf"exitcode\s*: {code} \(pid", root) and re.search(r"error_file: \S+error\.json", root), root
+    root = root_cause(job.out, code)
     assert re.search(rf"traceback : {prefix}.*{re.escape(text)}", root), root
     # Every rank wrote its own file before any exited (torchrun may end one that was still exiting: SIGTERM).
     failures = re.findall(r"\[\d\]:\n(?:  .*\n?)+", job.out)
     assert len(failures) == 2 and all(re.search(r"error_file: \S+error\.json", f) for f in failures), failures
-    assert all(re.search(rf"exitcode\s*: ({code}|-15) \(pid", f) for f in failures), failures
+    assert all(re.search(exit_code(code), f) for f in failures), failures
     assert not re.search(r'File "[^"]*nanotron_ext/', job.out), job.out[-4000:]  # torchrun's traceback is not ours
     return printed[0]
 
@@ -111,7 +111,7 @@ def test_a_message_of_several_lines_prints_its_first_and_torchruns_summary_holds
     job = _torchrun(tmp_path, "-m", "nanotron_ext.run", _script(tmp_path, source), "--config-file", str(config))
     line = _one_message(job, r"nanotron_ext\.run \[rank \d\]: error: ", "checkpoint 4 is damaged:", 2)
     assert line.endswith("checkpoint 4 is damaged: [2 more lines: torchrun's summary below]"), line
-    root = job.out[job.out.index("Root Cause (first observed failure):") :]
+    root = root_cause(job.out, 2)
     assert "\n    model/a.safetensors: missing\n    resume from 2" in root, root  # torchrun indents them by 2
     assert job.out.count("model/a.safetensors: missing") == 2  # in each rank's failure, never printed by a rank
 

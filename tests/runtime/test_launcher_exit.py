@@ -11,6 +11,7 @@ import time
 
 import pytest
 from launcher_scripts import ONE_RANK, script_env
+from torchrun_summary import ROOT_CAUSE
 
 from nanotron_ext.config import bundled_config
 from nanotron_ext.procs import run_local_ranks
@@ -108,7 +109,7 @@ def test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it(tmp_pat
         text = out.stdout + out.stderr
         printed = re.findall(r"^nanotron_ext\.run \[rank (\d)\]: refused on rank \1$", text, re.M)
         assert out.returncode == 1 and printed == ["1"], text[-3000:]  # once, by the first rank that had it
-        root = text[text.index("Root Cause (first observed failure):") :]
+        root = text[text.index(ROOT_CAUSE) :]
         assert "traceback : nanotron_ext.run [rank 1]: refused on rank 1" in root, text[-3000:]  # the first
         said = set(re.findall(r"traceback : nanotron_ext\.run \[rank (\d)\]: refused on rank \1$", text, re.M))
         assert said == {"0", "1"}, text[-3000:]  # the slow rank wrote its own too, before torchrun ended the job

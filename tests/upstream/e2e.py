@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import yaml
 from nanotron_cpu import PAUSE_IN_SAVE
+from torchrun_summary import root_cause
 
 from nanotron_ext.integration.cpu_standins import FLAG as CPU_DEBUG_FLAG
 from nanotron_ext.procs import local_env, run_local_ranks
@@ -194,11 +195,8 @@ def one_message(out: str, text: str, code: int) -> None:
     head = r"nanotron_ext\.run \[rank (\d)\]: " + re.escape(text)
     assert len(re.findall("^" + head, out, re.M)) == 1, out[-4000:]
     assert set(re.findall("traceback : " + head, out)) == {"0", "1"}, out[-4000:]
-    root = out[out.index("Root Cause (first observed failure):") :]
-    # The root cause is the rank whose report came first. Its exit code is ours, or -15 where torchrun's agent
-    # stopped it (SIGTERM, once a peer had exited) while it still waited for the others' reports (seen under CI's
-    # load): the message is ours either way (docs/cli.md#one-job-one-message).
-    assert re.search(rf"exitcode\s*: ({code}|-15) \(pid", root) and "traceback : nanotron_ext.run [rank" in root, root
+    root = root_cause(out, code)  # the rank whose report came first
+    assert "traceback : nanotron_ext.run [rank" in root, root
     assert "error_file: <N/A>" not in out and not re.search(r'File "[^"]*nanotron_ext/', out), out[-4000:]
 
 

@@ -1,0 +1,28 @@
+"""What torchrun's failure summary must say of a job that stopped with one of our errors (docs/cli.md,
+one job, one message): the rule both passes' tests read, in one place."""
+
+from __future__ import annotations
+
+import re
+
+ROOT_CAUSE = "Root Cause (first observed failure):"
+
+
+def exit_code(code: int) -> str:
+    """A pattern for a failed rank's ``exitcode`` line: ours (``code``), or -15 where torchrun's agent stopped the rank
+    (SIGTERM, once a peer had exited) while it still waited for the others' reports, seen under CI's load; the
+    message is ours either way."""
+    return rf"exitcode\s*: ({code}|-15) \(pid"
+
+
+def root_cause(out: str, code: int) -> str:
+    """The summary's root-cause part of ``out``, checked to name a rank that exited with ``code`` (:func:`exit_code`)
+    and its error file.
+
+    Raises:
+        AssertionError: no root cause, another exit code, or no error file.
+    """
+    assert ROOT_CAUSE in out, out[-4000:]
+    root = out[out.index(ROOT_CAUSE) :]
+    assert re.search(exit_code(code), root) and re.search(r"error_file: \S+error\.json", root), root
+    return root
