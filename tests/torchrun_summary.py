@@ -4,7 +4,13 @@ one job, one message): the rule both passes' tests read, in one place."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import nanotron_ext
+
+#: Where our code runs from: a traceback frame in it is ours (a clone's own folder may be named nanotron_ext too, and
+#: torchrun's frames in a virtual environment inside it are not ours).
+PACKAGE = Path(nanotron_ext.__file__).resolve().parent
 ROOT_CAUSE = "Root Cause (first observed failure):"
 
 
@@ -26,3 +32,12 @@ def root_cause(out: str, code: int) -> str:
     root = out[out.index(ROOT_CAUSE) :]
     assert re.search(exit_code(code), root) and re.search(r"error_file: \S+error\.json", root), root
     return root
+
+
+def no_traceback_of_ours(out: str) -> None:
+    """``out`` shows no traceback frame of our package (torchrun's own traceback may be there).
+
+    Raises:
+        AssertionError: a frame in our package.
+    """
+    assert f'File "{PACKAGE}/' not in out, out[-4000:]

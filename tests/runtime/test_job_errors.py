@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 from launcher_scripts import script_env
-from torchrun_summary import exit_code, root_cause
+from torchrun_summary import exit_code, no_traceback_of_ours, root_cause
 
 from nanotron_ext.checkpoint import record_for
 from nanotron_ext.config import bundled_config, load_config
@@ -68,7 +68,7 @@ def _one_message(job: Job, prefix: str, text: str, code: int) -> str:
     failures = re.findall(r"\[\d\]:\n(?:  .*\n?)+", job.out)
     assert len(failures) == 2 and all(re.search(r"error_file: \S+error\.json", f) for f in failures), failures
     assert all(re.search(exit_code(code), f) for f in failures), failures
-    assert not re.search(r'File "[^"]*nanotron_ext/', job.out), job.out[-4000:]  # torchrun's traceback is not ours
+    no_traceback_of_ours(job.out)  # torchrun's traceback is not ours
     return printed[0]
 
 
