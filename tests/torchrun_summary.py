@@ -23,12 +23,12 @@ def exit_code(code: int) -> str:
 
 def root_cause(out: str, code: int) -> str:
     """The summary's root-cause part of ``out``, checked to name a rank that exited with ``code`` (:func:`exit_code`)
-    and its error file.
+    and its error file; no failed rank in ``out`` is without one (``<N/A>``).
 
     Raises:
-        AssertionError: no root cause, another exit code, or no error file.
+        AssertionError: no root cause, another exit code, or an error file missing.
     """
-    assert ROOT_CAUSE in out, out[-4000:]
+    assert ROOT_CAUSE in out and "error_file: <N/A>" not in out, out[-4000:]
     root = out[out.index(ROOT_CAUSE) :]
     assert re.search(exit_code(code), root) and re.search(r"error_file: \S+error\.json", root), root
     return root

@@ -55,12 +55,11 @@ def row(case: Case, k: int, run: dict[str, Any], twins: Sequence[dict[str, Any]]
     steps = slice(window[0] - 1, window[1])
     run_ms = statistics.median(run["step_times_s"][steps]) * 1e3
     medians = [statistics.median(t["step_times_s"][steps]) * 1e3 for t in twins]
-    twin_ms = statistics.fmean(medians) if medians else math.nan  # a close call runs no twin
-    noise = max(
-        [(max(medians) - min(medians)) / 2 / twin_ms, *(relative_spread(t["step_times_s"][steps]) for t in twins)]
-        if medians
-        else [math.nan]
-    )
+    twin_ms = noise = math.nan  # a close call runs no twin
+    if medians:
+        twin_ms = statistics.fmean(medians)
+        gap = (max(medians) - min(medians)) / 2 / twin_ms
+        noise = max(gap, *(relative_spread(t["step_times_s"][steps]) for t in twins))
     outcome = r["outcome"]
     kept = r["kept"]["split"]
     speed = (

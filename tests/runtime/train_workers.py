@@ -99,9 +99,8 @@ def launch_ranks(
     with tempfile.TemporaryDirectory(prefix="nanotron_ext_train_") as tmp:
         argv, metrics_path, plan_path = _with_outputs(args, Path(tmp)) if outputs else (args, None, None)
         # No grace period: every rank runs to its own end (or the deadline), so each prints its own error.
-        from runtime.forkserver import (
-            start,
-        )  # here, not at the top: ranks load this file by path, without tests/ on sys.path
+        # Imported here, not at the top: ranks load this file by path, without tests/ on sys.path.
+        from runtime.forkserver import start
 
         run = run_local_ranks(
             [sys.executable, "-m", "nanotron_ext.cli", "train", *argv],

@@ -197,7 +197,6 @@ def one_message(out: str, text: str, code: int) -> None:
     assert set(re.findall("traceback : " + head, out)) == {"0", "1"}, out[-4000:]
     root = root_cause(out, code)  # the rank whose report came first
     assert "traceback : nanotron_ext.run [rank" in root, root
-    assert "error_file: <N/A>" not in out, out[-4000:]
     no_traceback_of_ours(out)
 
 
