@@ -250,6 +250,59 @@ def test_fixes_that_all_stay_over_point_to_plan_fit_and_one_that_fits_does_not()
     assert fix.count("(largest stage") > fix.count(", still over)") >= 1 and FIT_POINTER not in fix
 
 
+@pytest.mark.parametrize("share", [0.97, 0.6])
+def test_a_fit_candidate_no_split_can_fit_is_priced_by_the_least_any_split_needs_and_the_others_are_planned(
+    capsys, share
+):
+    import itertools
+
+    from nanotron_ext.cli.plan_fit import fit_table
+    from nanotron_ext.simulate.fit_search import AS_CONFIGURED, fit_search
+    from nanotron_ext.strategies.builtin import stage_memory_terms
+
+    small, _ = _small_smollm()
+    cfg = small.with_overrides(pp=2)
+    as_is = max(s.memory_bytes for s in make_plan(inventory_from_config(cfg), cfg).stages)
+    # 0.97: some changes fit, some cannot with any split; 0.6: none fits, and some that the additive part lets
+    # fit are over by the full estimate with every split (planned without the cap: shown, not dropped).
+    capped = cfg.with_overrides(memory_cap_gib=as_is * share / GIB)
+    limit, rows = fit_search(capped)
+    assert {r.least for r in rows} == {True, False} and any(r.fits for r in rows) is (share > 0.9)
+    assert len(rows) == 6  # pp 1, 2 and 4, with and without recompute_layer: none left out
+    for row in rows:
+        changed = dataclasses.replace(
+            capped.with_overrides(pp=row.pp, engine=row.engine),
+            run=dataclasses.replace(
+                capped.run, tp=row.tp, pp=row.pp, engine=row.engine, recompute_layer=row.recompute_layer
+            ),
+        )
+        blocks = inventory_from_config(changed)
+        n, pp = len(blocks), row.pp
+        splits = [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
+        terms = stage_memory_terms(blocks, changed)  # the estimate's additive part, by brute force over splits
+        additive = terms.overhead + min(
+            max(terms.prefix(k)[e] - terms.prefix(k)[s] for k, (s, e) in enumerate(zip(b, b[1:]))) for b in splits
+        )
+        if row.least:  # no split fits, by the additive part (a lower bound of the full estimate): not planned
+            assert row.change != AS_CONFIGURED and additive > limit.bytes
+            assert row.step_time is None and not row.fits
+            assert additive * 0.995 <= row.peak <= additive * 1.005
+            continue
+        assert additive <= limit.bytes * (1 + 1e-9) or row.change == AS_CONFIGURED
+        if not row.fits:  # every split over the cap by the full estimate: the plan without it
+            changed = dataclasses.replace(changed, ext=dataclasses.replace(changed.ext, memory_cap_gib=None))
+        plan = make_plan(blocks, changed, "constrained", suggest_fixes=False)
+        assert row.peak == max(s.memory_bytes for s in plan.stages) and row.fits is (row.peak <= limit.bytes)
+        assert row.step_time == simulate_plan(plan, blocks, changed).step_time
+    assert fit_table(capped, as_json=False, every=True) == (0 if share > 0.9 else 1)
+    out = capsys.readouterr().out
+    least = [r for r in rows if r.least]
+    assert out.count("≥ ") == 2 * len(least) and "≥: no split of that change fits; the least memory" in out
+    for row in least:
+        line = next(x for x in out.splitlines() if x.startswith(row.change + "  "))
+        assert "≥ " in line and line.split()[-2:] == ["-", "no"]
+
+
 def test_fit_search_tries_only_a_tp_that_divides_the_heads():
     from nanotron_ext.plan.fit import heads_split
     from nanotron_ext.simulate.fit_search import fit_search

@@ -9,10 +9,12 @@ from collections.abc import Sequence
 from nanotron_ext.cli.common import EXIT_INVALID, EXIT_OK, Notes, titled_table
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.report import format_seconds, human_bytes
-from nanotron_ext.simulate.fit_search import FitRow
+from nanotron_ext.simulate.fit_search import AS_CONFIGURED, FitRow
 
 __all__ = ["FIT_ROWS", "fit_table", "left_out"]
 
+#: Before a figure that is the least memory any split needs (no split of that row fits; it was not planned).
+AT_LEAST = "≥ "
 #: Rows ``plan --fit`` prints: the config as it is, then the cheapest that fit, then the nearest that do not.
 FIT_ROWS = 8
 
@@ -54,14 +56,14 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool, every: bool = False) -> int:
             )
         )
         return EXIT_OK if any(r.fits for r in rows) else EXIT_INVALID
-    shown = [r for r in rows if r.change == "as configured"] + [r for r in rows if r.change != "as configured"]
+    shown = [r for r in rows if r.change == AS_CONFIGURED] + [r for r in rows if r.change != AS_CONFIGURED]
     shown = shown if every else shown[:FIT_ROWS]
     table_rows = [
         [
             r.change,
             r.tp * r.pp,
-            human_bytes(r.peak),
-            "-" if limit is None else f"{r.peak / limit.bytes:.0%}",
+            f"{AT_LEAST if r.least else ''}{human_bytes(r.peak)}",
+            "-" if limit is None else f"{AT_LEAST if r.least else ''}{r.peak / limit.bytes:.0%}",
             "-" if r.step_time is None else format_seconds(r.step_time),
             "yes" if r.fits else "no",
         ]
@@ -77,6 +79,8 @@ def fit_table(cfg: PlannerConfig, *, as_json: bool, every: bool = False) -> int:
             Notes(),
         )
     )
+    if any(r.least for r in shown):
+        print(f"\n{AT_LEAST.strip()}: no split of that change fits; the least memory any split's largest stage needs")
     if len(shown) < len(rows):
         print(f"\n{left_out(rows, shown)}")
     if limit is not None and not any(r.fits for r in rows):

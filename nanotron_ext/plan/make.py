@@ -23,7 +23,7 @@ from nanotron_ext.strategies.builtin import stage_memory_terms
 from nanotron_ext.strategies.memory_fit import only_whether_it_fits
 from nanotron_ext.strategies.registry import Assignment
 
-__all__ = ["make_plan", "plan_with_ranks"]
+__all__ = ["least_any_split_needs", "make_plan", "plan_with_ranks"]
 
 
 def make_plan(
@@ -122,6 +122,15 @@ def _plan(
     return replace(plan, findings=tuple(findings), memory_limit=limit, over_memory_ranks=over)
 
 
+def least_any_split_needs(blocks: Sequence[BlockInfo], cfg: PlannerConfig, limit: MemoryLimit) -> float | None:
+    """When no split of ``blocks`` into ``cfg``'s pp stages fits ``limit``, the least memory any split's largest
+    stage needs (a lower bound, by the estimate's additive part); None when one may fit. A change that cannot fit
+    is priced by it instead of planned: its plan would run the step-time search (seconds on a large model) only to
+    be over the limit with whatever split it picked. No requirement: a bound over every non-empty split, whatever
+    the strategy's constraints."""
+    return least_cap(len(blocks), cfg.run.pp, [], stage_memory_terms(blocks, cfg, cap=limit.bytes))
+
+
 def _priced_fixes(
     blocks: Sequence[BlockInfo], cfg: PlannerConfig, strategy: str, limit: MemoryLimit
 ) -> list[MemoryFix]:
@@ -135,12 +144,7 @@ def _priced_fixes(
             new_blocks = blocks if changed.run.tp == cfg.run.tp else inventory_from_config(changed)
             if len(new_blocks) < changed.run.pp:
                 continue
-            # The fix's plan would run the step-time search (seconds on a large model) only to be over the limit
-            # with whatever split it picked. No requirement: a bound over every non-empty split, whatever the
-            # strategy's constraints.
-            least = least_cap(
-                len(new_blocks), changed.run.pp, [], stage_memory_terms(new_blocks, changed, cap=limit.bytes)
-            )
+            least = least_any_split_needs(new_blocks, changed, limit)
             if least is not None:
                 if changed.run != cfg.run:  # a change of the split alone, when no split fits, is no fix
                     fixes.append(MemoryFix(change, least, fits=False, any_split=True))
