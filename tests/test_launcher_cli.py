@@ -80,7 +80,7 @@ _CHILD = textwrap.dedent(
     except Exception as exc:
         print("REFUSED-BEFORE", type(exc).__name__)
     names = ("build_model", "mark_tied_parameters", "check_model_has_grad", "DistributedDataParallel",
-             "init_optimizer_and_grad_accumulator", "sync_gradients_across_dp", "load_optimizer")
+             "init_optimizer_and_grad_accumulator", "sync_gradients_across_dp", "load_optimizer", "clip_grad_norm")
     before = {n: getattr(trainer, n) for n in names}
     undo = install_launcher(load_config(path), say=lambda s: None)
     cfg = get_config_from_file(path)
@@ -115,7 +115,7 @@ def test_launcher_installs_into_nanotrons_own_trainer_and_loader(tmp_path):
     assert any(line.startswith("REFUSED-BEFORE") for line in lines), out.stdout  # strict: our keys are unknown
     assert "LOADED-AFTER 2" in lines
     assert (
-        "SWAPPED ['DistributedDataParallel', 'build_model', 'check_model_has_grad', "
+        "SWAPPED ['DistributedDataParallel', 'build_model', 'check_model_has_grad', 'clip_grad_norm', "
         "'init_optimizer_and_grad_accumulator', 'load_optimizer', 'mark_tied_parameters', "
         "'sync_gradients_across_dp']" in lines
     )

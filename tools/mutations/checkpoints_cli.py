@@ -241,7 +241,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         LAUNCHER,
         "    install_split_independent_clipping(patches, trainer)\n",
         "",
-        (f"{CPU_DEBUG_E2E}::test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically",),
+        (
+            "tests/test_launcher_cli.py::test_launcher_installs_into_nanotrons_own_trainer_and_loader",
+            f"{CPU_DEBUG_E2E}::test_the_laptop_example_resumes_under_another_pp_and_split_bit_identically",
+        ),
         "upstream",
     ),
     M(
@@ -429,8 +432,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "plan's Nanotron line keeps quiet about a split that does not fit",
         "nanotron_ext/cli/plan_step.py",
-        "                f\"{speed_cell(rule.step_time, result.step_time)} as fast{'; ' + caveat if caveat else ''}\"\n",
-        '                f"{speed_cell(rule.step_time, result.step_time)} as fast"\n',
+        "                f\"{speed_cell(rule, result.step_time)} as fast{'; ' + caveat if caveat else ''}\"\n",
+        '                f"{speed_cell(rule, result.step_time)} as fast"\n',
         (f"{COMPARISONS}::test_the_nanotron_line_says_that_nanotrons_split_does_not_fit",),
     ),
     M(

@@ -792,4 +792,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if True:",
         ("tests/test_op_clock_marks.py",),
     ),
+    M(
+        "the launcher's clipping adds the norms in rank order, not by name",
+        "nanotron_ext/integration/clipping.py",
+        "torch.cat(rows)[order.index]",
+        "torch.cat(rows)",
+        ("tests/runtime/test_clipping.py",),
+    ),
+    M(
+        "the launcher's clipping adds the norms in the order each rank lists them",
+        "nanotron_ext/integration/clipping.py",
+        "entries = sorted((name, rank, i) for rank, names in enumerate(everyone) for i, name in enumerate(names))",
+        "entries = [(name, rank, i) for rank, names in enumerate(everyone) for i, name in enumerate(names)]",
+        ("tests/runtime/test_clipping.py",),
+    ),
 )
