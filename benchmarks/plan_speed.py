@@ -210,7 +210,7 @@ COMMANDS: dict[str, tuple[str, str, Callable[[Path], list[str]]]] = {
         lambda folder: ["plan", str(CONFIGS / "llama_3_8b.yaml"), "--engine", "auto"],
     ),
     "fit-70b": (
-        "plan llama_3_70b.yaml --fit (every candidate planned and simulated)",
+        "plan llama_3_70b.yaml --fit (each candidate some split may fit planned and simulated)",
         "Llama-3-70B, pp 8, m 32",
         lambda folder: ["plan", str(CONFIGS / "llama_3_70b.yaml"), "--fit"],
     ),
