@@ -280,7 +280,7 @@ def test_a_fit_candidate_no_split_can_fit_is_priced_by_the_least_any_split_needs
         n, pp = len(blocks), row.pp
         splits = [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
         terms = stage_memory_terms(blocks, changed)  # the estimate's additive part, by brute force over splits
-        additive = terms.overhead + min(
+        additive = changed.ext.overhead_gib * GIB + min(
             max(terms.prefix(k)[e] - terms.prefix(k)[s] for k, (s, e) in enumerate(zip(b, b[1:]))) for b in splits
         )
         if row.least:  # no split fits, by the additive part (a lower bound of the full estimate): not planned
@@ -360,7 +360,7 @@ def test_a_fix_no_split_fits_is_priced_by_a_bound_under_every_splits_largest_sta
     recomputed = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, recompute_layer=True))
     least = min(peak for _, peak, _ in _every_split(recomputed, blocks))
     terms = stage_memory_terms(blocks, recomputed)  # the estimate's additive part, by brute force over splits
-    additive = terms.overhead + min(
+    additive = recomputed.ext.overhead_gib * GIB + min(
         max(terms.prefix(k)[e] - terms.prefix(k)[s] for k, (s, e) in enumerate(zip(b, b[1:])))
         for b in ((0, *c, len(blocks)) for c in itertools.combinations(range(1, len(blocks)), 2))
     )

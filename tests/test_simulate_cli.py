@@ -457,6 +457,23 @@ def test_the_summary_lines_print_the_simulations_own_step_and_bubbles(tmp_path, 
     assert line.groups() == (pct["pipeline"], pct["ideal"], points, pct["bubble"], format_seconds(sim["step_time"]))
 
 
+def test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart():
+    # str(SimResult), what a script that prints a simulation reads: the same three figures as simulate's lines.
+    from nanotron_ext.inventory import inventory_from_config
+    from nanotron_ext.plan import make_plan
+    from nanotron_ext.schedule.simulator import ideal_bubble_fraction
+
+    cfg = load_config(bundled_config("smollm_135m.yaml"), pp=4).with_overrides(n_micro_batches=8)
+    blocks = inventory_from_config(cfg)
+    result = simulate_plan(make_plan(blocks, cfg), blocks, cfg)
+    figures = (result.bubble_fraction, result.pipeline_bubble_fraction, ideal_bubble_fraction(4, 8))
+    assert len({f"{x:.1%}" for x in figures}) == 3 and result.step_time > result.pipeline_time
+    assert (
+        f", bubble={figures[0]:.1%} (pipeline part {figures[1]:.1%}, ideal {figures[2]:.1%})"
+        in str(result).splitlines()[0]
+    )
+
+
 @pytest.mark.parametrize("engine", ["1f1b", "zbv"])
 def test_bubble_is_the_steps_and_pipeline_bubble_the_pipeline_parts_in_every_output(
     engine, tmp_path, capsys, monkeypatch

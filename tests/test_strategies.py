@@ -118,6 +118,15 @@ def test_memory_cap_search_keeps_the_overhead_allowance(tiny):
             make_plan(blocks, almost, name)
 
 
+def test_the_caps_fix_names_the_1f1b_engine_only_to_an_afab_run(tiny):
+    cfg, blocks = tiny
+    almost = cfg.with_overrides(memory_cap_gib=1.0 + 1 / 1024)  # no split fits (see the test above)
+    for engine, named in (("afab", True), ("1f1b", False)):
+        with pytest.raises(PlanningError, match="no split fits memory_cap_gib=1") as exc:
+            make_plan(blocks, almost.with_overrides(engine=engine), "flops")
+        assert ("the 1f1b engine (fewer micro-batches in flight)" in str(exc.value)) is named, str(exc.value)
+
+
 def test_layout_strategy(tiny):
     cfg, blocks = tiny
     plan = make_plan(blocks, cfg.with_overrides(layout="E,t|t,L"), "layout")

@@ -70,7 +70,7 @@ _MOST_SERVERS = 8
 ENABLED = os.environ.get("NANOTRON_EXT_TEST_FORKSERVER", "1") != "0"
 
 _SERVER = r"""
-import json, os, select, signal, sys, threading, traceback
+import json, os, select, signal, sys, tempfile, threading, traceback
 for name in json.loads(sys.argv[1]):
     try:
         __import__(name)
@@ -102,6 +102,7 @@ def rank(req):
     os.chdir(req["cwd"] or os.getcwd())
     os.environ.clear()
     os.environ.update(req["env"])
+    tempfile.tempdir = None  # torch's import made tempfile read the server's TMPDIR: the rank reads its own
     argv = req["argv"]
     code = 0
     try:

@@ -19,9 +19,9 @@ PY = sys.executable
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks (Linux)")
 
 _SHOW = (
-    "import json, os, sys; print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(), "
+    "import json, os, sys, tempfile; print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(), "
     "'x': os.environ.get('X'), 'rank': os.environ['RANK'], 'hash': hash('a'), 'torch': 'torch' in sys.modules, "
-    "'main': __name__, 'sid': os.getsid(0) == os.getpid(), "
+    "'main': __name__, 'sid': os.getsid(0) == os.getpid(), 'tmp': tempfile.gettempdir(), "
     "'ours': sorted({m.split('.')[0] for m in sys.modules} & {'nanotron', 'nanotron_ext', 'flash_attn', 'triton'})}))"
 )
 
@@ -35,13 +35,19 @@ def _forked(argv, env, cwd, out, err):  # noqa: ANN001, ANN202
 
 def test_a_forked_rank_sees_its_argv_environment_folder_and_session(tmp_path: Path) -> None:
     run = run_local_ranks(
-        [PY, "-c", _SHOW, "one", "two"], 2, timeout=60, env=local_env(X="x"), cwd=tmp_path, start=_forked
+        [PY, "-c", _SHOW, "one", "two"],
+        2,
+        timeout=60,
+        env=local_env(X="x", TMPDIR=str(tmp_path)),
+        cwd=tmp_path,
+        start=_forked,
     )
     assert run.ok, run.describe()
     seen = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run.ranks]
     for rank, s in enumerate(seen):
         assert s["argv"] == ["-c", "one", "two"] and s["path0"] == "" and s["cwd"] == str(tmp_path)
         assert s["x"] == "x" and s["rank"] == str(rank) and s["main"] == "__main__" and s["sid"]
+        assert s["tmp"] == str(tmp_path)  # its own TMPDIR: tests look there for what a run leaves behind
         assert s["torch"], "the server did not preload torch"
         # Nanotron and this package import in the rank, after the launcher's stand-ins are on the path
         assert s["ours"] == [], s["ours"]

@@ -299,7 +299,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "nanotron_ext/strategies/fixes.py",
         '    if run.engine == "afab":',
         "    if True:",
-        ("tests/test_validate.py::test_the_memory_cap_fix_names_only_what_the_config_has_not_taken",),
+        ("tests/test_strategies.py::test_the_caps_fix_names_the_1f1b_engine_only_to_an_afab_run",),
     ),
     M(
         "a closed pipe is an unexpected error",
@@ -413,14 +413,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         SIMULATOR,
         '+ f", bubble={self.bubble_fraction:.1%} "',
         '+ f", bubble={self.pipeline_bubble_fraction:.1%} "',
-        ("tests/test_simulate_cli.py::test_the_summary_lines_print_the_simulations_own_step_and_bubbles",),
+        ("tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",),
     ),
     M(
         "the simulator's summary prints the bubble as the pipeline part",
         SIMULATOR,
         '(f"(pipeline part {self.pipeline_bubble_fraction:.1%}, "',
         '(f"(pipeline part {self.bubble_fraction:.1%}, "',
-        ("tests/test_simulate_cli.py::test_the_summary_lines_print_the_simulations_own_step_and_bubbles",),
+        ("tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",),
     ),
     M(
         "simulate's bubble line prints the pipeline part for the step's",

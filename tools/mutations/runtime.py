@@ -223,7 +223,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         STRATEGIES,
         "        overhead=cfg.ext.overhead_gib * GIB,\n",
         "        overhead=0.0,\n",
-        ("tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance",),
+        (
+            "tests/test_strategies.py::test_memory_cap_search_keeps_the_overhead_allowance",
+            "tests/test_fit.py::test_a_fix_no_split_fits_is_priced_by_a_bound_under_every_splits_largest_stage",
+        ),
     ),
     M(
         "optimizer-step peak drops the overhead",
@@ -654,7 +657,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a 1F1B run's backward is not split",
         "nanotron_ext/machine/in_run.py",
-        "        return backward * base.backward_weight / base.backward",
+        "        return backward * (base.backward_weight / base.backward)",
         "        return None",
         ("tests/test_in_run.py::test_a_one_f_one_b_run_splits_its_backward_as_the_standalone_calibration_did",),
     ),
