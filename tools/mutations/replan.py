@@ -235,7 +235,10 @@ MOVE_ROWS: tuple[Mutation, ...] = (
         SESSION,
         "                return self.choice.plans[self.outcome.kept]\n",
         "                return self.choice.plans[self.outcome.fastest]\n",
-        (CLOSE_CALL,),
+        (
+            "tests/runtime/test_replan_session.py",
+            CLOSE_CALL,
+        ),
         "0.2",
     ),
     M(
