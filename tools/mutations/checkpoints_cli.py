@@ -413,14 +413,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         SIMULATOR,
         '+ f", bubble={self.bubble_fraction:.1%} "',
         '+ f", bubble={self.pipeline_bubble_fraction:.1%} "',
-        ("tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",),
+        (
+            "tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",
+        ),
     ),
     M(
         "the simulator's summary prints the bubble as the pipeline part",
         SIMULATOR,
         '(f"(pipeline part {self.pipeline_bubble_fraction:.1%}, "',
         '(f"(pipeline part {self.bubble_fraction:.1%}, "',
-        ("tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",),
+        (
+            "tests/test_simulate_cli.py::test_the_simulators_own_summary_names_the_steps_bubble_and_the_pipeline_parts_apart",
+        ),
     ),
     M(
         "simulate's bubble line prints the pipeline part for the step's",
