@@ -19,13 +19,12 @@ from nanotron_ext.costs.memory_estimate import SegmentMemory, config_stage_memor
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import MemoryCap, Requirement, partition
+from nanotron_ext.partition.branch_bound import branch_and_bound, score
 from nanotron_ext.partition.feasible import any_split_fits, least_cap
 from nanotron_ext.partition.schedule_aware import (
     ScheduleProblem,
     StepTimeEvaluator,
-    _branch_and_bound,
     _fastest,
-    _score,
     step_time_partition,
 )
 from nanotron_ext.partition.stage_ends import splits_within
@@ -203,7 +202,7 @@ def test_a_descent_step_ruling_splits_out_by_their_bound_picks_the_neighbour_sco
         bound = Bound(problem, Validity.build(n, (), None))
         splits = np.asarray(rng.sample(_splits(n, problem.pp), min(60, math.comb(n - 1, problem.pp - 1))))
         every, pruned = StepTimeEvaluator(problem), StepTimeEvaluator(problem)
-        expected = min(_score(every, bound, [tuple(int(x) for x in row) for row in splits]))
+        expected = min(score(every, bound, [tuple(int(x) for x in row) for row in splits]))
         assert _fastest(pruned, bound, splits) == expected
         # The budgets that read the evaluator run as if every split had been simulated.
         assert (pruned.evaluated, pruned.work) == (every.evaluated, every.work)
@@ -229,7 +228,7 @@ def _plain_branch_and_bound(evaluate, bound, best, budget):
                 pending.append(prefix)
                 seen += 1
                 if len(pending) >= 512:
-                    best, pending = min(best, *_score(evaluate, bound, pending)), []
+                    best, pending = min(best, *score(evaluate, bound, pending)), []
                 if seen > budget:
                     return best, False
             continue
@@ -243,7 +242,7 @@ def _plain_branch_and_bound(evaluate, bound, best, budget):
         ]
         stack.extend((k + 1, prefix, e) for e in reversed(ends))
     if pending:
-        best = min(best, *_score(evaluate, bound, pending))
+        best = min(best, *score(evaluate, bound, pending))
     return best, True
 
 
@@ -255,13 +254,14 @@ def test_branch_and_bound_remembering_each_stages_ends_visits_what_the_plain_sea
         n = rng.randint(12, 17)
         problem = _problem(rng, n, rng.randint(3, 5), engine=rng.choice(("1f1b", "zb1p")))
         bound = Bound(problem, Validity.build(n, (), None))
-        worst = max(_score(StepTimeEvaluator(problem), bound, _splits(n, problem.pp)[:200]))
+        worst = max(score(StepTimeEvaluator(problem), bound, _splits(n, problem.pp)[:200]))
         start = (worst[0] * 3, worst[1], worst[2])
-        for budget in (40, 700, 20000):
+        # 511 and 1023: a full batch that ends one split past the budget is scored, then the search stops.
+        for budget in (40, 511, 700, 1023, 20000):
             plain, remembering = StepTimeEvaluator(problem), StepTimeEvaluator(problem)
             expected = _plain_branch_and_bound(plain, bound, start, budget)
-            assert _branch_and_bound(remembering, bound, start, budget) == expected
-            assert remembering.evaluated == plain.evaluated
+            assert branch_and_bound(remembering, bound, start, budget) == expected
+            assert (remembering.evaluated, remembering.work) == (plain.evaluated, plain.work)
 
 
 @pytest.mark.parametrize("seed", range(2))

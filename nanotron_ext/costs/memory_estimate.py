@@ -25,11 +25,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import MemoryRuntime, ModelShape, PlannerConfig, RunShape
 from nanotron_ext.costs.analytic import GIB, in_flight, param_bytes
 from nanotron_ext.costs.block_memory import deferred_at_once
 from nanotron_ext.costs.pipeline_moment import PerBlock, per_block, pipeline_moment, stage_parameters
+from nanotron_ext.costs.segment_peaks import SegmentPeaks
 from nanotron_ext.schedule import ZERO_BUBBLE
 
 __all__ = [
@@ -309,6 +312,27 @@ class SegmentMemory:
         self._flight = in_flight(run.engine, run.pp, run.n_micro_batches)
         self._deferred = deferred_at_once(run.engine, run.pp, run.n_micro_batches)
         self._optimizer, self._retain_sends = _config_runtime(cfg)
+        self._many: SegmentPeaks | None = None
+
+    def peaks(self, stage: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """The peaks of many segments ``[s[j], e[j])`` (``s[j] < e[j]``) on ``stage`` at once, each equal to
+        ``self(stage, s[j], e[j]).peak`` (:class:`~nanotron_ext.costs.segment_peaks.SegmentPeaks`)."""
+        if self._many is None:
+            cfg = self.cfg
+            self._many = SegmentPeaks(
+                self.blocks,
+                self._per,
+                cfg.run,
+                self._flight,
+                self._deferred,
+                overhead=cfg.ext.overhead_gib * GIB,
+                buffers=RUNTIME_TENSORS_BYTES,
+                optimizer=self._optimizer,
+                retain_sends=self._retain_sends,
+                tied=cfg.model.tie_word_embeddings,
+                one_by_one=lambda k, s0, e0: self(k, s0, e0).peak,
+            )
+        return self._many(stage, s, e)
 
     def __call__(self, stage: int, s: int, e: int) -> StageMemory:
         """The estimate of blocks ``[s, e)`` on ``stage``: equal to ``config_stage_memory(blocks[s:e], cfg, stage)``."""

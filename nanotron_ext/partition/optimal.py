@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.split import bounds_from_ranks, ranks_from_bounds
 from nanotron_ext.report import compact_names
 
-__all__ = ["MemoryCap", "Partition", "Requirement", "partition"]
+__all__ = ["MemoryCap", "Partition", "Requirement", "SegmentEstimate", "partition"]
 
 _RTOL = 1e-9
 
@@ -45,6 +46,15 @@ class Requirement:
     fix: str = ""
 
 
+class SegmentEstimate(Protocol):
+    """The full estimate of blocks ``[s, e)`` on stage ``k`` (bytes, overhead included): of one segment, or of
+    the segments ``[s[j], e[j])`` at once (``many``)."""
+
+    def __call__(self, k: int, s: int, e: int) -> float: ...
+
+    def many(self, k: int, s: np.ndarray, e: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class MemoryCap:
     """Per-stage memory ceiling: ``overhead + sum(static) + in_flight[stage] · sum(activation)
@@ -53,8 +63,8 @@ class MemoryCap:
 
     That additive part is a lower bound of a stage's full estimate (which adds temporaries and held tensors, a
     maximum over the stage's blocks). ``exact(k, s, e)``, when given, is the full estimate of blocks ``[s, e)``
-    on stage ``k``, overhead included: the cap then holds on it (:meth:`fits`), at the price of one estimate per
-    segment and stage.
+    on stage ``k``, overhead included: the cap then holds on it (:meth:`fits`), at the price of an estimate of
+    every segment that the additive part lets fit (all of a stage's at once, ``exact.many``).
     """
 
     static: tuple[float, ...]
@@ -65,7 +75,7 @@ class MemoryCap:
     pending: tuple[float, ...] = ()
     deferred: tuple[int, ...] = ()
     fix: str = ""  # what the config could change when no split fits (the caller knows the config; empty: generic)
-    exact: Callable[[int, int, int], float] | None = field(default=None, compare=False, repr=False)
+    exact: SegmentEstimate | None = field(default=None, compare=False, repr=False)
     _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
     _prefixes: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -94,8 +104,8 @@ class MemoryCap:
             else:
                 out = np.full((n + 1, n + 1), np.inf)
                 todo = upper & (additive <= self.cap * (1 + _RTOL)) if only_fitting else upper
-                for s, e in zip(*np.nonzero(todo)):
-                    out[s, e] = self.exact(k, int(s), int(e))
+                starts, ends = np.nonzero(todo)
+                out[starts, ends] = self.exact.many(k, starts, ends)
             self._tables[key] = out
         return self._tables[key]
 

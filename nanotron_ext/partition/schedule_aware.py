@@ -20,7 +20,8 @@ Search (:func:`step_time_partition`), with a proof of how far from the optimum t
 3. **Exactness.** Branch and bound over every split whose lower bound is below the best step time found
    (prefix max plus the exact suffix bound prunes the rest), evaluated in batches, within a budget. When it
    finishes, the answer is the exact optimum (``exact=True``); otherwise the result carries the proven bound
-   ``step_time ≤ (1 + gap) · optimum`` with ``gap = step_time / LB* − 1``.
+   ``step_time ≤ (1 + gap) · optimum`` with ``gap = step_time / LB* − 1`` (``branch_bound.py``; it prunes by the
+   bound with 1F1B's round trips added, :func:`~nanotron_ext.partition.step_time_bound._terms`).
 
 Pure numpy, no torch: the planner layer uses it for the ``constrained`` strategy.
 """
@@ -34,9 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanotron_ext.errors import PlanningError
+from nanotron_ext.partition.branch_bound import Scored, branch_and_bound, score
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
 from nanotron_ext.partition.split import ranks_from_bounds
-from nanotron_ext.partition.stage_ends import StageEnds, splits_within
+from nanotron_ext.partition.stage_ends import splits_within
 from nanotron_ext.partition.step_time_bound import (
     RTOL,
     Bound,
@@ -60,6 +62,7 @@ __all__ = [
 ]
 
 _MAX_SIMULATED = 1 << 17  # pp × micro-batches above which splits are not searched by simulation (~6 · pp · m actions)
+_PRUNE_FROM = 1024  # splits the enumerations may simulate, from which they prune by 1F1B's round trips
 _TIE_BUDGET = 4096  # most splits simulated to break a tie in step time by memory (a few tenths of a second)
 _MAX_SIMULATED_ONCE = 1 << 20  # ... and above which not even the chosen split is simulated (3 s at pp·m = 2^19 here)
 
@@ -142,14 +145,23 @@ def step_time_partition(
     candidates = {tuple(reconstruct(bound, lb, reach, latest)) for latest in (True, False)}
     candidates |= flop_splits
     candidates |= {tuple(int(x) for x in s) for s in seeds if _feasible(valid, problem, s)}
-    scored = _score(evaluate, bound, sorted(candidates))
+    scored = score(evaluate, bound, sorted(candidates))
     best = min(scored)
     best = _descend(evaluate, bound, valid, best, work)
     nodes = schedule_graph(problem.engine, pp, problem.n_micro_batches, _cuts_of(problem, best[2])).n_actions
     complete = best[0] <= lb * (1 + RTOL)
+    # The enumerations below prune by the tighter bound of 1F1B's round trips (they score and break ties by
+    # ``bound``, as the rest does). Building it costs about as much as simulating a few dozen splits of the
+    # schedule: it is built where they may simulate thousands.
+    prune = bound
+    splits_left = min(budget, int(max(0.0, work - evaluate.work) / max(nodes, 1)))
+    if problem.engine == "1f1b" and splits_left >= _PRUNE_FROM and (not complete or least_memory is not None):
+        prune = Bound(problem, valid, round_trips=True)
     if not complete:
         left = max(0.0, work - evaluate.work)
-        best, complete = _branch_and_bound(evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))))
+        best, complete = branch_and_bound(
+            evaluate, bound, best, min(budget, max(64, int(left / max(nodes, 1)))), prune=prune
+        )
     if least_memory is not None:
         left = max(0.0, work - evaluate.work)
         best = _least_memory_among_fastest(
@@ -160,6 +172,7 @@ def step_time_partition(
             best,
             least_memory,
             min(budget, _TIE_BUDGET, max(64, int(left / max(nodes, 1)))),
+            prune=prune,
         )
     return StepTimeSplit(best[2], best[0], lb, complete, evaluate.evaluated)
 
@@ -194,15 +207,6 @@ def _bound_and_flop_splits(
     return lb, reach, flop_splits
 
 
-_Scored = tuple[float, float, tuple[int, ...]]  # (step time, lower bound, bounds): min() is the tie-break
-
-
-def _score(evaluate: StepTimeEvaluator, bound: Bound, splits: Sequence[tuple[int, ...]]) -> list[_Scored]:
-    times = evaluate(splits)
-    values = bound.values(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))
-    return [(float(t), float(v), s) for t, v, s in zip(times, values, splits)]
-
-
 #: Splits :func:`_fastest` simulates first, those of the smallest lower bound: their best step rules out the rest.
 _FIRST_BATCH = 32
 #: A split whose lower bound is above the best step found by more than this is slower (the bound never exceeds a
@@ -210,18 +214,18 @@ _FIRST_BATCH = 32
 _BOUND_MARGIN = 1e-6
 
 
-def _fastest(evaluate: StepTimeEvaluator, bound: Bound, splits: np.ndarray) -> _Scored:
-    """``min(_score(evaluate, bound, splits))`` (rows of ``splits``), simulating only the splits whose lower bound
+def _fastest(evaluate: StepTimeEvaluator, bound: Bound, splits: np.ndarray) -> Scored:
+    """``min(score(evaluate, bound, splits))`` (rows of ``splits``), simulating only the splits whose lower bound
     is not above the best step time found: those of the smallest bound first, then the rest that their best does
     not rule out. The others are charged to the evaluator as if simulated, so the budgets run as before."""
     values = bound.values(splits)
     order = np.argsort(values, kind="stable")
     first, rest = splits[order[:_FIRST_BATCH]], splits[order[_FIRST_BATCH:]]
-    best = min(_score(evaluate, bound, [tuple(int(x) for x in row) for row in first]))
+    best = min(score(evaluate, bound, [tuple(int(x) for x in row) for row in first]))
     keep = values[order[_FIRST_BATCH:]] <= best[0] * (1 + _BOUND_MARGIN)
     evaluate.charge(rest[~keep])
     kept = [tuple(int(x) for x in row) for row in rest[keep]]
-    return min(best, *_score(evaluate, bound, kept)) if kept else best
+    return min(best, *score(evaluate, bound, kept)) if kept else best
 
 
 def _cuts_of(problem: ScheduleProblem, bounds: Sequence[int]) -> tuple[bool, ...]:
@@ -243,7 +247,7 @@ def _feasible_rows(valid: Validity, bounds: np.ndarray) -> np.ndarray:
     return inside & ((lo[np.arange(s.shape[1]), e] <= s) & (s <= valid.hi[e])).all(axis=1)
 
 
-def _descend(evaluate: StepTimeEvaluator, bound: Bound, valid: Validity, best: _Scored, work: float) -> _Scored:
+def _descend(evaluate: StepTimeEvaluator, bound: Bound, valid: Validity, best: Scored, work: float) -> Scored:
     """Move one cut by up to 2 blocks, or two neighbouring cuts together, while the step time drops (and half
     the work budget lasts)."""
     pp = evaluate.problem.pp
@@ -275,44 +279,6 @@ def _descend(evaluate: StepTimeEvaluator, bound: Bound, valid: Validity, best: _
     return best
 
 
-def _branch_and_bound(evaluate: StepTimeEvaluator, bound: Bound, best: _Scored, budget: int) -> tuple[_Scored, bool]:
-    """Evaluate every split whose lower bound is below the best step time; False if the budget ran out."""
-    problem = evaluate.problem
-    n, pp = problem.n, problem.pp
-    stage_ends = StageEnds(bound, best[0])
-    below = best[0] * (1 - RTOL)  # a stage's bound must stay below it
-    pushed: dict[tuple[int, int], list[int]] = {}  # the ends to push, last first, per (stage, start) under ``below``
-    pending: list[tuple[int, ...]] = []
-    seen = 0
-    stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), 0)]  # (stage, cuts before the last, last cut)
-    while stack:
-        k, head, s = stack.pop()
-        prefix = (*head, s)
-        # Stage k = [s, e): e with s in its window, the stage's bound below the best, the rest completable.
-        ends = pushed.get((k, s))
-        if ends is None:
-            at, values = stage_ends(k, s)
-            ends = pushed[(k, s)] = at[values < below][::-1].tolist() if len(at) else []
-        if k < pp - 1:
-            stack.extend([(k + 1, prefix, e) for e in ends])
-            continue
-        if not ends:  # the last stage ends at n, or nowhere
-            continue
-        pending.append((*prefix, n))
-        seen += 1
-        if len(pending) >= 512:
-            best = min(best, *_score(evaluate, bound, pending))
-            pending = []
-            if best[0] * (1 - RTOL) != below:
-                below = best[0] * (1 - RTOL)
-                pushed.clear()
-        if seen > budget:
-            return best, False
-    if pending:
-        best = min(best, *_score(evaluate, bound, pending))
-    return best, True
-
-
 def split_memory(terms: MemoryCap | Sequence[np.ndarray], bounds: Sequence[int]) -> float:
     """The largest stage's memory of a split under ``terms`` (the overhead left out: every stage pays it); or
     under each stage's prefix sums of them (:meth:`MemoryCap.prefix`), when many splits are measured."""
@@ -326,12 +292,15 @@ def _least_memory_among_fastest(
     base: Bound,
     requirements: Sequence[Requirement],
     memory: MemoryCap | None,
-    best: _Scored,
+    best: Scored,
     terms: MemoryCap,
     budget: int,
-) -> _Scored:
+    *,
+    prune: Bound | None = None,
+) -> Scored:
     """Among the splits as fast as ``best`` (within ``RTOL``), the one whose largest stage uses the least memory
-    under ``terms`` (within ``budget`` simulated splits; past it, the least found so far).
+    under ``terms`` (within ``budget`` simulated splits; past it, the least found so far). The splits are found
+    under ``prune`` (a tighter bound than ``base``: default ``base``) and scored by ``base``.
 
     Memory first: the least memory ``c0`` at which some split's lower bound still meets the time (bisection; no
     split below it can be as fast), then every split under caps that halve the distance from ``best``'s own memory
@@ -344,10 +313,13 @@ def _least_memory_among_fastest(
     prefixes = [terms.prefix(k) for k in range(problem.pp)]
     ceiling = split_memory(prefixes, best[2])
 
+    prune = base if prune is None else prune
+    stacked = np.stack(prefixes)
+
     def bound_at(cap: float) -> Bound:
         room = cap if memory is None else min(cap, memory.room)  # the user's cap still holds
         # ``terms`` under a cap of ``room`` and no overhead: their prefix sums are the same at any cap.
-        return base.under(Validity.build(problem.n, requirements, terms, room + room * RTOL))
+        return prune.under(Validity.build(problem.n, requirements, terms, room + room * RTOL))
 
     lo, hi = 0.0, ceiling
     while hi - lo > 1e-3 * hi:
@@ -363,13 +335,15 @@ def _least_memory_among_fastest(
     for j in range(6, -1, -1):
         # The last level: every split under ``best``'s own memory (one that equals it cannot beat ``best``).
         cap = ceiling - (ceiling - hi) * (1 - 2.0**-j) if j else ceiling * (1 - 2 * RTOL)
-        bound = bound_at(cap * (1 + RTOL))
-        splits = [x for x in splits_within(bound, limit, left + 1) if x not in seen]
+        splits = [x for x in splits_within(bound_at(cap * (1 + RTOL)), limit, left + 1) if x not in seen]
         seen.update(splits)
         left -= len(splits)
-        for i in range(0, len(splits), 512):
-            for t, v, split in _score(evaluate, bound, splits[i : i + 512]):
-                key = (split_memory(prefixes, split), v, split)
+        if splits:
+            rows = np.asarray(splits, dtype=np.int64)
+            stage = np.arange(problem.pp)
+            used = (stacked[stage, rows[:, 1:]] - stacked[stage, rows[:, :-1]]).max(axis=1)  # split_memory's
+            for (t, v, split), mem in zip(score(evaluate, base, splits), used.tolist()):
+                key = (mem, v, split)
                 if t <= limit and key < chosen:
                     chosen, step = key, t
         if chosen[0] <= cap * (1 + RTOL) or left <= 0:

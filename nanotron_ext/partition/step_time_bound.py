@@ -37,7 +37,7 @@ __all__ = [
 RTOL = 1e-9  # relative tolerance of every comparison of times
 
 
-def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
+def _terms(problem: ScheduleProblem, round_trips: bool = False) -> list[list[tuple[float, ...]]]:
     """Lower-bound terms of each stage ``k``: tuples ``(wf, wb, ww, pf, pb, qf, qb, hops)``. For the segment
     ``[s, e)`` a term is ``wf·F(s,e) + wb·B(s,e) + ww·W(s,e) + U(s,e) + pf·F(0,s) + pb·B(0,s) + qf·F(e,n)
     + qb·B(e,n) + hops · p2p_min``, where ``F``, ``U`` sum forward and update times over blocks, ``B`` the
@@ -52,7 +52,13 @@ def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
       forwards and ``m`` backwards (serial on one rank), then micro-batch ``m-1``'s backwards below ``k``;
     * 1F1B: micro-batch 0 forwards through every stage and backwards down to ``k + 1``; only then can stage
       ``k`` start its first backward, after which its program still holds ``m`` backwards and
-      ``m - min(pp - k, m)`` forwards; then the backwards below ``k``;
+      ``m - min(pp - k, m)`` forwards; then the backwards below ``k``. And, when stage ``k``'s last forward
+      comes after its first backward (``s = m - (pp - k - 1) >= 2`` steady forwards): micro-batch 0's round
+      trip above ``k`` to that first backward, stage ``k``'s program from it to its last forward (``s - 1``
+      forwards and ``s - 2`` backwards), micro-batch ``m - 1``'s round trip above ``k``, its backward on ``k``
+      and below: where a heavy early stage paces the pipeline, the path its idle wait for the first gradient
+      and its steady phase make (``round_trips``: the branch and bound prunes by it; the min-max ``LB*`` and the
+      splits that meet it, which seed the search, are the other terms', as they have been);
     * AFAB: micro-batch 0's forwards below ``k``, ``m`` forwards on ``k``, micro-batch ``m-1``'s forwards above
       ``k``; backward 0 from the last stage down to ``k``, ``m`` backwards on ``k``, backward ``m-1`` below.
     * zb1p: the two 1F1B paths, where stage ``k`` has run ``max(0, m - 1 - k)`` of its ``W`` before its last
@@ -77,6 +83,9 @@ def _terms(problem: ScheduleProblem) -> list[list[tuple[float, ...]]]:
         terms = [(m, m, 0.0, 1.0, g, 0.0, 0.0, k + (k if grads else 0))]
         if problem.engine == "1f1b" and grads:
             terms.append((1 + m - min(pp - k, m), m, 0.0, 1.0, 1.0, 1.0, 1.0, 2 * (pp - 1)))
+            steady = m - (pp - k - 1)  # forwards of stage k from its last warm-up one on
+            if round_trips and steady >= 2:  # its last forward comes after its first backward: two round trips
+                terms.append((steady, steady, 0.0, 1.0, 1.0, 2.0, 2.0, 2 * k + 4 * (pp - 1 - k)))
         elif problem.engine == "afab":
             terms.append((m, m * g, 0.0, 1.0, g, 1.0, g, (pp - 1) * (2 if grads else 1)))
         out.append(terms)
@@ -100,7 +109,9 @@ def _zb1p_terms(pp: int, m: int, k: int, grads: bool) -> list[tuple[float, ...]]
 class Bound:
     """The lower bound ``max_k g_k(s_k, s_{k+1})`` of splits, and reachability sweeps under it."""
 
-    def __init__(self, problem: ScheduleProblem, valid: Validity, *, slowest_stage: bool = False) -> None:
+    def __init__(
+        self, problem: ScheduleProblem, valid: Validity, *, slowest_stage: bool = False, round_trips: bool = False
+    ) -> None:
         self.problem, self.valid = problem, valid
         n = problem.n
         # Each block at its least over the stage positions it may land on (one set when nothing prices by position):
@@ -118,7 +129,8 @@ class Bound:
         # Per stage, per term: E(e) (non-decreasing), S(s) (non-decreasing), constant; g = E(e) - S(s) + K.
         self.terms: list[list[tuple[np.ndarray, np.ndarray, float]]] = []
         # slowest_stage: the plain min-max of a stage's forward + backward (the FLOP objective).
-        stage_terms = [[(1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]] * problem.pp if slowest_stage else _terms(problem)
+        flop_terms = [[(1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]] * problem.pp
+        stage_terms = flop_terms if slowest_stage else _terms(problem, round_trips)
         u_weight = 0.0 if slowest_stage else 1.0
         for per_stage in stage_terms:
             rows = []

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TypeVar
 
+import numpy as np
+
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
 from nanotron_ext.costs.analytic import GIB
@@ -110,29 +112,35 @@ def _fits(bounds: Sequence[int], blocks: Sequence[BlockInfo], cfg: PlannerConfig
     return all(full(k, s, e) <= cap * (1 + 1e-9) for k, (s, e) in enumerate(zip(bounds, bounds[1:])))
 
 
-def _full_estimate(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> Callable[[int, int, int], float]:
+def _full_estimate(blocks: Sequence[BlockInfo], cfg: PlannerConfig) -> _Estimates:
     """``full(k, s, e)``: the peak of ``config_stage_memory(blocks[s:e], cfg, k)``, each segment estimated once
     for every search of the same blocks and estimate (the step-time search under the full estimate, then the
-    min-max split that stands in for it, ask for the same segments); the last few kept."""
+    min-max split that stands in for it, ask for the same segments); ``full.many``: many segments at once. The
+    last few kept."""
     key = (tuple(blocks), estimate_key(cfg))
     full = _ESTIMATES.get(key)
     if full is None:
         while len(_ESTIMATES) >= 8:
             _ESTIMATES.pop(next(iter(_ESTIMATES)))
-        full = _ESTIMATES[key] = _once_each(SegmentMemory(blocks, cfg))
+        full = _ESTIMATES[key] = _Estimates(SegmentMemory(blocks, cfg))
     return full
 
 
-_ESTIMATES: dict[tuple[object, ...], Callable[[int, int, int], float]] = {}
+class _Estimates:
+    """One segment's peak (remembered), or many segments' at once: :class:`MemoryCap`'s ``exact``."""
 
+    def __init__(self, segments: SegmentMemory) -> None:
+        self.segments = segments
+        self._known: dict[tuple[int, int, int], float] = {}
 
-def _once_each(segments: SegmentMemory) -> Callable[[int, int, int], float]:
-    known: dict[tuple[int, int, int], float] = {}
-
-    def full(k: int, s: int, e: int) -> float:
-        peak = known.get((k, s, e))
+    def __call__(self, k: int, s: int, e: int) -> float:
+        peak = self._known.get((k, s, e))
         if peak is None:
-            peak = known[(k, s, e)] = segments(k, s, e).peak
+            peak = self._known[(k, s, e)] = self.segments(k, s, e).peak
         return peak
 
-    return full
+    def many(self, k: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        return self.segments.peaks(k, s, e)
+
+
+_ESTIMATES: dict[tuple[object, ...], _Estimates] = {}
