@@ -66,8 +66,7 @@ def any_split_fits(n: int, pp: int, requirements: Sequence[Requirement], memory:
     prefixes = [memory.prefix(k) for k in range(pp)]
     if not all(np.all(q[1:] >= q[:-1]) for q in prefixes):  # a negative term: the starts that fit have gaps
         return _dense(n, pp, hi, prefixes, memory.slack_room)
-    lo = _earliest_fitting(np.stack(prefixes), memory.slack_room)
-    return sweep(n, pp, lambda k: (lo[k], hi)) is not None
+    return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], memory.slack_room), hi)) is not None
 
 
 def least_cap(
@@ -88,11 +87,9 @@ def least_cap(
         def fits(room: float) -> bool:
             return _dense(n, pp, hi, prefixes, room)
     else:
-        stacked = np.stack(prefixes)
 
         def fits(room: float) -> bool:
-            lo = _earliest_fitting(stacked, room)
-            return sweep(n, pp, lambda k: (lo[k], hi)) is not None
+            return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], room), hi)) is not None
 
     low = memory.room  # nothing fits this room
     high = max(max(float(q[-1] - q.min()) for q in prefixes), low + 1.0)  # any non-empty segment fits this one
@@ -105,23 +102,21 @@ def least_cap(
 
 
 def _earliest_fitting(q: np.ndarray, room: float) -> np.ndarray:
-    """Per stage ``k`` and end ``e``, the smallest ``s`` with ``q[k, e] - q[k, s] <= room`` as numpy computes it
-    (``e + 1``: none); ``q``: each stage's prefix sums, a row each.
+    """Per end ``e``, the smallest ``s`` with ``q[e] - q[s] <= room`` as numpy computes it (``e + 1``: none).
 
-    A row never decreases (prefix sums of non-negative terms), and neither does the rounded difference as ``s``
+    ``q`` never decreases (prefix sums of non-negative terms), and neither does the rounded difference as ``s``
     falls: the starts that fit are ``lo..e``. A binary search finds ``lo`` to within rounding; the comparison
-    itself then settles it, every stage at once."""
-    pp, n = q.shape[0], q.shape[1] - 1
+    itself then settles it."""
+    n = len(q) - 1
     ends = np.arange(n + 1)
-    rows = np.arange(pp)[:, None]
-    lo = np.minimum(np.stack([np.searchsorted(row, row - room, side="left") for row in q]), ends)
+    lo = np.minimum(np.searchsorted(q, q - room, side="left"), ends)
     while True:  # earlier starts that fit after all
-        back = (lo > 0) & ((q - q[rows, np.maximum(lo - 1, 0)]) <= room)
+        back = (lo > 0) & ((q - q[np.maximum(lo - 1, 0)]) <= room)
         if not back.any():
             break
         lo = lo - back
     while True:  # starts that do not fit after all (e + 1 when not even [e, e) does)
-        ahead = (lo <= ends) & ~((q - q[rows, np.minimum(lo, n)]) <= room)
+        ahead = (lo <= ends) & ~((q - q[np.minimum(lo, n)]) <= room)
         if not ahead.any():
             break
         lo = lo + ahead

@@ -421,8 +421,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the fit check ignores the memory",
         FEASIBLE,
-        "    return sweep(n, pp, lambda k: (lo[k], hi)) is not None\n\n\ndef least_cap(",
-        "    return sweep(n, pp, lambda k: (np.zeros(n + 1, dtype=np.int64), hi)) is not None\n\n\ndef least_cap(",
+        "(_earliest_fitting(prefixes[k], memory.slack_room), hi)",
+        "(np.zeros(n + 1, dtype=np.int64), hi)",
         (SHORTCUTS,),
     ),
     M(
@@ -650,13 +650,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out[starts, ends] = self.exact.many(k, starts, ends)",
         "out[starts, ends] = additive[starts, ends]",
         ("tests/test_fit.py",),
-    ),
-    M(
-        "the fit check's rounding fix reads stage 0's prefix",
-        FEASIBLE,
-        "back = (lo > 0) & ((q - q[rows, np.maximum(lo - 1, 0)]) <= room)",
-        "back = (lo > 0) & ((q - q[0, np.maximum(lo - 1, 0)]) <= room)",
-        (SHORTCUTS,),
     ),
     M(
         "splits within a bound reuse another stage's ends",
