@@ -280,6 +280,20 @@ def test_ties_in_step_time_go_to_the_least_memory_as_brute_force(seed):
     assert mattered >= 3  # the tie-break chose another split than the search alone in several cases
 
 
+def test_the_tie_break_weighs_a_split_by_its_largest_stage():
+    # Blocks 1 and 2 take no time: the three splits tie at 15. Their largest stages (a stage's min is the other's
+    # total less it): 5.5, 4.99 and 4.995, the last two close enough to be weighed together; by the smaller stage
+    # the third (1.005 < 1.01) would win.
+    problem = ScheduleProblem(
+        (1.0, 0.0, 0.0, 1.0), (2.0, 0.0, 0.0, 2.0), (0.0,) * 4, (0.0,) * 4, (True,) * 5, 2, 4, "1f1b"
+    )
+    terms = MemoryCap((0.5, 4.49, 0.005, 1.005), (0.0,) * 4, (1, 1), cap=math.inf)
+    splits = [(0, 1, 4), (0, 2, 4), (0, 3, 4)]
+    assert list(StepTimeEvaluator(problem)(splits)) == [15.0] * 3
+    assert step_time_partition(problem).bounds == (0, 1, 4)
+    assert step_time_partition(problem, least_memory=terms).bounds == (0, 2, 4)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_lower_bound_is_the_min_max_of_the_path_bound_over_all_splits(seed):
     # The bisection starts from brackets (FLOP min-max, the FLOP split's own bound): it must still land on

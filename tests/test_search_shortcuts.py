@@ -19,7 +19,7 @@ from nanotron_ext.costs.memory_estimate import SegmentMemory, config_stage_memor
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition import MemoryCap, Requirement, partition
-from nanotron_ext.partition.branch_bound import branch_and_bound, score
+from nanotron_ext.partition.branch_bound import _Walk, branch_and_bound, score
 from nanotron_ext.partition.feasible import any_split_fits, least_cap
 from nanotron_ext.partition.schedule_aware import (
     ScheduleProblem,
@@ -27,7 +27,7 @@ from nanotron_ext.partition.schedule_aware import (
     _fastest,
     step_time_partition,
 )
-from nanotron_ext.partition.stage_ends import splits_within
+from nanotron_ext.partition.stage_ends import StageEnds, splits_within
 from nanotron_ext.partition.step_time_bound import RTOL, Bound, Validity, minimise
 from nanotron_ext.schedule import min_micro_batches
 from nanotron_ext.strategies.builtin import _constraints
@@ -262,6 +262,26 @@ def test_branch_and_bound_remembering_each_stages_ends_visits_what_the_plain_sea
             expected = _plain_branch_and_bound(plain, bound, start, budget)
             assert branch_and_bound(remembering, bound, start, budget) == expected
             assert (remembering.evaluated, remembering.work) == (plain.evaluated, plain.work)
+
+
+@pytest.mark.parametrize("most", [1, 2, 3, 7, 512])
+def test_the_branch_and_bounds_walk_gives_every_split_under_its_bound_in_order_whatever_its_steps(most):
+    # The walk stops after ``most`` splits, in the middle of a stage's ends too, and goes on from there: the same
+    # splits in the same (depth-first: lexicographic) order as one walk, those whose every stage is below the bound.
+    rng = random.Random(990 + most)
+    for _ in range(8):
+        n = rng.randint(6, 11)
+        problem = _problem(rng, n, rng.randint(2, 4))
+        bound = Bound(problem, Validity.build(n, (), None))
+        lb, _ = minimise(bound, 1e9)
+        below = lb * rng.uniform(1.05, 1.4)
+        walk = _Walk(StageEnds(bound, below), n, problem.pp, below)
+        walked: list[tuple[int, ...]] = []
+        while step := walk.splits(most):
+            assert len(step) <= most
+            walked += step
+        every = [sp for sp in _splits(n, problem.pp) if bound.value(sp) < below]
+        assert walked == sorted(every)
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -155,6 +155,14 @@ class Bound:
                     self._search.append((e_const, s_arr))
                 ids.append(seen[key])
             self._stage_search.append(ids)
+        # Searches over the same S (the fill-drain term's, at every stage) run as one, for every stage at once.
+        by_start: dict[bytes, list[int]] = {}
+        for i, (_, s_arr) in enumerate(self._search):
+            by_start.setdefault(s_arr.tobytes(), []).append(i)
+        self._groups = [
+            (self._search[ids[0]][1], np.stack([self._search[i][0] for i in ids]), ids) for ids in by_start.values()
+        ]
+        self._group_of = {i: g for g, (_, _, ids) in enumerate(self._groups) for i in ids}
         self._found: tuple[float, dict[int, np.ndarray]] = (math.nan, {})  # the searches under the last bound
         # The same terms stacked (pp, terms, n + 1) for :meth:`values`; a stage with fewer terms repeats its first.
         width = max(len(rows) for rows in self.terms)
@@ -199,9 +207,9 @@ class Bound:
         for i in self._stage_search[k]:
             if i not in found:
                 # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the
-                # optimum's own split feasible against rounding.
-                e_const, s_arr = self._search[i]
-                found[i] = np.searchsorted(s_arr, e_const - x - RTOL * abs(x), side="left")
+                # optimum's own split feasible against rounding. Every search of the same S at once.
+                s_arr, e_consts, ids = self._groups[self._group_of[i]]
+                found.update(zip(ids, np.searchsorted(s_arr, e_consts - x - RTOL * abs(x), side="left")))
             lo = np.maximum(lo, found[i])
         return lo, self.valid.hi
 
