@@ -20,8 +20,9 @@ Scored = tuple[float, float, tuple[int, ...]]  # (step time, lower bound, bounds
 def score(evaluate: StepTimeEvaluator, bound: Bound, splits: Sequence[tuple[int, ...]]) -> list[Scored]:
     """Each split simulated, as ``(step time, lower bound, split)``: ``min`` of them is the fastest, ties to the
     smaller bound, then the smaller split (the same on every rank)."""
-    times = evaluate(splits)
-    values = bound.values(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))
+    rows = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)  # once: a list of tuples is slow to convert
+    times = evaluate(rows)
+    values = bound.values(rows)
     return [(float(t), float(v), s) for t, v, s in zip(times, values, splits)]
 
 
@@ -94,11 +95,13 @@ class _Walk:
     def splits(self, most: int) -> list[tuple[int, ...]]:
         """The next ``most`` splits of the walk (fewer when it ends)."""
         out: list[tuple[int, ...]] = []
-        stack, pp = self.stack, self.pp
+        stack, pp, pushed, n = self.stack, self.pp, self.pushed, self.n
         while stack and len(out) < most:
             k, head, s = stack.pop()
             prefix = (*head, s)
-            ends = self._ends(k, s)
+            ends = pushed.get((k, s))
+            if ends is None:
+                ends = self._ends(k, s)
             if k < pp - 2:
                 stack.extend([(k + 1, prefix, e) for e in ends])
             elif k == pp - 2:  # the next stage is the last: a split for each end it may start at, in walk order
@@ -106,10 +109,13 @@ class _Walk:
                     if len(out) == most:  # the rest is walked later, as if each had been pushed
                         stack.extend([(k + 1, prefix, e) for e in ends[: i + 1]])
                         break
-                    if self._ends(k + 1, ends[i]):
-                        out.append((*prefix, ends[i], self.n))
+                    last = pushed.get((k + 1, ends[i]))
+                    if last is None:
+                        last = self._ends(k + 1, ends[i])
+                    if last:
+                        out.append((*prefix, ends[i], n))
             elif ends:  # the last stage ends at n, or nowhere
-                out.append((*prefix, self.n))
+                out.append((*prefix, n))
         return out
 
     def _ends(self, k: int, s: int) -> list[int]:

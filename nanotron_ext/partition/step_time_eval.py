@@ -198,6 +198,12 @@ def _known_steps(problem: ScheduleProblem) -> dict[bytes, float]:
     return known
 
 
+def _keys(bounds: np.ndarray) -> list[bytes]:
+    """Each row's bytes (``row.tobytes()``), read in one go: the key a simulated split is remembered by."""
+    rows = np.ascontiguousarray(bounds, dtype=np.int64)
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel().tolist()
+
+
 class StepTimeEvaluator:
     """Step time of many splits of one :class:`ScheduleProblem` at once (equal to ``simulate``'s)."""
 
@@ -226,7 +232,7 @@ class StepTimeEvaluator:
         if len(splits) == 0:
             return np.zeros(0)
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
-        keys = [row.tobytes() for row in bounds]
+        keys = _keys(bounds)
         known = self._known
         out = np.array([known.get(key, math.nan) for key in keys])
         todo = np.flatnonzero(np.isnan(out))
@@ -244,7 +250,7 @@ class StepTimeEvaluator:
         if len(splits) == 0:
             return
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
-        keys = [row.tobytes() for row in bounds]
+        keys = _keys(bounds)
         todo = [i for i, key in enumerate(keys) if key not in self._known]
         if todo:
             self._known.update(zip((keys[i] for i in todo), self._simulate(bounds[todo]).tolist()))
