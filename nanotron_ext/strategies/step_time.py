@@ -33,7 +33,25 @@ def schedule_problem(
             candidates without reading the profile again).
         v_chunks: ``cfg``'s stages are a V's chunks (``ScheduleProblem.v_chunks``).
     """
-    prices = price_blocks(machine or machine_for(cfg, blocks), blocks, cfg)
+    machine = machine or machine_for(cfg, blocks)
+    key = (tuple(blocks), cfg, machine, v_chunks)
+    problem = _PROBLEMS.get(key)
+    if problem is None:
+        while len(_PROBLEMS) >= 4:
+            _PROBLEMS.pop(next(iter(_PROBLEMS)))
+        problem = _PROBLEMS[key] = _priced(blocks, cfg, machine, v_chunks)
+    return problem
+
+
+#: The last few problems priced: a plan searches its split, simulates it and prices Nanotron's rule's from one
+#: model, config and machine (each pricing of a 1000-block model about 35 ms). A problem is immutable.
+_PROBLEMS: dict[tuple[object, ...], ScheduleProblem] = {}
+
+
+def _priced(
+    blocks: Sequence[BlockInfo], cfg: PlannerConfig, machine: MachineProfile, v_chunks: bool
+) -> ScheduleProblem:
+    prices = price_blocks(machine, blocks, cfg)
     return ScheduleProblem(
         forward=tuple(map(float, prices.forward)),
         backward=tuple(map(float, prices.backward)),
