@@ -35,7 +35,10 @@ def schedule_problem(
     """
     machine = machine or machine_for(cfg, blocks)
     key = (tuple(blocks), cfg, machine, v_chunks)
-    problem = _PROBLEMS.get(key)
+    try:
+        problem = _PROBLEMS.get(key)
+    except TypeError:  # a config holding a dict of Nanotron's own keys (freezing patterns): priced every time
+        return _priced(blocks, cfg, machine, v_chunks)
     if problem is None:
         while len(_PROBLEMS) >= 4:
             _PROBLEMS.pop(next(iter(_PROBLEMS)))
