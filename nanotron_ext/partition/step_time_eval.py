@@ -101,7 +101,8 @@ def _nodes(programs: Sequence[Sequence[Step]]) -> tuple[_Nodes, list[int]]:
     p2p, nothing = _codes(pp)
     pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
     info = _STEP_INFO
-    posted: dict[tuple[bool, int, int], int] = {}  # (gradient?, sender, micro-batch) -> node before the send
+    # (micro-batch, sender, gradient?) as one int, (j * pp + sender) * 2 + gradient -> the node before the send
+    posted: dict[int, int] = {}
     prev = [0] * pp
     fusable = [False] * pp  # prev[s] is a receive that nothing else waits on yet
     pos = [0] * pp
@@ -129,10 +130,10 @@ def _nodes(programs: Sequence[Sequence[Step]]) -> tuple[_Nodes, list[int]]:
                         last += 1
                         node = last
                 elif op == 1:  # send
-                    posted[(grad, s, j)] = node
+                    posted[(j * pp + s) * 2 + grad] = node
                     fuse = False
                 else:  # receive
-                    sent = posted.get((grad, s + peer, j))
+                    sent = posted.get((j * pp + s + peer) * 2 + grad)
                     if sent is None:
                         break
                     pred_rank.append(node)

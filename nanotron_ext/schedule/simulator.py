@@ -303,7 +303,8 @@ def _replay(
     there (rendezvous). Ranks advance in turn until each is blocked on a receive whose send is not yet posted.
     """
     pp = len(programs)
-    posted: dict[tuple[bool, int, int], float] = {}  # (gradient?, sender, micro-batch) -> when the send was posted
+    # (micro-batch, sender, gradient?) as one int, (j * pp + sender) * 2 + gradient -> when the send was posted
+    posted: dict[int, float] = {}
     per_stage: list[list[Op]] = [[] for _ in range(pp)]
     clock = [0.0] * pp
     pos = [0] * pp
@@ -329,9 +330,9 @@ def _replay(
                     ops.append(Op(s, value, j, now, end))
                     now = end
                 elif what == 1:  # send
-                    posted[(gradient, s, j)] = now
+                    posted[(j * pp + s) * 2 + gradient] = now
                 else:
-                    sent = posted.get((gradient, s + peer, j))
+                    sent = posted.get((j * pp + s + peer) * 2 + gradient)
                     if sent is None:
                         break  # the sender has not got there yet
                     now = (now if now >= sent else sent) + p2p_times[s + cut]  # max(now, sent); cut min(s, s + peer)
