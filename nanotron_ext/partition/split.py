@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 __all__ = ["bounds_from_ranks", "ranks_from_bounds"]
 
@@ -14,7 +15,11 @@ def bounds_from_ranks(ranks: Sequence[int], pp: int) -> list[int]:
         >>> bounds_from_ranks([0, 0, 1, 1, 1], 3)
         [0, 2, 5, 5]
     """
-    return [0] + [sum(1 for r in ranks if r <= k) for k in range(pp)]
+    at = [0] * (pp + 1)  # at[k + 1]: the ranks counted from stage k on (a rank below 0 from stage 0)
+    for r in ranks:
+        if r < pp:
+            at[max(r, 0) + 1] += 1
+    return list(accumulate(at))  # bounds[k + 1]: the ranks <= k
 
 
 def ranks_from_bounds(bounds: Sequence[int]) -> list[int]:

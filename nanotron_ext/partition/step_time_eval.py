@@ -174,10 +174,12 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
         has_msg[order],
     )
     starts = np.flatnonzero(np.diff(dep[order])) + 1
+    ends = [*starts[1:].tolist(), len(order)]
+    fused_before = np.concatenate([[0], np.cumsum(fused)]).tolist()  # a level's count: a difference of two
+    msg_before = np.concatenate([[0], np.cumsum(has_msg)]).tolist()
     levels = []
-    for a, b in zip(starts, [*starts[1:], len(order)]):
-        a, b = int(a), int(b)
-        nf, nm = int(fused[a:b].sum()), int(has_msg[a:b].sum())
+    for a, b in zip(starts.tolist(), ends):
+        nf, nm = fused_before[b] - fused_before[a], msg_before[b] - msg_before[a]
         levels.append(_Level(a, b, nf, nm, pr[a:b], pm[a : a + nm], cd[a:b], cd2[a : a + nf]))
     return _Graph(levels=tuple(levels), last=new[np.asarray(prev)], n_nodes=len(order), n_actions=n_actions)
 
