@@ -264,17 +264,21 @@ def test_branch_and_bound_remembering_each_stages_ends_visits_what_the_plain_sea
             assert (remembering.evaluated, remembering.work) == (plain.evaluated, plain.work)
 
 
+def _bounded(rng: random.Random, blocks: tuple[int, int], spread: tuple[float, float]):
+    """A random problem of ``blocks`` blocks, its bound, and a value above the bound's min-max by ``spread``."""
+    n = rng.randint(*blocks)
+    problem = _problem(rng, n, rng.randint(2, 4))
+    bound = Bound(problem, Validity.build(n, (), None))
+    return n, problem, bound, minimise(bound, 1e9)[0] * rng.uniform(*spread)
+
+
 @pytest.mark.parametrize("most", [1, 2, 3, 7, 512])
 def test_the_branch_and_bounds_walk_gives_every_split_under_its_bound_in_order_whatever_its_steps(most):
     # The walk stops after ``most`` splits, in the middle of a stage's ends too, and goes on from there: the same
     # splits in the same (depth-first: lexicographic) order as one walk, those whose every stage is below the bound.
     rng = random.Random(990 + most)
     for _ in range(8):
-        n = rng.randint(6, 11)
-        problem = _problem(rng, n, rng.randint(2, 4))
-        bound = Bound(problem, Validity.build(n, (), None))
-        lb, _ = minimise(bound, 1e9)
-        below = lb * rng.uniform(1.05, 1.4)
+        n, problem, bound, below = _bounded(rng, (6, 11), (1.05, 1.4))
         walk = _Walk(StageEnds(bound, below), n, problem.pp, below)
         walked: list[tuple[int, ...]] = []
         while step := walk.splits(most):
@@ -288,11 +292,7 @@ def test_the_branch_and_bounds_walk_gives_every_split_under_its_bound_in_order_w
 def test_splits_within_a_bound_are_those_a_plain_enumeration_keeps(seed):
     rng = random.Random(950 + seed)
     for _ in range(10):
-        n = rng.randint(5, 12)
-        problem = _problem(rng, n, rng.randint(2, 4))
-        bound = Bound(problem, Validity.build(n, (), None))
-        lb, _ = minimise(bound, 1e9)
-        limit = lb * rng.uniform(1.0, 1.3)
+        n, problem, bound, limit = _bounded(rng, (5, 12), (1.0, 1.3))
         every = [sp for sp in _splits(n, problem.pp) if bound.value(sp) <= limit]
         assert sorted(splits_within(bound, limit, 10**6)) == sorted(every)
 

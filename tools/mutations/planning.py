@@ -534,7 +534,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "branch and bound counts a split whose last stage ends nowhere",
         BRANCH_BOUND,
-        "                    if self._ends(k + 1, ends[i]):\n",
+        "                    if last:\n",
         "                    if True:\n",
         (SHORTCUTS,),
     ),
