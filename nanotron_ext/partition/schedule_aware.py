@@ -284,7 +284,14 @@ def split_memory(terms: MemoryCap | Sequence[np.ndarray], bounds: Sequence[int])
     under each stage's prefix sums of them (:meth:`MemoryCap.prefix`), when many splits are measured."""
     pp = len(bounds) - 1
     prefixes = [terms.prefix(k) for k in range(pp)] if isinstance(terms, MemoryCap) else terms
-    return max(float(prefixes[k][e] - prefixes[k][s]) for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])))
+    return float(_largest_stages(np.stack(prefixes[:pp]), np.asarray([bounds], dtype=np.int64))[0])
+
+
+def _largest_stages(prefixes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Each split's (a row of ``rows``) largest stage memory, under each stage's prefix sums (a row of
+    ``prefixes`` per stage): :func:`split_memory` of many splits at once."""
+    stage = np.arange(rows.shape[1] - 1)
+    return (prefixes[stage, rows[:, 1:]] - prefixes[stage, rows[:, :-1]]).max(axis=1)
 
 
 def _least_memory_among_fastest(
@@ -310,11 +317,10 @@ def _least_memory_among_fastest(
     """
     problem = evaluate.problem
     limit = best[0] * (1 + RTOL)
-    prefixes = [terms.prefix(k) for k in range(problem.pp)]
-    ceiling = split_memory(prefixes, best[2])
+    stacked = np.stack([terms.prefix(k) for k in range(problem.pp)])
+    ceiling = split_memory(stacked, best[2])
 
     prune = base if prune is None else prune
-    stacked = np.stack(prefixes)
 
     def bound_at(cap: float) -> Bound:
         room = cap if memory is None else min(cap, memory.room)  # the user's cap still holds
@@ -339,9 +345,7 @@ def _least_memory_among_fastest(
         seen.update(splits)
         left -= len(splits)
         if splits:
-            rows = np.asarray(splits, dtype=np.int64)
-            stage = np.arange(problem.pp)
-            used = (stacked[stage, rows[:, 1:]] - stacked[stage, rows[:, :-1]]).max(axis=1)  # split_memory's
+            used = _largest_stages(stacked, np.asarray(splits, dtype=np.int64))
             for (t, v, split), mem in zip(score(evaluate, base, splits), used.tolist()):
                 key = (mem, v, split)
                 if t <= limit and key < chosen:

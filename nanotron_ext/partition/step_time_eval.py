@@ -11,7 +11,6 @@ in ``tests/test_schedule_aware.py``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -235,13 +234,8 @@ class StepTimeEvaluator:
         if len(splits) == 0:
             return np.zeros(0)
         bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
-        keys = _keys(bounds)
         known = self._known
-        out = np.array([known.get(key, math.nan) for key in keys])
-        todo = np.flatnonzero(np.isnan(out))
-        if len(todo):
-            out[todo] = self._simulate(bounds[todo])
-            known.update(zip((keys[i] for i in todo), out[todo].tolist()))
+        out = np.array([known[key] for key in self._remember(bounds)])
         self.work += sum(self._actions(key) * len(rows) for key, rows in self._by_cuts(bounds))
         self.evaluated += len(bounds)
         return out
@@ -250,13 +244,16 @@ class StepTimeEvaluator:
         """Simulate the ``splits`` not simulated yet, together, and remember them, without counting them: a search
         that then scores them a batch at a time (its budgets counting each as before) gets them at the price of
         one large batch, whose replay costs little more than a small one's."""
-        if len(splits) == 0:
-            return
-        bounds = np.asarray(splits, dtype=np.int64).reshape(len(splits), -1)
+        if len(splits):
+            self._remember(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))
+
+    def _remember(self, bounds: np.ndarray) -> list[bytes]:
+        """Simulate the rows of ``bounds`` not simulated yet and remember their step times; the rows' keys."""
         keys = _keys(bounds)
         todo = [i for i, key in enumerate(keys) if key not in self._known]
         if todo:
             self._known.update(zip((keys[i] for i in todo), self._simulate(bounds[todo]).tolist()))
+        return keys
 
     def _actions(self, cuts: np.ndarray) -> int:
         """Program actions of the schedule graph of these cut flags."""

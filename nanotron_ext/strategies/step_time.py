@@ -11,6 +11,7 @@ checks that both price through the one object).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import PlannerConfig
@@ -34,21 +35,10 @@ def schedule_problem(
         v_chunks: ``cfg``'s stages are a V's chunks (``ScheduleProblem.v_chunks``).
     """
     machine = machine or machine_for(cfg, blocks)
-    key = (tuple(blocks), cfg, machine, v_chunks)
     try:
-        problem = _PROBLEMS.get(key)
+        return _remembered(tuple(blocks), cfg, machine, v_chunks)
     except TypeError:  # a config holding a dict of Nanotron's own keys (freezing patterns): priced every time
         return _priced(blocks, cfg, machine, v_chunks)
-    if problem is None:
-        while len(_PROBLEMS) >= 4:
-            _PROBLEMS.pop(next(iter(_PROBLEMS)))
-        problem = _PROBLEMS[key] = _priced(blocks, cfg, machine, v_chunks)
-    return problem
-
-
-#: The last few problems priced: a plan searches its split, simulates it and prices Nanotron's rule's from one
-#: model, config and machine (each pricing of a 1000-block model about 35 ms). A problem is immutable.
-_PROBLEMS: dict[tuple[object, ...], ScheduleProblem] = {}
 
 
 def _priced(
@@ -73,3 +63,8 @@ def _priced(
         ),
         v_chunks=v_chunks,
     )
+
+
+#: The last few problems priced: a plan searches its split, simulates it and prices Nanotron's rule's from one
+#: model, config and machine (each pricing of a 1000-block model about 35 ms). A problem is immutable.
+_remembered = lru_cache(maxsize=4)(_priced)

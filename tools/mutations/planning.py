@@ -562,8 +562,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "a split simulated ahead counts as evaluated",
         "nanotron_ext/partition/step_time_eval.py",
-        "        todo = [i for i, key in enumerate(keys) if key not in self._known]\n",
-        "        todo = [i for i, key in enumerate(keys) if key not in self._known]\n        self.evaluated += len(todo)\n",
+        "            self._remember(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))\n",
+        "            self._remember(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))\n"
+        "            self.evaluated += len(splits)\n",
         (SPEEDUPS,),
     ),
     # Issue 55: a 1F1B stage's round trips, and many segments' peaks at once.
@@ -591,8 +592,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the tie-break takes a split's smallest stage memory",
         SCHEDULE_AWARE,
-        "stacked[stage, rows[:, :-1]]).max(axis=1)",
-        "stacked[stage, rows[:, :-1]]).min(axis=1)",
+        "prefixes[stage, rows[:, :-1]]).max(axis=1)",
+        "prefixes[stage, rows[:, :-1]]).min(axis=1)",
         ("tests/test_schedule_aware.py",),
     ),
     M(
