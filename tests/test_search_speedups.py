@@ -1,6 +1,7 @@
 """The planning speed-ups of issue 55 give the straightforward computation's answer: many segments' memory peaks at
 once equal each segment's own estimate, the round trips' path bound is never above a split's step time and prunes
-the branch and bound to brute force's optimum, and splits simulated ahead count as nothing until scored."""
+the branch and bound to brute force's optimum, splits simulated ahead count as nothing until scored, and the
+reachable ends kept as runs answer whether a split fits as every split does."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from nanotron_ext.config import bundled_config, load_config
 from nanotron_ext.costs.memory_estimate import SegmentMemory
 from nanotron_ext.inventory import inventory_from_config
 from nanotron_ext.partition.branch_bound import branch_and_bound, score
+from nanotron_ext.partition.feasible import _MAX_MISFITS, _Runs, least_cap
+from nanotron_ext.partition.optimal import MemoryCap
 from nanotron_ext.partition.schedule_aware import ScheduleProblem, StepTimeEvaluator, step_time_partition
 from nanotron_ext.partition.step_time_bound import Bound, Validity
 from nanotron_ext.strategies.step_time import schedule_problem
@@ -153,3 +156,51 @@ def test_splits_simulated_ahead_count_as_nothing_until_scored():
     ahead._simulate = lambda bounds: simulated.append(len(bounds))  # type: ignore[method-assign]
     assert np.array_equal(ahead(splits[:3]), plain(splits[:3])) and simulated == []
     assert (ahead.evaluated, ahead.work) == (plain.evaluated, plain.work)
+
+
+def _splits(n: int, pp: int) -> list[tuple[int, ...]]:
+    return [(0, *c, n) for c in itertools.combinations(range(1, n), pp - 1)]
+
+
+def _least_largest_stage(prefixes: list[np.ndarray], pp: int) -> float:
+    """Brute force: the least, over every split, of its largest stage (``q[e] - q[s]`` on its stage)."""
+    n = len(prefixes[0]) - 1
+    return min(
+        max(prefixes[k][e] - prefixes[k][s] for k, (s, e) in enumerate(zip(sp, sp[1:]))) for sp in _splits(n, pp)
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_runs_of_reachable_ends_say_a_split_fits_exactly_when_one_does(seed):
+    # Blocks from a few sizes (ties, zeros, rooms that equal a segment exactly) or any size; a stage's blocks
+    # alone may be too large for it, which splits the reachable ends into runs.
+    rng = random.Random(seed)
+    for _ in range(150):
+        n = rng.randint(1, 9)
+        pp = rng.randint(1, n + 1)
+        sizes = [0.0, 0.1, 0.2, 0.3, 1.0, 2.5, 7.0] if rng.random() < 0.5 else None
+        prefixes = [
+            np.concatenate([[0.0], np.cumsum([rng.choice(sizes) if sizes else rng.uniform(0, 5) for _ in range(n)])])
+            for _ in range(pp)
+        ]
+        rooms = {float(q[e] - q[s]) for q in prefixes for s in range(n + 1) for e in range(s, n + 1)}
+        runs = _Runs(prefixes)
+        for room in sorted(rooms)[:: max(1, len(rooms) // 12)] + [rng.uniform(0, 10), -1.0]:
+            every = _splits(n, pp) if pp <= n else []
+            fits = any(
+                all(prefixes[k][e] - prefixes[k][s] <= room for k, (s, e) in enumerate(zip(sp, sp[1:]))) for sp in every
+            )
+            assert runs.reach(room) is fits, (n, pp, room, [q.tolist() for q in prefixes])
+
+
+def test_many_blocks_too_large_alone_leave_the_question_to_the_array_sweep():
+    # Alternating sizes: under a room of 5, every other block fits no stage alone, more than the runs keep.
+    n, pp = 2 * (_MAX_MISFITS + 2), 3
+    sizes = [1.0, 10.0] * (n // 2)
+    memory = MemoryCap(tuple(sizes), (0.0,) * n, (1,) * pp, cap=5.0)
+    prefixes = [memory.prefix(k) for k in range(pp)]
+    assert _Runs(prefixes).reach(5.0) is None
+    assert _Runs(prefixes).reach(10.0 * n) is True
+    least = least_cap(n, pp, [], memory, rtol=1e-6)  # its low probes asked of the sweep, its high of the runs
+    exact = _least_largest_stage(prefixes, pp)
+    assert least is not None and exact * (1 - 1e-6) <= least <= exact

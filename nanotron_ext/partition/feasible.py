@@ -16,6 +16,7 @@ least-memory search when none does.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,6 +24,10 @@ import numpy as np
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
 
 __all__ = ["any_split_fits", "latest_starts", "least_cap", "sweep"]
+
+#: A stage with more blocks than this too large alone for it may split the reachable ends into as many runs:
+#: :func:`_reach_by_runs` then leaves the question to the array sweep, whose cost does not grow with them.
+_MAX_MISFITS = 16
 
 
 def latest_starts(n: int, requirements: Sequence[Requirement]) -> np.ndarray:
@@ -44,10 +49,13 @@ def sweep(n: int, pp: int, windows: Callable[[int], tuple[np.ndarray, np.ndarray
     cur[0] = True
     out = [cur]
     cnt = np.zeros(n + 2, dtype=np.int64)  # cnt[i]: reachable starts below i
+    hi, above = None, np.empty(0, dtype=np.int64)
     for k in range(pp):
-        lo, hi = windows(k)  # lo in 0..n + 1, hi in -1..n
+        lo, hi_k = windows(k)  # lo in 0..n + 1, hi in -1..n
+        if hi_k is not hi:  # windows mostly share one hi
+            hi, above = hi_k, hi_k + 1
         np.cumsum(cur, out=cnt[1:])
-        cur = (hi >= lo) & (cnt[hi + 1] > cnt[lo])
+        cur = cnt[above] > cnt[lo]  # some reachable start in [lo, hi]; cnt never falls, so none when lo > hi
         if not cur.any():
             return None
         out.append(cur)
@@ -76,9 +84,10 @@ def least_cap(
     ``memory``'s additive part: no split's largest stage, by its full estimate, is below it. None when some split
     already fits ``memory.cap``, or when the requirements leave no split at all.
 
-    A bisection on the cap with :func:`sweep` (``O(pp · n)`` a test): a question the partitioner's programme
-    answers in ``pp`` tables of ``(n + 1)²``, which a large model cannot afford once per fix it prices."""
-    if any_split_fits(n, pp, requirements, memory) or not any_split_fits(n, pp, requirements, None):
+    A bisection on the cap, each step a reachability test: by runs of ends with no requirement (:class:`_Runs`,
+    ``O(pp · log n)``), else :func:`sweep` (``O(pp · n)``). The partitioner's programme answers the same question
+    in ``pp`` tables of ``(n + 1)²``, which a large model cannot afford once per fix it prices."""
+    if not any_split_fits(n, pp, requirements, None):
         return None
     hi = latest_starts(n, requirements)
     prefixes = [memory.prefix(k) for k in range(pp)]
@@ -87,10 +96,16 @@ def least_cap(
         def fits(room: float) -> bool:
             return _dense(n, pp, hi, prefixes, room)
     else:
+        runs = _Runs(prefixes) if not requirements else None
 
         def fits(room: float) -> bool:
+            by_runs = None if runs is None else runs.reach(room)
+            if by_runs is not None:
+                return by_runs
             return sweep(n, pp, lambda k: (_earliest_fitting(prefixes[k], room), hi)) is not None
 
+    if fits(memory.slack_room):  # any_split_fits's question, asked as the bisection asks
+        return None
     low = memory.room  # nothing fits this room
     high = max(max(float(q[-1] - q.min()) for q in prefixes), low + 1.0)  # any non-empty segment fits this one
     while not fits(high):  # rounding, or a stage's terms summing below their parts
@@ -99,6 +114,61 @@ def least_cap(
         mid = math.sqrt(low * high) if low > 0 else (low + high) / 2  # geometric: the bracket spans magnitudes
         low, high = (low, mid) if fits(mid) else (mid, high)
     return low + memory.overhead
+
+
+class _Runs:
+    """:func:`sweep`'s answer with no requirement, for prefix sums that never fall, in ``O(pp · log n)`` scalar
+    steps: the ends reachable after ``k`` stages kept as runs ``[a, b]`` (numpy calls, ~18 a stage, are most of
+    the array sweep's cost at a few thousand blocks, and the fixes' bisections make hundreds of sweeps).
+
+    End ``e`` is reachable after stage ``k`` when some reachable ``s <= e - 1`` has ``[s, e)`` within the room; the
+    starts that fit are ``lo..e - 1``, so it is enough that the latest one, ``P(e)``, does. Past run ``[a, b]``,
+    ``P(e) = e - 1`` for ``e`` in ``[a + 1, b + 1]`` (block ``e - 1`` alone must fit) and ``P(e) = b`` up to the
+    next run (``[b, e)`` must fit: ends up to a bisection's). The comparisons are the array sweep's,
+    ``q[e] - q[s] <= room`` in the same floating point."""
+
+    def __init__(self, prefixes: Sequence[np.ndarray]) -> None:
+        stacked = np.array(prefixes)
+        self.n = stacked.shape[1] - 1
+        self.qs = list(stacked)  # rows: a probe reads a few entries of each
+        self.blocks = np.diff(stacked, axis=1)  # what each block alone uses on each stage
+        self.largest = self.blocks.max(axis=1, initial=-math.inf).tolist()
+
+    def reach(self, room: float) -> bool | None:
+        """Whether some split fits ``room``; None when a stage has more than :data:`_MAX_MISFITS` blocks too large
+        alone for it."""
+        n, runs = self.n, [(0, 0)]
+        for q, blocks, largest in zip(self.qs, self.blocks, self.largest):
+            misfits: list[int] = []
+            if largest > room:
+                misfits = np.flatnonzero(blocks > room).tolist()
+                if len(misfits) > _MAX_MISFITS:
+                    return None
+            ends: list[tuple[int, int]] = []
+            for j, (a, b) in enumerate(runs):
+                start = a + 1  # ends [a + 1, b + 1]: from e - 1, block e - 1 alone
+                for m in misfits[bisect_left(misfits, a) : bisect_right(misfits, b)]:
+                    _add(ends, start, m)
+                    start = m + 2
+                _add(ends, start, min(b + 1, n))
+                last = runs[j + 1][0] if j + 1 < len(runs) else n  # ends [b + 2, last]: from b
+                if b + 2 <= last:
+                    qb = q[b]
+                    _add(ends, b + 2, bisect_right(q, room, b + 2, last + 1, key=lambda v: v - qb) - 1)
+            if not ends:
+                return False
+            runs = ends
+        return runs[-1][1] == n
+
+
+def _add(runs: list[tuple[int, int]], a: int, b: int) -> None:
+    """Append the ends ``[a, b]`` (nothing when empty) to ``runs``, joined to the last run when they touch."""
+    if a > b:
+        return
+    if runs and runs[-1][1] + 1 >= a:
+        runs[-1] = (runs[-1][0], b)
+    else:
+        runs.append((a, b))
 
 
 def _earliest_fitting(q: np.ndarray, room: float) -> np.ndarray:

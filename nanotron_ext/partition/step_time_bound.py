@@ -162,8 +162,10 @@ class Bound:
         self._groups = [
             (self._search[ids[0]][1], np.stack([self._search[i][0] for i in ids]), ids) for ids in by_start.values()
         ]
-        self._group_of = {i: g for g, (_, _, ids) in enumerate(self._groups) for i in ids}
-        self._found: tuple[float, dict[int, np.ndarray]] = (math.nan, {})  # the searches under the last bound
+        row_of = {i: r for r, i in enumerate(i for _, _, ids in self._groups for i in ids)}
+        self._stage_rows = [np.asarray([row_of[i] for i in ids]) for ids in self._stage_search]
+        # The searches under the last bound asked (a row per search, groups in order), and each stage's maximum.
+        self._found: tuple[float, np.ndarray, dict[int, np.ndarray]] = (math.nan, np.empty(0), {})
         # The same terms stacked (pp, terms, n + 1) for :meth:`values`; a stage with fewer terms repeats its first.
         width = max(len(rows) for rows in self.terms)
         padded = [rows + rows[:1] * (width - len(rows)) for rows in self.terms]
@@ -200,17 +202,16 @@ class Bound:
     def windows(self, k: int, x: float) -> tuple[np.ndarray, np.ndarray]:
         """For every end ``e`` (0..n): the starts ``s`` in ``[lo[e], hi[e]]`` give stage ``k`` a valid segment
         ``[s, e)`` whose bound is at most ``x``."""
-        lo = self.valid.lo(k)
         if self._found[0] != x:
-            self._found = (x, {})
-        found = self._found[1]
-        for i in self._stage_search[k]:
-            if i not in found:
-                # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the
-                # optimum's own split feasible against rounding. Every search of the same S at once.
-                s_arr, e_consts, ids = self._groups[self._group_of[i]]
-                found.update(zip(ids, np.searchsorted(s_arr, e_consts - x - RTOL * abs(x), side="left")))
-            lo = np.maximum(lo, found[i])
+            # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the optimum's
+            # own split feasible against rounding. Every search of the same S at once, for every stage.
+            searched = [np.searchsorted(s, e - x - RTOL * abs(x), side="left") for s, e, _ in self._groups]
+            self._found = (x, np.concatenate(searched), {})
+        _, starts, stages = self._found
+        if k not in stages:
+            rows = self._stage_rows[k]
+            stages[k] = starts[rows[0]] if len(rows) == 1 else starts[rows].max(axis=0)
+        lo = stages[k] if self.valid.mem is None else np.maximum(stages[k], self.valid.lo(k))  # both are >= 0
         return lo, self.valid.hi
 
     def reach(self, x: float) -> list[np.ndarray] | None:

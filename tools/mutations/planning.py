@@ -456,8 +456,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the least cap bounds a config some split fits",
         FEASIBLE,
-        "    if any_split_fits(n, pp, requirements, memory) or not any_split_fits(n, pp, requirements, None):",
-        "    if not any_split_fits(n, pp, requirements, None):",
+        "    if fits(memory.slack_room):  # any_split_fits's question, asked as the bisection asks\n        return None\n",
+        "",
         (SHORTCUTS,),
     ),
     M(
@@ -566,6 +566,84 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            self._remember(np.asarray(splits, dtype=np.int64).reshape(len(splits), -1))\n"
         "            self.evaluated += len(splits)\n",
         (SPEEDUPS,),
+    ),
+    # Issue 55: the fixes' least caps by runs of reachable ends; the step-time bound's windows, a stage at once.
+    M(
+        "the runs let an end follow a block too large alone",
+        FEASIBLE,
+        "                    start = m + 2\n",
+        "                    start = m + 1\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the runs reach one end short past a run",
+        FEASIBLE,
+        "bisect_right(q, room, b + 2, last + 1, key=lambda v: v - qb) - 1)",
+        "bisect_right(q, room, b + 2, last + 1, key=lambda v: v - qb) - 2)",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the runs join ends across a gap",
+        FEASIBLE,
+        "    if runs and runs[-1][1] + 1 >= a:",
+        "    if runs and runs[-1][1] + 2 >= a:",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the runs say a split fits wherever the last stage ends",
+        FEASIBLE,
+        "        return runs[-1][1] == n\n",
+        "        return True\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the runs overlook the blocks too large alone",
+        FEASIBLE,
+        "            if largest > room:\n",
+        "            if False:\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the runs answer with many blocks too large alone",
+        FEASIBLE,
+        "                if len(misfits) > _MAX_MISFITS:\n",
+        "                if False:\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the least cap leaves the requirements to the runs",
+        FEASIBLE,
+        "        runs = _Runs(prefixes) if not requirements else None\n",
+        "        runs = _Runs(prefixes)\n",
+        (SHORTCUTS,),
+    ),
+    M(
+        "the sweep leaves the window's last start out",
+        FEASIBLE,
+        "            hi, above = hi_k, hi_k + 1\n",
+        "            hi, above = hi_k, hi_k\n",
+        (SHORTCUTS,),
+    ),
+    M(
+        "a stage's window reads its first term alone",
+        STEP_TIME,
+        "stages[k] = starts[rows[0]] if len(rows) == 1 else starts[rows].max(axis=0)",
+        "stages[k] = starts[rows[0]]",
+        (SHORTCUTS, "tests/test_schedule_aware.py"),
+    ),
+    M(
+        "the step-time windows ignore the memory cap",
+        STEP_TIME,
+        "lo = stages[k] if self.valid.mem is None else np.maximum(stages[k], self.valid.lo(k))",
+        "lo = stages[k]",
+        (SHORTCUTS, "tests/test_schedule_aware.py"),
+    ),
+    M(
+        "the step-time windows keep the searches of another bound",
+        STEP_TIME,
+        "        if self._found[0] != x:\n",
+        "        if not self._found[1].size:\n",
+        (SHORTCUTS, "tests/test_schedule_aware.py"),
     ),
     # Issue 55: a 1F1B stage's round trips, and many segments' peaks at once.
     M(
