@@ -1,7 +1,8 @@
 """The planning speed-ups of issue 55 give the straightforward computation's answer: many segments' memory peaks at
 once equal each segment's own estimate, the round trips' path bound is never above a split's step time and prunes
-the branch and bound to brute force's optimum, splits simulated ahead count as nothing until scored, and the
-reachable ends kept as runs answer whether a split fits as every split does."""
+the branch and bound to brute force's optimum, splits simulated ahead count as nothing until scored, the
+reachable ends kept as runs answer whether a split fits as every split does, and the bisection for ``LB*`` that
+lets a found split answer its steps lands where sweeping every step does."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from nanotron_ext.partition.branch_bound import branch_and_bound, score
 from nanotron_ext.partition.feasible import _MAX_MISFITS, _Runs, least_cap
 from nanotron_ext.partition.optimal import MemoryCap
 from nanotron_ext.partition.schedule_aware import ScheduleProblem, StepTimeEvaluator, step_time_partition
-from nanotron_ext.partition.step_time_bound import Bound, Validity
+from nanotron_ext.partition.step_time_bound import RTOL, Bound, Validity, minimise
 from nanotron_ext.strategies.step_time import schedule_problem
 
 
@@ -204,3 +205,48 @@ def test_many_blocks_too_large_alone_leave_the_question_to_the_array_sweep():
     least = least_cap(n, pp, [], memory, rtol=1e-6)  # its low probes asked of the sweep, its high of the runs
     exact = _least_largest_stage(prefixes, pp)
     assert least is not None and exact * (1 - 1e-6) <= least <= exact
+
+
+def _swept(bound: Bound) -> list[float]:
+    """Count ``bound``'s sweeps: the values it is asked under, in order."""
+    asked: list[float] = []
+    reach = bound.reach
+
+    def counted(x: float) -> list[np.ndarray] | None:
+        asked.append(x)
+        return reach(x)
+
+    bound.reach = counted  # type: ignore[method-assign]
+    return asked
+
+
+def _every_step_swept(bound: Bound, hi: float, lo: float) -> tuple[float, list[np.ndarray]]:
+    """``minimise`` as first written: a sweep at every step of the bisection."""
+    reach = bound.reach(hi)
+    if not 0.0 < lo < hi or bound.reach(lo) is not None:
+        lo = 0.0
+    while hi - lo > RTOL * hi:
+        mid = 0.5 * (lo + hi)
+        r = bound.reach(mid)
+        lo, hi, reach = (mid, hi, reach) if r is None else (lo, mid, r)
+    return hi, reach
+
+
+def test_the_bisection_for_the_least_bound_lands_where_sweeping_every_step_does_with_fewer_sweeps():
+    swept = plain = 0
+    for name, pp, engine in itertools.product(("smollm_135m.yaml", "llama_3_8b.yaml"), (4, 8), ("1f1b", "zb1p")):
+        cfg = load_config(bundled_config(name), pp=pp).with_overrides(engine=engine)
+        problem = schedule_problem(inventory_from_config(cfg), cfg)
+        for kind, lo in itertools.product(({}, {"slowest_stage": True}), (0.0, 1e-4)):
+            fast, slow = (
+                Bound(problem, Validity.build(problem.n, (), None), **kind),
+                Bound(problem, Validity.build(problem.n, (), None), **kind),
+            )
+            asked, every = _swept(fast), _swept(slow)
+            x, reach = minimise(fast, 1e3, lo)
+            y, expected = _every_step_swept(slow, 1e3, lo)
+            assert x == y, (name, pp, engine, kind)
+            assert all(np.array_equal(a, b) for a, b in zip(reach, expected, strict=True))
+            assert set(asked) <= set(every)  # no value the bisection as first written does not test
+            swept, plain = swept + len(asked), plain + len(every)
+    assert swept < 0.65 * plain, (swept, plain)  # 736 of 1,436; 1,108 when a split answers only the first steps

@@ -277,20 +277,34 @@ def minimise(bound: Bound, hi: float, lo: float = 0.0) -> tuple[float, list[np.n
     """The smallest bound any feasible split reaches (bisection to ``RTOL``), with its reachability sweep.
 
     ``hi``: a bound some feasible split meets (else PlanningError). ``lo``: a hint below the answer; it is
-    tested first and dropped (for 0) if some split meets it, so it only saves bisection steps."""
+    tested first and dropped (for 0) if some split meets it, so it only saves bisection steps.
+
+    A sweep that finds a split also says, without sweeping, what later steps would: the split's own bound
+    (``met``) is met under every value from it on (the windows' slack, ``RTOL``, is far above the rounding
+    between the two ways of computing it), so those steps move ``hi`` as a sweep would. Same steps, same answer
+    and sweep; a quarter fewer sweeps on ``plan_speed``'s commands."""
     reach = bound.reach(hi)
     if reach is None:
         raise PlanningError("no split satisfies the constraints")  # callers check feasibility first
     if not 0.0 < lo < hi or bound.reach(lo) is not None:
         lo = 0.0
+    swept, met = hi, bound.value(reconstruct(bound, hi, reach, latest=True))
     while hi - lo > RTOL * hi:
         mid = 0.5 * (lo + hi)
+        if mid >= met:
+            hi = mid
+            continue
         r = bound.reach(mid)
         if r is None:
             lo = mid
         else:
-            hi, reach = mid, r
-    return hi, reach
+            hi, reach, swept = mid, r, mid
+            met = bound.value(reconstruct(bound, mid, reach, latest=True))
+    # The windows' slack makes values just below every split's own bound feasible, so the last step is one swept
+    # (so in 20,000 random bisections); this keeps the sweep under ``hi`` exact at a tie of floats too.
+    if swept != hi:
+        reach = bound.reach(hi)
+    return hi, reach  # type: ignore[return-value]  # some split meets hi
 
 
 def feasible_bound(bound: Bound, hint: float, fallback: float) -> float:

@@ -645,6 +645,27 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if not self._found[1].size:\n",
         (SHORTCUTS, "tests/test_schedule_aware.py"),
     ),
+    M(
+        "a found split answers steps below its own bound",
+        STEP_TIME,
+        "        if mid >= met:\n",
+        "        if mid >= 0.5 * met:\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "no step of the least bound's bisection is answered by a found split",
+        STEP_TIME,
+        "        if mid >= met:\n",
+        "        if False:\n",
+        (SPEEDUPS,),
+    ),
+    M(
+        "the least bound's bisection keeps its first split's bound",
+        STEP_TIME,
+        "            met = bound.value(reconstruct(bound, mid, reach, latest=True))\n",
+        "",
+        (SPEEDUPS,),
+    ),
     # Issue 55: a 1F1B stage's round trips, and many segments' peaks at once.
     M(
         "the round trips' term counts one round trip above the stage",
