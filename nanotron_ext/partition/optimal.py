@@ -78,6 +78,7 @@ class MemoryCap:
     exact: SegmentEstimate | None = field(default=None, compare=False, repr=False)
     _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
     _prefixes: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _sums: list[np.ndarray] = field(default_factory=list, init=False, compare=False, repr=False)
 
     @property
     def room(self) -> float:
@@ -117,10 +118,14 @@ class MemoryCap:
         """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``
         (read-only: computed once per stage, searches ask for it again and again)."""
         if k not in self._prefixes:
-            q = np.concatenate([[0.0], np.cumsum(self.static)])
-            q = q + self.in_flight[k] * np.concatenate([[0.0], np.cumsum(self.activation)])
+            if not self._sums:  # the same for every stage: each term's prefix sums, once
+                self._sums.extend(np.concatenate([[0.0], np.cumsum(t)]) for t in (self.static, self.activation))
+            static, activation = self._sums[:2]
+            q = static + self.in_flight[k] * activation
             if self.pending and self.deferred and self.deferred[k]:
-                q = q + self.deferred[k] * np.concatenate([[0.0], np.cumsum(self.pending)])
+                if len(self._sums) == 2:
+                    self._sums.append(np.concatenate([[0.0], np.cumsum(self.pending)]))
+                q = q + self.deferred[k] * self._sums[2]
             q.flags.writeable = False
             self._prefixes[k] = q
         return self._prefixes[k]

@@ -164,8 +164,9 @@ class Bound:
         ]
         row_of = {i: r for r, i in enumerate(i for _, _, ids in self._groups for i in ids)}
         self._stage_rows = [np.asarray([row_of[i] for i in ids]) for ids in self._stage_search]
-        # The searches under the last bound asked (a row per search, groups in order), and each stage's maximum.
-        self._found: tuple[float, np.ndarray, dict[int, np.ndarray]] = (math.nan, np.empty(0), {})
+        # The searches under the last bound asked (a row per search, groups in order), and each stage's maximum; in
+        # a list that :meth:`under`'s copies share, so a bisection over caps searches its one bound once.
+        self._found: list[tuple[float, np.ndarray, dict[int, np.ndarray]]] = [(math.nan, np.empty(0), {})]
         # The same terms stacked (pp, terms, n + 1) for :meth:`values`; a stage with fewer terms repeats its first.
         width = max(len(rows) for rows in self.terms)
         padded = [rows + rows[:1] * (width - len(rows)) for rows in self.terms]
@@ -175,7 +176,7 @@ class Bound:
 
     def under(self, valid: Validity) -> Bound:
         """The same bound over the segments ``valid`` allows: the terms, and the searches under the last bound
-        asked, shared."""
+        asked (by any of the copies), shared."""
         other = copy.copy(self)
         other.valid = valid
         return other
@@ -202,12 +203,12 @@ class Bound:
     def windows(self, k: int, x: float) -> tuple[np.ndarray, np.ndarray]:
         """For every end ``e`` (0..n): the starts ``s`` in ``[lo[e], hi[e]]`` give stage ``k`` a valid segment
         ``[s, e)`` whose bound is at most ``x``."""
-        if self._found[0] != x:
+        if self._found[0][0] != x:
             # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the optimum's
             # own split feasible against rounding. Every search of the same S at once, for every stage.
             searched = [np.searchsorted(s, e - x - RTOL * abs(x), side="left") for s, e, _ in self._groups]
-            self._found = (x, np.concatenate(searched), {})
-        _, starts, stages = self._found
+            self._found[0] = (x, np.concatenate(searched), {})
+        _, starts, stages = self._found[0]
         if k not in stages:
             rows = self._stage_rows[k]
             stages[k] = starts[rows[0]] if len(rows) == 1 else starts[rows].max(axis=0)

@@ -83,9 +83,12 @@ def _plan(
     flops = training_flops(blocks)
     total_cost = sum(assignment.costs) or 1.0
     stages = []
+    held: list[list[int]] = [[] for _ in range(pp)]  # each stage's blocks, in order: one pass, not one per stage
+    for i, r in enumerate(ranks):
+        held[r].append(i)
     for k in range(pp):
-        members = [b for b, r in zip(blocks, ranks) if r == k]
-        cost = sum(c for c, r in zip(assignment.costs, ranks) if r == k)
+        members = [blocks[i] for i in held[k]]
+        cost = sum(assignment.costs[i] for i in held[k])
         memory = config_stage_memory(members, cfg, k)
         params, trainable = held_parameters(members, cfg.model.tie_word_embeddings)
         stages.append(
@@ -97,7 +100,7 @@ def _plan(
                 trainable=trainable,
                 cost=cost,
                 share=cost / total_cost,
-                flops=sum(f for f, r in zip(flops, ranks) if r == k),
+                flops=sum(flops[i] for i in held[k]),
                 memory_bytes=memory.peak,
                 memory=memory,
             )

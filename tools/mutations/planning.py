@@ -641,8 +641,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the step-time windows keep the searches of another bound",
         STEP_TIME,
-        "        if self._found[0] != x:\n",
-        "        if not self._found[1].size:\n",
+        "        if self._found[0][0] != x:\n",
+        "        if not self._found[0][1].size:\n",
         (SHORTCUTS, "tests/test_schedule_aware.py"),
     ),
     M(
