@@ -16,7 +16,7 @@
    not stretch as it does wall time; on a quiet machine the two agree.
 
 Usage: ``python benchmarks/plan_speed.py [--layers 155] [--pp 64] [--repeat 7] [--scaling-repeat 3]
-[--command-repeat 3] [--no-strategies] [--no-scaling] [--no-commands]``
+[--command-repeat 5] [--no-strategies] [--no-scaling] [--no-commands]``
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=7, help="part 1: timed runs per strategy (default 7)")
     parser.add_argument("--scaling-repeat", type=int, default=3, help="part 2: cold runs of each case (default 3)")
     parser.add_argument(
-        "--command-repeat", type=int, default=3, help="part 3: fresh interpreters per command (default 3)"
+        "--command-repeat", type=int, default=5, help="part 3: fresh interpreters per command (default 5)"
     )
     for part in ("strategies", "scaling", "commands"):
         parser.add_argument(f"--no-{part}", dest=part, action="store_false", help=f"skip the {part} part")
@@ -232,7 +232,7 @@ def _time_one(case: str) -> dict[str, object]:
     return {"wall": wall, "cpu": cpu, "exit": code, "imports": imported}
 
 
-def commands(repeat: int = 3) -> bool:
+def commands(repeat: int = 5) -> bool:
     """Part 3: each command ``repeat`` times in a fresh interpreter; a table against the 2 s goal (CPU median)."""
     rows, ok = [], True
     load_before = os.getloadavg()[0]

@@ -11,6 +11,7 @@ in ``tests/test_schedule_aware.py``).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,13 +77,14 @@ def _codes(pp: int) -> tuple[int, int]:
 
 
 class _Nodes(NamedTuple):
-    """The graph's nodes in creation order (node 0: the start)."""
+    """The graph's nodes in creation order (node 0: the start), as machine integers (``array('q')``): numpy reads
+    them without converting 188k Python ints a field (pp 128, 512 micro-batches: 70 ms of a 0.3 s compile)."""
 
-    pred_rank: list[int]
-    pred_msg: list[int]
-    code: list[int]
-    code2: list[int]
-    depth: list[int]
+    pred_rank: array[int]
+    pred_msg: array[int]
+    code: array[int]
+    code2: array[int]
+    depth: array[int]
 
 
 #: Per action's value: (0 compute, 1 send, 2 receive; the compute kind of :data:`_KIND`; carries a gradient; the
@@ -98,7 +100,7 @@ def _nodes(programs: Sequence[Sequence[Step]]) -> tuple[_Nodes, list[int]]:
     pp = len(programs)
     n_actions = sum(len(p) for p in programs)
     p2p, nothing = _codes(pp)
-    pred_rank, pred_msg, code, code2, depth = [0], [0], [nothing], [nothing], [0]
+    pred_rank, pred_msg, code, code2, depth = (array("q", [v]) for v in (0, 0, nothing, nothing, 0))
     info = _STEP_INFO
     # (micro-batch, sender, gradient?) as one int, (j * pp + sender) * 2 + gradient -> the node before the send
     posted: dict[int, int] = {}
@@ -158,8 +160,7 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
     """Number the nodes level by level (a node's level: its longest path from the start), receives first."""
     p2p, nothing = _codes(pp)
     depth, pred_rank, pred_msg, code, code2 = nodes.depth, nodes.pred_rank, nodes.pred_msg, nodes.code, nodes.code2
-    dep, pr, pm = np.asarray(depth), np.asarray(pred_rank), np.asarray(pred_msg)
-    cd, cd2 = np.asarray(code), np.asarray(code2)
+    dep, pr, pm, cd, cd2 = (np.frombuffer(a, dtype=np.int64) for a in (depth, pred_rank, pred_msg, code, code2))
     fused, has_msg = cd2 != nothing, (cd >= p2p) & (cd < nothing)
     order = np.lexsort((~has_msg, ~fused, dep))  # by level; in a level: fused, other receives, the rest
     new = np.empty_like(order)
