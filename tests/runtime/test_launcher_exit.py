@@ -92,16 +92,24 @@ def test_the_launcher_ends_a_rank_as_the_interpreter_would_with_the_scripts_code
 )
 def test_every_rank_reports_why_it_stops_even_when_one_is_slow_to_say_it(tmp_path, launch):
     # Torchrun ends every rank as soon as one exits: a plan refused on both ranks was once reported by rank 1 alone,
-    # and in CI a refused resume (checked before any process group exists). Here rank 0 reaches its report 1.5 s
-    # after rank 1 (past the old 0.5 s grace); both must report it. Under torchrun the first (rank 1) prints it, once
-    # a job, and each rank's error file holds its own, which torchrun's summary shows; started directly (no store to
-    # share, no error file) each rank prints its own, and the ranks get 0.2 s after the first one exits, as a
-    # launcher that ends the rest at once would.
+    # and in CI a refused resume (checked before any process group exists). Here rank 0 reaches its report 1.2 s
+    # after rank 1's (past the old 0.5 s grace), counted from a file rank 1 writes as it reports: the ranks' imports
+    # may end seconds apart on a busy machine, and torchrun's summary orders errors by their second. Both must
+    # report it. Under torchrun the first (rank 1) prints it, once a job, and each rank's error file holds its own,
+    # which torchrun's summary shows; started directly (no store to share, no error file) each rank prints its own,
+    # and the ranks get 0.2 s after the first one exits, as a launcher that ends the rest at once would.
     init = "" if "before" in launch else "dist.init_process_group('gloo')\n"
+    reported = tmp_path / "rank-1-reports"
     source = (
         "import os, time\nimport torch.distributed as dist\nfrom nanotron_ext.errors import PlanningError\n"
         + init
-        + "rank = os.environ['RANK']\nif rank == '0':\n    time.sleep(1.5)\n"
+        + f"rank, reported = os.environ['RANK'], {str(reported)!r}\n"
+        "if rank == '0':\n"
+        "    while not os.path.exists(reported):\n"
+        "        time.sleep(0.02)\n"
+        "    time.sleep(1.2)\n"
+        "else:\n"
+        "    open(reported, 'w').close()\n"
         "raise PlanningError(f'refused on rank {rank}')\n"
     )
     if launch.startswith("torchrun"):
