@@ -26,7 +26,7 @@ from nanotron_ext.partition.optimal import MemoryCap, Requirement
 __all__ = ["any_split_fits", "latest_starts", "least_cap", "sweep"]
 
 #: A stage with more blocks than this too large alone for it may split the reachable ends into as many runs:
-#: :func:`_reach_by_runs` then leaves the question to the array sweep, whose cost does not grow with them.
+#: :meth:`_Runs.reach` then leaves the question to the array sweep, whose cost does not grow with them.
 _MAX_MISFITS = 16
 
 
