@@ -7,7 +7,7 @@ each moment of block ``i`` inside ``[s, e)`` is a term of the segment (``X(s, e)
 stage's held input and output, prefix sums) plus a term of the block (``Y(i)``), so a kind of moment's worst over the
 segment is ``X(s, e) + max Y`` over ``s <= i < e``: a range maximum, one lookup in a sparse table. A segment that
 holds an embedding and the lm_head tied to it (one tensor: the copy's terms change) is estimated one by one.
-``tests/test_search_shortcuts.py`` holds the two equal for every segment of the bundled models, under every engine,
+``tests/test_search_speedups.py`` holds the two equal for every segment of the bundled models, under every engine,
 runtime, recomputation and ZeRO stage.
 """
 

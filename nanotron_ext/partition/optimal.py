@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -78,7 +79,6 @@ class MemoryCap:
     exact: SegmentEstimate | None = field(default=None, compare=False, repr=False)
     _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
     _prefixes: dict[int, np.ndarray] = field(default_factory=dict, init=False, compare=False, repr=False)
-    _sums: list[np.ndarray] = field(default_factory=list, init=False, compare=False, repr=False)
 
     @property
     def room(self) -> float:
@@ -114,18 +114,19 @@ class MemoryCap:
         """``(n + 1) × (n + 1)`` booleans: blocks ``[s, e)`` fit on stage ``k`` (:meth:`table` within the cap)."""
         return self.table(k, n, only_fitting=True) <= self.cap * (1 + _RTOL)
 
+    @cached_property
+    def _term_sums(self) -> tuple[np.ndarray, ...]:
+        """Prefix sums of ``static``, ``activation`` and ``pending``: the same for every stage, summed once."""
+        return tuple(np.concatenate([[0.0], np.cumsum(t)]) for t in (self.static, self.activation, self.pending))
+
     def prefix(self, k: int) -> np.ndarray:
         """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``
         (read-only: computed once per stage, searches ask for it again and again)."""
         if k not in self._prefixes:
-            if not self._sums:  # the same for every stage: each term's prefix sums, once
-                self._sums.extend(np.concatenate([[0.0], np.cumsum(t)]) for t in (self.static, self.activation))
-            static, activation = self._sums[:2]
+            static, activation, pending = self._term_sums
             q = static + self.in_flight[k] * activation
             if self.pending and self.deferred and self.deferred[k]:
-                if len(self._sums) == 2:
-                    self._sums.append(np.concatenate([[0.0], np.cumsum(self.pending)]))
-                q = q + self.deferred[k] * self._sums[2]
+                q = q + self.deferred[k] * pending
             q.flags.writeable = False
             self._prefixes[k] = q
         return self._prefixes[k]

@@ -142,8 +142,8 @@ class Bound:
             self.terms.append(rows)
         # The searches windows() runs, each once: stages often share a term (the fill-drain term does whenever
         # p2p is ignored, the FLOP objective always), and then one search per bound serves them all.
-        self._search: list[tuple[np.ndarray, np.ndarray]] = []
-        self._stage_search: list[list[int]] = []
+        searches: list[tuple[np.ndarray, np.ndarray]] = []  # (E + const, S)
+        stage_search: list[list[int]] = []  # each stage's searches
         seen: dict[bytes, int] = {}
         for rows in self.terms:
             ids = []
@@ -151,19 +151,18 @@ class Bound:
                 e_const = e_arr + const
                 key = e_const.tobytes() + s_arr.tobytes()
                 if key not in seen:
-                    seen[key] = len(self._search)
-                    self._search.append((e_const, s_arr))
+                    seen[key] = len(searches)
+                    searches.append((e_const, s_arr))
                 ids.append(seen[key])
-            self._stage_search.append(ids)
-        # Searches over the same S (the fill-drain term's, at every stage) run as one, for every stage at once.
+            stage_search.append(ids)
+        # Searches over the same S (the fill-drain term's, at every stage) run as one, for every stage at once:
+        # each group's S and its rows of E + const; a stage reads its searches' rows of the groups' rows in order.
         by_start: dict[bytes, list[int]] = {}
-        for i, (_, s_arr) in enumerate(self._search):
+        for i, (_, s_arr) in enumerate(searches):
             by_start.setdefault(s_arr.tobytes(), []).append(i)
-        self._groups = [
-            (self._search[ids[0]][1], np.stack([self._search[i][0] for i in ids]), ids) for ids in by_start.values()
-        ]
-        row_of = {i: r for r, i in enumerate(i for _, _, ids in self._groups for i in ids)}
-        self._stage_rows = [np.asarray([row_of[i] for i in ids]) for ids in self._stage_search]
+        self._groups = [(searches[ids[0]][1], np.stack([searches[i][0] for i in ids])) for ids in by_start.values()]
+        row_of = {i: r for r, i in enumerate(i for ids in by_start.values() for i in ids)}
+        self._stage_rows = [np.asarray([row_of[i] for i in ids]) for ids in stage_search]
         # The searches under the last bound asked (a row per search, groups in order), and each stage's maximum; in
         # a list that :meth:`under`'s copies share, so a bisection over caps searches its one bound once.
         self._found: list[tuple[float, np.ndarray, dict[int, np.ndarray]]] = [(math.nan, np.empty(0), {})]
@@ -206,7 +205,7 @@ class Bound:
         if self._found[0][0] != x:
             # g <= x  <=>  S(s) >= E(e) + const - x; S is non-decreasing. The relative slack keeps the optimum's
             # own split feasible against rounding. Every search of the same S at once, for every stage.
-            searched = [np.searchsorted(s, e - x - RTOL * abs(x), side="left") for s, e, _ in self._groups]
+            searched = [np.searchsorted(s, e - x - RTOL * abs(x), side="left") for s, e in self._groups]
             self._found[0] = (x, np.concatenate(searched), {})
         _, starts, stages = self._found[0]
         if k not in stages:
