@@ -7,7 +7,9 @@ the process tests beyond those two, the GPU-path memory check, the benchmarks' t
 ``@pytest.mark.slow``; a whole module, ``pytestmark = pytest.mark.slow`` at its top. ``python -m pytest -m slow``
 runs the slow set; any ``-m`` expression is taken as given (``-m "slow or not slow"`` runs both). A test file or
 node id named on the command line runs whatever its mark. The quick run ends saying how many slow tests it left
-out and how to run them.
+out and how to run them. A slow test that decides by what it measures (a re-plan's trial) is marked ``timed`` too:
+``.ci/run`` leaves it out of the two passes, which run side by side and load both cores, and runs it alone after
+them (``-m timed``).
 
 **Two passes.** CI (``.ci/run``) runs both sets against ``nanotron==0.2`` from PyPI, whose engines the CPU runtime
 drives, and against upstream main installed from ``../shared/upstream/nanotron`` with the import stand-ins of
@@ -110,6 +112,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "nanotron02: needs Nanotron 0.2 (the CPU runtime's engines, 0.2's config classes)"
     )
     config.addinivalue_line("markers", f"slow: left out of `python -m pytest`; `{SLOW_COMMAND}` runs it ({SLOW_SET})")
+    config.addinivalue_line(
+        "markers", "timed: a slow test that decides by what it measures: CI runs it alone, after both passes"
+    )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -14,6 +14,7 @@ TRIAL_TESTS = "tests/test_replan_trial.py"
 MOVE_TESTS = "tests/runtime/test_replan.py"
 LAUNCHER = "nanotron_ext/integration/replan.py"
 LAUNCHER_TESTS = "tests/upstream/test_launcher_replan.py"
+UNDONE = f"{MOVE_TESTS}::test_a_move_a_transient_load_made_look_good_is_measured_and_undone"
 CLOSE_CALL = f"{MOVE_TESTS}::test_a_close_call_is_tried_in_turns_and_the_run_trains_the_bits_of_a_run_that_never_moved"
 TURNS = f"{LAUNCHER_TESTS}::test_a_run_tries_the_candidate_in_turns_and_trains_the_bits_of_the_run_that_stayed"
 TRIED_WHERE = f"{CHOICE_TESTS}::test_a_plan_is_tried_where_its_gain_at_the_profiles_error_reaches_min_gain"
@@ -239,6 +240,14 @@ MOVE_ROWS: tuple[Mutation, ...] = (
             "tests/runtime/test_replan_session.py",
             CLOSE_CALL,
         ),
+        "0.2",
+    ),
+    M(
+        "after the trial the run trains the move the profile proposed, whatever the trial measured",
+        SESSION,
+        "                return self.choice.plans[self.outcome.kept]\n",
+        "                return self.choice.plans[-1]\n",
+        (UNDONE,),
         "0.2",
     ),
     M(
