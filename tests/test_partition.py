@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition import MemoryCap, Partition, Requirement, partition
 
@@ -247,3 +248,16 @@ def test_the_programme_over_admitted_stages_chooses_the_split_of_the_one_over_ev
                 partition(costs, pp, requirements=reqs, memory=memory)
             continue
         assert partition(costs, pp, requirements=reqs, memory=memory).bounds == ref
+
+
+def test_a_segments_sum_is_the_difference_of_two_prefix_sums():
+    """The one home of the partitioners' and searches' segment sums: exact on a tiny case, in the dtype asked for,
+    and every segment of random values against its sum."""
+    assert prefix_sums([1.5, 2.0, 4.25]).tolist() == [0.0, 1.5, 3.5, 7.75]
+    flags = prefix_sums([True, False, True], np.int64)
+    assert flags.dtype == np.int64 and flags.tolist() == [0, 1, 1, 2]
+    assert prefix_sums([]).tolist() == [0.0]
+    values = np.random.default_rng(0).random(9)
+    p = prefix_sums(values)
+    for s, e in itertools.combinations(range(10), 2):
+        assert math.isclose(p[e] - p[s], sum(values[s:e]), rel_tol=1e-12)

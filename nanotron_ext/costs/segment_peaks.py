@@ -21,13 +21,10 @@ from nanotron_ext.blocks import BlockInfo
 from nanotron_ext.config import RunShape
 from nanotron_ext.costs.analytic import param_bytes
 from nanotron_ext.costs.pipeline_moment import PerBlock
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.schedule import ONE_F_ONE_B_FAMILY, ZERO_BUBBLE
 
 __all__ = ["SegmentPeaks"]
-
-
-def _prefix(values: Sequence[float] | np.ndarray, dtype: type = np.float64) -> np.ndarray:
-    return np.concatenate([np.zeros(1, dtype=dtype), np.cumsum(np.asarray(values, dtype=dtype))])
 
 
 class _RangeMax:
@@ -101,10 +98,10 @@ class SegmentPeaks:
         pending = np.asarray(per.pending, dtype=np.float64)
         recomputed = np.asarray(per.recomputed, dtype=np.float64)
         largest = np.asarray(per.largest, dtype=np.float64)
-        self.saved, self.pending, self.grads = _prefix(saved), _prefix(pending), _prefix(grads)
-        self.trainable = _prefix(trainable, np.int64)
-        self.params = _prefix([b.params for b in blocks], np.int64)
-        self.persistent = _prefix([x.persistent for x in mem])
+        self.saved, self.pending, self.grads = prefix_sums(saved), prefix_sums(pending), prefix_sums(grads)
+        self.trainable = prefix_sums(trainable, np.int64)
+        self.params = prefix_sums([b.params for b in blocks], np.int64)
+        self.persistent = prefix_sums([x.persistent for x in mem])
         after = self.saved[1:]  # what blocks s..i saved, less what blocks before s did
         # The block's own term of each moment (pipeline_moment._candidates): its forward (its own input counted
         # unless it starts the segment), a backward with every gradient made, and the first backward's.
@@ -120,8 +117,8 @@ class SegmentPeaks:
         self.first_backward = _RangeMax(first_backward)
         self.largest_trained = _RangeMax(np.where(trainable > 0, largest, 0.0))
         roles = [b.role for b in blocks]
-        self.embeddings = _prefix([r == "embedding" for r in roles], np.int64)
-        self.heads = _prefix([r == "lm_head" for r in roles], np.int64)
+        self.embeddings = prefix_sums([r == "embedding" for r in roles], np.int64)
+        self.heads = prefix_sums([r == "lm_head" for r in roles], np.int64)
         self.tied = tied
 
     def __call__(self, stage: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.split import bounds_from_ranks, ranks_from_bounds
 from nanotron_ext.report import compact_names
@@ -117,7 +118,7 @@ class MemoryCap:
     @cached_property
     def _term_sums(self) -> tuple[np.ndarray, ...]:
         """Prefix sums of ``static``, ``activation`` and ``pending``: the same for every stage, summed once."""
-        return tuple(np.concatenate([[0.0], np.cumsum(t)]) for t in (self.static, self.activation, self.pending))
+        return tuple(prefix_sums(t) for t in (self.static, self.activation, self.pending))
 
     def prefix(self, k: int) -> np.ndarray:
         """Prefix sums of stage ``k``'s memory per block: blocks ``[s, e)`` on stage ``k`` use ``q[e] - q[s]``
@@ -202,13 +203,13 @@ def partition(
     for req in requirements:
         _check_requirement(req, pp, names)
 
-    flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
+    flag_prefix = [prefix_sums(r.flags, np.int64) for r in requirements]
     valid = _segment_validity(n, flag_prefix, memory)
 
     # Normalise so that tolerances are relative and squares stay in range.
     scale = float(c.sum() + a.sum() * max(mult)) or 1.0
-    cp = np.concatenate([[0.0], np.cumsum(c / scale)])
-    ap = np.concatenate([[0.0], np.cumsum(a / scale)])
+    cp = prefix_sums(c / scale)
+    ap = prefix_sums(a / scale)
 
     def seg(k: int, s: np.ndarray, e: np.ndarray) -> np.ndarray:
         return (cp[e] - cp[s]) + mult[k] * (ap[e] - ap[s])
@@ -371,7 +372,7 @@ def _infeasible(costs, pp, requirements, memory, names, in_flight) -> PlanningEr
         return no_split
     # Which peak memory is reachable at all under the other constraints?
     n = len(names)
-    flag_prefix = [np.concatenate([[0], np.cumsum(np.asarray(r.flags, dtype=np.int64))]) for r in requirements]
+    flag_prefix = [prefix_sums(r.flags, np.int64) for r in requirements]
     valid = _segment_validity(n, flag_prefix, None)
     # The full estimate of every segment when the cap holds on it (exact), else the additive part's.
     least, bounds = _dp(

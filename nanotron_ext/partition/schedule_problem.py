@@ -11,6 +11,7 @@ from functools import cached_property
 
 import numpy as np
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.machine import POSITIONS, stage_position
 from nanotron_ext.schedule import ENGINES, too_few_micro_batches
@@ -160,7 +161,7 @@ class ScheduleProblem:
 
     @cached_property
     def _update_prefix(self) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(self.update)])
+        return prefix_sums(self.update)
 
     def segment_updates(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The update of stages holding blocks ``[lo, hi)`` (arrays of one shape): their blocks' updates summed,
@@ -176,7 +177,7 @@ class ScheduleProblem:
     def update_floor(self) -> np.ndarray:
         """Prefix sums ``U`` with ``U[e] - U[s] <=`` :meth:`segment_updates` of ``[s, e)`` for every segment, and
         non-decreasing: the updates less every tie saving (a lower bound's term)."""
-        return np.concatenate([[0.0], np.cumsum(np.subtract(self.update, self.tied_saving))])
+        return prefix_sums(np.subtract(self.update, self.tied_saving))
 
     def stage_times(
         self, bounds: Sequence[int]

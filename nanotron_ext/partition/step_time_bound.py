@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.feasible import latest_starts, sweep
 from nanotron_ext.partition.optimal import MemoryCap, Requirement
@@ -117,15 +118,15 @@ class Bound:
         # Each block at its least over the stage positions it may land on (one set when nothing prices by position):
         # a path through longer ops is never shorter, so the bound holds wherever a block goes.
         f, b, bop, w = problem.lowest()
-        F = np.concatenate([[0.0], np.cumsum(f)])
-        B = np.concatenate([[0.0], np.cumsum(b)])
+        F = prefix_sums(f)
+        B = prefix_sums(b)
         U = problem.update_floor()  # a stage holding both ends of a tie saves: never above its update
         p2p_min = float(min(min(row[: n - 1]) for row in problem.send)) if problem.pp > 1 and n > 1 else 0.0
         self.F, self.B, self.U = F, B, U  # B: the whole backward
         Bop, W = B, np.zeros_like(B)  # a backward op, and zb1p's weight pass
         if problem.engine in ZERO_BUBBLE and not slowest_stage:
-            Bop = np.concatenate([[0.0], np.cumsum(bop)])
-            W = np.concatenate([[0.0], np.cumsum(w)])
+            Bop = prefix_sums(bop)
+            W = prefix_sums(w)
         # Per stage, per term: E(e) (non-decreasing), S(s) (non-decreasing), constant; g = E(e) - S(s) + K.
         self.terms: list[list[tuple[np.ndarray, np.ndarray, float]]] = []
         # slowest_stage: the plain min-max of a stage's forward + backward (the FLOP objective).

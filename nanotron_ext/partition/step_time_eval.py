@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.schedule import ZERO_BUBBLE
 from nanotron_ext.schedule.programs import Action, Step, pipeline_programs
@@ -175,8 +176,8 @@ def _levelled(nodes: _Nodes, prev: list[int], pp: int, n_actions: int) -> _Graph
     )
     starts = np.flatnonzero(np.diff(dep[order])) + 1
     ends = [*starts[1:].tolist(), len(order)]
-    fused_before = np.concatenate([[0], np.cumsum(fused)]).tolist()  # a level's count: a difference of two
-    msg_before = np.concatenate([[0], np.cumsum(has_msg)]).tolist()
+    fused_before = prefix_sums(fused, np.int64).tolist()  # a level's count: a difference of two
+    msg_before = prefix_sums(has_msg, np.int64).tolist()
     levels = []
     for a, b in zip(starts.tolist(), ends):
         nf, nm = fused_before[b] - fused_before[a], msg_before[b] - msg_before[a]
@@ -220,7 +221,7 @@ class StepTimeEvaluator:
         for k in range(problem.pp):
             times = problem.at(k)
             if id(times[0]) not in groups:
-                groups[id(times[0])] = (tuple(np.concatenate([[0.0], np.cumsum(t)]) for t in times), [])
+                groups[id(times[0])] = (tuple(prefix_sums(t) for t in times), [])
             groups[id(times[0])][1].append(k)
         self._stage_sums = [(sums, np.asarray(stages)) for sums, stages in groups.values()]
         self._send = np.asarray(problem.send, dtype=np.float64)  # (cuts, n)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanotron_ext.costs.prefix_sums import prefix_sums
 from nanotron_ext.errors import PlanningError
 from nanotron_ext.partition.schedule_problem import ScheduleProblem
 from nanotron_ext.partition.v_split import Budgets, descend_v_split, simulate_within, v_simulate
@@ -74,10 +75,10 @@ class _Prices:
         self.work: list[list[float]] = []
         for c in range(chunks):
             f, b, _ = problem.at(c)
-            self.forward.append(np.concatenate([[0.0], np.cumsum(f)]).tolist())
-            self.work.append(np.concatenate([[0.0], np.cumsum(np.add(f, b))]).tolist())
+            self.forward.append(prefix_sums(f).tolist())
+            self.work.append(prefix_sums(np.add(f, b)).tolist())
         lowest = np.min([np.add(*problem.at(c)[:2]) for c in range(chunks)], axis=0)
-        self._least = np.concatenate([[0.0], np.cumsum(lowest)]).tolist()
+        self._least = prefix_sums(lowest).tolist()
         ends = np.arange(n + 1)
         self._updates = problem.segment_updates(ends[:, None], ends[None, :]).tolist()  # [s][e], each as alone
 

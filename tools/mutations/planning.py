@@ -1061,8 +1061,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     M(
         "the lower bound ignores the tie's saving",
         "nanotron_ext/partition/schedule_problem.py",
-        "np.cumsum(np.subtract(self.update, self.tied_saving))",
-        "np.cumsum(self.update)",
+        "prefix_sums(np.subtract(self.update, self.tied_saving))",
+        "prefix_sums(self.update)",
         ("tests/test_schedule_aware.py",),
     ),
     M(
