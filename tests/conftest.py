@@ -132,6 +132,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # a timed test in the quick set would run beside CI's other pass, which `timed` avoids
+        if item.get_closest_marker("timed") and not item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked timed but not slow: mark it slow too (tests/conftest.py)")
     if NANOTRON == "upstream":
         skip = pytest.mark.skip(reason="needs Nanotron 0.2; runs in the nanotron==0.2 pass of CI")
         for item in items:

@@ -139,6 +139,26 @@ def test_slow():
 """
 
 
+def _run_suite(tmp_path: Path, case: str, args: list[str]) -> subprocess.CompletedProcess:
+    """This suite's conftest over a folder holding ``case`` as its one test file, run by pytest with ``args``."""
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    for helper in ("conftest.py", "installed_nanotron.py"):
+        (folder / helper).write_text((TESTS / helper).read_text())
+    (folder / "test_case.py").write_text(textwrap.dedent(case))
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+    from installed_nanotron import NANOTRON
+
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, PLANNER_PASS_ENV: NANOTRON},  # test_case.py is a planner's test: this pass runs it
+    )
+
+
 @pytest.mark.parametrize(
     "args, ran, says",
     [
@@ -149,26 +169,43 @@ def test_slow():
     ],
 )
 def test_the_quick_run_leaves_slow_tests_out_and_says_how_to_run_them(tmp_path, args, ran, says) -> None:
-    # This suite's conftest over a folder of one quick and one slow test.
-    folder = tmp_path / "tests"
-    folder.mkdir()
-    for helper in ("conftest.py", "installed_nanotron.py"):
-        (folder / helper).write_text((TESTS / helper).read_text())
-    (folder / "test_case.py").write_text(textwrap.dedent(_SLOW_CASE))
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
-    from installed_nanotron import NANOTRON
-
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, PLANNER_PASS_ENV: NANOTRON},  # test_case.py is a planner's test: this pass runs it
-    )
+    out = _run_suite(tmp_path, _SLOW_CASE, args)
     assert out.returncode == 0 and f"{ran} in" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     left = re.findall(r"^left out .*$", out.stdout, re.M)
     if says is None:
         assert left == [], left
     else:
         assert len(left) == 1 and left[0].startswith(says) and left[0].endswith(f"run them with: {SLOW_COMMAND}"), left
+
+
+_TIMED_CASE = (
+    _SLOW_CASE
+    + """
+@pytest.mark.slow
+@pytest.mark.timed
+def test_timed():
+    pass
+"""
+)
+
+
+def test_ci_runs_the_timed_tests_alone_after_both_passes(tmp_path) -> None:
+    """The passes' slow runs of ``.ci/run`` leave the timed test out, and its run after them takes it alone."""
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    passes = re.findall(r'python -m pytest -m "([^"]+)"', ci)
+    after = re.findall(r"python -m pytest -m (\w+) ", ci)
+    assert len(passes) == 2 and len(after) == 1, (passes, after)
+    runs = [*((e, "test_slow PASSED") for e in passes), (after[0], "test_timed PASSED")]
+    for i, (expression, ran) in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        out = _run_suite(tmp_path / str(i), _TIMED_CASE, ["-m", expression, "-v"])
+        assert out.returncode == 0 and "1 passed, 2 deselected in" in out.stdout, out.stdout[-2000:]
+        assert ran in out.stdout, (expression, out.stdout[-2000:])
+
+
+def test_a_timed_test_not_marked_slow_is_refused_naming_it(tmp_path) -> None:
+    """A timed test in the quick set would run beside CI's other pass, which ``timed`` exists to avoid."""
+    out = _run_suite(tmp_path, _TIMED_CASE.replace("@pytest.mark.slow\n@pytest.mark.timed", "@pytest.mark.timed"), [])
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert "tests/test_case.py::test_timed is marked timed but not slow" in out.stdout + out.stderr
+    assert "mark it slow too" in out.stdout + out.stderr

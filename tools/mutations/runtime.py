@@ -809,4 +809,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "entries = [(name, rank, i) for rank, names in enumerate(everyone) for i, name in enumerate(names)]",
         ("tests/runtime/test_clipping.py",),
     ),
+    # --- which tests run where (issue 55's CI failure: a re-plan's trial beside the other pass) -----------------------
+    M(
+        "a timed test may sit in the quick set, beside CI's other pass",
+        "tests/conftest.py",
+        'if item.get_closest_marker("timed") and not item.get_closest_marker("slow"):',
+        "if False:",
+        ("tests/test_suite_layout.py::test_a_timed_test_not_marked_slow_is_refused_naming_it",),
+    ),
+    M(
+        "CI runs the timed tests in the 0.2 pass's slow set, beside the other pass",
+        ".ci/run",
+        '  python -m pytest -m "slow and not timed"\n',
+        "  python -m pytest -m slow\n",
+        ("tests/test_suite_layout.py::test_ci_runs_the_timed_tests_alone_after_both_passes",),
+    ),
 )
