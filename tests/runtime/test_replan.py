@@ -123,7 +123,7 @@ def test_a_move_a_transient_load_made_look_good_is_measured_and_undone(tmp_path)
     # Layers long enough that the move the hogs make look good is slower on a quiet machine by more than the steps'
     # noise: at 64 tokens a sequence it moved one layer (3|5), which measured as fast as 4|4 (the trial kept it in 1
     # quiet launch of 3); at 256 it moves two (2|6), whose step over the run's the trials measured at 0.96-1.29 (1.17
-    # the median of 18 quiet launches). The profile, under the hogs, priced it 25-27 % faster: a move must pay 15 %.
+    # the median of 18 launches alone). The profile, under the hogs, priced it 25-27 % faster: a move must pay 15 %.
     shape = {"num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 512, "vocab_size": 1024}
     changes = {
         "model": {"model_config": shape},
